@@ -1,0 +1,65 @@
+"""Typed errors a user can act on; each has a stable code so it crosses the wire intact."""
+
+from __future__ import annotations
+
+
+class ModelCacheError(Exception):
+    """Base of every error modelcache raises on purpose."""
+
+    code = "error"
+
+
+class DaemonUnavailable(ModelCacheError):
+    """No daemon answers at the configured socket (not started, crashed, or wrong MODELCACHE_SOCKET)."""
+
+    code = "daemon_unavailable"
+
+
+class RequestTimeout(ModelCacheError):
+    """The daemon did not answer within the request timeout."""
+
+    code = "timeout"
+
+
+class ProtocolError(ModelCacheError):
+    """A message did not decode into the type its kind names, or versions disagree."""
+
+    code = "protocol"
+
+
+class ModelNotFound(ModelCacheError):
+    """No model (or no such version of it) in the repository."""
+
+    code = "not_found"
+
+
+class PackError(ModelCacheError):
+    """The .onnx file could not be validated, optimized or packed."""
+
+    code = "pack"
+
+
+class InputError(ModelCacheError, ValueError):
+    """Feeds do not match the model's inputs (names, dtypes or shapes)."""
+
+    code = "input"
+
+
+class CapacityError(ModelCacheError):
+    """A tier is full and nothing in it may be evicted."""
+
+    code = "capacity"
+
+
+class LeaseError(ModelCacheError):
+    """An unknown or expired lease or client id."""
+
+    code = "lease"
+
+
+ERRORS_BY_CODE = {cls.code: cls for cls in (ModelCacheError, DaemonUnavailable, RequestTimeout, ProtocolError,
+                                            ModelNotFound, PackError, InputError, CapacityError, LeaseError)}
+
+
+def from_code(code: str, message: str) -> ModelCacheError:
+    return ERRORS_BY_CODE.get(code, ModelCacheError)(message)

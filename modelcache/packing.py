@@ -1,0 +1,275 @@
+"""ONNX file -> packed model: optimized weightless skeleton + one aligned weights blob + manifest.
+
+Why this shape: ONNX Runtime maps external-data initializers straight from the file
+(`mmap`, read-only, shared) when the session does not rewrite them. So we let ORT
+optimize once, here, and clients later build sessions with every optimizer off over
+the skeleton, whose external data points at the weights blob in shared memory: no
+read, no parse, no copy of weights in the client (see benchmarks/binding).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import onnx
+from onnx import TensorProto
+
+from .errors import PackError
+
+MANIFEST_FORMAT = 1
+SKELETON_FILE = "model.onnx"
+WEIGHTS_FILE = "weights.bin"
+MANIFEST_FILE = "manifest.json"
+# Tensors are page-aligned in the blob: ORT maps each external tensor on its own, and
+# a page-aligned offset maps exactly the tensor's pages (and keeps GPU copies aligned).
+ALIGN = 4096
+# Smaller tensors stay inside the skeleton: shape constants, scalars, biases of tiny layers.
+INLINE_MAX_BYTES = 1024
+OPT_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
+              "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
+
+Progress = Callable[[int, int], None]  # (bytes_done, bytes_total)
+
+
+@dataclass
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+    sha256: str
+
+
+@dataclass
+class IOEntry:
+    name: str
+    dtype: str          # numpy dtype name, e.g. "float32"
+    shape: list         # ints for fixed dims, strings (or None) for symbolic ones
+
+
+@dataclass
+class Manifest:
+    name: str
+    version: int
+    inputs: list[IOEntry]
+    outputs: list[IOEntry]
+    tensors: list[TensorEntry]
+    weights_bytes: int
+    source_sha256: str
+    ort_version: str
+    opt_level: str
+    created_unix: float
+    format: int = MANIFEST_FORMAT
+    stage_cuts: list = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Manifest":
+        d = dict(d)
+        d["inputs"] = [IOEntry(**e) for e in d["inputs"]]
+        d["outputs"] = [IOEntry(**e) for e in d["outputs"]]
+        d["tensors"] = [TensorEntry(**e) for e in d["tensors"]]
+        return cls(**d)
+
+    def io_summary(self) -> dict:
+        """The part of a manifest a client needs to validate feeds (sent over the wire)."""
+        return {"inputs": [asdict(e) for e in self.inputs], "outputs": [asdict(e) for e in self.outputs]}
+
+
+def load_manifest(model_dir: Path) -> Manifest:
+    with open(model_dir / MANIFEST_FILE) as f:
+        return Manifest.from_dict(json.load(f))
+
+
+def _io_entries(values) -> list[IOEntry]:
+    out = []
+    for vi in values:
+        tt = vi.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
+        out.append(IOEntry(vi.name, onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type).name, dims))
+    return out
+
+
+def iter_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """The graph and every subgraph (If/Loop/Scan bodies), depth first."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from iter_graphs(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from iter_graphs(g)
+
+
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def validate(src: str) -> None:
+    """The file is a well-formed ONNX model; raises PackError saying what is wrong."""
+    if not os.path.isfile(src):
+        raise PackError(f"{src}: no such file")
+    try:
+        onnx.checker.check_model(src)  # by path: works for models over 2 GB with external data
+    except Exception as e:  # checker raises ValidationError, protobuf DecodeError, OSError...
+        raise PackError(f"{src} is not a valid ONNX model: {str(e).strip().splitlines()[0][:300]}") from None
+
+
+def optimize(src: str, out_dir: Path, opt_level: str) -> Path:
+    """Let ORT build and optimize the model once; returns the optimized model path (external data beside it)."""
+    import onnxruntime as ort
+
+    if opt_level not in OPT_LEVELS:
+        raise PackError(f"unknown optimization level {opt_level!r}; choose one of {', '.join(OPT_LEVELS)}")
+    so = ort.SessionOptions()
+    so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, OPT_LEVELS[opt_level])
+    so.optimized_model_filepath = str(out_dir / "optimized.onnx")
+    so.log_severity_level = 3
+    # Always externalize what ORT writes: keeps protobuf under 2 GB whatever the model size.
+    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimized.data")
+    so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
+                                str(INLINE_MAX_BYTES))
+    so.add_session_config_entry("session.disable_prepacking", "1")  # nothing here runs; save the memory
+    try:
+        ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+    except Exception as e:
+        raise PackError(f"ONNX Runtime cannot load {src}: {str(e).strip()[:500]}") from None
+    return out_dir / "optimized.onnx"
+
+
+def _tensor_bytes(t: TensorProto, base_dir: Path) -> bytes:
+    if t.data_location == TensorProto.EXTERNAL:
+        info = {e.key: e.value for e in t.external_data}
+        with open(base_dir / info["location"], "rb") as f:
+            f.seek(int(info.get("offset", 0)))
+            return f.read(int(info["length"])) if "length" in info else f.read()
+    if t.HasField("raw_data"):
+        return t.raw_data
+    return onnx.numpy_helper.to_array(t).tobytes()
+
+
+def _externalize(optimized: Path, blob_path: Path, progress: Progress | None) -> tuple[onnx.ModelProto, list[TensorEntry], int]:
+    """Move every large initializer of every (sub)graph into one page-aligned blob."""
+    model = onnx.load(str(optimized), load_external_data=False)
+    candidates = []
+    for graph in iter_graphs(model.graph):
+        for t in graph.initializer:
+            if t.data_type == TensorProto.STRING:
+                continue  # strings have no fixed-size raw form; they stay inline
+            nbytes = int(onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize)
+            for d in t.dims:
+                nbytes *= d
+            if nbytes >= INLINE_MAX_BYTES or t.data_location == TensorProto.EXTERNAL:
+                candidates.append((t, nbytes))
+    total = sum(n for _, n in candidates)
+    entries: list[TensorEntry] = []
+    offset = done = 0
+    with open(blob_path, "wb") as blob:
+        for t, nbytes in candidates:
+            data = _tensor_bytes(t, optimized.parent)
+            if len(data) != nbytes:
+                raise PackError(f"tensor {t.name!r}: {len(data)} bytes of data for {nbytes} declared")
+            offset = -(-offset // ALIGN) * ALIGN
+            blob.seek(offset)
+            blob.write(data)
+            entries.append(TensorEntry(t.name, onnx.helper.tensor_dtype_to_np_dtype(t.data_type).name,
+                                       list(t.dims), offset, nbytes, hashlib.sha256(data).hexdigest()))
+            # Point the skeleton's tensor at the blob.
+            for fld in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+                t.ClearField(fld)
+            del t.external_data[:]
+            t.data_location = TensorProto.EXTERNAL
+            for k, v in (("location", WEIGHTS_FILE), ("offset", str(offset)), ("length", str(nbytes))):
+                t.external_data.add(key=k, value=v)
+            offset += nbytes
+            done += nbytes
+            if progress:
+                progress(done, total)
+        blob.truncate(offset)
+    return model, entries, offset
+
+
+def pack(src: str, repository: Path, name: str, version: int, opt_level: str = "all",
+         progress: Progress | None = None) -> Manifest:
+    """Validate, optimize and pack `src` into `repository/name/version`, atomically.
+
+    A crash at any point leaves at most a `.tmp-*` directory that `sweep_temp` removes;
+    the model appears under its name only through the final rename.
+    """
+    import onnxruntime as ort
+
+    check_name(name)
+    src = os.path.abspath(src)
+    validate(src)
+    final = repository / name / str(version)
+    if final.exists():
+        raise PackError(f"model {name} version {version} already exists")
+    repository.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=repository))
+    try:
+        work = tmp / "work"
+        work.mkdir()
+        optimized = optimize(src, work, opt_level)
+        skeleton, tensors, weights_bytes = _externalize(optimized, tmp / WEIGHTS_FILE, progress)
+        onnx.save_model(skeleton, str(tmp / SKELETON_FILE))
+        shutil.rmtree(work)
+        source_model = onnx.load(src, load_external_data=False)
+        init_names = {t.name for t in source_model.graph.initializer}
+        manifest = Manifest(
+            name=name, version=version,
+            inputs=_io_entries(v for v in source_model.graph.input if v.name not in init_names),
+            outputs=_io_entries(source_model.graph.output),
+            tensors=tensors, weights_bytes=weights_bytes, source_sha256=_sha256_file(src),
+            ort_version=ort.__version__, opt_level=opt_level, created_unix=time.time())
+        _check_loads(tmp)
+        (tmp / MANIFEST_FILE).write_text(manifest.to_json())
+        for p in tmp.iterdir():  # durable before visible
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(tmp, final)
+        return manifest
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _check_loads(model_dir: Path) -> None:
+    """The packed skeleton builds with optimizers off, the way clients will build it."""
+    from .session_options import attach_session_options
+    import onnxruntime as ort
+
+    try:
+        ort.InferenceSession(str(model_dir / SKELETON_FILE), attach_session_options(),
+                             providers=["CPUExecutionProvider"])
+    except Exception as e:
+        raise PackError(f"packed model does not load in ONNX Runtime: {str(e).strip()[:500]}") from None
+
+
+def sweep_temp(repository: Path) -> None:
+    """Remove half-written packs left by a crash."""
+    if repository.is_dir():
+        for p in repository.glob(".tmp-*"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def check_name(name: str) -> None:
+    ok = name and len(name) <= 128 and all(c.isalnum() or c in "-_." for c in name) and not name.startswith(".")
+    if not ok:
+        raise PackError(f"invalid model name {name!r}: use letters, digits, '-', '_' and '.', not starting with '.'")
