@@ -1,0 +1,229 @@
+"""`modelcache ...`: the command line. Each subcommand is a thin layer over the library."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+from . import __version__
+from .errors import ModelCacheError
+
+
+def _setup_logging(level: str) -> None:
+    # Under systemd the journal stamps each line itself; elsewhere we add the time.
+    fmt = "%(levelname)s %(name)s: %(message)s" if os.environ.get("JOURNAL_STREAM") else \
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=fmt, stream=sys.stderr)
+
+
+def _settings(args):
+    from .config import load
+    return load(getattr(args, "config", None), {"socket": getattr(args, "socket", None),
+                                                 "repository": getattr(args, "repository", None),
+                                                 "log_level": getattr(args, "log_level", None)})
+
+
+def cmd_daemon(args) -> int:
+    from .daemon.server import run
+    settings = _settings(args)
+    if args.host_capacity:
+        settings.host_capacity = args.host_capacity
+    _setup_logging(settings.log_level)
+
+    def ready():
+        # One line on stdout when clients may connect: tests and scripts wait on it.
+        print(f"READY {settings.socket}", flush=True)
+
+    run(settings, on_ready=ready)
+    return 0
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _ago(ts: float) -> str:
+    if not ts:
+        return "never"
+    s = time.time() - ts
+    return f"{s:.0f}s ago" if s < 120 else f"{s / 60:.0f}m ago" if s < 7200 else f"{s / 3600:.1f}h ago"
+
+
+def print_models(models: list[dict], out=sys.stdout) -> None:
+    if not models:
+        print("no models; add one with `modelcache add FILE.onnx --name NAME`", file=out)
+        return
+    print(f"{'NAME':<20} {'VER':>4} {'BYTES':>10} {'TIER':<5} {'STATE':<9} {'REFS':>4} {'HITS':>5} LAST USE",
+          file=out)
+    for m in models:
+        print(f"{m['name']:<20} {m['version']:>4} {_human(m['bytes']):>10} {m['tier']:<5} {m['state']:<9} "
+              f"{m['refcount']:>4} {m['hits']:>5} {_ago(m['last_use'])}", file=out)
+
+
+def cmd_ls(args) -> int:
+    from .client.connection import connect
+    with connect(_settings(args).socket) as c:
+        print_models(c.list())
+    return 0
+
+
+def cmd_stats(args) -> int:
+    import json
+    from dataclasses import asdict
+    from .client.connection import connect
+    with connect(_settings(args).socket) as c:
+        print(json.dumps(asdict(c.stats()), indent=1))
+    return 0
+
+
+def cmd_add(args) -> int:
+    from .client.connection import connect
+    settings = _settings(args)
+    path = os.path.abspath(args.file)
+    try:
+        client = connect(settings.socket)
+    except ModelCacheError:
+        if args.require_daemon:
+            raise
+        client = None
+    if client is None:  # no daemon: pack straight into the repository; a daemon finds it when it starts
+        from .packing import pack
+        from .tiers.disk import Repository
+        repo = Repository(settings.repository_path)
+        versions = [m.version for _, m in repo.scan() if m.name == args.name]
+        version = args.version or max(versions, default=0) + 1
+        t0 = time.perf_counter()
+        m = pack(path, repo.root, args.name, version, args.opt_level or settings.opt_level, _progress_bar())
+        print(f"\nadded {m.name}@{m.version} to {repo.root} (no daemon running): {len(m.tensors)} tensors, "
+              f"{_human(m.weights_bytes)}, {time.perf_counter() - t0:.2f} s")
+        return 0
+    with client:
+        r = client.add(path, args.name, args.version, args.opt_level)
+    print(f"added {r.name}@{r.version}: {r.tensors} tensors, {_human(r.weights_bytes)}, packed in {r.pack_s:.2f} s")
+    return 0
+
+
+def _progress_bar():
+    if not sys.stderr.isatty():
+        return None
+    state = {"last": 0.0}
+
+    def show(done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - state["last"] < 0.1 and done < total:
+            return
+        state["last"] = now
+        frac = done / total if total else 1.0
+        bar = "#" * int(frac * 30)
+        print(f"\rpacking [{bar:<30}] {frac * 100:5.1f}% {_human(done)}/{_human(total)}", end="", file=sys.stderr)
+    return show
+
+
+def cmd_zoo(args) -> int:
+    from . import zoo
+    if args.list or not args.name:
+        for name, entry in zoo.ZOO.items():
+            params = f"{entry.published_params / 1e6:.2f}M params" if entry.published_params else "test model"
+            print(f"{name:<15} {params:<16} {entry.summary}")
+        return 0
+    model = zoo.build(args.name, seed=args.seed)
+    out = args.output or f"{args.name}.onnx"
+    zoo.save(model, out)
+    print(f"wrote {out}: {zoo.count_params(model) / 1e6:.2f}M parameters")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .bench.open import demo
+    return demo(args)
+
+
+def cmd_bench(args) -> int:
+    if args.which == "binding":
+        from .bench import binding
+        return binding.main(args.rest)
+    if args.which == "open":
+        from .bench import open as bench_open
+        return bench_open.main(args.rest)
+    raise SystemExit(f"unknown benchmark {args.which}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="modelcache",
+        description="A resident ONNX model cache. Run `modelcache daemon`, add models once with "
+                    "`modelcache add`, then open them by name from any process with "
+                    "modelcache.InferenceSession(name): the weights are mapped from shared memory.")
+    p.add_argument("--version", action="version", version=f"modelcache {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--socket", help="daemon address (default: $MODELCACHE_SOCKET, else "
+                                         "ipc://$XDG_RUNTIME_DIR/modelcache/daemon.sock)")
+    common.add_argument("--config", help="TOML settings file (default: $MODELCACHE_CONFIG, "
+                                         "~/.config/modelcache/modelcache.toml, /etc/modelcache/modelcache.toml as root)")
+    common.add_argument("--repository", help="packed models directory (default: $MODELCACHE_REPOSITORY)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("daemon", parents=[common], help="run the daemon in the foreground",
+                       description="Run the daemon in the foreground. Prints 'READY <socket>' on stdout "
+                                   "when clients may connect; SIGTERM or Ctrl-C stops it gracefully, a "
+                                   "second one at once.")
+    d.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    d.add_argument("--host-capacity", help="host-tier size: bytes (8G, 512M) or percent of RAM (50%%)")
+    d.set_defaults(func=cmd_daemon)
+
+    a = sub.add_parser("add", parents=[common], help="validate, optimize and pack an .onnx file",
+                       description="Validate an .onnx file (onnx checker, ONNX Runtime builds it), optimize "
+                                   "it once with ORT and store it packed in the repository. Goes through "
+                                   "the daemon when one runs, else writes the repository directly.")
+    a.add_argument("file")
+    a.add_argument("--name", required=True)
+    a.add_argument("--version", type=int, help="default: one more than the newest version")
+    a.add_argument("--opt-level", choices=["disable", "basic", "extended", "all"])
+    a.add_argument("--require-daemon", action="store_true", help="fail instead of packing offline")
+    a.set_defaults(func=cmd_add)
+
+    ls = sub.add_parser("ls", parents=[common], help="list models: version, bytes, tier, refcount, last use")
+    ls.set_defaults(func=cmd_ls)
+    st = sub.add_parser("stats", parents=[common], help="the daemon's counters, clients, tiers and jobs (JSON)")
+    st.set_defaults(func=cmd_stats)
+
+    z = sub.add_parser("zoo", help="build a reference architecture as ONNX with seeded random weights")
+    z.add_argument("name", nargs="?")
+    z.add_argument("-o", "--output")
+    z.add_argument("--seed", type=int, default=0)
+    z.add_argument("--list", action="store_true")
+    z.set_defaults(func=cmd_zoo)
+
+    dm = sub.add_parser("demo", help="start a daemon, add two zoo models, open them from fresh processes, "
+                                     "print open time and warm speed next to plain ORT")
+    dm.add_argument("--models", nargs="+", default=["resnet50", "squeezenet1_1"])
+    dm.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="benchmarks: `open` (session ready, memory, warm speed vs plain ORT), "
+                                     "`binding` (which ORT binding to share weights with)")
+    b.add_argument("which", choices=["open", "binding"])
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (try `-- --help`)")
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except ModelCacheError as e:
+        print(f"modelcache: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

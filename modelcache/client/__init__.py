@@ -1,0 +1,1 @@
+"""Client side: the connection to the daemon and the drop-in InferenceSession."""

@@ -1,0 +1,193 @@
+"""A connection to the daemon: the explicit API (open, close, list, add, stats) plus the heartbeat.
+
+Every call carries a request id and a timeout, so a dead or stuck daemon is a typed
+error, never a hang. A DEALER socket (not REQ) keeps the connection usable after a
+timeout; late replies to abandoned requests are recognised by id and dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+from .. import protocol as P
+from ..errors import DaemonUnavailable, RequestTimeout, from_code
+
+
+@dataclass
+class OpenedModel:
+    """What the daemon lends on open: where the weights live and how to read them."""
+    lease_id: str
+    name: str
+    version: int
+    skeleton_path: str
+    weights_path: str
+    tensors: list
+    inputs: list
+    outputs: list
+    weights_bytes: int
+    hit: bool
+
+
+def _settings(socket: str | None, timeout_s: float | None):
+    from ..config import load
+    overrides = {"socket": socket, "request_timeout_s": timeout_s}
+    return load(overrides=overrides)
+
+
+class Client:
+    def __init__(self, socket: str | None = None, timeout_s: float | None = None, name: str = ""):
+        settings = _settings(socket, timeout_s)
+        self.address = settings.socket
+        self.timeout_s = settings.request_timeout_s
+        self._add_timeout_s = settings.add_timeout_s
+        self._ctx = zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._sock = None
+        self._closed = False
+        self._connect()
+        hello = self._call(P.Hello(req_id=0, protocol_version=P.PROTOCOL_VERSION, pid=os.getpid(),
+                                   client_name=name or Path(os.sys.argv[0] or "python").name),
+                           expect=(P.HelloReply,))
+        self.client_id = hello.client_id
+        self.daemon_version = hello.daemon_version
+        self._heartbeat_stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(hello.heartbeat_interval_s,),
+                                           name="modelcache-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    # -- transport ---------------------------------------------------------------------
+    def _connect(self) -> None:
+        if self.address.startswith("ipc://") and not os.path.exists(self.address[len("ipc://"):]):
+            raise DaemonUnavailable(f"no modelcache daemon at {self.address} (no socket file): start one with "
+                                    "`modelcache daemon`, or point MODELCACHE_SOCKET at the running one")
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.address)
+        # The monitor tells us when the daemon's end of the connection goes away (crash, stop).
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+    def _daemon_gone(self) -> bool:
+        from zmq.utils.monitor import recv_monitor_message
+        gone = False
+        while self._monitor.poll(0):
+            if recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                gone = True
+        return gone
+
+    def _call(self, msg, expect: tuple, timeout_s: float | None = None):
+        """Send one request and wait for its reply (or a typed error)."""
+        if self._closed:
+            raise DaemonUnavailable("this modelcache connection is closed")
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        with self._lock:
+            msg.req_id = next(self._ids)
+            self._sock.send_multipart(P.encode(msg))
+            poller = zmq.Poller()
+            poller.register(self._sock, zmq.POLLIN)
+            poller.register(self._monitor, zmq.POLLIN)
+            deadline = _now() + timeout_s
+            while True:
+                remaining_ms = int((deadline - _now()) * 1000)
+                if remaining_ms <= 0:
+                    raise RequestTimeout(f"the modelcache daemon at {self.address} did not answer "
+                                         f"{msg.KIND.decode()} within {timeout_s:g} s")
+                events = dict(poller.poll(remaining_ms))
+                if self._monitor in events and self._daemon_gone():
+                    raise DaemonUnavailable(f"lost the connection to the modelcache daemon at {self.address} "
+                                            "(it stopped or crashed)")
+                if self._sock not in events:
+                    continue
+                reply = P.decode(self._sock.recv_multipart(), expect=(*expect, P.ErrorReply))
+                if reply.req_id != msg.req_id:
+                    continue  # a late answer to a request we gave up on
+                if isinstance(reply, P.ErrorReply):
+                    raise from_code(reply.code, reply.message)
+                return reply
+
+    def _heartbeat_loop(self, interval_s: float) -> None:
+        sock = self._ctx.socket(zmq.DEALER)  # sockets are not thread-safe: the heartbeat has its own
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 4)
+        sock.connect(self.address)
+        try:
+            while not self._heartbeat_stop.wait(interval_s):
+                try:
+                    sock.send_multipart(P.encode(P.Heartbeat(client_id=self.client_id)), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # daemon away; requests will say so
+        finally:
+            sock.close(linger=0)
+
+    # -- API ---------------------------------------------------------------------------
+    def open(self, name: str, version: int | None = None, device: str = "cpu") -> OpenedModel:
+        r = self._call(P.Open(req_id=0, client_id=self.client_id, name=name, version=version, device=device),
+                       expect=(P.OpenReply,))
+        return OpenedModel(r.lease_id, r.name, r.version, r.skeleton_path, r.weights_path, r.tensors,
+                           r.inputs, r.outputs, r.weights_bytes, r.hit)
+
+    def release(self, lease_id: str) -> None:
+        self._call(P.Close(req_id=0, client_id=self.client_id, lease_id=lease_id), expect=(P.Ack,))
+
+    def list(self) -> list[dict]:
+        return self._call(P.ListModels(req_id=0), expect=(P.ModelList,)).models
+
+    def stats(self) -> P.StatsReply:
+        return self._call(P.Stats(req_id=0), expect=(P.StatsReply,))
+
+    def add(self, path: str, name: str, version: int | None = None, opt_level: str | None = None,
+            timeout_s: float | None = None) -> P.AddReply:
+        """Pack an .onnx file into the daemon's repository (the daemon reads the file: give a path it can read)."""
+        return self._call(P.Add(req_id=0, path=os.path.abspath(path), name=name, version=version,
+                                opt_level=opt_level), expect=(P.AddReply,),
+                          timeout_s=timeout_s or self._add_timeout_s)
+
+    def close(self) -> None:
+        """Leave: the daemon releases this client's leases at once."""
+        if self._closed:
+            return
+        self._heartbeat_stop.set()
+        try:
+            self._call(P.Goodbye(req_id=0, client_id=self.client_id), expect=(P.Ack,), timeout_s=2.0)
+        except Exception:
+            pass  # the daemon will expire our leases anyway
+        self._closed = True
+        self._heartbeat.join(timeout=2)
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _now() -> float:
+    import time
+    return time.monotonic()
+
+
+def connect(socket: str | None = None, timeout_s: float | None = None, name: str = "") -> Client:
+    """Connect to the daemon at `socket` (default: settings, i.e. MODELCACHE_SOCKET)."""
+    return Client(socket, timeout_s, name)
+
+
+_shared: Client | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_client(socket: str | None = None) -> Client:
+    """One connection per process (and per address) for the drop-in sessions, so they share one heartbeat."""
+    global _shared
+    with _shared_lock:
+        if _shared is None or _shared._closed or (socket and _shared.address != socket):
+            _shared = Client(socket)
+        return _shared

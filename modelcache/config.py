@@ -1,0 +1,159 @@
+"""Settings: embedded defaults < TOML file < MODELCACHE_* environment < command-line flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+from .errors import ModelCacheError
+
+
+class ConfigError(ModelCacheError):
+    code = "config"
+
+
+def _is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def default_runtime_dir() -> Path:
+    """Where the socket lives: systemd's RuntimeDirectory, then /run as root, then the user's runtime dir."""
+    if os.environ.get("RUNTIME_DIRECTORY"):
+        return Path(os.environ["RUNTIME_DIRECTORY"].split(":")[0])
+    if _is_root():
+        return Path("/run/modelcache")
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(xdg) / "modelcache" if xdg else Path(f"/tmp/modelcache-{os.getuid()}")
+
+
+def default_state_dir() -> Path:
+    """Where packed models and performance history persist."""
+    if os.environ.get("STATE_DIRECTORY"):
+        return Path(os.environ["STATE_DIRECTORY"].split(":")[0])
+    if _is_root():
+        return Path("/var/lib/modelcache")
+    xdg = os.environ.get("XDG_DATA_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".local" / "share") / "modelcache"
+
+
+@dataclass
+class Settings:
+    """Every field is also settable as MODELCACHE_<FIELD> and as `--<field>` where the CLI offers it."""
+
+    socket: str = ""                  # ZeroMQ address of the daemon; default ipc://<runtime dir>/daemon.sock
+    repository: str = ""              # packed models (the disk tier); default <state dir>/repository
+    shm_dir: str = "/dev/shm"         # where the host tier's shared memory lives
+    host_capacity: str = "50%"        # bytes ("8G", "512M") or percent of RAM
+    log_level: str = "info"
+    heartbeat_interval_s: float = 1.0  # clients ping this often ...
+    lease_timeout_s: float = 4.0       # ... and lose their references after this long without a ping
+    request_timeout_s: float = 30.0    # every client call gives up after this long
+    add_timeout_s: float = 3600.0      # packing a big model takes longer than an ordinary call
+    opt_level: str = "all"             # ORT optimization applied once, at add time
+    loader_threads: int = 2            # promotions and packs run here, off the owner loop
+
+    def __post_init__(self):
+        if not self.socket:
+            self.socket = f"ipc://{default_runtime_dir() / 'daemon.sock'}"
+        if not self.repository:
+            self.repository = str(default_state_dir() / "repository")
+
+    @property
+    def repository_path(self) -> Path:
+        return Path(self.repository)
+
+    def host_capacity_bytes(self) -> int:
+        return parse_size(self.host_capacity, total=_ram_bytes())
+
+
+def _ram_bytes() -> int:
+    import psutil
+    return psutil.virtual_memory().total
+
+
+def parse_size(text: str | int, total: int | None = None) -> int:
+    """'8G', '512M', '1.5GiB', '1000000', or '40%' (of `total`) -> bytes."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        if s.endswith("%"):
+            if total is None:
+                raise ValueError("percent needs a total")
+            return int(float(s[:-1]) / 100 * total)
+        mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(s[-1:], 1)
+        return int(float(s[:-1] if mult != 1 else s) * mult)
+    except ValueError:
+        raise ConfigError(f"cannot read {text!r} as a size: write bytes, e.g. 8G, 512M, or a percentage like 40%") from None
+
+
+def _coerce(name: str, typ, value):
+    try:
+        if typ in (float, "float"):
+            return float(value)
+        if typ in (int, "int"):
+            return int(value)
+        if typ in (bool, "bool"):
+            if isinstance(value, bool):
+                return value
+            return str(value).lower() in ("1", "true", "yes", "on")
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"setting {name}: {value!r} is not a valid {getattr(typ, '__name__', typ)}") from None
+
+
+def default_config_file() -> Path | None:
+    if os.environ.get("MODELCACHE_CONFIG"):
+        return Path(os.environ["MODELCACHE_CONFIG"])
+    candidates = [Path("/etc/modelcache/modelcache.toml")] if _is_root() else []
+    xdg = os.environ.get("XDG_CONFIG_HOME")
+    candidates.append((Path(xdg) if xdg else Path.home() / ".config") / "modelcache" / "modelcache.toml")
+    return next((p for p in candidates if p.is_file()), None)
+
+
+def load(config_file: str | Path | None = None, overrides: dict | None = None, env=None) -> Settings:
+    """Settings from all four layers. `overrides` are flags; None values mean 'not given'."""
+    env = os.environ if env is None else env
+    known = {f.name: f.type for f in fields(Settings)}
+    values: dict = {}
+    path = Path(config_file) if config_file else default_config_file()
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        data = data.get("modelcache", data)  # accept a [modelcache] table or top-level keys
+        for key, value in data.items():
+            key = key.replace("-", "_")
+            if key not in known:
+                raise ConfigError(f"config file {path}: unknown setting {key!r}; known: {', '.join(known)}")
+            values[key] = _coerce(key, known[key], value)
+    for key, typ in known.items():
+        var = f"MODELCACHE_{key.upper()}"
+        if var in env and env[var] != "":
+            values[key] = _coerce(var, typ, env[var])
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            if key not in known:
+                raise ConfigError(f"unknown setting {key!r}")
+            values[key] = _coerce(key, known[key], value)
+    settings = Settings(**values)
+    if settings.opt_level not in ("disable", "basic", "extended", "all"):
+        raise ConfigError(f"opt_level {settings.opt_level!r}: choose disable, basic, extended or all")
+    settings.host_capacity_bytes()  # fail early on a bad size
+    return settings
+
+
+def describe(settings: Settings) -> dict:
+    return dataclasses.asdict(settings)

@@ -1,0 +1,1 @@
+"""The resident model manager: registry of models, leases, tiers."""

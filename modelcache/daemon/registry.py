@@ -1,0 +1,137 @@
+"""The daemon's tables: models with their lifecycle, clients, and leases. Owned by the owner loop alone."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import LeaseError, ModelNotFound
+from ..packing import Manifest
+
+
+class ModelState(enum.Enum):
+    ON_DISK = "on_disk"      # only in the repository
+    LOADING = "loading"      # a loader thread is copying it into the host tier
+    RESIDENT = "resident"    # in shared memory; clients may map it
+
+
+@dataclass
+class ModelRecord:
+    name: str
+    version: int
+    disk_dir: Path
+    manifest: Manifest
+    state: ModelState = ModelState.ON_DISK
+    host_dir: Path | None = None
+    refcount: int = 0
+    hits: int = 0
+    misses: int = 0
+    last_use: float = 0.0
+    # Opens waiting for the in-flight load: (reply callback) each. One load, many waiters.
+    waiters: list = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    @property
+    def tier(self) -> str:
+        return "host" if self.state is ModelState.RESIDENT else "disk"
+
+    def describe(self) -> dict:
+        return {"name": self.name, "version": self.version, "bytes": self.manifest.weights_bytes,
+                "tier": self.tier, "state": self.state.value, "refcount": self.refcount,
+                "hits": self.hits, "misses": self.misses, "last_use": self.last_use,
+                "tensors": len(self.manifest.tensors), "opt_level": self.manifest.opt_level}
+
+
+@dataclass
+class ClientRecord:
+    client_id: str
+    pid: int
+    name: str
+    last_seen: float
+    leases: set = field(default_factory=set)
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    client_id: str
+    model: ModelRecord
+
+
+class Registry:
+    def __init__(self):
+        self.models: dict[tuple[str, int], ModelRecord] = {}
+        self.clients: dict[str, ClientRecord] = {}
+        self.leases: dict[str, Lease] = {}
+        self._ids = itertools.count(1)
+
+    # -- models ----------------------------------------------------------------------
+    def add_model(self, disk_dir: Path, manifest: Manifest) -> ModelRecord:
+        rec = ModelRecord(manifest.name, manifest.version, disk_dir, manifest)
+        self.models[(rec.name, rec.version)] = rec
+        return rec
+
+    def versions(self, name: str) -> list[int]:
+        return sorted(v for (n, v) in self.models if n == name)
+
+    def resolve(self, name: str, version: int | None) -> ModelRecord:
+        versions = self.versions(name)
+        if not versions:
+            known = sorted({n for n, _ in self.models})
+            hint = f"known models: {', '.join(known)}" if known else "the repository is empty; add one with `modelcache add`"
+            raise ModelNotFound(f"no model named {name!r}; {hint}")
+        if version is None:
+            version = versions[-1]
+        if version not in versions:
+            raise ModelNotFound(f"model {name!r} has no version {version}; it has {versions}")
+        return self.models[(name, version)]
+
+    def next_version(self, name: str, reserved: set) -> int:
+        taken = set(self.versions(name)) | {v for (n, v) in reserved if n == name}
+        return max(taken, default=0) + 1
+
+    # -- clients and leases ----------------------------------------------------------
+    def new_client(self, pid: int, name: str, now: float) -> ClientRecord:
+        cid = f"c{next(self._ids)}-{secrets.token_hex(4)}"
+        rec = ClientRecord(cid, pid, name, now)
+        self.clients[cid] = rec
+        return rec
+
+    def client(self, client_id: str) -> ClientRecord:
+        rec = self.clients.get(client_id)
+        if rec is None:
+            raise LeaseError(f"unknown client {client_id!r}: its lease expired or the daemon restarted; reconnect")
+        return rec
+
+    def grant(self, client: ClientRecord, model: ModelRecord, now: float) -> Lease:
+        lease = Lease(f"l{next(self._ids)}-{secrets.token_hex(4)}", client.client_id, model)
+        self.leases[lease.lease_id] = lease
+        client.leases.add(lease.lease_id)
+        model.refcount += 1
+        model.last_use = now
+        return lease
+
+    def release(self, lease_id: str, client_id: str | None = None) -> ModelRecord:
+        lease = self.leases.get(lease_id)
+        if lease is None or (client_id is not None and lease.client_id != client_id):
+            raise LeaseError(f"unknown lease {lease_id!r}")
+        del self.leases[lease_id]
+        self.clients.get(lease.client_id, ClientRecord("", 0, "", 0)).leases.discard(lease_id)
+        lease.model.refcount -= 1
+        return lease.model
+
+    def drop_client(self, client_id: str) -> int:
+        """Forget a client and release every lease it held; returns how many."""
+        rec = self.clients.pop(client_id, None)
+        if rec is None:
+            return 0
+        held = list(rec.leases)
+        for lease_id in held:
+            self.release(lease_id)
+        return len(held)

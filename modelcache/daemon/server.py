@@ -1,0 +1,379 @@
+"""The resident daemon: one owner loop holds every table; loader threads only copy and pack.
+
+The owner loop (the main thread) polls the ROUTER socket that clients talk to and a
+wake-up socket that loader threads poke when they finish. Loader threads never touch
+the registry: they return results, and the owner applies them. Signal handlers only
+set flags.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import psutil
+import zmq
+
+from .. import __version__, protocol as P
+from ..config import Settings
+from ..errors import CapacityError, ModelCacheError, PackError, ProtocolError
+from ..packing import pack
+from ..tiers.disk import Repository
+from ..tiers.host import HostTier
+from .registry import ModelRecord, ModelState, Registry
+
+log = logging.getLogger("modelcache.daemon")
+WAKE_ADDR = "inproc://modelcache-wake"
+
+
+class Daemon:
+    def __init__(self, settings: Settings, clock=time.monotonic, wall=time.time):
+        self.settings = settings
+        self.clock = clock
+        self.wall = wall
+        self.registry = Registry()
+        self.repository = Repository(settings.repository_path)
+        self.host = HostTier(settings.shm_dir, settings.host_capacity_bytes())
+        self.loaders = concurrent.futures.ThreadPoolExecutor(settings.loader_threads, thread_name_prefix="loader")
+        self.completions: queue.Queue = queue.Queue()
+        self.jobs: dict[str, dict] = {}          # in-flight packs and loads, for stats
+        self.reserved_versions: set = set()     # versions being packed, not yet in the registry
+        self.counters = {"opens": 0, "hits": 0, "misses": 0, "closes": 0, "adds": 0,
+                         "clients_lost": 0, "bad_messages": 0, "promotions": 0}
+        self.started = wall()
+        self.stop_requested = False
+        self.ctx = zmq.Context.instance()
+        self.router = None
+        self.wake_rx = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        """Scan the repository, create the host tier, bind the socket. After this, clients may connect."""
+        for model_dir, manifest in self.repository.scan():
+            self.registry.add_model(model_dir, manifest)
+        self.host.start()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # replies to vanished clients are dropped, not raised
+        addr = self.settings.socket
+        if addr.startswith("ipc://"):
+            path = Path(addr[len("ipc://"):])
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.exists():
+                self._refuse_if_live(addr)
+                path.unlink()
+        self.router.bind(addr)
+        if addr.startswith("ipc://"):
+            os.chmod(addr[len("ipc://"):], 0o660)  # the daemon's group may connect; others may not
+        self.wake_rx = self.ctx.socket(zmq.PULL)
+        self.wake_rx.bind(WAKE_ADDR)
+        log.info("modelcache %s ready on %s: %d models in %s, host tier %s (%d MiB)", __version__, addr,
+                 len(self.registry.models), self.repository.root, self.host.root,
+                 self.host.capacity_bytes >> 20)
+
+    def _refuse_if_live(self, addr: str) -> None:
+        """A socket file exists: refuse to start if a daemon still answers there, else it is stale."""
+        probe = self.ctx.socket(zmq.DEALER)
+        probe.setsockopt(zmq.LINGER, 0)
+        try:
+            probe.connect(addr)
+            probe.send_multipart(P.encode(P.Stats(req_id=1)))
+            if probe.poll(500):
+                raise ModelCacheError(f"another modelcache daemon is already serving {addr}")
+        finally:
+            probe.close()
+
+    def request_stop(self, *_):
+        if self.stop_requested:  # a second signal: stop at once
+            log.warning("second stop signal: exiting immediately")
+            self._cleanup()
+            os._exit(1)
+        self.stop_requested = True
+
+    def serve_forever(self, on_ready=None) -> None:
+        self.start()
+        if on_ready:
+            on_ready()
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.wake_rx, zmq.POLLIN)
+        next_sweep = self.clock()
+        try:
+            while not self.stop_requested:
+                timeout_ms = max(0, int((next_sweep - self.clock()) * 1000))
+                events = dict(poller.poll(min(timeout_ms, 250)))
+                if self.wake_rx in events:
+                    while self.wake_rx.poll(0):
+                        self.wake_rx.recv()
+                    self._apply_completions()
+                if self.router in events:
+                    for _ in range(256):  # bounded batch, so completions and sweeps are not starved
+                        try:
+                            frames = self.router.recv_multipart(zmq.NOBLOCK, copy=True)
+                        except zmq.Again:
+                            break
+                        self._handle(frames)
+                if self.clock() >= next_sweep:
+                    self.sweep_clients()
+                    next_sweep = self.clock() + self.settings.heartbeat_interval_s
+        finally:
+            self._cleanup()
+
+    def _cleanup(self) -> None:
+        log.info("stopping: %d clients, %d leases", len(self.registry.clients), len(self.registry.leases))
+        self.loaders.shutdown(wait=True, cancel_futures=True)
+        for sock in (self.router, self.wake_rx):
+            if sock is not None:
+                sock.close(linger=0)
+        addr = self.settings.socket
+        if addr.startswith("ipc://"):
+            Path(addr[len("ipc://"):]).unlink(missing_ok=True)
+        # Clients that still map a model keep their pages: unlinking only drops the name.
+        self.host.stop()
+
+    # -- message dispatch --------------------------------------------------------------
+    def _handle(self, frames: list[bytes]) -> None:
+        ident, body = frames[0], frames[1:]
+        try:
+            msg = P.decode(body)
+        except ProtocolError as e:
+            self.counters["bad_messages"] += 1
+            log.warning("bad message from a client: %s", e)
+            self._reply(ident, P.ErrorReply(req_id=P.req_id_of(body) if body else 0, code=e.code, message=str(e)))
+            return
+        handler = getattr(self, "on_" + type(msg).__name__, None)
+        if handler is None:
+            err = ProtocolError(f"{msg.KIND.decode()!r} is a reply, not a request")
+            self._reply(ident, P.ErrorReply(req_id=getattr(msg, "req_id", 0), code=err.code, message=str(err)))
+            return
+        try:
+            reply = handler(ident, msg)
+        except ModelCacheError as e:
+            reply = P.ErrorReply(req_id=msg.req_id, code=e.code, message=str(e))
+        except Exception as e:  # a bug must cost one request, never the daemon
+            log.error("internal error on %s: %s", msg.KIND.decode(), traceback.format_exc())
+            reply = P.ErrorReply(req_id=getattr(msg, "req_id", 0), code="internal", message=f"internal error: {e}")
+        if reply is not None:
+            self._reply(ident, reply)
+
+    def _reply(self, ident: bytes, msg) -> None:
+        try:
+            self.router.send_multipart([ident, *P.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # the client is gone or its queue is full: its loss
+            log.debug("reply dropped: %s", e)
+
+    def _touch(self, client_id: str):
+        client = self.registry.client(client_id)
+        client.last_seen = self.clock()
+        return client
+
+    # -- handlers: each returns a reply, or None when it will reply later ---------------
+    def on_Hello(self, ident, msg: P.Hello):
+        if msg.protocol_version != P.PROTOCOL_VERSION:
+            raise ProtocolError(f"client speaks protocol {msg.protocol_version}, this daemon "
+                                f"{P.PROTOCOL_VERSION}: upgrade the older of the two")
+        client = self.registry.new_client(msg.pid, msg.client_name, self.clock())
+        log.debug("client %s (pid %d) connected", client.client_id, msg.pid)
+        return P.HelloReply(req_id=msg.req_id, protocol_version=P.PROTOCOL_VERSION, daemon_version=__version__,
+                            client_id=client.client_id, heartbeat_interval_s=self.settings.heartbeat_interval_s,
+                            lease_timeout_s=self.settings.lease_timeout_s)
+
+    def on_Heartbeat(self, ident, msg: P.Heartbeat):
+        client = self.registry.clients.get(msg.client_id)
+        if client is not None:
+            client.last_seen = self.clock()
+        return None
+
+    def on_Goodbye(self, ident, msg: P.Goodbye):
+        self.registry.drop_client(msg.client_id)
+        return P.Ack(req_id=msg.req_id)
+
+    def on_Open(self, ident, msg: P.Open):
+        client = self._touch(msg.client_id)
+        if msg.device != "cpu":
+            raise ModelCacheError(f"device {msg.device!r} is not available in this daemon (only 'cpu')")
+        model = self.registry.resolve(msg.name, msg.version)
+        self.counters["opens"] += 1
+
+        def answer(error: ModelCacheError | None = None, hit: bool = True):
+            if error is not None:
+                self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
+                return
+            if msg.client_id not in self.registry.clients:  # left while we were loading
+                return
+            lease = self.registry.grant(client, model, self.wall())
+            self._reply(ident, self._open_reply(msg.req_id, lease.lease_id, model, hit))
+
+        if model.state is ModelState.RESIDENT:
+            model.hits += 1
+            self.counters["hits"] += 1
+            answer()
+            return None
+        model.misses += 1
+        self.counters["misses"] += 1
+        model.waiters.append(lambda err: answer(err, hit=False))
+        if model.state is ModelState.ON_DISK:  # the first miss starts the one load; later ones wait on it
+            self._start_promotion(model)
+        return None
+
+    def _open_reply(self, req_id: int, lease_id: str, model: ModelRecord, hit: bool) -> P.OpenReply:
+        m = model.manifest
+        return P.OpenReply(
+            req_id=req_id, lease_id=lease_id, name=model.name, version=model.version,
+            skeleton_path=str(model.host_dir / "model.onnx"), weights_path=str(model.host_dir / "weights.bin"),
+            tensors=[[t.name, t.dtype, t.shape, t.offset, t.nbytes] for t in m.tensors],
+            inputs=m.io_summary()["inputs"], outputs=m.io_summary()["outputs"],
+            weights_bytes=m.weights_bytes, hit=hit)
+
+    def on_Close(self, ident, msg: P.Close):
+        self._touch(msg.client_id)
+        self.registry.release(msg.lease_id, msg.client_id)
+        self.counters["closes"] += 1
+        return P.Ack(req_id=msg.req_id)
+
+    def on_ListModels(self, ident, msg: P.ListModels):
+        return P.ModelList(req_id=msg.req_id, models=self._describe_models())
+
+    def _describe_models(self) -> list[dict]:
+        return [m.describe() for _, m in sorted(self.registry.models.items())]
+
+    def on_Stats(self, ident, msg: P.Stats):
+        now = self.clock()
+        clients = [{"client_id": c.client_id, "pid": c.pid, "name": c.name, "leases": len(c.leases),
+                    "idle_s": round(now - c.last_seen, 2)} for c in self.registry.clients.values()]
+        tiers = [{"tier": "host", "path": str(self.host.root), "used_bytes": self.host.used_bytes,
+                  "capacity_bytes": self.host.capacity_bytes},
+                 {"tier": "disk", "path": str(self.repository.root),
+                  "used_bytes": sum(m.manifest.weights_bytes for m in self.registry.models.values()),
+                  "capacity_bytes": 0}]
+        return P.StatsReply(req_id=msg.req_id, daemon_version=__version__, pid=os.getpid(),
+                            uptime_s=self.wall() - self.started, socket=self.settings.socket, clients=clients,
+                            models=self._describe_models(), tiers=tiers, counters=dict(self.counters),
+                            jobs=[dict(j) for j in self.jobs.values()])
+
+    def on_Add(self, ident, msg: P.Add):
+        opt_level = msg.opt_level or self.settings.opt_level
+        version = msg.version if msg.version is not None else self.registry.next_version(msg.name, self.reserved_versions)
+        if (msg.name, version) in self.registry.models or (msg.name, version) in self.reserved_versions:
+            raise PackError(f"model {msg.name} version {version} already exists")
+        if not os.path.isabs(msg.path):
+            raise PackError(f"add needs an absolute path (the daemon's working directory is not yours): {msg.path}")
+        key = (msg.name, version)
+        self.reserved_versions.add(key)
+        job = {"kind": "add", "model": f"{msg.name}@{version}", "bytes_done": 0, "bytes_total": 0}
+        self.jobs[f"add:{msg.name}@{version}"] = job
+
+        def progress(done, total):  # written by the loader thread; only read for stats
+            job["bytes_done"], job["bytes_total"] = done, total
+
+        def work():
+            t0 = time.perf_counter()
+            manifest = pack(msg.path, self.repository.root, msg.name, version, opt_level, progress)
+            return manifest, time.perf_counter() - t0
+
+        def done(result, error):
+            self.reserved_versions.discard(key)
+            self.jobs.pop(f"add:{msg.name}@{version}", None)
+            if error is not None:
+                log.warning("add %s from %s failed: %s", job["model"], msg.path, error)
+                self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
+                return
+            manifest, pack_s = result
+            self.registry.add_model(self.repository.model_dir(msg.name, version), manifest)
+            self.counters["adds"] += 1
+            log.info("model added: %s@%d, %d tensors, %.1f MiB, packed in %.2f s", msg.name, version,
+                     len(manifest.tensors), manifest.weights_bytes / 2**20, pack_s)
+            self._reply(ident, P.AddReply(req_id=msg.req_id, name=msg.name, version=version,
+                                          weights_bytes=manifest.weights_bytes, tensors=len(manifest.tensors),
+                                          pack_s=pack_s))
+
+        self._run_on_loader(work, done)
+        return None
+
+    # -- promotion ---------------------------------------------------------------------
+    def _start_promotion(self, model: ModelRecord) -> None:
+        need = model.manifest.weights_bytes
+        if self.host.used_bytes + need > self.host.capacity_bytes:
+            model.waiters.clear()
+            raise CapacityError(f"{model.key} needs {need >> 20} MiB in the host tier; "
+                                f"{(self.host.capacity_bytes - self.host.used_bytes) >> 20} MiB of "
+                                f"{self.host.capacity_bytes >> 20} MiB free (raise host_capacity)")
+        model.state = ModelState.LOADING
+        self.host.used_bytes += model.manifest.weights_bytes  # reserved now, so parallel loads see it
+        self.jobs[f"load:{model.key}"] = {"kind": "load", "model": model.key,
+                                          "bytes_total": model.manifest.weights_bytes}
+
+        def done(result, error):
+            self.jobs.pop(f"load:{model.key}", None)
+            waiters, model.waiters = model.waiters, []
+            if error is not None:
+                model.state = ModelState.ON_DISK
+                self.host.used_bytes -= model.manifest.weights_bytes
+                log.error("promotion of %s failed: %s", model.key, error)
+            else:
+                model.host_dir, seconds = result
+                model.state = ModelState.RESIDENT
+                self.counters["promotions"] += 1
+                log.info("model promoted: %s disk -> host, %.1f MiB in %.3f s", model.key,
+                         model.manifest.weights_bytes / 2**20, seconds)
+            for wake in waiters:
+                wake(error)
+
+        self._run_on_loader(lambda: self.host.promote(model.disk_dir, model.key), done)
+
+    def _run_on_loader(self, work, done) -> None:
+        """Run `work` on a loader thread; `done(result, error)` runs later on the owner loop."""
+        def task():
+            try:
+                result, error = work(), None
+            except ModelCacheError as e:
+                result, error = None, e
+            except Exception as e:
+                log.error("loader task failed: %s", traceback.format_exc())
+                result, error = None, ModelCacheError(f"{type(e).__name__}: {e}")
+            self.completions.put((done, result, error))
+            wake = self.ctx.socket(zmq.PUSH)
+            try:
+                wake.connect(WAKE_ADDR)
+                wake.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # the owner is stopping; the completion is moot
+            finally:
+                wake.close(linger=0)
+        self.loaders.submit(task)
+
+    def _apply_completions(self) -> None:
+        while True:
+            try:
+                done, result, error = self.completions.get_nowait()
+            except queue.Empty:
+                return
+            done(result, error)
+
+    # -- client liveness ---------------------------------------------------------------
+    def sweep_clients(self) -> None:
+        """Release the leases of clients that stopped sending heartbeats or whose process died."""
+        now = self.clock()
+        for client in list(self.registry.clients.values()):
+            silent = now - client.last_seen > self.settings.lease_timeout_s
+            dead = client.pid > 0 and not psutil.pid_exists(client.pid)
+            if silent or dead:
+                released = self.registry.drop_client(client.client_id)
+                self.counters["clients_lost"] += 1
+                log.info("client lost: %s (pid %d, %s), released %d leases", client.client_id, client.pid,
+                         "process gone" if dead else "no heartbeat", released)
+
+
+def run(settings: Settings, on_ready=None) -> None:
+    daemon = Daemon(settings)
+    signal.signal(signal.SIGTERM, daemon.request_stop)
+    signal.signal(signal.SIGINT, daemon.request_stop)
+    daemon.serve_forever(on_ready)
+    log.info("stopped")

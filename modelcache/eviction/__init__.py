@@ -1,0 +1,1 @@
+"""Eviction policies (the tiered-cache issue); the host tier has a fixed capacity until then."""

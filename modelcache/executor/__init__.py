@@ -1,0 +1,1 @@
+"""Serve-mode executor (the serve-mode issue)."""

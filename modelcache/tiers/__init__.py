@@ -1,0 +1,1 @@
+"""Storage tiers: disk (the repository, source of truth) and host shared memory."""
