@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 from .errors import ModelCacheError
 
@@ -126,6 +120,7 @@ def load(config_file: str | Path | None = None, overrides: dict | None = None, e
     values: dict = {}
     path = Path(config_file) if config_file else default_config_file()
     if path is not None:
+        tomllib = _tomllib()  # imported only when there is a file: clients start faster without it
         try:
             with open(path, "rb") as f:
                 data = tomllib.load(f)
@@ -151,8 +146,16 @@ def load(config_file: str | Path | None = None, overrides: dict | None = None, e
     settings = Settings(**values)
     if settings.opt_level not in ("disable", "basic", "extended", "all"):
         raise ConfigError(f"opt_level {settings.opt_level!r}: choose disable, basic, extended or all")
-    settings.host_capacity_bytes()  # fail early on a bad size
+    parse_size(settings.host_capacity, total=1)  # fail early on a bad size, without asking psutil for RAM
     return settings
+
+
+def _tomllib():
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    return tomllib
 
 
 def describe(settings: Settings) -> dict:

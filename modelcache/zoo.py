@@ -317,7 +317,7 @@ def tiny_embed(seed: int = 0) -> onnx.ModelProto:
     """int64 token ids + bool mask inputs, int8 weights dequantized in the graph."""
     g = GraphBuilder("tiny_embed", seed)
     table = g.param("embedding", (100, 32), fan_in=1)
-    q = g.const("w_int8", g.rng.integers(-127, 127, size=(32, 8), dtype=np.int8))
+    q = g.const("w_int8", g.rng.integers(-127, 127, size=(32, 64), dtype=np.int8))
     w = g.node("DequantizeLinear", [q, g.const("scale", np.array(0.02, np.float32)),
                                     g.const("zp", np.array(0, np.int8))])
     emb = g.node("Gather", [table, "ids"], axis=0)                     # B, T, 32
@@ -327,7 +327,7 @@ def tiny_embed(seed: int = 0) -> onnx.ModelProto:
     g.nodes.append(helper.make_node("MatMul", [pooled, w], ["y"]))
     return g.build([helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"]),
                     helper.make_tensor_value_info("mask", TensorProto.BOOL, ["batch", "seq"])],
-                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])])
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 64])])
 
 
 # --------------------------------------------------------------------------

@@ -143,15 +143,13 @@ class Daemon:
         ident, body = frames[0], frames[1:]
         try:
             msg = P.decode(body)
+            handler = getattr(self, "on_" + type(msg).__name__, None)
+            if handler is None:
+                raise ProtocolError(f"{msg.KIND.decode()!r} is a reply, not a request")
         except ProtocolError as e:
             self.counters["bad_messages"] += 1
             log.warning("bad message from a client: %s", e)
             self._reply(ident, P.ErrorReply(req_id=P.req_id_of(body) if body else 0, code=e.code, message=str(e)))
-            return
-        handler = getattr(self, "on_" + type(msg).__name__, None)
-        if handler is None:
-            err = ProtocolError(f"{msg.KIND.decode()!r} is a reply, not a request")
-            self._reply(ident, P.ErrorReply(req_id=getattr(msg, "req_id", 0), code=err.code, message=str(err)))
             return
         try:
             reply = handler(ident, msg)

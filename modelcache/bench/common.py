@@ -1,0 +1,88 @@
+"""Shared by the benchmarks: a daemon to measure against, zoo models in it, memory readings, summaries."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def managed_daemon(socket: str | None = None, repository: str | None = None):
+    """Yield the address of a running daemon: the one at `socket` if it answers, else one we start and stop."""
+    from ..client.connection import connect
+    from ..config import load
+    from ..errors import ModelCacheError
+
+    settings = load(overrides={"socket": socket, "repository": repository})
+    try:
+        connect(settings.socket, timeout_s=2).close()
+        yield settings.socket
+        return
+    except ModelCacheError:
+        pass
+    env = {**os.environ, "MODELCACHE_SOCKET": settings.socket, "MODELCACHE_REPOSITORY": settings.repository}
+    proc = subprocess.Popen([sys.executable, "-m", "modelcache.cli", "daemon", "--log-level", "warning"],
+                            env=env, stdout=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if select.select([proc.stdout], [], [], 0.5)[0]:
+                line = proc.stdout.readline()
+                if line.startswith(b"READY") or not line:
+                    break
+            if proc.poll() is not None:
+                break
+        if proc.poll() is not None:
+            raise RuntimeError("the benchmark's daemon failed to start (see its log above)")
+        yield settings.socket
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+
+
+def ensure_models(socket: str, names: list[str], work: Path) -> dict[str, str]:
+    """Add each zoo model to the daemon unless it holds it already; returns name -> .onnx path."""
+    from .. import zoo
+    from ..client.connection import connect
+
+    paths = {}
+    work.mkdir(parents=True, exist_ok=True)
+    with connect(socket) as c:
+        have = {m["name"] for m in c.list()}
+        for name in names:
+            path = work / f"{name}.onnx"
+            if not path.exists():
+                zoo.save(zoo.build(name), str(path))
+            paths[name] = str(path)
+            if name not in have:
+                print(f"adding {name} ...", file=sys.stderr, flush=True)
+                c.add(str(path), name)
+    return paths
+
+
+def memory_mib() -> dict:
+    """This process's memory: USS (pages only it maps), PSS, and anonymous (what it allocated itself)."""
+    import psutil
+    info = psutil.Process().memory_full_info()
+    anon = 0
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Anonymous:"):
+                anon = int(line.split()[1]) * 1024
+    return {"uss_mib": info.uss / 2**20, "pss_mib": info.pss / 2**20, "anon_mib": anon / 2**20}
+
+
+def summary(values: list[float]) -> str:
+    """median [min-max] — the spread tells how far to trust the median on a noisy machine."""
+    if not values:
+        return "-"
+    med = statistics.median(values)
+    return f"{med:.1f} [{min(values):.1f}-{max(values):.1f}]" if len(values) > 1 else f"{med:.1f}"

@@ -1,0 +1,155 @@
+"""Open benchmark: session ready time, private memory and warm speed, plain ORT vs modelcache.
+
+    modelcache bench open [--models vgg16 resnet50] [--runs 5] [--out benchmarks/open]
+
+Session-ready time and memory are measured in fresh processes, interleaved so machine
+drift hits both modes alike. For modelcache, this benchmark itself holds the model
+open and has run it once: the measured process is a *second* client, the case the
+cache exists for. Warm speed is measured in one process that holds both sessions and
+alternates their runs, so the ratio is side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .common import ensure_models, managed_daemon, memory_mib, summary
+
+
+def child_open(mode: str, name: str, src: str) -> dict:
+    t0 = time.perf_counter()
+    import numpy as np  # noqa: F401  (counted in imports, as any client would)
+    import onnxruntime as ort
+    import modelcache
+    from modelcache import zoo
+    t_imports = time.perf_counter()
+    if mode == "ort":
+        sess = ort.InferenceSession(src, providers=["CPUExecutionProvider"])
+    else:
+        sess = modelcache.InferenceSession(name)
+    t_ready = time.perf_counter()
+    feeds = zoo.sample_inputs(src)
+    sess.run(None, feeds)
+    t_first = time.perf_counter()
+    return {"mode": mode, "model": name, "imports_ms": (t_imports - t0) * 1e3,
+            "ready_ms": (t_ready - t_imports) * 1e3, "first_run_ms": (t_first - t_ready) * 1e3,
+            **memory_mib()}
+
+
+def child_warm(name: str, src: str, runs: int) -> dict:
+    import onnxruntime as ort
+    import modelcache
+    from modelcache import zoo
+    feeds = zoo.sample_inputs(src)
+    sessions = {"ort": ort.InferenceSession(src, providers=["CPUExecutionProvider"]),
+                "modelcache": modelcache.InferenceSession(name)}
+    for s in sessions.values():
+        s.run(None, feeds)
+    times = {k: [] for k in sessions}
+    for _ in range(runs):
+        for k, s in sessions.items():  # alternate, so both see the same machine
+            t = time.perf_counter()
+            s.run(None, feeds)
+            times[k].append((time.perf_counter() - t) * 1e3)
+    return {"model": name, "warm_ms": times}
+
+
+def _child(socket: str, *args) -> dict:
+    import os
+    env = {**os.environ, "MODELCACHE_SOCKET": socket}
+    out = subprocess.run([sys.executable, "-m", "modelcache.bench.open", "--child", *args], env=env,
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"benchmark child failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(socket: str, paths: dict[str, str], runs: int, warm_runs: int) -> dict:
+    import modelcache
+    from modelcache import zoo
+    samples, warm = [], []
+    for name, src in paths.items():
+        holder = modelcache.InferenceSession(name, socket=socket)  # the first client: weights resident and touched
+        holder.run(None, zoo.sample_inputs(src))
+        for _ in range(runs):
+            for mode in ("ort", "modelcache"):
+                samples.append(_child(socket, "open", mode, name, src))
+        warm.append(_child(socket, "warm", name, src, str(warm_runs)))
+        holder.close()
+    return {"samples": samples, "warm": warm}
+
+
+def report(results: dict, out=sys.stdout) -> None:
+    samples, warm = results["samples"], {w["model"]: w["warm_ms"] for w in results["warm"]}
+    print(f"{'model':<14} {'mode':<11} {'ready ms':>22} {'USS MiB':>22} {'anon MiB':>9} {'warm ms':>20}", file=out)
+    for name in dict.fromkeys(s["model"] for s in samples):
+        ready = {}
+        for mode in ("ort", "modelcache"):
+            rows = [s for s in samples if s["model"] == name and s["mode"] == mode]
+            ready[mode] = statistics.median(r["ready_ms"] for r in rows)
+            print(f"{name:<14} {mode:<11} {summary([r['ready_ms'] for r in rows]):>22} "
+                  f"{summary([r['uss_mib'] for r in rows]):>22} {statistics.median(r['anon_mib'] for r in rows):>9.1f} "
+                  f"{summary(warm[name][mode]):>20}", file=out)
+        # Each pair of runs was adjacent in time: the median of their ratios resists machine drift.
+        pairs = sorted(o / m for o, m in zip(warm[name]["ort"], warm[name]["modelcache"]))
+        q = lambda f: pairs[min(len(pairs) - 1, int(f * len(pairs)))]  # noqa: E731
+        print(f"{name:<14} -> session ready {ready['ort'] / ready['modelcache']:.0f}x faster, warm speed "
+              f"{statistics.median(pairs):.2f}x plain ORT (pairs' quartiles {q(0.25):.2f}-{q(0.75):.2f})", file=out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="modelcache bench open", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["vgg16", "resnet50"])
+    ap.add_argument("--runs", type=int, default=5, help="fresh processes per mode and model (default 5)")
+    ap.add_argument("--warm-runs", type=int, default=40, help="alternating warm runs per session (default 40)")
+    ap.add_argument("--socket", help="measure against this running daemon (default: start a private one)")
+    ap.add_argument("--out", help="write all samples as JSON to OUT/open.json and the table to OUT/open.txt")
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        kind, *rest = args.child
+        result = child_open(*rest) if kind == "open" else child_warm(rest[0], rest[1], int(rest[2]))
+        print(json.dumps(result))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="modelcache-bench-") as tmp:
+        socket = args.socket or f"ipc://{tmp}/daemon.sock"
+        repository = None if args.socket else f"{tmp}/repo"
+        with managed_daemon(socket, repository):
+            paths = ensure_models(socket, args.models, Path(tmp) / "zoo")
+            results = measure(socket, paths, args.runs, args.warm_runs)
+    report(results)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "open.json").write_text(json.dumps(results, indent=1))
+        with open(out / "open.txt", "w") as f:
+            f.write(f"$ modelcache bench open {' '.join(argv or sys.argv[1:])}\n")
+            report(results, f)
+    return 0
+
+
+def demo(args) -> int:
+    """`modelcache demo`: a daemon on the default settings, two zoo models, fresh clients vs plain ORT."""
+    from ..config import load
+    settings = load()
+    print(f"daemon socket {settings.socket}, repository {settings.repository}")
+    with managed_daemon(settings.socket, settings.repository):
+        work = Path(settings.repository).parent / "zoo"
+        paths = ensure_models(settings.socket, args.models, work)
+        results = measure(settings.socket, paths, runs=1, warm_runs=10)
+    report(results)
+    print("\nready = from InferenceSession(...) to a usable session, in a fresh process; "
+          "USS = memory only that process holds")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

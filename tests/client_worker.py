@@ -1,0 +1,43 @@
+"""A separate client process for the integration tests.
+
+    client_worker.py run NAME FEEDS.npz OUT.npz     open NAME, run it on FEEDS, save outputs, report
+    client_worker.py hold NAME                      open NAME, print OPEN, then wait to be killed
+
+`run` prints one JSON line: whether the weights blob is mapped into this process
+(read-only, from /dev/shm) and the process's anonymous memory.
+"""
+
+import json
+import sys
+import time
+
+
+def mapped(path: str) -> list[str]:
+    with open("/proc/self/maps") as f:
+        return [line.split()[1] for line in f if line.rstrip().endswith(path)]
+
+
+def main() -> int:
+    import numpy as np
+    import modelcache
+
+    cmd, name = sys.argv[1], sys.argv[2]
+    if cmd == "run":
+        feeds = dict(np.load(sys.argv[3]))
+        with modelcache.InferenceSession(name) as sess:
+            outs = sess.run(None, feeds)
+            np.savez(sys.argv[4], *outs)
+            weights = sess._lease.weights_path
+            print(json.dumps({"perms": mapped(weights), "weights_path": weights, "hit": sess.was_cache_hit}))
+        return 0
+    if cmd == "hold":
+        sess = modelcache.InferenceSession(name)
+        print("OPEN", flush=True)
+        while True:
+            time.sleep(1)
+        del sess
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

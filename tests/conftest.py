@@ -1,0 +1,132 @@
+"""Fixtures: zoo models on disk, and a real daemon subprocess on an ipc:// socket in tmp_path."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from modelcache import zoo
+
+HERE = Path(__file__).parent
+TINY = ["tiny-cnn", "tiny-vit", "tiny-if", "tiny-fp16", "tiny-embed"]
+
+
+@pytest.fixture(scope="session")
+def zoo_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("zoo")
+
+
+@pytest.fixture(scope="session")
+def zoo_file(zoo_dir):
+    """zoo_file(name) -> path of that zoo model as .onnx, built once per test session."""
+    def get(name: str) -> str:
+        path = zoo_dir / f"{name}.onnx"
+        if not path.exists():
+            zoo.save(zoo.build(name), str(path))
+        return str(path)
+    return get
+
+
+class DaemonProcess:
+    """A `modelcache daemon` subprocess; `stop()` checks it left nothing behind."""
+
+    def __init__(self, root: Path, extra_env: dict | None = None, args: tuple = ()):
+        self.root = root
+        self.socket = f"ipc://{root}/run/daemon.sock"
+        self.repository = root / "repo"
+        self.env = {**os.environ, "MODELCACHE_SOCKET": self.socket, "MODELCACHE_REPOSITORY": str(self.repository),
+                    "MODELCACHE_CONFIG": "", "MODELCACHE_LOG_LEVEL": "debug", **(extra_env or {})}
+        self.args = args
+        self.proc: subprocess.Popen | None = None
+        self.log_path = root / "daemon.log"
+
+    def start(self, timeout_s: float = 30.0) -> "DaemonProcess":
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "modelcache.cli", "daemon", *self.args],
+                                     env=self.env, stdout=subprocess.PIPE, stderr=self.log)
+        # Wait on the ready handshake, never on a sleep.
+        deadline = time.monotonic() + timeout_s
+        line = b""
+        while time.monotonic() < deadline:
+            r, _, _ = select.select([self.proc.stdout], [], [], 0.5)
+            if r:
+                line = self.proc.stdout.readline()
+                if line.startswith(b"READY"):
+                    return self
+                if not line:
+                    break
+            if self.proc.poll() is not None:
+                break
+        self.kill()
+        raise RuntimeError(f"daemon did not get ready: {line!r}\n{self.log_path.read_text()}")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def shm_dir(self) -> Path:
+        return Path("/dev/shm") / f"modelcache.{os.getuid()}.{self.pid}"
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(timeout_s)
+        self.log.close()
+        return rc
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        import shutil
+        shutil.rmtree(self.shm_dir, ignore_errors=True)  # what a SIGKILLed daemon could not clean
+
+    def client(self, **kw):
+        import modelcache
+        return modelcache.connect(self.socket, **kw)
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = DaemonProcess(tmp_path).start()
+    yield d
+    rc = d.stop()
+    shm = d.shm_dir
+    d.kill()
+    assert rc == 0, d.log_path.read_text()
+    assert not shm.exists(), "daemon left its host tier in /dev/shm"
+    assert not Path(d.socket[len("ipc://"):]).exists(), "daemon left its socket file"
+
+
+@pytest.fixture
+def client(daemon):
+    c = daemon.client()
+    yield c
+    c.close()
+
+
+def run_client(socket: str, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """Run tests/client_worker.py in a fresh process (a separate client of the daemon)."""
+    env = {**os.environ, "MODELCACHE_SOCKET": socket}
+    return subprocess.run([sys.executable, str(HERE / "client_worker.py"), *args], env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+def wait_until(predicate, timeout_s: float = 15.0, what: str = "condition"):
+    """Poll a condition with a deadline (for effects that take real time, e.g. lease expiry)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
