@@ -19,25 +19,25 @@ def _setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=fmt, stream=sys.stderr)
 
 
+FLAG_SETTINGS = ("socket", "repository", "log_level", "host_capacity", "metrics_port")
+
+
 def _settings(args):
     from .config import load
-    return load(getattr(args, "config", None), {"socket": getattr(args, "socket", None),
-                                                 "repository": getattr(args, "repository", None),
-                                                 "log_level": getattr(args, "log_level", None)})
+    return load(getattr(args, "config", None), {k: getattr(args, k, None) for k in FLAG_SETTINGS})
 
 
 def cmd_daemon(args) -> int:
     from .daemon.server import run
     settings = _settings(args)
-    if args.host_capacity:
-        settings.host_capacity = args.host_capacity
     _setup_logging(settings.log_level)
 
     def ready():
         # One line on stdout when clients may connect: tests and scripts wait on it.
         print(f"READY {settings.socket}", flush=True)
 
-    run(settings, on_ready=ready)
+    # A reload re-reads the same layers: file, environment, and this command line's flags.
+    run(settings, on_ready=ready, reload_settings=lambda: _settings(args))
     return 0
 
 
@@ -74,6 +74,40 @@ def cmd_ls(args) -> int:
     return 0
 
 
+def cmd_status(args) -> int:
+    from .client.connection import connect
+    with connect(_settings(args).socket, timeout_s=5) as c:
+        print(format_status(c.stats()))
+    return 0
+
+
+def format_status(st) -> str:
+    """One screen a person reads: the daemon, its tiers, its models, its clients."""
+    import io
+    out = io.StringIO()
+    up = st.uptime_s
+    print(f"modelcache {st.daemon_version}  pid {st.pid}  up {int(up // 3600)}h{int(up % 3600 // 60):02d}m"
+          f"{int(up % 60):02d}s  {st.socket}", file=out)
+    c = st.counters
+    print(f"opens {c.get('opens', 0)} (hits {c.get('hits', 0)}, misses {c.get('misses', 0)})  "
+          f"evictions {c.get('evictions', 0)}  clients lost {c.get('clients_lost', 0)}  "
+          f"bad messages {c.get('bad_messages', 0)}", file=out)
+    print("\nTIER   USED / CAPACITY          PATH", file=out)
+    for t in st.tiers:
+        cap = _human(t["capacity_bytes"]) if t["capacity_bytes"] else "unbounded"
+        pct = f" ({100 * t['used_bytes'] / t['capacity_bytes']:.0f}%)" if t["capacity_bytes"] else ""
+        print(f"{t['tier']:<6} {_human(t['used_bytes']) + ' / ' + cap + pct:<24} {t['path']}", file=out)
+    print(file=out)
+    print_models(st.models, out)
+    print(f"\n{len(st.clients)} clients", file=out)
+    for cl in st.clients:
+        print(f"  pid {cl['pid']:<8} {cl['name'][:24]:<24} leases {cl['leases']:<3} idle {cl['idle_s']:.1f}s", file=out)
+    for j in st.jobs:
+        print(f"  job {j['kind']} {j['model']} {_human(j.get('bytes_done', 0))}/{_human(j.get('bytes_total', 0))}",
+              file=out)
+    return out.getvalue().rstrip()
+
+
 def cmd_stats(args) -> int:
     import json
     from dataclasses import asdict
@@ -105,9 +139,39 @@ def cmd_add(args) -> int:
               f"{_human(m.weights_bytes)}, {time.perf_counter() - t0:.2f} s")
         return 0
     with client:
-        r = client.add(path, args.name, args.version, args.opt_level)
+        r = _add_with_progress(client, settings.socket, path, args)
     print(f"added {r.name}@{r.version}: {r.tensors} tensors, {_human(r.weights_bytes)}, packed in {r.pack_s:.2f} s")
     return 0
+
+
+def _add_with_progress(client, socket: str, path: str, args):
+    """Ask the daemon to pack; meanwhile show its progress, read from `stats` on a second connection."""
+    import threading
+    from .client.connection import connect
+
+    show = _progress_bar()
+    result: dict = {}
+
+    def add():
+        try:
+            result["reply"] = client.add(path, args.name, args.version, args.opt_level)
+        except BaseException as e:  # re-raised on the main thread
+            result["error"] = e
+
+    worker = threading.Thread(target=add, daemon=True)
+    worker.start()
+    if show is not None:
+        with connect(socket) as watcher:
+            while worker.is_alive():
+                worker.join(0.25)
+                for job in watcher.stats().jobs:
+                    if job["kind"] == "add" and job["model"].startswith(args.name + "@") and job["bytes_total"]:
+                        show(job["bytes_done"], job["bytes_total"])
+        print(file=sys.stderr)
+    worker.join()
+    if "error" in result:
+        raise result["error"]
+    return result["reply"]
 
 
 def _progress_bar():
@@ -172,10 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("daemon", parents=[common], help="run the daemon in the foreground",
                        description="Run the daemon in the foreground. Prints 'READY <socket>' on stdout "
-                                   "when clients may connect; SIGTERM or Ctrl-C stops it gracefully, a "
-                                   "second one at once.")
+                                   "when clients may connect (and tells systemd, under Type=notify). "
+                                   "SIGTERM or Ctrl-C stops it gracefully (running loads finish, waiting "
+                                   "clients get answers), a second one at once; SIGHUP re-reads the "
+                                   "settings that can change live (log_level, heartbeat_interval_s, "
+                                   "lease_timeout_s, host_capacity).")
     d.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     d.add_argument("--host-capacity", help="host-tier size: bytes (8G, 512M) or percent of RAM (50%%)")
+    d.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: off, the default)")
     d.set_defaults(func=cmd_daemon)
 
     a = sub.add_parser("add", parents=[common], help="validate, optimize and pack an .onnx file",
@@ -191,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("ls", parents=[common], help="list models: version, bytes, tier, refcount, last use")
     ls.set_defaults(func=cmd_ls)
+    sta = sub.add_parser("status", parents=[common], help="one screen: version, uptime, tiers, models, clients")
+    sta.set_defaults(func=cmd_status)
     st = sub.add_parser("stats", parents=[common], help="the daemon's counters, clients, tiers and jobs (JSON)")
     st.set_defaults(func=cmd_stats)
 

@@ -53,6 +53,8 @@ class Settings:
     add_timeout_s: float = 3600.0      # packing a big model takes longer than an ordinary call
     opt_level: str = "all"             # ORT optimization applied once, at add time
     loader_threads: int = 2            # promotions and packs run here, off the owner loop
+    metrics_port: int = 0              # Prometheus /metrics over HTTP; 0 = off
+    metrics_host: str = "127.0.0.1"    # where /metrics listens
 
     def __post_init__(self):
         if not self.socket:

@@ -13,7 +13,6 @@ import logging
 import os
 import queue
 import signal
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -27,6 +26,8 @@ from ..errors import CapacityError, ModelCacheError, PackError, ProtocolError
 from ..packing import pack
 from ..tiers.disk import Repository
 from ..tiers.host import HostTier
+from .metrics import Histogram, MetricsServer, render
+from .notify import Notifier
 from .registry import ModelRecord, ModelState, Registry
 
 log = logging.getLogger("modelcache.daemon")
@@ -34,8 +35,12 @@ WAKE_ADDR = "inproc://modelcache-wake"
 
 
 class Daemon:
-    def __init__(self, settings: Settings, clock=time.monotonic, wall=time.time):
+    # Settings a reload (SIGHUP / systemctl reload) applies live; the others need a restart.
+    LIVE_SETTINGS = ("log_level", "heartbeat_interval_s", "lease_timeout_s", "host_capacity")
+
+    def __init__(self, settings: Settings, clock=time.monotonic, wall=time.time, reload_settings=None):
         self.settings = settings
+        self.reload_settings = reload_settings  # () -> Settings, re-read from file and environment
         self.clock = clock
         self.wall = wall
         self.registry = Registry()
@@ -49,6 +54,11 @@ class Daemon:
                          "clients_lost": 0, "bad_messages": 0, "promotions": 0}
         self.started = wall()
         self.stop_requested = False
+        self.reload_requested = False
+        self.pending: list = []                 # (future, done) of loader tasks, to answer them at stop
+        self.open_latency = Histogram()
+        self.notifier = Notifier()
+        self.metrics: MetricsServer | None = None
         self.ctx = zmq.Context.instance()
         self.router = None
         self.wake_rx = None
@@ -74,6 +84,11 @@ class Daemon:
             os.chmod(addr[len("ipc://"):], 0o660)  # the daemon's group may connect; others may not
         self.wake_rx = self.ctx.socket(zmq.PULL)
         self.wake_rx.bind(WAKE_ADDR)
+        if self.settings.metrics_port:
+            self.metrics = MetricsServer(self.settings.metrics_host, self.settings.metrics_port)
+            self.metrics.start()
+            self.publish_metrics()
+            log.info("metrics on http://%s:%d/metrics", self.settings.metrics_host, self.metrics.port)
         log.info("modelcache %s ready on %s: %d models in %s, host tier %s (%d MiB)", __version__, addr,
                  len(self.registry.models), self.repository.root, self.host.root,
                  self.host.capacity_bytes >> 20)
@@ -91,22 +106,63 @@ class Daemon:
             probe.close()
 
     def request_stop(self, *_):
-        if self.stop_requested:  # a second signal: stop at once
-            log.warning("second stop signal: exiting immediately")
-            self._cleanup()
+        """Signal handler: the first signal asks for a graceful stop, a second one exits at once."""
+        if self.stop_requested:
+            self._remove_socket_file()
+            self.host.stop()
             os._exit(1)
         self.stop_requested = True
 
+    def request_reload(self, *_):
+        self.reload_requested = True
+
+    def reload(self) -> None:
+        """Re-read settings and apply the ones that can change live."""
+        self.notifier.reloading()
+        try:
+            new = self.reload_settings() if self.reload_settings else self.settings
+            changed = []
+            for name in self.LIVE_SETTINGS:
+                if getattr(new, name) != getattr(self.settings, name):
+                    setattr(self.settings, name, getattr(new, name))
+                    changed.append(f"{name}={getattr(new, name)}")
+            logging.getLogger("modelcache").setLevel(self.settings.log_level.upper())
+            self.host.capacity_bytes = self.settings.host_capacity_bytes()
+            log.info("reloaded settings: %s", ", ".join(changed) or "nothing changed")
+        except ModelCacheError as e:
+            log.error("reload failed, keeping the old settings: %s", e)
+        self.notifier.ready(self.status_line())
+
+    def status_line(self) -> str:
+        resident = sum(1 for m in self.registry.models.values() if m.state is ModelState.RESIDENT)
+        return (f"{len(self.registry.models)} models ({resident} resident), {len(self.registry.clients)} clients, "
+                f"host {self.host.used_bytes >> 20}/{self.host.capacity_bytes >> 20} MiB")
+
+    def publish_metrics(self) -> None:
+        if self.metrics is None:
+            return
+        tiers = self._describe_tiers()
+        self.metrics.publish(render(self.counters, tiers, self._describe_models(), len(self.registry.clients),
+                                    self.wall() - self.started, self.open_latency, [s.value for s in ModelState]))
+
     def serve_forever(self, on_ready=None) -> None:
         self.start()
+        self.notifier.ready(self.status_line())
         if on_ready:
             on_ready()
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.wake_rx, zmq.POLLIN)
         next_sweep = self.clock()
+        next_watchdog = self.clock()
         try:
             while not self.stop_requested:
+                if self.reload_requested:
+                    self.reload_requested = False
+                    self.reload()
+                if self.notifier.watchdog_interval_s and self.clock() >= next_watchdog:
+                    self.notifier.watchdog()  # only while the owner loop turns: a stuck loop gets restarted
+                    next_watchdog = self.clock() + self.notifier.watchdog_interval_s
                 timeout_ms = max(0, int((next_sweep - self.clock()) * 1000))
                 events = dict(poller.poll(min(timeout_ms, 250)))
                 if self.wake_rx in events:
@@ -122,21 +178,37 @@ class Daemon:
                         self._handle(frames)
                 if self.clock() >= next_sweep:
                     self.sweep_clients()
-                    next_sweep = self.clock() + self.settings.heartbeat_interval_s
+                    self.publish_metrics()
+                    next_sweep = self.clock() + min(self.settings.heartbeat_interval_s,
+                                                    self.notifier.watchdog_interval_s or 1e9)
         finally:
             self._cleanup()
 
     def _cleanup(self) -> None:
-        log.info("stopping: %d clients, %d leases", len(self.registry.clients), len(self.registry.leases))
+        """Graceful stop: finish running loads and packs, answer everyone waiting, then remove our traces."""
+        self.notifier.stopping()
+        log.info("stopping: %d clients, %d leases, %d jobs in flight", len(self.registry.clients),
+                 len(self.registry.leases), len(self.jobs))
         self.loaders.shutdown(wait=True, cancel_futures=True)
+        self._apply_completions()
+        stopping = ModelCacheError("the modelcache daemon is stopping")
+        for future, done in self.pending:
+            if future.cancelled():  # queued, never started: its caller still deserves an answer
+                done(None, stopping)
         for sock in (self.router, self.wake_rx):
             if sock is not None:
                 sock.close(linger=0)
+        if self.metrics is not None:
+            self.metrics.stop()
+        self._remove_socket_file()
+        # Clients that still map a model keep their pages: unlinking only drops the name.
+        self.host.stop()
+        self.notifier.close()
+
+    def _remove_socket_file(self) -> None:
         addr = self.settings.socket
         if addr.startswith("ipc://"):
             Path(addr[len("ipc://"):]).unlink(missing_ok=True)
-        # Clients that still map a model keep their pages: unlinking only drops the name.
-        self.host.stop()
 
     # -- message dispatch --------------------------------------------------------------
     def _handle(self, frames: list[bytes]) -> None:
@@ -199,8 +271,10 @@ class Daemon:
             raise ModelCacheError(f"device {msg.device!r} is not available in this daemon (only 'cpu')")
         model = self.registry.resolve(msg.name, msg.version)
         self.counters["opens"] += 1
+        t_request = self.clock()
 
         def answer(error: ModelCacheError | None = None, hit: bool = True):
+            self.open_latency.observe(self.clock() - t_request)
             if error is not None:
                 self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
                 return
@@ -246,15 +320,18 @@ class Daemon:
         now = self.clock()
         clients = [{"client_id": c.client_id, "pid": c.pid, "name": c.name, "leases": len(c.leases),
                     "idle_s": round(now - c.last_seen, 2)} for c in self.registry.clients.values()]
-        tiers = [{"tier": "host", "path": str(self.host.root), "used_bytes": self.host.used_bytes,
-                  "capacity_bytes": self.host.capacity_bytes},
-                 {"tier": "disk", "path": str(self.repository.root),
-                  "used_bytes": sum(m.manifest.weights_bytes for m in self.registry.models.values()),
-                  "capacity_bytes": 0}]
+        tiers = self._describe_tiers()
         return P.StatsReply(req_id=msg.req_id, daemon_version=__version__, pid=os.getpid(),
                             uptime_s=self.wall() - self.started, socket=self.settings.socket, clients=clients,
                             models=self._describe_models(), tiers=tiers, counters=dict(self.counters),
                             jobs=[dict(j) for j in self.jobs.values()])
+
+    def _describe_tiers(self) -> list[dict]:
+        return [{"tier": "host", "path": str(self.host.root), "used_bytes": self.host.used_bytes,
+                 "capacity_bytes": self.host.capacity_bytes},
+                {"tier": "disk", "path": str(self.repository.root),
+                 "used_bytes": sum(m.manifest.weights_bytes for m in self.registry.models.values()),
+                 "capacity_bytes": 0}]
 
     def on_Add(self, ident, msg: P.Add):
         opt_level = msg.opt_level or self.settings.opt_level
@@ -345,7 +422,8 @@ class Daemon:
                 pass  # the owner is stopping; the completion is moot
             finally:
                 wake.close(linger=0)
-        self.loaders.submit(task)
+        self.pending = [(f, d) for f, d in self.pending if not f.done()]
+        self.pending.append((self.loaders.submit(task), done))
 
     def _apply_completions(self) -> None:
         while True:
@@ -369,9 +447,10 @@ class Daemon:
                          "process gone" if dead else "no heartbeat", released)
 
 
-def run(settings: Settings, on_ready=None) -> None:
-    daemon = Daemon(settings)
+def run(settings: Settings, on_ready=None, reload_settings=None) -> None:
+    daemon = Daemon(settings, reload_settings=reload_settings)
     signal.signal(signal.SIGTERM, daemon.request_stop)
     signal.signal(signal.SIGINT, daemon.request_stop)
+    signal.signal(signal.SIGHUP, daemon.request_reload)
     daemon.serve_forever(on_ready)
     log.info("stopped")

@@ -1,0 +1,118 @@
+"""Prometheus text exposition: rendered by the owner loop from plain data, served by a thread.
+
+The HTTP thread never reads the daemon's tables: the owner loop renders a snapshot
+(`render`) every sweep and swaps it in; the thread serves whatever is current.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+log = logging.getLogger("modelcache.metrics")
+
+OPEN_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Histogram:
+    def __init__(self, buckets=OPEN_BUCKETS_S):
+        self.buckets = tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
+        self.total = 0.0
+        self.n = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.n += 1
+
+    def lines(self, name: str, labels: str = "") -> list[str]:
+        sep = "," if labels else ""
+        out, cum = [], 0
+        for bound, count in zip((*self.buckets, "+Inf"), self.counts):
+            cum += count
+            out.append(f'{name}_bucket{{{labels}{sep}le="{bound}"}} {cum}')
+        lab = f"{{{labels}}}" if labels else ""
+        out += [f"{name}_sum{lab} {self.total:.6f}", f"{name}_count{lab} {self.n}"]
+        return out
+
+
+def _esc(value: str) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, uptime_s: float,
+           open_latency: Histogram, states: list[str]) -> str:
+    """All metrics as Prometheus text format 0.0.4."""
+    out = []
+
+    def metric(name, kind, help_, samples):
+        out.append(f"# HELP {name} {help_}")
+        out.append(f"# TYPE {name} {kind}")
+        out.extend(samples)
+
+    metric("modelcache_uptime_seconds", "gauge", "Seconds since the daemon started.", [f"modelcache_uptime_seconds {uptime_s:.1f}"])
+    metric("modelcache_clients", "gauge", "Connected clients.", [f"modelcache_clients {clients}"])
+    metric("modelcache_tier_used_bytes", "gauge", "Bytes resident per tier.",
+           [f'modelcache_tier_used_bytes{{tier="{t["tier"]}"}} {t["used_bytes"]}' for t in tiers])
+    metric("modelcache_tier_capacity_bytes", "gauge", "Capacity per tier (0: unbounded).",
+           [f'modelcache_tier_capacity_bytes{{tier="{t["tier"]}"}} {t["capacity_bytes"]}' for t in tiers])
+    by_state = {s: 0 for s in states}
+    for m in models:
+        by_state[m["state"]] = by_state.get(m["state"], 0) + 1
+    metric("modelcache_models", "gauge", "Models per lifecycle state.",
+           [f'modelcache_models{{state="{s}"}} {n}' for s, n in by_state.items()])
+    metric("modelcache_model_refcount", "gauge", "Open leases per model.",
+           [f'modelcache_model_refcount{{model="{_esc(m["name"])}",version="{m["version"]}"}} {m["refcount"]}'
+            for m in models])
+    metric("modelcache_model_resident_bytes", "gauge", "Weights bytes of each model in the host tier.",
+           [f'modelcache_model_resident_bytes{{model="{_esc(m["name"])}",version="{m["version"]}"}} '
+            f'{m["bytes"] if m["tier"] == "host" else 0}' for m in models])
+    for key, help_ in (("opens", "Open requests."), ("hits", "Opens served from the host tier."),
+                       ("misses", "Opens that had to promote from disk."), ("evictions", "Models evicted."),
+                       ("closes", "Leases closed by clients."), ("clients_lost", "Clients dropped for silence or death."),
+                       ("adds", "Models added."), ("bad_messages", "Malformed requests refused.")):
+        metric(f"modelcache_{key}_total", "counter", help_, [f"modelcache_{key}_total {counters.get(key, 0)}"])
+    metric("modelcache_open_latency_seconds", "histogram", "Time from an open request to its reply.",
+           open_latency.lines("modelcache_open_latency_seconds"))
+    return "\n".join(out) + "\n"
+
+
+class MetricsServer:
+    """GET /metrics on host:port; serves the latest rendered text."""
+
+    def __init__(self, host: str, port: int):
+        self.text = b"# no snapshot yet\n"
+        server_self = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's naming)
+                if self.path.split("?")[0] not in ("/metrics", "/"):
+                    self.send_error(404, "only /metrics here")
+                    return
+                body = server_self.text
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # scrapes are not events worth a log line
+                pass
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="metrics", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def publish(self, text: str) -> None:
+        self.text = text.encode()  # one reference swap: the thread sees the old or the new, never half
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
