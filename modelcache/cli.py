@@ -74,6 +74,14 @@ def cmd_ls(args) -> int:
     return 0
 
 
+def cmd_evict(args) -> int:
+    from .client.connection import connect
+    with connect(_settings(args).socket) as c:
+        c.evict(args.name, args.version)
+    print(f"evicted {args.name} from the host tier")
+    return 0
+
+
 def cmd_status(args) -> int:
     from .client.connection import connect
     with connect(_settings(args).socket, timeout_s=5) as c:
@@ -110,10 +118,9 @@ def format_status(st) -> str:
 
 def cmd_stats(args) -> int:
     import json
-    from dataclasses import asdict
     from .client.connection import connect
     with connect(_settings(args).socket) as c:
-        print(json.dumps(asdict(c.stats()), indent=1))
+        print(json.dumps(c.stats().to_dict(), indent=1))
     return 0
 
 
@@ -216,6 +223,9 @@ def cmd_bench(args) -> int:
     if args.which == "open":
         from .bench import open as bench_open
         return bench_open.main(args.rest)
+    if args.which == "coldstart":
+        from .bench import coldstart
+        return coldstart.main(args.rest)
     raise SystemExit(f"unknown benchmark {args.which}")
 
 
@@ -259,6 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("ls", parents=[common], help="list models: version, bytes, tier, refcount, last use")
     ls.set_defaults(func=cmd_ls)
+    ev = sub.add_parser("evict", parents=[common], help="drop a model from the host tier (it stays on disk)")
+    ev.add_argument("name")
+    ev.add_argument("--version", type=int)
+    ev.set_defaults(func=cmd_evict)
     sta = sub.add_parser("status", parents=[common], help="one screen: version, uptime, tiers, models, clients")
     sta.set_defaults(func=cmd_status)
     st = sub.add_parser("stats", parents=[common], help="the daemon's counters, clients, tiers and jobs (JSON)")
@@ -276,9 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--models", nargs="+", default=["resnet50", "squeezenet1_1"])
     dm.set_defaults(func=cmd_demo)
 
-    b = sub.add_parser("bench", help="benchmarks: `open` (session ready, memory, warm speed vs plain ORT), "
-                                     "`binding` (which ORT binding to share weights with)")
-    b.add_argument("which", choices=["open", "binding"])
+    b = sub.add_parser("bench", help="benchmarks: `coldstart` (fresh FaaS processes, TrIMS-style), "
+                                     "`open` (session ready, memory, warm speed vs plain ORT), "
+                                     "`binding` (which ORT binding to share weights with)",
+                       description="Benchmarks print figures; options after the name go to the benchmark "
+                                   "(`modelcache bench coldstart --help`).")
+    b.add_argument("which", choices=["coldstart", "open", "binding"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (try `-- --help`)")
     b.set_defaults(func=cmd_bench)
     return p

@@ -273,3 +273,49 @@ def check_name(name: str) -> None:
     ok = name and len(name) <= 128 and all(c.isalnum() or c in "-_." for c in name) and not name.startswith(".")
     if not ok:
         raise PackError(f"invalid model name {name!r}: use letters, digits, '-', '_' and '.', not starting with '.'")
+
+
+def pack_in_subprocess(src: str, repository: Path, name: str, version: int, opt_level: str = "all",
+                       progress: Progress | None = None, on_start=None) -> Manifest:
+    """`pack` in a child process: ORT's memory goes back to the OS when it exits, and a model that
+    crashes ORT costs that child, not the caller (the daemon). `on_start(proc)` lets the caller kill it."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "modelcache.packing", src, str(repository), name, str(version), opt_level]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if on_start:
+        on_start(proc)
+    error = None
+    for line in proc.stdout:  # "progress DONE TOTAL" lines, then "ok" or "error MESSAGE"
+        kind, _, rest = line.rstrip("\n").partition(" ")
+        if kind == "progress" and progress:
+            done, total = rest.split()
+            progress(int(done), int(total))
+        elif kind == "error":
+            error = rest
+    stderr = proc.stderr.read()
+    rc = proc.wait()
+    if error is not None:
+        raise PackError(error)
+    if rc != 0:
+        how = f"was killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+        raise PackError(f"packing {src} failed: the packing process {how}. {stderr.strip()[-500:]}")
+    return load_manifest(repository / name / str(version))
+
+
+def _main(argv: list[str]) -> int:
+    src, repository, name, version, opt_level = argv
+    try:
+        pack(src, Path(repository), name, int(version), opt_level,
+             progress=lambda d, t: print(f"progress {d} {t}", flush=True))
+    except PackError as e:
+        print("error " + str(e).replace("\n", " "), flush=True)
+        return 2
+    print("ok", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(_main(sys.argv[1:]))

@@ -8,10 +8,7 @@ fields are ignored so that an older daemon still understands a newer client.
 
 from __future__ import annotations
 
-import dataclasses
-import typing
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional  # noqa: F401  (named in the string annotations below)
 
 import msgpack
 
@@ -20,29 +17,63 @@ from .errors import ProtocolError
 PROTOCOL_VERSION = 1
 
 MESSAGES: dict[bytes, type] = {}
+_REQUIRED = object()
 
 
-def message(kind: str):
-    def register(cls):
-        cls = dataclass(cls)
+class Message:
+    """A typed message: fields come from the class annotations, defaults from class attributes.
+
+    Hand-rolled rather than @dataclass: dataclasses generate code with exec() per class,
+    which cost ~20 ms of every client's start-up, the very thing modelcache exists to cut.
+    """
+
+    KIND = b""
+    FIELDS: tuple = ()        # (name, annotation text, default or _REQUIRED) per field, in order
+    __slots__ = ()
+
+    def __init_subclass__(cls, kind: str = "", **kw):
+        super().__init_subclass__(**kw)
+        fields = []
+        for name, annotation in cls.__dict__.get("__annotations__", {}).items():
+            default = cls.__dict__.get(name, _REQUIRED)
+            fields.append((name, annotation if isinstance(annotation, str) else annotation.__name__, default))
+        cls.FIELDS = tuple(fields)
         cls.KIND = kind.encode()
         MESSAGES[cls.KIND] = cls
-        return cls
-    return register
+
+    def __init__(self, **values):
+        for name, _, default in self.FIELDS:
+            if name in values:
+                value = values.pop(name)
+            elif default is _REQUIRED:
+                raise TypeError(f"{type(self).__name__} needs {name!r}")
+            else:
+                value = list(default) if isinstance(default, list) else dict(default) if isinstance(default, dict) \
+                    else default
+            setattr(self, name, value)
+        if values:
+            raise TypeError(f"{type(self).__name__} has no field {next(iter(values))!r}")
+
+    def to_dict(self) -> dict:
+        return {name: getattr(self, name) for name, _, _ in self.FIELDS}
+
+    def __eq__(self, other):
+        return type(other) is type(self) and other.to_dict() == self.to_dict()
+
+    def __repr__(self):
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items())})"
 
 
 # -- handshake and liveness ------------------------------------------------------------
 
-@message("hello")
-class Hello:
+class Hello(Message, kind="hello"):
     req_id: int
     protocol_version: int
     pid: int
     client_name: str = ""
 
 
-@message("hello_ok")
-class HelloReply:
+class HelloReply(Message, kind="hello_ok"):
     req_id: int
     protocol_version: int
     daemon_version: str
@@ -51,14 +82,12 @@ class HelloReply:
     lease_timeout_s: float
 
 
-@message("heartbeat")
-class Heartbeat:
+class Heartbeat(Message, kind="heartbeat"):
     """Fire and forget: keeps the client's leases alive."""
     client_id: str
 
 
-@message("bye")
-class Goodbye:
+class Goodbye(Message, kind="bye"):
     """The client is leaving: release all its leases now rather than at lease expiry."""
     req_id: int
     client_id: str
@@ -66,8 +95,7 @@ class Goodbye:
 
 # -- models ------------------------------------------------------------------------------
 
-@message("open")
-class Open:
+class Open(Message, kind="open"):
     req_id: int
     client_id: str
     name: str
@@ -75,46 +103,47 @@ class Open:
     device: str = "cpu"
 
 
-@message("open_ok")
-class OpenReply:
+class OpenReply(Message, kind="open_ok"):
     req_id: int
     lease_id: str
     name: str
     version: int
     skeleton_path: str                 # the weightless graph, in the host tier
     weights_path: str                  # the weights blob clients map read-only
-    tensors: list = field(default_factory=list)   # [name, dtype, shape, offset, nbytes] each
-    inputs: list = field(default_factory=list)    # [{name, dtype, shape}]
-    outputs: list = field(default_factory=list)
+    tensors: list = []   # [name, dtype, shape, offset, nbytes] each
+    inputs: list = []    # [{name, dtype, shape}]
+    outputs: list = []
     weights_bytes: int = 0
     hit: bool = True                   # was it resident before this open?
 
 
-@message("close")
-class Close:
+class Close(Message, kind="close"):
     req_id: int
     client_id: str
     lease_id: str
 
 
-@message("ok")
-class Ack:
+class Ack(Message, kind="ok"):
     req_id: int
 
 
-@message("list")
-class ListModels:
+class Evict(Message, kind="evict"):
+    """Drop a model from the host tier now (refused while clients hold it)."""
+    req_id: int
+    name: str
+    version: Optional[int] = None
+
+
+class ListModels(Message, kind="list"):
     req_id: int
 
 
-@message("list_ok")
-class ModelList:
+class ModelList(Message, kind="list_ok"):
     req_id: int
-    models: list = field(default_factory=list)   # dicts, see daemon.registry.ModelRecord.describe
+    models: list = []   # dicts, see daemon.registry.ModelRecord.describe
 
 
-@message("add")
-class Add:
+class Add(Message, kind="add"):
     req_id: int
     path: str
     name: str
@@ -122,8 +151,7 @@ class Add:
     opt_level: Optional[str] = None
 
 
-@message("add_ok")
-class AddReply:
+class AddReply(Message, kind="add_ok"):
     req_id: int
     name: str
     version: int
@@ -132,27 +160,24 @@ class AddReply:
     pack_s: float
 
 
-@message("stats")
-class Stats:
+class Stats(Message, kind="stats"):
     req_id: int
 
 
-@message("stats_ok")
-class StatsReply:
+class StatsReply(Message, kind="stats_ok"):
     req_id: int
     daemon_version: str
     pid: int
     uptime_s: float
     socket: str
-    clients: list = field(default_factory=list)
-    models: list = field(default_factory=list)
-    tiers: list = field(default_factory=list)
-    counters: dict = field(default_factory=dict)
-    jobs: list = field(default_factory=list)      # in-flight packs and loads, with progress
+    clients: list = []
+    models: list = []
+    tiers: list = []
+    counters: dict = {}
+    jobs: list = []      # in-flight packs and loads, with progress
 
 
-@message("error")
-class ErrorReply:
+class ErrorReply(Message, kind="error"):
     req_id: int
     code: str
     message: str
@@ -160,24 +185,23 @@ class ErrorReply:
 
 # -- encoding ----------------------------------------------------------------------------
 
-def encode(msg) -> list[bytes]:
-    return [msg.KIND, msgpack.packb(dataclasses.asdict(msg), use_bin_type=True)]
+def encode(msg: Message) -> list[bytes]:
+    return [msg.KIND, msgpack.packb(msg.to_dict(), use_bin_type=True)]
 
 
-_PLAIN = {int: (int,), float: (int, float), str: (str,), bool: (bool,), list: (list, tuple), dict: (dict,)}
+# Annotation text -> the Python types a msgpack value may decode to.
+_ACCEPT = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "list": (list, tuple),
+           "dict": (dict,)}
 
 
-def _check(cls, name: str, typ, value) -> None:
-    origin = typing.get_origin(typ)
-    if origin is typing.Union:  # Optional[X]
+def _check(cls, name: str, annotation: str, value) -> None:
+    if annotation.startswith("Optional["):
         if value is None:
             return
-        typ = next(a for a in typing.get_args(typ) if a is not type(None))
-    elif origin is not None:
-        typ = origin
-    ok = _PLAIN.get(typ, (object,))
-    if not isinstance(value, ok) or (typ in (int, float) and isinstance(value, bool)):
-        raise ProtocolError(f"{cls.KIND.decode()}.{name}: expected {typ.__name__}, got {type(value).__name__}")
+        annotation = annotation[len("Optional["):-1]
+    ok = _ACCEPT[annotation]
+    if not isinstance(value, ok) or (annotation in ("int", "float") and isinstance(value, bool)):
+        raise ProtocolError(f"{cls.KIND.decode()}.{name}: expected {annotation}, got {type(value).__name__}")
 
 
 def decode(frames: list[bytes], expect: tuple[type, ...] | None = None) -> Any:
@@ -197,15 +221,14 @@ def decode(frames: list[bytes], expect: tuple[type, ...] | None = None) -> Any:
         raise ProtocolError(f"{cls.KIND.decode()}: body is not valid msgpack ({type(e).__name__})") from None
     if not isinstance(data, dict):
         raise ProtocolError(f"{cls.KIND.decode()}: body must be a map, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name in data:
-            _check(cls, f.name, hints[f.name], data[f.name])
-            kwargs[f.name] = data[f.name]
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ProtocolError(f"{cls.KIND.decode()}: missing field {f.name!r}")
-    return cls(**kwargs)
+    values = {}
+    for name, annotation, default in cls.FIELDS:
+        if name in data:
+            _check(cls, name, annotation, data[name])
+            values[name] = data[name]
+        elif default is _REQUIRED:
+            raise ProtocolError(f"{cls.KIND.decode()}: missing field {name!r}")
+    return cls(**values)  # fields it does not know are ignored: newer peers may add some
 
 
 def req_id_of(frames: list[bytes]) -> int:

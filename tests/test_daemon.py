@@ -314,3 +314,43 @@ def test_cli_errors_and_help(tmp_path):
     assert r.returncode == 1 and "no modelcache daemon" in r.stderr and "Traceback" not in r.stderr
     r = subprocess.run([sys.executable, "-m", "modelcache.cli", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "daemon" in r.stdout and "add" in r.stdout
+
+
+def test_evict_frees_host_memory_and_next_open_is_a_miss(daemon, client, zoo_file):
+    client.add(zoo_file("tiny-cnn"), "cnn")
+    s = modelcache.InferenceSession("cnn", client=client)
+    with pytest.raises(modelcache.CapacityError, match="in use by 1"):
+        client.evict("cnn")
+    s.close()
+    host_dir = daemon.shm_dir / "cnn@1"
+    assert host_dir.exists()
+    r = subprocess.run([sys.executable, "-m", "modelcache.cli", "evict", "cnn"], env=daemon.env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert not host_dir.exists()
+    st = client.stats()
+    assert st.models[0]["tier"] == "disk" and st.tiers[0]["used_bytes"] == 0 and st.counters["evictions"] == 1
+    with modelcache.InferenceSession("cnn", client=client) as again:
+        assert not again.was_cache_hit
+
+
+def test_a_model_that_crashes_the_packer_costs_only_the_packer(zoo_file, tmp_path):
+    # Stand-in for ORT crashing on a hostile file: a packing process that dies by SIGSEGV.
+    # The daemon's packing process is `python -m modelcache.packing`; sitecustomize makes it crash.
+    crash = tmp_path / "crash"
+    crash.mkdir()
+    (crash / "sitecustomize.py").write_text(
+        "import os, signal, sys\n"
+        "if sys.argv[0].endswith('packing.py') or 'modelcache.packing' in ' '.join(sys.orig_argv):\n"
+        "    os.kill(os.getpid(), signal.SIGSEGV)\n")
+    d2 = DaemonProcess(tmp_path / "d2", {"PYTHONPATH": f"{crash}:{os.environ.get('PYTHONPATH', '')}"})
+    (tmp_path / "d2").mkdir()
+    d2.start()
+    try:
+        with d2.client() as c:
+            with pytest.raises(PackError, match="killed by signal 11"):
+                c.add(zoo_file("tiny-cnn"), "cnn")
+            assert c.list() == [] and c.stats().pid == d2.pid  # same daemon, still answering
+    finally:
+        assert d2.stop() == 0
+        d2.kill()

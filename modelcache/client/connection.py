@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
@@ -19,19 +18,8 @@ from .. import protocol as P
 from ..errors import DaemonUnavailable, RequestTimeout, from_code
 
 
-@dataclass
-class OpenedModel:
-    """What the daemon lends on open: where the weights live and how to read them."""
-    lease_id: str
-    name: str
-    version: int
-    skeleton_path: str
-    weights_path: str
-    tensors: list
-    inputs: list
-    outputs: list
-    weights_bytes: int
-    hit: bool
+# What the daemon lends on open: the lease, where the weights live and how to read them.
+OpenedModel = P.OpenReply
 
 
 def _settings(socket: str | None, timeout_s: float | None):
@@ -127,13 +115,15 @@ class Client:
 
     # -- API ---------------------------------------------------------------------------
     def open(self, name: str, version: int | None = None, device: str = "cpu") -> OpenedModel:
-        r = self._call(P.Open(req_id=0, client_id=self.client_id, name=name, version=version, device=device),
-                       expect=(P.OpenReply,))
-        return OpenedModel(r.lease_id, r.name, r.version, r.skeleton_path, r.weights_path, r.tensors,
-                           r.inputs, r.outputs, r.weights_bytes, r.hit)
+        return self._call(P.Open(req_id=0, client_id=self.client_id, name=name, version=version, device=device),
+                          expect=(P.OpenReply,))
 
     def release(self, lease_id: str) -> None:
         self._call(P.Close(req_id=0, client_id=self.client_id, lease_id=lease_id), expect=(P.Ack,))
+
+    def evict(self, name: str, version: int | None = None) -> None:
+        """Free the model's host memory now; it stays on disk. Refused (CapacityError) while in use."""
+        self._call(P.Evict(req_id=0, name=name, version=version), expect=(P.Ack,))
 
     def list(self) -> list[dict]:
         return self._call(P.ListModels(req_id=0), expect=(P.ModelList,)).models

@@ -23,7 +23,7 @@ import zmq
 from .. import __version__, protocol as P
 from ..config import Settings
 from ..errors import CapacityError, ModelCacheError, PackError, ProtocolError
-from ..packing import pack
+from ..packing import pack_in_subprocess
 from ..tiers.disk import Repository
 from ..tiers.host import HostTier
 from .metrics import Histogram, MetricsServer, render
@@ -51,11 +51,14 @@ class Daemon:
         self.jobs: dict[str, dict] = {}          # in-flight packs and loads, for stats
         self.reserved_versions: set = set()     # versions being packed, not yet in the registry
         self.counters = {"opens": 0, "hits": 0, "misses": 0, "closes": 0, "adds": 0,
-                         "clients_lost": 0, "bad_messages": 0, "promotions": 0}
+                         "clients_lost": 0, "bad_messages": 0, "promotions": 0, "evictions": 0}
         self.started = wall()
         self.stop_requested = False
         self.reload_requested = False
         self.pending: list = []                 # (future, done) of loader tasks, to answer them at stop
+        # Packing subprocesses, so an immediate stop can kill them. Loader threads add and remove
+        # entries (single set operations, atomic under the GIL); only the signal handler reads it.
+        self.packers: set = set()
         self.open_latency = Histogram()
         self.notifier = Notifier()
         self.metrics: MetricsServer | None = None
@@ -108,6 +111,9 @@ class Daemon:
     def request_stop(self, *_):
         """Signal handler: the first signal asks for a graceful stop, a second one exits at once."""
         if self.stop_requested:
+            for proc in list(self.packers):
+                if proc.poll() is None:
+                    proc.kill()
             self._remove_socket_file()
             self.host.stop()
             os._exit(1)
@@ -310,6 +316,25 @@ class Daemon:
         self.counters["closes"] += 1
         return P.Ack(req_id=msg.req_id)
 
+    def on_Evict(self, ident, msg: P.Evict):
+        model = self.registry.resolve(msg.name, msg.version)
+        if model.state is ModelState.LOADING:
+            raise CapacityError(f"{model.key} is loading; evict it once it is resident")
+        if model.refcount > 0:
+            raise CapacityError(f"{model.key} is in use by {model.refcount} sessions; it cannot be evicted")
+        if model.state is ModelState.RESIDENT:
+            self.evict(model)
+        return P.Ack(req_id=msg.req_id)
+
+    def evict(self, model: ModelRecord) -> None:
+        """Free a resident, unreferenced model's host memory (clients' old mappings stay valid)."""
+        assert model.state is ModelState.RESIDENT and model.refcount == 0
+        self.host.free(model.key)
+        self.host.used_bytes -= model.manifest.weights_bytes
+        model.state, model.host_dir = ModelState.ON_DISK, None
+        self.counters["evictions"] += 1
+        log.info("model evicted: %s from host, %.1f MiB freed", model.key, model.manifest.weights_bytes / 2**20)
+
     def on_ListModels(self, ident, msg: P.ListModels):
         return P.ModelList(req_id=msg.req_id, models=self._describe_models())
 
@@ -350,7 +375,13 @@ class Daemon:
 
         def work():
             t0 = time.perf_counter()
-            manifest = pack(msg.path, self.repository.root, msg.name, version, opt_level, progress)
+            started = []
+            try:
+                manifest = pack_in_subprocess(msg.path, self.repository.root, msg.name, version, opt_level,
+                                              progress, on_start=lambda p: (started.append(p), self.packers.add(p)))
+            finally:
+                for p in started:
+                    self.packers.discard(p)
             return manifest, time.perf_counter() - t0
 
         def done(result, error):

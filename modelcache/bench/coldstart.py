@@ -1,0 +1,238 @@
+"""FaaS cold-start benchmark, measured as TrIMS did: a fresh process from exec to first result.
+
+    modelcache bench coldstart [--models resnet50 vgg16 ...] [--runs 7] [--quick] [--out DIR]
+
+Modes, interleaved round by round so machine drift hits them alike:
+  ort          plain onnxruntime.InferenceSession(model.onnx) + one run
+  ort-tuned    skeleton + weights in /dev/shm by hand, optimizers and prepacking off (no daemon)
+  attach-hit   modelcache.InferenceSession(name), model resident in host memory
+  attach-miss  the same, model evicted to disk first
+  serve        client hands the input to the daemon (skipped until serve mode lands)
+  ideal        same interpreter and imports + compute of a warm session: loading costs nothing
+Memory: k concurrent clients of one model holding a session, PSS and USS per client, ort vs attach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .common import ensure_models, managed_daemon, summary
+
+MODES = ["ort", "ort-tuned", "attach-hit", "attach-miss", "serve", "ideal"]
+CHILD = str(Path(__file__).with_name("coldstart_child.py"))
+DEFAULT_MODELS = ["squeezenet1_1", "resnet50", "googlenet", "vgg16", "vit_b_16", "alexnet"]
+
+
+def spawn(mode: str, name: str, src: str, tuned_dir: str, socket: str, hold: bool = False) -> subprocess.Popen:
+    env = {**os.environ, "MODELCACHE_SOCKET": socket}
+    if hold:
+        env["HOLD"] = "1"
+    return subprocess.Popen([sys.executable, CHILD, mode, name, src, tuned_dir, str(time.monotonic_ns())],
+                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def sample(mode, name, src, tuned_dir, socket) -> dict:
+    proc = spawn(mode, name, src, tuned_dir, socket)
+    out, err = proc.communicate(timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mode} {name} failed: {err[-1500:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def prepare_tuned(client, name: str, root: Path) -> str:
+    """ort-tuned's files: a copy of the packed skeleton and weights in our own /dev/shm directory."""
+    lease = client.open(name)
+    try:
+        d = root / name
+        d.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(lease.skeleton_path, d / "model.onnx")
+        shutil.copyfile(lease.weights_path, d / "weights.bin")
+        return str(d)
+    finally:
+        client.release(lease.lease_id)
+
+
+def measure_latency(client, socket, paths, tuned, modes, runs, log) -> list[dict]:
+    samples = []
+    for r in range(runs):
+        for name, src in paths.items():
+            for mode in modes:
+                if mode == "attach-miss":
+                    client.evict(name)
+                elif mode == "attach-hit":
+                    client.release(client.open(name).lease_id)  # make sure it is resident
+                s = sample(mode, name, src, tuned[name], socket)
+                s["run"] = r
+                samples.append(s)
+            log(f"round {r + 1}/{runs} {name}: " + ", ".join(f"{s['mode']} {s['total_ms']:.0f}"
+                                                             for s in samples if s["run"] == r and s["model"] == name))
+    return samples
+
+
+def measure_memory(client, socket, name, src, tuned_dir, counts, log) -> list[dict]:
+    import psutil
+    daemon_pid = client.stats().pid
+    rows = []
+    for k in counts:
+        for mode in ("ort", "attach-hit"):
+            procs = [spawn(mode, name, src, tuned_dir, socket, hold=True) for _ in range(k)]
+            try:
+                for p in procs:
+                    line = p.stdout.readline()
+                    if not line:
+                        raise RuntimeError(f"memory client failed: {p.stderr.read()[-1500:]}")
+                infos = [psutil.Process(p.pid).memory_full_info() for p in procs]
+                daemon_pss = psutil.Process(daemon_pid).memory_full_info().pss if mode == "attach-hit" else 0
+                row = {"model": name, "mode": mode, "clients": k,
+                       "clients_pss_mib": sum(i.pss for i in infos) / 2**20,
+                       "daemon_pss_mib": daemon_pss / 2**20,
+                       "uss_per_client_mib": statistics.median(i.uss for i in infos) / 2**20}
+                row["total_pss_mib"] = row["clients_pss_mib"] + row["daemon_pss_mib"]
+                rows.append(row)
+                log(f"memory {mode} k={k}: total PSS {row['total_pss_mib']:.0f} MiB, "
+                    f"USS/client {row['uss_per_client_mib']:.0f} MiB")
+            finally:
+                for p in procs:
+                    p.stdin.close()
+                for p in procs:
+                    p.wait(60)
+    return rows
+
+
+def report(samples: list[dict], memory: list[dict], out=sys.stdout) -> None:
+    modes = [m for m in MODES if any(s["mode"] == m for s in samples)]
+    print(f"{'model':<14} {'mode':<12} {'total ms (median [min-max])':>28} {'x ort':>7} {'x ideal':>8} "
+          f"{'interp':>7} {'imports':>8} {'session':>8} {'1st run':>8}", file=out)
+    for name in dict.fromkeys(s["model"] for s in samples):
+        med = {m: statistics.median(s["total_ms"] for s in samples if s["model"] == name and s["mode"] == m)
+               for m in modes}
+        for m in modes:
+            rows = [s for s in samples if s["model"] == name and s["mode"] == m]
+            phase = {k: statistics.median(r[k] for r in rows)
+                     for k in ("interpreter_ms", "imports_ms", "session_ms", "first_run_ms")}
+            print(f"{name:<14} {m:<12} {summary([r['total_ms'] for r in rows]):>28} "
+                  f"{med[m] / med['ort']:>7.2f} {med[m] / med['ideal']:>8.2f} {phase['interpreter_ms']:>7.0f} "
+                  f"{phase['imports_ms']:>8.0f} {phase['session_ms']:>8.1f} {phase['first_run_ms']:>8.1f}", file=out)
+        if "attach-hit" in med:
+            print(f"{name:<14} -> attach-hit is {med['ort'] / med['attach-hit']:.2f}x faster than ort, "
+                  f"{med['attach-hit'] / med['ideal']:.2f}x ideal, {med['attach-hit'] / med['ort-tuned']:.2f}x ort-tuned",
+                  file=out)
+    if "serve" not in modes:
+        print("serve: skipped (the serve-mode executor has not landed yet)", file=out)
+    if memory:
+        print(f"\n{'model':<14} {'mode':<11} {'clients':>7} {'total PSS MiB':>14} {'(daemon)':>9} {'USS/client MiB':>15}",
+              file=out)
+        for r in memory:
+            print(f"{r['model']:<14} {r['mode']:<11} {r['clients']:>7} {r['total_pss_mib']:>14.0f} "
+                  f"{r['daemon_pss_mib']:>9.0f} {r['uss_per_client_mib']:>15.0f}", file=out)
+        kmax = max(r["clients"] for r in memory)
+        o = next(r for r in memory if r["clients"] == kmax and r["mode"] == "ort")
+        a = next(r for r in memory if r["clients"] == kmax and r["mode"] == "attach-hit")
+        print(f"{kmax} attach clients + daemon use {100 * a['total_pss_mib'] / o['total_pss_mib']:.0f}% of the "
+              f"memory of {kmax} ort processes", file=out)
+
+
+def plot(samples: list[dict], memory: list[dict], out_dir: Path) -> list[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plots skipped: install modelcache[bench] (matplotlib)", file=sys.stderr)
+        return []
+    written = []
+    names = list(dict.fromkeys(s["model"] for s in samples))
+    modes = [m for m in MODES if m not in ("ort", "ideal") and any(s["mode"] == m for s in samples)]
+    med = {(n, m): statistics.median(s["total_ms"] for s in samples if s["model"] == n and s["mode"] == m)
+           for n in names for m in MODES if any(s["mode"] == m and s["model"] == n for s in samples)}
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(names)), 4))
+    width = 0.8 / len(modes)
+    for i, m in enumerate(modes):
+        ax.bar([j + i * width for j in range(len(names))], [med[(n, "ort")] / med[(n, m)] for n in names],
+               width, label=m)
+    for j, n in enumerate(names):  # the ideal speedup, as TrIMS marks it
+        ax.hlines(med[(n, "ort")] / med[(n, "ideal")], j - width / 2, j + 0.8 - width / 2, colors="k",
+                  linestyles="dashed", label="ideal" if j == 0 else None)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
+    ax.set_ylabel("speedup over plain ORT (end to end)")
+    ax.set_title("Cold start of a fresh process: exec to first result")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "speedup.png", dpi=120)
+    written.append("speedup.png")
+    if memory:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for mode in ("ort", "attach-hit"):
+            rows = [r for r in memory if r["mode"] == mode]
+            ax.plot([r["clients"] for r in rows], [r["total_pss_mib"] for r in rows], marker="o", label=mode)
+        ax.set_xlabel("concurrent clients of one model")
+        ax.set_ylabel("total PSS, MiB (attach includes the daemon)")
+        ax.set_title(f"Memory: {memory[0]['model']}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / "memory.png", dpi=120)
+        written.append("memory.png")
+    plt.close("all")
+    return written
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="modelcache bench coldstart", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", help=f"zoo models (default: {' '.join(DEFAULT_MODELS)})")
+    ap.add_argument("--runs", type=int, help="fresh processes per mode and model (default 7; 5 with --quick)")
+    ap.add_argument("--quick", action="store_true", help="squeezenet1_1 and resnet50, 5 runs, 1-2 clients: < 2 min")
+    ap.add_argument("--clients", type=int, nargs="+", help="memory: concurrent clients (default 1 2 4 8)")
+    ap.add_argument("--memory-model", help="model for the memory measurement (default vgg16, or the first model)")
+    ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
+    ap.add_argument("--socket", help="use this running daemon (default: start a private one)")
+    ap.add_argument("--out", help="directory for samples.csv, results.json, report.txt and plots")
+    args = ap.parse_args(argv)
+    models = args.models or (["squeezenet1_1", "resnet50"] if args.quick else DEFAULT_MODELS)
+    runs = args.runs or (5 if args.quick else 7)
+    counts = args.clients or ([1, 2] if args.quick else [1, 2, 4, 8])
+    memory_model = args.memory_model or ("vgg16" if "vgg16" in models else models[0])
+    modes = [m for m in args.modes if m != "serve"]  # serve lands with the serve-mode issue
+    log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+
+    from ..client.connection import connect
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="modelcache-coldstart-") as tmp, \
+            tempfile.TemporaryDirectory(prefix="modelcache-coldstart-", dir="/dev/shm") as shm:
+        socket = args.socket or f"ipc://{tmp}/daemon.sock"
+        with managed_daemon(socket, None if args.socket else f"{tmp}/repo"):
+            paths = ensure_models(socket, models, Path(tmp) / "zoo")
+            with connect(socket) as client:
+                tuned = {n: prepare_tuned(client, n, Path(shm)) for n in models}
+                samples = measure_latency(client, socket, paths, tuned, modes, runs, log)
+                memory = measure_memory(client, socket, memory_model, paths[memory_model], tuned[memory_model],
+                                        counts, log) if counts != [0] else []
+    report(samples, memory)
+    log(f"benchmark took {time.monotonic() - t0:.0f} s")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "samples.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(samples[0]))
+            w.writeheader()
+            w.writerows(samples)
+        (out / "results.json").write_text(json.dumps({"samples": samples, "memory": memory}, indent=1))
+        with open(out / "report.txt", "w") as f:
+            f.write(f"$ modelcache bench coldstart {' '.join(sys.argv[3:] if argv is None else argv)}\n")
+            report(samples, memory, f)
+        plot(samples, memory, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""The benchmark commands keep working (on tiny models; the figures themselves come from full runs)."""
+
+import csv
+import json
+import subprocess
+import sys
+
+from modelcache.bench.coldstart import MODES
+
+
+def run(*args, timeout=600):
+    r = subprocess.run([sys.executable, "-m", "modelcache.cli", "bench", *args], capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def test_coldstart_quick_on_tiny_models(tmp_path):
+    out = tmp_path / "coldstart"
+    text = run("coldstart", "--quick", "--models", "tiny-cnn", "tiny-vit", "--runs", "2", "--clients", "1", "2",
+               "--out", str(out))
+    measured = [m for m in MODES if m != "serve"]
+    latency_table = text.split("\n\n")[0]
+    for model in ("tiny-cnn", "tiny-vit"):
+        rows = [line.split() for line in latency_table.splitlines() if line.startswith(model + " ")]
+        assert [r[1] for r in rows if r[1] in MODES] == measured
+    assert "serve: skipped" in text
+    samples = list(csv.DictReader(open(out / "samples.csv")))
+    assert len(samples) == 2 * 2 * len(measured)
+    assert all(float(s["total_ms"]) > 0 for s in samples)
+    results = json.loads((out / "results.json").read_text())
+    assert {(r["mode"], r["clients"]) for r in results["memory"]} == {(m, k) for m in ("ort", "attach-hit")
+                                                                       for k in (1, 2)}
+    assert (out / "speedup.png").stat().st_size > 1000 and (out / "memory.png").stat().st_size > 1000
+
+
+def test_open_bench_on_a_tiny_model(tmp_path):
+    text = run("open", "--models", "tiny-cnn", "--runs", "1", "--warm-runs", "3", "--out", str(tmp_path))
+    assert "tiny-cnn" in text and "x plain ORT" in text
+    assert json.loads((tmp_path / "open.json").read_text())["samples"]
