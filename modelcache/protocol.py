@@ -109,8 +109,8 @@ class OpenReply(Message, kind="open_ok"):
     name: str
     version: int
     skeleton_path: str                 # the weightless graph, in the host tier
-    weights_path: str                  # the weights blob clients map read-only
-    tensors: list = []   # [name, dtype, shape, offset, nbytes] each
+    segments: list = []  # paths of the shared-memory segments clients map read-only
+    tensors: list = []   # [name, dtype, shape, segment index, offset, nbytes] each
     inputs: list = []    # [{name, dtype, shape}]
     outputs: list = []
     weights_bytes: int = 0
@@ -125,6 +125,22 @@ class Close(Message, kind="close"):
 
 class Ack(Message, kind="ok"):
     req_id: int
+
+
+class Load(Message, kind="load"):
+    """Prefetch a model into the host tier without opening it; answered once it is resident."""
+    req_id: int
+    name: str
+    version: Optional[int] = None
+    tier: str = "host"
+
+
+class Pin(Message, kind="pin"):
+    """Pin (never evict) or unpin a model."""
+    req_id: int
+    name: str
+    version: Optional[int] = None
+    pinned: bool = True
 
 
 class Evict(Message, kind="evict"):

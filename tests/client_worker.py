@@ -27,8 +27,9 @@ def main() -> int:
         with modelcache.InferenceSession(name) as sess:
             outs = sess.run(None, feeds)
             np.savez(sys.argv[4], *outs)
-            weights = sess._lease.weights_path
-            print(json.dumps({"perms": mapped(weights), "weights_path": weights, "hit": sess.was_cache_hit}))
+            segments = sess._lease.segments
+            perms = [p for seg in segments for p in mapped(seg)]
+            print(json.dumps({"perms": perms, "segments": segments, "hit": sess.was_cache_hit}))
         return 0
     if cmd == "hold":
         sess = modelcache.InferenceSession(name)

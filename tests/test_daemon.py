@@ -47,7 +47,7 @@ def test_tiny_models_from_a_fresh_process_match_plain_ort(daemon, client, zoo_fi
     client.add(zoo_file(name), name)
     report = check_in_fresh_process(daemon, name, zoo_file(name), tmp_path)
     if report["perms"]:  # models with weights: mapped, read-only, shared, from the daemon's /dev/shm
-        assert report["weights_path"].startswith(str(daemon.shm_dir))
+        assert all(seg.startswith(str(daemon.shm_dir)) for seg in report["segments"])
         assert all(p.startswith("r") and "w" not in p and p.endswith("s") for p in report["perms"])
 
 
@@ -322,12 +322,12 @@ def test_evict_frees_host_memory_and_next_open_is_a_miss(daemon, client, zoo_fil
     with pytest.raises(modelcache.CapacityError, match="in use by 1"):
         client.evict("cnn")
     s.close()
-    host_dir = daemon.shm_dir / "cnn@1"
-    assert host_dir.exists()
+    host_dir = daemon.shm_dir / "cnn@1.onnx"   # the resident skeleton
+    assert host_dir.exists() and list(daemon.shm_dir.glob("seg-*.bin"))
     r = subprocess.run([sys.executable, "-m", "modelcache.cli", "evict", "cnn"], env=daemon.env,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert not host_dir.exists()
+    assert not host_dir.exists() and not list(daemon.shm_dir.glob("seg-*.bin"))
     st = client.stats()
     assert st.models[0]["tier"] == "disk" and st.tiers[0]["used_bytes"] == 0 and st.counters["evictions"] == 1
     with modelcache.InferenceSession("cnn", client=client) as again:

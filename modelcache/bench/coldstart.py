@@ -50,16 +50,14 @@ def sample(mode, name, src, tuned_dir, socket) -> dict:
 
 
 def prepare_tuned(client, name: str, root: Path) -> str:
-    """ort-tuned's files: a copy of the packed skeleton and weights in our own /dev/shm directory."""
-    lease = client.open(name)
-    try:
-        d = root / name
-        d.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(lease.skeleton_path, d / "model.onnx")
-        shutil.copyfile(lease.weights_path, d / "weights.bin")
-        return str(d)
-    finally:
-        client.release(lease.lease_id)
+    """ort-tuned's files: the packed skeleton and weights blob, copied into our own /dev/shm directory."""
+    repository = Path(next(t["path"] for t in client.stats().tiers if t["tier"] == "disk"))
+    version = max(m["version"] for m in client.list() if m["name"] == name)
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    for f in ("model.onnx", "weights.bin"):
+        shutil.copyfile(repository / name / str(version) / f, d / f)
+    return str(d)
 
 
 def measure_latency(client, socket, paths, tuned, modes, runs, log) -> list[dict]:

@@ -81,16 +81,19 @@ class Client:
             poller.register(self._sock, zmq.POLLIN)
             poller.register(self._monitor, zmq.POLLIN)
             deadline = _now() + timeout_s
+            gone = False
             while True:
                 remaining_ms = int((deadline - _now()) * 1000)
                 if remaining_ms <= 0:
                     raise RequestTimeout(f"the modelcache daemon at {self.address} did not answer "
                                          f"{msg.KIND.decode()} within {timeout_s:g} s")
-                events = dict(poller.poll(remaining_ms))
+                events = dict(poller.poll(0 if gone else remaining_ms))
                 if self._monitor in events and self._daemon_gone():
-                    raise DaemonUnavailable(f"lost the connection to the modelcache daemon at {self.address} "
-                                            "(it stopped or crashed)")
+                    gone = True
                 if self._sock not in events:
+                    if gone:  # and no answer waiting: a daemon that answered, then stopped, did answer
+                        raise DaemonUnavailable(f"lost the connection to the modelcache daemon at "
+                                                f"{self.address} (it stopped or crashed)")
                     continue
                 reply = P.decode(self._sock.recv_multipart(), expect=(*expect, P.ErrorReply))
                 if reply.req_id != msg.req_id:

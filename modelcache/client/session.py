@@ -1,6 +1,6 @@
 """The drop-in `InferenceSession`: an ONNX Runtime session over the daemon's shared weights.
 
-Each weight becomes an OrtValue over a read-only mapping of the weights blob in /dev/shm
+Each weight becomes an OrtValue over a read-only mapping of a shared-memory segment
 and is handed to ORT with `add_initializer`, over a skeleton that ORT optimized at add
 time. Nothing is read, parsed or copied (benchmarks/binding has the measurement). The
 mapping lives as long as this object; the daemon's lease is released on close.
@@ -36,15 +36,15 @@ class InferenceSession:
         self._lease: OpenedModel | None = None
         self._released = False
         self._sess = None
-        self._map = None
+        self._maps: list[mmap.mmap] = []
         self._lease = self._client.open(name, version)
         try:
-            self._map = _map_readonly(self._lease.weights_path) if self._lease.weights_bytes else None
-            blob = np.frombuffer(self._map, dtype=np.uint8) if self._map is not None else None
+            self._maps = [_map_readonly(path) for path in self._lease.segments]
+            blobs = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
             so = attach_session_options(sess_options)
             self._weights = []  # ORT keeps raw pointers: these OrtValues must outlive the session
-            for tname, dtype, shape, offset, nbytes in self._lease.tensors:
-                view = blob[offset:offset + nbytes].view(dtype).reshape(shape)
+            for tname, dtype, shape, segment, offset, nbytes in self._lease.tensors:
+                view = blobs[segment][offset:offset + nbytes].view(dtype).reshape(shape)
                 value = ort.OrtValue.ortvalue_from_numpy(view)
                 self._weights.append(value)
                 so.add_initializer(tname, value)
@@ -118,12 +118,12 @@ class InferenceSession:
         """Drop the session, then the mapping, then the lease (in that order: ORT points into the mapping)."""
         self._sess = None
         self._weights = []
-        if self._map is not None:
+        for m in self._maps:
             try:
-                self._map.close()
+                m.close()
             except BufferError:
                 pass  # a numpy view of the mapping is still alive; it is unmapped when that view dies
-            self._map = None
+        self._maps = []
         if self._lease is not None and not self._released:
             self._released = True
             try:

@@ -25,8 +25,8 @@ class ModelRecord:
     disk_dir: Path
     manifest: Manifest
     state: ModelState = ModelState.ON_DISK
-    host_dir: Path | None = None
     refcount: int = 0
+    pinned: bool = False
     hits: int = 0
     misses: int = 0
     last_use: float = 0.0
@@ -44,7 +44,7 @@ class ModelRecord:
     def describe(self) -> dict:
         return {"name": self.name, "version": self.version, "bytes": self.manifest.weights_bytes,
                 "tier": self.tier, "state": self.state.value, "refcount": self.refcount,
-                "hits": self.hits, "misses": self.misses, "last_use": self.last_use,
+                "hits": self.hits, "misses": self.misses, "last_use": self.last_use, "pinned": self.pinned,
                 "tensors": len(self.manifest.tensors), "opt_level": self.manifest.opt_level}
 
 
@@ -126,12 +126,9 @@ class Registry:
         lease.model.refcount -= 1
         return lease.model
 
-    def drop_client(self, client_id: str) -> int:
-        """Forget a client and release every lease it held; returns how many."""
+    def drop_client(self, client_id: str) -> list[ModelRecord]:
+        """Forget a client and release every lease it held; returns the models released."""
         rec = self.clients.pop(client_id, None)
         if rec is None:
-            return 0
-        held = list(rec.leases)
-        for lease_id in held:
-            self.release(lease_id)
-        return len(held)
+            return []
+        return [self.release(lease_id) for lease_id in list(rec.leases)]

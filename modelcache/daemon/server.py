@@ -21,7 +21,8 @@ import psutil
 import zmq
 
 from .. import __version__, protocol as P
-from ..config import Settings
+from ..config import ConfigError, Settings
+from ..eviction import make_policy
 from ..errors import CapacityError, ModelCacheError, PackError, ProtocolError
 from ..packing import pack_in_subprocess
 from ..tiers.disk import Repository
@@ -46,6 +47,10 @@ class Daemon:
         self.registry = Registry()
         self.repository = Repository(settings.repository_path)
         self.host = HostTier(settings.shm_dir, settings.host_capacity_bytes())
+        try:
+            self.policy = make_policy(settings.eviction_policy)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         self.loaders = concurrent.futures.ThreadPoolExecutor(settings.loader_threads, thread_name_prefix="loader")
         self.completions: queue.Queue = queue.Queue()
         self.jobs: dict[str, dict] = {}          # in-flight packs and loads, for stats
@@ -201,9 +206,10 @@ class Daemon:
         for future, done in self.pending:
             if future.cancelled():  # queued, never started: its caller still deserves an answer
                 done(None, stopping)
-        for sock in (self.router, self.wake_rx):
-            if sock is not None:
-                sock.close(linger=0)
+        if self.router is not None:
+            self.router.close(linger=2000)  # let the last answers (drained above) reach their clients
+        if self.wake_rx is not None:
+            self.wake_rx.close(linger=0)
         if self.metrics is not None:
             self.metrics.stop()
         self._remove_socket_file()
@@ -268,7 +274,8 @@ class Daemon:
         return None
 
     def on_Goodbye(self, ident, msg: P.Goodbye):
-        self.registry.drop_client(msg.client_id)
+        for model in self.registry.drop_client(msg.client_id):
+            self._after_release(model)
         return P.Ack(req_id=msg.req_id)
 
     def on_Open(self, ident, msg: P.Open):
@@ -279,42 +286,76 @@ class Daemon:
         self.counters["opens"] += 1
         t_request = self.clock()
 
-        def answer(error: ModelCacheError | None = None, hit: bool = True):
+        def answer(error: ModelCacheError | None, hit: bool):
             self.open_latency.observe(self.clock() - t_request)
             if error is not None:
                 self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
                 return
             if msg.client_id not in self.registry.clients:  # left while we were loading
+                self._after_release(model)
                 return
             lease = self.registry.grant(client, model, self.wall())
+            self.policy.accessed(model.key, self.clock())
             self._reply(ident, self._open_reply(msg.req_id, lease.lease_id, model, hit))
 
-        if model.state is ModelState.RESIDENT:
-            model.hits += 1
-            self.counters["hits"] += 1
-            answer()
-            return None
-        model.misses += 1
-        self.counters["misses"] += 1
-        model.waiters.append(lambda err: answer(err, hit=False))
-        if model.state is ModelState.ON_DISK:  # the first miss starts the one load; later ones wait on it
-            self._start_promotion(model)
+        hit = self._when_resident(model, answer)
+        model.hits += hit
+        model.misses += not hit
+        self.counters["hits" if hit else "misses"] += 1
         return None
+
+    def _when_resident(self, model: ModelRecord, then) -> bool:
+        """Call then(error, hit) once `model` is resident: now on a hit (returns True), else after the one load."""
+        if model.state is ModelState.RESIDENT:
+            then(None, True)
+            return True
+        model.waiters.append(lambda err: then(err, False))
+        if model.state is ModelState.ON_DISK:  # the first miss starts the load; later ones wait on it
+            try:
+                self._start_promotion(model)
+            except ModelCacheError:
+                model.waiters.clear()
+                raise
+        return False
+
+    def on_Load(self, ident, msg: P.Load):
+        if msg.tier != "host":
+            raise ModelCacheError(f"tier {msg.tier!r} is not available in this daemon (only 'host')")
+        model = self.registry.resolve(msg.name, msg.version)
+
+        def answer(error, hit):
+            reply = P.Ack(req_id=msg.req_id) if error is None else \
+                P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error))
+            self._reply(ident, reply)
+
+        self._when_resident(model, answer)
+        return None
+
+    def on_Pin(self, ident, msg: P.Pin):
+        model = self.registry.resolve(msg.name, msg.version)
+        model.pinned = msg.pinned
+        log.info("model %s: %s", "pinned" if msg.pinned else "unpinned", model.key)
+        return P.Ack(req_id=msg.req_id)
 
     def _open_reply(self, req_id: int, lease_id: str, model: ModelRecord, hit: bool) -> P.OpenReply:
         m = model.manifest
-        return P.OpenReply(
-            req_id=req_id, lease_id=lease_id, name=model.name, version=model.version,
-            skeleton_path=str(model.host_dir / "model.onnx"), weights_path=str(model.host_dir / "weights.bin"),
-            tensors=[[t.name, t.dtype, t.shape, t.offset, t.nbytes] for t in m.tensors],
-            inputs=m.io_summary()["inputs"], outputs=m.io_summary()["outputs"],
-            weights_bytes=m.weights_bytes, hit=hit)
+        skeleton, segments, tensors = self.host.export(model.key, m)
+        io = m.io_summary()
+        return P.OpenReply(req_id=req_id, lease_id=lease_id, name=model.name, version=model.version,
+                           skeleton_path=skeleton, segments=segments, tensors=tensors, inputs=io["inputs"],
+                           outputs=io["outputs"], weights_bytes=m.weights_bytes, hit=hit)
 
     def on_Close(self, ident, msg: P.Close):
         self._touch(msg.client_id)
-        self.registry.release(msg.lease_id, msg.client_id)
+        self._after_release(self.registry.release(msg.lease_id, msg.client_id))
         self.counters["closes"] += 1
         return P.Ack(req_id=msg.req_id)
+
+    def _after_release(self, model: ModelRecord) -> None:
+        if model.refcount == 0 and model.state is ModelState.RESIDENT:
+            self.policy.released(model.key, self.clock())
+            if self.policy.evict_on_release and not model.pinned:
+                self.evict(model)
 
     def on_Evict(self, ident, msg: P.Evict):
         model = self.registry.resolve(msg.name, msg.version)
@@ -327,13 +368,37 @@ class Daemon:
         return P.Ack(req_id=msg.req_id)
 
     def evict(self, model: ModelRecord) -> None:
-        """Free a resident, unreferenced model's host memory (clients' old mappings stay valid)."""
+        """Free a resident, unreferenced model (clients' old mappings stay valid)."""
         assert model.state is ModelState.RESIDENT and model.refcount == 0
-        self.host.free(model.key)
-        self.host.used_bytes -= model.manifest.weights_bytes
-        model.state, model.host_dir = ModelState.ON_DISK, None
+        freed = self.host.free_model(model.key)
+        self.policy.removed(model.key)
+        model.state = ModelState.ON_DISK
         self.counters["evictions"] += 1
-        log.info("model evicted: %s from host, %.1f MiB freed", model.key, model.manifest.weights_bytes / 2**20)
+        log.info("model evicted: %s from host, %.1f MiB freed", model.key, freed / 2**20)
+
+    def make_room(self, bytes_over: int, loading: str) -> bool:
+        """Evict unreferenced, unpinned resident models, as the policy chooses, until `bytes_over` is freed.
+
+        Nothing is evicted unless the whole need can be met. Shared segments free only when
+        all their users go, so when the policy's per-model choice falls short we walk its
+        order and count what a growing prefix frees together.
+        """
+        candidates = [m for m in self.registry.models.values()
+                      if m.state is ModelState.RESIDENT and m.refcount == 0 and not m.pinned and m.key != loading]
+        by_key = {m.key: m for m in candidates}
+        victims = self.policy.choose_victims(bytes_over, {k: self.host.bytes_freed_by([k]) for k in by_key})
+        if not victims:
+            prefix = []
+            for key in self.policy.order(list(by_key)):
+                prefix.append(key)
+                if self.host.bytes_freed_by(prefix) >= bytes_over:
+                    victims = prefix
+                    break
+        if not victims or self.host.bytes_freed_by(victims) < bytes_over:
+            return False
+        for key in victims:
+            self.evict(by_key[key])
+        return True
 
     def on_ListModels(self, ident, msg: P.ListModels):
         return P.ModelList(req_id=msg.req_id, models=self._describe_models())
@@ -405,34 +470,38 @@ class Daemon:
 
     # -- promotion ---------------------------------------------------------------------
     def _start_promotion(self, model: ModelRecord) -> None:
-        need = model.manifest.weights_bytes
-        if self.host.used_bytes + need > self.host.capacity_bytes:
-            model.waiters.clear()
-            raise CapacityError(f"{model.key} needs {need >> 20} MiB in the host tier; "
-                                f"{(self.host.capacity_bytes - self.host.used_bytes) >> 20} MiB of "
-                                f"{self.host.capacity_bytes >> 20} MiB free (raise host_capacity)")
+        """Plan the model's place in the host tier, make room if needed, and copy it on a loader thread."""
+        plan = self.host.plan(model.key, model.disk_dir, model.manifest)  # reserves its bytes
+        over = self.host.used_bytes - self.host.capacity_bytes
+        if over > 0 and not self.make_room(over, loading=model.key):
+            self.host.abort(plan)
+            raise CapacityError(
+                f"{model.key} needs {plan.segment_bytes >> 20} MiB in the host tier "
+                f"({self.host.capacity_bytes >> 20} MiB, {(self.host.used_bytes - plan.segment_bytes) >> 20} MiB "
+                f"used) and no unused, unpinned model can make room; close sessions, unpin, or raise host_capacity")
         model.state = ModelState.LOADING
-        self.host.used_bytes += model.manifest.weights_bytes  # reserved now, so parallel loads see it
-        self.jobs[f"load:{model.key}"] = {"kind": "load", "model": model.key,
-                                          "bytes_total": model.manifest.weights_bytes}
+        self.jobs[f"load:{model.key}"] = {"kind": "load", "model": model.key, "bytes_total": plan.segment_bytes}
 
-        def done(result, error):
+        def done(seconds, error):
             self.jobs.pop(f"load:{model.key}", None)
             waiters, model.waiters = model.waiters, []
             if error is not None:
+                self.host.abort(plan)
                 model.state = ModelState.ON_DISK
-                self.host.used_bytes -= model.manifest.weights_bytes
                 log.error("promotion of %s failed: %s", model.key, error)
             else:
-                model.host_dir, seconds = result
+                self.host.commit(plan)
                 model.state = ModelState.RESIDENT
+                self.policy.created(model.key, model.manifest.weights_bytes, self.clock())
                 self.counters["promotions"] += 1
-                log.info("model promoted: %s disk -> host, %.1f MiB in %.3f s", model.key,
-                         model.manifest.weights_bytes / 2**20, seconds)
+                shared = model.manifest.weights_bytes - plan.segment_bytes
+                log.info("model promoted: %s disk -> host, %.1f MiB copied in %.3f s%s", model.key,
+                         plan.segment_bytes / 2**20, seconds,
+                         f", {shared / 2**20:.1f} MiB shared with resident models" if shared > 0 else "")
             for wake in waiters:
                 wake(error)
 
-        self._run_on_loader(lambda: self.host.promote(model.disk_dir, model.key), done)
+        self._run_on_loader(lambda: self.host.write(plan), done)
 
     def _run_on_loader(self, work, done) -> None:
         """Run `work` on a loader thread; `done(result, error)` runs later on the owner loop."""
@@ -473,9 +542,11 @@ class Daemon:
             dead = client.pid > 0 and not psutil.pid_exists(client.pid)
             if silent or dead:
                 released = self.registry.drop_client(client.client_id)
+                for model in released:
+                    self._after_release(model)
                 self.counters["clients_lost"] += 1
                 log.info("client lost: %s (pid %d, %s), released %d leases", client.client_id, client.pid,
-                         "process gone" if dead else "no heartbeat", released)
+                         "process gone" if dead else "no heartbeat", len(released))
 
 
 def run(settings: Settings, on_ready=None, reload_settings=None) -> None:

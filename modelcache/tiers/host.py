@@ -1,11 +1,18 @@
 """The host tier: model weights in POSIX shared memory (files on the /dev/shm tmpfs).
 
-The daemon owns one directory per daemon instance, `<shm_dir>/modelcache.<uid>.<pid>/`,
-and one subdirectory per resident model holding the skeleton and the weights blob.
-Files are written by the daemon and are read-only for everyone else (mode 0640, so
-members of the daemon's group may map them). Clients map them; an unlinked file
-stays valid for the clients that still map it, so freeing never pulls memory from
-under a running session — the kernel frees the pages when the last mapping goes.
+Layout, one flat directory per daemon instance, `<shm_dir>/modelcache.<uid>.<pid>/`:
+  seg-<n>.bin     a segment: tensors at page-aligned offsets, written once, then read-only
+  <model>.onnx    a resident model's skeleton, its external data pointing into segments
+
+Tensors are content-addressed (sha256 from the manifest): a tensor already resident —
+in another model, another version, or twice in one model — is not stored again; the
+new model's skeleton points at the existing copy. A segment lives while any resident
+model uses it. Files are 0440 in a 0750 directory: the daemon's group may map them.
+An unlinked segment stays valid for the clients that still map it, so freeing never
+pulls memory from under a running session.
+
+Threads: `plan`, `commit`, `abort` and `free_model` run on the owner loop and alone
+touch the tables; `write` runs on a loader thread and only does the I/O of one plan.
 """
 
 from __future__ import annotations
@@ -14,58 +21,211 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..packing import SKELETON_FILE, WEIGHTS_FILE
+from ..packing import ALIGN, SKELETON_FILE, WEIGHTS_FILE, Manifest
 
 log = logging.getLogger("modelcache.host")
 PREFIX = "modelcache."
 
 
-def _copy(src: Path, dst: Path) -> None:
-    # copyfile uses sendfile(2) on Linux: kernel-to-kernel, no Python buffers.
-    shutil.copyfile(src, dst)
-    os.chmod(dst, 0o440)
+@dataclass
+class Segment:
+    name: str
+    size: int
+    users: set = field(default_factory=set)   # keys of models whose tensors live here (or are loading)
+
+
+@dataclass
+class Plan:
+    """How one model becomes resident: which tensors it reuses and which it copies into a new segment."""
+    key: str
+    disk_dir: Path
+    manifest: Manifest
+    locations: dict                 # tensor name -> (segment name, offset)
+    copies: list                    # (disk offset, segment offset, nbytes, sha256) for the new segment
+    segment: str | None             # the new segment's name, None when every tensor is already resident
+    segment_bytes: int
 
 
 class HostTier:
+    name = "host"
+
     def __init__(self, shm_dir: str | Path, capacity_bytes: int):
         self.capacity_bytes = capacity_bytes
         self.root = Path(shm_dir) / f"{PREFIX}{os.getuid()}.{os.getpid()}"
-        self.used_bytes = 0  # only the owner loop changes this (through reserve/free)
+        self.segments: dict[str, Segment] = {}
+        self.index: dict[str, tuple[str, int]] = {}     # sha256 -> (segment, offset)
+        self.models: dict[str, dict] = {}               # resident key -> tensor name -> (segment, offset)
+        self._next_segment = 0
 
+    # -- accounting ----------------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of all segments, including those being written (reserved by their plan)."""
+        return sum(s.size for s in self.segments.values())
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.used_bytes
+
+    def bytes_freed_by(self, keys) -> int:
+        """What evicting all of `keys` together would free: segments no other model uses."""
+        keys = set(keys)
+        return sum(s.size for s in self.segments.values() if s.users and s.users <= keys)
+
+    def model_bytes(self, key: str) -> int:
+        """Bytes of the segments a model uses (shared ones counted in full)."""
+        return sum(s.size for s in self.segments.values() if key in s.users)
+
+    # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
         remove_stale(self.root.parent)
         self.root.mkdir(mode=0o750, exist_ok=False)
 
-    def path_of(self, key: str) -> Path:
-        return self.root / key
-
-    def promote(self, model_dir: Path, key: str) -> tuple[Path, float]:
-        """Copy a packed model from the disk tier into shared memory. Runs on a loader thread.
-
-        Returns the directory and the seconds it took. Written under a temporary name and
-        renamed, so a client never sees half a blob.
-        """
-        t0 = time.perf_counter()
-        final = self.path_of(key)
-        tmp = self.root / f".loading-{key}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(mode=0o750)
-        try:
-            _copy(model_dir / WEIGHTS_FILE, tmp / WEIGHTS_FILE)
-            _copy(model_dir / SKELETON_FILE, tmp / SKELETON_FILE)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return final, time.perf_counter() - t0
-
-    def free(self, key: str) -> None:
-        shutil.rmtree(self.path_of(key), ignore_errors=True)
-
     def stop(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+    def skeleton_path(self, key: str) -> Path:
+        return self.root / f"{key}.onnx"
+
+    def segment_path(self, name: str) -> Path:
+        return self.root / name
+
+    # -- promotion: plan (owner) -> write (loader) -> commit or abort (owner) -------------
+    def plan(self, key: str, disk_dir: Path, manifest: Manifest) -> Plan:
+        """Decide where each tensor will live and reserve the new segment's bytes."""
+        locations, copies, offset = {}, [], 0
+        fresh: dict[str, int] = {}                  # sha -> offset in the new segment
+        segment = f"seg-{self._next_segment}.bin"
+        for t in manifest.tensors:
+            if t.sha256 in self.index:
+                locations[t.name] = self.index[t.sha256]
+            elif t.sha256 in fresh:                 # the same tensor twice in one model
+                locations[t.name] = (segment, fresh[t.sha256])
+            else:
+                offset = -(-offset // ALIGN) * ALIGN
+                fresh[t.sha256] = offset
+                copies.append((t.offset, offset, t.nbytes, t.sha256))
+                locations[t.name] = (segment, offset)
+                offset += t.nbytes
+        if copies:
+            self._next_segment += 1
+            self.segments[segment] = Segment(segment, offset, {key})   # reserved from now on
+        else:
+            segment = None
+        for seg_name, _ in locations.values():      # keep reused segments alive while we load
+            self.segments[seg_name].users.add(key)
+        return Plan(key, disk_dir, manifest, locations, copies, segment, offset)
+
+    def write(self, plan: Plan) -> float:
+        """Copy the plan's new tensors from disk into shared memory and write the skeleton. Loader thread."""
+        t0 = time.perf_counter()
+        if plan.segment is not None:
+            path = self.segment_path(plan.segment)
+            tmp = path.with_suffix(".loading")
+            src_fd = os.open(plan.disk_dir / WEIGHTS_FILE, os.O_RDONLY)
+            dst_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+            try:
+                os.ftruncate(dst_fd, plan.segment_bytes)
+                for src_off, dst_off, nbytes, _ in _coalesce(plan.copies):
+                    _copy_range(src_fd, dst_fd, src_off, dst_off, nbytes)
+            finally:
+                os.close(src_fd)
+                os.close(dst_fd)
+            os.chmod(tmp, 0o440)
+            os.rename(tmp, path)
+        _write_skeleton(plan.disk_dir / SKELETON_FILE, self.skeleton_path(plan.key), plan.locations)
+        return time.perf_counter() - t0
+
+    def commit(self, plan: Plan) -> None:
+        if plan.segment is not None:
+            for _, dst_off, _, sha in plan.copies:
+                self.index[sha] = (plan.segment, dst_off)
+        self.models[plan.key] = plan.locations
+
+    def abort(self, plan: Plan) -> None:
+        """A failed or refused load: release what the plan reserved."""
+        self.skeleton_path(plan.key).unlink(missing_ok=True)
+        self._drop_user(plan.key)
+
+    def free_model(self, key: str) -> int:
+        """Forget a resident model; free the segments nobody else uses. Returns bytes freed."""
+        self.models.pop(key, None)
+        self.skeleton_path(key).unlink(missing_ok=True)
+        return self._drop_user(key)
+
+    def _drop_user(self, key: str) -> int:
+        freed = 0
+        for seg in list(self.segments.values()):
+            seg.users.discard(key)
+            if not seg.users:
+                self.segment_path(seg.name).unlink(missing_ok=True)
+                self.segment_path(seg.name).with_suffix(".loading").unlink(missing_ok=True)
+                del self.segments[seg.name]
+                self.index = {sha: loc for sha, loc in self.index.items() if loc[0] != seg.name}
+                freed += seg.size
+        return freed
+
+    # -- what clients get ------------------------------------------------------------------
+    def export(self, key: str, manifest: Manifest) -> tuple[str, list[str], list[list]]:
+        """(skeleton path, segment paths, [name, dtype, shape, segment index, offset, nbytes] per tensor)."""
+        locations = self.models[key]
+        segments = sorted({seg for seg, _ in locations.values()})
+        slot = {seg: i for i, seg in enumerate(segments)}
+        tensors = [[t.name, t.dtype, t.shape, slot[locations[t.name][0]], locations[t.name][1], t.nbytes]
+                   for t in manifest.tensors]
+        return str(self.skeleton_path(key)), [str(self.segment_path(s)) for s in segments], tensors
+
+
+def _coalesce(copies):
+    """Merge copies that are contiguous on both sides (the usual case: a model nothing shares with)."""
+    merged = []
+    for src, dst, n, sha in sorted(copies, key=lambda c: c[1]):
+        if merged and merged[-1][0] + merged[-1][2] <= src and src - merged[-1][0] == dst - merged[-1][1]:
+            prev = merged[-1]
+            merged[-1] = (prev[0], prev[1], src + n - prev[0], None)
+        else:
+            merged.append((src, dst, n, sha))
+    return merged
+
+
+def _copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, nbytes: int) -> None:
+    # sendfile(2): kernel to kernel, no Python buffers; the output position is set by seeking.
+    os.lseek(dst_fd, dst_off, os.SEEK_SET)
+    while nbytes > 0:
+        sent = os.sendfile(dst_fd, src_fd, src_off, min(nbytes, 1 << 30))
+        if sent == 0:
+            raise OSError(f"unexpected end of weights file at offset {src_off}")
+        src_off += sent
+        nbytes -= sent
+
+
+def _write_skeleton(src: Path, dst: Path, locations: dict) -> None:
+    """The packed skeleton with each external tensor pointing at its segment and offset.
+
+    Clients hand ORT the weights with add_initializer, but ORT still checks that the
+    external data a skeleton names exists; pointing it at the real bytes keeps the
+    skeleton correct on its own as well.
+    """
+    import onnx
+    from ..packing import iter_graphs
+
+    model = onnx.load(str(src), load_external_data=False)
+    for graph in iter_graphs(model.graph):
+        for t in graph.initializer:
+            if t.name in locations and t.data_location == onnx.TensorProto.EXTERNAL:
+                seg, offset = locations[t.name]
+                for entry in t.external_data:
+                    if entry.key == "location":
+                        entry.value = seg
+                    elif entry.key == "offset":
+                        entry.value = str(offset)
+    tmp = dst.with_suffix(".tmp")
+    onnx.save_model(model, str(tmp))
+    os.chmod(tmp, 0o440)
+    os.rename(tmp, dst)
 
 
 def _pid_is_daemon(pid: int) -> bool:
