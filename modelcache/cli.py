@@ -60,17 +60,51 @@ def print_models(models: list[dict], out=sys.stdout) -> None:
     if not models:
         print("no models; add one with `modelcache add FILE.onnx --name NAME`", file=out)
         return
-    print(f"{'NAME':<20} {'VER':>4} {'BYTES':>10} {'TIER':<5} {'STATE':<9} {'REFS':>4} {'HITS':>5} LAST USE",
-          file=out)
+    print(f"{'NAME':<20} {'VER':>4} {'BYTES':>10} {'TIER':<5} {'STATE':<9} {'REFS':>4} {'HITS':>5} {'PIN':<3} "
+          f"LAST USE", file=out)
     for m in models:
         print(f"{m['name']:<20} {m['version']:>4} {_human(m['bytes']):>10} {m['tier']:<5} {m['state']:<9} "
-              f"{m['refcount']:>4} {m['hits']:>5} {_ago(m['last_use'])}", file=out)
+              f"{m['refcount']:>4} {m['hits']:>5} {'yes' if m.get('pinned') else '':<3} {_ago(m['last_use'])}",
+              file=out)
 
 
 def cmd_ls(args) -> int:
     from .client.connection import connect
     with connect(_settings(args).socket) as c:
         print_models(c.list())
+    return 0
+
+
+def cmd_load(args) -> int:
+    from .client.connection import connect
+    t0 = time.perf_counter()
+    with connect(_settings(args).socket) as c:
+        c.load(args.name, args.version, args.tier)
+    print(f"{args.name} is resident in the {args.tier} tier ({time.perf_counter() - t0:.2f} s)")
+    return 0
+
+
+def cmd_pin(args) -> int:
+    from .client.connection import connect
+    with connect(_settings(args).socket) as c:
+        c.pin(args.name, args.version, pinned=args.cmd == "pin")
+    print(f"{args.name}: {'pinned (never evicted)' if args.cmd == 'pin' else 'unpinned'}")
+    return 0
+
+
+def cmd_rm(args) -> int:
+    from .client.connection import connect
+    with connect(_settings(args).socket) as c:
+        c.remove(args.name, args.version)
+    print(f"removed {args.name}@{args.version} from the repository")
+    return 0
+
+
+def cmd_publish(args) -> int:
+    from .tiers.remote import publish
+    index = publish(args.directory)
+    print(f"wrote {args.directory}/index.json: {len(index['models'])} model versions; serve the directory "
+          f"(e.g. python -m http.server) and point MODELCACHE_REMOTE at it")
     return 0
 
 
@@ -226,6 +260,9 @@ def cmd_bench(args) -> int:
     if args.which == "coldstart":
         from .bench import coldstart
         return coldstart.main(args.rest)
+    if args.which == "tiers":
+        from .bench import tiers
+        return tiers.main(args.rest)
     raise SystemExit(f"unknown benchmark {args.which}")
 
 
@@ -269,6 +306,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("ls", parents=[common], help="list models: version, bytes, tier, refcount, last use")
     ls.set_defaults(func=cmd_ls)
+    ld = sub.add_parser("load", parents=[common], help="prefetch a model into the host tier (from disk or remote)")
+    ld.add_argument("name")
+    ld.add_argument("--version", type=int)
+    ld.add_argument("--tier", default="host", choices=["host", "gpu"])
+    ld.set_defaults(func=cmd_load)
+    for verb, text in (("pin", "never evict this model"), ("unpin", "let the eviction policy evict it again")):
+        pn = sub.add_parser(verb, parents=[common], help=text)
+        pn.add_argument("name")
+        pn.add_argument("--version", type=int)
+        pn.set_defaults(func=cmd_pin)
+    rm = sub.add_parser("rm", parents=[common], help="delete a model version from the repository")
+    rm.add_argument("name")
+    rm.add_argument("--version", type=int, required=True)
+    rm.set_defaults(func=cmd_rm)
+    pb = sub.add_parser("publish", help="write index.json for a directory of packed models: a remote store",
+                        description="Make a directory laid out like a repository (NAME/VERSION/...) usable as "
+                                    "a remote store: writes index.json with every file's size and sha256.")
+    pb.add_argument("directory")
+    pb.set_defaults(func=cmd_publish)
     ev = sub.add_parser("evict", parents=[common], help="drop a model from the host tier (it stays on disk)")
     ev.add_argument("name")
     ev.add_argument("--version", type=int)
@@ -291,11 +347,12 @@ def build_parser() -> argparse.ArgumentParser:
     dm.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="benchmarks: `coldstart` (fresh FaaS processes, TrIMS-style), "
+                                     "`tiers` (open latency per tier, promotion vs cp), "
                                      "`open` (session ready, memory, warm speed vs plain ORT), "
                                      "`binding` (which ORT binding to share weights with)",
                        description="Benchmarks print figures; options after the name go to the benchmark "
                                    "(`modelcache bench coldstart --help`).")
-    b.add_argument("which", choices=["coldstart", "open", "binding"])
+    b.add_argument("which", choices=["coldstart", "open", "tiers", "binding"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (try `-- --help`)")
     b.set_defaults(func=cmd_bench)
     return p

@@ -46,6 +46,7 @@ class Settings:
     repository: str = ""              # packed models (the disk tier); default <state dir>/repository
     shm_dir: str = "/dev/shm"         # where the host tier's shared memory lives
     host_capacity: str = "50%"        # bytes ("8G", "512M") or percent of RAM
+    remote: str = ""                  # read-only model store (file:// or http(s)://), fetched on a miss
     eviction_policy: str = "lru"      # lru, lfu, fifo, gdsf, never, eager (read at start)
     log_level: str = "info"
     heartbeat_interval_s: float = 1.0  # clients ping this often ...

@@ -51,6 +51,12 @@ class CapacityError(ModelCacheError):
     code = "capacity"
 
 
+class RemoteError(ModelCacheError):
+    """The remote store could not be read, or what it sent does not match its index."""
+
+    code = "remote"
+
+
 class LeaseError(ModelCacheError):
     """An unknown or expired lease or client id."""
 
@@ -58,7 +64,8 @@ class LeaseError(ModelCacheError):
 
 
 ERRORS_BY_CODE = {cls.code: cls for cls in (ModelCacheError, DaemonUnavailable, RequestTimeout, ProtocolError,
-                                            ModelNotFound, PackError, InputError, CapacityError, LeaseError)}
+                                            ModelNotFound, PackError, InputError, CapacityError, LeaseError,
+                                            RemoteError)}
 
 
 def from_code(code: str, message: str) -> ModelCacheError:

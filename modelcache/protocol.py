@@ -143,6 +143,13 @@ class Pin(Message, kind="pin"):
     pinned: bool = True
 
 
+class Remove(Message, kind="remove"):
+    """Delete a model version from the repository (refused while in use)."""
+    req_id: int
+    name: str
+    version: int
+
+
 class Evict(Message, kind="evict"):
     """Drop a model from the host tier now (refused while clients hold it)."""
     req_id: int

@@ -2,6 +2,7 @@
 
     client_worker.py run NAME FEEDS.npz OUT.npz     open NAME, run it on FEEDS, save outputs, report
     client_worker.py hold NAME                      open NAME, print OPEN, then wait to be killed
+    client_worker.py churn REFS.npz SECONDS SEED    open/run/close random models for SECONDS, check outputs
 
 `run` prints one JSON line: whether the weights blob is mapped into this process
 (read-only, from /dev/shm) and the process's anonymous memory.
@@ -21,7 +22,7 @@ def main() -> int:
     import numpy as np
     import modelcache
 
-    cmd, name = sys.argv[1], sys.argv[2]
+    cmd, name = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else ""
     if cmd == "run":
         feeds = dict(np.load(sys.argv[3]))
         with modelcache.InferenceSession(name) as sess:
@@ -30,6 +31,26 @@ def main() -> int:
             segments = sess._lease.segments
             perms = [p for seg in segments for p in mapped(seg)]
             print(json.dumps({"perms": perms, "segments": segments, "hit": sess.was_cache_hit}))
+        return 0
+    if cmd == "churn":
+        import random
+        refs = dict(np.load(sys.argv[2]))
+        feeds = dict(np.load(sys.argv[2].replace(".npz", "-feeds.npz")))
+        rng = random.Random(int(sys.argv[4]))
+        deadline = time.monotonic() + float(sys.argv[3])
+        counts = {"runs": 0, "wrong": 0, "capacity_errors": 0, "other_errors": []}
+        while time.monotonic() < deadline:
+            name = rng.choice(sorted(refs))
+            try:
+                with modelcache.InferenceSession(name) as sess:
+                    out = sess.run(None, feeds)[0]
+                counts["runs"] += 1
+                counts["wrong"] += int(not np.allclose(out, refs[name], rtol=1e-3, atol=1e-4))
+            except modelcache.CapacityError:
+                counts["capacity_errors"] += 1
+            except Exception as e:  # reported, and the test fails on it
+                counts["other_errors"].append(f"{type(e).__name__}: {e}")
+        print(json.dumps(counts))
         return 0
     if cmd == "hold":
         sess = modelcache.InferenceSession(name)

@@ -38,3 +38,11 @@ def test_open_bench_on_a_tiny_model(tmp_path):
     text = run("open", "--models", "tiny-cnn", "--runs", "1", "--warm-runs", "3", "--out", str(tmp_path))
     assert "tiny-cnn" in text and "x plain ORT" in text
     assert json.loads((tmp_path / "open.json").read_text())["samples"]
+
+
+def test_tiers_bench_on_tiny_models(tmp_path):
+    text = run("tiers", "--model", "tiny-cnn", "--big", "tiny-vit", "--runs", "2", "--out", str(tmp_path))
+    for path in ("host hit", "disk miss", "remote miss"):
+        assert path in text
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert len(results["open_ms"]["remote miss"]) == 2 and all(v > 0 for v in results["promote_mb_s"])

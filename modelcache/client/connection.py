@@ -124,6 +124,19 @@ class Client:
     def release(self, lease_id: str) -> None:
         self._call(P.Close(req_id=0, client_id=self.client_id, lease_id=lease_id), expect=(P.Ack,))
 
+    def load(self, name: str, version: int | None = None, tier: str = "host", timeout_s: float | None = None) -> None:
+        """Prefetch a model into a tier (fetching it from the remote store if need be); returns once resident."""
+        self._call(P.Load(req_id=0, name=name, version=version, tier=tier), expect=(P.Ack,),
+                   timeout_s=timeout_s or self._add_timeout_s)
+
+    def pin(self, name: str, version: int | None = None, pinned: bool = True) -> None:
+        """A pinned model is never evicted (unpin with pinned=False)."""
+        self._call(P.Pin(req_id=0, name=name, version=version, pinned=pinned), expect=(P.Ack,))
+
+    def remove(self, name: str, version: int) -> None:
+        """Delete a model version from the repository; refused while it is in use."""
+        self._call(P.Remove(req_id=0, name=name, version=version), expect=(P.Ack,))
+
     def evict(self, name: str, version: int | None = None) -> None:
         """Free the model's host memory now; it stays on disk. Refused (CapacityError) while in use."""
         self._call(P.Evict(req_id=0, name=name, version=version), expect=(P.Ack,))

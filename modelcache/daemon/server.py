@@ -23,10 +23,11 @@ import zmq
 from .. import __version__, protocol as P
 from ..config import ConfigError, Settings
 from ..eviction import make_policy
-from ..errors import CapacityError, ModelCacheError, PackError, ProtocolError
+from ..errors import CapacityError, ModelCacheError, ModelNotFound, PackError, ProtocolError, RemoteError
 from ..packing import pack_in_subprocess
 from ..tiers.disk import Repository
 from ..tiers.host import HostTier
+from ..tiers.remote import RemoteStore
 from .metrics import Histogram, MetricsServer, render
 from .notify import Notifier
 from .registry import ModelRecord, ModelState, Registry
@@ -47,6 +48,8 @@ class Daemon:
         self.registry = Registry()
         self.repository = Repository(settings.repository_path)
         self.host = HostTier(settings.shm_dir, settings.host_capacity_bytes())
+        self.remote = RemoteStore(settings.remote, settings.request_timeout_s) if settings.remote else None
+        self.fetches: dict = {}                 # (name, version) -> [(retry, fail)] waiting on one fetch
         try:
             self.policy = make_policy(settings.eviction_policy)
         except ValueError as e:
@@ -235,6 +238,11 @@ class Daemon:
             log.warning("bad message from a client: %s", e)
             self._reply(ident, P.ErrorReply(req_id=P.req_id_of(body) if body else 0, code=e.code, message=str(e)))
             return
+        self._dispatch(ident, msg, handler)
+
+    def _dispatch(self, ident: bytes, msg, handler=None) -> None:
+        """Run a request's handler and send its reply or its error; also used to re-run a request."""
+        handler = handler or getattr(self, "on_" + type(msg).__name__)
         try:
             reply = handler(ident, msg)
         except ModelCacheError as e:
@@ -282,7 +290,9 @@ class Daemon:
         client = self._touch(msg.client_id)
         if msg.device != "cpu":
             raise ModelCacheError(f"device {msg.device!r} is not available in this daemon (only 'cpu')")
-        model = self.registry.resolve(msg.name, msg.version)
+        model = self._resolve_or_fetch(ident, msg)
+        if model is None:
+            return None  # fetching from the remote store; the request runs again when it lands
         self.counters["opens"] += 1
         t_request = self.clock()
 
@@ -321,7 +331,9 @@ class Daemon:
     def on_Load(self, ident, msg: P.Load):
         if msg.tier != "host":
             raise ModelCacheError(f"tier {msg.tier!r} is not available in this daemon (only 'host')")
-        model = self.registry.resolve(msg.name, msg.version)
+        model = self._resolve_or_fetch(ident, msg)
+        if model is None:
+            return None
 
         def answer(error, hit):
             reply = P.Ack(req_id=msg.req_id) if error is None else \
@@ -330,6 +342,61 @@ class Daemon:
 
         self._when_resident(model, answer)
         return None
+
+    def _resolve_or_fetch(self, ident: bytes, msg) -> ModelRecord | None:
+        """The model a request names; if only the remote store has it, start one fetch and return None."""
+        try:
+            return self.registry.resolve(msg.name, msg.version)
+        except ModelNotFound:
+            if self.remote is None:
+                raise
+        key = (msg.name, msg.version)
+
+        def fail(error):
+            self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
+
+        waiting = self.fetches.get(key)
+        self.fetches.setdefault(key, []).append((lambda: self._dispatch(ident, msg), fail))
+        if waiting is not None:
+            return None  # one fetch per model, however many ask
+        job = {"kind": "fetch", "model": f"{msg.name}@{msg.version or 'latest'}", "bytes_done": 0, "bytes_total": 0}
+        self.jobs[f"fetch:{key}"] = job
+
+        def progress(done, total):
+            job["bytes_done"], job["bytes_total"] = done, total
+
+        def work():
+            entry = self.remote.resolve(msg.name, msg.version)
+            return self.remote.fetch(entry, self.repository.root, progress)
+
+        def done(result, error):
+            self.jobs.pop(f"fetch:{key}", None)
+            waiters = self.fetches.pop(key, [])
+            if error is None:
+                model_dir, manifest, seconds = result
+                if manifest.name != msg.name:
+                    error = RemoteError(f"the remote store's {msg.name} holds a manifest for {manifest.name!r}")
+                else:
+                    if (manifest.name, manifest.version) not in self.registry.models:
+                        self.registry.add_model(model_dir, manifest)
+                    log.info("model fetched: %s@%d from %s, %.1f MiB in %.2f s", manifest.name, manifest.version,
+                             self.remote.url, manifest.weights_bytes / 2**20, seconds)
+            for retry, fail_ in waiters:
+                retry() if error is None else fail_(error)
+
+        self._run_on_loader(work, done)
+        return None
+
+    def on_Remove(self, ident, msg: P.Remove):
+        model = self.registry.resolve(msg.name, msg.version)
+        if model.refcount > 0 or model.state is ModelState.LOADING:
+            raise CapacityError(f"{model.key} is in use or loading; it cannot be removed now")
+        if model.state is ModelState.RESIDENT:
+            self.evict(model)
+        del self.registry.models[(model.name, model.version)]
+        self.repository.remove(model.name, model.version)
+        log.info("model removed: %s", model.key)
+        return P.Ack(req_id=msg.req_id)
 
     def on_Pin(self, ident, msg: P.Pin):
         model = self.registry.resolve(msg.name, msg.version)

@@ -1,0 +1,101 @@
+"""Tier contract: every backend keeps its accounting honest and frees what it allocated.
+
+The host tier runs on real /dev/shm; the GPU suite skips cleanly without a device.
+"""
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from modelcache import zoo
+from modelcache.packing import pack
+from modelcache.tiers import gpu
+from modelcache.tiers.host import HostTier
+
+
+@pytest.fixture
+def host(tmp_path):
+    shm = Path("/dev/shm") / f"mc-test-{os.getpid()}-{tmp_path.name}"
+    shm.mkdir()
+    tier = HostTier(shm, capacity_bytes=64 << 20)
+    tier.start()
+    yield tier
+    tier.stop()
+    shm.rmdir()
+
+
+def packed(tmp_path, name, model):
+    src = tmp_path / f"{name}.onnx"
+    onnx.save(model, str(src))
+    manifest = pack(str(src), tmp_path / "repo", name, 1)
+    return tmp_path / "repo" / name / "1", manifest
+
+
+def promote(tier, key, model_dir, manifest):
+    plan = tier.plan(key, model_dir, manifest)
+    tier.write(plan)
+    tier.commit(plan)
+    return plan
+
+
+def variant(seed: int, change_last: int = 0) -> onnx.ModelProto:
+    """tiny-vit with seed 0, except its last `change_last` initializers, which get other values."""
+    base = zoo.build("tiny-vit", 0)
+    if change_last:
+        big = [t for t in base.graph.initializer if len(t.raw_data) >= 1024][-change_last:]
+        rng = np.random.default_rng(seed)
+        for t in big:
+            arr = onnx.numpy_helper.to_array(t)
+            t.CopyFrom(onnx.numpy_helper.from_array(rng.standard_normal(arr.shape).astype(arr.dtype), t.name))
+    return base
+
+
+def test_host_promote_export_free(host, tmp_path):
+    d, m = packed(tmp_path, "a", zoo.build("tiny-cnn"))
+    plan = promote(host, "a@1", d, m)
+    assert host.used_bytes == plan.segment_bytes >= m.weights_bytes - 4096 * len(m.tensors)
+    skeleton, segments, tensors = host.export("a@1", m)
+    assert Path(skeleton).exists() and all(Path(s).exists() for s in segments)
+    blob = (d / "weights.bin").read_bytes()
+    for (name, dtype, shape, seg, off, nbytes), t in zip(tensors, m.tensors):
+        with open(segments[seg], "rb") as f:
+            f.seek(off)
+            assert f.read(nbytes) == blob[t.offset:t.offset + nbytes]
+    assert oct(os.stat(segments[0]).st_mode & 0o777) == "0o440"
+    assert host.free_model("a@1") == plan.segment_bytes
+    assert host.used_bytes == 0 and not any(host.root.iterdir())
+
+
+def test_host_stores_shared_tensors_once(host, tmp_path):
+    da, ma = packed(tmp_path, "a", variant(0))
+    db, mb = packed(tmp_path, "b", variant(1, change_last=1))
+    pa = promote(host, "a@1", da, ma)
+    pb = promote(host, "b@1", db, mb)
+    assert 0 < pb.segment_bytes < 0.2 * pa.segment_bytes      # b copied only what differs
+    assert host.used_bytes == pa.segment_bytes + pb.segment_bytes
+    # The shared segment survives a's eviction while b uses it; b's outputs stay correct.
+    assert host.free_model("a@1") == 0
+    assert host.bytes_freed_by(["b@1"]) == host.used_bytes
+    assert host.free_model("b@1") == pa.segment_bytes + pb.segment_bytes
+
+
+def test_abort_releases_the_reservation(host, tmp_path):
+    d, m = packed(tmp_path, "a", zoo.build("tiny-cnn"))
+    plan = host.plan("a@1", d, m)
+    assert host.used_bytes == plan.segment_bytes   # reserved before a byte is written
+    host.abort(plan)
+    assert host.used_bytes == 0 and host.segments == {}
+
+
+@pytest.mark.skipif(not gpu.probe(), reason="no CUDA device (or no cupy): the GPU tier is absent here")
+def test_gpu_tier_bookkeeping():
+    dev = gpu.probe()[0]
+    tier = gpu.GpuTier(dev, capacity_bytes=1 << 30)
+    assert tier.free_bytes == min(1 << 30, dev.total_bytes) and len(dev.uuid) > 0
+
+
+def test_gpu_probe_is_clean_without_a_gpu():
+    assert isinstance(gpu.probe(), list)
