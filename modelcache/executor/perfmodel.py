@@ -1,0 +1,65 @@
+"""Performance models: measured stage times per (model, stage, worker kind, batch), calibrated online.
+
+Prediction is the median of the recent history (robust to the odd preempted run on a
+shared machine). Each prediction made before a run is compared with the time that
+run took, so the error figure is honest: it is measured on predictions actually used.
+Persisted as JSON in the daemon's state directory and loaded at start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections import deque
+from pathlib import Path
+
+HISTORY = 32      # recent runs kept per key
+MIN_SAMPLES = 2   # before this many runs, a key counts as uncalibrated
+
+
+def _key(model: str, stage: int, kind: str, batch: int) -> str:
+    return f"{model}|{stage}|{kind}|{batch}"
+
+
+class PerfModels:
+    def __init__(self):
+        self.history: dict[str, deque] = {}
+        self.errors: deque = deque(maxlen=1000)   # |predicted - measured| / measured
+
+    def predict(self, model: str, stage: int, kind: str, batch: int = 1) -> float | None:
+        h = self.history.get(_key(model, stage, kind, batch))
+        if h is None or len(h) < MIN_SAMPLES:
+            return None
+        return statistics.median(h)
+
+    def record(self, model: str, stage: int, kind: str, batch: int, seconds: float,
+               predicted: float | None = None) -> None:
+        if predicted is not None and seconds > 0:
+            self.errors.append(abs(predicted - seconds) / seconds)
+        self.history.setdefault(_key(model, stage, kind, batch), deque(maxlen=HISTORY)).append(seconds)
+
+    def median_error(self) -> float | None:
+        return statistics.median(self.errors) if self.errors else None
+
+    def summary(self) -> dict:
+        return {"keys": len(self.history), "predictions_checked": len(self.errors),
+                "median_error": self.median_error()}
+
+    # -- persistence -------------------------------------------------------------------
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({k: list(v) for k, v in self.history.items()}))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> "PerfModels":
+        pm = cls()
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            return pm  # none yet, or unreadable: start uncalibrated
+        for k, v in data.items():
+            pm.history[k] = deque((float(x) for x in v), maxlen=HISTORY)
+        return pm
