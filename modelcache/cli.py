@@ -108,6 +108,18 @@ def cmd_publish(args) -> int:
     return 0
 
 
+def cmd_partition(args) -> int:
+    from .client.connection import connect
+    with connect(_settings(args).socket) as c:
+        stages = c.partition(args.name, args.stages, args.tail_fraction, args.version)
+    if not stages:
+        print(f"{args.name}: one stage (not partitioned)")
+    for i, st in enumerate(stages):
+        print(f"stage {i}: {st['file']}  {', '.join(st['inputs'])} -> {', '.join(st['outputs'])}  "
+              f"{100 * st['cost_share']:.0f}% of measured compute")
+    return 0
+
+
 def cmd_evict(args) -> int:
     from .client.connection import connect
     with connect(_settings(args).socket) as c:
@@ -316,6 +328,15 @@ def build_parser() -> argparse.ArgumentParser:
         pn.add_argument("name")
         pn.add_argument("--version", type=int)
         pn.set_defaults(func=cmd_pin)
+    pt = sub.add_parser("partition", parents=[common], help="split a model into stages for serve mode",
+                        description="Cut a model where exactly one tensor crosses, balancing the compute ORT's "
+                                    "profiler measures per node; the split is checked against the whole model.")
+    pt.add_argument("name")
+    pt.add_argument("--version", type=int)
+    how = pt.add_mutually_exclusive_group(required=True)
+    how.add_argument("--stages", type=int, help="K stages of about equal compute (1 removes a partition)")
+    how.add_argument("--tail-fraction", type=float, help="two stages, the second with this share of compute")
+    pt.set_defaults(func=cmd_partition)
     rm = sub.add_parser("rm", parents=[common], help="delete a model version from the repository")
     rm.add_argument("name")
     rm.add_argument("--version", type=int, required=True)

@@ -55,6 +55,9 @@ class Settings:
     add_timeout_s: float = 3600.0      # packing a big model takes longer than an ordinary call
     opt_level: str = "all"             # ORT optimization applied once, at add time
     loader_threads: int = 2            # promotions and packs run here, off the owner loop
+    workers: str = "auto"              # serve-mode CPU worker groups: threads per group, "1,1", "2"; auto = one of all cores
+    scheduler: str = "dmda"            # serve-mode placement: eager, round-robin, dmda
+    state_dir: str = ""                # performance models persist here; default: the repository's parent
     metrics_port: int = 0              # Prometheus /metrics over HTTP; 0 = off
     metrics_host: str = "127.0.0.1"    # where /metrics listens
 
@@ -63,6 +66,8 @@ class Settings:
             self.socket = f"ipc://{default_runtime_dir() / 'daemon.sock'}"
         if not self.repository:
             self.repository = str(default_state_dir() / "repository")
+        if not self.state_dir:
+            self.state_dir = str(Path(self.repository).parent)
 
     @property
     def repository_path(self) -> Path:

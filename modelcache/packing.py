@@ -69,7 +69,8 @@ class Manifest:
     opt_level: str
     created_unix: float
     format: int = MANIFEST_FORMAT
-    stage_cuts: list = field(default_factory=list)
+    stage_cuts: list = field(default_factory=list)   # the tensor crossing each cut
+    stages: list = field(default_factory=list)       # {file, inputs, outputs, tensors, cost_share} per stage
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

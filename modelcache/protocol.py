@@ -183,6 +183,48 @@ class AddReply(Message, kind="add_ok"):
     pack_s: float
 
 
+class Describe(Message, kind="describe"):
+    req_id: int
+    name: str
+    version: Optional[int] = None
+
+
+class DescribeReply(Message, kind="describe_ok"):
+    req_id: int
+    name: str
+    version: int
+    inputs: list = []
+    outputs: list = []
+    stages: list = []                  # [{file, inputs, outputs, cost_share}] when partitioned
+    weights_bytes: int = 0
+
+
+class Partition(Message, kind="partition"):
+    """Split a model into sequential stages for serve mode (stages=1 undoes it)."""
+    req_id: int
+    name: str
+    version: Optional[int] = None
+    stages: Optional[int] = None
+    tail_fraction: Optional[float] = None
+
+
+class Infer(Message, kind="infer"):
+    """Serve mode: the daemon runs the model. Tensors as in modelcache.tensors (inline or a shm file)."""
+    req_id: int
+    client_id: str
+    name: str
+    inputs: list
+    version: Optional[int] = None
+    output_names: Optional[list] = None
+    deadline_ms: Optional[float] = None  # give up (with an error) if not done this long after arrival
+
+
+class InferReply(Message, kind="infer_ok"):
+    req_id: int
+    outputs: list                      # tensors, inline
+    timings: dict = {}                 # queue_ms, total_ms, stages: [{stage, worker, kind, wait_ms, run_ms}]
+
+
 class Stats(Message, kind="stats"):
     req_id: int
 
@@ -198,6 +240,7 @@ class StatsReply(Message, kind="stats_ok"):
     tiers: list = []
     counters: dict = {}
     jobs: list = []      # in-flight packs and loads, with progress
+    executor: dict = {}  # workers, scheduler, served requests, performance-model error
 
 
 class ErrorReply(Message, kind="error"):

@@ -3,6 +3,7 @@
     client_worker.py run NAME FEEDS.npz OUT.npz     open NAME, run it on FEEDS, save outputs, report
     client_worker.py hold NAME                      open NAME, print OPEN, then wait to be killed
     client_worker.py churn REFS.npz SECONDS SEED    open/run/close random models for SECONDS, check outputs
+    client_worker.py serve REFS.npz N               N serve-mode runs over the models in REFS, check outputs
 
 `run` prints one JSON line: whether the weights blob is mapped into this process
 (read-only, from /dev/shm) and the process's anonymous memory.
@@ -51,6 +52,16 @@ def main() -> int:
             except Exception as e:  # reported, and the test fails on it
                 counts["other_errors"].append(f"{type(e).__name__}: {e}")
         print(json.dumps(counts))
+        return 0
+    if cmd == "serve":
+        refs = dict(np.load(sys.argv[2]))
+        sessions = {n: modelcache.InferenceSession(n, mode="serve") for n in refs}
+        wrong = 0
+        for i in range(int(sys.argv[3])):
+            for n, s in sessions.items():
+                feeds = dict(np.load(sys.argv[2].replace(".npz", f"-{n}-feeds.npz")))
+                wrong += int(not np.allclose(s.run(None, feeds)[0], refs[n], rtol=1e-3, atol=1e-4))
+        print(json.dumps({"wrong": wrong, "onnxruntime_imported": "onnxruntime" in sys.modules}))
         return 0
     if cmd == "hold":
         sess = modelcache.InferenceSession(name)

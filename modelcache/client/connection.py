@@ -137,6 +137,32 @@ class Client:
         """Delete a model version from the repository; refused while it is in use."""
         self._call(P.Remove(req_id=0, name=name, version=version), expect=(P.Ack,))
 
+    def describe(self, name: str, version: int | None = None) -> P.DescribeReply:
+        """A model's inputs, outputs and stages (no weights are touched)."""
+        return self._call(P.Describe(req_id=0, name=name, version=version), expect=(P.DescribeReply,))
+
+    def partition(self, name: str, stages: int | None = None, tail_fraction: float | None = None,
+                  version: int | None = None) -> list[dict]:
+        """Split a model into stages for serve mode (stages=1 undoes it); returns the stages."""
+        return self._call(P.Partition(req_id=0, name=name, version=version, stages=stages,
+                                      tail_fraction=tail_fraction), expect=(P.DescribeReply,),
+                          timeout_s=self._add_timeout_s).stages
+
+    def infer(self, name: str, feeds: dict, output_names: list | None = None, version: int | None = None,
+              deadline_ms: float | None = None) -> tuple[dict, dict]:
+        """Serve mode: the daemon runs the model. Returns (name -> output array, timings)."""
+        from .. import tensors
+        group_of = self.address[len("ipc://"):] if self.address.startswith("ipc://") else None
+        wire, files = tensors.encode(feeds, group_of=group_of)
+        try:
+            reply = self._call(P.Infer(req_id=0, client_id=self.client_id, name=name, inputs=wire, version=version,
+                                       output_names=output_names, deadline_ms=deadline_ms), expect=(P.InferReply,))
+        finally:
+            for f in files:
+                os.unlink(f)
+        outputs, _ = tensors.decode(reply.outputs)
+        return outputs, reply.timings
+
     def evict(self, name: str, version: int | None = None) -> None:
         """Free the model's host memory now; it stays on disk. Refused (CapacityError) while in use."""
         self._call(P.Evict(req_id=0, name=name, version=version), expect=(P.Ack,))

@@ -12,6 +12,7 @@ import mmap
 import os
 
 from ..errors import InputError
+from ..tensors import check_feeds
 from ..session_options import attach_session_options
 from .connection import Client, OpenedModel, shared_client
 
@@ -25,10 +26,23 @@ def _map_readonly(path: str) -> mmap.mmap:
 
 
 class InferenceSession:
-    """Same `run`, `get_inputs`, `get_outputs` as `onnxruntime.InferenceSession`; opened by model name."""
+    """Same `run`, `get_inputs`, `get_outputs` as `onnxruntime.InferenceSession`; opened by model name.
+
+    mode="attach" (default): ORT runs in this process over the daemon's shared weights.
+    mode="serve": the daemon runs the model; this process never imports onnxruntime.
+    """
+
+    def __new__(cls, name: str, version: int | None = None, sess_options=None, providers=None, *,
+                client: Client | None = None, socket: str | None = None, mode: str = "attach", **kw):
+        if mode == "serve":
+            from .serve import ServeSession
+            return ServeSession(name, version, client=client, socket=socket, **kw)
+        if mode != "attach":
+            raise ValueError(f"mode must be 'attach' or 'serve', not {mode!r}")
+        return super().__new__(cls)
 
     def __init__(self, name: str, version: int | None = None, sess_options=None, providers=None, *,
-                 client: Client | None = None, socket: str | None = None):
+                 client: Client | None = None, socket: str | None = None, mode: str = "attach"):
         import numpy as np
         import onnxruntime as ort
 
@@ -53,8 +67,6 @@ class InferenceSession:
         except BaseException:
             self.close()
             raise
-        self._np = np
-        self._inputs = {i["name"]: i for i in self._lease.inputs}
 
     # -- the onnxruntime.InferenceSession surface ---------------------------------------
     def run(self, output_names, input_feed: dict, run_options=None):
@@ -87,31 +99,8 @@ class InferenceSession:
     def was_cache_hit(self) -> bool:
         return self._lease.hit
 
-    # -- input checks: a message a user can act on, before ORT's -------------------------
     def _check_feeds(self, input_feed: dict) -> dict:
-        np = self._np
-        if not isinstance(input_feed, dict):
-            raise InputError(f"input_feed must be a dict of name -> array, not {type(input_feed).__name__}")
-        expected = ", ".join(f"{n} ({i['dtype']}, {i['shape']})" for n, i in self._inputs.items())
-        unknown = [k for k in input_feed if k not in self._inputs]
-        if unknown:
-            raise InputError(f"{self._lease.name}: unknown input {unknown[0]!r}; the model takes {expected}")
-        missing = [k for k in self._inputs if k not in input_feed]
-        if missing:
-            raise InputError(f"{self._lease.name}: missing input {missing[0]!r}; the model takes {expected}")
-        feeds = {}
-        for name, value in input_feed.items():
-            spec = self._inputs[name]
-            if not isinstance(value, np.ndarray):
-                value = np.asarray(value)
-            if value.dtype != np.dtype(spec["dtype"]):
-                raise InputError(f"{self._lease.name}: input {name!r} must be {spec['dtype']}, got {value.dtype}")
-            shape = spec["shape"]
-            if value.ndim != len(shape) or any(isinstance(d, int) and d != v for d, v in zip(shape, value.shape)):
-                raise InputError(f"{self._lease.name}: input {name!r} must have shape {shape}, "
-                                 f"got {list(value.shape)}")
-            feeds[name] = value
-        return feeds
+        return check_feeds(self._lease.name, self._lease.inputs, input_feed)
 
     # -- lifetime ----------------------------------------------------------------------
     def close(self) -> None:

@@ -22,8 +22,10 @@ import zmq
 
 from .. import __version__, protocol as P
 from ..config import ConfigError, Settings
+from ..executor.engine import Engine, ServeRequest
 from ..eviction import make_policy
-from ..errors import CapacityError, ModelCacheError, ModelNotFound, PackError, ProtocolError, RemoteError
+from ..errors import (CapacityError, InputError, ModelCacheError, ModelNotFound, PackError, ProtocolError,
+                      RemoteError)
 from ..packing import pack_in_subprocess
 from ..tiers.disk import Repository
 from ..tiers.host import HostTier
@@ -52,6 +54,8 @@ class Daemon:
         self.fetches: dict = {}                 # (name, version) -> [(retry, fail)] waiting on one fetch
         try:
             self.policy = make_policy(settings.eviction_policy)
+            self.engine = Engine(settings.workers, settings.scheduler, Path(settings.state_dir) / "perfmodels.json",
+                                 self._post, clock)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.loaders = concurrent.futures.ThreadPoolExecutor(settings.loader_threads, thread_name_prefix="loader")
@@ -95,6 +99,7 @@ class Daemon:
             os.chmod(addr[len("ipc://"):], 0o660)  # the daemon's group may connect; others may not
         self.wake_rx = self.ctx.socket(zmq.PULL)
         self.wake_rx.bind(WAKE_ADDR)
+        self.engine.start()
         if self.settings.metrics_port:
             self.metrics = MetricsServer(self.settings.metrics_host, self.settings.metrics_port)
             self.metrics.start()
@@ -203,8 +208,15 @@ class Daemon:
         self.notifier.stopping()
         log.info("stopping: %d clients, %d leases, %d jobs in flight", len(self.registry.clients),
                  len(self.registry.leases), len(self.jobs))
+        deadline = self.clock() + 60
+        while self.engine.requests and self.clock() < deadline:  # in-flight inferences finish first
+            if self.wake_rx.poll(100):
+                while self.wake_rx.poll(0):
+                    self.wake_rx.recv()
+            self._apply_completions()
         self.loaders.shutdown(wait=True, cancel_futures=True)
         self._apply_completions()
+        self.engine.stop()
         stopping = ModelCacheError("the modelcache daemon is stopping")
         for future, done in self.pending:
             if future.cancelled():  # queued, never started: its caller still deserves an answer
@@ -387,6 +399,79 @@ class Daemon:
         self._run_on_loader(work, done)
         return None
 
+    def on_Describe(self, ident, msg: P.Describe):
+        model = self.registry.resolve(msg.name, msg.version)
+        io = model.manifest.io_summary()
+        return P.DescribeReply(req_id=msg.req_id, name=model.name, version=model.version, inputs=io["inputs"],
+                               outputs=io["outputs"], weights_bytes=model.manifest.weights_bytes,
+                               stages=[{k: e[k] for k in ("file", "inputs", "outputs", "cost_share")}
+                                       for e in model.manifest.stages])
+
+    def on_Partition(self, ident, msg: P.Partition):
+        from ..executor.partition import partition
+        model = self.registry.resolve(msg.name, msg.version)
+        if model.refcount > 0 or model.state is ModelState.LOADING:
+            raise CapacityError(f"{model.key} is in use; partition it when no session or request holds it")
+
+        def done(result, error):
+            if error is None:
+                model.manifest.stages = result["stages"]
+                model.manifest.stage_cuts = result.get("cuts", [])
+                self.engine.drop_model(model.key)  # old stage sessions are stale
+                log.info("model partitioned: %s into %d stages", model.key, max(1, len(result["stages"])))
+                self._reply(ident, P.DescribeReply(req_id=msg.req_id, name=model.name, version=model.version,
+                                                   stages=result["stages"]))
+            else:
+                self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
+
+        self._run_on_loader(lambda: partition(model.disk_dir, msg.stages, msg.tail_fraction), done)
+        return None
+
+    def on_Infer(self, ident, msg: P.Infer):
+        from .. import tensors
+        self._touch(msg.client_id)
+        model = self._resolve_or_fetch(ident, msg)
+        if model is None:
+            return None
+        arrival = self.clock()
+        feeds, maps = tensors.decode(msg.inputs)
+        tensors.check_feeds(model.name, model.manifest.io_summary()["inputs"], feeds)
+        outputs = [o.name for o in model.manifest.outputs]
+        unknown = [n for n in (msg.output_names or []) if n not in outputs]
+        if unknown:
+            raise InputError(f"{model.name}: unknown output {unknown[0]!r}; the model has {outputs}")
+        model.refcount += 1  # a request in flight holds the model like a lease: it is not evicted under it
+
+        def finish(result, timings, error):
+            maps.clear()  # the input mappings go with the request
+            model.refcount -= 1
+            self._after_release(model)
+            if error is not None:
+                self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
+            else:
+                wire, _ = tensors.encode(result, inline_only=True)
+                self._reply(ident, P.InferReply(req_id=msg.req_id, outputs=wire, timings=timings))
+
+        def start(error, hit):
+            if error is not None:
+                finish(None, {}, error)
+                return
+            _, segments, all_tensors = self.host.export(model.key, model.manifest)
+            stages = model.manifest.stages or [{"file": "model.onnx", "inputs": list(feeds), "outputs": outputs,
+                                                "tensors": [t[0] for t in all_tensors]}]
+            specs = []
+            for e in stages:
+                wanted = set(e["tensors"])
+                specs.append({"skeleton": str(model.disk_dir / e["file"]), "inputs": e["inputs"],
+                              "outputs": e["outputs"], "tensors": [t for t in all_tensors if t[0] in wanted]})
+            batch = next(iter(feeds.values())).shape[0] if feeds and next(iter(feeds.values())).ndim else 1
+            self.engine.submit(ServeRequest(model.key, specs, segments, dict(feeds), msg.output_names, arrival,
+                                            arrival + msg.deadline_ms / 1e3 if msg.deadline_ms else None,
+                                            finish, batch=batch))
+
+        self._when_resident(model, start)
+        return None
+
     def on_Remove(self, ident, msg: P.Remove):
         model = self.registry.resolve(msg.name, msg.version)
         if model.refcount > 0 or model.state is ModelState.LOADING:
@@ -439,6 +524,7 @@ class Daemon:
         assert model.state is ModelState.RESIDENT and model.refcount == 0
         freed = self.host.free_model(model.key)
         self.policy.removed(model.key)
+        self.engine.drop_model(model.key)
         model.state = ModelState.ON_DISK
         self.counters["evictions"] += 1
         log.info("model evicted: %s from host, %.1f MiB freed", model.key, freed / 2**20)
@@ -481,7 +567,7 @@ class Daemon:
         return P.StatsReply(req_id=msg.req_id, daemon_version=__version__, pid=os.getpid(),
                             uptime_s=self.wall() - self.started, socket=self.settings.socket, clients=clients,
                             models=self._describe_models(), tiers=tiers, counters=dict(self.counters),
-                            jobs=[dict(j) for j in self.jobs.values()])
+                            jobs=[dict(j) for j in self.jobs.values()], executor=self.engine.describe())
 
     def _describe_tiers(self) -> list[dict]:
         return [{"tier": "host", "path": str(self.host.root), "used_bytes": self.host.used_bytes,
@@ -570,6 +656,18 @@ class Daemon:
 
         self._run_on_loader(lambda: self.host.write(plan), done)
 
+    def _post(self, done, result, error) -> None:
+        """From any thread: have `done(result, error)` run on the owner loop, and wake it."""
+        self.completions.put((done, result, error))
+        wake = self.ctx.socket(zmq.PUSH)
+        try:
+            wake.connect(WAKE_ADDR)
+            wake.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the owner is stopping; the completion is moot
+        finally:
+            wake.close(linger=0)
+
     def _run_on_loader(self, work, done) -> None:
         """Run `work` on a loader thread; `done(result, error)` runs later on the owner loop."""
         def task():
@@ -580,15 +678,7 @@ class Daemon:
             except Exception as e:
                 log.error("loader task failed: %s", traceback.format_exc())
                 result, error = None, ModelCacheError(f"{type(e).__name__}: {e}")
-            self.completions.put((done, result, error))
-            wake = self.ctx.socket(zmq.PUSH)
-            try:
-                wake.connect(WAKE_ADDR)
-                wake.send(b"", zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass  # the owner is stopping; the completion is moot
-            finally:
-                wake.close(linger=0)
+            self._post(done, result, error)
         self.pending = [(f, d) for f, d in self.pending if not f.done()]
         self.pending.append((self.loaders.submit(task), done))
 

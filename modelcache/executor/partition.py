@@ -1,0 +1,202 @@
+"""Split a packed model into sequential stages at cuts where exactly one tensor crosses.
+
+Cut candidates come from the skeleton's node order (ONNX graphs are topologically
+sorted): between node i-1 and node i, the tensors produced before and consumed at or
+after i must be a single activation. Where to cut among the candidates is decided by
+measured cost: ORT's profiler times every node of the packed model, and cuts balance
+the cumulative time (k equal stages) or leave a tail of a given share of it.
+
+Stage skeletons are written beside the packed model and point at the same weights
+blob, so stage sessions take their weights from the same shared memory: no copy per
+stage. Every partition is checked before it is kept: stage by stage must give the
+whole model's outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from ..errors import PackError
+from ..packing import MANIFEST_FILE, SKELETON_FILE, iter_graphs, load_manifest
+
+
+def _node_inputs(node: onnx.NodeProto) -> set[str]:
+    """Every tensor a node reads, including outer-scope names its subgraphs use."""
+    names = {n for n in node.input if n}
+    for attr in node.attribute:
+        subgraphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+        for g in subgraphs:
+            for sub in iter_graphs(g):
+                local = {i.name for i in sub.input} | {t.name for t in sub.initializer}
+                for n in sub.node:
+                    local |= set(n.output)
+                for n in sub.node:
+                    names |= {i for i in n.input if i and i not in local}
+    return names
+
+
+def crossing_tensors(model: onnx.ModelProto) -> list[list[str]]:
+    """For each boundary i (before node i, 0 < i < n): the non-initializer tensors alive across it."""
+    g = model.graph
+    inits = {t.name for t in g.initializer}
+    nodes = list(g.node)
+    produced_at = {i.name: -1 for i in g.input if i.name not in inits}
+    last_use: dict[str, int] = {}
+    for idx, node in enumerate(nodes):
+        for name in _node_inputs(node):
+            last_use[name] = idx
+        for out in node.output:
+            produced_at[out] = idx
+    for out in g.output:
+        last_use[out.name] = len(nodes)
+    result = []
+    for i in range(1, len(nodes)):
+        result.append(sorted(t for t, p in produced_at.items() if p < i and last_use.get(t, -1) >= i))
+    return result
+
+
+def profile_node_costs(skeleton: Path, feeds: dict, runs: int = 3) -> dict[str, float]:
+    """Microseconds per node name, from ORT's profiler over `runs` runs of the packed model."""
+    import onnxruntime as ort
+    from ..session_options import attach_session_options
+
+    with tempfile.TemporaryDirectory() as tmp:
+        so = attach_session_options()
+        so.enable_profiling = True
+        so.profile_file_prefix = os.path.join(tmp, "profile")
+        sess = ort.InferenceSession(str(skeleton), so, providers=["CPUExecutionProvider"])
+        for _ in range(runs):
+            sess.run(None, feeds)
+        events = json.loads(Path(sess.end_profiling()).read_text())
+    costs: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
+            name = e["name"][: -len("_kernel_time")]
+            costs[name] = costs.get(name, 0.0) + float(e.get("dur", 0))
+    return costs
+
+
+def choose_cuts(cum: list[float], candidates: list[int], targets: list[float]) -> list[int]:
+    """For each target share of total cost, the candidate boundary whose cumulative share is nearest."""
+    total = cum[-1] or 1.0
+    chosen = []
+    for target in targets:
+        best = min((c for c in candidates if c not in chosen and all(c > x for x in chosen)),
+                   key=lambda c: abs(cum[c - 1] / total - target), default=None)
+        if best is None:
+            raise PackError("not enough single-tensor cut points for that many stages")
+        chosen.append(best)
+    return chosen
+
+
+def _dtype_of(model: onnx.ModelProto, name: str) -> int:
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
+        if vi.name == name and vi.type.tensor_type.elem_type:
+            return vi.type.tensor_type.elem_type
+    return onnx.TensorProto.FLOAT  # ORT contrib ops hide types from onnx inference; checked by running
+
+
+def build_stage(model: onnx.ModelProto, start: int, end: int, inputs: list[str], outputs: list[str],
+                dtypes: dict[str, int]) -> onnx.ModelProto:
+    g = model.graph
+    nodes = list(g.node)[start:end]
+    used = set()
+    for n in nodes:
+        used |= _node_inputs(n)
+    graph_inputs = {i.name: i for i in g.input}
+    graph_outputs = {o.name: o for o in g.output}
+
+    def value_info(name, known):
+        return known[name] if name in known else helper.make_tensor_value_info(name, dtypes[name], None)
+
+    stage = helper.make_graph(
+        nodes, f"{g.name}_stage_{start}_{end}",
+        [value_info(n, graph_inputs) for n in inputs],
+        [value_info(n, graph_outputs) for n in outputs],
+        [t for t in g.initializer if t.name in used])
+    out = helper.make_model(stage, opset_imports=model.opset_import, producer_name="modelcache.partition")
+    out.ir_version = model.ir_version
+    return out
+
+
+def partition(model_dir: Path, stages: int | None = None, tail_fraction: float | None = None,
+              feeds: dict | None = None) -> dict:
+    """Cut the packed model in `model_dir`; write stage skeletons and record them in the manifest.
+
+    Returns the manifest's new `stages` entry list. `stages=1` removes a partition.
+    """
+    import onnxruntime as ort
+    from ..session_options import attach_session_options
+    from ..zoo import sample_inputs
+
+    manifest = load_manifest(model_dir)
+    for old in model_dir.glob("stage-*.onnx"):
+        old.unlink()
+    if stages == 1:
+        manifest.stages, manifest.stage_cuts = [], []
+        _write_manifest(model_dir, manifest)
+        return {"stages": []}
+    skeleton = model_dir / SKELETON_FILE
+    model = onnx.load(str(skeleton), load_external_data=False)
+    nodes = list(model.graph.node)
+    crossing = crossing_tensors(model)
+    candidates = [i + 1 for i, c in enumerate(crossing) if len(c) == 1]
+    feeds = feeds or sample_inputs(str(skeleton))
+    costs = profile_node_costs(skeleton, feeds)
+    cum, acc = [], 0.0
+    for n in nodes:
+        acc += costs.get(n.name, 0.0)
+        cum.append(acc)
+    if tail_fraction is not None:
+        targets = [1.0 - tail_fraction]
+    else:
+        if not stages or stages < 2:
+            raise PackError("give --stages K (K >= 2) or --tail-fraction F")
+        targets = [i / stages for i in range(1, stages)]
+    cuts = choose_cuts(cum, candidates, targets)
+    bounds = [0, *cuts, len(nodes)]
+    graph_inputs = [i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]
+    graph_outputs = [o.name for o in model.graph.output]
+    cut_tensors = [crossing[c - 1][0] for c in cuts]
+    dtypes = {t: _dtype_of(model, t) for t in cut_tensors}
+    entries = []
+    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        ins = graph_inputs if s == 0 else [cut_tensors[s - 1]]
+        outs = graph_outputs if s == len(bounds) - 2 else [cut_tensors[s]]
+        stage_model = build_stage(model, a, b, ins, outs, dtypes)
+        fname = f"stage-{s}.onnx"
+        onnx.save_model(stage_model, str(model_dir / fname))
+        tensors = sorted({t.name for t in stage_model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL})
+        entries.append({"file": fname, "inputs": ins, "outputs": outs, "tensors": tensors,
+                        "cost_share": (cum[b - 1] - (cum[a - 1] if a else 0.0)) / (cum[-1] or 1.0)})
+    # Check: stage by stage gives the whole model's outputs, over the same shared weights.
+    whole = ort.InferenceSession(str(skeleton), attach_session_options(), providers=["CPUExecutionProvider"])
+    want = whole.run(None, feeds)
+    data = dict(feeds)
+    try:
+        for e in entries:
+            sess = ort.InferenceSession(str(model_dir / e["file"]), attach_session_options(),
+                                        providers=["CPUExecutionProvider"])
+            data.update(zip(e["outputs"], sess.run(e["outputs"], {k: data[k] for k in e["inputs"]})))
+    except Exception as exc:
+        raise PackError(f"partition at {cut_tensors} does not run in ONNX Runtime: {str(exc)[:300]}") from None
+    for name, w in zip(graph_outputs, want):
+        if not np.allclose(data[name], w, rtol=1e-4, atol=1e-5):
+            raise PackError(f"partition at {cut_tensors} changes output {name!r}; not kept")
+    manifest.stages, manifest.stage_cuts = entries, cut_tensors
+    _write_manifest(model_dir, manifest)
+    return {"stages": entries, "cuts": cut_tensors}
+
+
+def _write_manifest(model_dir: Path, manifest) -> None:
+    tmp = model_dir / (MANIFEST_FILE + ".tmp")
+    tmp.write_text(manifest.to_json())
+    os.replace(tmp, model_dir / MANIFEST_FILE)

@@ -1,0 +1,111 @@
+"""Tensors on the wire for serve mode, and the feed check both sides share.
+
+Small tensors travel inline in the message (msgpack bytes); large ones through a file
+in /dev/shm that the sender writes and the receiver maps read-only, so a big input is
+copied once (into shared memory), not through the socket.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+
+from .errors import InputError, ProtocolError
+
+INLINE_MAX_BYTES = 256 * 1024
+_counter = itertools.count()
+
+
+def encode(arrays: dict, shm_dir: str = "/dev/shm", group_of: str | None = None,
+           inline_only: bool = False) -> tuple[list, list[str]]:
+    """name -> array  =>  (wire list, shm files the caller must unlink once answered).
+
+    The daemon answers inline (`inline_only`): it cannot know when a client has read a file.
+    """
+    import numpy as np
+
+    wire, files = [], []
+    for name, value in arrays.items():
+        a = np.ascontiguousarray(value)
+        entry = {"name": name, "dtype": a.dtype.name, "shape": list(a.shape)}
+        if a.nbytes <= INLINE_MAX_BYTES or inline_only:
+            entry["data"] = a.tobytes()
+        else:
+            path = os.path.join(shm_dir, f"modelcache-io.{os.getuid()}.{os.getpid()}.{next(_counter)}")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+            try:
+                if group_of:  # let the daemon's group read it (a member may give a file to its group)
+                    try:
+                        os.fchown(fd, -1, os.stat(group_of).st_gid)
+                    except OSError:
+                        pass
+                with os.fdopen(os.dup(fd), "wb") as f:
+                    f.write(memoryview(a).cast("B"))
+            finally:
+                os.close(fd)
+            files.append(path)
+            entry.update(shm=path, nbytes=a.nbytes)
+        wire.append(entry)
+    return wire, files
+
+
+def decode(wire: list) -> tuple[dict, list]:
+    """wire list => (name -> read-only array, mappings to close when the arrays are no longer used)."""
+    import numpy as np
+
+    arrays, maps = {}, []
+    if not isinstance(wire, list):
+        raise ProtocolError("tensors must be a list")
+    for entry in wire:
+        try:
+            name, dtype, shape = entry["name"], np.dtype(entry["dtype"]), [int(d) for d in entry["shape"]]
+            count = int(np.prod(shape)) if shape else 1
+            if "data" in entry:
+                buf = entry["data"]
+            else:
+                path = entry["shm"]
+                if not os.path.basename(path).startswith("modelcache-io.") or os.path.dirname(path) == "":
+                    raise ProtocolError(f"tensor {name!r}: {path!r} is not a modelcache I/O file")
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    m = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+                finally:
+                    os.close(fd)
+                maps.append(m)
+                buf = m
+            arr = np.frombuffer(buf, dtype=dtype, count=count).reshape(shape)
+        except ProtocolError:
+            raise
+        except (KeyError, TypeError, ValueError, OSError) as e:
+            raise ProtocolError(f"malformed tensor {entry.get('name') if isinstance(entry, dict) else entry!r}: "
+                                f"{e}") from None
+        arrays[name] = arr
+    return arrays, maps
+
+
+def check_feeds(model: str, inputs: list[dict], feeds: dict) -> dict:
+    """Feeds that match the model's inputs by name, dtype and rank/fixed dims; InputError says what does not."""
+    import numpy as np
+
+    if not isinstance(feeds, dict):
+        raise InputError(f"input_feed must be a dict of name -> array, not {type(feeds).__name__}")
+    spec = {i["name"]: i for i in inputs}
+    expected = ", ".join(f"{n} ({i['dtype']}, {i['shape']})" for n, i in spec.items())
+    for k in feeds:
+        if k not in spec:
+            raise InputError(f"{model}: unknown input {k!r}; the model takes {expected}")
+    for k in spec:
+        if k not in feeds:
+            raise InputError(f"{model}: missing input {k!r}; the model takes {expected}")
+    out = {}
+    for name, value in feeds.items():
+        s = spec[name]
+        value = value if isinstance(value, np.ndarray) else np.asarray(value)
+        if value.dtype != np.dtype(s["dtype"]):
+            raise InputError(f"{model}: input {name!r} must be {s['dtype']}, got {value.dtype}")
+        shape = s["shape"]
+        if value.ndim != len(shape) or any(isinstance(d, int) and d != v for d, v in zip(shape, value.shape)):
+            raise InputError(f"{model}: input {name!r} must have shape {shape}, got {list(value.shape)}")
+        out[name] = value
+    return out

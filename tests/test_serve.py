@@ -1,0 +1,122 @@
+"""Serve mode against a real daemon: partitioned models, concurrent clients, clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import msgpack
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import modelcache
+from modelcache import protocol as P
+from modelcache import zoo
+from modelcache.errors import InputError, ModelNotFound, PackError, RequestTimeout
+from conftest import HERE, DaemonProcess
+from test_daemon import raw_socket
+
+
+@pytest.fixture
+def serving(tmp_path):
+    d = DaemonProcess(tmp_path, {"MODELCACHE_WORKERS": "1,1", "MODELCACHE_STATE_DIR": str(tmp_path / "state")}).start()
+    yield d
+    assert d.stop() == 0, d.log_path.read_text()[-3000:]
+    d.kill()
+
+
+def reference(src, feeds):
+    return ort.InferenceSession(src, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def test_partitioned_models_from_many_processes_match_plain_ort(serving, zoo_file, tmp_path):
+    models = {"cnn": "tiny-cnn", "vit": "tiny-vit", "emb": "tiny-embed"}
+    refs = {}
+    with serving.client() as c:
+        for name, zname in models.items():
+            c.add(zoo_file(zname), name)
+            feeds = zoo.sample_inputs(zoo_file(zname), batch=2)
+            np.savez(tmp_path / f"refs-{name}-feeds.npz", **feeds)
+            refs[name] = reference(zoo_file(zname), feeds)[0]
+        stages = c.partition("vit", stages=2)
+        assert len(stages) == 2 and stages[0]["outputs"] == stages[1]["inputs"]
+        assert len(c.partition("cnn", tail_fraction=0.3)) == 2
+        np.savez(tmp_path / "refs.npz", **refs)
+        env = {**os.environ, "MODELCACHE_SOCKET": serving.socket}
+        procs = [subprocess.Popen([sys.executable, str(HERE / "client_worker.py"), "serve",
+                                   str(tmp_path / "refs.npz"), "5"], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(4)]
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err
+            report = json.loads(out.strip().splitlines()[-1])
+            assert report == {"wrong": 0, "onnxruntime_imported": False}
+        ex = c.stats().executor
+        assert ex["served"] == 4 * 5 * 3 and ex["failed"] == 0
+        assert {w["id"] for w in ex["workers"]} == {0, 1}
+        assert ex["perf_models"]["predictions_checked"] > 0
+
+
+def test_serve_session_surface_and_timings(serving, zoo_file):
+    src = zoo_file("tiny-cnn")
+    with serving.client() as c:
+        c.add(src, "cnn")
+        c.partition("cnn", stages=2)
+        with modelcache.InferenceSession("cnn", mode="serve", client=c) as s:
+            assert [(i.name, i.type) for i in s.get_inputs()] == [("input", "tensor(float)")]
+            assert [o.name for o in s.get_outputs()] == ["logits"]
+            feeds = zoo.sample_inputs(src, batch=3)
+            np.testing.assert_allclose(s.run(["logits"], feeds)[0], reference(src, feeds)[0], rtol=1e-4, atol=1e-5)
+            t = s.last_timings
+            assert [st["stage"] for st in t["stages"]] == [0, 1]
+            assert all(st["run_ms"] > 0 and st["worker"] in (0, 1) for st in t["stages"])
+            assert t["total_ms"] >= sum(st["run_ms"] for st in t["stages"])
+
+
+def test_large_inputs_travel_through_shared_memory(serving, zoo_file):
+    src = zoo_file("tiny-cnn")
+    with serving.client() as c:
+        c.add(src, "cnn")
+        feeds = zoo.sample_inputs(src, batch=128)       # 1.5 MB: over the inline limit
+        before = set(os.listdir("/dev/shm"))
+        out, _ = c.infer("cnn", feeds)
+        np.testing.assert_allclose(out["logits"], reference(src, feeds)[0], rtol=1e-4, atol=1e-5)
+        assert {f for f in os.listdir("/dev/shm") if f.startswith("modelcache-io.")} - before == set()
+
+
+def test_serve_errors_are_clear_and_the_daemon_stays_up(serving, zoo_file):
+    src = zoo_file("tiny-cnn")
+    with serving.client() as c:
+        c.add(src, "cnn")
+        good = zoo.sample_inputs(src)
+        with pytest.raises(ModelNotFound):
+            c.infer("ghost", good)
+        with pytest.raises(InputError, match="unknown input 'img'"):
+            c.infer("cnn", {"img": good["input"]})
+        with pytest.raises(InputError, match="must have shape"):
+            c.infer("cnn", {"input": good["input"][:, :1]})
+        with pytest.raises(InputError, match="unknown output 'nope'"):
+            c.infer("cnn", good, output_names=["nope"])
+        c.add(zoo_file("resnet50"), "r50")
+        c.partition("r50", stages=2)
+        with pytest.raises(RequestTimeout, match="deadline"):
+            c.infer("r50", zoo.sample_inputs(zoo_file("resnet50")), deadline_ms=1)
+        with pytest.raises(PackError, match="cut points"):
+            c.add(zoo_file("tiny-if"), "iff")
+            c.partition("iff", stages=2)
+        sock = raw_socket(serving)
+        bad = {"req_id": 5, "client_id": c.client_id, "name": "cnn",
+               "inputs": [{"name": "input", "dtype": "float32", "shape": [1, 3, 32, 32], "data": b"short"}]}
+        sock.send_multipart([b"infer", msgpack.packb(bad)])
+        reply = P.decode(sock.recv_multipart())
+        assert reply.code == "protocol" and "malformed tensor" in reply.message
+        bad["inputs"] = [{"name": "input", "dtype": "float32", "shape": [1], "shm": "/etc/passwd", "nbytes": 4}]
+        sock.send_multipart([b"infer", msgpack.packb(bad)])
+        assert "not a modelcache I/O file" in P.decode(sock.recv_multipart()).message
+        sock.close()
+        out, _ = c.infer("cnn", good)   # still serving, model intact
+        np.testing.assert_allclose(out["logits"], reference(src, good)[0], rtol=1e-4, atol=1e-5)
+        assert {m["name"]: m["refcount"] for m in c.list()}["r50"] == 0   # failed requests released it
