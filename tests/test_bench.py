@@ -46,3 +46,13 @@ def test_tiers_bench_on_tiny_models(tmp_path):
         assert path in text
     results = json.loads((tmp_path / "results.json").read_text())
     assert len(results["open_ms"]["remote miss"]) == 2 and all(v > 0 for v in results["promote_mb_s"])
+
+
+def test_executor_bench_runs(tmp_path):
+    text = run("executor", "--model", "tiny-vit", "--seconds", "1", "--clients", "2", "--calls", "20",
+               "--out", str(tmp_path))
+    assert "overhead" in text
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["workers"], r["scheduler"]) for r in results["throughput"]] == \
+        [("2", "eager"), ("2", "dmda"), ("1,1", "eager"), ("1,1", "dmda")]
+    assert all(r["requests"] > 0 for r in results["throughput"])

@@ -1,0 +1,159 @@
+"""Serve-mode benchmark: overhead over in-process ORT, throughput per worker layout and scheduler,
+and how well the performance models predict.
+
+    modelcache bench executor [--seconds 10] [--clients 4] [--out DIR]
+
+1. Overhead: a tiny model run sequentially, in-process ORT (1 thread) against serve mode
+   on one 1-thread worker group; the difference of the medians is what the daemon adds.
+2. Throughput: ResNet-50 split into 2 stages, closed loop from --clients threads for
+   --seconds, under worker groups "2" (one group of 2 threads) and "1,1" (two groups of
+   1), each with the eager and the dmda scheduler.
+3. Prediction error: the daemon's median |predicted - measured| / measured over the
+   stage times it predicted before running them, per configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from .common import managed_daemon
+
+
+def _daemon_env(**settings):
+    for k, v in settings.items():
+        os.environ[f"MODELCACHE_{k.upper()}"] = str(v)
+
+
+def overhead(tmp: Path, src: str, calls: int) -> dict:
+    import onnxruntime as ort
+    from .. import zoo
+    from ..client.connection import connect
+
+    _daemon_env(workers="1", scheduler="dmda")
+    socket = f"ipc://{tmp}/overhead.sock"
+    feeds = zoo.sample_inputs(src)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    local = ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+    with managed_daemon(socket, str(tmp / "repo")), connect(socket) as c:
+        if not any(m["name"] == "tiny" for m in c.list()):
+            c.add(src, "tiny")
+        for _ in range(20):
+            c.infer("tiny", feeds)
+            local.run(None, feeds)
+        serve_ms, local_ms = [], []
+        for _ in range(calls):  # alternated, so both see the same machine
+            t = time.perf_counter()
+            c.infer("tiny", feeds)
+            serve_ms.append((time.perf_counter() - t) * 1e3)
+            t = time.perf_counter()
+            local.run(None, feeds)
+            local_ms.append((time.perf_counter() - t) * 1e3)
+    return {"serve_p50_ms": statistics.median(serve_ms), "local_p50_ms": statistics.median(local_ms),
+            "overhead_p50_ms": statistics.median(serve_ms) - statistics.median(local_ms)}
+
+
+def throughput(tmp: Path, src: str, workers: str, scheduler: str, seconds: float, clients: int) -> dict:
+    from .. import zoo
+    from ..client.connection import connect
+
+    _daemon_env(workers=workers, scheduler=scheduler, state_dir=tmp / f"state-{workers}-{scheduler}")
+    socket = f"ipc://{tmp}/tp.sock"
+    feeds = zoo.sample_inputs(src)
+    with managed_daemon(socket, str(tmp / "repo")), connect(socket) as c:
+        if not any(m["name"] == "r50" for m in c.list()):
+            c.add(src, "r50")
+            c.partition("r50", stages=2)
+        conns = [connect(socket) for _ in range(clients)]
+        for conn in conns:                     # calibrate every (stage, worker kind) first
+            for _ in range(3):
+                conn.infer("r50", feeds)
+        latencies: list[float] = []
+        stop_at = time.perf_counter() + seconds
+
+        def loop(conn):
+            while time.perf_counter() < stop_at:
+                t = time.perf_counter()
+                conn.infer("r50", feeds)
+                latencies.append((time.perf_counter() - t) * 1e3)
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=loop, args=(conn,)) for conn in conns]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - t0
+        ex = c.stats().executor
+        for conn in conns:
+            conn.close()
+    return {"workers": workers, "scheduler": scheduler, "requests": len(latencies),
+            "throughput_rps": len(latencies) / elapsed, "p50_ms": statistics.median(latencies),
+            "prediction_error_median": ex["perf_models"]["median_error"],
+            "predictions_checked": ex["perf_models"]["predictions_checked"]}
+
+
+def report(res: dict, out=sys.stdout) -> None:
+    o = res["overhead"]
+    print(f"serve-mode overhead on tiny-cnn: p50 {o['serve_p50_ms']:.3f} ms served vs {o['local_p50_ms']:.3f} ms "
+          f"in-process ORT -> {o['overhead_p50_ms']:.3f} ms added", file=out)
+    print(f"\nResNet-50 in 2 stages, {res['clients']} closed-loop clients, {res['seconds']:.0f} s each:", file=out)
+    print(f"{'workers':<8} {'scheduler':<10} {'req/s':>7} {'p50 ms':>8} {'pred. error (median)':>21} {'checked':>8}",
+          file=out)
+    for r in res["throughput"]:
+        err = r["prediction_error_median"]
+        print(f"{r['workers']:<8} {r['scheduler']:<10} {r['throughput_rps']:>7.2f} {r['p50_ms']:>8.1f} "
+              f"{'-' if err is None else f'{100 * err:.1f} %':>21} {r['predictions_checked']:>8}", file=out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="modelcache bench executor", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--calls", type=int, default=300, help="sequential calls for the overhead figure")
+    ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--tiny", default="tiny-cnn")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    from .. import zoo
+    saved = {k: v for k, v in os.environ.items() if k.startswith("MODELCACHE_")}
+    with tempfile.TemporaryDirectory(prefix="modelcache-executor-") as tmp:
+        tmp = Path(tmp)
+        paths = {}
+        for name in (args.tiny, args.model):
+            paths[name] = str(tmp / f"{name}.onnx")
+            zoo.save(zoo.build(name), paths[name])
+        try:
+            res = {"overhead": overhead(tmp, paths[args.tiny], args.calls), "clients": args.clients,
+                   "seconds": args.seconds, "throughput": []}
+            for workers in ("2", "1,1"):
+                for scheduler in ("eager", "dmda"):
+                    print(f"throughput: workers={workers} scheduler={scheduler} ...", file=sys.stderr, flush=True)
+                    res["throughput"].append(throughput(tmp, paths[args.model], workers, scheduler,
+                                                        args.seconds, args.clients))
+        finally:
+            for k in [k for k in os.environ if k.startswith("MODELCACHE_")]:
+                del os.environ[k]
+            os.environ.update(saved)
+    report(res)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(res, indent=1))
+        with open(out / "report.txt", "w") as f:
+            f.write(f"$ modelcache bench executor {' '.join(argv if argv is not None else sys.argv[3:])}\n")
+            report(res, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
