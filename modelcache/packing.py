@@ -84,8 +84,12 @@ class Manifest:
         return cls(**d)
 
     def io_summary(self) -> dict:
-        """The part of a manifest a client needs to validate feeds (sent over the wire)."""
-        return {"inputs": [asdict(e) for e in self.inputs], "outputs": [asdict(e) for e in self.outputs]}
+        """The part of a manifest a client needs to validate feeds (sent over the wire); built once."""
+        cached = self.__dict__.get("_io_summary")
+        if cached is None:
+            cached = self.__dict__["_io_summary"] = {"inputs": [asdict(e) for e in self.inputs],
+                                                     "outputs": [asdict(e) for e in self.outputs]}
+        return cached
 
 
 def load_manifest(model_dir: Path) -> Manifest:

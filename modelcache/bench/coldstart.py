@@ -7,7 +7,7 @@ Modes, interleaved round by round so machine drift hits them alike:
   ort-tuned    skeleton + weights in /dev/shm by hand, optimizers and prepacking off (no daemon)
   attach-hit   modelcache.InferenceSession(name), model resident in host memory
   attach-miss  the same, model evicted to disk first
-  serve        client hands the input to the daemon (skipped until serve mode lands)
+  serve        client hands the input to the daemon and gets the output (no onnxruntime import)
   ideal        same interpreter and imports + compute of a warm session: loading costs nothing
 Memory: k concurrent clients of one model holding a session, PSS and USS per client, ort vs attach.
 """
@@ -67,7 +67,7 @@ def measure_latency(client, socket, paths, tuned, modes, runs, log) -> list[dict
             for mode in modes:
                 if mode == "attach-miss":
                     client.evict(name)
-                elif mode == "attach-hit":
+                elif mode in ("attach-hit", "serve"):
                     client.release(client.open(name).lease_id)  # make sure it is resident
                 s = sample(mode, name, src, tuned[name], socket)
                 s["run"] = r
@@ -125,8 +125,6 @@ def report(samples: list[dict], memory: list[dict], out=sys.stdout) -> None:
             print(f"{name:<14} -> attach-hit is {med['ort'] / med['attach-hit']:.2f}x faster than ort, "
                   f"{med['attach-hit'] / med['ideal']:.2f}x ideal, {med['attach-hit'] / med['ort-tuned']:.2f}x ort-tuned",
                   file=out)
-    if "serve" not in modes:
-        print("serve: skipped (the serve-mode executor has not landed yet)", file=out)
     if memory:
         print(f"\n{'model':<14} {'mode':<11} {'clients':>7} {'total PSS MiB':>14} {'(daemon)':>9} {'USS/client MiB':>15}",
               file=out)
@@ -200,7 +198,7 @@ def main(argv=None) -> int:
     runs = args.runs or (5 if args.quick else 7)
     counts = args.clients or ([1, 2] if args.quick else [1, 2, 4, 8])
     memory_model = args.memory_model or ("vgg16" if "vgg16" in models else models[0])
-    modes = [m for m in args.modes if m != "serve"]  # serve lands with the serve-mode issue
+    modes = args.modes
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
 
     from ..client.connection import connect
