@@ -57,6 +57,7 @@ class Settings:
     loader_threads: int = 2            # promotions and packs run here, off the owner loop
     workers: str = "auto"              # serve-mode CPU worker groups: threads per group, "1,1", "2"; auto = one of all cores
     scheduler: str = "dmda"            # serve-mode placement: eager, round-robin, dmda
+    serve_idle_s: float = 300.0        # serve-mode sessions of a model unused this long are dropped
     state_dir: str = ""                # performance models persist here; default: the repository's parent
     metrics_port: int = 0              # Prometheus /metrics over HTTP; 0 = off
     metrics_host: str = "127.0.0.1"    # where /metrics listens

@@ -36,7 +36,7 @@ def test_coldstart_quick_on_tiny_models(tmp_path):
 def test_open_bench_on_a_tiny_model(tmp_path):
     text = run("open", "--models", "tiny-cnn", "--runs", "1", "--warm-runs", "3", "--out", str(tmp_path))
     assert "tiny-cnn" in text and "x plain ORT" in text
-    assert json.loads((tmp_path / "open.json").read_text())["samples"]
+    assert json.loads((tmp_path / "results.json").read_text())["samples"]
 
 
 def test_tiers_bench_on_tiny_models(tmp_path):

@@ -18,8 +18,7 @@ import zmq
 import modelcache
 from modelcache import protocol as P
 from modelcache import zoo
-from modelcache.errors import (DaemonUnavailable, InputError, LeaseError, ModelNotFound, PackError,
-                               ProtocolError)
+from modelcache.errors import DaemonUnavailable, InputError, LeaseError, ModelNotFound, PackError
 from conftest import HERE, TINY, DaemonProcess, run_client, wait_until
 
 FULL_ZOO = ["squeezenet1_1", "resnet50", "googlenet", "alexnet", "vit_b_16", "vgg16"]

@@ -120,3 +120,18 @@ def test_serve_errors_are_clear_and_the_daemon_stays_up(serving, zoo_file):
         out, _ = c.infer("cnn", good)   # still serving, model intact
         np.testing.assert_allclose(out["logits"], reference(src, good)[0], rtol=1e-4, atol=1e-5)
         assert {m["name"]: m["refcount"] for m in c.list()}["r50"] == 0   # failed requests released it
+
+
+def test_idle_serve_sessions_are_dropped(tmp_path, zoo_file):
+    d = DaemonProcess(tmp_path, {"MODELCACHE_SERVE_IDLE_S": "0.5", "MODELCACHE_HEARTBEAT_INTERVAL_S": "0.2"}).start()
+    try:
+        with d.client() as c:
+            c.add(zoo_file("tiny-cnn"), "cnn")
+            c.infer("cnn", zoo.sample_inputs(zoo_file("tiny-cnn")))
+            from conftest import wait_until
+            wait_until(lambda: "serve sessions of cnn@1 dropped" in d.log_path.read_text(), what="idle drop")
+            out, _ = c.infer("cnn", zoo.sample_inputs(zoo_file("tiny-cnn")))   # rebuilt on demand
+            assert out["logits"].shape == (1, 10)
+    finally:
+        assert d.stop() == 0
+        d.kill()

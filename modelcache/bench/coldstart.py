@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import ensure_models, managed_daemon, summary
+from .common import ensure_models, managed_daemon, save_results, summary
 
 MODES = ["ort", "ort-tuned", "attach-hit", "attach-miss", "serve", "ideal"]
 CHILD = str(Path(__file__).with_name("coldstart_child.py"))
@@ -79,6 +79,10 @@ def measure_latency(client, socket, paths, tuned, modes, runs, log) -> list[dict
 
 def measure_memory(client, socket, name, src, tuned_dir, counts, log) -> list[dict]:
     import psutil
+    # Measure attach clients alone: free serve mode's sessions and every other model the daemon holds.
+    for m in client.list():
+        if m["tier"] == "host":
+            client.evict(m["name"], m["version"])
     daemon_pid = client.stats().pid
     rows = []
     for k in counts:
@@ -215,17 +219,14 @@ def main(argv=None) -> int:
                                         counts, log) if counts != [0] else []
     report(samples, memory)
     log(f"benchmark took {time.monotonic() - t0:.0f} s")
+    save_results(args.out, "coldstart", argv, {"samples": samples, "memory": memory},
+                 lambda data, f: report(data["samples"], data["memory"], f))
     if args.out:
         out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         with open(out / "samples.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(samples[0]))
             w.writeheader()
             w.writerows(samples)
-        (out / "results.json").write_text(json.dumps({"samples": samples, "memory": memory}, indent=1))
-        with open(out / "report.txt", "w") as f:
-            f.write(f"$ modelcache bench coldstart {' '.join(sys.argv[3:] if argv is None else argv)}\n")
-            report(samples, memory, f)
         plot(samples, memory, out)
     return 0
 

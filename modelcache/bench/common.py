@@ -86,3 +86,17 @@ def summary(values: list[float]) -> str:
         return "-"
     med = statistics.median(values)
     return f"{med:.1f} [{min(values):.1f}-{max(values):.1f}]" if len(values) > 1 else f"{med:.1f}"
+
+
+def save_results(out_dir: str | None, bench: str, argv, data, report) -> None:
+    """OUT/results.json (every sample) and OUT/report.txt (the command, then the printed table)."""
+    if not out_dir:
+        return
+    import json
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(data, indent=1))
+    args = list(argv) if argv is not None else sys.argv[sys.argv.index(bench) + 1:] if bench in sys.argv else []
+    with open(out / "report.txt", "w") as f:
+        f.write(f"$ modelcache bench {bench} {' '.join(args)}\n")
+        report(data, f)

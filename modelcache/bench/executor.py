@@ -15,7 +15,6 @@ and how well the performance models predict.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from .common import managed_daemon
+from .common import managed_daemon, save_results
 
 
 def _daemon_env(**settings):
@@ -145,13 +144,7 @@ def main(argv=None) -> int:
                 del os.environ[k]
             os.environ.update(saved)
     report(res)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(res, indent=1))
-        with open(out / "report.txt", "w") as f:
-            f.write(f"$ modelcache bench executor {' '.join(argv if argv is not None else sys.argv[3:])}\n")
-            report(res, f)
+    save_results(args.out, "executor", argv, res, report)
     return 0
 
 

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import ensure_models, managed_daemon, memory_mib, summary
+from .common import ensure_models, managed_daemon, memory_mib, save_results, summary
 
 
 def child_open(mode: str, name: str, src: str) -> dict:
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=5, help="fresh processes per mode and model (default 5)")
     ap.add_argument("--warm-runs", type=int, default=40, help="alternating warm runs per session (default 40)")
     ap.add_argument("--socket", help="measure against this running daemon (default: start a private one)")
-    ap.add_argument("--out", help="write all samples as JSON to OUT/open.json and the table to OUT/open.txt")
+    ap.add_argument("--out", help="write all samples to OUT/results.json and the table to OUT/report.txt")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -126,13 +126,7 @@ def main(argv=None) -> int:
             paths = ensure_models(socket, args.models, Path(tmp) / "zoo")
             results = measure(socket, paths, args.runs, args.warm_runs)
     report(results)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "open.json").write_text(json.dumps(results, indent=1))
-        with open(out / "open.txt", "w") as f:
-            f.write(f"$ modelcache bench open {' '.join(argv or sys.argv[1:])}\n")
-            report(results, f)
+    save_results(args.out, "open", argv, results, report)
     return 0
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import functools
 import http.server
-import json
 import os
 import statistics
 import subprocess
@@ -26,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from .common import managed_daemon, summary
+from .common import managed_daemon, save_results, summary
 
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):
@@ -105,13 +104,8 @@ def main(argv=None) -> int:
     lines += [f"promotion of {args.big} disk -> host: {summary(promote_mbs)} MB/s; "
               f"cp of its weights into /dev/shm: {summary(cp_mbs)} MB/s; promotion = {ratio:.2f}x cp"]
     print("\n".join(lines))
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps({"open_ms": lat, "promote_mb_s": promote_mbs,
-                                                      "cp_mb_s": cp_mbs}, indent=1))
-        (out / "report.txt").write_text(f"$ modelcache bench tiers {' '.join(argv or sys.argv[3:])}\n"
-                                        + "\n".join(lines) + "\n")
+    save_results(args.out, "tiers", argv, {"open_ms": lat, "promote_mb_s": promote_mbs, "cp_mb_s": cp_mbs},
+                 lambda data, f: f.write("\n".join(lines) + "\n"))
     return 0
 
 

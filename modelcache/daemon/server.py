@@ -200,6 +200,8 @@ class Daemon:
                         self._handle(self.router.recv_multipart())
                 if self.clock() >= next_sweep:
                     self.sweep_clients()
+                    for key in self.engine.drop_idle(self.clock(), self.settings.serve_idle_s):
+                        log.info("serve sessions of %s dropped after %.0f s idle", key, self.settings.serve_idle_s)
                     self.publish_metrics()
                     next_sweep = self.clock() + min(self.settings.heartbeat_interval_s,
                                                     self.notifier.watchdog_interval_s or 1e9)

@@ -55,6 +55,7 @@ class Engine:
         self.served = 0
         self.failed = 0
         self.latencies_ms: deque = deque(maxlen=1000)
+        self.last_used: dict[str, float] = {}   # model key -> when a request last touched it
 
     def start(self) -> None:
         for w in self.workers:
@@ -67,13 +68,24 @@ class Engine:
             self.perf.save(self.perf_path)
 
     def drop_model(self, model_key: str) -> None:
+        self.last_used.pop(model_key, None)
         for w in self.workers:
             w.drop_model(model_key)
+
+    def drop_idle(self, now: float, idle_s: float) -> list[str]:
+        """Drop the stage sessions of models no request used for `idle_s`: they hold activation
+        buffers and keep weights mapped, which a model nobody serves should not cost."""
+        busy = {r.model_key for r in self.requests.values()}
+        idle = [k for k, t in self.last_used.items() if now - t > idle_s and k not in busy]
+        for key in idle:
+            self.drop_model(key)
+        return idle
 
     # -- requests ------------------------------------------------------------------------
     def submit(self, req: ServeRequest) -> None:
         req.request_id = next(self._ids)
         self.requests[req.request_id] = req
+        self.last_used[req.model_key] = req.arrival
         self._schedule(req)
 
     def _predict(self, model, stage, kind, batch):
