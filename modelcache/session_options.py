@@ -11,7 +11,8 @@ from __future__ import annotations
 
 
 def attach_session_options(base=None, spinning: bool | None = None):
-    """SessionOptions for a session over a packed skeleton. `base` is copied into, not mutated."""
+    """SessionOptions for a session over a packed skeleton; a caller's `base` options are adjusted in place
+    (ORT's SessionOptions cannot be copied), so pass a fresh object per session."""
     import onnxruntime as ort
 
     so = ort.SessionOptions() if base is None else base

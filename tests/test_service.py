@@ -118,6 +118,11 @@ def test_metrics_scrape(tmp_path, zoo_file):
             assert m["modelcache_open_latency_seconds_count"] == 2
             assert m['modelcache_open_latency_seconds_bucket{le="+Inf"}'] == 2
             assert m["modelcache_clients"] >= 1
+            c.infer("cnn", zoo.sample_inputs(zoo_file("tiny-cnn")))
+            m = wait_until(lambda: (lambda m: m if m.get('modelcache_inference_requests_total{result="ok"}') == 1
+                                    else None)(scrape()), what="a snapshot with the inference")
+            assert m['modelcache_inference_latency_seconds_count{model="cnn@1"}'] == 1
+            assert any(k.startswith("modelcache_worker_queue_length{worker=") for k in m)
             s1.close()
             s2.close()
     finally:

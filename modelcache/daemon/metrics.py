@@ -44,7 +44,8 @@ def _esc(value: str) -> str:
 
 
 def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, uptime_s: float,
-           open_latency: Histogram, states: list[str]) -> str:
+           open_latency: Histogram, states: list[str], executor: dict | None = None,
+           infer_latency: dict | None = None) -> str:
     """All metrics as Prometheus text format 0.0.4."""
     out = []
 
@@ -77,6 +78,19 @@ def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, 
         metric(f"modelcache_{key}_total", "counter", help_, [f"modelcache_{key}_total {counters.get(key, 0)}"])
     metric("modelcache_open_latency_seconds", "histogram", "Time from an open request to its reply.",
            open_latency.lines("modelcache_open_latency_seconds"))
+    if executor is not None:
+        metric("modelcache_worker_queue_length", "gauge", "Serve-mode stage tasks queued or running per worker.",
+               [f'modelcache_worker_queue_length{{worker="{w["id"]}",kind="{w["kind"]}"}} {w["queued"]}'
+                for w in executor["workers"]])
+        metric("modelcache_inference_requests_total", "counter", "Serve-mode requests by result.",
+               [f'modelcache_inference_requests_total{{result="ok"}} {executor["served"]}',
+                f'modelcache_inference_requests_total{{result="error"}} {executor["failed"]}'])
+        metric("modelcache_inference_in_flight", "gauge", "Serve-mode requests in flight.",
+               [f"modelcache_inference_in_flight {executor['in_flight']}"])
+    lines = []
+    for key, hist in sorted((infer_latency or {}).items()):
+        lines += hist.lines("modelcache_inference_latency_seconds", f'model="{_esc(key)}"')
+    metric("modelcache_inference_latency_seconds", "histogram", "Serve-mode request latency per model.", lines)
     return "\n".join(out) + "\n"
 
 

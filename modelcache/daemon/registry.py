@@ -122,7 +122,9 @@ class Registry:
         if lease is None or (client_id is not None and lease.client_id != client_id):
             raise LeaseError(f"unknown lease {lease_id!r}")
         del self.leases[lease_id]
-        self.clients.get(lease.client_id, ClientRecord("", 0, "", 0)).leases.discard(lease_id)
+        client = self.clients.get(lease.client_id)
+        if client is not None:  # a dropped client is already gone from the table
+            client.leases.discard(lease_id)
         lease.model.refcount -= 1
         return lease.model
 

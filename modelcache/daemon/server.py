@@ -165,7 +165,8 @@ class Daemon:
             return
         tiers = self._describe_tiers()
         self.metrics.publish(render(self.counters, tiers, self._describe_models(), len(self.registry.clients),
-                                    self.wall() - self.started, self.open_latency, [s.value for s in ModelState]))
+                                    self.wall() - self.started, self.open_latency, [s.value for s in ModelState],
+                                    self.engine.describe(), self.engine.latency_by_model))
 
     def serve_forever(self, on_ready=None) -> None:
         self.start()

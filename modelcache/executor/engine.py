@@ -16,7 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ModelCacheError, RequestTimeout
+from ..daemon.metrics import Histogram
 from .perfmodel import PerfModels
+
+INFER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 from .scheduler import Task, make_scheduler
 from .workers import StageJob, Worker, parse_groups
 
@@ -56,6 +59,7 @@ class Engine:
         self.failed = 0
         self.latencies_ms: deque = deque(maxlen=1000)
         self.last_used: dict[str, float] = {}   # model key -> when a request last touched it
+        self.latency_by_model: dict = {}          # model key -> Histogram of request latency (s), for metrics
 
     def start(self) -> None:
         for w in self.workers:
@@ -141,6 +145,7 @@ class Engine:
         if error is None:
             self.served += 1
             self.latencies_ms.append(total_ms)
+            self.latency_by_model.setdefault(req.model_key, Histogram(INFER_BUCKETS_S)).observe(total_ms / 1e3)
             names = req.output_names or req.stages[-1]["outputs"]
             req.finish({n: req.data[n] for n in names}, req.timings, None)
         else:
