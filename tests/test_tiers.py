@@ -71,10 +71,10 @@ def test_host_promote_export_free(host, tmp_path):
 
 def test_host_stores_shared_tensors_once(host, tmp_path):
     da, ma = packed(tmp_path, "a", variant(0))
-    db, mb = packed(tmp_path, "b", variant(1, change_last=1))
+    db, mb = packed(tmp_path, "b", variant(1, change_last=2))
     pa = promote(host, "a@1", da, ma)
     pb = promote(host, "b@1", db, mb)
-    assert 0 < pb.segment_bytes < 0.2 * pa.segment_bytes      # b copied only what differs
+    assert 0 < pb.segment_bytes < 0.15 * pa.segment_bytes     # b copied only what differs (~13 %)
     assert host.used_bytes == pa.segment_bytes + pb.segment_bytes
     # The shared segment survives a's eviction while b uses it; b's outputs stay correct.
     assert host.free_model("a@1") == 0
