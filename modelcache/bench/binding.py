@@ -81,6 +81,20 @@ def child(candidate: str, src: str, packed: str, warm_runs: int) -> dict:
             "warm_ms": statistics.median(times), "checksum": float(np.abs(out).sum())}
 
 
+def report(samples: list[dict], out=sys.stdout) -> None:
+    print(f"{'model':<10} {'candidate':<16} {'create ms':>10} {'anon ready MiB':>14} {'anon run MiB':>12} "
+          f"{'warm ms':>9} {'warm vs ort':>11}", file=out)
+    for name in dict.fromkeys(s["model"] for s in samples):
+        base = statistics.median(s["warm_ms"] for s in samples if s["model"] == name and s["candidate"] == "ort")
+        for c in CANDIDATES:
+            rows = [s for s in samples if s["model"] == name and s["candidate"] == c]
+            med = {k: statistics.median(r[k] for r in rows) for k in
+                   ("create_ms", "anon_ready_mib", "anon_after_run_mib", "warm_ms")}
+            print(f"{name:<10} {c:<16} {med['create_ms']:>10.1f} {med['anon_ready_mib']:>14.1f} "
+                  f"{med['anon_after_run_mib']:>12.1f} {med['warm_ms']:>9.1f} {base / med['warm_ms']:>10.2f}x",
+                  file=out)
+
+
 def run_child(candidate: str, src: str, packed: str, warm_runs: int) -> dict:
     cmd = [sys.executable, "-m", "modelcache.bench.binding", "--child", candidate, src, packed, str(warm_runs)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -92,7 +106,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=["resnet50", "vgg16", "vit_b_16"])
     ap.add_argument("--runs", type=int, default=3, help="fresh processes per candidate (interleaved)")
     ap.add_argument("--warm-runs", type=int, default=10)
-    ap.add_argument("--out", default=None, help="write all samples as JSON here")
+    ap.add_argument("--out", default=None, help="write OUT/results.json (every sample) and OUT/report.txt")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -101,6 +115,7 @@ def main(argv=None) -> int:
         return 0
 
     from modelcache import zoo
+    from modelcache.bench.common import save_results
     from modelcache.packing import pack
 
     work = Path(tempfile.mkdtemp(prefix="modelcache-binding-"))
@@ -116,19 +131,8 @@ def main(argv=None) -> int:
             for _ in range(args.runs):
                 for c in CANDIDATES:  # interleaved, so machine drift hits every candidate alike
                     samples.append({"model": name, **run_child(c, src, str(packed), args.warm_runs)})
-        print(f"{'model':<10} {'candidate':<16} {'create ms':>10} {'anon ready MiB':>14} {'anon run MiB':>12} "
-              f"{'warm ms':>9} {'warm vs ort':>11}")
-        for name in args.models:
-            base = statistics.median(s["warm_ms"] for s in samples if s["model"] == name and s["candidate"] == "ort")
-            for c in CANDIDATES:
-                rows = [s for s in samples if s["model"] == name and s["candidate"] == c]
-                med = {k: statistics.median(r[k] for r in rows) for k in
-                       ("create_ms", "anon_ready_mib", "anon_after_run_mib", "warm_ms")}
-                print(f"{name:<10} {c:<16} {med['create_ms']:>10.1f} {med['anon_ready_mib']:>14.1f} "
-                      f"{med['anon_after_run_mib']:>12.1f} {med['warm_ms']:>9.1f} {base / med['warm_ms']:>10.2f}x")
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(samples, indent=1))
+        report(samples)
+        save_results(args.out, "binding", argv, samples, report)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
