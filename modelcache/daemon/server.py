@@ -1,5 +1,8 @@
 """The resident daemon: one owner loop holds every table; loader threads only copy and pack.
 
+This file holds the lifecycle, the message dispatch, sessions (hello, open, close), stats
+and client liveness; the cache operations are in cache.py and serve mode in serving.py.
+
 The owner loop (the main thread) polls the ROUTER socket that clients talk to and a
 wake-up socket that loader threads poke when they finish. Loader threads never touch
 the registry: they return results, and the owner applies them. Signal handlers only
@@ -23,23 +26,23 @@ import zmq
 
 from .. import __version__, protocol as P
 from ..config import ConfigError, Settings
-from ..executor.engine import Engine, ServeRequest
+from ..executor.engine import Engine
 from ..eviction import make_policy
-from ..errors import (CapacityError, InputError, ModelCacheError, ModelNotFound, PackError, ProtocolError,
-                      RemoteError)
-from ..packing import pack_in_subprocess
+from ..errors import ModelCacheError, ProtocolError
 from ..tiers.disk import Repository
 from ..tiers.host import HostTier
 from ..tiers.remote import RemoteStore
+from .cache import CacheOps
 from .metrics import Histogram, MetricsServer, render
 from .notify import Notifier
 from .registry import ModelRecord, ModelState, Registry
+from .serving import ServeHandlers
 
 log = logging.getLogger("modelcache.daemon")
 WAKE_ADDR = "inproc://modelcache-wake"
 
 
-class Daemon:
+class Daemon(CacheOps, ServeHandlers):
     # Settings a reload (SIGHUP / systemctl reload) applies live; the others need a restart.
     LIVE_SETTINGS = ("log_level", "heartbeat_interval_s", "lease_timeout_s", "host_capacity")
 
@@ -332,180 +335,6 @@ class Daemon:
         self.counters["hits" if hit else "misses"] += 1
         return None
 
-    def _when_resident(self, model: ModelRecord, then) -> bool:
-        """Call then(error, hit) once `model` is resident: now on a hit (returns True), else after the one load."""
-        if model.state is ModelState.RESIDENT:
-            then(None, True)
-            return True
-        model.waiters.append(lambda err: then(err, False))
-        if model.state is ModelState.ON_DISK:  # the first miss starts the load; later ones wait on it
-            try:
-                self._start_promotion(model)
-            except ModelCacheError:
-                model.waiters.clear()
-                raise
-        return False
-
-    def on_Load(self, ident, msg: P.Load):
-        if msg.tier != "host":
-            raise ModelCacheError(f"tier {msg.tier!r} is not available in this daemon (only 'host')")
-        model = self._resolve_or_fetch(ident, msg)
-        if model is None:
-            return None
-
-        def answer(error, hit):
-            reply = P.Ack(req_id=msg.req_id) if error is None else \
-                P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error))
-            self._reply(ident, reply)
-
-        self._when_resident(model, answer)
-        return None
-
-    def _resolve_or_fetch(self, ident: bytes, msg) -> ModelRecord | None:
-        """The model a request names; if only the remote store has it, start one fetch and return None."""
-        try:
-            return self.registry.resolve(msg.name, msg.version)
-        except ModelNotFound:
-            if self.remote is None:
-                raise
-        key = (msg.name, msg.version)
-
-        def fail(error):
-            self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
-
-        waiting = self.fetches.get(key)
-        self.fetches.setdefault(key, []).append((lambda: self._dispatch(ident, msg), fail))
-        if waiting is not None:
-            return None  # one fetch per model, however many ask
-        job = {"kind": "fetch", "model": f"{msg.name}@{msg.version or 'latest'}", "bytes_done": 0, "bytes_total": 0}
-        self.jobs[f"fetch:{key}"] = job
-
-        def progress(done, total):
-            job["bytes_done"], job["bytes_total"] = done, total
-
-        def work():
-            entry = self.remote.resolve(msg.name, msg.version)
-            return self.remote.fetch(entry, self.repository.root, progress)
-
-        def done(result, error):
-            self.jobs.pop(f"fetch:{key}", None)
-            waiters = self.fetches.pop(key, [])
-            if error is None:
-                model_dir, manifest, seconds = result
-                if manifest.name != msg.name:
-                    error = RemoteError(f"the remote store's {msg.name} holds a manifest for {manifest.name!r}")
-                else:
-                    if (manifest.name, manifest.version) not in self.registry.models:
-                        self.registry.add_model(model_dir, manifest)
-                    log.info("model fetched: %s@%d from %s, %.1f MiB in %.2f s", manifest.name, manifest.version,
-                             self.remote.url, manifest.weights_bytes / 2**20, seconds)
-            for retry, fail_ in waiters:
-                retry() if error is None else fail_(error)
-
-        self._run_on_loader(work, done)
-        return None
-
-    def on_Describe(self, ident, msg: P.Describe):
-        model = self.registry.resolve(msg.name, msg.version)
-        io = model.manifest.io_summary()
-        return P.DescribeReply(req_id=msg.req_id, name=model.name, version=model.version, inputs=io["inputs"],
-                               outputs=io["outputs"], weights_bytes=model.manifest.weights_bytes,
-                               stages=[{k: e[k] for k in ("file", "inputs", "outputs", "cost_share")}
-                                       for e in model.manifest.stages])
-
-    def on_Partition(self, ident, msg: P.Partition):
-        from ..executor.partition import partition
-        model = self.registry.resolve(msg.name, msg.version)
-        if model.refcount > 0 or model.state is ModelState.LOADING:
-            raise CapacityError(f"{model.key} is in use; partition it when no session or request holds it")
-
-        def done(result, error):
-            if error is None:
-                model.manifest.stages = result["stages"]
-                model.manifest.stage_cuts = result.get("cuts", [])
-                self.engine.drop_model(model.key)  # old stage sessions are stale
-                self.serve_specs.pop(model.key, None)
-                log.info("model partitioned: %s into %d stages", model.key, max(1, len(result["stages"])))
-                self._reply(ident, P.DescribeReply(req_id=msg.req_id, name=model.name, version=model.version,
-                                                   stages=result["stages"]))
-            else:
-                self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
-
-        self._run_on_loader(lambda: partition(model.disk_dir, msg.stages, msg.tail_fraction), done)
-        return None
-
-    def on_Infer(self, ident, msg: P.Infer):
-        from .. import tensors
-        self._touch(msg.client_id)
-        model = self._resolve_or_fetch(ident, msg)
-        if model is None:
-            return None
-        arrival = self.clock()
-        feeds, maps = tensors.decode(msg.inputs)
-        tensors.check_feeds(model.name, model.manifest.io_summary()["inputs"], feeds)
-        outputs = [o.name for o in model.manifest.outputs]
-        unknown = [n for n in (msg.output_names or []) if n not in outputs]
-        if unknown:
-            raise InputError(f"{model.name}: unknown output {unknown[0]!r}; the model has {outputs}")
-        model.refcount += 1  # a request in flight holds the model like a lease: it is not evicted under it
-
-        def finish(result, timings, error):
-            maps.clear()  # the input mappings go with the request
-            model.refcount -= 1
-            self._after_release(model)
-            if error is not None:
-                self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
-            else:
-                wire, _ = tensors.encode(result, inline_only=True)
-                self._reply(ident, P.InferReply(req_id=msg.req_id, outputs=wire, timings=timings))
-
-        def start(error, hit):
-            if error is not None:
-                finish(None, {}, error)
-                return
-            segments, specs = self._serve_specs(model)
-            batch = next(iter(feeds.values())).shape[0] if feeds and next(iter(feeds.values())).ndim else 1
-            self.engine.submit(ServeRequest(model.key, specs, segments, dict(feeds), msg.output_names, arrival,
-                                            arrival + msg.deadline_ms / 1e3 if msg.deadline_ms else None,
-                                            finish, batch=batch))
-
-        self._when_resident(model, start)
-        return None
-
-    def _serve_specs(self, model: ModelRecord) -> tuple[list, list]:
-        """(segments, per-stage {skeleton, inputs, outputs, tensors}) of a resident model; cached until it
-        is evicted or re-partitioned, since every request of a model needs the same."""
-        cached = self.serve_specs.get(model.key)
-        if cached is None:
-            _, segments, all_tensors = self.host.export(model.key, model.manifest)
-            stages = model.manifest.stages or [{"file": "model.onnx", "inputs": [i.name for i in model.manifest.inputs],
-                                                "outputs": [o.name for o in model.manifest.outputs],
-                                                "tensors": [t[0] for t in all_tensors]}]
-            specs = []
-            for e in stages:
-                wanted = set(e["tensors"])
-                specs.append({"skeleton": str(model.disk_dir / e["file"]), "inputs": e["inputs"],
-                              "outputs": e["outputs"], "tensors": [t for t in all_tensors if t[0] in wanted]})
-            cached = self.serve_specs[model.key] = (segments, specs)
-        return cached
-
-    def on_Remove(self, ident, msg: P.Remove):
-        model = self.registry.resolve(msg.name, msg.version)
-        if model.refcount > 0 or model.state is ModelState.LOADING:
-            raise CapacityError(f"{model.key} is in use or loading; it cannot be removed now")
-        if model.state is ModelState.RESIDENT:
-            self.evict(model)
-        del self.registry.models[(model.name, model.version)]
-        self.repository.remove(model.name, model.version)
-        log.info("model removed: %s", model.key)
-        return P.Ack(req_id=msg.req_id)
-
-    def on_Pin(self, ident, msg: P.Pin):
-        model = self.registry.resolve(msg.name, msg.version)
-        model.pinned = msg.pinned
-        log.info("model %s: %s", "pinned" if msg.pinned else "unpinned", model.key)
-        return P.Ack(req_id=msg.req_id)
-
     def _open_reply(self, req_id: int, lease_id: str, model: ModelRecord, hit: bool) -> P.OpenReply:
         m = model.manifest
         skeleton, segments, tensors = self.host.export(model.key, m)
@@ -519,57 +348,6 @@ class Daemon:
         self._after_release(self.registry.release(msg.lease_id, msg.client_id))
         self.counters["closes"] += 1
         return P.Ack(req_id=msg.req_id)
-
-    def _after_release(self, model: ModelRecord) -> None:
-        if model.refcount == 0 and model.state is ModelState.RESIDENT:
-            self.policy.released(model.key, self.clock())
-            if self.policy.evict_on_release and not model.pinned:
-                self.evict(model)
-
-    def on_Evict(self, ident, msg: P.Evict):
-        model = self.registry.resolve(msg.name, msg.version)
-        if model.state is ModelState.LOADING:
-            raise CapacityError(f"{model.key} is loading; evict it once it is resident")
-        if model.refcount > 0:
-            raise CapacityError(f"{model.key} is in use by {model.refcount} sessions; it cannot be evicted")
-        if model.state is ModelState.RESIDENT:
-            self.evict(model)
-        return P.Ack(req_id=msg.req_id)
-
-    def evict(self, model: ModelRecord) -> None:
-        """Free a resident, unreferenced model (clients' old mappings stay valid)."""
-        assert model.state is ModelState.RESIDENT and model.refcount == 0
-        freed = self.host.free_model(model.key)
-        self.policy.removed(model.key)
-        self.engine.drop_model(model.key)
-        self.serve_specs.pop(model.key, None)
-        model.state = ModelState.ON_DISK
-        self.counters["evictions"] += 1
-        log.info("model evicted: %s from host, %.1f MiB freed", model.key, freed / 2**20)
-
-    def make_room(self, bytes_over: int, loading: str) -> bool:
-        """Evict unreferenced, unpinned resident models, as the policy chooses, until `bytes_over` is freed.
-
-        Nothing is evicted unless the whole need can be met. Shared segments free only when
-        all their users go, so when the policy's per-model choice falls short we walk its
-        order and count what a growing prefix frees together.
-        """
-        candidates = [m for m in self.registry.models.values()
-                      if m.state is ModelState.RESIDENT and m.refcount == 0 and not m.pinned and m.key != loading]
-        by_key = {m.key: m for m in candidates}
-        victims = self.policy.choose_victims(bytes_over, {k: self.host.bytes_freed_by([k]) for k in by_key})
-        if not victims:
-            prefix = []
-            for key in self.policy.order(list(by_key)):
-                prefix.append(key)
-                if self.host.bytes_freed_by(prefix) >= bytes_over:
-                    victims = prefix
-                    break
-        if not victims or self.host.bytes_freed_by(victims) < bytes_over:
-            return False
-        for key in victims:
-            self.evict(by_key[key])
-        return True
 
     def on_ListModels(self, ident, msg: P.ListModels):
         return P.ModelList(req_id=msg.req_id, models=self._describe_models())
@@ -593,86 +371,6 @@ class Daemon:
                 {"tier": "disk", "path": str(self.repository.root),
                  "used_bytes": sum(m.manifest.weights_bytes for m in self.registry.models.values()),
                  "capacity_bytes": 0}]
-
-    def on_Add(self, ident, msg: P.Add):
-        opt_level = msg.opt_level or self.settings.opt_level
-        version = msg.version if msg.version is not None else self.registry.next_version(msg.name, self.reserved_versions)
-        if (msg.name, version) in self.registry.models or (msg.name, version) in self.reserved_versions:
-            raise PackError(f"model {msg.name} version {version} already exists")
-        if not os.path.isabs(msg.path):
-            raise PackError(f"add needs an absolute path (the daemon's working directory is not yours): {msg.path}")
-        key = (msg.name, version)
-        self.reserved_versions.add(key)
-        job = {"kind": "add", "model": f"{msg.name}@{version}", "bytes_done": 0, "bytes_total": 0}
-        self.jobs[f"add:{msg.name}@{version}"] = job
-
-        def progress(done, total):  # written by the loader thread; only read for stats
-            job["bytes_done"], job["bytes_total"] = done, total
-
-        def work():
-            t0 = time.perf_counter()
-            started = []
-            try:
-                manifest = pack_in_subprocess(msg.path, self.repository.root, msg.name, version, opt_level,
-                                              progress, on_start=lambda p: (started.append(p), self.packers.add(p)))
-            finally:
-                for p in started:
-                    self.packers.discard(p)
-            return manifest, time.perf_counter() - t0
-
-        def done(result, error):
-            self.reserved_versions.discard(key)
-            self.jobs.pop(f"add:{msg.name}@{version}", None)
-            if error is not None:
-                log.warning("add %s from %s failed: %s", job["model"], msg.path, error)
-                self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
-                return
-            manifest, pack_s = result
-            self.registry.add_model(self.repository.model_dir(msg.name, version), manifest)
-            self.counters["adds"] += 1
-            log.info("model added: %s@%d, %d tensors, %.1f MiB, packed in %.2f s", msg.name, version,
-                     len(manifest.tensors), manifest.weights_bytes / 2**20, pack_s)
-            self._reply(ident, P.AddReply(req_id=msg.req_id, name=msg.name, version=version,
-                                          weights_bytes=manifest.weights_bytes, tensors=len(manifest.tensors),
-                                          pack_s=pack_s))
-
-        self._run_on_loader(work, done)
-        return None
-
-    # -- promotion ---------------------------------------------------------------------
-    def _start_promotion(self, model: ModelRecord) -> None:
-        """Plan the model's place in the host tier, make room if needed, and copy it on a loader thread."""
-        plan = self.host.plan(model.key, model.disk_dir, model.manifest)  # reserves its bytes
-        over = self.host.used_bytes - self.host.capacity_bytes
-        if over > 0 and not self.make_room(over, loading=model.key):
-            self.host.abort(plan)
-            raise CapacityError(
-                f"{model.key} needs {plan.segment_bytes >> 20} MiB in the host tier "
-                f"({self.host.capacity_bytes >> 20} MiB, {(self.host.used_bytes - plan.segment_bytes) >> 20} MiB "
-                f"used) and no unused, unpinned model can make room; close sessions, unpin, or raise host_capacity")
-        model.state = ModelState.LOADING
-        self.jobs[f"load:{model.key}"] = {"kind": "load", "model": model.key, "bytes_total": plan.segment_bytes}
-
-        def done(seconds, error):
-            self.jobs.pop(f"load:{model.key}", None)
-            waiters, model.waiters = model.waiters, []
-            if error is not None:
-                self.host.abort(plan)
-                model.state = ModelState.ON_DISK
-                log.error("promotion of %s failed: %s", model.key, error)
-            else:
-                self.host.commit(plan)
-                model.state = ModelState.RESIDENT
-                self.policy.created(model.key, model.manifest.weights_bytes, self.clock())
-                self.counters["promotions"] += 1
-                shared = model.manifest.weights_bytes - plan.segment_bytes
-                log.info("model promoted: %s disk -> host, %.1f MiB copied in %.3f s%s", model.key,
-                         plan.segment_bytes / 2**20, seconds,
-                         f", {shared / 2**20:.1f} MiB shared with resident models" if shared > 0 else "")
-            for wake in waiters:
-                wake(error)
-
-        self._run_on_loader(lambda: self.host.write(plan), done)
 
     def _post(self, done, result, error) -> None:
         """From any thread: have `done(result, error)` run on the owner loop, and wake it."""

@@ -1,0 +1,241 @@
+"""The daemon's cache operations: promotion into the host tier, eviction, pinning, prefetch, add, fetch.
+
+A mixin of `Daemon` (daemon/server.py), split out so each file reads as one concern. Like
+every handler, these run on the owner loop and use its state: `registry`, `host`, `policy`,
+`engine`, `repository`, `remote`, `jobs`, `counters`, and `_run_on_loader` for slow work.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from .. import protocol as P
+from ..errors import CapacityError, ModelCacheError, ModelNotFound, PackError, RemoteError
+from ..packing import pack_in_subprocess
+from .registry import ModelRecord, ModelState
+
+log = logging.getLogger("modelcache.daemon")
+
+
+class CacheOps:
+    def _when_resident(self, model: ModelRecord, then) -> bool:
+        """Call then(error, hit) once `model` is resident: now on a hit (returns True), else after the one load."""
+        if model.state is ModelState.RESIDENT:
+            then(None, True)
+            return True
+        model.waiters.append(lambda err: then(err, False))
+        if model.state is ModelState.ON_DISK:  # the first miss starts the load; later ones wait on it
+            try:
+                self._start_promotion(model)
+            except ModelCacheError:
+                model.waiters.clear()
+                raise
+        return False
+
+    def on_Load(self, ident, msg: P.Load):
+        if msg.tier != "host":
+            raise ModelCacheError(f"tier {msg.tier!r} is not available in this daemon (only 'host')")
+        model = self._resolve_or_fetch(ident, msg)
+        if model is None:
+            return None
+
+        def answer(error, hit):
+            reply = P.Ack(req_id=msg.req_id) if error is None else \
+                P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error))
+            self._reply(ident, reply)
+
+        self._when_resident(model, answer)
+        return None
+
+    def _resolve_or_fetch(self, ident: bytes, msg) -> ModelRecord | None:
+        """The model a request names; if only the remote store has it, start one fetch and return None."""
+        try:
+            return self.registry.resolve(msg.name, msg.version)
+        except ModelNotFound:
+            if self.remote is None:
+                raise
+        key = (msg.name, msg.version)
+
+        def fail(error):
+            self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
+
+        waiting = self.fetches.get(key)
+        self.fetches.setdefault(key, []).append((lambda: self._dispatch(ident, msg), fail))
+        if waiting is not None:
+            return None  # one fetch per model, however many ask
+        job = {"kind": "fetch", "model": f"{msg.name}@{msg.version or 'latest'}", "bytes_done": 0, "bytes_total": 0}
+        self.jobs[f"fetch:{key}"] = job
+
+        def progress(done, total):
+            job["bytes_done"], job["bytes_total"] = done, total
+
+        def work():
+            entry = self.remote.resolve(msg.name, msg.version)
+            return self.remote.fetch(entry, self.repository.root, progress)
+
+        def done(result, error):
+            self.jobs.pop(f"fetch:{key}", None)
+            waiters = self.fetches.pop(key, [])
+            if error is None:
+                model_dir, manifest, seconds = result
+                if manifest.name != msg.name:
+                    error = RemoteError(f"the remote store's {msg.name} holds a manifest for {manifest.name!r}")
+                else:
+                    if (manifest.name, manifest.version) not in self.registry.models:
+                        self.registry.add_model(model_dir, manifest)
+                    log.info("model fetched: %s@%d from %s, %.1f MiB in %.2f s", manifest.name, manifest.version,
+                             self.remote.url, manifest.weights_bytes / 2**20, seconds)
+            for retry, fail_ in waiters:
+                retry() if error is None else fail_(error)
+
+        self._run_on_loader(work, done)
+        return None
+
+    def on_Remove(self, ident, msg: P.Remove):
+        model = self.registry.resolve(msg.name, msg.version)
+        if model.refcount > 0 or model.state is ModelState.LOADING:
+            raise CapacityError(f"{model.key} is in use or loading; it cannot be removed now")
+        if model.state is ModelState.RESIDENT:
+            self.evict(model)
+        del self.registry.models[(model.name, model.version)]
+        self.repository.remove(model.name, model.version)
+        log.info("model removed: %s", model.key)
+        return P.Ack(req_id=msg.req_id)
+
+    def on_Pin(self, ident, msg: P.Pin):
+        model = self.registry.resolve(msg.name, msg.version)
+        model.pinned = msg.pinned
+        log.info("model %s: %s", "pinned" if msg.pinned else "unpinned", model.key)
+        return P.Ack(req_id=msg.req_id)
+
+    def _after_release(self, model: ModelRecord) -> None:
+        if model.refcount == 0 and model.state is ModelState.RESIDENT:
+            self.policy.released(model.key, self.clock())
+            if self.policy.evict_on_release and not model.pinned:
+                self.evict(model)
+
+    def on_Evict(self, ident, msg: P.Evict):
+        model = self.registry.resolve(msg.name, msg.version)
+        if model.state is ModelState.LOADING:
+            raise CapacityError(f"{model.key} is loading; evict it once it is resident")
+        if model.refcount > 0:
+            raise CapacityError(f"{model.key} is in use by {model.refcount} sessions; it cannot be evicted")
+        if model.state is ModelState.RESIDENT:
+            self.evict(model)
+        return P.Ack(req_id=msg.req_id)
+
+    def evict(self, model: ModelRecord) -> None:
+        """Free a resident, unreferenced model (clients' old mappings stay valid)."""
+        assert model.state is ModelState.RESIDENT and model.refcount == 0
+        freed = self.host.free_model(model.key)
+        self.policy.removed(model.key)
+        self.engine.drop_model(model.key)
+        self.serve_specs.pop(model.key, None)
+        model.state = ModelState.ON_DISK
+        self.counters["evictions"] += 1
+        log.info("model evicted: %s from host, %.1f MiB freed", model.key, freed / 2**20)
+
+    def make_room(self, bytes_over: int, loading: str) -> bool:
+        """Evict unreferenced, unpinned resident models, as the policy chooses, until `bytes_over` is freed.
+
+        Nothing is evicted unless the whole need can be met. Shared segments free only when
+        all their users go, so when the policy's per-model choice falls short we walk its
+        order and count what a growing prefix frees together.
+        """
+        candidates = [m for m in self.registry.models.values()
+                      if m.state is ModelState.RESIDENT and m.refcount == 0 and not m.pinned and m.key != loading]
+        by_key = {m.key: m for m in candidates}
+        victims = self.policy.choose_victims(bytes_over, {k: self.host.bytes_freed_by([k]) for k in by_key})
+        if not victims:
+            prefix = []
+            for key in self.policy.order(list(by_key)):
+                prefix.append(key)
+                if self.host.bytes_freed_by(prefix) >= bytes_over:
+                    victims = prefix
+                    break
+        if not victims or self.host.bytes_freed_by(victims) < bytes_over:
+            return False
+        for key in victims:
+            self.evict(by_key[key])
+        return True
+
+    def on_Add(self, ident, msg: P.Add):
+        opt_level = msg.opt_level or self.settings.opt_level
+        version = msg.version if msg.version is not None else self.registry.next_version(msg.name, self.reserved_versions)
+        if (msg.name, version) in self.registry.models or (msg.name, version) in self.reserved_versions:
+            raise PackError(f"model {msg.name} version {version} already exists")
+        if not os.path.isabs(msg.path):
+            raise PackError(f"add needs an absolute path (the daemon's working directory is not yours): {msg.path}")
+        key = (msg.name, version)
+        self.reserved_versions.add(key)
+        job = {"kind": "add", "model": f"{msg.name}@{version}", "bytes_done": 0, "bytes_total": 0}
+        self.jobs[f"add:{msg.name}@{version}"] = job
+
+        def progress(done, total):  # written by the loader thread; only read for stats
+            job["bytes_done"], job["bytes_total"] = done, total
+
+        def work():
+            t0 = time.perf_counter()
+            started = []
+            try:
+                manifest = pack_in_subprocess(msg.path, self.repository.root, msg.name, version, opt_level,
+                                              progress, on_start=lambda p: (started.append(p), self.packers.add(p)))
+            finally:
+                for p in started:
+                    self.packers.discard(p)
+            return manifest, time.perf_counter() - t0
+
+        def done(result, error):
+            self.reserved_versions.discard(key)
+            self.jobs.pop(f"add:{msg.name}@{version}", None)
+            if error is not None:
+                log.warning("add %s from %s failed: %s", job["model"], msg.path, error)
+                self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
+                return
+            manifest, pack_s = result
+            self.registry.add_model(self.repository.model_dir(msg.name, version), manifest)
+            self.counters["adds"] += 1
+            log.info("model added: %s@%d, %d tensors, %.1f MiB, packed in %.2f s", msg.name, version,
+                     len(manifest.tensors), manifest.weights_bytes / 2**20, pack_s)
+            self._reply(ident, P.AddReply(req_id=msg.req_id, name=msg.name, version=version,
+                                          weights_bytes=manifest.weights_bytes, tensors=len(manifest.tensors),
+                                          pack_s=pack_s))
+
+        self._run_on_loader(work, done)
+        return None
+
+    def _start_promotion(self, model: ModelRecord) -> None:
+        """Plan the model's place in the host tier, make room if needed, and copy it on a loader thread."""
+        plan = self.host.plan(model.key, model.disk_dir, model.manifest)  # reserves its bytes
+        over = self.host.used_bytes - self.host.capacity_bytes
+        if over > 0 and not self.make_room(over, loading=model.key):
+            self.host.abort(plan)
+            raise CapacityError(
+                f"{model.key} needs {plan.segment_bytes >> 20} MiB in the host tier "
+                f"({self.host.capacity_bytes >> 20} MiB, {(self.host.used_bytes - plan.segment_bytes) >> 20} MiB "
+                f"used) and no unused, unpinned model can make room; close sessions, unpin, or raise host_capacity")
+        model.state = ModelState.LOADING
+        self.jobs[f"load:{model.key}"] = {"kind": "load", "model": model.key, "bytes_total": plan.segment_bytes}
+
+        def done(seconds, error):
+            self.jobs.pop(f"load:{model.key}", None)
+            waiters, model.waiters = model.waiters, []
+            if error is not None:
+                self.host.abort(plan)
+                model.state = ModelState.ON_DISK
+                log.error("promotion of %s failed: %s", model.key, error)
+            else:
+                self.host.commit(plan)
+                model.state = ModelState.RESIDENT
+                self.policy.created(model.key, model.manifest.weights_bytes, self.clock())
+                self.counters["promotions"] += 1
+                shared = model.manifest.weights_bytes - plan.segment_bytes
+                log.info("model promoted: %s disk -> host, %.1f MiB copied in %.3f s%s", model.key,
+                         plan.segment_bytes / 2**20, seconds,
+                         f", {shared / 2**20:.1f} MiB shared with resident models" if shared > 0 else "")
+            for wake in waiters:
+                wake(error)
+
+        self._run_on_loader(lambda: self.host.write(plan), done)

@@ -1,0 +1,102 @@
+"""Serve-mode requests in the daemon: describe, partition, infer.
+
+A mixin of `Daemon` (daemon/server.py). Handlers run on the owner loop; the stage work runs
+on the executor's workers (`self.engine`), and a request in flight holds its model.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .. import protocol as P
+from ..errors import CapacityError, InputError
+from ..executor.engine import ServeRequest
+from .registry import ModelRecord, ModelState
+
+log = logging.getLogger("modelcache.daemon")
+
+
+class ServeHandlers:
+    def on_Describe(self, ident, msg: P.Describe):
+        model = self.registry.resolve(msg.name, msg.version)
+        io = model.manifest.io_summary()
+        return P.DescribeReply(req_id=msg.req_id, name=model.name, version=model.version, inputs=io["inputs"],
+                               outputs=io["outputs"], weights_bytes=model.manifest.weights_bytes,
+                               stages=[{k: e[k] for k in ("file", "inputs", "outputs", "cost_share")}
+                                       for e in model.manifest.stages])
+
+    def on_Partition(self, ident, msg: P.Partition):
+        from ..executor.partition import partition
+        model = self.registry.resolve(msg.name, msg.version)
+        if model.refcount > 0 or model.state is ModelState.LOADING:
+            raise CapacityError(f"{model.key} is in use; partition it when no session or request holds it")
+
+        def done(result, error):
+            if error is None:
+                model.manifest.stages = result["stages"]
+                model.manifest.stage_cuts = result.get("cuts", [])
+                self.engine.drop_model(model.key)  # old stage sessions are stale
+                self.serve_specs.pop(model.key, None)
+                log.info("model partitioned: %s into %d stages", model.key, max(1, len(result["stages"])))
+                self._reply(ident, P.DescribeReply(req_id=msg.req_id, name=model.name, version=model.version,
+                                                   stages=result["stages"]))
+            else:
+                self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
+
+        self._run_on_loader(lambda: partition(model.disk_dir, msg.stages, msg.tail_fraction), done)
+        return None
+
+    def on_Infer(self, ident, msg: P.Infer):
+        from .. import tensors
+        self._touch(msg.client_id)
+        model = self._resolve_or_fetch(ident, msg)
+        if model is None:
+            return None
+        arrival = self.clock()
+        feeds, maps = tensors.decode(msg.inputs)
+        tensors.check_feeds(model.name, model.manifest.io_summary()["inputs"], feeds)
+        outputs = [o.name for o in model.manifest.outputs]
+        unknown = [n for n in (msg.output_names or []) if n not in outputs]
+        if unknown:
+            raise InputError(f"{model.name}: unknown output {unknown[0]!r}; the model has {outputs}")
+        model.refcount += 1  # a request in flight holds the model like a lease: it is not evicted under it
+
+        def finish(result, timings, error):
+            maps.clear()  # the input mappings go with the request
+            model.refcount -= 1
+            self._after_release(model)
+            if error is not None:
+                self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
+            else:
+                wire, _ = tensors.encode(result, inline_only=True)
+                self._reply(ident, P.InferReply(req_id=msg.req_id, outputs=wire, timings=timings))
+
+        def start(error, hit):
+            if error is not None:
+                finish(None, {}, error)
+                return
+            segments, specs = self._serve_specs(model)
+            batch = next(iter(feeds.values())).shape[0] if feeds and next(iter(feeds.values())).ndim else 1
+            self.engine.submit(ServeRequest(model.key, specs, segments, dict(feeds), msg.output_names, arrival,
+                                            arrival + msg.deadline_ms / 1e3 if msg.deadline_ms else None,
+                                            finish, batch=batch))
+
+        self._when_resident(model, start)
+        return None
+
+    def _serve_specs(self, model: ModelRecord) -> tuple[list, list]:
+        """(segments, per-stage {skeleton, inputs, outputs, tensors}) of a resident model; cached until it
+        is evicted or re-partitioned, since every request of a model needs the same."""
+        cached = self.serve_specs.get(model.key)
+        if cached is None:
+            _, segments, all_tensors = self.host.export(model.key, model.manifest)
+            stages = model.manifest.stages or [{"file": "model.onnx", "inputs": [i.name for i in model.manifest.inputs],
+                                                "outputs": [o.name for o in model.manifest.outputs],
+                                                "tensors": [t[0] for t in all_tensors]}]
+            specs = []
+            for e in stages:
+                wanted = set(e["tensors"])
+                specs.append({"skeleton": str(model.disk_dir / e["file"]), "inputs": e["inputs"],
+                              "outputs": e["outputs"], "tensors": [t for t in all_tensors if t[0] in wanted]})
+            cached = self.serve_specs[model.key] = (segments, specs)
+        return cached
