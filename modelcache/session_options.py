@@ -22,3 +22,32 @@ def attach_session_options(base=None, spinning: bool | None = None):
         # Many client processes on few cores: spinning threads steal each other's cores.
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     return so
+
+
+def map_readonly(path: str):
+    """A read-only, shared mapping of a whole file (a host-tier segment or a serve-mode I/O file)."""
+    import mmap
+    import os
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)  # the mapping keeps the pages; the descriptor is not needed
+
+
+def bind_weights(so, segment_paths: list, tensors: list) -> tuple[list, list]:
+    """Hand each tensor ([name, dtype, shape, segment index, offset, nbytes]) to `so` as an OrtValue over
+    a read-only mapping of its segment: no read, no copy. Returns (mappings, values); ORT keeps raw
+    pointers, so both must outlive every session built with `so`."""
+    import numpy as np
+    import onnxruntime as ort
+
+    maps = [map_readonly(p) for p in segment_paths]
+    blobs = [np.frombuffer(m, dtype=np.uint8) for m in maps]
+    values = []
+    for name, dtype, shape, seg, offset, nbytes in tensors:
+        value = ort.OrtValue.ortvalue_from_numpy(blobs[seg][offset:offset + nbytes].view(dtype).reshape(shape))
+        values.append(value)
+        so.add_initializer(name, value)
+    return maps, values

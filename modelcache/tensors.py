@@ -8,10 +8,10 @@ copied once (into shared memory), not through the socket.
 from __future__ import annotations
 
 import itertools
-import mmap
 import os
 
 from .errors import InputError, ProtocolError
+from .session_options import map_readonly
 
 INLINE_MAX_BYTES = 256 * 1024
 _counter = itertools.count()
@@ -67,11 +67,7 @@ def decode(wire: list) -> tuple[dict, list]:
                 path = entry["shm"]
                 if not os.path.basename(path).startswith("modelcache-io.") or os.path.dirname(path) == "":
                     raise ProtocolError(f"tensor {name!r}: {path!r} is not a modelcache I/O file")
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    m = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
-                finally:
-                    os.close(fd)
+                m = map_readonly(path)
                 maps.append(m)
                 buf = m
             arr = np.frombuffer(buf, dtype=dtype, count=count).reshape(shape)

@@ -8,21 +8,11 @@ mapping lives as long as this object; the daemon's lease is released on close.
 
 from __future__ import annotations
 
-import mmap
-import os
 
 from ..errors import InputError
 from ..tensors import check_feeds
-from ..session_options import attach_session_options
+from ..session_options import attach_session_options, bind_weights
 from .connection import Client, OpenedModel, shared_client
-
-
-def _map_readonly(path: str) -> mmap.mmap:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
-    finally:
-        os.close(fd)  # the mapping keeps the pages; the descriptor is not needed
 
 
 class InferenceSession:
@@ -43,25 +33,18 @@ class InferenceSession:
 
     def __init__(self, name: str, version: int | None = None, sess_options=None, providers=None, *,
                  client: Client | None = None, socket: str | None = None, mode: str = "attach"):
-        import numpy as np
         import onnxruntime as ort
 
         self._client = client or shared_client(socket)
         self._lease: OpenedModel | None = None
         self._released = False
         self._sess = None
-        self._maps: list[mmap.mmap] = []
+        self._maps: list = []
         self._lease = self._client.open(name, version)
         try:
-            self._maps = [_map_readonly(path) for path in self._lease.segments]
-            blobs = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
             so = attach_session_options(sess_options)
-            self._weights = []  # ORT keeps raw pointers: these OrtValues must outlive the session
-            for tname, dtype, shape, segment, offset, nbytes in self._lease.tensors:
-                view = blobs[segment][offset:offset + nbytes].view(dtype).reshape(shape)
-                value = ort.OrtValue.ortvalue_from_numpy(view)
-                self._weights.append(value)
-                so.add_initializer(tname, value)
+            # ORT keeps raw pointers into these mappings: they must outlive the session.
+            self._maps, self._weights = bind_weights(so, self._lease.segments, self._lease.tensors)
             self._sess = ort.InferenceSession(self._lease.skeleton_path, so,
                                               providers=providers or ["CPUExecutionProvider"])
         except BaseException:

@@ -8,7 +8,6 @@ host tier, so stages share weights with every client) and nothing else.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import queue
 import threading
@@ -98,25 +97,12 @@ class Worker:
     def _session(self, job: StageJob):
         key = (job.model_key, job.stage)
         if key not in self.sessions:
-            import numpy as np
             import onnxruntime as ort
-            from ..session_options import attach_session_options
+            from ..session_options import attach_session_options, bind_weights
 
-            maps = []
-            for path in job.segments:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    maps.append(mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ))
-                finally:
-                    os.close(fd)
-            blobs = [np.frombuffer(m, dtype=np.uint8) for m in maps]
             so = attach_session_options(spinning=False)
             so.intra_op_num_threads = len(self.cores)
-            values = []
-            for name, dtype, shape, seg, off, nbytes in job.tensors:
-                v = ort.OrtValue.ortvalue_from_numpy(blobs[seg][off:off + nbytes].view(dtype).reshape(shape))
-                values.append(v)
-                so.add_initializer(name, v)
+            maps, values = bind_weights(so, job.segments, job.tensors)
             sess = ort.InferenceSession(job.skeleton, so, providers=["CPUExecutionProvider"])
             self.sessions[key] = (sess, maps, values)
         return self.sessions[key][0]
