@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 from pathlib import Path
 
 import zmq
@@ -80,10 +81,10 @@ class Client:
             poller = zmq.Poller()
             poller.register(self._sock, zmq.POLLIN)
             poller.register(self._monitor, zmq.POLLIN)
-            deadline = _now() + timeout_s
+            deadline = time.monotonic() + timeout_s
             gone = False
             while True:
-                remaining_ms = int((deadline - _now()) * 1000)
+                remaining_ms = int((deadline - time.monotonic()) * 1000)
                 if remaining_ms <= 0:
                     raise RequestTimeout(f"the modelcache daemon at {self.address} did not answer "
                                          f"{msg.KIND.decode()} within {timeout_s:g} s")
@@ -200,11 +201,6 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _now() -> float:
-    import time
-    return time.monotonic()
 
 
 def connect(socket: str | None = None, timeout_s: float | None = None, name: str = "") -> Client:

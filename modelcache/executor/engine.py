@@ -9,6 +9,7 @@ worker runs it, and its measured time calibrates the performance model.
 from __future__ import annotations
 
 import itertools
+import os
 import logging
 import statistics
 from collections import deque
@@ -44,8 +45,8 @@ class ServeRequest:
 
 class Engine:
     def __init__(self, workers_spec: str, scheduler: str, perf_path: Path | None, post, clock):
-        self.groups = parse_groups(workers_spec) if workers_spec != "auto" else parse_groups(
-            str(len(__import__("os").sched_getaffinity(0))))
+        # "auto": one group of every core this process may use.
+        self.groups = parse_groups(str(len(os.sched_getaffinity(0))) if workers_spec == "auto" else workers_spec)
         self.scheduler = make_scheduler(scheduler)
         self.perf_path = perf_path
         self.perf = PerfModels.load(perf_path) if perf_path else PerfModels()
