@@ -120,6 +120,18 @@ def cmd_partition(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from .client.calibrate import calibrate
+    from .client.connection import connect
+    with connect(_settings(args).socket, timeout_s=600) as c:
+        profile = calibrate(c, args.name, args.batches, args.runs, args.t_opt_ms, args.version,
+                            progress=lambda line: print(line, flush=True))
+    z = ", ".join(f"{v:.4g}" for v in profile["g"])
+    print(f"{args.name}: g(b) fit z = ({z}); t_opt {profile['t_opt_ms']:.0f} ms -> N_opt {profile['n_opt']}; "
+          "stored with the model")
+    return 0
+
+
 def cmd_evict(args) -> int:
     from .client.connection import connect
     with connect(_settings(args).socket) as c:
@@ -340,6 +352,17 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--stages", type=int, help="K stages of about equal compute (1 removes a partition)")
     how.add_argument("--tail-fraction", type=float, help="two stages, the second with this share of compute")
     pt.set_defaults(func=cmd_partition)
+    cb = sub.add_parser("calibrate", parents=[common], help="time a model's stages per batch size for batching",
+                        description="Serve the model at each batch size, one request at a time, on the daemon's "
+                                    "workers; fit LBCI's g(b), derive N_opt (the largest batch within t_opt) and "
+                                    "store the table with the model. Layer-to-layer batching predicts from it; "
+                                    "max_batch=0 means N_opt. Partition first: the table is per stage.")
+    cb.add_argument("name")
+    cb.add_argument("--version", type=int)
+    cb.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="batch sizes to time")
+    cb.add_argument("--runs", type=int, default=5, help="timed requests per batch size (median kept)")
+    cb.add_argument("--t-opt-ms", type=float, help="latency bound; default 5x the batch-1 time")
+    cb.set_defaults(func=cmd_calibrate)
     rm = sub.add_parser("rm", parents=[common], help="delete a model version from the repository")
     rm.add_argument("name")
     rm.add_argument("--version", type=int, required=True)

@@ -58,6 +58,11 @@ class Settings:
     workers: str = "auto"              # serve-mode CPU worker groups: threads per group, "1,1", "2"; auto = one of all cores
     scheduler: str = "dmda"            # serve-mode placement: eager, round-robin, dmda
     serve_idle_s: float = 300.0        # serve-mode sessions of a model unused this long are dropped
+    batching: str = "serial"           # serve-mode batching: serial, batch, dynamic, layer; or per model "alexnet=layer,*=serial"
+    max_batch: int = 0                 # samples per batch; 0 = the model's calibrated N_opt, else 8
+    t_opt_ms: float = 0.0              # latency bound layer-to-layer protects; 0 = the model's calibrated t_opt, else none
+    batch_window_ms: float = 50.0      # batch(m) waits this long for m requests
+    max_queue_delay_ms: float = 0.0    # dynamic batching waits at most this long for a fuller batch
     state_dir: str = ""                # performance models persist here; default: the repository's parent
     metrics_port: int = 0              # Prometheus /metrics over HTTP; 0 = off
     metrics_host: str = "127.0.0.1"    # where /metrics listens
@@ -156,6 +161,11 @@ def load(config_file: str | Path | None = None, overrides: dict | None = None, e
     settings = Settings(**values)
     if settings.opt_level not in ("disable", "basic", "extended", "all"):
         raise ConfigError(f"opt_level {settings.opt_level!r}: choose disable, basic, extended or all")
+    from .executor.batching import parse_policy_spec
+    try:
+        parse_policy_spec(settings.batching)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     parse_size(settings.host_capacity, total=1)  # fail early on a bad size, without asking psutil for RAM
     return settings
 

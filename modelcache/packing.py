@@ -71,6 +71,7 @@ class Manifest:
     format: int = MANIFEST_FORMAT
     stage_cuts: list = field(default_factory=list)   # the tensor crossing each cut
     stages: list = field(default_factory=list)       # {file, inputs, outputs, tensors, cost_share} per stage
+    batching: dict = field(default_factory=dict)     # calibration profile of these stages (`modelcache calibrate`)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -95,6 +96,13 @@ class Manifest:
 def load_manifest(model_dir: Path) -> Manifest:
     with open(model_dir / MANIFEST_FILE) as f:
         return Manifest.from_dict(json.load(f))
+
+
+def write_manifest(model_dir: Path, manifest: Manifest) -> None:
+    """Replace a packed model's manifest atomically: a reader sees the old one or the new one."""
+    tmp = model_dir / (MANIFEST_FILE + ".tmp")
+    tmp.write_text(manifest.to_json())
+    os.replace(tmp, model_dir / MANIFEST_FILE)
 
 
 def _io_entries(values) -> list[IOEntry]:

@@ -199,6 +199,14 @@ class DescribeReply(Message, kind="describe_ok"):
     weights_bytes: int = 0
 
 
+class SetBatching(Message, kind="set_batching"):
+    """Store a model's batching calibration (`modelcache calibrate`) in its manifest."""
+    req_id: int
+    name: str
+    version: Optional[int] = None
+    profile: dict = {}
+
+
 class Partition(Message, kind="partition"):
     """Split a model into sequential stages for serve mode (stages=1 undoes it)."""
     req_id: int

@@ -105,3 +105,21 @@ def check_feeds(model: str, inputs: list[dict], feeds: dict) -> dict:
             raise InputError(f"{model}: input {name!r} must have shape {shape}, got {list(value.shape)}")
         out[name] = value
     return out
+
+
+def random_feeds(inputs: list[dict], batch: int = 1, seed: int = 0) -> dict:
+    """Random feeds for declared inputs ({name, dtype, shape}): a free first dim is `batch`, other free dims 8."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for e in inputs:
+        shape = [d if isinstance(d, int) and d > 0 else (batch if i == 0 else 8) for i, d in enumerate(e["shape"])]
+        dtype = np.dtype(e["dtype"])
+        if dtype == np.bool_:
+            feeds[e["name"]] = np.asarray(rng.random(shape) > 0.3)
+        elif np.issubdtype(dtype, np.integer):
+            feeds[e["name"]] = rng.integers(0, 100, size=shape).astype(dtype)
+        else:
+            feeds[e["name"]] = rng.standard_normal(shape).astype(dtype)
+    return feeds

@@ -389,21 +389,11 @@ def save(model: onnx.ModelProto, path: str, external_data: bool | None = None) -
 
 def sample_inputs(model_or_path, batch: int = 1, seed: int = 0) -> dict[str, np.ndarray]:
     """Random feeds matching a model's declared inputs (symbolic dims: batch, or 8 for others)."""
+    from .tensors import random_feeds
     model = onnx.load(model_or_path, load_external_data=False) if isinstance(model_or_path, str) else model_or_path
-    rng = np.random.default_rng(seed)
     init_names = {t.name for t in model.graph.initializer}
-    feeds = {}
-    for vi in model.graph.input:
-        if vi.name in init_names:
-            continue
-        tt = vi.type.tensor_type
-        shape = [d.dim_value if d.HasField("dim_value") else (batch if i == 0 else 8)
-                 for i, d in enumerate(tt.shape.dim)]
-        dtype = helper.tensor_dtype_to_np_dtype(tt.elem_type)
-        if dtype == np.bool_:
-            feeds[vi.name] = np.asarray(rng.random(shape) > 0.3)
-        elif np.issubdtype(dtype, np.integer):
-            feeds[vi.name] = rng.integers(0, 100, size=shape).astype(dtype)
-        else:
-            feeds[vi.name] = rng.standard_normal(shape).astype(dtype)
-    return feeds
+    inputs = [{"name": vi.name,
+               "dtype": np.dtype(helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)).name,
+               "shape": [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]}
+              for vi in model.graph.input if vi.name not in init_names]
+    return random_feeds(inputs, batch, seed)

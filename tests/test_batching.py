@@ -70,3 +70,20 @@ def test_fit_g_recovers_the_curve_and_n_opt_follows_t_opt():
     np.testing.assert_allclose(g(bs, *z), g(bs, *truth), rtol=0.05)
     assert n_opt(z, t_opt=float(g(8, *truth)) * 1.001) == pytest.approx(8, abs=1)
     assert n_opt(z, t_opt=1e-9) == 1
+
+
+def test_layer_to_layer_starts_a_batch_at_once_with_what_is_queued():
+    l2l = LayerToLayer(predict, stages=2, max_batch=3)
+    assert l2l.decide(0.0, q((1, 1, 0.0), (2, 1, 0.0), (3, 2, 0.0))).take == [1, 2]
+    assert l2l.decide(0.0, []).take == []
+
+
+def test_profile_predicts_measured_sizes_exactly_and_others_from_g():
+    from modelcache.executor.batching import calibration_profile, profile_predict
+    truth = (0.010, 0.002, 6.0, 2.0)
+    stage_s = {b: [0.25 * float(g(b, *truth)), 0.75 * float(g(b, *truth))] for b in (1, 2, 4, 8, 16)}
+    p = calibration_profile("cpu2", stage_s, t_opt_s=float(g(8, *truth)) * 1.001)
+    assert profile_predict(p, 1, 4) == pytest.approx(stage_s[4][1])
+    assert profile_predict(p, 0, 6) == pytest.approx(0.25 * float(g(6, *truth)), rel=0.05)
+    assert p["n_opt"] == pytest.approx(8, abs=1)
+    assert profile_predict(None, 0, 1) is None and profile_predict(p, 2, 1) is None

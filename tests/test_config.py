@@ -50,3 +50,13 @@ def test_bad_values_are_clear(tmp_path):
         load(toml, env={})
     with pytest.raises(ConfigError, match="not a valid float"):
         load(None, env={"MODELCACHE_LEASE_TIMEOUT_S": "soon"})
+    with pytest.raises(ConfigError, match="unknown policy 'greedy'"):
+        load(None, {"batching": "alexnet=greedy"}, env={})
+
+
+def test_batching_policy_per_model():
+    from modelcache.executor.batching import parse_policy_spec
+    assert parse_policy_spec("layer") == {"*": "layer"}
+    assert parse_policy_spec("alexnet=layer, resnet50=dynamic") == {"alexnet": "layer", "resnet50": "dynamic",
+                                                                      "*": "serial"}
+    assert parse_policy_spec("alexnet=batch,*=dynamic") == {"alexnet": "batch", "*": "dynamic"}

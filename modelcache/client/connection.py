@@ -164,6 +164,10 @@ class Client:
         outputs, _ = tensors.decode(reply.outputs)
         return outputs, reply.timings
 
+    def set_batching(self, name: str, profile: dict, version: int | None = None) -> None:
+        """Store a batching calibration with the model (see modelcache.client.calibrate)."""
+        self._call(P.SetBatching(req_id=0, name=name, version=version, profile=profile), expect=(P.Ack,))
+
     def evict(self, name: str, version: int | None = None) -> None:
         """Free the model's host memory now; it stays on disk. Refused (CapacityError) while in use."""
         self._call(P.Evict(req_id=0, name=name, version=version), expect=(P.Ack,))

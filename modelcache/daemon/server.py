@@ -44,7 +44,8 @@ WAKE_ADDR = "inproc://modelcache-wake"
 
 class Daemon(CacheOps, ServeHandlers):
     # Settings a reload (SIGHUP / systemctl reload) applies live; the others need a restart.
-    LIVE_SETTINGS = ("log_level", "heartbeat_interval_s", "lease_timeout_s", "host_capacity")
+    LIVE_SETTINGS = ("log_level", "heartbeat_interval_s", "lease_timeout_s", "host_capacity",
+                     "batching", "max_batch", "t_opt_ms", "batch_window_ms", "max_queue_delay_ms")
 
     def __init__(self, settings: Settings, clock=time.monotonic, wall=time.time, reload_settings=None):
         self.settings = settings
@@ -59,7 +60,7 @@ class Daemon(CacheOps, ServeHandlers):
         try:
             self.policy = make_policy(settings.eviction_policy)
             self.engine = Engine(settings.workers, settings.scheduler, Path(settings.state_dir) / "perfmodels.json",
-                                 self._post, clock)
+                                 self._post, clock, settings)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.loaders = concurrent.futures.ThreadPoolExecutor(settings.loader_threads, thread_name_prefix="loader")
@@ -153,6 +154,7 @@ class Daemon(CacheOps, ServeHandlers):
                     changed.append(f"{name}={getattr(new, name)}")
             logging.getLogger("modelcache").setLevel(self.settings.log_level.upper())
             self.host.capacity_bytes = self.settings.host_capacity_bytes()
+            self.engine.settings_changed()
             log.info("reloaded settings: %s", ", ".join(changed) or "nothing changed")
         except ModelCacheError as e:
             log.error("reload failed, keeping the old settings: %s", e)
@@ -189,7 +191,8 @@ class Daemon(CacheOps, ServeHandlers):
                 if self.notifier.watchdog_interval_s and self.clock() >= next_watchdog:
                     self.notifier.watchdog()  # only while the owner loop turns: a stuck loop gets restarted
                     next_watchdog = self.clock() + self.notifier.watchdog_interval_s
-                timeout_ms = max(0, int((next_sweep - self.clock()) * 1000))
+                wake_at = min(next_sweep, self.engine.next_wakeup() or next_sweep)  # a batching window ends
+                timeout_ms = max(0, int((wake_at - self.clock()) * 1000 + 0.999))
                 events = dict(poller.poll(min(timeout_ms, 250)))
                 if self.wake_rx in events:
                     while self.wake_rx.poll(0):
@@ -202,6 +205,7 @@ class Daemon(CacheOps, ServeHandlers):
                         if not self.router.get(zmq.EVENTS) & zmq.POLLIN:
                             break
                         self._handle(self.router.recv_multipart())
+                self.engine.on_timer(self.clock())
                 if self.clock() >= next_sweep:
                     self.sweep_clients()
                     for key in self.engine.drop_idle(self.clock(), self.settings.serve_idle_s):
@@ -219,10 +223,11 @@ class Daemon(CacheOps, ServeHandlers):
                  len(self.registry.leases), len(self.jobs))
         deadline = self.clock() + 60
         while self.engine.requests and self.clock() < deadline:  # in-flight inferences finish first
-            if self.wake_rx.poll(100):
+            if self.wake_rx.poll(10):
                 while self.wake_rx.poll(0):
                     self.wake_rx.recv()
             self._apply_completions()
+            self.engine.on_timer(self.clock())
         self.loaders.shutdown(wait=True, cancel_futures=True)
         self._apply_completions()
         self.engine.stop()

@@ -35,6 +35,7 @@ class ServeHandlers:
             if error is None:
                 model.manifest.stages = result["stages"]
                 model.manifest.stage_cuts = result.get("cuts", [])
+                model.manifest.batching = {}            # calibrated for the old stages
                 self.engine.drop_model(model.key)  # old stage sessions are stale
                 self.serve_specs.pop(model.key, None)
                 log.info("model partitioned: %s into %d stages", model.key, max(1, len(result["stages"])))
@@ -45,6 +46,22 @@ class ServeHandlers:
 
         self._run_on_loader(lambda: partition(model.disk_dir, msg.stages, msg.tail_fraction), done)
         return None
+
+    def on_SetBatching(self, ident, msg: P.SetBatching):
+        from ..executor.batching import check_profile
+        from ..packing import write_manifest
+        model = self.registry.resolve(msg.name, msg.version)
+        try:
+            check_profile(msg.profile, stages=max(1, len(model.manifest.stages)))
+        except ValueError as e:
+            raise InputError(f"{model.key}: {e}") from None
+        model.manifest.batching = dict(msg.profile)
+        write_manifest(model.disk_dir, model.manifest)
+        self.engine.drop_model(model.key)  # its batching policy is rebuilt with the new profile
+        self.serve_specs.pop(model.key, None)
+        log.info("batching profile stored: %s, N_opt %s at t_opt %.0f ms", model.key, msg.profile.get("n_opt"),
+                 msg.profile.get("t_opt_ms", 0))
+        return P.Ack(req_id=msg.req_id)
 
     def on_Infer(self, ident, msg: P.Infer):
         from .. import tensors
@@ -75,18 +92,23 @@ class ServeHandlers:
             if error is not None:
                 finish(None, {}, error)
                 return
-            segments, specs = self._serve_specs(model)
-            batch = next(iter(feeds.values())).shape[0] if feeds and next(iter(feeds.values())).ndim else 1
+            segments, specs, batchable = self._serve_specs(model)
+            first = next(iter(feeds.values()), None)
+            samples = first.shape[0] if first is not None and first.ndim else 1
             self.engine.submit(ServeRequest(model.key, specs, segments, dict(feeds), msg.output_names, arrival,
                                             arrival + msg.deadline_ms / 1e3 if msg.deadline_ms else None,
-                                            finish, batch=batch))
+                                            finish, samples=samples, batchable=batchable,
+                                            profile=model.manifest.batching or None))
 
         self._when_resident(model, start)
         return None
 
-    def _serve_specs(self, model: ModelRecord) -> tuple[list, list]:
-        """(segments, per-stage {skeleton, inputs, outputs, tensors}) of a resident model; cached until it
-        is evicted or re-partitioned, since every request of a model needs the same."""
+    def _serve_specs(self, model: ModelRecord) -> tuple[list, list, bool]:
+        """(segments, per-stage {skeleton, inputs, outputs, tensors}, batchable) of a resident model; cached
+        until it is evicted or re-partitioned, since every request of a model needs the same.
+
+        Batchable: every input and output has a free first dimension, so requests can be stacked
+        along it and the outputs split back."""
         cached = self.serve_specs.get(model.key)
         if cached is None:
             _, segments, all_tensors = self.host.export(model.key, model.manifest)
@@ -98,5 +120,7 @@ class ServeHandlers:
                 wanted = set(e["tensors"])
                 specs.append({"skeleton": str(model.disk_dir / e["file"]), "inputs": e["inputs"],
                               "outputs": e["outputs"], "tensors": [t for t in all_tensors if t[0] in wanted]})
-            cached = self.serve_specs[model.key] = (segments, specs)
+            io = model.manifest.inputs + model.manifest.outputs
+            batchable = all(e.shape and not isinstance(e.shape[0], int) for e in io)
+            cached = self.serve_specs[model.key] = (segments, specs, batchable)
         return cached

@@ -8,14 +8,17 @@ Policies (LBCI, Zhao et al. 2023, and Triton's dynamic batching):
                   predicted finish still meets its deadline (arrival + t_opt)
 
 Requests with several samples are kept whole: a request is taken entirely or not at all.
-Not yet wired into the engine (the batching issue): these are its decision rules.
+The engine (executor/engine.py) asks `decide` when a worker is idle or a window ends, and
+`LayerToLayer.admit` at each stage boundary of a running batch; it applies the answers.
+
+Predictions for layer-to-layer come from the performance models, and before those have
+seen a batch size, from the model's calibration profile (`profile_predict`): LBCI's table of
+stage times per batch size, with the fitted g(b) for sizes between the measured ones.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import numpy as np
 
 
 @dataclass
@@ -93,6 +96,11 @@ class LayerToLayer:
     def __init__(self, predict, stages: int, max_batch: int = 16):
         self.predict, self.stages, self.max_batch = predict, stages, max_batch
 
+    def decide(self, now, queue):
+        """A new batch starts at once with what is queued (up to max_batch): later arrivals join it
+        at stage boundaries instead of waiting for a window."""
+        return Decision(take=_whole_requests(queue, self.max_batch)) if queue else Decision()
+
     def finish_if_joined(self, now: float, k: int, batch_samples: int, newcomer_samples: int) -> float:
         catch_up = sum(self.predict(s, newcomer_samples) for s in range(k))
         rest = sum(self.predict(s, batch_samples + newcomer_samples) for s in range(k, self.stages))
@@ -121,12 +129,14 @@ def g(b, z1: float, z2: float, z3: float, z4: float):
 
     Per-sample time falls from ~z1 (small batches) to z2 (large) around b = z3, steepness z4.
     """
+    import numpy as np  # here, not at the top: settings validation imports this module on client paths
     b = np.asarray(b, dtype=float)
     return b * ((z1 - z2) / (1.0 + (b / z3) ** z4) + z2)
 
 
 def fit_g(batches, seconds) -> tuple[float, float, float, float]:
     """Least-squares fit of g to measured batch times: a grid over (z3, z4), z1 and z2 in closed form."""
+    import numpy as np
     b = np.asarray(batches, dtype=float)
     t = np.asarray(seconds, dtype=float)
     best, best_err = None, float("inf")
@@ -151,3 +161,82 @@ def n_opt(z: tuple, t_opt: float, max_batch: int = 256) -> int:
         if float(g(b, *z)) <= t_opt:
             best = b
     return best
+
+
+# -- choosing a policy ----------------------------------------------------------------------
+
+POLICIES = ("serial", "batch", "dynamic", "layer")
+
+
+def parse_policy_spec(spec: str) -> dict[str, str]:
+    """'layer' -> {'*': 'layer'}; 'alexnet=layer,*=serial' -> per model name, '*' for the rest."""
+    out = {}
+    for part in str(spec).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, _, policy = part.rpartition("=")
+        name = name.strip() or "*"
+        policy = policy.strip()
+        if policy not in POLICIES:
+            raise ValueError(f"batching={spec!r}: unknown policy {policy!r}; choose one of {', '.join(POLICIES)}, "
+                             "for all models or per model as 'alexnet=layer,*=serial'")
+        out[name] = policy
+    out.setdefault("*", "serial")
+    return out
+
+
+def make_batcher(policy: str, *, max_batch: int, window_s: float, max_queue_delay_s: float,
+                 predict=None, stages: int = 1):
+    if policy == "serial":
+        return Serial()
+    if policy == "batch":
+        return BatchWindow(m=max_batch, window_s=window_s)
+    if policy == "dynamic":
+        return Dynamic(max_batch=max_batch, max_queue_delay_s=max_queue_delay_s)
+    if policy == "layer":
+        return LayerToLayer(predict, stages=stages, max_batch=max_batch)
+    raise ValueError(f"unknown batching policy {policy!r}")
+
+
+# -- calibration profile: LBCI's ratio table and N_opt, stored with the model ---------------
+
+def calibration_profile(kind: str, stage_s: dict[int, list[float]], t_opt_s: float) -> dict:
+    """From measured stage times per batch size ({b: [stage seconds]}) on one worker kind.
+
+    Returns what the manifest stores: the table, the ratio of each stage to the whole per batch
+    size (LBCI's run-time ratio table), the fitted g(b) of the whole model, t_opt and N_opt.
+    """
+    batches = sorted(stage_s)
+    totals = [sum(stage_s[b]) for b in batches]
+    z = fit_g(batches, totals) if len(batches) >= 2 else (totals[0], totals[0], 1.0, 1.0)
+    return {"kind": kind, "batches": batches, "stage_s": [list(stage_s[b]) for b in batches],
+            "ratios": [[t / sum(stage_s[b]) for t in stage_s[b]] for b in batches],
+            "g": list(z), "t_opt_ms": t_opt_s * 1e3, "n_opt": n_opt(z, t_opt_s, max_batch=max(batches) * 4)}
+
+
+def profile_predict(profile: dict | None, stage: int, batch: int) -> float | None:
+    """Seconds for `stage` at `batch` samples from a calibration profile, None without one.
+
+    A measured batch size answers from the table; any other from g(b) times the stage's
+    share at the nearest measured size."""
+    if not profile or stage >= len(profile["stage_s"][0]):
+        return None
+    batches = profile["batches"]
+    if batch in batches:
+        return profile["stage_s"][batches.index(batch)][stage]
+    nearest = min(range(len(batches)), key=lambda i: abs(batches[i] - batch))
+    return float(g(batch, *profile["g"])) * profile["ratios"][nearest][stage]
+
+
+def check_profile(profile: dict, stages: int) -> None:
+    """Refuse a profile that does not describe these stages (ValueError says why)."""
+    try:
+        rows = profile["stage_s"]
+        if len(profile["batches"]) != len(rows) or not rows or any(len(r) != stages for r in rows):
+            raise ValueError(f"the profile times {len(rows[0]) if rows else 0} stages; the model has {stages}: "
+                             "calibrate again after partitioning")
+        if len(profile["g"]) != 4 or int(profile["n_opt"]) < 1 or float(profile["t_opt_ms"]) <= 0:
+            raise ValueError("the profile needs g (4 numbers), n_opt >= 1 and t_opt_ms > 0")
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"not a batching profile ({e}); make one with `modelcache calibrate`") from None

@@ -1,30 +1,44 @@
-"""Serve-mode engine: requests move stage by stage over worker groups, placed by the scheduler.
+"""Serve-mode engine: requests are batched, and batches move stage by stage over worker groups.
 
-Runs on the daemon's owner loop (it is called from handlers and from posted worker
-results); workers only execute. Each stage of each request is one task: when it is
-ready (request arrival, or the previous stage done) the scheduler places it, the
-worker runs it, and its measured time calibrates the performance model.
+Runs on the daemon's owner loop (it is called from handlers, from posted worker results
+and from the loop's timer); workers only execute. The path of a request:
+
+  submit -> its model's queue -> the model's batching policy forms a batch when a worker
+  is idle (or when its window ends) -> each stage of the batch is a task that the scheduler
+  places on a worker -> the stage's measured time calibrates the performance model ->
+  after the last stage the outputs are split back per request.
+
+Layer-to-layer batching (LBCI): when a batch reaches a stage boundary k and requests are
+queued, the policy may admit some. They run stages 0..k-1 as a catch-up batch while the
+main batch waits; then the two merge and run the remaining stages as one batch.
+
+Stage work already in flight goes first: a finished stage hands its batch to the next
+stage before any new batch is formed, so requests in flight are not overtaken.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 import logging
+import os
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ModelCacheError, RequestTimeout
-from ..daemon.metrics import Histogram
-from .perfmodel import PerfModels
+import numpy as np
 
-INFER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+from ..daemon.metrics import Histogram
+from ..errors import ModelCacheError, RequestTimeout
+from .batching import LayerToLayer, Pending, make_batcher, parse_policy_spec, profile_predict
+from .perfmodel import PerfModels
 from .scheduler import Task, make_scheduler
-from .workers import StageJob, Worker, parse_groups
+from .workers import StageJob, parse_groups
 
 log = logging.getLogger("modelcache.executor")
+
+INFER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+DEFAULT_MAX_BATCH = 8     # without a setting or a calibrated N_opt
 
 
 @dataclass
@@ -32,32 +46,87 @@ class ServeRequest:
     model_key: str
     stages: list                 # [{skeleton, inputs, outputs, tensors}] in order
     segments: list
-    data: dict                   # tensors by name: the feeds, then each stage's outputs
+    data: dict                   # the feeds by name
     output_names: list
     arrival: float
     deadline: float | None
     finish: object               # finish(outputs: dict | None, timings: dict, error) on the owner loop
-    batch: int = 1
-    stage: int = 0
+    samples: int = 1             # rows along axis 0: a request is batched whole
+    batchable: bool = False      # every input and output has a free first (batch) dimension
+    profile: dict | None = None  # the model's calibration (manifest "batching"), if any
     request_id: int = 0
     timings: dict = field(default_factory=lambda: {"stages": []})
 
+    def pending(self, t_opt_s: float | None) -> Pending:
+        """What the batching policy sees; t_opt bounds the deadline the policy protects."""
+        deadline = self.deadline if self.deadline is not None else float("inf")
+        if t_opt_s:
+            deadline = min(deadline, self.arrival + t_opt_s)
+        return Pending(self.request_id, self.samples, self.arrival, deadline)
+
+
+@dataclass
+class Batch:
+    batch_id: int
+    members: list                # ServeRequests, in row order
+    data: dict                   # tensors of all members, concatenated along axis 0
+    stage: int = 0
+    kind: str | None = None      # worker kind that ran its last stage (for predictions)
+    joins: object = None         # a catch-up batch: merges into this Batch ...
+    join_at: int = 0             # ... once it has run stages 0..join_at-1
+
+    @property
+    def samples(self) -> int:
+        return sum(m.samples for m in self.members)
+
+    @property
+    def first(self) -> ServeRequest:
+        return self.members[0]
+
+
+def concat(parts: list[dict]) -> dict:
+    """Tensors of several requests as one batch: every name concatenated along axis 0."""
+    if len(parts) == 1:
+        return dict(parts[0])
+    return {name: np.concatenate([p[name] for p in parts], axis=0) for name in parts[0]}
+
+
+def rows_aligned(data: dict, samples: int) -> bool:
+    """Whether every tensor has one row per sample, so a batch can be split or merged."""
+    return all(getattr(v, "ndim", 0) >= 1 and v.shape[0] == samples for v in data.values())
+
+
+def same_shape_rows(a: dict, b: dict) -> bool:
+    """Whether two requests' feeds can stack: same names, dtypes and dims after the first."""
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].shape[1:] == b[k].shape[1:] for k in a)
+
 
 class Engine:
-    def __init__(self, workers_spec: str, scheduler: str, perf_path: Path | None, post, clock):
+    def __init__(self, workers_spec: str, scheduler: str, perf_path: Path | None, post, clock, settings=None):
         # "auto": one group of every core this process may use.
         self.groups = parse_groups(str(len(os.sched_getaffinity(0))) if workers_spec == "auto" else workers_spec)
         self.scheduler = make_scheduler(scheduler)
+        self.settings = settings      # read live: batching, max_batch, t_opt_ms, batch_window_ms, max_queue_delay_ms
+        self.policies = parse_policy_spec(getattr(settings, "batching", "serial"))
         self.perf_path = perf_path
         self.perf = PerfModels.load(perf_path) if perf_path else PerfModels()
         self.clock = clock
+        from .workers import Worker
         self.workers = [Worker(i, cores, lambda job, err: post(lambda *_: self._stage_done(job, err), None, None))
                         for i, cores in enumerate(self.groups)]
         self.outstanding = [0] * len(self.workers)
-        self.requests: dict[int, ServeRequest] = {}
+        self.requests: dict[int, ServeRequest] = {}   # every request not yet answered
+        self.queues: dict[str, deque] = {}            # model key -> requests waiting for a batch
+        self.batches: dict[int, Batch] = {}           # formed, not finished (running, or waiting for a catch-up)
+        self.batchers: dict[str, object] = {}         # model key -> its policy object
+        self.wake_at: float | None = None             # a batching window ends: form batches then
         self._ids = itertools.count(1)
+        self._batch_ids = itertools.count(1)
         self.served = 0
         self.failed = 0
+        self.batches_formed = 0
+        self.batched_samples = 0
+        self.layer_joins = 0
         self.latencies_ms: deque = deque(maxlen=1000)
         self.last_used: dict[str, float] = {}   # model key -> when a request last touched it
         self.latency_by_model: dict = {}          # model key -> Histogram of request latency (s), for metrics
@@ -74,8 +143,14 @@ class Engine:
 
     def drop_model(self, model_key: str) -> None:
         self.last_used.pop(model_key, None)
+        self.batchers.pop(model_key, None)
         for w in self.workers:
             w.drop_model(model_key)
+
+    def settings_changed(self) -> None:
+        """Batching settings were reloaded: policies are rebuilt on the next batch of each model."""
+        self.policies = parse_policy_spec(self.settings.batching)
+        self.batchers.clear()
 
     def drop_idle(self, now: float, idle_s: float) -> list[str]:
         """Drop the stage sessions of models no request used for `idle_s`: they hold activation
@@ -86,59 +161,229 @@ class Engine:
             self.drop_model(key)
         return idle
 
+    # -- batching policy per model -----------------------------------------------------
+    def _setting(self, name: str, default):
+        return getattr(self.settings, name, default) if self.settings is not None else default
+
+    def _t_opt_s(self, req: ServeRequest) -> float | None:
+        t_opt_ms = self._setting("t_opt_ms", 0.0) or (req.profile or {}).get("t_opt_ms", 0.0)
+        return t_opt_ms / 1e3 if t_opt_ms else None
+
+    def _batcher(self, req: ServeRequest):
+        batcher = self.batchers.get(req.model_key)
+        if batcher is None:
+            name = req.model_key.rsplit("@", 1)[0]
+            policy = self.policies.get(name, self.policies["*"]) if req.batchable else "serial"
+            max_batch = self._setting("max_batch", 0) or (req.profile or {}).get("n_opt") or DEFAULT_MAX_BATCH
+            batcher = self.batchers[req.model_key] = make_batcher(
+                policy, max_batch=max_batch, window_s=self._setting("batch_window_ms", 50.0) / 1e3,
+                max_queue_delay_s=self._setting("max_queue_delay_ms", 0.0) / 1e3,
+                predict=lambda stage, b, key=req.model_key, profile=req.profile: self._predict_batch(key, profile, stage, b),
+                stages=len(req.stages))
+        return batcher
+
+    def _predict_batch(self, model_key: str, profile: dict | None, stage: int, samples: int) -> float:
+        """Seconds for `stage` of the model at `samples` rows: history, else the calibration
+        profile, else the batch-1 history scaled linearly (an upper bound); inf when unknown,
+        so layer-to-layer admits nothing it cannot predict."""
+        kinds = [w.state.kind for w in self.workers]
+        for kind in dict.fromkeys(kinds):
+            t = self.perf.predict(model_key, stage, kind, samples)
+            if t is not None:
+                return t
+        t = profile_predict(profile, stage, samples)
+        if t is not None:
+            return t
+        one = self.perf.predict(model_key, stage, kinds[0], 1)
+        return one * samples if one is not None else float("inf")
+
     # -- requests ------------------------------------------------------------------------
     def submit(self, req: ServeRequest) -> None:
         req.request_id = next(self._ids)
         self.requests[req.request_id] = req
         self.last_used[req.model_key] = req.arrival
-        self._schedule(req)
+        self.queues.setdefault(req.model_key, deque()).append(req)
+        self._form_batches()
 
-    def _predict(self, model, stage, kind, batch):
-        return self.perf.predict(model, stage, kind, batch)
+    def next_wakeup(self) -> float | None:
+        return self.wake_at
 
-    def _schedule(self, req: ServeRequest) -> None:
+    def on_timer(self, now: float) -> None:
+        if self.wake_at is not None and now >= self.wake_at:
+            self._form_batches()
+
+    def _form_batches(self) -> None:
+        """Give each idle worker a new batch, oldest queue first, as the models' policies decide."""
         now = self.clock()
-        if req.deadline is not None and now > req.deadline:
-            self._finish(req, RequestTimeout(f"deadline passed before stage {req.stage} could start"))
+        self.wake_at = None
+        idle = sum(1 for n in self.outstanding if n == 0)
+        for key in sorted(self.queues, key=lambda k: self.queues[k][0].arrival if self.queues[k] else now):
+            queue = self.queues[key]
+            self._expire_queued(queue, now)
+            while queue and idle > 0:
+                batcher = self._batcher(queue[0])
+                t_opt = self._t_opt_s(queue[0])
+                decision = batcher.decide(now, [r.pending(t_opt) for r in queue])
+                if not decision.take:
+                    if decision.wait_until is not None:
+                        self.wake_at = min(self.wake_at or float("inf"), decision.wait_until)
+                    break
+                members = self._take(queue, len(decision.take))
+                self._start(Batch(next(self._batch_ids), members, concat([m.data for m in members])))
+                idle -= 1
+        for key in [k for k, q in self.queues.items() if not q]:
+            del self.queues[key]
+
+    def _take(self, queue: deque, n: int) -> list:
+        """The first n queued requests, stopping early at one whose feeds cannot stack with the first."""
+        members = [queue.popleft()]
+        while len(members) < n and queue and same_shape_rows(members[0].data, queue[0].data):
+            members.append(queue.popleft())
+        return members
+
+    def _expire_queued(self, queue: deque, now: float) -> None:
+        for req in [r for r in queue if r.deadline is not None and now > r.deadline]:
+            queue.remove(req)
+            self._finish(req, None, RequestTimeout("deadline passed while the request waited for a worker"))
+
+    def _start(self, batch: Batch) -> None:
+        self.batches[batch.batch_id] = batch
+        self.batches_formed += 1
+        self.batched_samples += batch.samples
+        self._run_stage(batch)
+
+    def _run_stage(self, batch: Batch) -> None:
+        now = self.clock()
+        if not self._drop_expired(batch, now):
             return
-        spec = req.stages[req.stage]
-        inputs = {k: req.data[k] for k in spec["inputs"]}
+        req = batch.first
+        spec = req.stages[batch.stage]
+        inputs = {k: batch.data[k] for k in spec["inputs"]}
         for i, w in enumerate(self.workers):  # an idle worker's estimate is "free now"
             if self.outstanding[i] == 0:
                 w.state.free_at = now
-        task = Task(req.request_id, req.model_key, req.stage, req.batch,
+        task = Task(batch.batch_id, req.model_key, batch.stage, batch.samples,
                     sum(getattr(v, "nbytes", 0) for v in inputs.values()), arrival=now)
-        [placement] = self.scheduler.place([task], [w.state for w in self.workers], now, self._predict)
+        [placement] = self.scheduler.place([task], [w.state for w in self.workers], now, self.perf.predict)
         worker = self.workers[placement.worker_id]
         self.outstanding[placement.worker_id] += 1
-        worker.queue.put(StageJob(req.request_id, req.model_key, req.stage, spec["skeleton"], req.segments,
+        worker.queue.put(StageJob(batch.batch_id, req.model_key, batch.stage, spec["skeleton"], req.segments,
                                   spec["tensors"], inputs, spec["outputs"], placement.predicted_s, queued_at=now))
 
-    def _stage_done(self, job: StageJob, error) -> None:
-        req = self.requests.get(job.request_id)
-        worker = self.workers[job.worker_id]
-        self.outstanding[job.worker_id] -= 1
-        if req is None:
-            return
-        if error is not None:
-            self._finish(req, error if isinstance(error, ModelCacheError) else
-                         ModelCacheError(f"stage {job.stage} failed: {str(error)[:500]}"))
-            return
-        run_s = job.result["run_s"]
-        self.perf.record(job.model_key, job.stage, worker.state.kind, req.batch, run_s, job.predicted_s)
-        done_at = self.clock()
-        req.timings["stages"].append({"stage": job.stage, "worker": worker.state.worker_id, "kind": worker.state.kind,
-                                      "wait_ms": max(0.0, (done_at - job.queued_at - run_s) * 1e3),
-                                      "run_ms": run_s * 1e3,
-                                      "predicted_ms": None if job.predicted_s is None else job.predicted_s * 1e3})
-        req.data.update(job.result["outputs"])
-        req.stage += 1
-        if req.stage < len(req.stages):
-            self._schedule(req)
-        else:
-            self._finish(req, None)
+    def _drop_expired(self, batch: Batch, now: float) -> bool:
+        """Answer members whose deadline passed before this stage; False when none is left."""
+        late = [m for m in batch.members if m.deadline is not None and now > m.deadline]
+        if not late:
+            return True
+        if len(late) < len(batch.members) and not rows_aligned(batch.data, batch.samples):
+            return True  # rows cannot be told apart here: the late ones ride along to the end
+        keep = np.concatenate([np.full(m.samples, m not in late) for m in batch.members])
+        for m in late:
+            self._finish(m, None, RequestTimeout(f"deadline passed before stage {batch.stage} could start"))
+        batch.members = [m for m in batch.members if m not in late]
+        if not batch.members:
+            self._end(batch)
+            return False
+        batch.data = {k: v[keep] for k, v in batch.data.items()}
+        return True
 
-    def _finish(self, req: ServeRequest, error) -> None:
+    def _stage_done(self, job: StageJob, error) -> None:
+        self.outstanding[job.worker_id] -= 1
+        batch = self.batches.get(job.batch_id)
+        if batch is not None:
+            if error is not None:
+                self._fail(batch, error if isinstance(error, ModelCacheError) else
+                           ModelCacheError(f"stage {job.stage} failed: {str(error)[:500]}"))
+            else:
+                self._advance(batch, job)
+        self._form_batches()
+
+    def _advance(self, batch: Batch, job: StageJob) -> None:
+        worker = self.workers[job.worker_id]
+        run_s = job.result["run_s"]
+        self.perf.record(job.model_key, job.stage, worker.state.kind, batch.samples, run_s, job.predicted_s)
+        done_at = self.clock()
+        entry = {"stage": job.stage, "worker": worker.state.worker_id, "kind": worker.state.kind,
+                 "batch": batch.samples, "wait_ms": max(0.0, (done_at - job.queued_at - run_s) * 1e3),
+                 "run_ms": run_s * 1e3,
+                 "predicted_ms": None if job.predicted_s is None else job.predicted_s * 1e3}
+        for m in batch.members:
+            m.timings["stages"].append(entry)
+        batch.data.update(job.result["outputs"])
+        batch.stage += 1
+        batch.kind = worker.state.kind
+        self._prune(batch)
+        if batch.joins is not None and batch.stage == batch.join_at:
+            main = batch.joins
+            self._merge(main, batch)
+            self._run_stage(main)
+        elif batch.stage < len(batch.first.stages):
+            if not self._absorb(batch):
+                self._run_stage(batch)
+        else:
+            self._complete(batch)
+
+    def _prune(self, batch: Batch) -> None:
+        """Keep only tensors a later stage or an output needs: less to merge, split and hold."""
+        stages = batch.first.stages
+        needed = {n for s in stages[batch.stage:] for n in s["inputs"]} | set(stages[-1]["outputs"])
+        for m in batch.members:
+            needed.update(m.output_names or ())
+        batch.data = {k: v for k, v in batch.data.items() if k in needed}
+
+    def _absorb(self, batch: Batch) -> bool:
+        """Layer-to-layer at boundary `batch.stage`: start a catch-up batch of admitted requests,
+        which this batch waits for. True when one was started."""
+        queue = self.queues.get(batch.first.model_key)
+        batcher = self._batcher(batch.first)
+        if not queue or not isinstance(batcher, LayerToLayer) or batch.joins is not None:
+            return False
+        if not rows_aligned(batch.data, batch.samples):
+            return False  # a tensor at this boundary has no batch axis: merging here is not possible
+        t_opt = self._t_opt_s(batch.first)
+        admitted = batcher.admit(self.clock(), batch.stage, [m.pending(t_opt) for m in batch.members],
+                                 [r.pending(t_opt) for r in queue])
+        if not admitted or not same_shape_rows(batch.first.data, queue[0].data):
+            return False
+        members = self._take(queue, len(admitted))
+        self.layer_joins += len(members)
+        catch_up = Batch(next(self._batch_ids), members, concat([m.data for m in members]),
+                         joins=batch, join_at=batch.stage)
+        self._start(catch_up)
+        return True
+
+    def _merge(self, main: Batch, catch_up: Batch) -> None:
+        self.batches.pop(catch_up.batch_id, None)
+        main.data = concat([main.data, {k: catch_up.data[k] for k in main.data}])
+        main.members += catch_up.members
+        self.batches_formed -= 1      # counted once: it is part of the main batch now
+        self.batched_samples -= catch_up.samples
+
+    def _complete(self, batch: Batch) -> None:
+        self._end(batch)
+        at = 0
+        for m in batch.members:
+            names = m.output_names or m.stages[-1]["outputs"]
+            if len(batch.members) == 1:
+                outputs = {n: batch.data[n] for n in names}
+            else:
+                outputs = {n: batch.data[n][at:at + m.samples] for n in names}
+            at += m.samples
+            self._finish(m, outputs, None)
+
+    def _fail(self, batch: Batch, error: ModelCacheError) -> None:
+        self._end(batch)
+        for m in batch.members:
+            self._finish(m, None, error)
+
+    def _end(self, batch: Batch) -> None:
+        """The batch is done or gone; a main batch that waited on it carries on without it."""
+        self.batches.pop(batch.batch_id, None)
+        if batch.joins is not None and batch.joins.batch_id in self.batches:
+            main, batch.joins = batch.joins, None
+            self._run_stage(main)
+
+    def _finish(self, req: ServeRequest, outputs: dict | None, error) -> None:
         self.requests.pop(req.request_id, None)
         total_ms = (self.clock() - req.arrival) * 1e3
         req.timings["total_ms"] = total_ms
@@ -147,8 +392,7 @@ class Engine:
             self.served += 1
             self.latencies_ms.append(total_ms)
             self.latency_by_model.setdefault(req.model_key, Histogram(INFER_BUCKETS_S)).observe(total_ms / 1e3)
-            names = req.output_names or req.stages[-1]["outputs"]
-            req.finish({n: req.data[n] for n in names}, req.timings, None)
+            req.finish(outputs, req.timings, None)
         else:
             self.failed += 1
             req.finish(None, req.timings, error)
@@ -156,6 +400,9 @@ class Engine:
     def describe(self) -> dict:
         lat = sorted(self.latencies_ms)
         return {"scheduler": self.scheduler.name,
+                "batching": {"policies": self.policies, "batches": self.batches_formed,
+                             "mean_batch": self.batched_samples / self.batches_formed if self.batches_formed else None,
+                             "layer_joins": self.layer_joins},
                 "workers": [{"id": w.state.worker_id, "kind": w.state.kind, "cores": w.cores,
                              "queued": self.outstanding[i]} for i, w in enumerate(self.workers)],
                 "served": self.served, "failed": self.failed, "in_flight": len(self.requests),

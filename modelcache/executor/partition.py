@@ -24,7 +24,7 @@ import onnx
 from onnx import helper
 
 from ..errors import PackError
-from ..packing import MANIFEST_FILE, SKELETON_FILE, iter_graphs, load_manifest
+from ..packing import SKELETON_FILE, iter_graphs, load_manifest, write_manifest
 
 
 def _node_inputs(node: onnx.NodeProto) -> set[str]:
@@ -141,8 +141,8 @@ def partition(model_dir: Path, stages: int | None = None, tail_fraction: float |
     for old in model_dir.glob("stage-*.onnx"):
         old.unlink()
     if stages == 1:
-        manifest.stages, manifest.stage_cuts = [], []
-        _write_manifest(model_dir, manifest)
+        manifest.stages, manifest.stage_cuts, manifest.batching = [], [], {}
+        write_manifest(model_dir, manifest)
         return {"stages": []}
     skeleton = model_dir / SKELETON_FILE
     model = onnx.load(str(skeleton), load_external_data=False)
@@ -192,11 +192,7 @@ def partition(model_dir: Path, stages: int | None = None, tail_fraction: float |
         if not np.allclose(data[name], w, rtol=1e-4, atol=1e-5):
             raise PackError(f"partition at {cut_tensors} changes output {name!r}; not kept")
     manifest.stages, manifest.stage_cuts = entries, cut_tensors
-    _write_manifest(model_dir, manifest)
+    manifest.batching = {}  # a calibration measured other stages
+    write_manifest(model_dir, manifest)
     return {"stages": entries, "cuts": cut_tensors}
 
-
-def _write_manifest(model_dir: Path, manifest) -> None:
-    tmp = model_dir / (MANIFEST_FILE + ".tmp")
-    tmp.write_text(manifest.to_json())
-    os.replace(tmp, model_dir / MANIFEST_FILE)

@@ -35,7 +35,7 @@ def parse_groups(spec: str, cpus: list[int] | None = None) -> list[list[int]]:
 
 @dataclass
 class StageJob:
-    request_id: int
+    batch_id: int
     model_key: str
     stage: int
     skeleton: str              # stage skeleton (its external data names files that exist; ORT checks)

@@ -1,0 +1,43 @@
+"""Batching calibration: time each stage of a model at several batch sizes, through the daemon.
+
+LBCI predicts the time of a batch from a table of run-time ratios per (batch size, stages
+done) and a fitted per-sample cost g(b), and derives N_opt, the largest batch that meets the
+latency bound t_opt. We measure those on the daemon's own workers — requests go through
+serve mode one at a time, and the per-stage times come back in each request's timings — and
+store the result with the model, where the layer-to-layer batcher and N_opt defaults read it.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from ..executor.batching import calibration_profile
+from ..tensors import random_feeds
+
+DEFAULT_BATCHES = (1, 2, 4, 8, 16)
+DEFAULT_T_OPT_FACTOR = 5.0   # without a t_opt: five times the batch-1 time of the whole model
+
+
+def calibrate(client, name: str, batches=DEFAULT_BATCHES, runs: int = 5, t_opt_ms: float | None = None,
+              version: int | None = None, progress=None) -> dict:
+    """Measure, fit, store with the model; returns the stored profile."""
+    described = client.describe(name, version)
+    stages = max(1, len(described.stages))
+    stage_s, kind = {}, None
+    for b in sorted(set(int(x) for x in batches)):
+        feeds = random_feeds(described.inputs, batch=b)
+        client.infer(name, feeds, version=version)  # warm-up: session build, first-run allocations
+        per_stage = [[] for _ in range(stages)]
+        for _ in range(runs):
+            _, timings = client.infer(name, feeds, version=version)
+            for st in timings["stages"]:
+                per_stage[st["stage"]].append(st["run_ms"] / 1e3)
+                kind = st["kind"]
+        stage_s[b] = [statistics.median(x) for x in per_stage]
+        if progress:
+            progress(f"batch {b:3d}: " + " + ".join(f"{t * 1e3:.1f}" for t in stage_s[b])
+                     + f" = {sum(stage_s[b]) * 1e3:.1f} ms")
+    t_opt_s = t_opt_ms / 1e3 if t_opt_ms else DEFAULT_T_OPT_FACTOR * sum(stage_s[min(stage_s)])
+    profile = calibration_profile(kind, stage_s, t_opt_s)
+    client.set_batching(name, profile, version)
+    return profile
