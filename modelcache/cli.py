@@ -290,6 +290,9 @@ def cmd_bench(args) -> int:
     if args.which == "executor":
         from .bench import executor
         return executor.main(args.rest)
+    if args.which == "serve":
+        from .bench import serve
+        return serve.main(args.rest)
     raise SystemExit(f"unknown benchmark {args.which}")
 
 
@@ -396,11 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks: `coldstart` (fresh FaaS processes, TrIMS-style), "
                                      "`tiers` (open latency per tier, promotion vs cp), "
                                      "`executor` (serve-mode overhead, throughput per scheduler), "
+                                     "`serve` (batching policies under open-loop Poisson load), "
                                      "`open` (session ready, memory, warm speed vs plain ORT), "
                                      "`binding` (which ORT binding to share weights with)",
                        description="Benchmarks print figures; options after the name go to the benchmark "
                                    "(`modelcache bench coldstart --help`).")
-    b.add_argument("which", choices=["coldstart", "open", "tiers", "executor", "binding"])
+    b.add_argument("which", choices=["coldstart", "open", "tiers", "executor", "serve", "binding"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (try `-- --help`)")
     b.set_defaults(func=cmd_bench)
     return p

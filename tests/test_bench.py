@@ -55,3 +55,21 @@ def test_executor_bench_runs(tmp_path):
     assert [(r["workers"], r["scheduler"]) for r in results["throughput"]] == \
         [("2", "eager"), ("2", "dmda"), ("1,1", "eager"), ("1,1", "dmda")]
     assert all(r["requests"] > 0 for r in results["throughput"])
+
+
+def test_serve_bench_quick_sweeps_bisects_and_writes_csv_and_plots(tmp_path):
+    out = tmp_path / "serve"
+    text = run("serve", "--quick", "--policies", "serial", "layer", "--work", str(tmp_path / "work"),
+               "--out", str(out))
+    assert "max sustainable rate (p99 <= t_opt): serial" in text
+    rows = list(csv.DictReader(open(out / "serve.csv")))
+    assert {(r["policy"], r["phase"]) for r in rows} == {(p, ph) for p in ("serial", "layer")
+                                                         for ph in ("sweep", "bisect")}
+    sweep = [r for r in rows if r["phase"] == "sweep"]
+    assert all(int(r["sent"]) > 0 for r in sweep)
+    light = [r for r in sweep if float(r["rate_rps"]) == min(float(x["rate_rps"]) for x in sweep)]
+    assert all(int(r["completed"]) == int(r["sent"]) for r in light)   # light load: everything answered
+    results = json.loads((out / "results.json").read_text())
+    assert results["models"]["tiny-cnn"]["profile"]["n_opt"] >= 1
+    for png in ("tiny-cnn-latency.png", "tiny-cnn-bars.png"):
+        assert (out / png).stat().st_size > 1000

@@ -410,7 +410,10 @@ class Daemon(CacheOps, ServeHandlers):
                 done, result, error = self.completions.get_nowait()
             except queue.Empty:
                 return
-            done(result, error)
+            try:
+                done(result, error)
+            except Exception:  # a bug in one completion must not take the daemon (and every client) down
+                log.error("internal error in a completion: %s", traceback.format_exc())
 
     # -- client liveness ---------------------------------------------------------------
     def sweep_clients(self) -> None:

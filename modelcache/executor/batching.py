@@ -201,18 +201,21 @@ def make_batcher(policy: str, *, max_batch: int, window_s: float, max_queue_dela
 
 # -- calibration profile: LBCI's ratio table and N_opt, stored with the model ---------------
 
-def calibration_profile(kind: str, stage_s: dict[int, list[float]], t_opt_s: float) -> dict:
+def calibration_profile(kind: str, stage_s: dict[int, list[float]], t_opt_s: float,
+                        request_s: dict[int, float] | None = None) -> dict:
     """From measured stage times per batch size ({b: [stage seconds]}) on one worker kind.
 
     Returns what the manifest stores: the table, the ratio of each stage to the whole per batch
-    size (LBCI's run-time ratio table), the fitted g(b) of the whole model, t_opt and N_opt.
+    size (LBCI's run-time ratio table), the fitted g(b) of the whole model, t_opt and N_opt,
+    and (when given) the round trip of a request per batch size as a client saw it.
     """
     batches = sorted(stage_s)
     totals = [sum(stage_s[b]) for b in batches]
     z = fit_g(batches, totals) if len(batches) >= 2 else (totals[0], totals[0], 1.0, 1.0)
     return {"kind": kind, "batches": batches, "stage_s": [list(stage_s[b]) for b in batches],
             "ratios": [[t / sum(stage_s[b]) for t in stage_s[b]] for b in batches],
-            "g": list(z), "t_opt_ms": t_opt_s * 1e3, "n_opt": n_opt(z, t_opt_s, max_batch=max(batches) * 4)}
+            "g": list(z), "t_opt_ms": t_opt_s * 1e3, "n_opt": n_opt(z, t_opt_s, max_batch=max(batches) * 4),
+            "request_s": [request_s[b] for b in batches] if request_s else None}
 
 
 def profile_predict(profile: dict | None, stage: int, batch: int) -> float | None:

@@ -33,7 +33,7 @@ from ..errors import ModelCacheError, RequestTimeout
 from .batching import LayerToLayer, Pending, make_batcher, parse_policy_spec, profile_predict
 from .perfmodel import PerfModels
 from .scheduler import Task, make_scheduler
-from .workers import StageJob, parse_groups
+from .workers import StageJob, Worker, parse_groups
 
 log = logging.getLogger("modelcache.executor")
 
@@ -41,7 +41,7 @@ INFER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 DEFAULT_MAX_BATCH = 8     # without a setting or a calibrated N_opt
 
 
-@dataclass
+@dataclass(eq=False)  # identity: requests hold arrays, and two are never "equal"
 class ServeRequest:
     model_key: str
     stages: list                 # [{skeleton, inputs, outputs, tensors}] in order
@@ -65,7 +65,7 @@ class ServeRequest:
         return Pending(self.request_id, self.samples, self.arrival, deadline)
 
 
-@dataclass
+@dataclass(eq=False)
 class Batch:
     batch_id: int
     members: list                # ServeRequests, in row order
@@ -102,7 +102,8 @@ def same_shape_rows(a: dict, b: dict) -> bool:
 
 
 class Engine:
-    def __init__(self, workers_spec: str, scheduler: str, perf_path: Path | None, post, clock, settings=None):
+    def __init__(self, workers_spec: str, scheduler: str, perf_path: Path | None, post, clock, settings=None,
+                 worker_factory=None):
         # "auto": one group of every core this process may use.
         self.groups = parse_groups(str(len(os.sched_getaffinity(0))) if workers_spec == "auto" else workers_spec)
         self.scheduler = make_scheduler(scheduler)
@@ -111,8 +112,9 @@ class Engine:
         self.perf_path = perf_path
         self.perf = PerfModels.load(perf_path) if perf_path else PerfModels()
         self.clock = clock
-        from .workers import Worker
-        self.workers = [Worker(i, cores, lambda job, err: post(lambda *_: self._stage_done(job, err), None, None))
+        # worker_factory(id, cores, post): tests give workers that run nothing, to drive the engine by hand.
+        make_worker = worker_factory or Worker
+        self.workers = [make_worker(i, cores, lambda job, err: post(lambda *_: self._stage_done(job, err), None, None))
                         for i, cores in enumerate(self.groups)]
         self.outstanding = [0] * len(self.workers)
         self.requests: dict[int, ServeRequest] = {}   # every request not yet answered
@@ -229,8 +231,8 @@ class Engine:
                         self.wake_at = min(self.wake_at or float("inf"), decision.wait_until)
                     break
                 members = self._take(queue, len(decision.take))
-                self._start(Batch(next(self._batch_ids), members, concat([m.data for m in members])))
-                idle -= 1
+                if self._start(Batch(next(self._batch_ids), members, concat([m.data for m in members]))):
+                    idle -= 1   # (a batch whose members all expired took no worker)
         for key in [k for k, q in self.queues.items() if not q]:
             del self.queues[key]
 
@@ -246,16 +248,17 @@ class Engine:
             queue.remove(req)
             self._finish(req, None, RequestTimeout("deadline passed while the request waited for a worker"))
 
-    def _start(self, batch: Batch) -> None:
+    def _start(self, batch: Batch) -> bool:
         self.batches[batch.batch_id] = batch
         self.batches_formed += 1
         self.batched_samples += batch.samples
-        self._run_stage(batch)
+        return self._run_stage(batch)
 
-    def _run_stage(self, batch: Batch) -> None:
+    def _run_stage(self, batch: Batch) -> bool:
+        """Place the batch's next stage on a worker; False when no member is left to run it for."""
         now = self.clock()
         if not self._drop_expired(batch, now):
-            return
+            return False
         req = batch.first
         spec = req.stages[batch.stage]
         inputs = {k: batch.data[k] for k in spec["inputs"]}
@@ -269,6 +272,7 @@ class Engine:
         self.outstanding[placement.worker_id] += 1
         worker.queue.put(StageJob(batch.batch_id, req.model_key, batch.stage, spec["skeleton"], req.segments,
                                   spec["tensors"], inputs, spec["outputs"], placement.predicted_s, queued_at=now))
+        return True
 
     def _drop_expired(self, batch: Batch, now: float) -> bool:
         """Answer members whose deadline passed before this stage; False when none is left."""
@@ -406,6 +410,7 @@ class Engine:
                 "workers": [{"id": w.state.worker_id, "kind": w.state.kind, "cores": w.cores,
                              "queued": self.outstanding[i]} for i, w in enumerate(self.workers)],
                 "served": self.served, "failed": self.failed, "in_flight": len(self.requests),
+                "queued": sum(len(q) for q in self.queues.values()),
                 "latency_ms_p50": statistics.median(lat) if lat else None,
                 "latency_ms_p99": lat[int(0.99 * (len(lat) - 1))] if lat else None,
                 "perf_models": self.perf.summary()}

@@ -1,0 +1,306 @@
+"""Serving benchmark: batching policies under open-loop Poisson load (LBCI / StarONNX style).
+
+    modelcache bench serve [--models alexnet resnet50] [--policies serial batch dynamic layer]
+                           [--loads 0.25 0.5 0.75 1 1.5 2] [--duration 8] [--out DIR]
+
+Per model, once: add it, split it into --stages, and calibrate (stage times per batch size,
+g(b), N_opt at t_opt; stored with the model). t_opt defaults to 5x a batch-1 request's
+round trip. Rates are fractions (--loads) of the serial capacity 1 / (that round trip),
+so the sweep scales to the machine; "medium" load is --medium (default 0.5) of it.
+
+Per policy, a fresh daemon (one worker group of every core) serves every rate of the sweep:
+--clients generator processes send one-sample requests at Poisson times (latency counts
+from the scheduled send time), --warmup seconds are excluded, requests carry a deadline of
+--deadline-factor x t_opt so an overload drains instead of queueing without end.
+Then the maximum sustainable rate (p99 <= t_opt) is found by bisection between the highest
+passing and the lowest failing rate of the sweep.
+
+Policies: serial (one request at a time), batch (LBCI's Batchsize(m): m = --batch-m, or
+whatever arrived within --window-ms), dynamic (Triton: up to N_opt as soon as the worker is
+free), layer (LBCI's layer-to-layer: starts at once, absorbs newcomers at stage boundaries
+while every member's predicted finish stays within t_opt).
+
+Writes OUT/serve.csv, OUT/results.json, OUT/report.txt, and per model
+OUT/<model>-latency.png (latency vs throughput) and OUT/<model>-bars.png (mean latency per rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .common import ensure_models, managed_daemon, save_results
+
+POLICIES = ("serial", "batch", "dynamic", "layer")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile; inf entries (requests that never made it) count as the slowest."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, int(round(q / 100 * len(s))) - 1))]
+
+
+def summarize(requests: list, warmup_s: float, duration_s: float, t_opt_s: float) -> dict:
+    """Figures over the requests scheduled after the warm-up."""
+    window = [r for r in requests if r[0] >= warmup_s]
+    measured_s = duration_s - warmup_s
+    ok = [r[1] for r in window if r[2] is None and r[1] is not None]
+    lat = ok + [float("inf")] * (len(window) - len(ok))
+    good = sum(1 for x in ok if x <= t_opt_s)
+    return {"sent": len(window), "completed": len(ok),
+            "throughput_rps": len(ok) / measured_s, "goodput_rps": good / measured_s,
+            "timeout_ratio": 1 - good / len(window) if window else float("nan"),
+            "errors": len(window) - len(ok),
+            "mean_ms": statistics.fmean(ok) * 1e3 if ok else float("nan"),
+            "p50_ms": percentile(lat, 50) * 1e3, "p90_ms": percentile(lat, 90) * 1e3,
+            "p99_ms": percentile(lat, 99) * 1e3}
+
+
+def load_point(socket: str, model: str, rate: float, clients: int, duration_s: float, warmup_s: float,
+               t_opt_s: float, deadline_factor: float, seed: int) -> dict:
+    """Run the generators at `rate` requests/s in total; the figures of the measured window."""
+    start_at = time.time() + 1.0   # every generator has connected and encoded its input by then
+    procs = []
+    for k in range(clients):
+        cfg = {"socket": socket, "model": model, "rate": rate / clients, "duration_s": duration_s,
+               "drain_s": deadline_factor * t_opt_s + 1.0, "deadline_ms": deadline_factor * t_opt_s * 1e3,
+               "seed": seed * 1000 + k, "start_at": start_at}
+        procs.append(subprocess.Popen([sys.executable, "-m", "modelcache.bench.serve_client", json.dumps(cfg)],
+                                      stdout=subprocess.PIPE, text=True))
+    requests, late = [], 0
+    for p in procs:
+        out, _ = p.communicate(timeout=duration_s + deadline_factor * t_opt_s + 120)
+        if p.returncode != 0:
+            raise RuntimeError(f"a load generator failed (exit {p.returncode})")
+        result = json.loads(out)
+        requests += result["requests"]
+        late += result["late_sends"]
+    point = summarize(requests, warmup_s, duration_s, t_opt_s)
+    point.update(rate_rps=rate, late_sends=late)
+    return point
+
+
+def sustainable(point: dict, t_opt_ms: float) -> bool:
+    return point["sent"] > 0 and point["p99_ms"] <= t_opt_ms
+
+
+def bisect_max_rate(run, sweep: list[dict], t_opt_ms: float, steps: int) -> tuple[float, list[dict]]:
+    """Highest rate with p99 <= t_opt: bisection between the sweep's best pass and first fail above it."""
+    passing = [p["rate_rps"] for p in sweep if sustainable(p, t_opt_ms)]
+    lo = max(passing) if passing else 0.0
+    failing = [p["rate_rps"] for p in sweep if p["rate_rps"] > lo and not sustainable(p, t_opt_ms)]
+    hi = min(failing) if failing else 2 * max(p["rate_rps"] for p in sweep)
+    tried = []
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        point = run(mid)
+        point["phase"] = "bisect"
+        tried.append(point)
+        lo, hi = (mid, hi) if sustainable(point, t_opt_ms) else (lo, mid)
+    return lo, tried
+
+
+def prepare(socket: str, name: str, src_dir: Path, stages: int, t_opt_ms: float | None, batches: list[int]) -> dict:
+    from ..client.calibrate import calibrate
+    from ..client.connection import connect
+    ensure_models(socket, [name], src_dir)
+    with connect(socket, timeout_s=600) as c:
+        if stages > 1:
+            c.partition(name, stages=stages)
+        profile = calibrate(c, name, batches, runs=5, t_opt_ms=t_opt_ms,
+                            progress=lambda line: print(f"  {name} {line}", file=sys.stderr, flush=True))
+    return profile
+
+
+def run_bench(args) -> dict:
+    tmp = Path(args.work or tempfile.mkdtemp(prefix="modelcache-bench-serve-"))
+    socket = f"ipc://{tmp}/serve.sock"
+    repo = str(tmp / "repo")
+    os.environ.update({"MODELCACHE_WORKERS": args.workers, "MODELCACHE_STATE_DIR": str(tmp / "state"),
+                       "MODELCACHE_BATCHING": "serial", "MODELCACHE_T_OPT_MS": "0", "MODELCACHE_MAX_BATCH": "0"})
+    results = {"models": {}, "settings": vars(args)}
+    for name in args.models:
+        print(f"{name}: add, partition into {args.stages}, calibrate ...", file=sys.stderr, flush=True)
+        with managed_daemon(socket, repo):
+            profile = prepare(socket, name, tmp / "src", args.stages, args.t_opt_ms, args.batches)
+        t_opt_ms = profile["t_opt_ms"]
+        capacity = 1.0 / profile["request_s"][0]      # serial: one batch-1 request after another
+        rates = [round(f * capacity, 2) for f in args.loads]
+        model = results["models"][name] = {"profile": profile, "t_opt_ms": t_opt_ms, "serial_capacity_rps": capacity,
+                                           "rates": rates, "medium_rps": round(args.medium * capacity, 2),
+                                           "policies": {}}
+        print(f"{name}: t_opt {t_opt_ms:.0f} ms, N_opt {profile['n_opt']}, serial capacity {capacity:.1f} req/s; "
+              f"rates {rates}", file=sys.stderr, flush=True)
+        for policy in args.policies:
+            os.environ.update({"MODELCACHE_BATCHING": policy, "MODELCACHE_BATCH_WINDOW_MS": str(args.window_ms),
+                               "MODELCACHE_MAX_BATCH": str(args.batch_m if policy == "batch" else 0)})
+            with managed_daemon(socket, repo):
+                def run(rate, seed=[0]):
+                    seed[0] += 1
+                    p = load_point(socket, name, rate, args.clients, args.duration, args.warmup,
+                                   t_opt_ms / 1e3, args.deadline_factor, seed[0])
+                    print(f"  {name} {policy:8s} {rate:7.2f} req/s: p50 {p['p50_ms']:8.1f}  p99 {p['p99_ms']:8.1f} ms  "
+                          f"thr {p['throughput_rps']:6.2f}  good {p['goodput_rps']:6.2f}  "
+                          f"timeouts {100 * p['timeout_ratio']:5.1f}%", file=sys.stderr, flush=True)
+                    return p
+                run(rates[0])  # warm the daemon: first requests promote the model and build sessions
+                sweep = []
+                for rate in rates:
+                    point = run(rate)
+                    point["phase"] = "sweep"
+                    sweep.append(point)
+                best, tried = bisect_max_rate(run, sweep, t_opt_ms, args.bisect_steps)
+                from ..client.connection import connect
+                with connect(socket) as c:
+                    executor = c.stats().executor
+                model["policies"][policy] = {"sweep": sweep, "bisect": tried, "max_rate_rps": best,
+                                             "batching": executor["batching"]}
+    return results
+
+
+def comparisons(model: dict) -> dict:
+    """The issue's two targets, from one run: layer vs batch(m) mean latency at medium load,
+    layer vs serial max sustainable rate."""
+    pol = model["policies"]
+    out = {}
+    if "layer" in pol and "batch" in pol:
+        medium = min(model["rates"], key=lambda r: abs(r - model["medium_rps"]))
+        at = {p: next(x for x in pol[p]["sweep"] if x["rate_rps"] == medium) for p in ("layer", "batch")}
+        out["medium_rps"] = medium
+        out["mean_latency_cut_vs_batch"] = 1 - at["layer"]["mean_ms"] / at["batch"]["mean_ms"]
+    if "layer" in pol and "serial" in pol and pol["serial"]["max_rate_rps"] > 0:
+        out["max_rate_gain_vs_serial"] = pol["layer"]["max_rate_rps"] / pol["serial"]["max_rate_rps"] - 1
+    return out
+
+
+def report(res: dict, out=sys.stdout) -> None:
+    for name, model in res["models"].items():
+        print(f"\n{name}: t_opt {model['t_opt_ms']:.0f} ms, N_opt {model['profile']['n_opt']}, "
+              f"serial capacity {model['serial_capacity_rps']:.1f} req/s", file=out)
+        print(f"{'policy':8s} {'rate':>7s} {'thr':>7s} {'good':>7s} {'mean':>8s} {'p50':>8s} {'p90':>8s} "
+              f"{'p99':>8s} {'timeout':>8s}", file=out)
+        for policy, r in model["policies"].items():
+            for p in r["sweep"]:
+                print(f"{policy:8s} {p['rate_rps']:7.2f} {p['throughput_rps']:7.2f} {p['goodput_rps']:7.2f} "
+                      f"{p['mean_ms']:8.1f} {p['p50_ms']:8.1f} {p['p90_ms']:8.1f} {p['p99_ms']:8.1f} "
+                      f"{100 * p['timeout_ratio']:7.1f}%", file=out)
+        print("max sustainable rate (p99 <= t_opt): " + ", ".join(
+            f"{p} {r['max_rate_rps']:.1f}" for p, r in model["policies"].items()) + " req/s", file=out)
+        print("mean batch: " + ", ".join(f"{p} {r['batching']['mean_batch'] or 0:.2f}"
+                                         for p, r in model["policies"].items()), file=out)
+        c = comparisons(model)
+        if "mean_latency_cut_vs_batch" in c:
+            print(f"layer vs batch(m) mean latency at {c['medium_rps']} req/s: "
+                  f"{100 * c['mean_latency_cut_vs_batch']:+.0f}% lower (target >= 20%)", file=out)
+        if "max_rate_gain_vs_serial" in c:
+            print(f"layer vs serial max sustainable rate: {100 * c['max_rate_gain_vs_serial']:+.0f}% (target >= 20%)",
+                  file=out)
+
+
+def write_csv(res: dict, path: Path) -> None:
+    import csv
+    cols = ["rate_rps", "sent", "completed", "throughput_rps", "goodput_rps", "timeout_ratio", "errors",
+            "mean_ms", "p50_ms", "p90_ms", "p99_ms", "late_sends"]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["model", "policy", "phase", *cols])
+        for name, model in res["models"].items():
+            for policy, r in model["policies"].items():
+                for p in r["sweep"] + r["bisect"]:
+                    w.writerow([name, policy, p["phase"], *(p[c] for c in cols)])
+
+
+def plot(res: dict, out_dir: Path) -> list[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plots skipped: install modelcache[bench] (matplotlib)", file=sys.stderr)
+        return []
+    written = []
+    for name, model in res["models"].items():
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for policy, r in model["policies"].items():
+            pts = sorted(r["sweep"], key=lambda p: p["rate_rps"])
+            line, = ax.plot([p["throughput_rps"] for p in pts], [p["p50_ms"] for p in pts], "o-", label=f"{policy} p50")
+            ax.plot([p["throughput_rps"] for p in pts], [p["p99_ms"] for p in pts], "s--", color=line.get_color(),
+                    label=f"{policy} p99")
+        ax.axhline(model["t_opt_ms"], color="grey", lw=0.8, ls=":", label="t_opt")
+        ax.set(xlabel="throughput (req/s)", ylabel="latency (ms)", yscale="log",
+               title=f"{name}: latency vs throughput, Poisson arrivals")
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        fig.savefig(out_dir / f"{name}-latency.png", dpi=120)
+        written.append(f"{name}-latency.png")
+        plt.close(fig)
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        policies = list(model["policies"])
+        width = 0.8 / len(policies)
+        for i, policy in enumerate(policies):
+            pts = model["policies"][policy]["sweep"]
+            ax.bar([j + i * width for j in range(len(pts))], [p["mean_ms"] for p in pts], width, label=policy)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(model["rates"]))],
+                      [f"{r:g}" for r in model["rates"]])
+        ax.set(xlabel="offered load (req/s)", ylabel="mean latency (ms)", yscale="log",
+               title=f"{name}: mean latency per policy (LBCI-style)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / f"{name}-bars.png", dpi=120)
+        written.append(f"{name}-bars.png")
+        plt.close(fig)
+    return written
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="modelcache bench serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["alexnet", "resnet50"])
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    ap.add_argument("--loads", type=float, nargs="+", default=[0.25, 0.5, 0.75, 1.0, 1.5, 2.0],
+                    help="offered rates as fractions of the serial capacity")
+    ap.add_argument("--medium", type=float, default=0.5, help="the load called medium, as a fraction")
+    ap.add_argument("--duration", type=float, default=8.0, help="seconds of arrivals per rate")
+    ap.add_argument("--warmup", type=float, default=2.0, help="first seconds excluded from the figures")
+    ap.add_argument("--clients", type=int, default=2, help="generator processes")
+    ap.add_argument("--stages", type=int, default=3, help="sub-models per model (layer-to-layer joins between)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="calibrated batch sizes")
+    ap.add_argument("--t-opt-ms", type=float, help="latency bound; default 5x the batch-1 time")
+    ap.add_argument("--batch-m", type=int, default=10, help="m of batch(m), LBCI's Batchsize(10)")
+    ap.add_argument("--window-ms", type=float, default=50.0, help="how long batch(m) waits for m requests")
+    ap.add_argument("--deadline-factor", type=float, default=3.0, help="request deadline, in t_opt")
+    ap.add_argument("--bisect-steps", type=int, default=4)
+    ap.add_argument("--workers", default="auto", help="the daemon's worker groups")
+    ap.add_argument("--work", help="directory for the daemon's repository and state (default: a temp dir)")
+    ap.add_argument("--quick", action="store_true", help="a tiny model, short runs: checks the pipeline")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.models, args.duration, args.warmup, args.bisect_steps = ["tiny-cnn"], 1.5, 0.3, 1
+        args.loads, args.batches, args.stages = [0.3, 1.5], [1, 4], 2
+        args.t_opt_ms = args.t_opt_ms or 50.0
+    t0 = time.monotonic()
+    res = run_bench(args)
+    res["seconds"] = time.monotonic() - t0
+    report(res)
+    if args.out:
+        out = Path(args.out)
+        save_results(args.out, "serve", argv, res, report)
+        write_csv(res, out / "serve.csv")
+        written = plot(res, out)
+        print(f"wrote {out}/serve.csv, results.json, report.txt" + "".join(f", {w}" for w in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""One open-loop load generator process for `modelcache bench serve`.
+
+    python -m modelcache.bench.serve_client '{"socket": ..., "model": ..., "rate": 20, ...}'
+
+Sends one-sample requests at Poisson arrival times fixed in advance (seeded), whatever
+the answers do: a request is sent at its scheduled time, or as soon after it as this
+process can, and its latency counts from the scheduled time. So a backlog in the daemon
+shows up as latency instead of slowing the sender (no coordinated omission).
+
+Prints one JSON object: {"requests": [[scheduled_s, latency_s or null, error code or null], ...],
+"late_sends": how many went out >1 ms behind schedule}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def run(cfg: dict) -> dict:
+    import numpy as np
+
+    from .. import tensors
+    from ..client.connection import connect
+    from ..client.stream import InferStream
+
+    rng = np.random.default_rng(cfg["seed"])
+    schedule, t = [], 0.0
+    while True:
+        t += rng.exponential(1.0 / cfg["rate"])
+        if t >= cfg["duration_s"]:
+            break
+        schedule.append(t)
+    with connect(cfg["socket"]) as client, InferStream(client) as stream:
+        described = client.describe(cfg["model"])
+        group_of = cfg["socket"][len("ipc://"):] if cfg["socket"].startswith("ipc://") else None
+        # One input, encoded once: a large one goes through one shm file that every request maps.
+        wire, files = tensors.encode(tensors.random_feeds(described.inputs, batch=1, seed=cfg["seed"]),
+                                     group_of=group_of)
+        try:
+            # Start together with the other generators: at the wall-clock time the parent chose.
+            start = time.monotonic() + max(0.0, cfg["start_at"] - time.time())
+            sent: dict[int, float] = {}
+            results: dict[int, list] = {}
+            late, i = 0, 0
+            drain_until = start + cfg["duration_s"] + cfg["drain_s"]
+            while i < len(schedule) or (sent and time.monotonic() < drain_until):
+                now = time.monotonic()
+                while i < len(schedule) and start + schedule[i] <= now:
+                    late += now - (start + schedule[i]) > 1e-3
+                    stream.send(i, cfg["model"], wire, deadline_ms=cfg.get("deadline_ms"))
+                    sent[i] = start + schedule[i]
+                    i += 1
+                wait_s = (start + schedule[i] - now) if i < len(schedule) else (drain_until - now)
+                for req_id, _, _, error in stream.receive(max(0, int(wait_s * 1000))):
+                    at = time.monotonic()
+                    scheduled = sent.pop(req_id, None)
+                    if scheduled is not None:
+                        results[req_id] = [schedule[req_id], at - scheduled, getattr(error, "code", None)]
+            for req_id in sent:  # never answered within the drain: a timeout
+                results[req_id] = [schedule[req_id], None, "unanswered"]
+        finally:
+            import os
+            for f in files:
+                os.unlink(f)
+    return {"requests": [results[k] for k in sorted(results)], "late_sends": late}
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(json.loads(sys.argv[1]))))

@@ -1,0 +1,148 @@
+"""The serve engine driven by hand: a fake clock and workers that run nothing until told to.
+
+Each fake stage doubles its input rows, so every answer shows which rows it got back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from modelcache.config import Settings
+from modelcache.errors import RequestTimeout
+from modelcache.executor.engine import Engine, ServeRequest
+from modelcache.executor.scheduler import WorkerState
+
+STAGES = [{"skeleton": "", "inputs": ["x"], "outputs": ["h"], "tensors": []},
+          {"skeleton": "", "inputs": ["h"], "outputs": ["y"], "tensors": []}]
+
+
+class FakeWorker:
+    def __init__(self, worker_id, cores, post):
+        self.state = WorkerState(worker_id, kind=f"cpu{len(cores)}")
+        self.cores, self.post, self.jobs = cores, post, []
+        self.queue = self   # the engine puts jobs here
+
+    def put(self, job):
+        self.jobs.append(job)
+
+    def run_next(self, seconds: float = 0.01):
+        job = self.jobs.pop(0)
+        job.worker_id = self.state.worker_id
+        [name] = job.outputs
+        job.result = {"outputs": {name: next(iter(job.inputs.values())) * 2}, "run_s": seconds}
+        self.post(job, None)
+        return job
+
+
+class Harness:
+    def __init__(self, policy: str, **settings):
+        self.now = 0.0
+        self.answers = {}
+        self.engine = Engine("2", "eager", None, post=lambda fn, r, e: fn(r, e), clock=lambda: self.now,
+                             settings=Settings(socket="ipc:///unused", repository="/unused", batching=policy,
+                                               **settings),
+                             worker_factory=FakeWorker)
+        self.worker = self.engine.workers[0]
+
+    def submit(self, tag, rows, deadline=None, profile=None):
+        def finish(outputs, timings, error, tag=tag):
+            self.answers[tag] = (outputs, timings, error)
+        x = np.arange(rows, dtype=np.float32).reshape(rows, 1) + 100 * tag
+        self.engine.submit(ServeRequest("m@1", STAGES, [], {"x": x}, None, self.now, deadline, finish,
+                                        samples=rows, batchable=True, profile=profile))
+
+    def y(self, tag):
+        outputs, _, error = self.answers[tag]
+        assert error is None, error
+        return outputs["y"]
+
+
+def expected(tag, rows):
+    return (np.arange(rows, dtype=np.float32).reshape(rows, 1) + 100 * tag) * 4
+
+
+def test_a_request_that_expires_in_the_queue_is_answered_and_the_next_one_runs():
+    h = Harness("serial")
+    h.submit(1, 1)
+    h.submit(2, 1, deadline=0.005)
+    h.submit(3, 1)
+    h.now = 0.010
+    h.worker.run_next()
+    h.worker.run_next()                 # request 1 done; 2 has expired, 3 takes the worker
+    assert isinstance(h.answers[2][2], RequestTimeout)
+    assert [j.batch_id for j in h.worker.jobs] and h.worker.jobs[0].inputs["x"][0, 0] == 300
+    h.worker.run_next()
+    h.worker.run_next()
+    np.testing.assert_array_equal(h.y(3), expected(3, 1))
+    assert not h.engine.requests and not h.engine.queues
+
+
+def test_dynamic_stacks_what_queued_behind_a_running_batch_and_splits_rows_back():
+    h = Harness("dynamic", max_batch=4)
+    h.submit(1, 1)                      # the worker is idle: runs alone
+    h.submit(2, 2)
+    h.submit(3, 1)
+    h.submit(4, 3)                      # 2 + 1 + 3 > 4: waits, kept whole
+    h.worker.run_next()
+    h.worker.run_next()
+    assert h.worker.jobs[0].inputs["x"].shape == (3, 1)
+    for _ in range(4):
+        h.worker.run_next()
+    for tag, rows in ((1, 1), (2, 2), (3, 1), (4, 3)):
+        np.testing.assert_array_equal(h.y(tag), expected(tag, rows))
+    assert [st["batch"] for st in h.answers[3][1]["stages"]] == [3, 3]
+
+
+# 10 ms + 1 ms per sample per stage
+PROFILE = {"kind": "cpu2", "batches": [1, 8], "stage_s": [[0.011, 0.011], [0.018, 0.018]],
+           "ratios": [[0.5, 0.5], [0.5, 0.5]], "g": [0.022, 0.002, 1.0, 1.0], "t_opt_ms": 100.0, "n_opt": 8}
+
+
+def test_layer_to_layer_catches_up_newcomers_then_runs_them_merged():
+    h = Harness("layer")
+    h.submit(1, 1, profile=PROFILE)
+    h.now = 0.005
+    h.submit(2, 2, profile=PROFILE)
+    h.submit(3, 1, profile=PROFILE)
+    h.now = 0.011
+    h.worker.run_next()                 # stage 0 of request 1 done: 2 and 3 are admitted
+    assert h.worker.jobs[0].stage == 0 and h.worker.jobs[0].inputs["x"].shape == (3, 1)
+    h.worker.run_next()                 # the catch-up reached stage 1: merged, 4 samples
+    job = h.worker.jobs[0]
+    assert job.stage == 1 and job.inputs["h"].shape == (4, 1)
+    h.worker.run_next()
+    for tag, rows in ((1, 1), (2, 2), (3, 1)):
+        np.testing.assert_array_equal(h.y(tag), expected(tag, rows))
+    assert [st["batch"] for st in h.answers[1][1]["stages"]] == [1, 4]
+    assert [st["batch"] for st in h.answers[2][1]["stages"]] == [3, 4]
+    assert h.engine.describe()["batching"]["layer_joins"] == 2
+
+
+def test_layer_to_layer_refuses_newcomers_that_would_break_t_opt():
+    h = Harness("layer")
+    h.submit(1, 1, profile=PROFILE)
+    h.now = 0.090                       # request 1 is near its 100 ms bound: a catch-up would break it
+    h.submit(2, 1, profile=PROFILE)
+    h.worker.run_next()
+    assert h.worker.jobs[0].stage == 1 and h.worker.jobs[0].inputs["h"].shape == (1, 1)
+    h.worker.run_next()
+    h.worker.run_next()
+    h.worker.run_next()
+    np.testing.assert_array_equal(h.y(2), expected(2, 1))
+    assert h.engine.describe()["batching"]["layer_joins"] == 0
+
+
+def test_a_member_late_after_its_catch_up_is_answered_and_its_rows_leave_the_batch():
+    h = Harness("layer", t_opt_ms=1000)
+    h.submit(1, 1, profile=PROFILE)
+    h.submit(2, 1, deadline=0.040, profile=PROFILE)
+    h.now = 0.011
+    h.worker.run_next()                 # 2 admitted: predicted to finish at 0.034
+    h.now = 0.050
+    h.worker.run_next()                 # its catch-up ran slower than predicted: late at the merge
+    assert isinstance(h.answers[2][2], RequestTimeout)
+    assert h.worker.jobs[0].inputs["h"].shape == (1, 1)
+    h.worker.run_next()
+    np.testing.assert_array_equal(h.y(1), expected(1, 1))
+    assert not h.engine.requests and not h.engine.batches
