@@ -6,7 +6,6 @@ Each fake stage doubles its input rows, so every answer shows which rows it got 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from modelcache.config import Settings
 from modelcache.errors import RequestTimeout
@@ -15,7 +14,6 @@ from modelcache.executor.scheduler import WorkerState
 
 STAGES = [{"skeleton": "", "inputs": ["x"], "outputs": ["h"], "tensors": []},
           {"skeleton": "", "inputs": ["h"], "outputs": ["y"], "tensors": []}]
-
 
 class FakeWorker:
     def __init__(self, worker_id, cores, post):
