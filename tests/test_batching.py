@@ -82,7 +82,7 @@ def test_profile_predicts_measured_sizes_exactly_and_others_from_g():
     from modelcache.executor.batching import calibration_profile, profile_predict
     truth = (0.010, 0.002, 6.0, 2.0)
     stage_s = {b: [0.25 * float(g(b, *truth)), 0.75 * float(g(b, *truth))] for b in (1, 2, 4, 8, 16)}
-    p = calibration_profile("cpu2", stage_s, t_opt_s=float(g(8, *truth)) * 1.001)
+    p = calibration_profile("cpu2", stage_s, t_opt_s=2 * float(g(8, *truth)) * 1.001)   # N_opt: 2 batches fit
     assert profile_predict(p, 1, 4) == pytest.approx(stage_s[4][1])
     assert profile_predict(p, 0, 6) == pytest.approx(0.25 * float(g(6, *truth)), rel=0.05)
     assert p["n_opt"] == pytest.approx(8, abs=1)

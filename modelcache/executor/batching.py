@@ -214,7 +214,9 @@ def calibration_profile(kind: str, stage_s: dict[int, list[float]], t_opt_s: flo
     z = fit_g(batches, totals) if len(batches) >= 2 else (totals[0], totals[0], 1.0, 1.0)
     return {"kind": kind, "batches": batches, "stage_s": [list(stage_s[b]) for b in batches],
             "ratios": [[t / sum(stage_s[b]) for t in stage_s[b]] for b in batches],
-            "g": list(z), "t_opt_ms": t_opt_s * 1e3, "n_opt": n_opt(z, t_opt_s, max_batch=max(batches) * 4),
+            # N_opt within t_opt / 2, not t_opt: under load a request waits for the batch running when it
+            # arrived and then runs in its own, so two batch times must fit in the bound.
+            "g": list(z), "t_opt_ms": t_opt_s * 1e3, "n_opt": n_opt(z, t_opt_s / 2, max_batch=max(batches) * 4),
             "request_s": [request_s[b] for b in batches] if request_s else None}
 
 
