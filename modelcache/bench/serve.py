@@ -116,7 +116,7 @@ def prepare(socket: str, name: str, src_dir: Path, stages: int, t_opt_ms: float 
     with connect(socket, timeout_s=600) as c:
         if stages > 1:
             c.partition(name, stages=stages)
-        profile = calibrate(c, name, batches, runs=5, t_opt_ms=t_opt_ms,
+        profile = calibrate(c, name, batches, runs=7, t_opt_ms=t_opt_ms,
                             progress=lambda line: print(f"  {name} {line}", file=sys.stderr, flush=True))
     return profile
 

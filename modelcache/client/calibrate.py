@@ -24,21 +24,27 @@ def calibrate(client, name: str, batches=DEFAULT_BATCHES, runs: int = 5, t_opt_m
     """Measure, fit, store with the model; returns the stored profile."""
     described = client.describe(name, version)
     stages = max(1, len(described.stages))
-    stage_s, request_s, kind = {}, {}, None
-    for b in sorted(set(int(x) for x in batches)):
-        feeds = random_feeds(described.inputs, batch=b)
-        client.infer(name, feeds, version=version)  # warm-up: session build, first-run allocations
-        per_stage, round_trips = [[] for _ in range(stages)], []
-        for _ in range(runs):
+    sizes = sorted(set(int(x) for x in batches))
+    feeds = {b: random_feeds(described.inputs, batch=b) for b in sizes}
+    per_stage = {b: [[] for _ in range(stages)] for b in sizes}
+    round_trips = {b: [] for b in sizes}
+    kind = None
+    for b in sizes:
+        client.infer(name, feeds[b], version=version)  # warm-up: session build, first-run allocations
+    # Rounds over all sizes, not one size after another: a noisy spell on a shared machine then
+    # touches every size a little instead of skewing one of them (and so g(b) and N_opt).
+    for _ in range(runs):
+        for b in sizes:
             t0 = time.perf_counter()
-            _, timings = client.infer(name, feeds, version=version)
-            round_trips.append(time.perf_counter() - t0)
+            _, timings = client.infer(name, feeds[b], version=version)
+            round_trips[b].append(time.perf_counter() - t0)
             for st in timings["stages"]:
-                per_stage[st["stage"]].append(st["run_ms"] / 1e3)
+                per_stage[b][st["stage"]].append(st["run_ms"] / 1e3)
                 kind = st["kind"]
-        stage_s[b] = [statistics.median(x) for x in per_stage]
-        request_s[b] = statistics.median(round_trips)
-        if progress:
+    stage_s = {b: [statistics.median(x) for x in per_stage[b]] for b in sizes}
+    request_s = {b: statistics.median(round_trips[b]) for b in sizes}
+    if progress:
+        for b in sizes:
             progress(f"batch {b:3d}: stages " + " + ".join(f"{t * 1e3:.1f}" for t in stage_s[b])
                      + f" = {sum(stage_s[b]) * 1e3:.1f} ms; request {request_s[b] * 1e3:.1f} ms")
     # The default bound is on what a client sees, so it counts the request's way in and out too.
