@@ -76,7 +76,7 @@ def test_layer_to_layer_merges_late_requests_into_the_running_batch(tmp_path, zo
         with d.client() as c:
             c.add(src, "r50")
             c.partition("r50", stages=3)
-            profile = calibrate(c, "r50", batches=[1, 4], runs=1)
+            profile = calibrate(c, "r50", batches=[1, 4], runs=1, t_opt_ms=60000)
             assert profile["n_opt"] >= 4 and len(profile["stage_s"][0]) == 3
             # One request starts a batch alone (the worker is idle); three more queue while its first
             # stage runs, and join it at the next boundary after catching up.

@@ -144,3 +144,15 @@ def test_a_member_late_after_its_catch_up_is_answered_and_its_rows_leave_the_bat
     h.worker.run_next()
     np.testing.assert_array_equal(h.y(1), expected(1, 1))
     assert not h.engine.requests and not h.engine.batches
+
+
+def test_a_queued_request_that_cannot_finish_by_its_deadline_is_answered_before_it_runs():
+    h = Harness("serial")
+    h.submit(1, 1, profile=PROFILE)                # the profile predicts 11 + 11 ms at batch 1
+    h.submit(2, 1, deadline=0.030, profile=PROFILE)
+    h.submit(3, 1, deadline=0.060, profile=PROFILE)
+    h.now = 0.020
+    h.worker.run_next()
+    h.worker.run_next()                            # at 0.020, 2 would end at 0.042 > 0.030: not started
+    assert "cannot be met" in str(h.answers[2][2])
+    assert h.worker.jobs[0].inputs["x"][0, 0] == 300

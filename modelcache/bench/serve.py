@@ -8,12 +8,14 @@ g(b), N_opt at t_opt; stored with the model). t_opt defaults to 5x a batch-1 req
 round trip. Rates are fractions (--loads) of the serial capacity 1 / (that round trip),
 so the sweep scales to the machine; "medium" load is --medium (default 0.5) of it.
 
-Per policy, a fresh daemon (one worker group of every core) serves every rate of the sweep:
+One daemon per model (one worker group of every core) serves every point; between points its
+batching policy is switched by rewriting its config file and SIGHUP, so each rate runs all
+policies back to back and the machine's noise touches them alike. At each point
 --clients generator processes send one-sample requests at Poisson times (latency counts
 from the scheduled send time), --warmup seconds are excluded, requests carry a deadline of
 --deadline-factor x t_opt so an overload drains instead of queueing without end.
-Then the maximum sustainable rate (p99 <= t_opt) is found by bisection between the highest
-passing and the lowest failing rate of the sweep.
+Then the maximum sustainable rate (p99 <= t_opt) of each policy is found by bisection
+between its highest passing and lowest failing rate of the sweep, policies interleaved.
 
 Policies: serial (one request at a time), batch (LBCI's Batchsize(m): m = --batch-m, or
 whatever arrived within --window-ms), dynamic (Triton: up to N_opt as soon as the worker is
@@ -56,11 +58,13 @@ def summarize(requests: list, warmup_s: float, duration_s: float, t_opt_s: float
     ok = [r[1] for r in window if r[2] is None and r[1] is not None]
     lat = ok + [float("inf")] * (len(window) - len(ok))
     good = sum(1 for x in ok if x <= t_opt_s)
+    batches = [r[3] for r in window if r[2] is None and r[3]]
     return {"sent": len(window), "completed": len(ok),
             "throughput_rps": len(ok) / measured_s, "goodput_rps": good / measured_s,
             "timeout_ratio": 1 - good / len(window) if window else float("nan"),
             "errors": len(window) - len(ok),
             "mean_ms": statistics.fmean(ok) * 1e3 if ok else float("nan"),
+            "mean_batch": statistics.fmean(batches) if batches else float("nan"),
             "p50_ms": percentile(lat, 50) * 1e3, "p90_ms": percentile(lat, 90) * 1e3,
             "p99_ms": percentile(lat, 99) * 1e3}
 
@@ -93,20 +97,24 @@ def sustainable(point: dict, t_opt_ms: float) -> bool:
     return point["sent"] > 0 and point["p99_ms"] <= t_opt_ms
 
 
-def bisect_max_rate(run, sweep: list[dict], t_opt_ms: float, steps: int) -> tuple[float, list[dict]]:
-    """Highest rate with p99 <= t_opt: bisection between the sweep's best pass and first fail above it."""
-    passing = [p["rate_rps"] for p in sweep if sustainable(p, t_opt_ms)]
-    lo = max(passing) if passing else 0.0
-    failing = [p["rate_rps"] for p in sweep if p["rate_rps"] > lo and not sustainable(p, t_opt_ms)]
-    hi = min(failing) if failing else 2 * max(p["rate_rps"] for p in sweep)
-    tried = []
+def bisect_max_rates(run_all, sweeps: dict, t_opt_ms: float, steps: int) -> tuple[dict, dict]:
+    """Per policy, the highest rate with p99 <= t_opt: bisection between the sweep's best pass and the
+    first fail above it. Each step runs every policy's midpoint back to back (`run_all({policy: rate})`),
+    so a noisy spell on the machine touches all policies alike."""
+    bounds = {}
+    for policy, sweep in sweeps.items():
+        passing = [p["rate_rps"] for p in sweep if sustainable(p, t_opt_ms)]
+        lo = max(passing) if passing else 0.0
+        failing = [p["rate_rps"] for p in sweep if p["rate_rps"] > lo and not sustainable(p, t_opt_ms)]
+        bounds[policy] = [lo, min(failing) if failing else 2 * max(p["rate_rps"] for p in sweep)]
+    tried = {policy: [] for policy in sweeps}
     for _ in range(steps):
-        mid = (lo + hi) / 2
-        point = run(mid)
-        point["phase"] = "bisect"
-        tried.append(point)
-        lo, hi = (mid, hi) if sustainable(point, t_opt_ms) else (lo, mid)
-    return lo, tried
+        points = run_all({policy: sum(b) / 2 for policy, b in bounds.items()})
+        for policy, point in points.items():
+            point["phase"] = "bisect"
+            tried[policy].append(point)
+            bounds[policy][0 if sustainable(point, t_opt_ms) else 1] = point["rate_rps"]
+    return {policy: b[0] for policy, b in bounds.items()}, tried
 
 
 def prepare(socket: str, name: str, src_dir: Path, stages: int, t_opt_ms: float | None, batches: list[int]) -> dict:
@@ -121,49 +129,85 @@ def prepare(socket: str, name: str, src_dir: Path, stages: int, t_opt_ms: float 
     return profile
 
 
+class PolicySwitch:
+    """Switch the running daemon's batching policy: rewrite its config file, SIGHUP, wait until applied.
+
+    One daemon for every policy lets each rate run all policies back to back (the machine's noise
+    then touches them alike), and sessions, caches and performance models stay warm across them."""
+
+    def __init__(self, socket: str, config: Path, args):
+        self.socket, self.config, self.args = socket, config, args
+
+    def __call__(self, policy: str) -> None:
+        import signal
+        from ..client.connection import connect
+        max_batch = self.args.batch_m if policy == "batch" else 0   # 0: the calibrated N_opt
+        self.config.write_text(f'batching = "{policy}"\nmax_batch = {max_batch}\n'
+                               f"batch_window_ms = {self.args.window_ms}\n")
+        with connect(self.socket) as c:
+            os.kill(c.stats().pid, signal.SIGHUP)
+            deadline = time.monotonic() + 30
+            while True:  # applied, and nothing left from the previous point
+                ex = c.stats().executor
+                if ex["batching"]["policies"] == {"*": policy} and not ex["in_flight"] and not ex.get("queued"):
+                    return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the daemon did not switch to {policy} and drain within 30 s")
+                time.sleep(0.1)
+
+
 def run_bench(args) -> dict:
     tmp = Path(args.work or tempfile.mkdtemp(prefix="modelcache-bench-serve-"))
+    tmp.mkdir(parents=True, exist_ok=True)
     socket = f"ipc://{tmp}/serve.sock"
     repo = str(tmp / "repo")
+    config = tmp / "batching.toml"
+    config.write_text('batching = "serial"\n')
+    for key in ("BATCHING", "MAX_BATCH", "BATCH_WINDOW_MS", "MAX_QUEUE_DELAY_MS", "T_OPT_MS"):
+        os.environ.pop(f"MODELCACHE_{key}", None)   # the config file decides them, and reloads
     os.environ.update({"MODELCACHE_WORKERS": args.workers, "MODELCACHE_STATE_DIR": str(tmp / "state"),
-                       "MODELCACHE_BATCHING": "serial", "MODELCACHE_T_OPT_MS": "0", "MODELCACHE_MAX_BATCH": "0"})
+                       "MODELCACHE_CONFIG": str(config)})
     results = {"models": {}, "settings": vars(args)}
+    switch = PolicySwitch(socket, config, args)
     for name in args.models:
         print(f"{name}: add, partition into {args.stages}, calibrate ...", file=sys.stderr, flush=True)
         with managed_daemon(socket, repo):
             profile = prepare(socket, name, tmp / "src", args.stages, args.t_opt_ms, args.batches)
-        t_opt_ms = profile["t_opt_ms"]
-        capacity = 1.0 / profile["request_s"][0]      # serial: one batch-1 request after another
-        rates = [round(f * capacity, 2) for f in args.loads]
-        model = results["models"][name] = {"profile": profile, "t_opt_ms": t_opt_ms, "serial_capacity_rps": capacity,
-                                           "rates": rates, "medium_rps": round(args.medium * capacity, 2),
-                                           "policies": {}}
-        print(f"{name}: t_opt {t_opt_ms:.0f} ms, N_opt {profile['n_opt']}, serial capacity {capacity:.1f} req/s; "
-              f"rates {rates}", file=sys.stderr, flush=True)
-        for policy in args.policies:
-            os.environ.update({"MODELCACHE_BATCHING": policy, "MODELCACHE_BATCH_WINDOW_MS": str(args.window_ms),
-                               "MODELCACHE_MAX_BATCH": str(args.batch_m if policy == "batch" else 0)})
-            with managed_daemon(socket, repo):
-                def run(rate, seed=[0]):
-                    seed[0] += 1
-                    p = load_point(socket, name, rate, args.clients, args.duration, args.warmup,
-                                   t_opt_ms / 1e3, args.deadline_factor, seed[0])
-                    print(f"  {name} {policy:8s} {rate:7.2f} req/s: p50 {p['p50_ms']:8.1f}  p99 {p['p99_ms']:8.1f} ms  "
-                          f"thr {p['throughput_rps']:6.2f}  good {p['goodput_rps']:6.2f}  "
-                          f"timeouts {100 * p['timeout_ratio']:5.1f}%", file=sys.stderr, flush=True)
-                    return p
-                run(rates[0])  # warm the daemon: first requests promote the model and build sessions
-                sweep = []
-                for rate in rates:
-                    point = run(rate)
+            t_opt_ms = profile["t_opt_ms"]
+            capacity = 1.0 / profile["request_s"][0]      # serial: one batch-1 request after another
+            rates = [round(f * capacity, 2) for f in args.loads]
+            model = results["models"][name] = {"profile": profile, "t_opt_ms": t_opt_ms,
+                                               "serial_capacity_rps": capacity, "rates": rates,
+                                               "medium_rps": round(args.medium * capacity, 2), "policies": {}}
+            print(f"{name}: t_opt {t_opt_ms:.0f} ms, N_opt {profile['n_opt']}, serial capacity {capacity:.1f} "
+                  f"req/s; rates {rates}", file=sys.stderr, flush=True)
+            seeds = iter(range(1, 10**6))
+
+            def run(policy, rate):
+                switch(policy)
+                p = load_point(socket, name, rate, args.clients, args.duration, args.warmup,
+                               t_opt_ms / 1e3, args.deadline_factor, next(seeds))
+                print(f"  {name} {policy:8s} {rate:7.2f} req/s: p50 {p['p50_ms']:8.1f}  p99 {p['p99_ms']:8.1f} ms  "
+                      f"thr {p['throughput_rps']:6.2f}  good {p['goodput_rps']:6.2f}  "
+                      f"timeouts {100 * p['timeout_ratio']:5.1f}%", file=sys.stderr, flush=True)
+                return p
+
+            run(args.policies[0], rates[0])  # warm-up: promotes the model and builds the stage sessions
+            sweeps = {policy: [] for policy in args.policies}
+            for rate in rates:
+                for policy in args.policies:
+                    point = run(policy, rate)
                     point["phase"] = "sweep"
-                    sweep.append(point)
-                best, tried = bisect_max_rate(run, sweep, t_opt_ms, args.bisect_steps)
-                from ..client.connection import connect
-                with connect(socket) as c:
-                    executor = c.stats().executor
-                model["policies"][policy] = {"sweep": sweep, "bisect": tried, "max_rate_rps": best,
-                                             "batching": executor["batching"]}
+                    sweeps[policy].append(point)
+            best, tried = bisect_max_rates(lambda mids: {pol: run(pol, r) for pol, r in mids.items()},
+                                           sweeps, t_opt_ms, args.bisect_steps)
+            from ..client.connection import connect
+            with connect(socket) as c:
+                batching = c.stats().executor["batching"]
+            for policy in args.policies:
+                model["policies"][policy] = {"sweep": sweeps[policy], "bisect": tried[policy],
+                                             "max_rate_rps": best[policy]}
+            model["batching_counters"] = batching
     return results
 
 
@@ -187,16 +231,14 @@ def report(res: dict, out=sys.stdout) -> None:
         print(f"\n{name}: t_opt {model['t_opt_ms']:.0f} ms, N_opt {model['profile']['n_opt']}, "
               f"serial capacity {model['serial_capacity_rps']:.1f} req/s", file=out)
         print(f"{'policy':8s} {'rate':>7s} {'thr':>7s} {'good':>7s} {'mean':>8s} {'p50':>8s} {'p90':>8s} "
-              f"{'p99':>8s} {'timeout':>8s}", file=out)
+              f"{'p99':>8s} {'timeout':>8s} {'batch':>6s}", file=out)
         for policy, r in model["policies"].items():
             for p in r["sweep"]:
                 print(f"{policy:8s} {p['rate_rps']:7.2f} {p['throughput_rps']:7.2f} {p['goodput_rps']:7.2f} "
                       f"{p['mean_ms']:8.1f} {p['p50_ms']:8.1f} {p['p90_ms']:8.1f} {p['p99_ms']:8.1f} "
-                      f"{100 * p['timeout_ratio']:7.1f}%", file=out)
+                      f"{100 * p['timeout_ratio']:7.1f}% {p['mean_batch']:6.2f}", file=out)
         print("max sustainable rate (p99 <= t_opt): " + ", ".join(
             f"{p} {r['max_rate_rps']:.1f}" for p, r in model["policies"].items()) + " req/s", file=out)
-        print("mean batch: " + ", ".join(f"{p} {r['batching']['mean_batch'] or 0:.2f}"
-                                         for p, r in model["policies"].items()), file=out)
         c = comparisons(model)
         if "mean_latency_cut_vs_batch" in c:
             print(f"layer vs batch(m) mean latency at {c['medium_rps']} req/s: "
@@ -209,7 +251,7 @@ def report(res: dict, out=sys.stdout) -> None:
 def write_csv(res: dict, path: Path) -> None:
     import csv
     cols = ["rate_rps", "sent", "completed", "throughput_rps", "goodput_rps", "timeout_ratio", "errors",
-            "mean_ms", "p50_ms", "p90_ms", "p99_ms", "late_sends"]
+            "mean_ms", "p50_ms", "p90_ms", "p99_ms", "mean_batch", "late_sends"]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["model", "policy", "phase", *cols])

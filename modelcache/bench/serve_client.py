@@ -7,7 +7,8 @@ the answers do: a request is sent at its scheduled time, or as soon after it as 
 process can, and its latency counts from the scheduled time. So a backlog in the daemon
 shows up as latency instead of slowing the sender (no coordinated omission).
 
-Prints one JSON object: {"requests": [[scheduled_s, latency_s or null, error code or null], ...],
+Prints one JSON object: {"requests": [[scheduled_s, latency_s or null, error code or null,
+samples in the batch that ran its last stage or null], ...],
 "late_sends": how many went out >1 ms behind schedule}.
 """
 
@@ -53,13 +54,14 @@ def run(cfg: dict) -> dict:
                     sent[i] = start + schedule[i]
                     i += 1
                 wait_s = (start + schedule[i] - now) if i < len(schedule) else (drain_until - now)
-                for req_id, _, _, error in stream.receive(max(0, int(wait_s * 1000))):
+                for req_id, _, timings, error in stream.receive(max(0, int(wait_s * 1000))):
                     at = time.monotonic()
                     scheduled = sent.pop(req_id, None)
                     if scheduled is not None:
-                        results[req_id] = [schedule[req_id], at - scheduled, getattr(error, "code", None)]
+                        batch = timings["stages"][-1]["batch"] if timings.get("stages") else None
+                        results[req_id] = [schedule[req_id], at - scheduled, getattr(error, "code", None), batch]
             for req_id in sent:  # never answered within the drain: a timeout
-                results[req_id] = [schedule[req_id], None, "unanswered"]
+                results[req_id] = [schedule[req_id], None, "unanswered", None]
         finally:
             import os
             for f in files:

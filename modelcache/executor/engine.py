@@ -244,9 +244,21 @@ class Engine:
         return members
 
     def _expire_queued(self, queue: deque, now: float) -> None:
-        for req in [r for r in queue if r.deadline is not None and now > r.deadline]:
+        """Answer now the queued requests that cannot finish by their deadline: already past it, or
+        nearer to it than the model's predicted run time. Starting those would spend a worker on answers
+        nobody can use; under overload that is how goodput collapses (every request started just before
+        it expires, and dropped half-way)."""
+        if not any(r.deadline is not None for r in queue):
+            return
+        first = queue[0]
+        need = sum(self._predict_batch(first.model_key, first.profile, s, 1) for s in range(len(first.stages)))
+        need = 0.0 if need == float("inf") else need   # never measured: only a passed deadline counts
+        for req in [r for r in queue if r.deadline is not None and now + need > r.deadline]:
             queue.remove(req)
-            self._finish(req, None, RequestTimeout("deadline passed while the request waited for a worker"))
+            why = ("deadline passed while the request waited for a worker" if now > req.deadline else
+                   f"deadline cannot be met: {(req.deadline - now) * 1e3:.1f} ms left, the model needs "
+                   f"{need * 1e3:.1f} ms")
+            self._finish(req, None, RequestTimeout(why))
 
     def _start(self, batch: Batch) -> bool:
         self.batches[batch.batch_id] = batch
