@@ -87,3 +87,19 @@ def test_profile_predicts_measured_sizes_exactly_and_others_from_g():
     assert profile_predict(p, 0, 6) == pytest.approx(0.25 * float(g(6, *truth)), rel=0.05)
     assert p["n_opt"] == pytest.approx(8, abs=1)
     assert profile_predict(None, 0, 1) is None and profile_predict(p, 2, 1) is None
+
+
+def test_layer_to_layer_refuses_a_join_that_saves_no_work_until_enough_have_queued():
+    # Later stages cost 10 ms per sample up to 2 samples, then 4 ms more per sample: no gain until 3.
+    def flat_then_cheap(stage, b):
+        return 0.010 * min(b, 2) + 0.004 * max(0, b - 2)
+    l2l = LayerToLayer(flat_then_cheap, stages=2, max_batch=8)
+    batch = q((1, 1, 0.0, 1.0))
+    assert l2l.admit(0.0, 1, batch, q((2, 1, 0.0, 1.0))) == []                    # 1 + 1: nothing saved
+    assert l2l.admit(0.0, 1, batch, q((2, 1, 0.0, 1.0), (3, 1, 0.0, 1.0))) == [2, 3]   # 1 + 2 saves
+
+
+def test_layer_to_layer_counts_the_overhead_outside_the_stages_against_t_opt():
+    batch = q((1, 2, 0.0, 0.050))                 # joined: 0.020 + 0.028 = 0.048, just within 50 ms
+    assert LayerToLayer(predict, stages=2).admit(0.020, 1, batch, q((2, 1, 0.02, 1.0))) == [2]
+    assert LayerToLayer(predict, stages=2, overhead_s=0.005).admit(0.020, 1, batch, q((2, 1, 0.02, 1.0))) == []

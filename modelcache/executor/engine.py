@@ -30,7 +30,7 @@ import numpy as np
 
 from ..daemon.metrics import Histogram
 from ..errors import ModelCacheError, RequestTimeout
-from .batching import LayerToLayer, Pending, make_batcher, parse_policy_spec, profile_predict
+from .batching import LayerToLayer, Pending, make_batcher, parse_policy_spec, profile_predict, request_overhead
 from .perfmodel import PerfModels
 from .scheduler import Task, make_scheduler
 from .workers import StageJob, Worker, parse_groups
@@ -181,7 +181,7 @@ class Engine:
                 policy, max_batch=max_batch, window_s=self._setting("batch_window_ms", 50.0) / 1e3,
                 max_queue_delay_s=self._setting("max_queue_delay_ms", 0.0) / 1e3,
                 predict=lambda stage, b, key=req.model_key, profile=req.profile: self._predict_batch(key, profile, stage, b),
-                stages=len(req.stages))
+                stages=len(req.stages), overhead_s=request_overhead(req.profile))
         return batcher
 
     def _predict_batch(self, model_key: str, profile: dict | None, stage: int, samples: int) -> float:
