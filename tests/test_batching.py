@@ -103,3 +103,8 @@ def test_layer_to_layer_counts_the_overhead_outside_the_stages_against_t_opt():
     batch = q((1, 2, 0.0, 0.050))                 # joined: 0.020 + 0.028 = 0.048, just within 50 ms
     assert LayerToLayer(predict, stages=2).admit(0.020, 1, batch, q((2, 1, 0.02, 1.0))) == [2]
     assert LayerToLayer(predict, stages=2, overhead_s=0.005).admit(0.020, 1, batch, q((2, 1, 0.02, 1.0))) == []
+
+
+def test_n_opt_is_one_where_batching_gains_nothing():
+    flat = (0.060, 0.060, 4.0, 2.0)           # 60 ms a sample at every batch size
+    assert n_opt(flat, t_opt=10.0) == 1
