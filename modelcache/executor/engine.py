@@ -39,6 +39,7 @@ log = logging.getLogger("modelcache.executor")
 
 INFER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 DEFAULT_MAX_BATCH = 8     # without a setting or a calibrated N_opt
+POLICY_LOOKAHEAD = 256    # queued requests a batching policy sees (FIFO head)
 
 
 @dataclass(eq=False)  # identity: requests hold arrays, and two are never "equal"
@@ -225,7 +226,7 @@ class Engine:
             while queue and idle > 0:
                 batcher = self._batcher(queue[0])
                 t_opt = self._t_opt_s(queue[0])
-                decision = batcher.decide(now, [r.pending(t_opt) for r in queue])
+                decision = batcher.decide(now, self._head(queue, t_opt))
                 if not decision.take:
                     if decision.wait_until is not None:
                         self.wake_at = min(self.wake_at or float("inf"), decision.wait_until)
@@ -235,6 +236,12 @@ class Engine:
                     idle -= 1   # (a batch whose members all expired took no worker)
         for key in [k for k, q in self.queues.items() if not q]:
             del self.queues[key]
+
+    @staticmethod
+    def _head(queue: deque, t_opt: float | None) -> list:
+        """What a policy may take from a queue: its head. A batch never holds more than this, and a
+        backlog of thousands must not cost thousands of objects per decision."""
+        return [r.pending(t_opt) for r in itertools.islice(queue, POLICY_LOOKAHEAD)]
 
     def _take(self, queue: deque, n: int) -> list:
         """The first n queued requests, stopping early at one whose feeds cannot stack with the first."""
@@ -358,7 +365,7 @@ class Engine:
             return False  # a tensor at this boundary has no batch axis: merging here is not possible
         t_opt = self._t_opt_s(batch.first)
         admitted = batcher.admit(self.clock(), batch.stage, [m.pending(t_opt) for m in batch.members],
-                                 [r.pending(t_opt) for r in queue])
+                                 self._head(queue, t_opt))
         if not admitted or not same_shape_rows(batch.first.data, queue[0].data):
             return False
         members = self._take(queue, len(admitted))
