@@ -229,7 +229,12 @@ def comparisons(model: dict) -> dict:
 def report(res: dict, out=sys.stdout) -> None:
     for name, model in res["models"].items():
         print(f"\n{name}: t_opt {model['t_opt_ms']:.0f} ms, N_opt {model['profile']['n_opt']}, "
-              f"serial capacity {model['serial_capacity_rps']:.1f} req/s", file=out)
+              f"rates scaled to {model['serial_capacity_rps']:.1f} req/s = 1 / batch-1 round trip at calibration",
+              file=out)
+        prof = model["profile"]
+        print("calibration (whole model, per batch size): " + ", ".join(
+            f"{b}: {sum(st) * 1e3:.1f} ms ({sum(st) * 1e3 / b:.1f}/sample)" for b, st in zip(prof["batches"], prof["stage_s"])),
+            file=out)
         print(f"{'policy':8s} {'rate':>7s} {'thr':>7s} {'good':>7s} {'mean':>8s} {'p50':>8s} {'p90':>8s} "
               f"{'p99':>8s} {'timeout':>8s} {'batch':>6s}", file=out)
         for policy, r in model["policies"].items():
