@@ -158,6 +158,17 @@ def format_status(st) -> str:
     print(f"opens {c.get('opens', 0)} (hits {c.get('hits', 0)}, misses {c.get('misses', 0)})  "
           f"evictions {c.get('evictions', 0)}  clients lost {c.get('clients_lost', 0)}  "
           f"bad messages {c.get('bad_messages', 0)}", file=out)
+    ex = st.executor or {}
+    if ex:
+        b = ex.get("batching", {})
+        p50, p99 = ex.get("latency_ms_p50"), ex.get("latency_ms_p99")
+        policies = ", ".join(f"{k}={v}" for k, v in b.get("policies", {}).items())
+        print(f"serve: {ex.get('served', 0)} served, {ex.get('failed', 0)} failed, {ex.get('in_flight', 0)} in flight "
+              f"({ex.get('queued', 0)} queued)" + (f", p50 {p50:.1f} ms, p99 {p99:.1f} ms" if p50 is not None else "")
+              + f"; {ex.get('scheduler')} over {len(ex.get('workers', []))} worker groups", file=out)
+        mean = b.get("mean_batch")
+        print(f"batching: {policies}; {b.get('batches', 0)} batches" + (f", mean {mean:.2f}" if mean else "")
+              + f", {b.get('layer_joins', 0)} layer joins", file=out)
     print("\nTIER   USED / CAPACITY          PATH", file=out)
     for t in st.tiers:
         cap = _human(t["capacity_bytes"]) if t["capacity_bytes"] else "unbounded"
@@ -357,14 +368,16 @@ def build_parser() -> argparse.ArgumentParser:
     pt.set_defaults(func=cmd_partition)
     cb = sub.add_parser("calibrate", parents=[common], help="time a model's stages per batch size for batching",
                         description="Serve the model at each batch size, one request at a time, on the daemon's "
-                                    "workers; fit LBCI's g(b), derive N_opt (the largest batch within t_opt) and "
-                                    "store the table with the model. Layer-to-layer batching predicts from it; "
-                                    "max_batch=0 means N_opt. Partition first: the table is per stage.")
+                                    "workers; fit LBCI's g(b) and derive N_opt: the largest batch that pays (per-"
+                                    "sample time >= 10% below batch 1) and takes at most t_opt/2 (a request may "
+                                    "wait for one batch, then run in the next). The table is stored with the "
+                                    "model; layer-to-layer batching predicts from it, and max_batch=0 means N_opt. "
+                                    "Partition first: the table is per stage.")
     cb.add_argument("name")
     cb.add_argument("--version", type=int)
     cb.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="batch sizes to time")
     cb.add_argument("--runs", type=int, default=5, help="timed requests per batch size (median kept)")
-    cb.add_argument("--t-opt-ms", type=float, help="latency bound; default 5x the batch-1 time")
+    cb.add_argument("--t-opt-ms", type=float, help="latency bound; default 5x a batch-1 request's round trip")
     cb.set_defaults(func=cmd_calibrate)
     rm = sub.add_parser("rm", parents=[common], help="delete a model version from the repository")
     rm.add_argument("name")

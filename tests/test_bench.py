@@ -50,7 +50,7 @@ def test_tiers_bench_on_tiny_models(tmp_path):
 def test_executor_bench_runs(tmp_path):
     text = run("executor", "--model", "tiny-vit", "--seconds", "1", "--clients", "2", "--calls", "20",
                "--out", str(tmp_path))
-    assert "overhead" in text
+    assert "overhead" in text and "where it goes" in text
     results = json.loads((tmp_path / "results.json").read_text())
     assert [(r["workers"], r["scheduler"]) for r in results["throughput"]] == \
         [("2", "eager"), ("2", "dmda"), ("1,1", "eager"), ("1,1", "dmda")]

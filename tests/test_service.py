@@ -132,6 +132,7 @@ def test_metrics_scrape(tmp_path, zoo_file):
 
 def test_status_is_one_readable_screen(daemon, client, zoo_file):
     client.add(zoo_file("tiny-cnn"), "cnn")
+    client.infer("cnn", zoo.sample_inputs(zoo_file("tiny-cnn")))
     with modelcache.InferenceSession("cnn", client=client):
         r = subprocess.run([sys.executable, "-m", "modelcache.cli", "status"], env=daemon.env,
                            capture_output=True, text=True)
@@ -142,6 +143,8 @@ def test_status_is_one_readable_screen(daemon, client, zoo_file):
     row = next(line for line in lines if line.startswith("cnn "))
     assert row.split()[:2] == ["cnn", "1"] and "host" in row and "resident" in row
     assert any("clients" in line for line in lines)
+    assert any(line.startswith("serve: 1 served, 0 failed") for line in lines)
+    assert any(line.startswith("batching: *=serial; 1 batches") for line in lines)
 
 
 def test_graceful_stop_finishes_inflight_work_and_keeps_mappings(tmp_path, zoo_file):

@@ -48,16 +48,28 @@ def overhead(tmp: Path, src: str, calls: int) -> dict:
         for _ in range(20):
             c.infer("tiny", feeds)
             local.run(None, feeds)
-        serve_ms, local_ms = [], []
+        serve_ms, local_ms, parts = [], [], {"daemon": [], "run": [], "handoff": [], "list_rpc": []}
         for _ in range(calls):  # alternated, so both see the same machine
             t = time.perf_counter()
-            c.infer("tiny", feeds)
+            _, timings = c.infer("tiny", feeds)
             serve_ms.append((time.perf_counter() - t) * 1e3)
             t = time.perf_counter()
             local.run(None, feeds)
             local_ms.append((time.perf_counter() - t) * 1e3)
-    return {"serve_p50_ms": statistics.median(serve_ms), "local_p50_ms": statistics.median(local_ms),
-            "overhead_p50_ms": statistics.median(serve_ms) - statistics.median(local_ms)}
+            t = time.perf_counter()
+            c.list()                              # the smallest request/reply: our RPC floor
+            parts["list_rpc"].append((time.perf_counter() - t) * 1e3)
+            parts["daemon"].append(timings["total_ms"])              # arrival -> answer ready, in the daemon
+            parts["run"].append(timings["stages"][0]["run_ms"])      # ORT, on the worker
+            parts["handoff"].append(timings["stages"][0]["wait_ms"])  # to the worker and back
+    med = {k: statistics.median(v) for k, v in parts.items()}
+    serve = statistics.median(serve_ms)
+    return {"serve_p50_ms": serve, "local_p50_ms": statistics.median(local_ms),
+            "overhead_p50_ms": serve - statistics.median(local_ms),
+            # Where a served request's time goes (medians, so the parts need not add up exactly).
+            "breakdown_ms": {"stage_run": med["run"], "handoffs": med["handoff"],
+                             "engine_bookkeeping": med["daemon"] - med["run"] - med["handoff"],
+                             "messaging_outside_engine": serve - med["daemon"], "list_rpc": med["list_rpc"]}}
 
 
 def throughput(tmp: Path, src: str, workers: str, scheduler: str, seconds: float, clients: int) -> dict:
@@ -104,6 +116,12 @@ def report(res: dict, out=sys.stdout) -> None:
     o = res["overhead"]
     print(f"serve-mode overhead on tiny-cnn: p50 {o['serve_p50_ms']:.3f} ms served vs {o['local_p50_ms']:.3f} ms "
           f"in-process ORT -> {o['overhead_p50_ms']:.3f} ms added", file=out)
+    if "breakdown_ms" in o:
+        b = o["breakdown_ms"]
+        print(f"  where it goes (p50): ORT run {b['stage_run']:.3f}, hand-offs to the worker and back "
+              f"{b['handoffs']:.3f}, engine bookkeeping {b['engine_bookkeeping']:.3f}, messages and transport "
+              f"outside the engine {b['messaging_outside_engine']:.3f} ms (a bare `list` round trip: "
+              f"{b['list_rpc']:.3f} ms)", file=out)
     print(f"\nResNet-50 in 2 stages, {res['clients']} closed-loop clients, {res['seconds']:.0f} s each:", file=out)
     print(f"{'workers':<8} {'scheduler':<10} {'req/s':>7} {'p50 ms':>8} {'pred. error (median)':>21} {'checked':>8}",
           file=out)
