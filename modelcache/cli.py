@@ -328,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "SIGTERM or Ctrl-C stops it gracefully (running loads finish, waiting "
                                    "clients get answers), a second one at once; SIGHUP re-reads the "
                                    "settings that can change live (log_level, heartbeat_interval_s, "
-                                   "lease_timeout_s, host_capacity).")
+                                   "lease_timeout_s, host_capacity, and the batching settings).")
     d.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     d.add_argument("--host-capacity", help="host-tier size: bytes (8G, 512M) or percent of RAM (50%%)")
     d.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: off, the default)")

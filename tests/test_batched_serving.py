@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -16,10 +17,18 @@ from modelcache.errors import InputError
 from conftest import DaemonProcess
 
 
+@contextlib.contextmanager
 def batching_daemon(tmp_path, policy: str, **env):
+    """A daemon with one 2-thread worker group and this batching policy, and a client of it."""
     extra = {"MODELCACHE_WORKERS": "2", "MODELCACHE_BATCHING": policy,
              "MODELCACHE_STATE_DIR": str(tmp_path / "state"), **{f"MODELCACHE_{k.upper()}": str(v) for k, v in env.items()}}
-    return DaemonProcess(tmp_path, extra).start()
+    d = DaemonProcess(tmp_path, extra).start()
+    try:
+        with d.client() as c:
+            yield d, c
+    finally:
+        assert d.stop() == 0, d.log_path.read_text()[-3000:]
+        d.kill()
 
 
 def send_all(c, name: str, feeds_list: list[dict], gap_s: float = 0.0) -> dict:
@@ -40,81 +49,64 @@ def send_all(c, name: str, feeds_list: list[dict], gap_s: float = 0.0) -> dict:
     return answers
 
 
-def stop(d):
-    assert d.stop() == 0, d.log_path.read_text()[-3000:]
-    d.kill()
-
-
 def test_dynamic_batching_stacks_queued_requests_and_splits_outputs_back(tmp_path, zoo_file):
     src = zoo_file("tiny-cnn")
     ref = ort.InferenceSession(src, providers=["CPUExecutionProvider"])
-    d = batching_daemon(tmp_path, "dynamic", max_batch=6)
-    try:
-        with d.client() as c:
-            c.add(src, "cnn")
-            c.infer("cnn", zoo.sample_inputs(src))          # resident, session built
-            sizes = [1, 2, 1, 3, 1, 1, 2, 1, 1, 4, 1, 1]    # multi-sample requests are kept whole
-            feeds_list = [zoo.sample_inputs(src, batch=n, seed=i) for i, n in enumerate(sizes)]
-            answers = send_all(c, "cnn", feeds_list)
-            for i, feeds in enumerate(feeds_list):
-                out, timings = answers[i]
-                np.testing.assert_allclose(out["logits"], ref.run(None, feeds)[0], rtol=1e-4, atol=1e-5)
-                assert out["logits"].shape[0] == sizes[i]
-                assert sizes[i] <= timings["stages"][0]["batch"] <= max(6, sizes[i])
-            batching = c.stats().executor["batching"]
-            assert batching["policies"] == {"*": "dynamic"}
-            assert batching["mean_batch"] > 1.5, batching   # 12 requests queued behind one: stacked
-    finally:
-        stop(d)
+    with batching_daemon(tmp_path, "dynamic", max_batch=6) as (d, c):
+        c.add(src, "cnn")
+        c.infer("cnn", zoo.sample_inputs(src))          # resident, session built
+        sizes = [1, 2, 1, 3, 1, 1, 2, 1, 1, 4, 1, 1]    # multi-sample requests are kept whole
+        feeds_list = [zoo.sample_inputs(src, batch=n, seed=i) for i, n in enumerate(sizes)]
+        answers = send_all(c, "cnn", feeds_list)
+        for i, feeds in enumerate(feeds_list):
+            out, timings = answers[i]
+            np.testing.assert_allclose(out["logits"], ref.run(None, feeds)[0], rtol=1e-4, atol=1e-5)
+            assert out["logits"].shape[0] == sizes[i]
+            assert sizes[i] <= timings["stages"][0]["batch"] <= max(6, sizes[i])
+        batching = c.stats().executor["batching"]
+        assert batching["policies"] == {"*": "dynamic"}
+        assert batching["mean_batch"] > 1.5, batching   # 12 requests queued behind one: stacked
 
 
 def test_layer_to_layer_merges_late_requests_into_the_running_batch(tmp_path, zoo_file):
     src = zoo_file("resnet50")
     ref = ort.InferenceSession(src, providers=["CPUExecutionProvider"])
-    d = batching_daemon(tmp_path, "layer", t_opt_ms=60000)
-    try:
-        with d.client() as c:
-            c.add(src, "r50")
-            c.partition("r50", stages=3)
-            # ResNet-50 gains nothing from batching on this CPU, so a real calibration would (rightly)
-            # refuse every join. This profile says batches of 4 cost 1.5x a batch of 1 per stage: it
-            # drives the decision, and the test checks what the daemon does with the tensors.
-            c.set_batching("r50", {"kind": "cpu2", "batches": [1, 4], "stage_s": [[0.02] * 3, [0.03] * 3],
-                                   "ratios": [[1 / 3] * 3] * 2, "g": [0.06, 0.0225, 2.0, 2.0],
-                                   "t_opt_ms": 60000.0, "n_opt": 8})
-            # One request starts a batch alone (the worker is idle); three more queue while its first
-            # stage runs, and join it at the next boundary after catching up.
-            feeds_list = [zoo.sample_inputs(src, seed=i) for i in range(4)]
-            answers = send_all(c, "r50", feeds_list)
-            for i, feeds in enumerate(feeds_list):
-                np.testing.assert_allclose(answers[i][0]["logits"], ref.run(None, feeds)[0], rtol=1e-3, atol=1e-4)
-            first = [st["batch"] for st in answers[0][1]["stages"]]
-            late = [st["batch"] for st in answers[3][1]["stages"]]
-            assert first == [1, 4, 4], first     # stage 0 alone, then merged with the three
-            assert late == [3, 4, 4], late       # caught up together, then merged
-            assert c.stats().executor["batching"]["layer_joins"] == 3
-    finally:
-        stop(d)
+    with batching_daemon(tmp_path, "layer", t_opt_ms=60000) as (d, c):
+        c.add(src, "r50")
+        c.partition("r50", stages=3)
+        # ResNet-50 gains nothing from batching on this CPU, so a real calibration would (rightly)
+        # refuse every join. This profile says batches of 4 cost 1.5x a batch of 1 per stage: it
+        # drives the decision, and the test checks what the daemon does with the tensors.
+        c.set_batching("r50", {"kind": "cpu2", "batches": [1, 4], "stage_s": [[0.02] * 3, [0.03] * 3],
+                               "ratios": [[1 / 3] * 3] * 2, "g": [0.06, 0.0225, 2.0, 2.0],
+                               "t_opt_ms": 60000.0, "n_opt": 8})
+        # One request starts a batch alone (the worker is idle); three more queue while its first
+        # stage runs, and join it at the next boundary after catching up.
+        feeds_list = [zoo.sample_inputs(src, seed=i) for i in range(4)]
+        answers = send_all(c, "r50", feeds_list)
+        for i, feeds in enumerate(feeds_list):
+            np.testing.assert_allclose(answers[i][0]["logits"], ref.run(None, feeds)[0], rtol=1e-3, atol=1e-4)
+        first = [st["batch"] for st in answers[0][1]["stages"]]
+        late = [st["batch"] for st in answers[3][1]["stages"]]
+        assert first == [1, 4, 4], first     # stage 0 alone, then merged with the three
+        assert late == [3, 4, 4], late       # caught up together, then merged
+        assert c.stats().executor["batching"]["layer_joins"] == 3
 
 
 def test_calibration_is_stored_with_the_model_and_cleared_by_a_new_partition(tmp_path, zoo_file):
     src = zoo_file("tiny-cnn")
-    d = batching_daemon(tmp_path, "layer")
-    try:
-        with d.client() as c:
-            c.add(src, "cnn")
-            c.partition("cnn", stages=2)
-            profile = calibrate(c, "cnn", batches=[1, 2, 8], runs=3, t_opt_ms=500)
-            manifest = json.loads((d.repository / "cnn" / "1" / "manifest.json").read_text())
-            stored = manifest["batching"]
-            assert stored["batches"] == [1, 2, 8] and stored["t_opt_ms"] == 500 and stored["n_opt"] >= 8
-            assert stored == json.loads(json.dumps(profile))
-            with pytest.raises(InputError, match="calibrate again after partitioning"):
-                c.set_batching("cnn", {**profile, "stage_s": [[0.1]] * 3})
-            c.partition("cnn", stages=1)
-            manifest = json.loads((d.repository / "cnn" / "1" / "manifest.json").read_text())
-            assert manifest["batching"] == {}
-            out, timings = c.infer("cnn", zoo.sample_inputs(src))   # serving goes on without a profile
-            assert out["logits"].shape == (1, 10)
-    finally:
-        stop(d)
+    with batching_daemon(tmp_path, "layer") as (d, c):
+        c.add(src, "cnn")
+        c.partition("cnn", stages=2)
+        profile = calibrate(c, "cnn", batches=[1, 2, 8], runs=3, t_opt_ms=500)
+        manifest = json.loads((d.repository / "cnn" / "1" / "manifest.json").read_text())
+        stored = manifest["batching"]
+        assert stored["batches"] == [1, 2, 8] and stored["t_opt_ms"] == 500 and stored["n_opt"] >= 8
+        assert stored == json.loads(json.dumps(profile))
+        with pytest.raises(InputError, match="calibrate again after partitioning"):
+            c.set_batching("cnn", {**profile, "stage_s": [[0.1]] * 3})
+        c.partition("cnn", stages=1)
+        manifest = json.loads((d.repository / "cnn" / "1" / "manifest.json").read_text())
+        assert manifest["batching"] == {}
+        out, timings = c.infer("cnn", zoo.sample_inputs(src))   # serving goes on without a profile
+        assert out["logits"].shape == (1, 10)

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import ensure_models, managed_daemon, save_results, summary
+from .common import ensure_models, managed_daemon, pyplot, save_results, summary
 
 MODES = ["ort", "ort-tuned", "attach-hit", "attach-miss", "serve", "ideal"]
 CHILD = str(Path(__file__).with_name("coldstart_child.py"))
@@ -143,12 +143,8 @@ def report(samples: list[dict], memory: list[dict], out=sys.stdout) -> None:
 
 
 def plot(samples: list[dict], memory: list[dict], out_dir: Path) -> list[str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plots skipped: install modelcache[bench] (matplotlib)", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return []
     written = []
     names = list(dict.fromkeys(s["model"] for s in samples))

@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import ensure_models, managed_daemon, save_results
+from .common import ensure_models, managed_daemon, pyplot, save_results
 
 POLICIES = ("serial", "batch", "dynamic", "layer")
 
@@ -267,12 +267,8 @@ def write_csv(res: dict, path: Path) -> None:
 
 
 def plot(res: dict, out_dir: Path) -> list[str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plots skipped: install modelcache[bench] (matplotlib)", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return []
     written = []
     for name, model in res["models"].items():
