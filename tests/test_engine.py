@@ -156,3 +156,25 @@ def test_a_queued_request_that_cannot_finish_by_its_deadline_is_answered_before_
     h.worker.run_next()                            # at 0.020, 2 would end at 0.042 > 0.030: not started
     assert "cannot be met" in str(h.answers[2][2])
     assert h.worker.jobs[0].inputs["x"][0, 0] == 300
+
+
+# Batch 1: 11 ms a stage; batch 4: 20 ms a stage (so 22 ms alone, 40 ms as four).
+PROFILE_1_4 = {"kind": "cpu2", "batches": [1, 4], "stage_s": [[0.011, 0.011], [0.020, 0.020]],
+               "ratios": [[0.5, 0.5], [0.5, 0.5]], "g": [0.022, 0.022, 1.0, 1.0], "t_opt_ms": 1000.0, "n_opt": 4}
+
+
+def test_a_new_batch_shrinks_until_its_predicted_run_meets_every_deadline():
+    h = Harness("dynamic", max_batch=4)
+    h.submit(1, 1, profile=PROFILE_1_4)
+    for tag in (2, 3, 4, 5):
+        h.submit(tag, 1, deadline=0.045, profile=PROFILE_1_4)
+    h.now = 0.010
+    h.worker.run_next()
+    h.worker.run_next()
+    # At 0.010 four would end at 0.050 > 0.045, and g (flat: 22 ms a sample) says three or two would too:
+    # request 2 runs alone, and the others go back to the queue rather than being dropped.
+    assert h.worker.jobs[0].inputs["x"][:, 0].tolist() == [200]
+    assert list(h.answers) == [1]
+    while h.worker.jobs:
+        h.worker.run_next()
+    assert all(tag in h.answers for tag in (2, 3, 4, 5))
