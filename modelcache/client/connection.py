@@ -61,6 +61,9 @@ class Client:
         self._sock.connect(self.address)
         # The monitor tells us when the daemon's end of the connection goes away (crash, stop).
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._poller = zmq.Poller()  # one for every call (used under the lock): building one cost each call
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
 
     def _daemon_gone(self) -> bool:
         from zmq.utils.monitor import recv_monitor_message
@@ -78,9 +81,7 @@ class Client:
         with self._lock:
             msg.req_id = next(self._ids)
             self._sock.send_multipart(P.encode(msg))
-            poller = zmq.Poller()
-            poller.register(self._sock, zmq.POLLIN)
-            poller.register(self._monitor, zmq.POLLIN)
+            poller = self._poller
             deadline = time.monotonic() + timeout_s
             gone = False
             while True:
