@@ -37,10 +37,9 @@ class Harness:
     def __init__(self, policy: str, **settings):
         self.now = 0.0
         self.answers = {}
-        self.engine = Engine("2", "eager", None, post=lambda fn, r, e: fn(r, e), clock=lambda: self.now,
-                             settings=Settings(socket="ipc:///unused", repository="/unused", batching=policy,
-                                               **settings),
-                             worker_factory=FakeWorker)
+        self.engine = Engine(Settings(socket="ipc:///unused", repository="/unused", workers="2", scheduler="eager",
+                                      batching=policy, **settings),
+                             None, post=lambda fn, r, e: fn(r, e), clock=lambda: self.now, worker_factory=FakeWorker)
         self.worker = self.engine.workers[0]
 
     def submit(self, tag, rows, deadline=None, profile=None):

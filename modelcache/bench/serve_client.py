@@ -15,6 +15,7 @@ samples in the batch that ran its last stage or null], ...],
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -63,7 +64,6 @@ def run(cfg: dict) -> dict:
             for req_id in sent:  # never answered within the drain: a timeout
                 results[req_id] = [schedule[req_id], None, "unanswered", None]
         finally:
-            import os
             for f in files:
                 os.unlink(f)
     return {"requests": [results[k] for k in sorted(results)], "late_sends": late}

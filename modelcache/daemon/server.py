@@ -59,8 +59,7 @@ class Daemon(CacheOps, ServeHandlers):
         self.fetches: dict = {}                 # (name, version) -> [(retry, fail)] waiting on one fetch
         try:
             self.policy = make_policy(settings.eviction_policy)
-            self.engine = Engine(settings.workers, settings.scheduler, Path(settings.state_dir) / "perfmodels.json",
-                                 self._post, clock, settings)
+            self.engine = Engine(settings, Path(settings.state_dir) / "perfmodels.json", self._post, clock)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.loaders = concurrent.futures.ThreadPoolExecutor(settings.loader_threads, thread_name_prefix="loader")

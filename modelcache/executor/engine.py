@@ -72,7 +72,6 @@ class Batch:
     members: list                # ServeRequests, in row order
     data: dict                   # tensors of all members, concatenated along axis 0
     stage: int = 0
-    kind: str | None = None      # worker kind that ran its last stage (for predictions)
     joins: object = None         # a catch-up batch: merges into this Batch ...
     join_at: int = 0             # ... once it has run stages 0..join_at-1
 
@@ -103,13 +102,13 @@ def same_shape_rows(a: dict, b: dict) -> bool:
 
 
 class Engine:
-    def __init__(self, workers_spec: str, scheduler: str, perf_path: Path | None, post, clock, settings=None,
-                 worker_factory=None):
+    def __init__(self, settings, perf_path: Path | None, post, clock, worker_factory=None):
         # "auto": one group of every core this process may use.
-        self.groups = parse_groups(str(len(os.sched_getaffinity(0))) if workers_spec == "auto" else workers_spec)
-        self.scheduler = make_scheduler(scheduler)
+        spec = settings.workers
+        self.groups = parse_groups(str(len(os.sched_getaffinity(0))) if spec == "auto" else spec)
+        self.scheduler = make_scheduler(settings.scheduler)
         self.settings = settings      # read live: batching, max_batch, t_opt_ms, batch_window_ms, max_queue_delay_ms
-        self.policies = parse_policy_spec(getattr(settings, "batching", "serial"))
+        self.policies = parse_policy_spec(settings.batching)
         self.perf_path = perf_path
         self.perf = PerfModels.load(perf_path) if perf_path else PerfModels()
         self.clock = clock
@@ -165,11 +164,8 @@ class Engine:
         return idle
 
     # -- batching policy per model -----------------------------------------------------
-    def _setting(self, name: str, default):
-        return getattr(self.settings, name, default) if self.settings is not None else default
-
     def _t_opt_s(self, req: ServeRequest) -> float | None:
-        t_opt_ms = self._setting("t_opt_ms", 0.0) or (req.profile or {}).get("t_opt_ms", 0.0)
+        t_opt_ms = self.settings.t_opt_ms or (req.profile or {}).get("t_opt_ms", 0.0)
         return t_opt_ms / 1e3 if t_opt_ms else None
 
     def _batcher(self, req: ServeRequest):
@@ -177,10 +173,10 @@ class Engine:
         if batcher is None:
             name = req.model_key.rsplit("@", 1)[0]
             policy = self.policies.get(name, self.policies["*"]) if req.batchable else "serial"
-            max_batch = self._setting("max_batch", 0) or (req.profile or {}).get("n_opt") or DEFAULT_MAX_BATCH
+            max_batch = self.settings.max_batch or (req.profile or {}).get("n_opt") or DEFAULT_MAX_BATCH
             batcher = self.batchers[req.model_key] = make_batcher(
-                policy, max_batch=max_batch, window_s=self._setting("batch_window_ms", 50.0) / 1e3,
-                max_queue_delay_s=self._setting("max_queue_delay_ms", 0.0) / 1e3,
+                policy, max_batch=max_batch, window_s=self.settings.batch_window_ms / 1e3,
+                max_queue_delay_s=self.settings.max_queue_delay_ms / 1e3,
                 predict=lambda stage, b, key=req.model_key, profile=req.profile: self._predict_batch(key, profile, stage, b),
                 stages=len(req.stages), overhead_s=request_overhead(req.profile))
         return batcher
@@ -250,10 +246,9 @@ class Engine:
             members.append(queue.popleft())
         return members
 
-    def _batch_time(self, members: list) -> float:
-        """Predicted seconds for a new batch of these requests through every stage; 0 when unknown."""
-        first, samples = members[0], sum(m.samples for m in members)
-        t = sum(self._predict_batch(first.model_key, first.profile, s, samples) for s in range(len(first.stages)))
+    def _batch_time(self, req: ServeRequest, samples: int) -> float:
+        """Predicted seconds for `samples` rows of req's model through every stage; 0 when never measured."""
+        t = sum(self._predict_batch(req.model_key, req.profile, s, samples) for s in range(len(req.stages)))
         return 0.0 if t == float("inf") else t
 
     def _fit_deadlines(self, queue: deque, members: list, now: float) -> list:
@@ -264,7 +259,7 @@ class Engine:
         fell to 18-24 req/s at 1.5x load, under serial's 35). Those put back run in a later batch, or
         are answered as soon as they cannot make it even alone (_expire_queued)."""
         while len(members) > 1:
-            done_at = now + self._batch_time(members)
+            done_at = now + self._batch_time(members[0], sum(m.samples for m in members))
             if all(m.deadline is None or done_at <= m.deadline for m in members):
                 break
             queue.appendleft(members.pop())
@@ -277,9 +272,7 @@ class Engine:
         it expires, and dropped half-way)."""
         if not any(r.deadline is not None for r in queue):
             return
-        first = queue[0]
-        need = sum(self._predict_batch(first.model_key, first.profile, s, 1) for s in range(len(first.stages)))
-        need = 0.0 if need == float("inf") else need   # never measured: only a passed deadline counts
+        need = self._batch_time(queue[0], 1)   # never measured: 0, so only a passed deadline counts
         for req in [r for r in queue if r.deadline is not None and now + need > r.deadline]:
             queue.remove(req)
             why = ("deadline passed while the request waited for a worker" if now > req.deadline else
@@ -354,7 +347,6 @@ class Engine:
             m.timings["stages"].append(entry)
         batch.data.update(job.result["outputs"])
         batch.stage += 1
-        batch.kind = worker.state.kind
         self._prune(batch)
         if batch.joins is not None and batch.stage == batch.join_at:
             main = batch.joins
