@@ -63,6 +63,7 @@ class Settings:
     t_opt_ms: float = 0.0              # latency bound layer-to-layer protects; 0 = the model's calibrated t_opt, else none
     batch_window_ms: float = 50.0      # batch(m) waits this long for m requests
     max_queue_delay_ms: float = 0.0    # dynamic batching waits at most this long for a fuller batch
+    inline_run_ms: float = 1.0         # a stage predicted this short runs on the daemon's loop when nothing else is in flight; 0 = never
     state_dir: str = ""                # performance models persist here; default: the repository's parent
     metrics_port: int = 0              # Prometheus /metrics over HTTP; 0 = off
     metrics_host: str = "127.0.0.1"    # where /metrics listens

@@ -18,6 +18,14 @@ PROTOCOL_VERSION = 1
 
 MESSAGES: dict[bytes, type] = {}
 _REQUIRED = object()
+# Annotation text -> the Python types a msgpack value may decode to (a bool is an int to
+# Python, so bool is accepted only where it is named).
+_ACCEPT = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "list": (list, tuple),
+           "dict": (dict,)}
+
+
+def _base(annotation: str) -> str:
+    return annotation[len("Optional["):-1] if annotation.startswith("Optional[") else annotation
 
 
 class Message:
@@ -38,6 +46,10 @@ class Message:
             default = cls.__dict__.get(name, _REQUIRED)
             fields.append((name, annotation if isinstance(annotation, str) else annotation.__name__, default))
         cls.FIELDS = tuple(fields)
+        # (name, type text, accepted types, may be None, required) per field: decode checks every
+        # field of every message, so the annotation text is read here once rather than per message.
+        cls.CHECKS = tuple((name, _base(annotation), _ACCEPT[_base(annotation)], annotation.startswith("Optional["),
+                            default is _REQUIRED) for name, annotation, default in fields)
         cls.KIND = kind.encode()
         MESSAGES[cls.KIND] = cls
 
@@ -263,19 +275,6 @@ def encode(msg: Message) -> list[bytes]:
     return [msg.KIND, msgpack.packb(msg.to_dict(), use_bin_type=True)]
 
 
-# Annotation text -> the Python types a msgpack value may decode to.
-_ACCEPT = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "list": (list, tuple),
-           "dict": (dict,)}
-
-
-def _check(cls, name: str, annotation: str, value) -> None:
-    if annotation.startswith("Optional["):
-        if value is None:
-            return
-        annotation = annotation[len("Optional["):-1]
-    ok = _ACCEPT[annotation]
-    if not isinstance(value, ok) or (annotation in ("int", "float") and isinstance(value, bool)):
-        raise ProtocolError(f"{cls.KIND.decode()}.{name}: expected {annotation}, got {type(value).__name__}")
 
 
 def decode(frames: list[bytes], expect: tuple[type, ...] | None = None) -> Any:
@@ -296,11 +295,14 @@ def decode(frames: list[bytes], expect: tuple[type, ...] | None = None) -> Any:
     if not isinstance(data, dict):
         raise ProtocolError(f"{cls.KIND.decode()}: body must be a map, got {type(data).__name__}")
     values = {}
-    for name, annotation, default in cls.FIELDS:
+    for name, type_text, accept, optional, required in cls.CHECKS:
         if name in data:
-            _check(cls, name, annotation, data[name])
-            values[name] = data[name]
-        elif default is _REQUIRED:
+            value = data[name]
+            if not (isinstance(value, accept) and (type(value) is not bool or bool in accept)
+                    or (optional and value is None)):
+                raise ProtocolError(f"{cls.KIND.decode()}.{name}: expected {type_text}, got {type(value).__name__}")
+            values[name] = value
+        elif required:
             raise ProtocolError(f"{cls.KIND.decode()}: missing field {name!r}")
     return cls(**values)  # fields it does not know are ignored: newer peers may add some
 

@@ -8,6 +8,7 @@ copied once (into shared memory), not through the socket.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 
 from .errors import InputError, ProtocolError
@@ -15,6 +16,7 @@ from .session_options import map_readonly
 
 INLINE_MAX_BYTES = 256 * 1024
 _counter = itertools.count()
+_dtype_names: dict = {}   # numpy dtype -> its name on the wire; asking numpy costs ~7 us a tensor
 
 
 def encode(arrays: dict, shm_dir: str = "/dev/shm", group_of: str | None = None,
@@ -28,7 +30,10 @@ def encode(arrays: dict, shm_dir: str = "/dev/shm", group_of: str | None = None,
     wire, files = [], []
     for name, value in arrays.items():
         a = np.ascontiguousarray(value)
-        entry = {"name": name, "dtype": a.dtype.name, "shape": list(a.shape)}
+        dtype = _dtype_names.get(a.dtype)
+        if dtype is None:
+            dtype = _dtype_names[a.dtype] = a.dtype.name
+        entry = {"name": name, "dtype": dtype, "shape": list(a.shape)}
         if a.nbytes <= INLINE_MAX_BYTES or inline_only:
             entry["data"] = a.tobytes()
         else:
@@ -60,7 +65,7 @@ def decode(wire: list) -> tuple[dict, list]:
     for entry in wire:
         try:
             name, dtype, shape = entry["name"], np.dtype(entry["dtype"]), [int(d) for d in entry["shape"]]
-            count = int(np.prod(shape)) if shape else 1
+            count = math.prod(shape)  # not np.prod: ~15 us per tensor, on every request
             if "data" in entry:
                 buf = entry["data"]
             else:
@@ -87,13 +92,15 @@ def check_feeds(model: str, inputs: list[dict], feeds: dict) -> dict:
     if not isinstance(feeds, dict):
         raise InputError(f"input_feed must be a dict of name -> array, not {type(feeds).__name__}")
     spec = {i["name"]: i for i in inputs}
-    expected = ", ".join(f"{n} ({i['dtype']}, {i['shape']})" for n, i in spec.items())
+
+    def expected():
+        return ", ".join(f"{n} ({i['dtype']}, {i['shape']})" for n, i in spec.items())
     for k in feeds:
         if k not in spec:
-            raise InputError(f"{model}: unknown input {k!r}; the model takes {expected}")
+            raise InputError(f"{model}: unknown input {k!r}; the model takes {expected()}")
     for k in spec:
         if k not in feeds:
-            raise InputError(f"{model}: missing input {k!r}; the model takes {expected}")
+            raise InputError(f"{model}: missing input {k!r}; the model takes {expected()}")
     out = {}
     for name, value in feeds.items():
         s = spec[name]

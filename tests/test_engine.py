@@ -24,12 +24,18 @@ class FakeWorker:
     def put(self, job):
         self.jobs.append(job)
 
-    def run_next(self, seconds: float = 0.01):
-        job = self.jobs.pop(0)
+    def can_run_inline(self, job):
+        return True                     # (a real worker: once its thread built the session)
+
+    def run(self, job, seconds: float = 0.01):
         job.worker_id = self.state.worker_id
         [name] = job.outputs
         job.result = {"outputs": {name: next(iter(job.inputs.values())) * 2}, "run_s": seconds}
-        self.post(job, None)
+        return None
+
+    def run_next(self, seconds: float = 0.01):
+        job = self.jobs.pop(0)
+        self.post(job, self.run(job, seconds))
         return job
 
 
@@ -37,7 +43,8 @@ class Harness:
     def __init__(self, policy: str, **settings):
         self.now = 0.0
         self.answers = {}
-        self.engine = Engine(Settings(socket="ipc:///unused", repository="/unused", workers="2", scheduler="eager",
+        settings = {"workers": "2", **settings}
+        self.engine = Engine(Settings(socket="ipc:///unused", repository="/unused", scheduler="eager",
                                       batching=policy, **settings),
                              None, post=lambda fn, r, e: fn(r, e), clock=lambda: self.now, worker_factory=FakeWorker)
         self.worker = self.engine.workers[0]
@@ -73,6 +80,33 @@ def test_a_request_that_expires_in_the_queue_is_answered_and_the_next_one_runs()
     h.worker.run_next()
     np.testing.assert_array_equal(h.y(3), expected(3, 1))
     assert not h.engine.requests and not h.engine.queues
+
+
+def test_a_short_stage_runs_on_the_owner_loop_only_when_nothing_else_is_in_flight():
+    h = Harness("serial", workers="1,1", inline_run_ms=50)
+    for tag in (1, 2):                  # calibrate both stages: 10 ms each, under 50
+        h.submit(tag, 1)
+        h.worker.run_next()
+        h.worker.run_next()
+    assert all(not st["inline"] for st in h.answers[2][1]["stages"])
+    h.submit(3, 1)                      # idle engine, short stages: answered within submit
+    np.testing.assert_array_equal(h.y(3), expected(3, 1))
+    assert not h.worker.jobs and [st["inline"] for st in h.answers[3][1]["stages"]] == [True, True]
+
+    h.engine.settings.inline_run_ms = 5  # stages now longer than allowed: handed to a worker thread
+    h.submit(4, 1)
+    assert 4 not in h.answers and len(h.worker.jobs) == 1
+    h.engine.settings.inline_run_ms = 50
+    h.submit(5, 1)                      # 4 is in flight: 5 goes to the idle worker, not the loop
+    other = h.engine.workers[1]
+    assert 5 not in h.answers and len(other.jobs) == 1
+    for w in (h.worker, other):         # each one's stage 0 done: the other is still in flight
+        w.run_next()
+    assert len(h.worker.jobs) + len(other.jobs) == 2
+    for w in (h.worker, other):
+        w.run_next()
+    np.testing.assert_array_equal(h.y(4), expected(4, 1))
+    np.testing.assert_array_equal(h.y(5), expected(5, 1))
 
 
 def test_dynamic_stacks_what_queued_behind_a_running_batch_and_splits_rows_back():

@@ -74,6 +74,11 @@ def test_serve_session_surface_and_timings(serving, zoo_file):
             assert [st["stage"] for st in t["stages"]] == [0, 1]
             assert all(st["run_ms"] > 0 and st["worker"] in (0, 1) for st in t["stages"])
             assert t["total_ms"] >= sum(st["run_ms"] for st in t["stages"])
+            assert not any(st["inline"] for st in t["stages"])  # never timed: a worker thread runs it
+            for _ in range(4):  # once calibrated (well under inline_run_ms), the loop runs the stages itself
+                np.testing.assert_allclose(s.run(["logits"], feeds)[0], reference(src, feeds)[0],
+                                           rtol=1e-4, atol=1e-5)
+            assert [st["inline"] for st in s.last_timings["stages"]] == [True, True]
 
 
 def test_large_inputs_travel_through_shared_memory(serving, zoo_file):

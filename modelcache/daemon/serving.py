@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from .. import protocol as P
+from .. import protocol as P, tensors
 from ..errors import CapacityError, InputError
 from ..executor.engine import ServeRequest
 from .registry import ModelRecord, ModelState
@@ -64,7 +64,6 @@ class ServeHandlers:
         return P.Ack(req_id=msg.req_id)
 
     def on_Infer(self, ident, msg: P.Infer):
-        from .. import tensors
         self._touch(msg.client_id)
         model = self._resolve_or_fetch(ident, msg)
         if model is None:

@@ -114,7 +114,7 @@ class Engine:
         self.clock = clock
         # worker_factory(id, cores, post): tests give workers that run nothing, to drive the engine by hand.
         make_worker = worker_factory or Worker
-        self.workers = [make_worker(i, cores, lambda job, err: post(lambda *_: self._stage_done(job, err), None, None))
+        self.workers = [make_worker(i, cores, lambda job, err: post(lambda *_: self._worker_done(job, err), None, None))
                         for i, cores in enumerate(self.groups)]
         self.outstanding = [0] * len(self.workers)
         self.requests: dict[int, ServeRequest] = {}   # every request not yet answered
@@ -122,6 +122,8 @@ class Engine:
         self.batches: dict[int, Batch] = {}           # formed, not finished (running, or waiting for a catch-up)
         self.batchers: dict[str, object] = {}         # model key -> its policy object
         self.wake_at: float | None = None             # a batching window ends: form batches then
+        self.inline: deque = deque()                  # (worker, job) the owner loop runs itself, see _run_inline
+        self._running_inline = False
         self._ids = itertools.count(1)
         self._batch_ids = itertools.count(1)
         self.served = 0
@@ -203,6 +205,7 @@ class Engine:
         self.last_used[req.model_key] = req.arrival
         self.queues.setdefault(req.model_key, deque()).append(req)
         self._form_batches()
+        self._run_inline()
 
     def next_wakeup(self) -> float | None:
         return self.wake_at
@@ -210,11 +213,14 @@ class Engine:
     def on_timer(self, now: float) -> None:
         if self.wake_at is not None and now >= self.wake_at:
             self._form_batches()
+            self._run_inline()
 
     def _form_batches(self) -> None:
         """Give each idle worker a new batch, oldest queue first, as the models' policies decide."""
-        now = self.clock()
         self.wake_at = None
+        if not self.queues:
+            return
+        now = self.clock()
         idle = sum(1 for n in self.outstanding if n == 0)
         for key in sorted(self.queues, key=lambda k: self.queues[k][0].arrival if self.queues[k] else now):
             queue = self.queues[key]
@@ -302,9 +308,43 @@ class Engine:
         [placement] = self.scheduler.place([task], [w.state for w in self.workers], now, self.perf.predict)
         worker = self.workers[placement.worker_id]
         self.outstanding[placement.worker_id] += 1
-        worker.queue.put(StageJob(batch.batch_id, req.model_key, batch.stage, spec["skeleton"], req.segments,
-                                  spec["tensors"], inputs, spec["outputs"], placement.predicted_s, queued_at=now))
+        job = StageJob(batch.batch_id, req.model_key, batch.stage, spec["skeleton"], req.segments,
+                       spec["tensors"], inputs, spec["outputs"], placement.predicted_s, queued_at=now)
+        if self._may_inline(worker, job):
+            self.inline.append((worker, job))
+        else:
+            worker.queue.put(job)
         return True
+
+    def _may_inline(self, worker, job: StageJob) -> bool:
+        """Run this stage on the owner loop rather than hand it to its worker's thread?
+
+        Handing a job to a worker thread and its result back costs two thread wake-ups, 0.15-0.25 ms
+        on this 2-core VM (benchmarks/executor), as much as a tiny model's whole run. So a stage runs
+        inline when it is short (predicted <= inline_run_ms), nothing else is in flight (blocking the
+        loop then delays no other request, and no worker's parallelism is lost), and its worker has
+        built the session (which the loop must never do)."""
+        limit_s = self.settings.inline_run_ms / 1e3
+        return (job.predicted_s is not None and job.predicted_s <= limit_s and sum(self.outstanding) == 1
+                and worker.can_run_inline(job))
+
+    def _run_inline(self) -> None:
+        """Run the stages _may_inline kept for the owner loop, and what follows from them (the next
+        stage, a new batch), one after another: never nested, so a backlog cannot grow the stack."""
+        if self._running_inline:
+            return
+        self._running_inline = True
+        try:
+            while self.inline:
+                worker, job = self.inline.popleft()
+                self._stage_done(job, worker.run(job), inline=True)
+        finally:
+            self._running_inline = False
+
+    def _worker_done(self, job: StageJob, error) -> None:
+        """A worker thread's result, posted to the owner loop."""
+        self._stage_done(job, error)
+        self._run_inline()
 
     def _drop_expired(self, batch: Batch, now: float) -> bool:
         """Answer members whose deadline passed before this stage; False when none is left."""
@@ -323,7 +363,7 @@ class Engine:
         batch.data = {k: v[keep] for k, v in batch.data.items()}
         return True
 
-    def _stage_done(self, job: StageJob, error) -> None:
+    def _stage_done(self, job: StageJob, error, inline: bool = False) -> None:
         self.outstanding[job.worker_id] -= 1
         batch = self.batches.get(job.batch_id)
         if batch is not None:
@@ -331,32 +371,32 @@ class Engine:
                 self._fail(batch, error if isinstance(error, ModelCacheError) else
                            ModelCacheError(f"stage {job.stage} failed: {str(error)[:500]}"))
             else:
-                self._advance(batch, job)
+                self._advance(batch, job, inline)
         self._form_batches()
 
-    def _advance(self, batch: Batch, job: StageJob) -> None:
+    def _advance(self, batch: Batch, job: StageJob, inline: bool) -> None:
         worker = self.workers[job.worker_id]
         run_s = job.result["run_s"]
         self.perf.record(job.model_key, job.stage, worker.state.kind, batch.samples, run_s, job.predicted_s)
         done_at = self.clock()
         entry = {"stage": job.stage, "worker": worker.state.worker_id, "kind": worker.state.kind,
                  "batch": batch.samples, "wait_ms": max(0.0, (done_at - job.queued_at - run_s) * 1e3),
-                 "run_ms": run_s * 1e3,
+                 "run_ms": run_s * 1e3, "inline": inline,
                  "predicted_ms": None if job.predicted_s is None else job.predicted_s * 1e3}
         for m in batch.members:
             m.timings["stages"].append(entry)
         batch.data.update(job.result["outputs"])
         batch.stage += 1
+        if batch.stage == len(batch.first.stages):
+            self._complete(batch)
+            return
         self._prune(batch)
         if batch.joins is not None and batch.stage == batch.join_at:
             main = batch.joins
             self._merge(main, batch)
             self._run_stage(main)
-        elif batch.stage < len(batch.first.stages):
-            if not self._absorb(batch):
-                self._run_stage(batch)
-        else:
-            self._complete(batch)
+        elif not self._absorb(batch):
+            self._run_stage(batch)
 
     def _prune(self, batch: Batch) -> None:
         """Keep only tensors a later stage or an output needs: less to merge, split and hold."""
@@ -426,7 +466,10 @@ class Engine:
         if error is None:
             self.served += 1
             self.latencies_ms.append(total_ms)
-            self.latency_by_model.setdefault(req.model_key, Histogram(INFER_BUCKETS_S)).observe(total_ms / 1e3)
+            hist = self.latency_by_model.get(req.model_key)
+            if hist is None:
+                hist = self.latency_by_model[req.model_key] = Histogram(INFER_BUCKETS_S)
+            hist.observe(total_ms / 1e3)
             req.finish(outputs, req.timings, None)
         else:
             self.failed += 1

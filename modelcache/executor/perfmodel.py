@@ -26,18 +26,28 @@ class PerfModels:
     def __init__(self):
         self.history: dict[str, deque] = {}
         self.errors: deque = deque(maxlen=1000)   # |predicted - measured| / measured
+        self._medians: dict[str, float] = {}      # predictions until the next record: several per request
 
     def predict(self, model: str, stage: int, kind: str, batch: int = 1) -> float | None:
-        h = self.history.get(_key(model, stage, kind, batch))
-        if h is None or len(h) < MIN_SAMPLES:
-            return None
-        return statistics.median(h)
+        key = _key(model, stage, kind, batch)
+        median = self._medians.get(key)
+        if median is None:
+            h = self.history.get(key)
+            if h is None or len(h) < MIN_SAMPLES:
+                return None
+            median = self._medians[key] = statistics.median(h)
+        return median
 
     def record(self, model: str, stage: int, kind: str, batch: int, seconds: float,
                predicted: float | None = None) -> None:
         if predicted is not None and seconds > 0:
             self.errors.append(abs(predicted - seconds) / seconds)
-        self.history.setdefault(_key(model, stage, kind, batch), deque(maxlen=HISTORY)).append(seconds)
+        key = _key(model, stage, kind, batch)
+        h = self.history.get(key)
+        if h is None:
+            h = self.history[key] = deque(maxlen=HISTORY)
+        h.append(seconds)
+        self._medians.pop(key, None)
 
     def median_error(self) -> float | None:
         return statistics.median(self.errors) if self.errors else None

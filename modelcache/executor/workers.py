@@ -84,15 +84,25 @@ class Worker:
                 for key in [k for k in self.sessions if k[0] == job[1]]:
                     del self.sessions[key]
                 continue
-            job.worker_id = self.state.worker_id
-            try:
-                sess = self._session(job)
-                t0 = time.perf_counter()
-                values = sess.run(job.outputs, job.inputs)
-                job.result = {"outputs": dict(zip(job.outputs, values)), "run_s": time.perf_counter() - t0}
-                self.post(job, None)
-            except Exception as e:  # a bad input or an ORT failure costs this request, not the worker
-                self.post(job, e)
+            self.post(job, self.run(job))
+
+    def run(self, job: StageJob) -> Exception | None:
+        """Run one stage job; its outputs and time go into job.result. Returns the error, if any:
+        a bad input or an ORT failure costs that request, never the worker."""
+        job.worker_id = self.state.worker_id
+        try:
+            sess = self._session(job)
+            t0 = time.perf_counter()
+            values = sess.run(job.outputs, job.inputs)
+            job.result = {"outputs": dict(zip(job.outputs, values)), "run_s": time.perf_counter() - t0}
+            return None
+        except Exception as e:
+            return e
+
+    def can_run_inline(self, job: StageJob) -> bool:
+        """Whether the owner loop may run this job itself (see Engine._run_inline): only once this
+        worker built the stage's session, since building one takes far too long for the loop."""
+        return (job.model_key, job.stage) in self.sessions
 
     def _session(self, job: StageJob):
         key = (job.model_key, job.stage)
