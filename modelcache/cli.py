@@ -165,7 +165,9 @@ def format_status(st) -> str:
         policies = ", ".join(f"{k}={v}" for k, v in b.get("policies", {}).items())
         print(f"serve: {ex.get('served', 0)} served, {ex.get('failed', 0)} failed, {ex.get('in_flight', 0)} in flight "
               f"({ex.get('queued', 0)} queued)" + (f", p50 {p50:.1f} ms, p99 {p99:.1f} ms" if p50 is not None else "")
-              + f"; {ex.get('scheduler')} over {len(ex.get('workers', []))} worker groups", file=out)
+              + f"; {ex.get('scheduler')} over {len(ex.get('workers', []))} worker groups"
+              + ("" if ex.get("lane_connections") is None else f"; {ex['lane_connections']} on the serve lane"),
+              file=out)
         mean = b.get("mean_batch")
         print(f"batching: {policies}; {b.get('batches', 0)} batches" + (f", mean {mean:.2f}" if mean else "")
               + f", {b.get('layer_joins', 0)} layer joins", file=out)
@@ -285,26 +287,12 @@ def cmd_demo(args) -> int:
     return demo(args)
 
 
+BENCHMARKS = ("coldstart", "open", "tiers", "executor", "serve", "transport", "binding")  # modules of modelcache.bench
+
+
 def cmd_bench(args) -> int:
-    if args.which == "binding":
-        from .bench import binding
-        return binding.main(args.rest)
-    if args.which == "open":
-        from .bench import open as bench_open
-        return bench_open.main(args.rest)
-    if args.which == "coldstart":
-        from .bench import coldstart
-        return coldstart.main(args.rest)
-    if args.which == "tiers":
-        from .bench import tiers
-        return tiers.main(args.rest)
-    if args.which == "executor":
-        from .bench import executor
-        return executor.main(args.rest)
-    if args.which == "serve":
-        from .bench import serve
-        return serve.main(args.rest)
-    raise SystemExit(f"unknown benchmark {args.which}")
+    import importlib
+    return importlib.import_module(f"modelcache.bench.{args.which}").main(args.rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -412,12 +400,13 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks: `coldstart` (fresh FaaS processes, TrIMS-style), "
                                      "`tiers` (open latency per tier, promotion vs cp), "
                                      "`executor` (serve-mode overhead, throughput per scheduler), "
+                                     "`transport` (a bare round trip: ZeroMQ vs the serve lane), "
                                      "`serve` (batching policies under open-loop Poisson load), "
                                      "`open` (session ready, memory, warm speed vs plain ORT), "
                                      "`binding` (which ORT binding to share weights with)",
                        description="Benchmarks print figures; options after the name go to the benchmark "
                                    "(`modelcache bench coldstart --help`).")
-    b.add_argument("which", choices=["coldstart", "open", "tiers", "executor", "serve", "binding"])
+    b.add_argument("which", choices=BENCHMARKS)
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (try `-- --help`)")
     b.set_defaults(func=cmd_bench)
     return p

@@ -57,6 +57,13 @@ def test_executor_bench_runs(tmp_path):
     assert all(r["requests"] > 0 for r in results["throughput"])
 
 
+def test_transport_bench_compares_zeromq_and_the_lane(tmp_path):
+    text = run("transport", "--calls", "50", "--out", str(tmp_path))
+    assert "zmq" in text and "lane" in text
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert all(results[k][t]["p50_us"] > 0 for k in ("zmq", "lane") for t in ("0", "1000"))
+
+
 def test_serve_bench_quick_sweeps_bisects_and_writes_csv_and_plots(tmp_path):
     out = tmp_path / "serve"
     text = run("serve", "--quick", "--policies", "serial", "layer", "--work", str(tmp_path / "work"),

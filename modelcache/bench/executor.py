@@ -5,6 +5,11 @@ and how well the performance models predict.
 
 1. Overhead: a tiny model run sequentially, in-process ORT (1 thread) against serve mode
    on one 1-thread worker group; the difference of the medians is what the daemon adds.
+   Measured over the serve lane and over ZeroMQ alone, each in two patterns, interleaved
+   in rounds so that all see the same machine:
+     back-to-back: a block of served calls, then a block of in-process runs;
+     alternating:  served, in-process, served, ... so the daemon idles ~0.2 ms before
+                   each call (on a VM, an idle CPU that must be woken costs real time).
 2. Throughput: ResNet-50 split into 2 stages, closed loop from --clients threads for
    --seconds, under worker groups "2" (one group of 2 threads) and "1,1" (two groups of
    1), each with the eager and the dmda scheduler.
@@ -31,6 +36,9 @@ def _daemon_env(**settings):
         os.environ[f"MODELCACHE_{k.upper()}"] = str(v)
 
 
+OVERHEAD_BLOCK = 25   # calls per block; blocks of every (transport, pattern) take turns
+
+
 def overhead(tmp: Path, src: str, calls: int) -> dict:
     import onnxruntime as ort
     from .. import zoo
@@ -42,34 +50,62 @@ def overhead(tmp: Path, src: str, calls: int) -> dict:
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     local = ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
-    with managed_daemon(socket, str(tmp / "repo")), connect(socket) as c:
-        if not any(m["name"] == "tiny" for m in c.list()):
-            c.add(src, "tiny")
-        for _ in range(20):
-            c.infer("tiny", feeds)
+
+    def run_local(times):
+        t = time.perf_counter()
+        local.run(None, feeds)
+        times.append((time.perf_counter() - t) * 1e3)
+
+    def run_served(client, s):
+        t = time.perf_counter()
+        _, timings = client.infer("tiny", feeds)
+        s["serve"].append((time.perf_counter() - t) * 1e3)
+        stage = timings["stages"][0]
+        s["daemon"].append(timings["total_ms"])   # arrival -> answer ready, in the daemon
+        s["run"].append(stage["run_ms"])          # ORT
+        s["handoff"].append(stage["wait_ms"])     # placed -> done, less the run: hand-offs, if not inline
+        s["inline"].append(bool(stage.get("inline")))
+
+    with managed_daemon(socket, str(tmp / "repo")), connect(socket) as lane_c, connect(socket, lane=False) as zmq_c:
+        if not any(m["name"] == "tiny" for m in lane_c.list()):
+            lane_c.add(src, "tiny")
+        for _ in range(50):
+            lane_c.infer("tiny", feeds)
+            zmq_c.infer("tiny", feeds)
             local.run(None, feeds)
-        serve_ms, local_ms, parts = [], [], {"daemon": [], "run": [], "handoff": [], "list_rpc": []}
-        for _ in range(calls):  # alternated, so both see the same machine
-            t = time.perf_counter()
-            _, timings = c.infer("tiny", feeds)
-            serve_ms.append((time.perf_counter() - t) * 1e3)
-            t = time.perf_counter()
-            local.run(None, feeds)
-            local_ms.append((time.perf_counter() - t) * 1e3)
-            t = time.perf_counter()
-            c.list()                              # the smallest request/reply: our RPC floor
-            parts["list_rpc"].append((time.perf_counter() - t) * 1e3)
-            parts["daemon"].append(timings["total_ms"])              # arrival -> answer ready, in the daemon
-            parts["run"].append(timings["stages"][0]["run_ms"])      # ORT, on the worker
-            parts["handoff"].append(timings["stages"][0]["wait_ms"])  # to the worker and back
-    med = {k: statistics.median(v) for k, v in parts.items()}
-    serve = statistics.median(serve_ms)
-    return {"serve_p50_ms": serve, "local_p50_ms": statistics.median(local_ms),
-            "overhead_p50_ms": serve - statistics.median(local_ms),
-            # Where a served request's time goes (medians, so the parts need not add up exactly).
-            "breakdown_ms": {"stage_run": med["run"], "handoffs": med["handoff"],
-                             "engine_bookkeeping": med["daemon"] - med["run"] - med["handoff"],
-                             "messaging_outside_engine": serve - med["daemon"], "list_rpc": med["list_rpc"]}}
+        clients = {"lane": lane_c, "zmq": zmq_c}
+        samples = {(tr, pat): {"serve": [], "local": [], "daemon": [], "run": [], "handoff": [], "inline": []}
+                   for tr in clients for pat in ("back-to-back", "alternating")}
+        list_ms: list[float] = []
+        for _ in range(max(1, calls // OVERHEAD_BLOCK)):
+            for (transport, pattern), s in samples.items():
+                client = clients[transport]
+                if pattern == "back-to-back":
+                    for _ in range(OVERHEAD_BLOCK):
+                        run_served(client, s)
+                    for _ in range(OVERHEAD_BLOCK):
+                        run_local(s["local"])
+                else:
+                    for _ in range(OVERHEAD_BLOCK):
+                        run_served(client, s)
+                        run_local(s["local"])
+            for _ in range(OVERHEAD_BLOCK):
+                t = time.perf_counter()
+                zmq_c.list()                  # the smallest request/reply over ZeroMQ: our RPC floor
+                list_ms.append((time.perf_counter() - t) * 1e3)
+    rows = []
+    for (transport, pattern), s in samples.items():
+        med = {k: statistics.median(v) for k, v in s.items() if k != "inline"}
+        q = statistics.quantiles(s["serve"], n=10)
+        rows.append({"transport": transport, "pattern": pattern, "calls": len(s["serve"]),
+                     "serve_p50_ms": med["serve"], "serve_p10_ms": q[0], "serve_p90_ms": q[-1],
+                     "local_p50_ms": med["local"], "overhead_p50_ms": med["serve"] - med["local"],
+                     "inline_share": sum(s["inline"]) / len(s["inline"]),
+                     # Where a served request's time goes (medians, so the parts need not add up exactly).
+                     "breakdown_ms": {"stage_run": med["run"], "handoffs": med["handoff"],
+                                      "engine_bookkeeping": med["daemon"] - med["run"] - med["handoff"],
+                                      "messaging_outside_engine": med["serve"] - med["daemon"]}})
+    return {"rows": rows, "list_rpc_p50_ms": statistics.median(list_ms)}
 
 
 def throughput(tmp: Path, src: str, workers: str, scheduler: str, seconds: float, clients: int) -> dict:
@@ -114,14 +150,16 @@ def throughput(tmp: Path, src: str, workers: str, scheduler: str, seconds: float
 
 def report(res: dict, out=sys.stdout) -> None:
     o = res["overhead"]
-    print(f"serve-mode overhead on tiny-cnn: p50 {o['serve_p50_ms']:.3f} ms served vs {o['local_p50_ms']:.3f} ms "
-          f"in-process ORT -> {o['overhead_p50_ms']:.3f} ms added", file=out)
-    if "breakdown_ms" in o:
-        b = o["breakdown_ms"]
-        print(f"  where it goes (p50): ORT run {b['stage_run']:.3f}, hand-offs to the worker and back "
-              f"{b['handoffs']:.3f}, engine bookkeeping {b['engine_bookkeeping']:.3f}, messages and transport "
-              f"outside the engine {b['messaging_outside_engine']:.3f} ms (a bare `list` round trip: "
-              f"{b['list_rpc']:.3f} ms)", file=out)
+    print("serve-mode overhead on tiny-cnn over in-process ORT (ms, p50; served p10-p90 in brackets):", file=out)
+    print(f"{'transport':<10} {'pattern':<13} {'served':>15} {'in-process':>11} {'added':>7} {'inline':>7}   "
+          f"where it goes: ORT / hand-offs / engine / messaging", file=out)
+    for r in o["rows"]:
+        b = r["breakdown_ms"]
+        served = f"{r['serve_p50_ms']:.3f} [{r['serve_p10_ms']:.2f}-{r['serve_p90_ms']:.2f}]"
+        print(f"{r['transport']:<10} {r['pattern']:<13} {served:>15} {r['local_p50_ms']:>11.3f} "
+              f"{r['overhead_p50_ms']:>7.3f} {100 * r['inline_share']:>6.0f}%   {b['stage_run']:.3f} / "
+              f"{b['handoffs']:.3f} / {b['engine_bookkeeping']:.3f} / {b['messaging_outside_engine']:.3f}", file=out)
+    print(f"a bare `list` round trip over ZeroMQ: {o['list_rpc_p50_ms']:.3f} ms", file=out)
     print(f"\nResNet-50 in 2 stages, {res['clients']} closed-loop clients, {res['seconds']:.0f} s each:", file=out)
     print(f"{'workers':<8} {'scheduler':<10} {'req/s':>7} {'p50 ms':>8} {'pred. error (median)':>21} {'checked':>8}",
           file=out)
@@ -136,7 +174,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--calls", type=int, default=300, help="sequential calls for the overhead figure")
+    ap.add_argument("--calls", type=int, default=1000,
+                    help="sequential served calls per transport and pattern for the overhead figure")
+    ap.add_argument("--overhead-only", action="store_true", help="measure the overhead only, skip throughput")
     ap.add_argument("--model", default="resnet50")
     ap.add_argument("--tiny", default="tiny-cnn")
     ap.add_argument("--out")
@@ -146,13 +186,13 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="modelcache-executor-") as tmp:
         tmp = Path(tmp)
         paths = {}
-        for name in (args.tiny, args.model):
+        for name in (args.tiny,) if args.overhead_only else (args.tiny, args.model):
             paths[name] = str(tmp / f"{name}.onnx")
             zoo.save(zoo.build(name), paths[name])
         try:
             res = {"overhead": overhead(tmp, paths[args.tiny], args.calls), "clients": args.clients,
                    "seconds": args.seconds, "throughput": []}
-            for workers in ("2", "1,1"):
+            for workers in () if args.overhead_only else ("2", "1,1"):
                 for scheduler in ("eager", "dmda"):
                     print(f"throughput: workers={workers} scheduler={scheduler} ...", file=sys.stderr, flush=True)
                     res["throughput"].append(throughput(tmp, paths[args.model], workers, scheduler,

@@ -3,6 +3,9 @@
 Every call carries a request id and a timeout, so a dead or stuck daemon is a typed
 error, never a hang. A DEALER socket (not REQ) keeps the connection usable after a
 timeout; late replies to abandoned requests are recognised by id and dropped.
+
+`infer` goes over the daemon's serve lane when it has one (modelcache/lane.py): the same
+messages on a plain Unix socket, a few thread wake-ups shorter than ZeroMQ.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 
 import zmq
 
-from .. import protocol as P
+from .. import lane as _lane, protocol as P
 from ..errors import DaemonUnavailable, RequestTimeout, from_code
 
 
@@ -30,7 +33,8 @@ def _settings(socket: str | None, timeout_s: float | None):
 
 
 class Client:
-    def __init__(self, socket: str | None = None, timeout_s: float | None = None, name: str = ""):
+    def __init__(self, socket: str | None = None, timeout_s: float | None = None, name: str = "",
+                 lane: bool = True):
         settings = _settings(socket, timeout_s)
         self.address = settings.socket
         self.timeout_s = settings.request_timeout_s
@@ -39,6 +43,7 @@ class Client:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._sock = None
+        self._lane = None
         self._closed = False
         self._connect()
         hello = self._call(P.Hello(req_id=0, protocol_version=P.PROTOCOL_VERSION, pid=os.getpid(),
@@ -46,6 +51,7 @@ class Client:
                            expect=(P.HelloReply,))
         self.client_id = hello.client_id
         self.daemon_version = hello.daemon_version
+        self._lane = _lane.connect(self.address) if lane else None   # None: infer goes over ZeroMQ too
         self._heartbeat_stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(hello.heartbeat_interval_s,),
                                            name="modelcache-heartbeat", daemon=True)
@@ -73,36 +79,73 @@ class Client:
                 gone = True
         return gone
 
-    def _call(self, msg, expect: tuple, timeout_s: float | None = None):
+    def _call(self, msg, expect: tuple, timeout_s: float | None = None, use_lane: bool = False):
         """Send one request and wait for its reply (or a typed error)."""
         if self._closed:
             raise DaemonUnavailable("this modelcache connection is closed")
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
             msg.req_id = next(self._ids)
-            self._sock.send_multipart(P.encode(msg))
-            poller = self._poller
             deadline = time.monotonic() + timeout_s
-            gone = False
-            while True:
-                remaining_ms = int((deadline - time.monotonic()) * 1000)
-                if remaining_ms <= 0:
-                    raise RequestTimeout(f"the modelcache daemon at {self.address} did not answer "
-                                         f"{msg.KIND.decode()} within {timeout_s:g} s")
-                events = dict(poller.poll(0 if gone else remaining_ms))
-                if self._monitor in events and self._daemon_gone():
-                    gone = True
-                if self._sock not in events:
-                    if gone:  # and no answer waiting: a daemon that answered, then stopped, did answer
-                        raise DaemonUnavailable(f"lost the connection to the modelcache daemon at "
-                                                f"{self.address} (it stopped or crashed)")
-                    continue
-                reply = P.decode(self._sock.recv_multipart(), expect=(*expect, P.ErrorReply))
-                if reply.req_id != msg.req_id:
-                    continue  # a late answer to a request we gave up on
-                if isinstance(reply, P.ErrorReply):
-                    raise from_code(reply.code, reply.message)
+            expect = (*expect, P.ErrorReply)
+            if use_lane and self._lane is not None:
+                reply = self._exchange_lane(msg, expect, deadline)
+            else:
+                reply = self._exchange_zmq(msg, expect, deadline)
+        if reply is None:
+            raise RequestTimeout(f"the modelcache daemon at {self.address} did not answer "
+                                 f"{msg.KIND.decode()} within {timeout_s:g} s")
+        if isinstance(reply, P.ErrorReply):
+            raise from_code(reply.code, reply.message)
+        return reply
+
+    def _exchange_zmq(self, msg, expect: tuple, deadline: float):
+        """msg's reply over ZeroMQ; None at the deadline."""
+        self._sock.send_multipart(P.encode(msg))
+        poller = self._poller
+        gone = False
+        while True:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                return None
+            events = dict(poller.poll(0 if gone else remaining_ms))
+            if self._monitor in events and self._daemon_gone():
+                gone = True
+            if self._sock not in events:
+                if gone:  # and no answer waiting: a daemon that answered, then stopped, did answer
+                    raise DaemonUnavailable(f"lost the connection to the modelcache daemon at "
+                                            f"{self.address} (it stopped or crashed)")
+                continue
+            reply = P.decode(self._sock.recv_multipart(), expect=expect)
+            if reply.req_id == msg.req_id:
                 return reply
+            # else: a late answer to a request we gave up on
+
+    def _exchange_lane(self, msg, expect: tuple, deadline: float):
+        """msg's reply over the serve lane; None at the deadline. A lane that fails is closed, and
+        later calls go over ZeroMQ."""
+        try:
+            self._lane.send(*P.encode(msg), deadline)
+        except OSError:        # (a send timeout too: part of a frame may be out, the stream is unusable)
+            self._drop_lane()
+            raise DaemonUnavailable(f"lost the serve lane to the modelcache daemon at {self.address} "
+                                    f"(it stopped, crashed or stalled)") from None
+        while True:
+            try:
+                reply = P.decode(self._lane.receive(deadline), expect=expect)
+            except TimeoutError:
+                return None    # a late reply, whole or in part, is read and skipped by the next call
+            except OSError:
+                self._drop_lane()
+                raise DaemonUnavailable(f"lost the connection to the modelcache daemon at {self.address} "
+                                        f"(it stopped or crashed)") from None
+            if reply.req_id == msg.req_id:
+                return reply
+
+    def _drop_lane(self) -> None:
+        if self._lane is not None:
+            self._lane.close()
+            self._lane = None
 
     def _heartbeat_loop(self, interval_s: float) -> None:
         sock = self._ctx.socket(zmq.DEALER)  # sockets are not thread-safe: the heartbeat has its own
@@ -158,7 +201,8 @@ class Client:
         wire, files = tensors.encode(feeds, group_of=group_of)
         try:
             reply = self._call(P.Infer(req_id=0, client_id=self.client_id, name=name, inputs=wire, version=version,
-                                       output_names=output_names, deadline_ms=deadline_ms), expect=(P.InferReply,))
+                                       output_names=output_names, deadline_ms=deadline_ms), expect=(P.InferReply,),
+                               use_lane=True)
         finally:
             for f in files:
                 os.unlink(f)
@@ -196,6 +240,7 @@ class Client:
         except Exception:
             pass  # the daemon will expire our leases anyway
         self._closed = True
+        self._drop_lane()
         self._heartbeat.join(timeout=2)
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
@@ -208,9 +253,10 @@ class Client:
         self.close()
 
 
-def connect(socket: str | None = None, timeout_s: float | None = None, name: str = "") -> Client:
-    """Connect to the daemon at `socket` (default: settings, i.e. MODELCACHE_SOCKET)."""
-    return Client(socket, timeout_s, name)
+def connect(socket: str | None = None, timeout_s: float | None = None, name: str = "", lane: bool = True) -> Client:
+    """Connect to the daemon at `socket` (default: settings, i.e. MODELCACHE_SOCKET).
+    lane=False sends every call over ZeroMQ, serve mode too (the lane is faster; this is for comparing)."""
+    return Client(socket, timeout_s, name, lane)
 
 
 _shared: Client | None = None

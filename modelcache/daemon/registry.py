@@ -81,6 +81,10 @@ class Registry:
         return sorted(v for (n, v) in self.models if n == name)
 
     def resolve(self, name: str, version: int | None) -> ModelRecord:
+        if version is not None:
+            rec = self.models.get((name, version))
+            if rec is not None:
+                return rec
         versions = self.versions(name)
         if not versions:
             known = sorted({n for n, _ in self.models})

@@ -32,7 +32,9 @@ from ..errors import ModelCacheError, ProtocolError
 from ..tiers.disk import Repository
 from ..tiers.host import HostTier
 from ..tiers.remote import RemoteStore
+from ..lane import lane_path
 from .cache import CacheOps
+from .lane import LaneConnection, LaneServer
 from .metrics import Histogram, MetricsServer, render
 from .notify import Notifier
 from .registry import ModelRecord, ModelState, Registry
@@ -87,6 +89,8 @@ class Daemon(CacheOps, ServeHandlers):
         self.ctx = zmq.Context.instance()
         self.router = None
         self.wake_rx = None
+        path = lane_path(settings.socket)
+        self.lane = LaneServer(path, self.counters) if path else None   # serve-mode calls, see modelcache/lane.py
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -178,12 +182,14 @@ class Daemon(CacheOps, ServeHandlers):
 
     def serve_forever(self, on_ready=None) -> None:
         self.start()
-        self.notifier.ready(self.status_line())
-        if on_ready:
-            on_ready()
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.wake_rx, zmq.POLLIN)
+        if self.lane is not None:
+            self.lane.start(poller)
+        self.notifier.ready(self.status_line())
+        if on_ready:
+            on_ready()
         next_sweep = self.clock()
         next_watchdog = self.clock()
         try:
@@ -208,6 +214,9 @@ class Daemon(CacheOps, ServeHandlers):
                         if not self.router.getsockopt(_EVENTS) & _POLLIN:
                             break
                         self._handle(self.router.recv_multipart())
+                for key, ready in events.items():
+                    if type(key) is int:   # a raw file descriptor: the lane's
+                        self.lane.on_ready(key, ready, self._handle)
                 self.engine.on_timer(self.clock())
                 if self.clock() >= next_sweep:
                     self.sweep_clients()
@@ -238,6 +247,8 @@ class Daemon(CacheOps, ServeHandlers):
         for future, done in self.pending:
             if future.cancelled():  # queued, never started: its caller still deserves an answer
                 done(None, stopping)
+        if self.lane is not None:
+            self.lane.stop()
         if self.router is not None:
             self.router.close(linger=2000)  # let the last answers (drained above) reach their clients
         if self.wake_rx is not None:
@@ -253,6 +264,8 @@ class Daemon(CacheOps, ServeHandlers):
         addr = self.settings.socket
         if addr.startswith("ipc://"):
             Path(addr[len("ipc://"):]).unlink(missing_ok=True)
+        if self.lane is not None:
+            Path(self.lane.path).unlink(missing_ok=True)
 
     # -- message dispatch --------------------------------------------------------------
     def _handle(self, frames: list[bytes]) -> None:
@@ -282,8 +295,12 @@ class Daemon(CacheOps, ServeHandlers):
         if reply is not None:
             self._reply(ident, reply)
 
-    def _reply(self, ident: bytes, msg) -> None:
+    def _reply(self, ident, msg) -> None:
+        """Answer on the transport the request came by: a ZeroMQ routing id, or a lane connection."""
         kind, body = P.encode(msg)
+        if type(ident) is LaneConnection:
+            ident.send(kind, body)
+            return
         try:
             send = self.router.send
             send(ident, _SEND_MORE)
@@ -375,7 +392,9 @@ class Daemon(CacheOps, ServeHandlers):
         return P.StatsReply(req_id=msg.req_id, daemon_version=__version__, pid=os.getpid(),
                             uptime_s=self.wall() - self.started, socket=self.settings.socket, clients=clients,
                             models=self._describe_models(), tiers=tiers, counters=dict(self.counters),
-                            jobs=[dict(j) for j in self.jobs.values()], executor=self.engine.describe())
+                            jobs=[dict(j) for j in self.jobs.values()],
+                            executor={**self.engine.describe(),
+                                      "lane_connections": len(self.lane.conns) if self.lane else None})
 
     def _describe_tiers(self) -> list[dict]:
         return [{"tier": "host", "path": str(self.host.root), "used_bytes": self.host.used_bytes,

@@ -77,7 +77,8 @@ class Batch:
 
     @property
     def samples(self) -> int:
-        return sum(m.samples for m in self.members)
+        members = self.members
+        return members[0].samples if len(members) == 1 else sum(m.samples for m in members)
 
     @property
     def first(self) -> ServeRequest:
@@ -221,8 +222,10 @@ class Engine:
         if not self.queues:
             return
         now = self.clock()
-        idle = sum(1 for n in self.outstanding if n == 0)
-        for key in sorted(self.queues, key=lambda k: self.queues[k][0].arrival if self.queues[k] else now):
+        idle = self.outstanding.count(0)
+        keys = list(self.queues) if len(self.queues) == 1 else \
+            sorted(self.queues, key=lambda k: self.queues[k][0].arrival if self.queues[k] else now)
+        for key in keys:
             queue = self.queues[key]
             self._expire_queued(queue, now)
             while queue and idle > 0:

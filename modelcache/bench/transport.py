@@ -1,0 +1,152 @@
+"""Transport benchmark: a bare request/reply round trip over ZeroMQ against the serve lane's
+Unix stream socket, between two processes, as the daemon and a client use them.
+
+    modelcache bench transport [--calls 1500] [--work-us 100] [--out DIR]
+
+The server busies itself --work-us per request (a stand-in for a tiny model's run), and
+the client busies itself for a "think" time between calls (0, 100, 300, 1000 us), during
+which the server idles. On a VM an idle CPU must be woken, which costs more the longer it
+slept. Reported: round trip minus the server's work, p50 per think time.
+
+ZeroMQ passes every message through an I/O thread on both ends (4 more thread wake-ups
+per round trip than a plain socket); this is the measurement behind the serve lane.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+THINK_US = (0, 100, 300, 1000)
+
+
+def _busy(us: float) -> None:
+    end = time.perf_counter() + us / 1e6
+    while time.perf_counter() < end:
+        pass
+
+
+def serve(kind: str, address: str, work_us: float) -> None:
+    """The server end: answer every request after `work_us` of work, until told to quit."""
+    if kind == "zmq":
+        import zmq
+        sock = zmq.Context.instance().socket(zmq.ROUTER)
+        sock.bind(address)
+        print("ready", flush=True)
+        while True:
+            ident, body = sock.recv_multipart()
+            if body == b"quit":
+                return
+            _busy(work_us)
+            sock.send_multipart([ident, b"ok"])
+    from ..lane import FrameReader, frame
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(1)
+    print("ready", flush=True)
+    conn, _ = listener.accept()
+    reader = FrameReader()
+    while True:
+        message = reader.next()
+        if message is None:
+            data = conn.recv(1 << 20)
+            if not data:
+                return
+            reader.feed(data)
+            continue
+        if message[1] == b"quit":
+            return
+        _busy(work_us)
+        conn.sendall(frame(b"ok", b""))
+
+
+def measure(kind: str, address: str, calls: int, work_us: float) -> dict:
+    server = subprocess.Popen([sys.executable, "-m", "modelcache.bench.transport", "--serve", kind, address,
+                               "--work-us", str(work_us)], stdout=subprocess.PIPE, text=True)
+    try:
+        server.stdout.readline()
+        if kind == "zmq":
+            import zmq
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+
+            def call():
+                sock.send(b"x")
+                sock.poll(5000)
+                sock.recv()
+
+            def quit_():
+                sock.send(b"quit")
+                time.sleep(0.1)
+                sock.close()
+        else:
+            from ..lane import LaneClient
+            lane = LaneClient(address)
+
+            def call():
+                deadline = time.monotonic() + 5
+                lane.send(b"req", b"x", deadline)
+                lane.receive(deadline)
+
+            def quit_():
+                lane.send(b"req", b"quit", time.monotonic() + 5)
+                lane.close()
+        out = {}
+        for think in THINK_US:
+            ts = []
+            for _ in range(calls):
+                _busy(think)
+                t = time.perf_counter()
+                call()
+                ts.append((time.perf_counter() - t) * 1e6 - work_us)
+            ts = ts[calls // 10:]  # warm-up
+            out[str(think)] = {"p50_us": statistics.median(ts), "p10_us": statistics.quantiles(ts, n=10)[0],
+                          "p90_us": statistics.quantiles(ts, n=10)[-1]}
+        quit_()
+        return out
+    finally:
+        try:
+            server.wait(5)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def report(res: dict, out=sys.stdout) -> None:
+    print(f"round trip less {res['work_us']:.0f} us of server work, p50 [p10-p90] us, by client think time:", file=out)
+    print(f"{'transport':<10}" + "".join(f"{f'think {t} us':>22}" for t in THINK_US), file=out)
+    for kind in ("zmq", "lane"):
+        cells = "".join(f"{'%.0f [%.0f-%.0f]' % (r['p50_us'], r['p10_us'], r['p90_us']):>22}"
+                        for r in (res[kind][str(t)] for t in THINK_US))
+        print(f"{kind:<10}{cells}", file=out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="modelcache bench transport", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=1500, help="round trips per transport and think time")
+    ap.add_argument("--work-us", type=float, default=100.0, help="server work per request")
+    ap.add_argument("--serve", nargs=2, metavar=("KIND", "ADDRESS"), help=argparse.SUPPRESS)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    if args.serve:
+        serve(args.serve[0], args.serve[1], args.work_us)
+        return 0
+    from .common import save_results
+    with tempfile.TemporaryDirectory(prefix="modelcache-transport-") as tmp:
+        res = {"work_us": args.work_us, "calls": args.calls,
+               "zmq": measure("zmq", f"ipc://{os.path.join(tmp, 'zmq.sock')}", args.calls, args.work_us),
+               "lane": measure("lane", os.path.join(tmp, "lane.sock"), args.calls, args.work_us)}
+    report(res)
+    save_results(args.out, "transport", argv, res, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

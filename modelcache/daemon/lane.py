@@ -1,0 +1,158 @@
+"""The daemon's end of the serve lane (see modelcache/lane.py): a listening Unix socket and
+its connections, driven by the owner loop's poller. Nothing here blocks.
+
+A connection stands in for a ZeroMQ routing id: handlers get it as `ident` and replies go
+back through `send`. A reply to a connection that has gone is dropped, as ROUTER drops one
+to a vanished peer; a client that stops reading is cut off once MAX_PENDING bytes wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+
+import zmq
+
+from ..lane import FrameReader, LaneError, frame
+
+log = logging.getLogger("modelcache.daemon")
+
+READ_CHUNK = 1 << 20
+MAX_READ_PER_TURN = 16 << 20     # one busy client cannot hold the loop
+MAX_PENDING = 256 << 20          # unread replies a client may leave before it is cut off
+_IN, _IN_OUT = int(zmq.POLLIN), int(zmq.POLLIN | zmq.POLLOUT)
+
+
+class LaneConnection:
+    __slots__ = ("sock", "fd", "reader", "out", "server", "polling_out")
+
+    def __init__(self, sock: socket.socket, server: "LaneServer"):
+        self.sock, self.fd, self.server = sock, sock.fileno(), server
+        self.reader = FrameReader()
+        self.out = bytearray()
+        self.polling_out = False  # registered for POLLOUT: replies wait for room in the socket
+
+    def send(self, kind: bytes, body: bytes) -> None:
+        if self.sock is None:
+            return  # the client went away; its answer has nowhere to go
+        self.out += frame(kind, body)
+        self.flush()
+
+    def flush(self) -> None:
+        try:
+            sent = self.sock.send(self.out)
+            del self.out[:sent]
+        except BlockingIOError:
+            pass
+        except OSError as e:
+            self.server.drop(self, f"write failed: {e}")
+            return
+        if len(self.out) > MAX_PENDING:
+            self.server.drop(self, f"{len(self.out) >> 20} MiB of replies unread")
+        elif bool(self.out) != self.polling_out:
+            self.polling_out = bool(self.out)
+            self.server.poller.modify(self.fd, _IN_OUT if self.out else _IN)
+
+
+class LaneServer:
+    def __init__(self, path: str, counters: dict):
+        self.path = path
+        self.counters = counters         # the daemon's: a broken stream counts as a bad message
+        self.listener: socket.socket | None = None
+        self.poller: zmq.Poller | None = None
+        self.conns: dict[int, LaneConnection] = {}
+
+    def start(self, poller: zmq.Poller) -> None:
+        """Listen (the main socket's checks already ruled out a live daemon, so a file here is stale)."""
+        Path(self.path).unlink(missing_ok=True)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.path)
+        os.chmod(self.path, 0o660)  # as the main socket: the daemon's group may connect
+        self.listener.listen(128)
+        self.listener.setblocking(False)
+        self.poller = poller
+        poller.register(self.listener.fileno(), _IN)
+
+    def on_ready(self, fd: int, events: int, handle) -> None:
+        """The poller says `fd` is ready; complete messages go to handle([connection, kind, body])."""
+        if self.listener is not None and fd == self.listener.fileno():
+            self._accept()
+            return
+        conn = self.conns.get(fd)
+        if conn is None:
+            return
+        if events & zmq.POLLOUT:
+            conn.flush()
+        if events & zmq.POLLIN and conn.sock is not None:
+            self._read(conn, handle)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of file descriptors, say: the client will fall back to ZeroMQ
+                log.warning("lane: accept failed: %s", e)
+                return
+            sock.setblocking(False)
+            conn = LaneConnection(sock, self)
+            self.conns[conn.fd] = conn
+            self.poller.register(conn.fd, _IN)
+
+    def _read(self, conn: LaneConnection, handle) -> None:
+        got = 0
+        while got < MAX_READ_PER_TURN:
+            try:
+                data = conn.sock.recv(READ_CHUNK)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:
+                self.drop(conn, f"read failed: {e}")
+                return
+            if not data:
+                self.drop(conn, None)
+                return
+            conn.reader.feed(data)
+            got += len(data)
+        while conn.sock is not None:
+            try:
+                message = conn.reader.next()
+            except LaneError as e:  # a stream cannot resync: this connection is done
+                self.counters["bad_messages"] += 1
+                self.drop(conn, str(e))
+                return
+            if message is None:
+                return
+            handle([conn, *message])
+
+    def drop(self, conn: LaneConnection, why: str | None) -> None:
+        if conn.sock is None:
+            return
+        if why:
+            log.warning("lane: dropped a client connection: %s", why)
+        self.conns.pop(conn.fd, None)
+        try:
+            self.poller.unregister(conn.fd)
+        except KeyError:
+            pass
+        conn.sock.close()
+        conn.sock = None
+        conn.out = bytearray()
+
+    def stop(self) -> None:
+        """Hand over what is still queued (briefly: a client that does not read loses it), then close."""
+        for conn in list(self.conns.values()):
+            if conn.out:
+                try:
+                    conn.sock.settimeout(1.0)
+                    conn.sock.sendall(conn.out)
+                except OSError:
+                    pass
+            self.drop(conn, None)
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+        Path(self.path).unlink(missing_ok=True)
