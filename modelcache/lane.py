@@ -15,6 +15,7 @@ A message is the same two parts as on ZeroMQ (kind, msgpack body), framed:
 from __future__ import annotations
 
 import os
+import select
 import socket
 import struct
 import time
@@ -38,33 +39,46 @@ def frame(kind: bytes, body: bytes) -> bytes:
 
 
 class FrameReader:
-    """Bytes in as they arrive, whole (kind, body) messages out."""
+    """Bytes in as they arrive, whole (kind, body) messages out.
+
+    A chunk that holds whole messages (the usual case: one request, one reply) is read
+    where it lies; only a message split across chunks is gathered in a bytearray."""
 
     def __init__(self):
-        self._buf = bytearray()
+        self._buf: bytes | bytearray = b""
+        self._at = 0                      # where the unread part of _buf starts
 
     def feed(self, data: bytes) -> None:
+        if self._at >= len(self._buf):
+            self._buf, self._at = data, 0
+            return
+        if self._at or not isinstance(self._buf, bytearray):
+            self._buf = bytearray(memoryview(self._buf)[self._at:])
+            self._at = 0
         self._buf += data
 
     def next(self) -> tuple[bytes, bytes] | None:
-        buf = self._buf
-        if len(buf) < HEADER.size:
+        buf, at = self._buf, self._at
+        if len(buf) - at < HEADER.size:
             return None
-        kind_len, body_len = HEADER.unpack_from(buf)
+        kind_len, body_len = HEADER.unpack_from(buf, at)
         if kind_len == 0 or body_len > MAX_BODY:
             raise LaneError(f"bad frame header (kind {kind_len} bytes, body {body_len} bytes)")
-        start = HEADER.size + kind_len
+        start = at + HEADER.size + kind_len
         end = start + body_len
         if len(buf) < end:
             return None
         with memoryview(buf) as view:
-            kind, body = bytes(view[HEADER.size:start]), bytes(view[start:end])
-        del buf[:end]
+            kind, body = bytes(view[at + HEADER.size:start]), bytes(view[start:end])
+        self._at = end
         return kind, body
 
 
 class LaneClient:
-    """A client's end: one request at a time (the caller holds its lock)."""
+    """A client's end: one request at a time (the caller holds its lock).
+
+    The socket stays blocking, and deadlines are kept with poll(): socket timeouts would
+    cost two fcntl calls per send and per receive, on every request."""
 
     def __init__(self, path: str):
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -74,11 +88,22 @@ class LaneClient:
             self._sock.close()
             raise
         self._reader = FrameReader()
+        self._poll = select.poll()
+        self._poll.register(self._sock, select.POLLIN)
 
     def send(self, kind: bytes, body: bytes, deadline: float) -> None:
         """TimeoutError or OSError leave the stream unusable: close the lane then."""
-        self._sock.settimeout(max(1e-3, deadline - time.monotonic()))
-        self._sock.sendall(frame(kind, body))
+        data = frame(kind, body)
+        try:
+            sent = self._sock.send(data, socket.MSG_DONTWAIT)   # all of it, unless the daemon lags
+        except BlockingIOError:
+            sent = 0
+        if sent < len(data):
+            self._sock.settimeout(max(1e-3, deadline - time.monotonic()))
+            try:
+                self._sock.sendall(memoryview(data)[sent:])
+            finally:
+                self._sock.settimeout(None)
 
     def receive(self, deadline: float) -> tuple[bytes, bytes]:
         """The next whole message; TimeoutError at the deadline, ConnectionError when the daemon is gone.
@@ -87,10 +112,9 @@ class LaneClient:
             message = self._reader.next()
             if message is not None:
                 return message
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            remaining_ms = (deadline - time.monotonic()) * 1000
+            if remaining_ms <= 0 or not self._poll.poll(remaining_ms):
                 raise TimeoutError
-            self._sock.settimeout(remaining)
             data = self._sock.recv(1 << 20)
             if not data:
                 raise ConnectionError("the daemon closed the lane")

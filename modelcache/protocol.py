@@ -24,6 +24,11 @@ _ACCEPT = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),
            "dict": (dict,)}
 
 
+def _fresh(default):
+    """A default for one message: a list or dict default is copied, never shared between messages."""
+    return list(default) if type(default) is list else dict(default) if type(default) is dict else default
+
+
 def _base(annotation: str) -> str:
     return annotation[len("Optional["):-1] if annotation.startswith("Optional[") else annotation
 
@@ -46,10 +51,10 @@ class Message:
             default = cls.__dict__.get(name, _REQUIRED)
             fields.append((name, annotation if isinstance(annotation, str) else annotation.__name__, default))
         cls.FIELDS = tuple(fields)
-        # (name, type text, accepted types, may be None, required) per field: decode checks every
+        # (name, type text, accepted types, may be None, default) per field: decode checks every
         # field of every message, so the annotation text is read here once rather than per message.
         cls.CHECKS = tuple((name, _base(annotation), _ACCEPT[_base(annotation)], annotation.startswith("Optional["),
-                            default is _REQUIRED) for name, annotation, default in fields)
+                            default) for name, annotation, default in fields)
         cls.KIND = kind.encode()
         MESSAGES[cls.KIND] = cls
 
@@ -60,8 +65,7 @@ class Message:
             elif default is _REQUIRED:
                 raise TypeError(f"{type(self).__name__} needs {name!r}")
             else:
-                value = list(default) if isinstance(default, list) else dict(default) if isinstance(default, dict) \
-                    else default
+                value = _fresh(default)
             setattr(self, name, value)
         if values:
             raise TypeError(f"{type(self).__name__} has no field {next(iter(values))!r}")
@@ -294,17 +298,20 @@ def decode(frames: list[bytes], expect: tuple[type, ...] | None = None) -> Any:
         raise ProtocolError(f"{cls.KIND.decode()}: body is not valid msgpack ({type(e).__name__})") from None
     if not isinstance(data, dict):
         raise ProtocolError(f"{cls.KIND.decode()}: body must be a map, got {type(data).__name__}")
-    values = {}
-    for name, type_text, accept, optional, required in cls.CHECKS:
+    msg = cls.__new__(cls)  # filled here rather than through __init__: this runs for every message
+    attrs = msg.__dict__
+    for name, type_text, accept, optional, default in cls.CHECKS:
         if name in data:
             value = data[name]
             if not (isinstance(value, accept) and (type(value) is not bool or bool in accept)
                     or (optional and value is None)):
                 raise ProtocolError(f"{cls.KIND.decode()}.{name}: expected {type_text}, got {type(value).__name__}")
-            values[name] = value
-        elif required:
+            attrs[name] = value
+        elif default is _REQUIRED:
             raise ProtocolError(f"{cls.KIND.decode()}: missing field {name!r}")
-    return cls(**values)  # fields it does not know are ignored: newer peers may add some
+        else:
+            attrs[name] = _fresh(default)
+    return msg  # fields it does not know are ignored: newer peers may add some
 
 
 def req_id_of(frames: list[bytes]) -> int:

@@ -85,33 +85,53 @@ def decode(wire: list) -> tuple[dict, list]:
     return arrays, maps
 
 
+class FeedCheck:
+    """A model's declared inputs ({name, dtype, shape}), compiled once; check(feeds) runs per request."""
+
+    def __init__(self, model: str, inputs: list[dict]):
+        import numpy as np
+
+        self.model = model
+        self._inputs = inputs
+        # name -> (dtype, declared shape, ((axis, size) of every fixed dim))
+        self._spec = {i["name"]: (np.dtype(i["dtype"]), i["shape"],
+                                  tuple((k, d) for k, d in enumerate(i["shape"]) if isinstance(d, int)))
+                      for i in inputs}
+
+    def _expected(self) -> str:
+        return ", ".join(f"{i['name']} ({i['dtype']}, {i['shape']})" for i in self._inputs)
+
+    def check(self, feeds: dict) -> dict:
+        """Feeds that match by name, dtype and rank/fixed dims; InputError says what does not."""
+        import numpy as np
+
+        if not isinstance(feeds, dict):
+            raise InputError(f"input_feed must be a dict of name -> array, not {type(feeds).__name__}")
+        spec = self._spec
+        if feeds.keys() != spec.keys():
+            for k in feeds:
+                if k not in spec:
+                    raise InputError(f"{self.model}: unknown input {k!r}; the model takes {self._expected()}")
+            for k in spec:
+                if k not in feeds:
+                    raise InputError(f"{self.model}: missing input {k!r}; the model takes {self._expected()}")
+        out = {}
+        for name, value in feeds.items():
+            dtype, shape, fixed = spec[name]
+            if not isinstance(value, np.ndarray):
+                value = np.asarray(value)
+            if value.dtype != dtype:
+                raise InputError(f"{self.model}: input {name!r} must be {dtype.name}, got {value.dtype}")
+            dims = value.shape
+            if len(dims) != len(shape) or any(dims[k] != d for k, d in fixed):
+                raise InputError(f"{self.model}: input {name!r} must have shape {shape}, got {list(dims)}")
+            out[name] = value
+        return out
+
+
 def check_feeds(model: str, inputs: list[dict], feeds: dict) -> dict:
-    """Feeds that match the model's inputs by name, dtype and rank/fixed dims; InputError says what does not."""
-    import numpy as np
-
-    if not isinstance(feeds, dict):
-        raise InputError(f"input_feed must be a dict of name -> array, not {type(feeds).__name__}")
-    spec = {i["name"]: i for i in inputs}
-
-    def expected():
-        return ", ".join(f"{n} ({i['dtype']}, {i['shape']})" for n, i in spec.items())
-    for k in feeds:
-        if k not in spec:
-            raise InputError(f"{model}: unknown input {k!r}; the model takes {expected()}")
-    for k in spec:
-        if k not in feeds:
-            raise InputError(f"{model}: missing input {k!r}; the model takes {expected()}")
-    out = {}
-    for name, value in feeds.items():
-        s = spec[name]
-        value = value if isinstance(value, np.ndarray) else np.asarray(value)
-        if value.dtype != np.dtype(s["dtype"]):
-            raise InputError(f"{model}: input {name!r} must be {s['dtype']}, got {value.dtype}")
-        shape = s["shape"]
-        if value.ndim != len(shape) or any(isinstance(d, int) and d != v for d, v in zip(shape, value.shape)):
-            raise InputError(f"{model}: input {name!r} must have shape {shape}, got {list(value.shape)}")
-        out[name] = value
-    return out
+    """FeedCheck(model, inputs).check(feeds), for a one-off check."""
+    return FeedCheck(model, inputs).check(feeds)
 
 
 def random_feeds(inputs: list[dict], batch: int = 1, seed: int = 0) -> dict:

@@ -37,6 +37,8 @@ class Client:
                  lane: bool = True):
         settings = _settings(socket, timeout_s)
         self.address = settings.socket
+        # Whose group may read our shared-memory input files: the daemon socket's (see tensors.encode).
+        self._group_of = self.address[len("ipc://"):] if self.address.startswith("ipc://") else None
         self.timeout_s = settings.request_timeout_s
         self._add_timeout_s = settings.add_timeout_s
         self._ctx = zmq.Context.instance()
@@ -197,8 +199,7 @@ class Client:
               deadline_ms: float | None = None) -> tuple[dict, dict]:
         """Serve mode: the daemon runs the model. Returns (name -> output array, timings)."""
         from .. import tensors
-        group_of = self.address[len("ipc://"):] if self.address.startswith("ipc://") else None
-        wire, files = tensors.encode(feeds, group_of=group_of)
+        wire, files = tensors.encode(feeds, group_of=self._group_of)
         try:
             reply = self._call(P.Infer(req_id=0, client_id=self.client_id, name=name, inputs=wire, version=version,
                                        output_names=output_names, deadline_ms=deadline_ms), expect=(P.InferReply,),

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import InputError
-from ..tensors import check_feeds
+from ..tensors import FeedCheck
 from .connection import Client, shared_client
 
 _ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "float64": "tensor(double)",
@@ -32,6 +32,7 @@ class ServeSession:
         info = self._client.describe(name, version)
         self.model_name, self.model_version = info.name, info.version
         self._inputs, self._outputs, self.stages = info.inputs, info.outputs, info.stages
+        self._feed_check = FeedCheck(self.model_name, self._inputs)
         self.deadline_ms = deadline_ms
         self.last_timings: dict = {}
         self._closed = False
@@ -39,7 +40,7 @@ class ServeSession:
     def run(self, output_names, input_feed: dict, run_options=None):
         if self._closed:
             raise InputError("this session is closed")
-        feeds = check_feeds(self.model_name, self._inputs, input_feed)
+        feeds = self._feed_check.check(input_feed)
         outputs, self.last_timings = self._client.infer(self.model_name, feeds, output_names,
                                                         self.model_version, self.deadline_ms)
         names = output_names or [o["name"] for o in self._outputs]

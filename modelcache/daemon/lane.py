@@ -37,7 +37,19 @@ class LaneConnection:
     def send(self, kind: bytes, body: bytes) -> None:
         if self.sock is None:
             return  # the client went away; its answer has nowhere to go
-        self.out += frame(kind, body)
+        data = frame(kind, body)
+        if not self.out:   # the usual case: the whole reply fits in the socket at once
+            try:
+                sent = self.sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError as e:
+                self.server.drop(self, f"write failed: {e}")
+                return
+            if sent == len(data):
+                return
+            data = memoryview(data)[sent:]
+        self.out += data
         self.flush()
 
     def flush(self) -> None:
@@ -117,6 +129,8 @@ class LaneServer:
                 return
             conn.reader.feed(data)
             got += len(data)
+            if len(data) < READ_CHUNK:
+                break  # drained, most likely; if not, the poller says so again (and no EAGAIN to raise)
         while conn.sock is not None:
             try:
                 message = conn.reader.next()

@@ -38,6 +38,15 @@ class ModelRecord:
         return f"{self.name}@{self.version}"
 
     @property
+    def feed_check(self):
+        """The check every serve-mode request's feeds go through, compiled once per model."""
+        check = self.__dict__.get("_feed_check")
+        if check is None:
+            from ..tensors import FeedCheck
+            check = self.__dict__["_feed_check"] = FeedCheck(self.name, self.manifest.io_summary()["inputs"])
+        return check
+
+    @property
     def tier(self) -> str:
         return "host" if self.state is ModelState.RESIDENT else "disk"
 

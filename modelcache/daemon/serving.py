@@ -70,7 +70,7 @@ class ServeHandlers:
             return None
         arrival = self.clock()
         feeds, maps = tensors.decode(msg.inputs)
-        tensors.check_feeds(model.name, model.manifest.io_summary()["inputs"], feeds)
+        model.feed_check.check(feeds)
         outputs = [o.name for o in model.manifest.outputs]
         unknown = [n for n in (msg.output_names or []) if n not in outputs]
         if unknown:
