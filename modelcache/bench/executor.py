@@ -10,6 +10,9 @@ and how well the performance models predict.
      back-to-back: a block of served calls, then a block of in-process runs;
      alternating:  served, in-process, served, ... so the daemon idles ~0.2 ms before
                    each call (on a VM, an idle CPU that must be woken costs real time).
+   For scale, the same is measured against "floor": a minimal server on a lane socket
+   (msgpack in, plain ORT, msgpack out; no engine, checks or timings): what any Python
+   serve path pays on this machine at that moment.
 2. Throughput: ResNet-50 split into 2 stages, closed loop from --clients threads for
    --seconds, under worker groups "2" (one group of 2 threads) and "1,1" (two groups of
    1), each with the eager and the dmda scheduler.
@@ -21,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket as _socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -39,6 +44,64 @@ def _daemon_env(**settings):
 OVERHEAD_BLOCK = 25   # calls per block; blocks of every (transport, pattern) take turns
 
 
+def _plain_session(src: str):
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+
+
+def floor_server(path: str, src: str) -> None:
+    """The floor's server: one connection, each message a msgpack map name -> [dtype, shape, bytes]."""
+    import msgpack
+    import numpy as np
+    from ..lane import FrameReader, frame
+
+    sess = _plain_session(src)
+    names = [o.name for o in sess.get_outputs()]
+    listener = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    print("ready", flush=True)
+    conn, _ = listener.accept()
+    reader = FrameReader()
+    while True:
+        message = reader.next()
+        if message is None:
+            data = conn.recv(1 << 20)
+            if not data:
+                return
+            reader.feed(data)
+            continue
+        feeds = {k: np.frombuffer(b, dtype=dt).reshape(shape) for k, (dt, shape, b) in msgpack.unpackb(message[1]).items()}
+        outputs = sess.run(None, feeds)
+        conn.sendall(frame(b"ok", msgpack.packb({n: [v.dtype.str, list(v.shape), v.tobytes()]
+                                                 for n, v in zip(names, outputs)})))
+
+
+class FloorClient:
+    def __init__(self, tmp: Path, src: str):
+        from ..lane import LaneClient
+        path = str(tmp / "floor.sock")
+        self.proc = subprocess.Popen([sys.executable, "-m", "modelcache.bench.executor", "--floor-server", path, src],
+                                     stdout=subprocess.PIPE, text=True)
+        self.proc.stdout.readline()
+        self.lane = LaneClient(path)
+
+    def infer(self, feeds: dict) -> dict:
+        import msgpack
+        import numpy as np
+        deadline = time.monotonic() + 30
+        self.lane.send(b"infer", msgpack.packb({k: [v.dtype.str, list(v.shape), v.tobytes()]
+                                                for k, v in feeds.items()}), deadline)
+        _, body = self.lane.receive(deadline)
+        return {k: np.frombuffer(b, dtype=dt).reshape(shape) for k, (dt, shape, b) in msgpack.unpackb(body).items()}
+
+    def close(self) -> None:
+        self.lane.close()
+        self.proc.wait(10)
+
+
 def overhead(tmp: Path, src: str, calls: int) -> dict:
     import onnxruntime as ort
     from .. import zoo
@@ -47,9 +110,7 @@ def overhead(tmp: Path, src: str, calls: int) -> dict:
     _daemon_env(workers="1", scheduler="dmda")
     socket = f"ipc://{tmp}/overhead.sock"
     feeds = zoo.sample_inputs(src)
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    local = ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+    local = _plain_session(src)
 
     def run_local(times):
         t = time.perf_counter()
@@ -58,6 +119,10 @@ def overhead(tmp: Path, src: str, calls: int) -> dict:
 
     def run_served(client, s):
         t = time.perf_counter()
+        if client is floor:
+            floor.infer(feeds)
+            s["serve"].append((time.perf_counter() - t) * 1e3)
+            return
         _, timings = client.infer("tiny", feeds)
         s["serve"].append((time.perf_counter() - t) * 1e3)
         stage = timings["stages"][0]
@@ -69,11 +134,13 @@ def overhead(tmp: Path, src: str, calls: int) -> dict:
     with managed_daemon(socket, str(tmp / "repo")), connect(socket) as lane_c, connect(socket, lane=False) as zmq_c:
         if not any(m["name"] == "tiny" for m in lane_c.list()):
             lane_c.add(src, "tiny")
+        floor = FloorClient(tmp, src)
         for _ in range(50):
             lane_c.infer("tiny", feeds)
             zmq_c.infer("tiny", feeds)
+            floor.infer(feeds)
             local.run(None, feeds)
-        clients = {"lane": lane_c, "zmq": zmq_c}
+        clients = {"lane": lane_c, "zmq": zmq_c, "floor": floor}
         samples = {(tr, pat): {"serve": [], "local": [], "daemon": [], "run": [], "handoff": [], "inline": []}
                    for tr in clients for pat in ("back-to-back", "alternating")}
         list_ms: list[float] = []
@@ -93,18 +160,22 @@ def overhead(tmp: Path, src: str, calls: int) -> dict:
                 t = time.perf_counter()
                 zmq_c.list()                  # the smallest request/reply over ZeroMQ: our RPC floor
                 list_ms.append((time.perf_counter() - t) * 1e3)
+        floor.close()
     rows = []
     for (transport, pattern), s in samples.items():
-        med = {k: statistics.median(v) for k, v in s.items() if k != "inline"}
+        med = {k: statistics.median(v) if v else None for k, v in s.items() if k != "inline"}
         q = statistics.quantiles(s["serve"], n=10)
-        rows.append({"transport": transport, "pattern": pattern, "calls": len(s["serve"]),
-                     "serve_p50_ms": med["serve"], "serve_p10_ms": q[0], "serve_p90_ms": q[-1],
-                     "local_p50_ms": med["local"], "overhead_p50_ms": med["serve"] - med["local"],
-                     "inline_share": sum(s["inline"]) / len(s["inline"]),
-                     # Where a served request's time goes (medians, so the parts need not add up exactly).
-                     "breakdown_ms": {"stage_run": med["run"], "handoffs": med["handoff"],
-                                      "engine_bookkeeping": med["daemon"] - med["run"] - med["handoff"],
-                                      "messaging_outside_engine": med["serve"] - med["daemon"]}})
+        row = {"transport": transport, "pattern": pattern, "calls": len(s["serve"]),
+               "serve_p50_ms": med["serve"], "serve_p10_ms": q[0], "serve_p90_ms": q[-1],
+               "local_p50_ms": med["local"], "overhead_p50_ms": med["serve"] - med["local"]}
+        rows.append(row)
+        if transport == "floor":
+            continue
+        row.update({"inline_share": sum(s["inline"]) / len(s["inline"]),
+                    # Where a served request's time goes (medians, so the parts need not add up exactly).
+                    "breakdown_ms": {"stage_run": med["run"], "handoffs": med["handoff"],
+                                     "engine_bookkeeping": med["daemon"] - med["run"] - med["handoff"],
+                                     "messaging_outside_engine": med["serve"] - med["daemon"]}})
     return {"rows": rows, "list_rpc_p50_ms": statistics.median(list_ms)}
 
 
@@ -154,11 +225,13 @@ def report(res: dict, out=sys.stdout) -> None:
     print(f"{'transport':<10} {'pattern':<13} {'served':>15} {'in-process':>11} {'added':>7} {'inline':>7}   "
           f"where it goes: ORT / hand-offs / engine / messaging", file=out)
     for r in o["rows"]:
-        b = r["breakdown_ms"]
         served = f"{r['serve_p50_ms']:.3f} [{r['serve_p10_ms']:.2f}-{r['serve_p90_ms']:.2f}]"
+        b = r.get("breakdown_ms")
+        where = "-" if b is None else (f"{b['stage_run']:.3f} / {b['handoffs']:.3f} / {b['engine_bookkeeping']:.3f} / "
+                                       f"{b['messaging_outside_engine']:.3f}")
+        inline = "-" if b is None else f"{100 * r['inline_share']:.0f}%"
         print(f"{r['transport']:<10} {r['pattern']:<13} {served:>15} {r['local_p50_ms']:>11.3f} "
-              f"{r['overhead_p50_ms']:>7.3f} {100 * r['inline_share']:>6.0f}%   {b['stage_run']:.3f} / "
-              f"{b['handoffs']:.3f} / {b['engine_bookkeeping']:.3f} / {b['messaging_outside_engine']:.3f}", file=out)
+              f"{r['overhead_p50_ms']:>7.3f} {inline:>7}   {where}", file=out)
     print(f"a bare `list` round trip over ZeroMQ: {o['list_rpc_p50_ms']:.3f} ms", file=out)
     print(f"\nResNet-50 in 2 stages, {res['clients']} closed-loop clients, {res['seconds']:.0f} s each:", file=out)
     print(f"{'workers':<8} {'scheduler':<10} {'req/s':>7} {'p50 ms':>8} {'pred. error (median)':>21} {'checked':>8}",
@@ -179,8 +252,12 @@ def main(argv=None) -> int:
     ap.add_argument("--overhead-only", action="store_true", help="measure the overhead only, skip throughput")
     ap.add_argument("--model", default="resnet50")
     ap.add_argument("--tiny", default="tiny-cnn")
+    ap.add_argument("--floor-server", nargs=2, metavar=("SOCKET", "MODEL"), help=argparse.SUPPRESS)
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    if args.floor_server:
+        floor_server(*args.floor_server)
+        return 0
     from .. import zoo
     saved = {k: v for k, v in os.environ.items() if k.startswith("MODELCACHE_")}
     with tempfile.TemporaryDirectory(prefix="modelcache-executor-") as tmp:
