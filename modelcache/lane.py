@@ -2,8 +2,8 @@
 
 ZeroMQ carries every message through an I/O thread on each end, so a round trip wakes
 four more threads than a plain socket does. On this project's 2-core VM that measured
-86-222 us against 31-68 us for a Unix socket (`python -m modelcache.bench.transport`),
-about a third of what serve mode added to a tiny model's run. So a daemon listening on
+117-229 us against 101-182 us for this socket, by how long the peer slept
+(`modelcache bench transport`, benchmarks/transport). So a daemon listening on
 ipc://PATH also listens on PATH.lane, and a client sends `infer` there; everything else
 (hello, heartbeats, open, admin) stays on ZeroMQ, and a client falls back to ZeroMQ
 when there is no lane (a tcp:// daemon, or one that predates it).

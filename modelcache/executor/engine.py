@@ -322,8 +322,9 @@ class Engine:
     def _may_inline(self, worker, job: StageJob) -> bool:
         """Run this stage on the owner loop rather than hand it to its worker's thread?
 
-        Handing a job to a worker thread and its result back costs two thread wake-ups, 0.15-0.25 ms
-        on this 2-core VM (benchmarks/executor), as much as a tiny model's whole run. So a stage runs
+        Handing a job to a worker thread and its result back costs two thread wake-ups: 0.25 ms a
+        request on this 2-core VM by `bench executor` before stages ran inline, more than a tiny
+        model's whole run. So a stage runs
         inline when it is short (predicted <= inline_run_ms), nothing else is in flight (blocking the
         loop then delays no other request, and no worker's parallelism is lost), and its worker has
         built the session (which the loop must never do)."""
