@@ -56,6 +56,9 @@ class TransferModel:
         return latency + nbytes / bandwidth
 
 
+_SAME_NODE = TransferModel()   # the default: CPU workers only, nothing to move
+
+
 class Scheduler:
     name = "base"
 
@@ -65,7 +68,7 @@ class Scheduler:
 
         predict(model, stage, kind, batch) -> seconds or None (never measured).
         """
-        transfer = transfer or TransferModel()
+        transfer = transfer or _SAME_NODE
         out = []
         for task in tasks:
             w, predicted = self.choose(task, workers, now, predict, transfer)
