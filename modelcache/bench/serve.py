@@ -157,8 +157,15 @@ class PolicySwitch:
 
 
 def run_bench(args) -> dict:
-    tmp = Path(args.work or tempfile.mkdtemp(prefix="modelcache-bench-serve-"))
-    tmp.mkdir(parents=True, exist_ok=True)
+    """The whole benchmark, in --work (kept) or in a temporary directory (removed at the end)."""
+    if args.work:
+        Path(args.work).mkdir(parents=True, exist_ok=True)
+        return _run_in(Path(args.work), args)
+    with tempfile.TemporaryDirectory(prefix="modelcache-bench-serve-") as tmp:
+        return _run_in(Path(tmp), args)
+
+
+def _run_in(tmp: Path, args) -> dict:
     socket = f"ipc://{tmp}/serve.sock"
     repo = str(tmp / "repo")
     config = tmp / "batching.toml"
