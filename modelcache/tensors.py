@@ -129,11 +129,6 @@ class FeedCheck:
         return out
 
 
-def check_feeds(model: str, inputs: list[dict], feeds: dict) -> dict:
-    """FeedCheck(model, inputs).check(feeds), for a one-off check."""
-    return FeedCheck(model, inputs).check(feeds)
-
-
 def random_feeds(inputs: list[dict], batch: int = 1, seed: int = 0) -> dict:
     """Random feeds for declared inputs ({name, dtype, shape}): a free first dim is `batch`, other free dims 8."""
     import numpy as np

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 
 from ..errors import InputError
-from ..tensors import check_feeds
+from ..tensors import FeedCheck
 from ..session_options import attach_session_options, bind_weights
 from .connection import Client, OpenedModel, shared_client
 
@@ -47,6 +47,7 @@ class InferenceSession:
             self._maps, self._weights = bind_weights(so, self._lease.segments, self._lease.tensors)
             self._sess = ort.InferenceSession(self._lease.skeleton_path, so,
                                               providers=providers or ["CPUExecutionProvider"])
+            self._feed_check = FeedCheck(self._lease.name, self._lease.inputs)
         except BaseException:
             self.close()
             raise
@@ -55,8 +56,7 @@ class InferenceSession:
     def run(self, output_names, input_feed: dict, run_options=None):
         if self._sess is None:
             raise InputError("this session is closed")
-        feeds = self._check_feeds(input_feed)
-        return self._sess.run(output_names, feeds, run_options)
+        return self._sess.run(output_names, self._feed_check.check(input_feed), run_options)
 
     def get_inputs(self):
         return self._sess.get_inputs()
@@ -81,9 +81,6 @@ class InferenceSession:
     @property
     def was_cache_hit(self) -> bool:
         return self._lease.hit
-
-    def _check_feeds(self, input_feed: dict) -> dict:
-        return check_feeds(self._lease.name, self._lease.inputs, input_feed)
 
     # -- lifetime ----------------------------------------------------------------------
     def close(self) -> None:
