@@ -48,6 +48,34 @@ def managed_daemon(socket: str | None = None, repository: str | None = None):
             proc.wait(60)
 
 
+def serve_one_lane_client(path: str, answer) -> None:
+    """A benchmark's stand-in server: listen on the Unix socket `path`, print "ready", take one
+    connection and reply to each lane message with answer(body) -> reply body, until the client
+    hangs up or answer returns None."""
+    import socket
+
+    from ..lane import FrameReader, frame
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    print("ready", flush=True)
+    conn, _ = listener.accept()
+    reader = FrameReader()
+    while True:
+        message = reader.next()
+        if message is None:
+            data = conn.recv(1 << 20)
+            if not data:
+                return
+            reader.feed(data)
+            continue
+        reply = answer(message[1])
+        if reply is None:
+            return
+        conn.sendall(frame(b"ok", reply))
+
+
 def ensure_models(socket: str, names: list[str], work: Path) -> dict[str, str]:
     """Add each zoo model to the daemon unless it holds it already; returns name -> .onnx path."""
     from .. import zoo

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket as _socket
 import statistics
 import subprocess
 import sys
@@ -55,28 +54,16 @@ def floor_server(path: str, src: str) -> None:
     """The floor's server: one connection, each message a msgpack map name -> [dtype, shape, bytes]."""
     import msgpack
     import numpy as np
-    from ..lane import FrameReader, frame
+    from .common import serve_one_lane_client
 
     sess = _plain_session(src)
     names = [o.name for o in sess.get_outputs()]
-    listener = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(1)
-    print("ready", flush=True)
-    conn, _ = listener.accept()
-    reader = FrameReader()
-    while True:
-        message = reader.next()
-        if message is None:
-            data = conn.recv(1 << 20)
-            if not data:
-                return
-            reader.feed(data)
-            continue
-        feeds = {k: np.frombuffer(b, dtype=dt).reshape(shape) for k, (dt, shape, b) in msgpack.unpackb(message[1]).items()}
-        outputs = sess.run(None, feeds)
-        conn.sendall(frame(b"ok", msgpack.packb({n: [v.dtype.str, list(v.shape), v.tobytes()]
-                                                 for n, v in zip(names, outputs)})))
+
+    def answer(body: bytes) -> bytes:
+        feeds = {k: np.frombuffer(b, dtype=dt).reshape(shape) for k, (dt, shape, b) in msgpack.unpackb(body).items()}
+        return msgpack.packb({n: [v.dtype.str, list(v.shape), v.tobytes()] for n, v in zip(names, sess.run(None, feeds))})
+
+    serve_one_lane_client(path, answer)
 
 
 class FloorClient:
@@ -103,7 +90,6 @@ class FloorClient:
 
 
 def overhead(tmp: Path, src: str, calls: int) -> dict:
-    import onnxruntime as ort
     from .. import zoo
     from ..client.connection import connect
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,25 +44,15 @@ def serve(kind: str, address: str, work_us: float) -> None:
                 return
             _busy(work_us)
             sock.send_multipart([ident, b"ok"])
-    from ..lane import FrameReader, frame
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(address)
-    listener.listen(1)
-    print("ready", flush=True)
-    conn, _ = listener.accept()
-    reader = FrameReader()
-    while True:
-        message = reader.next()
-        if message is None:
-            data = conn.recv(1 << 20)
-            if not data:
-                return
-            reader.feed(data)
-            continue
-        if message[1] == b"quit":
-            return
+    from .common import serve_one_lane_client
+
+    def answer(body: bytes) -> bytes | None:
+        if body == b"quit":
+            return None
         _busy(work_us)
-        conn.sendall(frame(b"ok", b""))
+        return b""
+
+    serve_one_lane_client(address, answer)
 
 
 def measure(kind: str, address: str, calls: int, work_us: float) -> dict:
