@@ -54,7 +54,7 @@ def serve_one_lane_client(path: str, answer) -> None:
     hangs up or answer returns None."""
     import socket
 
-    from ..lane import FrameReader, frame
+    from ..lane import CLIENT_READ_BYTES, FrameReader, frame, recv_chunk
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -62,10 +62,11 @@ def serve_one_lane_client(path: str, answer) -> None:
     print("ready", flush=True)
     conn, _ = listener.accept()
     reader = FrameReader()
+    scratch = memoryview(bytearray(CLIENT_READ_BYTES))
     while True:
         message = reader.next()
         if message is None:
-            data = conn.recv(1 << 20)
+            data = recv_chunk(conn, scratch)
             if not data:
                 return
             reader.feed(data)

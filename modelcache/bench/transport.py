@@ -10,6 +10,9 @@ slept. Reported: round trip minus the server's work, p50 per think time.
 
 ZeroMQ passes every message through an I/O thread on both ends (4 more thread wake-ups
 per round trip than a plain socket); this is the measurement behind the serve lane.
+
+Also "reads": one 12 KB message (tiny-cnn's input) sent and read on a socket pair, read
+three ways; the measurement behind modelcache.lane.recv_chunk.
 """
 
 from __future__ import annotations
@@ -107,6 +110,38 @@ def measure(kind: str, address: str, calls: int, work_us: float) -> dict:
             server.kill()
 
 
+READ_MESSAGE_BYTES = 12 << 10
+
+
+def reads(calls: int = 20000) -> dict:
+    """Microseconds per send + read of one message, by how it is read (best of 5 blocks)."""
+    import socket
+
+    from ..lane import recv_chunk
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    message = bytes(READ_MESSAGE_BYTES)
+    scratch = memoryview(bytearray(1 << 20))
+    ways = {"recv(1 MiB)": lambda: b.recv(1 << 20),
+            "recv(64 KiB)": lambda: b.recv(64 << 10),
+            "recv_chunk (reused 1 MiB buffer)": lambda: recv_chunk(b, scratch)}
+    out = {}
+    try:
+        for name, read in ways.items():
+            best = float("inf")
+            for _ in range(5):
+                t = time.perf_counter()
+                for _ in range(calls):
+                    a.send(message)
+                    read()
+                best = min(best, time.perf_counter() - t)
+            out[name] = best / calls * 1e6
+    finally:
+        a.close()
+        b.close()
+    return out
+
+
 def report(res: dict, out=sys.stdout) -> None:
     print(f"round trip less {res['work_us']:.0f} us of server work, p50 [p10-p90] us, by client think time:", file=out)
     print(f"{'transport':<10}" + "".join(f"{f'think {t} us':>22}" for t in THINK_US), file=out)
@@ -114,6 +149,10 @@ def report(res: dict, out=sys.stdout) -> None:
         cells = "".join(f"{'%.0f [%.0f-%.0f]' % (r['p50_us'], r['p10_us'], r['p90_us']):>22}"
                         for r in (res[kind][str(t)] for t in THINK_US))
         print(f"{kind:<10}{cells}", file=out)
+    if "reads" in res:
+        print(f"reads: send + read of one {READ_MESSAGE_BYTES >> 10} KiB message, us (best of 5 blocks):", file=out)
+        for name, us in res["reads"].items():
+            print(f"  {name:<34}{us:6.1f}", file=out)
 
 
 def main(argv=None) -> int:
@@ -131,7 +170,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="modelcache-transport-") as tmp:
         res = {"work_us": args.work_us, "calls": args.calls,
                "zmq": measure("zmq", f"ipc://{os.path.join(tmp, 'zmq.sock')}", args.calls, args.work_us),
-               "lane": measure("lane", os.path.join(tmp, "lane.sock"), args.calls, args.work_us)}
+               "lane": measure("lane", os.path.join(tmp, "lane.sock"), args.calls, args.work_us),
+               "reads": reads()}
     report(res)
     save_results(args.out, "transport", argv, res, report)
     return 0

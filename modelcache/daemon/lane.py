@@ -15,11 +15,11 @@ from pathlib import Path
 
 import zmq
 
-from ..lane import FrameReader, LaneError, frame
+from ..lane import FrameReader, LaneError, frame, recv_chunk
 
 log = logging.getLogger("modelcache.daemon")
 
-READ_CHUNK = 1 << 20
+READ_CHUNK = 1 << 20            # one read buffer, shared by every connection (the owner loop reads)
 MAX_READ_PER_TURN = 16 << 20     # one busy client cannot hold the loop
 MAX_PENDING = 256 << 20          # unread replies a client may leave before it is cut off
 _IN, _IN_OUT = int(zmq.POLLIN), int(zmq.POLLIN | zmq.POLLOUT)
@@ -75,6 +75,7 @@ class LaneServer:
         self.listener: socket.socket | None = None
         self.poller: zmq.Poller | None = None
         self.conns: dict[int, LaneConnection] = {}
+        self.scratch = memoryview(bytearray(READ_CHUNK))
 
     def start(self, poller: zmq.Poller) -> None:
         """Listen (the main socket's checks already ruled out a live daemon, so a file here is stale)."""
@@ -118,7 +119,7 @@ class LaneServer:
         got = 0
         while got < MAX_READ_PER_TURN:
             try:
-                data = conn.sock.recv(READ_CHUNK)
+                data = recv_chunk(conn.sock, self.scratch)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as e:
