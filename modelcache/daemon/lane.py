@@ -22,7 +22,8 @@ log = logging.getLogger("modelcache.daemon")
 READ_CHUNK = 1 << 20            # one read buffer, shared by every connection (the owner loop reads)
 MAX_READ_PER_TURN = 16 << 20     # one busy client cannot hold the loop
 MAX_PENDING = 256 << 20          # unread replies a client may leave before it is cut off
-_IN, _IN_OUT = int(zmq.POLLIN), int(zmq.POLLIN | zmq.POLLOUT)
+# ints, not pyzmq's enums: `int & IntFlag` runs Python code in the enum module, per event
+_IN, _OUT, _IN_OUT = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.POLLIN | zmq.POLLOUT)
 
 
 class LaneConnection:
@@ -96,9 +97,9 @@ class LaneServer:
         conn = self.conns.get(fd)
         if conn is None:
             return
-        if events & zmq.POLLOUT:
+        if events & _OUT:
             conn.flush()
-        if events & zmq.POLLIN and conn.sock is not None:
+        if events & _IN and conn.sock is not None:
             self._read(conn, handle)
 
     def _accept(self) -> None:
