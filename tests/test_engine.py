@@ -6,6 +6,7 @@ Each fake stage doubles its input rows, so every answer shows which rows it got 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from modelcache.config import Settings
 from modelcache.errors import RequestTimeout
@@ -80,6 +81,26 @@ def test_a_request_that_expires_in_the_queue_is_answered_and_the_next_one_runs()
     h.worker.run_next()
     np.testing.assert_array_equal(h.y(3), expected(3, 1))
     assert not h.engine.requests and not h.engine.queues
+
+
+def test_a_lone_request_on_an_idle_engine_starts_at_once_unless_its_policy_waits():
+    h = Harness("serial")
+    h.submit(1, 1)                      # idle: a batch of one at once, never queued
+    assert len(h.worker.jobs) == 1 and not h.engine.queues and h.engine.batches_formed == 1
+    h.worker.run_next()
+    h.worker.run_next()
+    np.testing.assert_array_equal(h.y(1), expected(1, 1))
+
+    h = Harness("batch", max_batch=2, batch_window_ms=20)
+    h.submit(1, 1)                      # idle too, but the window policy waits for a second request
+    assert not h.worker.jobs and h.engine.next_wakeup() == pytest.approx(0.020)
+    h.submit(2, 1)
+    assert h.worker.jobs[0].inputs["x"].shape == (2, 1)
+
+    h = Harness("serial")
+    h.now = 0.010
+    h.submit(1, 1, deadline=0.005)      # a deadline goes through the queue, which answers it at once
+    assert isinstance(h.answers[1][2], RequestTimeout) and not h.worker.jobs
 
 
 def test_a_short_stage_runs_on_the_owner_loop_only_when_nothing_else_is_in_flight():

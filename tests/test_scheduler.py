@@ -97,3 +97,9 @@ def test_perf_models_calibrate_predict_and_persist(tmp_path):
     again = PerfModels.load(tmp_path / "perf.json")
     assert again.predict("m", 0, "cpu1") == pm.predict("m", 0, "cpu1")
     assert PerfModels.load(tmp_path / "missing.json").predict("m", 0, "cpu1") is None
+    pm.record("alexnet@2", 1, "cpu2", 4, 0.020)          # names with digits and '@' round-trip too
+    pm.record("alexnet@2", 1, "cpu2", 4, 0.020)
+    pm.save(tmp_path / "perf.json")
+    assert PerfModels.load(tmp_path / "perf.json").predict("alexnet@2", 1, "cpu2", 4) == 0.020
+    (tmp_path / "bad.json").write_text('{"no separators": [1.0]}')
+    assert PerfModels.load(tmp_path / "bad.json").summary()["keys"] == 0   # damaged: starts uncalibrated

@@ -202,11 +202,25 @@ class Engine:
     # -- requests ------------------------------------------------------------------------
     def submit(self, req: ServeRequest) -> None:
         req.request_id = next(self._ids)
+        idle = not self.requests
         self.requests[req.request_id] = req
         self.last_used[req.model_key] = req.arrival
-        self.queues.setdefault(req.model_key, deque()).append(req)
-        self._form_batches()
+        if idle and self._starts_alone(req):
+            self._start(Batch(next(self._batch_ids), [req], dict(req.data)))
+        else:
+            self.queues.setdefault(req.model_key, deque()).append(req)
+            self._form_batches()
         self._run_inline()
+
+    def _starts_alone(self, req: ServeRequest) -> bool:
+        """Whether a request that finds the engine idle (nothing queued or in flight) starts at once as
+        a batch of one: what _form_batches would decide for it, without a queue to go through.
+
+        The queue costs 12 of the engine's 36 us a request (hot; `bench executor` measured 0.15 ms a
+        request for the whole engine, cold), and a lone request on an idle daemon is the common case
+        of light load. A deadline takes the queue, where _expire_queued answers one that cannot be met."""
+        return (req.deadline is None and not self._running_inline and
+                bool(self._batcher(req).decide(self.clock(), [req.pending(self._t_opt_s(req))]).take))
 
     def next_wakeup(self) -> float | None:
         return self.wake_at

@@ -18,18 +18,25 @@ HISTORY = 32      # recent runs kept per key
 MIN_SAMPLES = 2   # before this many runs, a key counts as uncalibrated
 
 
-def _key(model: str, stage: int, kind: str, batch: int) -> str:
-    return f"{model}|{stage}|{kind}|{batch}"
+# Keys are (model, stage, kind, batch) tuples in memory (formatting a string cost more than the
+# lookup, twice a request) and "model|stage|kind|batch" in the JSON file.
+def _to_text(key: tuple) -> str:
+    return "|".join(map(str, key))
+
+
+def _from_text(text: str) -> tuple:
+    model, stage, kind, batch = text.rsplit("|", 3)
+    return model, int(stage), kind, int(batch)
 
 
 class PerfModels:
     def __init__(self):
-        self.history: dict[str, deque] = {}
+        self.history: dict[tuple, deque] = {}
         self.errors: deque = deque(maxlen=1000)   # |predicted - measured| / measured
-        self._medians: dict[str, float] = {}      # predictions until the next record: several per request
+        self._medians: dict[tuple, float] = {}      # predictions until the next record: several per request
 
     def predict(self, model: str, stage: int, kind: str, batch: int = 1) -> float | None:
-        key = _key(model, stage, kind, batch)
+        key = (model, stage, kind, batch)
         median = self._medians.get(key)
         if median is None:
             h = self.history.get(key)
@@ -42,7 +49,7 @@ class PerfModels:
                predicted: float | None = None) -> None:
         if predicted is not None and seconds > 0:
             self.errors.append(abs(predicted - seconds) / seconds)
-        key = _key(model, stage, kind, batch)
+        key = (model, stage, kind, batch)
         h = self.history.get(key)
         if h is None:
             h = self.history[key] = deque(maxlen=HISTORY)
@@ -60,7 +67,7 @@ class PerfModels:
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({k: list(v) for k, v in self.history.items()}))
+        tmp.write_text(json.dumps({_to_text(k): list(v) for k, v in self.history.items()}))
         os.replace(tmp, path)
 
     @classmethod
@@ -70,6 +77,9 @@ class PerfModels:
             data = json.loads(Path(path).read_text())
         except (OSError, ValueError):
             return pm  # none yet, or unreadable: start uncalibrated
-        for k, v in data.items():
-            pm.history[k] = deque((float(x) for x in v), maxlen=HISTORY)
+        try:
+            for k, v in data.items():
+                pm.history[_from_text(k)] = deque((float(x) for x in v), maxlen=HISTORY)
+        except (AttributeError, TypeError, ValueError):
+            return cls()  # not ours, or damaged: start uncalibrated rather than half-loaded
         return pm
