@@ -44,3 +44,30 @@ def test_expect_rejects_other_kinds():
 def test_req_id_recovered_from_a_bad_message_when_possible():
     assert P.req_id_of([b"open", msgpack.packb({"req_id": 42})]) == 42
     assert P.req_id_of([b"open", b"\xc1"]) == 0
+
+
+@pytest.mark.parametrize("entry", [
+    {"name": "x", "dtype": "float32", "shape": [2, 2], "data": b"\0" * 8},       # data too short
+    {"name": "x", "dtype": "float32", "shape": [-1], "data": b"\0" * 8},         # a negative dim
+    {"name": "x", "dtype": "O", "shape": [2], "data": b"\0" * 16},               # pointers from the wire
+    {"name": "x", "dtype": {"names": ["a"], "formats": ["O"]}, "shape": [1], "data": b"\0" * 8},
+    {"name": "x", "dtype": "no-such-type", "shape": [1], "data": b"\0" * 4},
+    {"name": "x", "dtype": "float32", "shape": "1", "data": b"\0" * 4},
+    {"name": "x", "dtype": "float32", "shape": [1]},                              # neither data nor shm
+])
+def test_malformed_tensors_are_protocol_errors(entry):
+    from modelcache import tensors
+    with pytest.raises(ProtocolError, match="malformed tensor"):
+        tensors.decode([entry])
+
+
+def test_tensors_roundtrip_read_only():
+    import numpy as np
+    from modelcache import tensors
+    feeds = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros((0, 4), np.int64)}
+    wire, files = tensors.encode(feeds)
+    out, maps = tensors.decode(msgpack.unpackb(msgpack.packb(wire)))
+    assert not files and not maps
+    for k, v in feeds.items():
+        assert out[k].dtype == v.dtype and out[k].shape == v.shape and not out[k].flags.writeable
+        np.testing.assert_array_equal(out[k], v)

@@ -99,7 +99,7 @@ class CacheOps:
             raise CapacityError(f"{model.key} is in use or loading; it cannot be removed now")
         if model.state is ModelState.RESIDENT:
             self.evict(model)
-        del self.registry.models[(model.name, model.version)]
+        self.registry.remove_model(model)
         self.repository.remove(model.name, model.version)
         log.info("model removed: %s", model.key)
         return P.Ack(req_id=msg.req_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import enum
 import itertools
 import secrets
@@ -32,10 +33,10 @@ class ModelRecord:
     last_use: float = 0.0
     # Opens waiting for the in-flight load: (reply callback) each. One load, many waiters.
     waiters: list = field(default_factory=list)
+    key: str = field(init=False)  # "name@version": asked several times per request, so made once
 
-    @property
-    def key(self) -> str:
-        return f"{self.name}@{self.version}"
+    def __post_init__(self):
+        self.key = f"{self.name}@{self.version}"
 
     @property
     def feed_check(self):
@@ -76,6 +77,7 @@ class Lease:
 class Registry:
     def __init__(self):
         self.models: dict[tuple[str, int], ModelRecord] = {}
+        self._versions: dict[str, list[int]] = {}   # name -> its versions, ascending: resolve runs per request
         self.clients: dict[str, ClientRecord] = {}
         self.leases: dict[str, Lease] = {}
         self._ids = itertools.count(1)
@@ -83,18 +85,27 @@ class Registry:
     # -- models ----------------------------------------------------------------------
     def add_model(self, disk_dir: Path, manifest: Manifest) -> ModelRecord:
         rec = ModelRecord(manifest.name, manifest.version, disk_dir, manifest)
+        if (rec.name, rec.version) not in self.models:
+            bisect.insort(self._versions.setdefault(rec.name, []), rec.version)
         self.models[(rec.name, rec.version)] = rec
         return rec
 
+    def remove_model(self, rec: ModelRecord) -> None:
+        del self.models[(rec.name, rec.version)]
+        versions = self._versions[rec.name]
+        versions.remove(rec.version)
+        if not versions:
+            del self._versions[rec.name]
+
     def versions(self, name: str) -> list[int]:
-        return sorted(v for (n, v) in self.models if n == name)
+        return list(self._versions.get(name, ()))
 
     def resolve(self, name: str, version: int | None) -> ModelRecord:
         if version is not None:
             rec = self.models.get((name, version))
             if rec is not None:
                 return rec
-        versions = self.versions(name)
+        versions = self._versions.get(name)
         if not versions:
             known = sorted({n for n, _ in self.models})
             hint = f"known models: {', '.join(known)}" if known else "the repository is empty; add one with `modelcache add`"

@@ -71,10 +71,11 @@ class ServeHandlers:
         arrival = self.clock()
         feeds, maps = tensors.decode(msg.inputs)
         model.feed_check.check(feeds)
-        outputs = [o.name for o in model.manifest.outputs]
-        unknown = [n for n in (msg.output_names or []) if n not in outputs]
-        if unknown:
-            raise InputError(f"{model.name}: unknown output {unknown[0]!r}; the model has {outputs}")
+        if msg.output_names:
+            outputs = [o.name for o in model.manifest.outputs]
+            unknown = [n for n in msg.output_names if n not in outputs]
+            if unknown:
+                raise InputError(f"{model.name}: unknown output {unknown[0]!r}; the model has {outputs}")
         model.refcount += 1  # a request in flight holds the model like a lease: it is not evicted under it
 
         def finish(result, timings, error):
