@@ -15,6 +15,7 @@ from modelcache.executor.scheduler import WorkerState
 
 STAGES = [{"skeleton": "", "inputs": ["x"], "outputs": ["h"], "tensors": []},
           {"skeleton": "", "inputs": ["h"], "outputs": ["y"], "tensors": []}]
+ONE_STAGE = [{"skeleton": "", "inputs": ["x"], "outputs": ["y"], "tensors": []}]
 
 class FakeWorker:
     def __init__(self, worker_id, cores, post):
@@ -31,7 +32,10 @@ class FakeWorker:
     def run(self, job, seconds: float = 0.01):
         job.worker_id = self.state.worker_id
         [name] = job.outputs
-        job.result = {"outputs": {name: next(iter(job.inputs.values())) * 2}, "run_s": seconds}
+        try:                            # as a real worker: a failed run is returned, not raised
+            job.result = {"outputs": {name: next(iter(job.inputs.values())) * 2}, "run_s": seconds}
+        except Exception as e:
+            return e
         return None
 
     def run_next(self, seconds: float = 0.01):
@@ -50,11 +54,12 @@ class Harness:
                              None, post=lambda fn, r, e: fn(r, e), clock=lambda: self.now, worker_factory=FakeWorker)
         self.worker = self.engine.workers[0]
 
-    def submit(self, tag, rows, deadline=None, profile=None):
+    def submit(self, tag, rows, deadline=None, profile=None, stages=STAGES, x=None):
         def finish(outputs, timings, error, tag=tag):
             self.answers[tag] = (outputs, timings, error)
-        x = np.arange(rows, dtype=np.float32).reshape(rows, 1) + 100 * tag
-        self.engine.submit(ServeRequest("m@1", STAGES, [], {"x": x}, None, self.now, deadline, finish,
+        if x is None:
+            x = np.arange(rows, dtype=np.float32).reshape(rows, 1) + 100 * tag
+        self.engine.submit(ServeRequest("m@1", stages, [], {"x": x}, None, self.now, deadline, finish,
                                         samples=rows, batchable=True, profile=profile))
 
     def y(self, tag):
@@ -128,6 +133,34 @@ def test_a_short_stage_runs_on_the_owner_loop_only_when_nothing_else_is_in_fligh
         w.run_next()
     np.testing.assert_array_equal(h.y(4), expected(4, 1))
     np.testing.assert_array_equal(h.y(5), expected(5, 1))
+
+
+def test_express_one_group_one_stage_idle_is_answered_within_submit_with_the_same_records():
+    h = Harness("serial", workers="1", inline_run_ms=50)
+    for tag in (1, 2):                  # uncalibrated: handed to the worker thread
+        h.submit(tag, 1, stages=ONE_STAGE)
+        assert tag not in h.answers
+        h.worker.run_next()
+    h.submit(3, 2, stages=ONE_STAGE)    # batch 2 never measured: not predicted, so not express
+    assert 3 not in h.answers
+    h.worker.run_next()
+    h.submit(4, 1, stages=ONE_STAGE)    # calibrated at 10 ms, under 50: answered here and now
+    outputs, timings, error = h.answers[4]
+    assert error is None and not h.worker.jobs and not h.engine.requests
+    np.testing.assert_array_equal(outputs["y"], np.array([[400.0]], np.float32) * 2)
+    [st] = timings["stages"]
+    assert st["inline"] and st["worker"] == 0 and st["predicted_ms"] == pytest.approx(10.0)
+    assert timings["total_ms"] == 0.0   # (the fake clock stood still)
+    assert h.engine.served == 4 and h.engine.batches_formed == 4
+    assert h.engine.perf.summary()["predictions_checked"] == 1
+
+    h.submit(5, 1, stages=ONE_STAGE, x=np.array(["not a number"]))   # a failed run: its error, and on
+    assert "stage 0 failed" in str(h.answers[5][2]) and h.engine.failed == 1 and not h.engine.requests
+
+    h.engine.settings.batching = "batch"
+    h.engine.settings_changed()
+    h.submit(6, 1, stages=ONE_STAGE)    # a window policy waits, express or not
+    assert 6 not in h.answers and h.engine.queues
 
 
 def test_dynamic_stacks_what_queued_behind_a_running_batch_and_splits_rows_back():
