@@ -1,8 +1,8 @@
 """The serve lane: the daemon's messages over a plain Unix stream socket, for serve-mode calls.
 
 ZeroMQ carries every message through an I/O thread on each end, so a round trip wakes
-four more threads than a plain socket does. On this project's 2-core VM that measured
-117-229 us against 101-182 us for this socket, by how long the peer slept
+four more threads than a plain socket does. On this project's 2-core VM a bare round trip
+measured 68-127 us against 30-60 us for this socket, by how long the peer slept
 (`modelcache bench transport`, benchmarks/transport). So a daemon listening on
 ipc://PATH also listens on PATH.lane, and a client sends `infer` there; everything else
 (hello, heartbeats, open, admin) stays on ZeroMQ, and a client falls back to ZeroMQ
