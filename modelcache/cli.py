@@ -165,7 +165,7 @@ def format_status(st) -> str:
         policies = ", ".join(f"{k}={v}" for k, v in b.get("policies", {}).items())
         print(f"serve: {ex.get('served', 0)} served, {ex.get('failed', 0)} failed, {ex.get('in_flight', 0)} in flight "
               f"({ex.get('queued', 0)} queued)" + (f", p50 {p50:.1f} ms, p99 {p99:.1f} ms" if p50 is not None else "")
-              + f"; {ex.get('scheduler')} over {len(ex.get('workers', []))} worker groups"
+              + f"; {ex.get('scheduler')} over " + (", ".join(w["kind"] for w in ex.get("workers", [])) or "no workers")
               + ("" if ex.get("lane_connections") is None else f"; {ex['lane_connections']} on the serve lane"),
               file=out)
         mean = b.get("mean_batch")

@@ -56,6 +56,7 @@ class Settings:
     opt_level: str = "all"             # ORT optimization applied once, at add time
     loader_threads: int = 2            # promotions and packs run here, off the owner loop
     workers: str = "auto"              # serve-mode CPU worker groups: threads per group, "1,1", "2"; auto = one of all cores
+    gpus: str = "auto"                 # serve-mode GPU workers: auto = one per CUDA device (with onnxruntime-gpu), none, or "0,1"
     scheduler: str = "dmda"            # serve-mode placement: eager, round-robin, dmda
     serve_idle_s: float = 300.0        # serve-mode sessions of a model unused this long are dropped
     batching: str = "serial"           # serve-mode batching: serial, batch, dynamic, layer; or per model "alexnet=layer,*=serial"

@@ -265,3 +265,46 @@ def test_a_new_batch_shrinks_until_its_predicted_run_meets_every_deadline():
     while h.worker.jobs:
         h.worker.run_next()
     assert all(tag in h.answers for tag in (2, 3, 4, 5))
+
+
+class FakeGpuWorker(FakeWorker):
+    """As an executor GpuWorker is to a CPU group: its own kind and memory node, nothing else."""
+
+    def __init__(self, worker_id, device, post):
+        from modelcache.executor.workers import gpu_kind
+        super().__init__(worker_id, [], post)
+        self.state = WorkerState(worker_id, kind=gpu_kind(device), memory_node=device.uuid)
+
+
+def test_gpu_workers_follow_the_cpu_groups_and_dmda_weighs_them_by_calibrated_speed():
+    from modelcache.tiers.gpu import GpuDevice
+    now = [0.0]
+    answers = {}
+    engine = Engine(Settings(socket="ipc:///unused", repository="/unused", workers="1", scheduler="dmda",
+                             inline_run_ms=0), None, post=lambda fn, r, e: fn(r, e), clock=lambda: now[0],
+                    worker_factory=FakeWorker, gpu_devices=[GpuDevice(0, "GPU-1234", "Fake GPU", 1 << 30)],
+                    gpu_worker_factory=FakeGpuWorker)
+    cpu, gpu = engine.workers
+    assert [w["kind"] for w in engine.describe()["workers"]] == ["cpu1", "gpu:Fake GPU"]
+    assert engine.describe()["workers"][1]["device"] == "GPU-1234"
+
+    def submit(tag):
+        def finish(outputs, timings, error):
+            answers[tag] = (outputs, timings, error)
+        engine.submit(ServeRequest("m@1", ONE_STAGE, [], {"x": np.full((1, 1), tag, np.float32)}, None, now[0],
+                                   None, finish, samples=1, batchable=True))
+
+    for tag, worker, seconds in ((1, cpu, 0.010), (2, cpu, 0.010), (3, gpu, 0.002), (4, gpu, 0.002)):
+        submit(tag)                     # dmda explores each kind it has never timed: CPU, then GPU
+        assert len(worker.jobs) == 1
+        worker.run_next(seconds)
+    for tag in range(5, 10):            # all at once: the GPU's queue grows 2 ms (and a copy) a request
+        submit(tag)
+    assert len(gpu.jobs) == 4 and len(cpu.jobs) == 1   # the 5th would end on the GPU after the CPU's 10 ms
+    while gpu.jobs:
+        gpu.run_next(0.002)
+    cpu.run_next(0.010)
+    for tag in range(5, 10):
+        outputs, timings, error = answers[tag]
+        assert error is None and outputs["y"][0, 0] == 2 * tag
+    assert [answers[t][1]["stages"][0]["kind"] for t in range(5, 10)].count("gpu:Fake GPU") == 4

@@ -33,7 +33,7 @@ from ..errors import ModelCacheError, RequestTimeout
 from .batching import LayerToLayer, Pending, make_batcher, parse_policy_spec, profile_predict, request_overhead
 from .perfmodel import PerfModels
 from .scheduler import Task, make_scheduler
-from .workers import StageJob, Worker, parse_groups
+from .workers import GpuWorker, StageJob, Worker, discover_gpus, parse_groups
 
 log = logging.getLogger("modelcache.executor")
 
@@ -103,10 +103,15 @@ def same_shape_rows(a: dict, b: dict) -> bool:
 
 
 class Engine:
-    def __init__(self, settings, perf_path: Path | None, post, clock, worker_factory=None):
+    def __init__(self, settings, perf_path: Path | None, post, clock, worker_factory=None, gpu_devices=None,
+                 gpu_worker_factory=None):
         # "auto": one group of every core this process may use.
         spec = settings.workers
         self.groups = parse_groups(str(len(os.sched_getaffinity(0))) if spec == "auto" else spec)
+        # GPU workers follow the CPU groups: one per device settings.gpus selects. Tests that make their
+        # own workers get GPUs only when they hand in devices (and, to run nothing, a factory for them).
+        if gpu_devices is None:
+            gpu_devices = [] if worker_factory is not None else discover_gpus(settings.gpus)
         self.scheduler = make_scheduler(settings.scheduler)
         self.settings = settings      # read live: batching, max_batch, t_opt_ms, batch_window_ms, max_queue_delay_ms
         self.policies = parse_policy_spec(settings.batching)
@@ -114,9 +119,13 @@ class Engine:
         self.perf = PerfModels.load(perf_path) if perf_path else PerfModels()
         self.clock = clock
         # worker_factory(id, cores, post): tests give workers that run nothing, to drive the engine by hand.
-        make_worker = worker_factory or Worker
-        self.workers = [make_worker(i, cores, lambda job, err: post(lambda *_: self._worker_done(job, err), None, None))
-                        for i, cores in enumerate(self.groups)]
+        make_worker, make_gpu_worker = worker_factory or Worker, gpu_worker_factory or GpuWorker
+
+        def worker_post(job, err):
+            post(lambda *_: self._worker_done(job, err), None, None)
+
+        self.workers = [make_worker(i, cores, worker_post) for i, cores in enumerate(self.groups)]
+        self.workers += [make_gpu_worker(len(self.workers), device, worker_post) for device in gpu_devices]
         self.outstanding = [0] * len(self.workers)
         self.requests: dict[int, ServeRequest] = {}   # every request not yet answered
         self.queues: dict[str, deque] = {}            # model key -> requests waiting for a batch
@@ -542,7 +551,8 @@ class Engine:
                              "mean_batch": self.batched_samples / self.batches_formed if self.batches_formed else None,
                              "layer_joins": self.layer_joins},
                 "workers": [{"id": w.state.worker_id, "kind": w.state.kind, "cores": w.cores,
-                             "queued": self.outstanding[i]} for i, w in enumerate(self.workers)],
+                             "device": w.state.memory_node, "queued": self.outstanding[i]}
+                            for i, w in enumerate(self.workers)],
                 "served": self.served, "failed": self.failed, "in_flight": len(self.requests),
                 "queued": sum(len(q) for q in self.queues.values()),
                 "latency_ms_p50": statistics.median(lat) if lat else None,

@@ -1,8 +1,13 @@
-"""Worker groups: threads in the daemon, each pinned to its cores, each with its own ORT thread pool.
+"""Workers: CPU groups (threads in the daemon, each pinned to its cores, each with its own ORT
+thread pool) and one GPU worker per CUDA device.
 
 A worker only runs what the owner loop queued for it and posts the result back; it
 owns its sessions (built on first use, over the daemon's read-only mappings of the
-host tier, so stages share weights with every client) and nothing else.
+host tier, so stages share weights with every client) and nothing else. A GPU worker is
+the same thread, queue and session cache; its sessions run on its device's CUDA
+execution provider, which copies the shared weights to the device once per session
+(a device-resident shared arena is the GPU tier's job, not done here) and each stage's
+inputs and outputs per run.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..errors import ModelCacheError
 from .scheduler import WorkerState
 
 log = logging.getLogger("modelcache.executor")
@@ -49,7 +55,47 @@ class StageJob:
     result: dict = field(default_factory=dict)
 
 
+def select_gpus(spec: str, devices: list, cuda_provider: bool) -> list:
+    """The devices that get a GPU worker. spec: "auto" (every device, when onnxruntime has the CUDA
+    execution provider), "none", or device indices "0,1" (each must exist, and the provider too)."""
+    spec = str(spec).strip().lower()
+    if spec in ("none", "", "off"):
+        return []
+    if spec == "auto":
+        if devices and not cuda_provider:
+            log.warning("%d CUDA device(s) but onnxruntime has no CUDAExecutionProvider: serving on CPU only "
+                        "(install onnxruntime-gpu, the [gpu] extra)", len(devices))
+        return list(devices) if cuda_provider else []
+    try:
+        wanted = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"gpus={spec!r}: give 'auto', 'none' or device indices such as '0,1'") from None
+    by_index = {d.index: d for d in devices}
+    for i in wanted:
+        if i not in by_index:
+            seen = ", ".join(str(d.index) for d in devices) or "none"
+            raise ValueError(f"gpus={spec!r}: there is no CUDA device {i} (devices here: {seen})")
+    if wanted and not cuda_provider:
+        raise ValueError(f"gpus={spec!r}: onnxruntime has no CUDAExecutionProvider; install onnxruntime-gpu "
+                         "(the [gpu] extra), or set gpus=none")
+    return [by_index[i] for i in wanted]
+
+
+def discover_gpus(spec: str) -> list:
+    """select_gpus over this machine's devices; onnxruntime is asked only when a device exists."""
+    from ..tiers import gpu
+
+    devices = gpu.probe() if str(spec).strip().lower() not in ("none", "", "off") else []
+    cuda_provider = False
+    if devices:
+        import onnxruntime as ort
+        cuda_provider = "CUDAExecutionProvider" in ort.get_available_providers()
+    return select_gpus(spec, devices, cuda_provider)
+
+
 class Worker:
+    """A CPU worker group."""
+
     def __init__(self, worker_id: int, cores: list[int], post):
         self.state = WorkerState(worker_id, kind=f"cpu{len(cores)}")
         self.cores = cores
@@ -70,11 +116,14 @@ class Worker:
         """Forget sessions of an evicted model (they map segments that are being freed)."""
         self.queue.put(("drop", model_key))
 
-    def _loop(self) -> None:
+    def _pin(self) -> None:
         try:
             os.sched_setaffinity(0, self.cores)  # this thread; ORT's pool threads, created here, inherit it
         except OSError as e:
             log.warning("worker %d: cannot pin to cores %s: %s", self.state.worker_id, self.cores, e)
+
+    def _loop(self) -> None:
+        self._pin()
         while True:
             job = self.queue.get()
             if job is None:
@@ -111,8 +160,44 @@ class Worker:
             from ..session_options import attach_session_options, bind_weights
 
             so = attach_session_options(spinning=False)
-            so.intra_op_num_threads = len(self.cores)
+            so.intra_op_num_threads = max(1, len(self.cores))
             maps, values = bind_weights(so, job.segments, job.tensors)
-            sess = ort.InferenceSession(job.skeleton, so, providers=["CPUExecutionProvider"])
+            sess = ort.InferenceSession(job.skeleton, so, providers=self._providers())
+            self._check_session(sess)
             self.sessions[key] = (sess, maps, values)
         return self.sessions[key][0]
+
+    def _providers(self) -> list:
+        return ["CPUExecutionProvider"]
+
+    def _check_session(self, sess) -> None:
+        """A CPU session is always what was asked for."""
+
+
+def gpu_kind(device) -> str:
+    """Performance-model class of a device: its model name ('|' separates fields in the saved models)."""
+    return "gpu:" + device.name.replace("|", "/")
+
+
+class GpuWorker(Worker):
+    """One per CUDA device; see the module's docstring for what runs where."""
+
+    def __init__(self, worker_id: int, device, post):
+        super().__init__(worker_id, [], post)
+        self.device = device
+        # Inputs live in host memory: dmda counts their copy to the device (memory_node) as a transfer.
+        self.state = WorkerState(worker_id, kind=gpu_kind(device), memory_node=device.uuid)
+
+    def _pin(self) -> None:
+        """Not pinned: its CPU work is launching kernels and copies, wherever the OS finds room."""
+
+    def _providers(self) -> list:
+        return [("CUDAExecutionProvider", {"device_id": self.device.index}), "CPUExecutionProvider"]
+
+    def _check_session(self, sess) -> None:
+        # ORT falls back to the CPU, with only a warning, when the CUDA provider cannot start: a GPU
+        # worker that silently ran on the CPU would corrupt its performance models and the placements.
+        if sess.get_providers()[0] != "CUDAExecutionProvider":
+            raise ModelCacheError(f"GPU worker {self.state.worker_id}: onnxruntime could not start the CUDA "
+                                  f"execution provider on device {self.device.index} ({self.device.name}); "
+                                  f"it offers {sess.get_providers()}")

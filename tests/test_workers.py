@@ -1,0 +1,88 @@
+"""Workers: which GPUs get one, and the real worker classes running real stage sessions.
+
+The GPU worker's session code runs here too: without a CUDA provider it must refuse,
+clearly, rather than run on the CPU under a GPU's name. Where a GPU and onnxruntime-gpu
+exist, the last test runs a stage on it and compares with the CPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from modelcache import zoo
+from modelcache.errors import ModelCacheError
+from modelcache.executor.workers import GpuWorker, StageJob, Worker, discover_gpus, gpu_kind, select_gpus
+from modelcache.packing import pack
+from modelcache.tiers.gpu import GpuDevice
+
+A = GpuDevice(0, "GPU-aaaa", "Fake A100", 40 << 30)
+B = GpuDevice(1, "GPU-bbbb", "Fake|H100", 80 << 30)
+
+
+def test_select_gpus_by_setting():
+    assert select_gpus("auto", [A, B], cuda_provider=True) == [A, B]
+    assert select_gpus("auto", [A, B], cuda_provider=False) == []   # warned: CPU only
+    assert select_gpus("auto", [], cuda_provider=False) == []
+    assert select_gpus("none", [A, B], cuda_provider=True) == []
+    assert select_gpus("1", [A, B], cuda_provider=True) == [B]
+    with pytest.raises(ValueError, match="no CUDA device 2 .devices here: 0, 1"):
+        select_gpus("0,2", [A, B], cuda_provider=True)
+    with pytest.raises(ValueError, match="no CUDA device 0 .devices here: none"):
+        select_gpus("0", [], cuda_provider=False)
+    with pytest.raises(ValueError, match="no CUDAExecutionProvider"):
+        select_gpus("0", [A], cuda_provider=False)
+    with pytest.raises(ValueError, match="'auto', 'none' or device indices"):
+        select_gpus("first", [A], cuda_provider=True)
+    assert gpu_kind(B) == "gpu:Fake/H100"   # '|' separates the saved performance models' fields
+
+
+def test_discover_gpus_is_clean_on_any_machine():
+    found = discover_gpus("auto")
+    assert all(isinstance(d, GpuDevice) for d in found)
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        assert found == []
+    assert discover_gpus("none") == []
+
+
+def stage_job(tmp_path, src: str) -> tuple[StageJob, dict]:
+    """The whole of a packed model as one stage job over its weights file, as the daemon builds it."""
+    manifest = pack(src, tmp_path / "repo", "m", 1)
+    model_dir = tmp_path / "repo" / "m" / "1"
+    tensors = [[t.name, t.dtype, t.shape, 0, t.offset, t.nbytes] for t in manifest.tensors]
+    feeds = zoo.sample_inputs(src)
+    job = StageJob(1, "m@1", 0, str(model_dir / "model.onnx"), [str(model_dir / "weights.bin")], tensors,
+                   feeds, [o.name for o in manifest.outputs], None)
+    return job, feeds
+
+
+def test_cpu_worker_runs_a_stage_like_plain_ort(tmp_path, zoo_file):
+    src = zoo_file("tiny-cnn")
+    job, feeds = stage_job(tmp_path, src)
+    worker = Worker(0, [0], post=None)
+    assert not worker.can_run_inline(job)          # no session yet: the loop must not build one
+    assert worker.run(job) is None and worker.can_run_inline(job)
+    [want] = ort.InferenceSession(src, providers=["CPUExecutionProvider"]).run(None, feeds)
+    np.testing.assert_allclose(job.result["outputs"][job.outputs[0]], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" in ort.get_available_providers(),
+                    reason="onnxruntime has the CUDA provider here: the refusal cannot be shown")
+def test_gpu_worker_without_a_cuda_provider_refuses_clearly(tmp_path, zoo_file):
+    job, _ = stage_job(tmp_path, zoo_file("tiny-cnn"))
+    worker = GpuWorker(3, A, post=None)
+    assert worker.state.kind == "gpu:Fake A100" and worker.state.memory_node == "GPU-aaaa"
+    error = worker.run(job)   # ORT itself would quietly fall back to the CPU
+    assert isinstance(error, ModelCacheError) and "could not start the CUDA execution provider" in str(error)
+    assert not worker.sessions and not worker.can_run_inline(job)
+
+
+@pytest.mark.skipif(not discover_gpus("auto"), reason="no CUDA device with onnxruntime-gpu here")
+def test_gpu_worker_runs_a_stage_on_its_device(tmp_path, zoo_file):
+    src = zoo_file("tiny-cnn")
+    job, feeds = stage_job(tmp_path, src)
+    worker = GpuWorker(1, discover_gpus("auto")[0], post=None)
+    assert worker.run(job) is None
+    [want] = ort.InferenceSession(src, providers=["CPUExecutionProvider"]).run(None, feeds)
+    np.testing.assert_allclose(job.result["outputs"][job.outputs[0]], want, rtol=1e-3, atol=1e-4)
