@@ -15,7 +15,8 @@ and how well the performance models predict.
    serve path pays on this machine at that moment.
 2. Throughput: ResNet-50 split into 2 stages, closed loop from --clients threads for
    --seconds, under worker groups "2" (one group of 2 threads) and "1,1" (two groups of
-   1), each with the eager and the dmda scheduler.
+   1), each with the eager and the dmda scheduler; CPU only, and where a GPU with
+   onnxruntime-gpu exists, also "2+gpu" (the 2-thread group beside a worker per GPU).
 3. Prediction error: the daemon's median |predicted - measured| / measured over the
    stage times it predicted before running them, per configuration.
 """
@@ -93,7 +94,7 @@ def overhead(tmp: Path, src: str, calls: int) -> dict:
     from .. import zoo
     from ..client.connection import connect
 
-    _daemon_env(workers="1", scheduler="dmda")
+    _daemon_env(workers="1", gpus="none", scheduler="dmda")
     socket = f"ipc://{tmp}/overhead.sock"
     feeds = zoo.sample_inputs(src)
     local = _plain_session(src)
@@ -165,28 +166,42 @@ def overhead(tmp: Path, src: str, calls: int) -> dict:
     return {"rows": rows, "list_rpc_p50_ms": statistics.median(list_ms)}
 
 
-def throughput(tmp: Path, src: str, workers: str, scheduler: str, seconds: float, clients: int) -> dict:
+def layouts() -> list[tuple[str, str]]:
+    """(CPU worker groups, gpus setting) to measure: 1 group of 2 threads and 2 of 1, CPU only, so the
+    figures compare across machines; and where a GPU and onnxruntime-gpu exist, the 2-thread group
+    beside the GPU workers."""
+    from ..executor.workers import discover_gpus
+
+    return [("2", "none"), ("1,1", "none")] + ([("2", "auto")] if discover_gpus("auto") else [])
+
+
+def throughput(tmp: Path, src: str, workers: str, scheduler: str, seconds: float, clients: int,
+               gpus: str = "none") -> dict:
     from .. import zoo
     from ..client.connection import connect
 
-    _daemon_env(workers=workers, scheduler=scheduler, state_dir=tmp / f"state-{workers}-{scheduler}")
+    label = workers if gpus == "none" else f"{workers}+gpu"
+    _daemon_env(workers=workers, gpus=gpus, scheduler=scheduler, state_dir=tmp / f"state-{label}-{scheduler}")
     socket = f"ipc://{tmp}/tp.sock"
     feeds = zoo.sample_inputs(src)
+    # For GPU workers, a model packed with the basic optimizations only: the CPU-specific fused and
+    # layout ops of the 'all' level would stay on the CPU.
+    name, opt_level = ("r50", None) if gpus == "none" else ("r50-basic", "basic")
     with managed_daemon(socket, str(tmp / "repo")), connect(socket) as c:
-        if not any(m["name"] == "r50" for m in c.list()):
-            c.add(src, "r50")
-            c.partition("r50", stages=2)
+        if not any(m["name"] == name for m in c.list()):
+            c.add(src, name, opt_level=opt_level)
+            c.partition(name, stages=2)
         conns = [connect(socket) for _ in range(clients)]
         for conn in conns:                     # calibrate every (stage, worker kind) first
             for _ in range(3):
-                conn.infer("r50", feeds)
+                conn.infer(name, feeds)
         latencies: list[float] = []
         stop_at = time.perf_counter() + seconds
 
         def loop(conn):
             while time.perf_counter() < stop_at:
                 t = time.perf_counter()
-                conn.infer("r50", feeds)
+                conn.infer(name, feeds)
                 latencies.append((time.perf_counter() - t) * 1e3)
 
         t0 = time.perf_counter()
@@ -199,7 +214,7 @@ def throughput(tmp: Path, src: str, workers: str, scheduler: str, seconds: float
         ex = c.stats().executor
         for conn in conns:
             conn.close()
-    return {"workers": workers, "scheduler": scheduler, "requests": len(latencies),
+    return {"workers": label, "scheduler": scheduler, "requests": len(latencies),
             "throughput_rps": len(latencies) / elapsed, "p50_ms": statistics.median(latencies),
             "prediction_error_median": ex["perf_models"]["median_error"],
             "predictions_checked": ex["perf_models"]["predictions_checked"]}
@@ -255,11 +270,12 @@ def main(argv=None) -> int:
         try:
             res = {"overhead": overhead(tmp, paths[args.tiny], args.calls), "clients": args.clients,
                    "seconds": args.seconds, "throughput": []}
-            for workers in () if args.overhead_only else ("2", "1,1"):
+            for workers, gpus in () if args.overhead_only else layouts():
                 for scheduler in ("eager", "dmda"):
-                    print(f"throughput: workers={workers} scheduler={scheduler} ...", file=sys.stderr, flush=True)
+                    print(f"throughput: workers={workers} gpus={gpus} scheduler={scheduler} ...", file=sys.stderr,
+                          flush=True)
                     res["throughput"].append(throughput(tmp, paths[args.model], workers, scheduler,
-                                                        args.seconds, args.clients))
+                                                        args.seconds, args.clients, gpus))
         finally:
             for k in [k for k in os.environ if k.startswith("MODELCACHE_")]:
                 del os.environ[k]
