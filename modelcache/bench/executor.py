@@ -12,7 +12,9 @@ and how well the performance models predict.
                    each call (on a VM, an idle CPU that must be woken costs real time).
    For scale, the same is measured against "floor": a minimal server on a lane socket
    (msgpack in, plain ORT, msgpack out; no engine, checks or timings): what any Python
-   serve path pays on this machine at that moment.
+   serve path pays on this machine at that moment. Over the back-to-back blocks, the CPU
+   time the server process and the client process used per call is summed too: the work
+   done, apart from how long the machine took to wake either side.
 2. Throughput: ResNet-50 split into 2 stages, closed loop from --clients threads for
    --seconds, under worker groups "2" (one group of 2 threads) and "1,1" (two groups of
    1), each with the eager and the dmda scheduler; CPU only, and where a GPU with
@@ -90,6 +92,21 @@ class FloorClient:
         self.proc.wait(10)
 
 
+def _cpu_s(pid: int) -> float | None:
+    """CPU seconds the threads of a process have run so far: Linux's schedstat, in nanoseconds (its
+    /proc/PID/stat counts 10 ms ticks, coarser than a block of calls); None where there is none."""
+    total = 0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+            except FileNotFoundError:
+                pass    # a thread that ended; its time is lost, and threads do not end mid-benchmark
+    except (OSError, ValueError, IndexError):
+        return None
+    return total / 1e9
+
+
 def overhead(tmp: Path, src: str, calls: int) -> dict:
     from .. import zoo
     from ..client.connection import connect
@@ -128,6 +145,10 @@ def overhead(tmp: Path, src: str, calls: int) -> dict:
             floor.infer(feeds)
             local.run(None, feeds)
         clients = {"lane": lane_c, "zmq": zmq_c, "floor": floor}
+        # CPU used per call by the server process and by this one, over the back-to-back blocks: work
+        # done, apart from how long the machine took to wake anyone up.
+        server_pid = {"lane": lane_c.stats().pid, "zmq": zmq_c.stats().pid, "floor": floor.proc.pid}
+        cpu = {tr: {"server_s": 0.0, "client_s": 0.0, "calls": 0} for tr in clients}
         samples = {(tr, pat): {"serve": [], "local": [], "daemon": [], "run": [], "handoff": [], "inline": []}
                    for tr in clients for pat in ("back-to-back", "alternating")}
         list_ms: list[float] = []
@@ -135,8 +156,14 @@ def overhead(tmp: Path, src: str, calls: int) -> dict:
             for (transport, pattern), s in samples.items():
                 client = clients[transport]
                 if pattern == "back-to-back":
+                    server_0, client_0 = _cpu_s(server_pid[transport]), time.process_time()
                     for _ in range(OVERHEAD_BLOCK):
                         run_served(client, s)
+                    server_1, c = _cpu_s(server_pid[transport]), cpu[transport]
+                    if server_0 is not None and server_1 is not None:
+                        c["server_s"] += server_1 - server_0
+                        c["client_s"] += time.process_time() - client_0
+                        c["calls"] += OVERHEAD_BLOCK
                     for _ in range(OVERHEAD_BLOCK):
                         run_local(s["local"])
                 else:
@@ -163,7 +190,9 @@ def overhead(tmp: Path, src: str, calls: int) -> dict:
                     "breakdown_ms": {"stage_run": med["run"], "handoffs": med["handoff"],
                                      "engine_bookkeeping": med["daemon"] - med["run"] - med["handoff"],
                                      "messaging_outside_engine": med["serve"] - med["daemon"]}})
-    return {"rows": rows, "list_rpc_p50_ms": statistics.median(list_ms)}
+    cpu_us = {tr: {"server": c["server_s"] / c["calls"] * 1e6, "client": c["client_s"] / c["calls"] * 1e6}
+              for tr, c in cpu.items() if c["calls"]}
+    return {"rows": rows, "list_rpc_p50_ms": statistics.median(list_ms), "cpu_us_per_call": cpu_us}
 
 
 def layouts() -> list[tuple[str, str]]:
@@ -234,6 +263,9 @@ def report(res: dict, out=sys.stdout) -> None:
         print(f"{r['transport']:<10} {r['pattern']:<13} {served:>15} {r['local_p50_ms']:>11.3f} "
               f"{r['overhead_p50_ms']:>7.3f} {inline:>7}   {where}", file=out)
     print(f"a bare `list` round trip over ZeroMQ: {o['list_rpc_p50_ms']:.3f} ms", file=out)
+    if o.get("cpu_us_per_call"):
+        print("CPU per call, back to back (us; server process / client process): " + ", ".join(
+            f"{tr} {c['server']:.0f} / {c['client']:.0f}" for tr, c in o["cpu_us_per_call"].items()), file=out)
     print(f"\nResNet-50 in 2 stages, {res['clients']} closed-loop clients, {res['seconds']:.0f} s each:", file=out)
     print(f"{'workers':<8} {'scheduler':<10} {'req/s':>7} {'p50 ms':>8} {'pred. error (median)':>21} {'checked':>8}",
           file=out)
