@@ -308,3 +308,41 @@ def test_gpu_workers_follow_the_cpu_groups_and_dmda_weighs_them_by_calibrated_sp
         outputs, timings, error = answers[tag]
         assert error is None and outputs["y"][0, 0] == 2 * tag
     assert [answers[t][1]["stages"][0]["kind"] for t in range(5, 10)].count("gpu:Fake GPU") == 4
+
+
+class BrokenGpuWorker(FakeGpuWorker):
+    """A GPU worker whose device will not start: every run is a WorkerUnavailable."""
+
+    def run(self, job, seconds: float = 0.01):
+        from modelcache.executor.workers import WorkerUnavailable
+        job.worker_id = self.state.worker_id
+        return WorkerUnavailable("device 0 would not start")
+
+
+def test_a_worker_that_cannot_start_is_taken_out_and_its_stage_runs_elsewhere():
+    from modelcache.tiers.gpu import GpuDevice
+    answers = {}
+    engine = Engine(Settings(socket="ipc:///unused", repository="/unused", workers="1", scheduler="dmda",
+                             inline_run_ms=0), None, post=lambda fn, r, e: fn(r, e), clock=lambda: 0.0,
+                    worker_factory=FakeWorker, gpu_devices=[GpuDevice(0, "GPU-1234", "Fake GPU", 1 << 30)],
+                    gpu_worker_factory=BrokenGpuWorker)
+    cpu, gpu = engine.workers
+
+    def submit(tag):
+        def finish(outputs, timings, error):
+            answers[tag] = (outputs, timings, error)
+        engine.submit(ServeRequest("m@1", ONE_STAGE, [], {"x": np.full((1, 1), tag, np.float32)}, None, 0.0,
+                                   None, finish, samples=1, batchable=True))
+
+    for tag in (1, 2):                  # calibrate the CPU group
+        submit(tag)
+        cpu.run_next()
+    submit(3)                           # dmda explores the GPU worker: it fails, and is taken out ...
+    assert len(gpu.jobs) == 1
+    gpu.run_next()
+    assert 3 not in answers and len(cpu.jobs) == 1   # ... and the stage goes to the CPU instead
+    cpu.run_next()
+    assert answers[3][2] is None and answers[3][0]["y"][0, 0] == 6
+    submit(4)                           # never the GPU again
+    assert not gpu.jobs and len(cpu.jobs) == 1
+    assert engine.describe()["workers"][1]["disabled"] == "device 0 would not start"

@@ -12,8 +12,8 @@ import onnxruntime as ort
 import pytest
 
 from modelcache import zoo
-from modelcache.errors import ModelCacheError
-from modelcache.executor.workers import GpuWorker, StageJob, Worker, discover_gpus, gpu_kind, select_gpus
+from modelcache.executor.workers import (GpuWorker, StageJob, Worker, WorkerUnavailable, discover_gpus, gpu_kind,
+                                         select_gpus)
 from modelcache.packing import pack
 from modelcache.tiers.gpu import GpuDevice
 
@@ -74,7 +74,7 @@ def test_gpu_worker_without_a_cuda_provider_refuses_clearly(tmp_path, zoo_file):
     worker = GpuWorker(3, A, post=None)
     assert worker.state.kind == "gpu:Fake A100" and worker.state.memory_node == "GPU-aaaa"
     error = worker.run(job)   # ORT itself would quietly fall back to the CPU
-    assert isinstance(error, ModelCacheError) and "could not start the CUDA execution provider" in str(error)
+    assert isinstance(error, WorkerUnavailable) and "could not start the CUDA execution provider" in str(error)
     assert not worker.sessions and not worker.can_run_inline(job)
 
 

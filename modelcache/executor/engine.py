@@ -33,7 +33,7 @@ from ..errors import ModelCacheError, RequestTimeout
 from .batching import LayerToLayer, Pending, make_batcher, parse_policy_spec, profile_predict, request_overhead
 from .perfmodel import PerfModels
 from .scheduler import Task, make_scheduler
-from .workers import GpuWorker, StageJob, Worker, discover_gpus, parse_groups
+from .workers import GpuWorker, StageJob, Worker, WorkerUnavailable, discover_gpus, parse_groups
 
 log = logging.getLogger("modelcache.executor")
 
@@ -126,6 +126,8 @@ class Engine:
 
         self.workers = [make_worker(i, cores, worker_post) for i, cores in enumerate(self.groups)]
         self.workers += [make_gpu_worker(len(self.workers), device, worker_post) for device in gpu_devices]
+        self.disabled: dict[int, str] = {}      # worker id -> why it takes no more stages (WorkerUnavailable)
+        self.placeable = [w.state for w in self.workers]   # what the scheduler may choose from
         self.outstanding = [0] * len(self.workers)
         self.requests: dict[int, ServeRequest] = {}   # every request not yet answered
         self.queues: dict[str, deque] = {}            # model key -> requests waiting for a batch
@@ -366,7 +368,7 @@ class Engine:
                 w.state.free_at = now
         task = Task(batch.batch_id, req.model_key, batch.stage, batch.samples,
                     sum(getattr(v, "nbytes", 0) for v in inputs.values()), arrival=now)
-        [placement] = self.scheduler.place([task], [w.state for w in self.workers], now, self.perf.predict)
+        [placement] = self.scheduler.place([task], self.placeable, now, self.perf.predict)
         worker = self.workers[placement.worker_id]
         self.outstanding[placement.worker_id] += 1
         job = StageJob(batch.batch_id, req.model_key, batch.stage, spec["skeleton"], req.segments,
@@ -429,11 +431,21 @@ class Engine:
         self.outstanding[job.worker_id] -= 1
         batch = self.batches.get(job.batch_id)
         if batch is not None:
-            if error is not None:
+            if isinstance(error, WorkerUnavailable) and self._disable(job.worker_id, error):
+                self._run_stage(batch)      # the same stage again, on a worker that can run it
+            elif error is not None:
                 self._fail(batch, self._stage_error(job, error))
             else:
                 self._advance(batch, job, inline)
         self._form_batches()
+
+    def _disable(self, worker_id: int, error: Exception) -> bool:
+        """Place no more stages on a worker that cannot run any; True while another worker can."""
+        if worker_id not in self.disabled:
+            self.disabled[worker_id] = str(error)
+            self.placeable = [w.state for w in self.workers if w.state.worker_id not in self.disabled]
+            log.warning("worker %d takes no more stages: %s", worker_id, error)
+        return bool(self.placeable)
 
     @staticmethod
     def _stage_error(job: StageJob, error: Exception) -> ModelCacheError:
@@ -551,7 +563,8 @@ class Engine:
                              "mean_batch": self.batched_samples / self.batches_formed if self.batches_formed else None,
                              "layer_joins": self.layer_joins},
                 "workers": [{"id": w.state.worker_id, "kind": w.state.kind, "cores": w.cores,
-                             "device": w.state.memory_node, "queued": self.outstanding[i]}
+                             "device": w.state.memory_node, "queued": self.outstanding[i],
+                             "disabled": self.disabled.get(w.state.worker_id)}
                             for i, w in enumerate(self.workers)],
                 "served": self.served, "failed": self.failed, "in_flight": len(self.requests),
                 "queued": sum(len(q) for q in self.queues.values()),

@@ -55,6 +55,11 @@ class StageJob:
     result: dict = field(default_factory=dict)
 
 
+class WorkerUnavailable(ModelCacheError):
+    """The worker cannot run stages at all (its device would not start): the engine places no more
+    stages on it and runs this one elsewhere."""
+
+
 def select_gpus(spec: str, devices: list, cuda_provider: bool) -> list:
     """The devices that get a GPU worker. spec: "auto" (every device, when onnxruntime has the CUDA
     execution provider), "none", or device indices "0,1" (each must exist, and the provider too)."""
@@ -195,9 +200,11 @@ class GpuWorker(Worker):
         return [("CUDAExecutionProvider", {"device_id": self.device.index}), "CPUExecutionProvider"]
 
     def _check_session(self, sess) -> None:
-        # ORT falls back to the CPU, with only a warning, when the CUDA provider cannot start: a GPU
-        # worker that silently ran on the CPU would corrupt its performance models and the placements.
+        # ORT falls back to the CPU, with only a warning, when the CUDA provider cannot start (no
+        # driver, a missing CUDA or cuDNN library): a GPU worker that silently ran on the CPU would
+        # corrupt its performance models and the placements. Provider start does not depend on the
+        # model, so this worker is done for.
         if sess.get_providers()[0] != "CUDAExecutionProvider":
-            raise ModelCacheError(f"GPU worker {self.state.worker_id}: onnxruntime could not start the CUDA "
-                                  f"execution provider on device {self.device.index} ({self.device.name}); "
-                                  f"it offers {sess.get_providers()}")
+            raise WorkerUnavailable(f"GPU worker {self.state.worker_id}: onnxruntime could not start the CUDA "
+                                    f"execution provider on device {self.device.index} ({self.device.name}); "
+                                    f"it offers {sess.get_providers()}")
