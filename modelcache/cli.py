@@ -163,9 +163,11 @@ def format_status(st) -> str:
         b = ex.get("batching", {})
         p50, p99 = ex.get("latency_ms_p50"), ex.get("latency_ms_p99")
         policies = ", ".join(f"{k}={v}" for k, v in b.get("policies", {}).items())
+        workers = ", ".join(w["kind"] + (" (out of service: see the log)" if w.get("disabled") else "")
+                            for w in ex.get("workers", [])) or "no workers"
         print(f"serve: {ex.get('served', 0)} served, {ex.get('failed', 0)} failed, {ex.get('in_flight', 0)} in flight "
               f"({ex.get('queued', 0)} queued)" + (f", p50 {p50:.1f} ms, p99 {p99:.1f} ms" if p50 is not None else "")
-              + f"; {ex.get('scheduler')} over " + (", ".join(w["kind"] for w in ex.get("workers", [])) or "no workers")
+              + f"; {ex.get('scheduler')} over {workers}"
               + ("" if ex.get("lane_connections") is None else f"; {ex['lane_connections']} on the serve lane"),
               file=out)
         mean = b.get("mean_batch")

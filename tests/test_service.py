@@ -143,7 +143,8 @@ def test_status_is_one_readable_screen(daemon, client, zoo_file):
     row = next(line for line in lines if line.startswith("cnn "))
     assert row.split()[:2] == ["cnn", "1"] and "host" in row and "resident" in row
     assert any("clients" in line for line in lines)
-    assert any(line.startswith("serve: 1 served, 0 failed") for line in lines)
+    serve = next(line for line in lines if line.startswith("serve: "))
+    assert serve.startswith("serve: 1 served, 0 failed") and " over cpu" in serve   # the worker kinds
     assert any(line.startswith("batching: *=serial; 1 batches") for line in lines)
 
 
