@@ -289,7 +289,7 @@ def cmd_demo(args) -> int:
     return demo(args)
 
 
-BENCHMARKS = ("coldstart", "open", "tiers", "executor", "serve", "transport", "binding")  # modules of modelcache.bench
+BENCHMARKS = ("coldstart", "open", "tiers", "executor", "serve", "transport", "binding", "servepath")  # modules of modelcache.bench
 
 
 def cmd_bench(args) -> int:

@@ -81,3 +81,12 @@ def test_serve_bench_quick_sweeps_bisects_and_writes_csv_and_plots(tmp_path):
     assert results["models"]["tiny-cnn"]["profile"]["n_opt"] >= 1
     for png in ("tiny-cnn-latency.png", "tiny-cnn-bars.png"):
         assert (out / png).stat().st_size > 1000
+
+
+def test_servepath_splits_a_served_call(tmp_path):
+    text = run("servepath", "--calls", "50", "--profile", "--out", str(tmp_path))
+    assert "client Python" in text and "daemon handling" in text
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert 0 < res["ort_run_us"] < res["daemon_handling_us"] < res["served_us"]
+    assert res["client_python_us"] > 0 and res["daemon_top"]
+    assert any("_run_express" in row["where"] or "submit" in row["where"] for row in res["daemon_top"])
