@@ -79,14 +79,16 @@ class ServeHandlers:
         model.refcount += 1  # a request in flight holds the model like a lease: it is not evicted under it
 
         def finish(result, timings, error):
-            maps.clear()  # the input mappings go with the request
-            model.refcount -= 1
-            self._after_release(model)
-            if error is not None:
-                self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
-            else:
-                wire, _ = tensors.encode(result, inline_only=True)
-                self._reply(ident, P.InferReply(req_id=msg.req_id, outputs=wire, timings=timings))
+            try:  # the answer first: releasing the request's hold is bookkeeping the client need not wait for
+                if error is not None:
+                    self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
+                else:
+                    wire, _ = tensors.encode(result, inline_only=True)
+                    self._reply(ident, P.InferReply(req_id=msg.req_id, outputs=wire, timings=timings))
+            finally:
+                maps.clear()  # the input mappings go with the request
+                model.refcount -= 1
+                self._after_release(model)
 
         def start(error, hit):
             if error is not None:

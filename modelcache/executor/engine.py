@@ -253,9 +253,10 @@ class Engine:
         if error is not None:
             self._finish(req, None, self._stage_error(job, error))
             return True
-        req.timings["stages"].append(self._record_stage(job, worker, req.samples, inline=True))
+        req.timings["stages"].append(self._stage_entry(job, worker, req.samples, inline=True))
         outputs = job.result["outputs"]
         self._finish(req, {n: outputs[n] for n in req.output_names or spec["outputs"]}, None)
+        self._record_stage(job, worker, req.samples)   # after the answer, which does not need it
         return True
 
     def _starts_alone(self, req: ServeRequest) -> bool:
@@ -452,10 +453,13 @@ class Engine:
         return error if isinstance(error, ModelCacheError) else \
             ModelCacheError(f"stage {job.stage} failed: {str(error)[:500]}")
 
-    def _record_stage(self, job: StageJob, worker, samples: int, inline: bool) -> dict:
-        """Calibrate the performance model with a finished stage; returns its timings entry."""
+    def _record_stage(self, job: StageJob, worker, samples: int) -> None:
+        """Calibrate the performance model with a finished stage (and check the prediction it had)."""
+        self.perf.record(job.model_key, job.stage, worker.state.kind, samples, job.result["run_s"], job.predicted_s)
+
+    def _stage_entry(self, job: StageJob, worker, samples: int, inline: bool) -> dict:
+        """A finished stage's line in its requests' timings."""
         run_s = job.result["run_s"]
-        self.perf.record(job.model_key, job.stage, worker.state.kind, samples, run_s, job.predicted_s)
         done_at = self.clock()
         return {"stage": job.stage, "worker": worker.state.worker_id, "kind": worker.state.kind,
                 "batch": samples, "wait_ms": max(0.0, (done_at - job.queued_at - run_s) * 1e3),
@@ -463,7 +467,9 @@ class Engine:
                 "predicted_ms": None if job.predicted_s is None else job.predicted_s * 1e3}
 
     def _advance(self, batch: Batch, job: StageJob, inline: bool) -> None:
-        entry = self._record_stage(job, self.workers[job.worker_id], batch.samples, inline)
+        worker = self.workers[job.worker_id]
+        self._record_stage(job, worker, batch.samples)
+        entry = self._stage_entry(job, worker, batch.samples, inline)
         for m in batch.members:
             m.timings["stages"].append(entry)
         batch.data.update(job.result["outputs"])
@@ -545,13 +551,13 @@ class Engine:
         req.timings["total_ms"] = total_ms
         req.timings["queue_ms"] = sum(s["wait_ms"] for s in req.timings["stages"])
         if error is None:
+            req.finish(outputs, req.timings, None)   # the answer first: the counters can wait
             self.served += 1
             self.latencies_ms.append(total_ms)
             hist = self.latency_by_model.get(req.model_key)
             if hist is None:
                 hist = self.latency_by_model[req.model_key] = Histogram(INFER_BUCKETS_S)
             hist.observe(total_ms / 1e3)
-            req.finish(outputs, req.timings, None)
         else:
             self.failed += 1
             req.finish(None, req.timings, error)
