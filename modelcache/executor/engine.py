@@ -229,9 +229,9 @@ class Engine:
         """Serve a request here and now, if the general path would run it alone and inline anyway:
         one worker group (nothing to place), a one-stage model, no deadline, and a stage that may
         run on the owner loop (_may_inline). Same run, perf record, timings and answer as the
-        general path, without its Batch, placement and stage bookkeeping, which cost 0.07-0.10 ms
-        of a served tiny-cnn call on this VM (measured by skipping the engine). False: it does not
-        qualify, and nothing was changed."""
+        general path, without its Batch, placement and stage bookkeeping: most of the engine's
+        work per request, which an idle daemon's latency pays in full (`bench servepath --profile`
+        shows the split). False: it does not qualify, and nothing was changed."""
         if len(self.workers) != 1 or len(req.stages) != 1 or req.deadline is not None or self._running_inline:
             return False
         worker, spec = self.workers[0], req.stages[0]
@@ -243,11 +243,9 @@ class Engine:
         try:
             if not (self._may_inline(worker, job) and self._starts_alone(req)):
                 return False
-            self._running_inline = True   # a submit from an answer callback takes the general path
             error = worker.run(job)
         finally:
             self.outstanding[0] -= 1
-            self._running_inline = False
         self.batches_formed += 1
         self.batched_samples += req.samples
         if error is not None:
