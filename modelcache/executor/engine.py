@@ -261,8 +261,8 @@ class Engine:
         """Whether a request that finds the engine idle (nothing queued or in flight) starts at once as
         a batch of one: what _form_batches would decide for it, without a queue to go through.
 
-        The queue costs 12 of the engine's 36 us a request (hot; `bench executor` measured 0.15 ms a
-        request for the whole engine, cold), and a lone request on an idle daemon is the common case
+        Going through the queue (policy head, batch formation, sorting queues) was about a third of
+        the engine's own work per request, and a lone request on an idle daemon is the common case
         of light load. A deadline takes the queue, where _expire_queued answers one that cannot be met."""
         return (req.deadline is None and not self._running_inline and
                 bool(self._batcher(req).decide(self.clock(), [req.pending(self._t_opt_s(req))]).take))
