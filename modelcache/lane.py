@@ -4,9 +4,10 @@ ZeroMQ carries every message through an I/O thread on each end, so a round trip 
 four more threads than a plain socket does. On this project's 2-core VM a bare round trip
 measured 68-127 us against 30-60 us for this socket, by how long the peer slept
 (`modelcache bench transport`, benchmarks/transport). So a daemon listening on
-ipc://PATH also listens on PATH.lane, and a client sends `infer` there; everything else
-(hello, heartbeats, open, admin) stays on ZeroMQ, and a client falls back to ZeroMQ
-when there is no lane (a tcp:// daemon, or one that predates it).
+ipc://PATH also listens on PATH.lane, and a client sends `infer` there (an InferStream
+too, on a connection of its own); everything else (hello, heartbeats, open, admin) stays
+on ZeroMQ, and a client falls back to ZeroMQ when there is no lane (a tcp:// daemon, or
+one that predates it).
 
 A message is the same two parts as on ZeroMQ (kind, msgpack body), framed:
     u8 kind length | u32 body length (little-endian) | kind | body
@@ -128,6 +129,25 @@ class LaneClient:
             remaining_ms = (deadline - time.monotonic()) * 1000
             if remaining_ms <= 0 or not self._poll.poll(remaining_ms):
                 raise TimeoutError
+            data = recv_chunk(self._sock, self._scratch)
+            if not data:
+                raise ConnectionError("the daemon closed the lane")
+            self._reader.feed(data)
+
+    def receive_all(self, deadline: float) -> list[tuple[bytes, bytes]]:
+        """Every whole message there is: waits until the deadline for the first, then takes what else
+        has come without waiting. [] at the deadline; ConnectionError when the daemon is gone."""
+        try:
+            out = [self.receive(deadline)]
+        except TimeoutError:
+            return []
+        while True:
+            message = self._reader.next()
+            if message is not None:
+                out.append(message)
+                continue
+            if not self._poll.poll(0):
+                return out
             data = recv_chunk(self._sock, self._scratch)
             if not data:
                 raise ConnectionError("the daemon closed the lane")

@@ -84,6 +84,28 @@ def test_infer_over_the_lane_and_over_zeromq_agree_with_ort(daemon, zoo_file):
         assert c.infer("cnn", feeds)[0]["logits"].shape == (2, 10)
 
 
+def test_a_stream_of_requests_gets_every_answer_over_the_lane_and_over_zeromq(daemon, zoo_file):
+    from modelcache.client.stream import InferStream
+    src = zoo_file("tiny-cnn")
+    ref = ort.InferenceSession(src, providers=["CPUExecutionProvider"])
+    feeds_list = [zoo.sample_inputs(src, seed=i) for i in range(20)]
+    with daemon.client() as c, daemon.client(lane=False) as z:
+        c.add(src, "cnn")
+        for conn, lanes in ((c, 2), (z, 1)):   # c's stream has a lane of its own; z's uses ZeroMQ
+            with InferStream(conn) as stream:
+                assert conn.stats().executor["lane_connections"] == lanes
+                for i, feeds in enumerate(feeds_list):
+                    stream.send(i, "cnn", tensors.encode(feeds)[0])
+                stream.send(99, "ghost", tensors.encode(feeds_list[0])[0])   # an error is an answer too
+                answers, deadline = {}, time.monotonic() + 60
+                while len(answers) < 21 and time.monotonic() < deadline:
+                    for req_id, wire, _, error in stream.receive(1000):
+                        answers[req_id] = error if error is not None else tensors.decode(wire)[0]["logits"]
+            assert "no model named 'ghost'" in str(answers.pop(99))
+            for i, feeds in enumerate(feeds_list):
+                np.testing.assert_allclose(answers[i], ref.run(None, feeds)[0], rtol=1e-4, atol=1e-5)
+
+
 def test_garbage_on_the_lane_costs_that_connection_only(daemon, zoo_file):
     with daemon.client() as c:
         c.add(zoo_file("tiny-cnn"), "cnn")
@@ -128,12 +150,17 @@ def test_a_stopped_daemon_is_a_clear_error_and_leaves_no_lane_file(tmp_path, zoo
     c.add(zoo_file("tiny-cnn"), "cnn")
     feeds = zoo.sample_inputs(zoo_file("tiny-cnn"))
     c.infer("cnn", feeds)
+    from modelcache.client.stream import InferStream
+    stream = InferStream(c)
     assert os.path.exists(path)
     assert d.stop() == 0
     assert not os.path.exists(path)
     t = time.monotonic()
     with pytest.raises(DaemonUnavailable):
         c.infer("cnn", feeds)
-    assert time.monotonic() - t < 5          # not the 60 s request timeout
+    with pytest.raises(DaemonUnavailable):
+        stream.receive(30_000)
+    assert time.monotonic() - t < 5          # not the 60 s request timeout, nor the stream's 30 s
+    stream.close()
     c.close()
     d.kill()

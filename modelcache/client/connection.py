@@ -60,6 +60,11 @@ class Client:
         self._heartbeat.start()
 
     # -- transport ---------------------------------------------------------------------
+    @property
+    def uses_lane(self) -> bool:
+        """Whether serve-mode calls go over the serve lane (else ZeroMQ; see modelcache/lane.py)."""
+        return self._lane is not None
+
     def _connect(self) -> None:
         if self.address.startswith("ipc://") and not os.path.exists(self.address[len("ipc://"):]):
             raise DaemonUnavailable(f"no modelcache daemon at {self.address} (no socket file): start one with "
