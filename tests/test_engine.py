@@ -287,6 +287,11 @@ def test_gpu_workers_follow_the_cpu_groups_and_dmda_weighs_them_by_calibrated_sp
     cpu, gpu = engine.workers
     assert [w["kind"] for w in engine.describe()["workers"]] == ["cpu1", "gpu:Fake GPU"]
     assert engine.describe()["workers"][1]["device"] == "GPU-1234"
+    two = Engine(Settings(socket="ipc:///unused", repository="/unused", workers="1,1"), None, post=None,
+                 clock=lambda: 0.0, worker_factory=FakeWorker, gpu_worker_factory=FakeGpuWorker,
+                 gpu_devices=[GpuDevice(i, f"GPU-{i}", "Fake GPU", 1 << 30) for i in range(2)])
+    assert [(w.state.worker_id, w.state.memory_node) for w in two.workers] == \
+        [(0, "cpu"), (1, "cpu"), (2, "GPU-0"), (3, "GPU-1")]   # ids index the engine's worker list
 
     def submit(tag):
         def finish(outputs, timings, error):

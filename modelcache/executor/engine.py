@@ -125,7 +125,8 @@ class Engine:
             post(lambda *_: self._worker_done(job, err), None, None)
 
         self.workers = [make_worker(i, cores, worker_post) for i, cores in enumerate(self.groups)]
-        self.workers += [make_gpu_worker(len(self.workers), device, worker_post) for device in gpu_devices]
+        self.workers += [make_gpu_worker(i, device, worker_post)
+                         for i, device in enumerate(gpu_devices, start=len(self.workers))]
         self.disabled: dict[int, str] = {}      # worker id -> why it takes no more stages (WorkerUnavailable)
         self.placeable = [w.state for w in self.workers]   # what the scheduler may choose from
         self.outstanding = [0] * len(self.workers)
