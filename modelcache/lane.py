@@ -127,12 +127,8 @@ class LaneClient:
             if message is not None:
                 return message
             remaining_ms = (deadline - time.monotonic()) * 1000
-            if remaining_ms <= 0 or not self._poll.poll(remaining_ms):
+            if remaining_ms <= 0 or not self._read(remaining_ms):
                 raise TimeoutError
-            data = recv_chunk(self._sock, self._scratch)
-            if not data:
-                raise ConnectionError("the daemon closed the lane")
-            self._reader.feed(data)
 
     def receive_all(self, deadline: float) -> list[tuple[bytes, bytes]]:
         """Every whole message there is: waits until the deadline for the first, then takes what else
@@ -145,13 +141,18 @@ class LaneClient:
             message = self._reader.next()
             if message is not None:
                 out.append(message)
-                continue
-            if not self._poll.poll(0):
+            elif not self._read(0):
                 return out
-            data = recv_chunk(self._sock, self._scratch)
-            if not data:
-                raise ConnectionError("the daemon closed the lane")
-            self._reader.feed(data)
+
+    def _read(self, timeout_ms: float) -> bool:
+        """Feed the reader what the socket has within timeout_ms; False when nothing came."""
+        if not self._poll.poll(timeout_ms):
+            return False
+        data = recv_chunk(self._sock, self._scratch)
+        if not data:
+            raise ConnectionError("the daemon closed the lane")
+        self._reader.feed(data)
+        return True
 
     def close(self) -> None:
         self._sock.close()

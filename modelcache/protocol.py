@@ -279,8 +279,6 @@ def encode(msg: Message) -> list[bytes]:
     return [msg.KIND, msgpack.packb(msg.to_dict(), use_bin_type=True)]
 
 
-
-
 def decode(frames: list[bytes], expect: tuple[type, ...] | None = None) -> Any:
     """Two frames -> the message object; ProtocolError says exactly what is wrong."""
     if len(frames) != 2:

@@ -48,6 +48,15 @@ def managed_daemon(socket: str | None = None, repository: str | None = None):
             proc.wait(60)
 
 
+def plain_session(src: str):
+    """The in-process baseline serve mode is measured against: plain ORT on the .onnx file, 1 thread."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+
+
 def serve_one_lane_client(path: str, answer) -> None:
     """A benchmark's stand-in server: listen on the Unix socket `path`, print "ready", take one
     connection and reply to each lane message with answer(body) -> reply body, until the client

@@ -35,7 +35,7 @@ import threading
 import time
 from pathlib import Path
 
-from .common import managed_daemon, save_results
+from .common import managed_daemon, plain_session, save_results
 
 
 def _daemon_env(**settings):
@@ -46,20 +46,13 @@ def _daemon_env(**settings):
 OVERHEAD_BLOCK = 25   # calls per block; blocks of every (transport, pattern) take turns
 
 
-def _plain_session(src: str):
-    import onnxruntime as ort
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
-
-
 def floor_server(path: str, src: str) -> None:
     """The floor's server: one connection, each message a msgpack map name -> [dtype, shape, bytes]."""
     import msgpack
     import numpy as np
     from .common import serve_one_lane_client
 
-    sess = _plain_session(src)
+    sess = plain_session(src)
     names = [o.name for o in sess.get_outputs()]
 
     def answer(body: bytes) -> bytes:
@@ -114,7 +107,7 @@ def overhead(tmp: Path, src: str, calls: int) -> dict:
     _daemon_env(workers="1", gpus="none", scheduler="dmda")
     socket = f"ipc://{tmp}/overhead.sock"
     feeds = zoo.sample_inputs(src)
-    local = _plain_session(src)
+    local = plain_session(src)
 
     def run_local(times):
         t = time.perf_counter()

@@ -70,10 +70,9 @@ def run_daemon(socket: str, repository: str, out: str, profile: bool) -> None:
 
 
 def measure(calls: int, profile: bool) -> dict:
-    import onnxruntime as ort
-
     from .. import zoo
     from ..client.connection import connect
+    from .common import plain_session
 
     with tempfile.TemporaryDirectory(prefix="modelcache-servepath-") as tmp:
         src = os.path.join(tmp, "tiny-cnn.onnx")
@@ -86,9 +85,7 @@ def measure(calls: int, profile: bool) -> dict:
             if not proc.stdout.readline().startswith(b"READY"):
                 raise RuntimeError("the profiled daemon failed to start (see its log above)")
             feeds = zoo.sample_inputs(src)
-            so = ort.SessionOptions()
-            so.intra_op_num_threads = 1
-            local = ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+            local = plain_session(src)
             served, waiting, runs, local_ms = [], [], [], []
             with connect(socket) as client:
                 client.add(src, "tiny")

@@ -384,10 +384,9 @@ class Engine:
 
         Handing a job to a worker thread and its result back costs two thread wake-ups: 0.25 ms a
         request on this 2-core VM by `bench executor` before stages ran inline, more than a tiny
-        model's whole run. So a stage runs
-        inline when it is short (predicted <= inline_run_ms), nothing else is in flight (blocking the
-        loop then delays no other request, and no worker's parallelism is lost), and its worker has
-        built the session (which the loop must never do)."""
+        model's whole run. So a stage runs inline when it is short (predicted <= inline_run_ms),
+        nothing else is in flight (blocking the loop then delays no other request, and no worker's
+        parallelism is lost), and its worker has built the session (which the loop must never do)."""
         limit_s = self.settings.inline_run_ms / 1e3
         return (job.predicted_s is not None and job.predicted_s <= limit_s and sum(self.outstanding) == 1
                 and worker.can_run_inline(job))

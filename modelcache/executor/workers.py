@@ -60,12 +60,16 @@ class WorkerUnavailable(ModelCacheError):
     stages on it and runs this one elsewhere."""
 
 
+def _gpus_off(spec: str) -> bool:
+    return str(spec).strip().lower() in ("none", "", "off")
+
+
 def select_gpus(spec: str, devices: list, cuda_provider: bool) -> list:
     """The devices that get a GPU worker. spec: "auto" (every device, when onnxruntime has the CUDA
     execution provider), "none", or device indices "0,1" (each must exist, and the provider too)."""
-    spec = str(spec).strip().lower()
-    if spec in ("none", "", "off"):
+    if _gpus_off(spec):
         return []
+    spec = str(spec).strip().lower()
     if spec == "auto":
         if devices and not cuda_provider:
             log.warning("%d CUDA device(s) but onnxruntime has no CUDAExecutionProvider: serving on CPU only "
@@ -90,7 +94,7 @@ def discover_gpus(spec: str) -> list:
     """select_gpus over this machine's devices; onnxruntime is asked only when a device exists."""
     from ..tiers import gpu
 
-    devices = gpu.probe() if str(spec).strip().lower() not in ("none", "", "off") else []
+    devices = [] if _gpus_off(spec) else gpu.probe()
     cuda_provider = False
     if devices:
         import onnxruntime as ort
