@@ -5,6 +5,11 @@ Why this shape: ONNX Runtime maps external-data initializers straight from the f
 optimize once, here, and clients later build sessions with every optimizer off over
 the skeleton, whose external data points at the weights blob in shared memory: no
 read, no parse, no copy of weights in the client (see benchmarks/binding).
+
+The GPU variant (`model.gpu.onnx`) is a second skeleton for ORT's CUDA EP: the graph
+after provider-independent rewrites only, each shared weight left as a data-free stub
+that a client overrides with `SessionOptions.add_initializer` over device memory the
+daemon lends. Its weights live in the same blob, deduplicated against the CPU tensors.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ MANIFEST_FORMAT = 1
 SKELETON_FILE = "model.onnx"
 WEIGHTS_FILE = "weights.bin"
 MANIFEST_FILE = "manifest.json"
+GPU_SKELETON_FILE = "model.gpu.onnx"
+# The stubs' external data: a sparse file of zeros that no session reads (add_initializer overrides them).
+GPU_STUB_FILE = "model.gpu.stub"
 # Tensors are page-aligned in the blob: ORT maps each external tensor on its own, and
 # a page-aligned offset maps exactly the tensor's pages (and keeps GPU copies aligned).
 ALIGN = 4096
@@ -35,6 +43,12 @@ ALIGN = 4096
 INLINE_MAX_BYTES = 1024
 OPT_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
               "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
+# Only BASIC rewrites are provider-independent; higher levels (on the CPU build) fuse and lay out for the CPU EP.
+GPU_OPT_LEVEL = "basic"
+# Lent from device memory: floating weights of at least this many elements (GPU.md, "Measured on an H100").
+# Integer tensors stay inline: the CUDA EP reads shape-like inputs (Reshape's shape, Slice's starts) on the host.
+GPU_SHARED_DTYPES = frozenset({TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.FLOAT, TensorProto.DOUBLE})
+GPU_SHARED_MIN_ELEMENTS = 64
 
 Progress = Callable[[int, int], None]  # (bytes_done, bytes_total)
 
@@ -72,6 +86,9 @@ class Manifest:
     stage_cuts: list = field(default_factory=list)   # the tensor crossing each cut
     stages: list = field(default_factory=list)       # {file, inputs, outputs, tensors, cost_share} per stage
     batching: dict = field(default_factory=dict)     # calibration profile of these stages (`modelcache calibrate`)
+    gpu_skeleton: str = ""       # GPU_SKELETON_FILE; "" for models packed before GPU support
+    gpu_opt_level: str = ""      # level of the GPU skeleton's graph: "basic", or "disable" (see _choose_gpu_graph)
+    gpu_tensors: list = field(default_factory=list)  # TensorEntry per stub of the GPU skeleton, offsets into WEIGHTS_FILE
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -82,6 +99,7 @@ class Manifest:
         d["inputs"] = [IOEntry(**e) for e in d["inputs"]]
         d["outputs"] = [IOEntry(**e) for e in d["outputs"]]
         d["tensors"] = [TensorEntry(**e) for e in d["tensors"]]
+        d["gpu_tensors"] = [TensorEntry(**e) for e in d.get("gpu_tensors", [])]
         return cls(**d)
 
     def io_summary(self) -> dict:
@@ -177,6 +195,26 @@ def _tensor_bytes(t: TensorProto, base_dir: Path) -> bytes:
     return onnx.numpy_helper.to_array(t).tobytes()
 
 
+_DATA_FIELDS = ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data")
+
+
+def _tensor_nbytes(t: TensorProto) -> int:
+    nbytes = int(onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize)
+    for d in t.dims:
+        nbytes *= d
+    return nbytes
+
+
+def _point_external(t: TensorProto, location: str, offset: int, nbytes: int) -> None:
+    """Drop the tensor's data and declare it external at `location`[offset:offset+nbytes]."""
+    for fld in _DATA_FIELDS:
+        t.ClearField(fld)
+    del t.external_data[:]
+    t.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", location), ("offset", str(offset)), ("length", str(nbytes))):
+        t.external_data.add(key=k, value=v)
+
+
 def _externalize(optimized: Path, blob_path: Path, progress: Progress | None) -> tuple[onnx.ModelProto, list[TensorEntry], int]:
     """Move every large initializer of every (sub)graph into one page-aligned blob."""
     model = onnx.load(str(optimized), load_external_data=False)
@@ -185,9 +223,7 @@ def _externalize(optimized: Path, blob_path: Path, progress: Progress | None) ->
         for t in graph.initializer:
             if t.data_type == TensorProto.STRING:
                 continue  # strings have no fixed-size raw form; they stay inline
-            nbytes = int(onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize)
-            for d in t.dims:
-                nbytes *= d
+            nbytes = _tensor_nbytes(t)
             if nbytes >= INLINE_MAX_BYTES or t.data_location == TensorProto.EXTERNAL:
                 candidates.append((t, nbytes))
     total = sum(n for _, n in candidates)
@@ -203,19 +239,175 @@ def _externalize(optimized: Path, blob_path: Path, progress: Progress | None) ->
             blob.write(data)
             entries.append(TensorEntry(t.name, onnx.helper.tensor_dtype_to_np_dtype(t.data_type).name,
                                        list(t.dims), offset, nbytes, hashlib.sha256(data).hexdigest()))
-            # Point the skeleton's tensor at the blob.
-            for fld in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
-                t.ClearField(fld)
-            del t.external_data[:]
-            t.data_location = TensorProto.EXTERNAL
-            for k, v in (("location", WEIGHTS_FILE), ("offset", str(offset)), ("length", str(nbytes))):
-                t.external_data.add(key=k, value=v)
+            _point_external(t, WEIGHTS_FILE, offset, nbytes)
             offset += nbytes
             done += nbytes
             if progress:
                 progress(done, total)
         blob.truncate(offset)
     return model, entries, offset
+
+
+def is_gpu_shared_weight(t: TensorProto) -> bool:
+    """Whether an initializer's type and size make it a weight the GPU tier lends (else it stays inline)."""
+    if t.data_type not in GPU_SHARED_DTYPES:
+        return False
+    elements = 1
+    for d in t.dims:
+        elements *= d
+    return elements >= GPU_SHARED_MIN_ELEMENTS
+
+
+def _cpu_only_rewrites(source: onnx.ModelProto, optimized: onnx.ModelProto) -> str | None:
+    """Why the CPU build's optimized graph is unfit for the CUDA EP, or None when it is fit.
+
+    ORT's InsertCastTransformer runs at every level on the CPU build and wraps each op the CPU EP
+    lacks in fp16 between Casts to fp32 (measured on tiny-fp16 at BASIC, ORT 1.32: MatMul, Relu,
+    MatMul became Cast x3, MatMul, Relu, MatMul, Cast; the added nodes are named
+    `InsertedPrecisionFreeCast_<input>`). On a GPU those Casts would run the model in fp32.
+    """
+    def casts(model: onnx.ModelProto) -> list[str]:
+        return [n.name for g in iter_graphs(model.graph) for n in g.node if n.op_type == "Cast"]
+
+    added = len(casts(optimized)) - len(casts(source))
+    named = sum(name.startswith("InsertedPrecisionFreeCast") for name in casts(optimized))
+    if added > 0 or named:
+        return f"ORT inserted {max(added, named)} Cast node(s) for the CPU EP"
+    half = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+    source_types = {t.name: t.data_type for g in iter_graphs(source.graph) for t in g.initializer}
+    widened = [t.name for g in iter_graphs(optimized.graph) for t in g.initializer
+               if source_types.get(t.name) in half and t.data_type != source_types[t.name]]
+    if widened:
+        return f"ORT changed the type of half-precision weights {widened[:3]}"
+    return None
+
+
+@dataclass
+class _GpuGraph:
+    """The graph chosen for the GPU skeleton, before its weights are written."""
+    model: onnx.ModelProto      # loaded without external data
+    base_dir: Path              # where its external data lives
+    opt_level: str              # "basic" or "disable"
+    shared: set                 # names of the initializers that become stubs
+    shared_bytes: int           # their bytes, counted once per name
+
+
+def _choose_gpu_graph(src: str, source: onnx.ModelProto, work: Path, opt_level: str,
+                      cpu_optimized: Path) -> _GpuGraph:
+    """BASIC on the CPU build when its rewrites are provider-independent, else the source graph as it
+    is ("disable"): even ORT_DISABLE_ALL inserts the CPU EP's Casts, so no ORT output would do."""
+    model = base_dir = None
+    if opt_level != "disable":
+        if opt_level == GPU_OPT_LEVEL:
+            optimized = cpu_optimized  # the CPU skeleton's graph is the same optimization
+        else:
+            (work / "gpu").mkdir()
+            optimized = optimize(src, work / "gpu", GPU_OPT_LEVEL)
+        model = onnx.load(str(optimized), load_external_data=False)
+        base_dir, level = optimized.parent, GPU_OPT_LEVEL
+        if _cpu_only_rewrites(source, model) is not None:
+            model = None
+    if model is None:
+        model, base_dir, level = onnx.load(src, load_external_data=False), Path(src).parent, "disable"
+    shared = _gpu_shared_names(model, base_dir)
+    sizes = {t.name: _tensor_nbytes(t) for g in iter_graphs(model.graph) for t in g.initializer if t.name in shared}
+    return _GpuGraph(model, base_dir, level, shared, sum(sizes.values()))
+
+
+def _gpu_shared_names(model: onnx.ModelProto, base_dir: Path) -> set[str]:
+    """Names of the initializers that become stubs in the GPU skeleton.
+
+    add_initializer overrides by name in every (sub)graph at once (measured: an If whose two
+    branches each hold a different "w" ran both branches with the one override), so a name held
+    by tensors that differ, or by one that is not a shared weight, stays inline everywhere.
+    """
+    by_name: dict[str, list[TensorProto]] = {}
+    for graph in iter_graphs(model.graph):
+        for t in graph.initializer:
+            by_name.setdefault(t.name, []).append(t)
+    names = set()
+    for name, tensors in by_name.items():
+        if not all(is_gpu_shared_weight(t) for t in tensors):
+            continue
+        first = tensors[0]
+        if any(t.data_type != first.data_type or list(t.dims) != list(first.dims)
+               or _tensor_bytes(t, base_dir) != _tensor_bytes(first, base_dir) for t in tensors[1:]):
+            continue
+        names.add(name)
+    return names
+
+
+def _externalize_gpu(model: onnx.ModelProto, base_dir: Path, shared: set[str], blob_path: Path, blob_bytes: int,
+                     cpu_tensors: list[TensorEntry], on_tensor_done: Callable[[int], None]) -> tuple[list[TensorEntry], int]:
+    """Turn the GPU graph's shared weights into stubs, their bytes into the blob; inline everything else.
+
+    A weight whose bytes the blob already holds (a CPU tensor, or another GPU weight) reuses that
+    offset. Returns (gpu tensors, blob size).
+    """
+    offset_of = {}
+    for e in cpu_tensors:
+        offset_of.setdefault(e.sha256, e.offset)
+    entries: dict[str, TensorEntry] = {}
+    with open(blob_path, "r+b") as blob:
+        for graph in iter_graphs(model.graph):
+            for t in graph.initializer:
+                if t.name not in shared:
+                    if t.data_location == TensorProto.EXTERNAL:  # small by construction: not a shared weight
+                        data = _tensor_bytes(t, base_dir)
+                        del t.external_data[:]
+                        t.data_location = TensorProto.DEFAULT
+                        t.raw_data = data
+                    continue
+                nbytes = _tensor_nbytes(t)
+                if t.name not in entries:  # a weight repeated in sibling subgraphs is stored and lent once
+                    data = _tensor_bytes(t, base_dir)
+                    if len(data) != nbytes:
+                        raise PackError(f"tensor {t.name!r}: {len(data)} bytes of data for {nbytes} declared")
+                    sha = hashlib.sha256(data).hexdigest()
+                    offset = offset_of.get(sha)
+                    if offset is None:
+                        offset = -(-blob_bytes // ALIGN) * ALIGN
+                        blob.seek(offset)
+                        blob.write(data)
+                        blob_bytes = offset + nbytes
+                        offset_of[sha] = offset
+                    entries[t.name] = TensorEntry(t.name, onnx.helper.tensor_dtype_to_np_dtype(t.data_type).name,
+                                                  list(t.dims), offset, nbytes, sha)
+                    on_tensor_done(nbytes)
+                _point_external(t, GPU_STUB_FILE, 0, nbytes)
+    return list(entries.values()), blob_bytes
+
+
+def _write_gpu_skeleton(gpu: _GpuGraph, model_dir: Path, cpu_tensors: list[TensorEntry], blob_bytes: int,
+                        progress: Progress | None) -> tuple[list[TensorEntry], int]:
+    """Write GPU_SKELETON_FILE into `model_dir` and the shared weights it lacks into its blob;
+    returns (gpu tensors, blob size). Progress continues where the CPU pass (`cpu_tensors`) ended."""
+    cpu_bytes = sum(t.nbytes for t in cpu_tensors)
+    done = 0
+
+    def on_tensor_done(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if progress:
+            progress(cpu_bytes + done, cpu_bytes + gpu.shared_bytes)
+
+    gpu_tensors, blob_bytes = _externalize_gpu(gpu.model, gpu.base_dir, gpu.shared, model_dir / WEIGHTS_FILE,
+                                               blob_bytes, cpu_tensors, on_tensor_done)
+    try:
+        onnx.save_model(gpu.model, str(model_dir / GPU_SKELETON_FILE))
+    except ValueError as e:  # protobuf's 2 GB limit: large non-floating tensors (e.g. int8) stay inline
+        raise PackError(f"the GPU skeleton is too large to save: {e}") from None
+    return gpu_tensors, blob_bytes
+
+
+def write_gpu_stub(model_dir: Path, manifest: Manifest) -> None:
+    """(Re)create the GPU skeleton's stub file: sparse zeros as long as the largest stub, costing no disk.
+
+    For whoever copies a packed model (the remote tier): never copy the stub, make it here.
+    """
+    size = max((t.nbytes for t in manifest.gpu_tensors), default=0)
+    with open(model_dir / GPU_STUB_FILE, "wb") as f:
+        os.truncate(f.fileno(), size)
 
 
 def pack(src: str, repository: Path, name: str, version: int, opt_level: str = "all",
@@ -238,19 +430,26 @@ def pack(src: str, repository: Path, name: str, version: int, opt_level: str = "
     try:
         work = tmp / "work"
         work.mkdir()
-        optimized = optimize(src, work, opt_level)
-        skeleton, tensors, weights_bytes = _externalize(optimized, tmp / WEIGHTS_FILE, progress)
-        onnx.save_model(skeleton, str(tmp / SKELETON_FILE))
-        shutil.rmtree(work)
         source_model = onnx.load(src, load_external_data=False)
+        optimized = optimize(src, work, opt_level)
+        gpu = _choose_gpu_graph(src, source_model, work, opt_level, optimized)
+        # One progress scale over both passes; the GPU pass's bytes are an upper bound (most dedupe).
+        cpu_progress = (lambda done, total: progress(done, total + gpu.shared_bytes)) if progress else None
+        skeleton, tensors, weights_bytes = _externalize(optimized, tmp / WEIGHTS_FILE, cpu_progress)
+        onnx.save_model(skeleton, str(tmp / SKELETON_FILE))
+        gpu_tensors, weights_bytes = _write_gpu_skeleton(gpu, tmp, tensors, weights_bytes, progress)
+        shutil.rmtree(work)
         init_names = {t.name for t in source_model.graph.initializer}
         manifest = Manifest(
             name=name, version=version,
             inputs=_io_entries(v for v in source_model.graph.input if v.name not in init_names),
             outputs=_io_entries(source_model.graph.output),
             tensors=tensors, weights_bytes=weights_bytes, source_sha256=_sha256_file(src),
-            ort_version=ort.__version__, opt_level=opt_level, created_unix=time.time())
+            ort_version=ort.__version__, opt_level=opt_level, created_unix=time.time(),
+            gpu_skeleton=GPU_SKELETON_FILE, gpu_opt_level=gpu.opt_level, gpu_tensors=gpu_tensors)
+        write_gpu_stub(tmp, manifest)
         _check_loads(tmp)
+        _check_gpu_skeleton_loads(tmp, manifest)
         (tmp / MANIFEST_FILE).write_text(manifest.to_json())
         for p in tmp.iterdir():  # durable before visible
             with open(p, "rb") as f:
@@ -273,6 +472,21 @@ def _check_loads(model_dir: Path) -> None:
                              providers=["CPUExecutionProvider"])
     except Exception as e:
         raise PackError(f"packed model does not load in ONNX Runtime: {str(e).strip()[:500]}") from None
+
+
+def _check_gpu_skeleton_loads(model_dir: Path, manifest: Manifest) -> None:
+    """The GPU skeleton builds, on the CPU here, the way GPU clients will build it: optimizers off and
+    every stub overridden by add_initializer with an OrtValue over the blob (here: its host mapping)."""
+    from .session_options import attach_session_options, bind_weights
+    import onnxruntime as ort
+
+    so = attach_session_options()
+    try:
+        maps, values = bind_weights(so, [str(model_dir / WEIGHTS_FILE)],
+                                    [[t.name, t.dtype, t.shape, 0, t.offset, t.nbytes] for t in manifest.gpu_tensors])
+        ort.InferenceSession(str(model_dir / GPU_SKELETON_FILE), so, providers=["CPUExecutionProvider"])
+    except Exception as e:
+        raise PackError(f"packed GPU skeleton does not load in ONNX Runtime: {str(e).strip()[:500]}") from None
 
 
 def sweep_temp(repository: Path) -> None:
