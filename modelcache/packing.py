@@ -88,7 +88,7 @@ class Manifest:
     batching: dict = field(default_factory=dict)     # calibration profile of these stages (`modelcache calibrate`)
     gpu_skeleton: str = ""       # GPU_SKELETON_FILE; "" for models packed before GPU support
     gpu_opt_level: str = ""      # level of the GPU skeleton's graph: "basic", or "disable" (see _choose_gpu_graph)
-    gpu_tensors: list = field(default_factory=list)  # TensorEntry per stub of the GPU skeleton, offsets into WEIGHTS_FILE
+    gpu_tensors: list = field(default_factory=list)  # TensorEntry per stub of the GPU skeleton, offset into weights.bin
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -338,7 +338,8 @@ def _gpu_shared_names(model: onnx.ModelProto, base_dir: Path) -> set[str]:
 
 
 def _externalize_gpu(model: onnx.ModelProto, base_dir: Path, shared: set[str], blob_path: Path, blob_bytes: int,
-                     cpu_tensors: list[TensorEntry], on_tensor_done: Callable[[int], None]) -> tuple[list[TensorEntry], int]:
+                     cpu_tensors: list[TensorEntry],
+                     on_tensor_done: Callable[[int], None]) -> tuple[list[TensorEntry], int]:
     """Turn the GPU graph's shared weights into stubs, their bytes into the blob; inline everything else.
 
     A weight whose bytes the blob already holds (a CPU tensor, or another GPU weight) reuses that
@@ -352,7 +353,7 @@ def _externalize_gpu(model: onnx.ModelProto, base_dir: Path, shared: set[str], b
         for graph in iter_graphs(model.graph):
             for t in graph.initializer:
                 if t.name not in shared:
-                    if t.data_location == TensorProto.EXTERNAL:  # small by construction: not a shared weight
+                    if t.data_location == TensorProto.EXTERNAL:  # not lent (e.g. int8 weights): inline
                         data = _tensor_bytes(t, base_dir)
                         del t.external_data[:]
                         t.data_location = TensorProto.DEFAULT
