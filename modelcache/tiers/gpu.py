@@ -277,7 +277,7 @@ class CudaAllocator:
             _check_range(allocation, dst_off, nbytes)
             by_file[index].append((src_off, dst_off, nbytes))
         stream = self._rt.streamCreateWithFlags(self._rt.streamNonBlocking)
-        registered = []                                  # (address, length) mapped and pinned
+        registered = []                                  # (address, length, file offset) mapped and pinned
         try:
             for index, ranges in by_file.items():
                 mapping = self._map_and_register(host_files[index], ranges)
