@@ -1,14 +1,60 @@
-"""The GPU tier: capacity bookkeeping and device discovery; the CUDA arena + IPC export is its own issue.
+"""The device tier: content-addressed model weights in GPU memory, promoted from the host tier and lent by IPC handle.
+
+Layout: one allocation (one cudaMalloc) per promoted model, holding the tensors that no
+resident model on this device has yet, at 256-byte-aligned offsets. A tensor already
+on the device (same sha256, in any model) is reused, so a later model may span its own
+allocation and those of earlier ones; an allocation lives while any resident model uses
+it. Clients get each allocation's IPC handle plus (offset, dtype, shape) per tensor.
+
+Freeing reclaims nothing while a client still maps the allocation (imported CUDA memory
+outlives the exporter's cudaFree, GPU.md): the daemon frees only models no live lease
+maps; this tier keeps the accounting that lets it choose.
+
+The allocator is behind a small interface: `CudaAllocator` (cupy's runtime API) on a
+GPU, `FakeAllocator` (one shared-memory file per allocation) everywhere else, so the
+tier's logic runs the same calls in CI as on a device.
+
+Threads: `plan`, `commit`, `abort`, `free_model`, `export` and `stop` run on the owner
+loop and alone touch the tables; `write` runs on a loader thread and only allocates
+and copies for one plan. Every CUDA call is preceded by `setDevice` in its own thread.
 
 Devices are named by UUID on the wire, never by index (indices change with
-CUDA_VISIBLE_DEVICES). Without cupy or a CUDA device, `probe()` returns [] and the
-daemon answers GPU requests with a clear error.
+CUDA_VISIBLE_DEVICES). Without cupy or a CUDA device, `probe()` returns [].
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ctypes
+import logging
+import mmap
+import os
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
 
+from ..config import ConfigError, parse_size
+from ..errors import CapacityError
+
+log = logging.getLogger("modelcache.gpu")
+
+# cudaMalloc returns 256-byte-aligned memory; tensors at 256-byte offsets keep every
+# tensor's pointer aligned the way CUDA kernels expect (GPU.md).
+DEVICE_ALIGN = 256
+
+# Values of the CUDA runtime that cupy does not name (cuda_runtime_api.h, driver_types.h).
+CUDA_HOST_REGISTER_READ_ONLY = 0x08          # cudaHostRegisterReadOnly: pin a PROT_READ mapping
+CUDA_DEV_ATTR_HOST_REGISTER_READ_ONLY = 113  # cudaDevAttrHostRegisterReadOnlySupported
+CUDA_ERROR_MEMORY_ALLOCATION = 2             # cudaErrorMemoryAllocation
+
+
+class DeviceMemoryError(CapacityError):
+    """The device refused an allocation (other processes use its memory, or the tier's capacity is too high)."""
+
+
+# -- devices --------------------------------------------------------------------------------
 
 @dataclass
 class GpuDevice:
@@ -36,16 +82,567 @@ def probe() -> list[GpuDevice]:
     return devices
 
 
-class GpuTier:
-    """Bookkeeping for one device; allocation and export arrive with the CUDA issue."""
+def fake_devices(spec: str) -> list[GpuDevice]:
+    """The devices of the `fake_gpus` setting: "2x256M" = two devices of 256 MiB, "1G" = one, "" = none."""
+    spec = str(spec).strip().lower()
+    if spec in ("", "none", "off", "0"):
+        return []
+    count, _, size = spec.rpartition("x")
+    try:
+        n = int(count) if count else 1
+    except ValueError:
+        raise ConfigError(f"fake_gpus={spec!r}: write a size such as 1G, or count x size such as 2x256M") from None
+    total = parse_size(size)
+    if n < 1 or total <= 0:
+        raise ConfigError(f"fake_gpus={spec!r}: needs at least one device of a positive size")
+    return [GpuDevice(i, f"fake-{i}", "fake-gpu", total) for i in range(n)]
+
+
+# -- allocators -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Allocation:
+    ptr: int          # device address (CUDA), or a unique id (fake)
+    nbytes: int
+    handle: bytes     # what a client opens: the 64-byte cudaIpcMemHandle, or the fake's file path
+
+
+class DeviceAllocator(Protocol):
+    """Device memory for one device. `copies` are (host file index, host offset, device offset, nbytes).
+
+    alloc, copy_in and copy_out run on loader threads, free on the owner loop; each
+    call is complete on return (no work left in flight).
+    """
+
+    kind: str
+    device: GpuDevice
+
+    def alloc(self, nbytes: int) -> Allocation: ...
+    def free(self, allocation: Allocation) -> None: ...
+    def copy_in(self, allocation: Allocation, copies: list, host_files: list[str]) -> tuple[int, float]: ...
+    def copy_out(self, allocation: Allocation, offset: int, nbytes: int) -> bytes: ...
+    def mem_info(self) -> tuple[int, int]: ...
+    def close(self) -> None: ...
+
+
+class FakeAllocator:
+    """Device memory played by files (on /dev/shm): the daemon's GPU logic without a GPU.
+
+    Each allocation is `<directory>/gpu<index>-<id>.bin`, 0640; its handle is the file's
+    absolute path, which a client maps read-only. Allocations beyond the device's total
+    fail as cudaMalloc would.
+    """
+
+    kind = "fake"
+
+    def __init__(self, device: GpuDevice, directory: str | Path):
+        self.device = device
+        self.directory = Path(directory).absolute()
+        self.directory.mkdir(mode=0o750, parents=True, exist_ok=True)
+        self._lock = threading.Lock()      # alloc runs on loader threads, free on the owner loop
+        self._next_id = 1
+        self._allocated_bytes = 0
+
+    def path(self, allocation: Allocation) -> Path:
+        return Path(allocation.handle.decode())
+
+    def alloc(self, nbytes: int) -> Allocation:
+        with self._lock:
+            if self._allocated_bytes + nbytes > self.device.total_bytes:
+                raise DeviceMemoryError(f"fake device {self.device.uuid}: {nbytes >> 20} MiB asked, "
+                                        f"{(self.device.total_bytes - self._allocated_bytes) >> 20} MiB free")
+            ptr, self._next_id = self._next_id, self._next_id + 1
+            self._allocated_bytes += nbytes
+        path = self.directory / f"gpu{self.device.index}-{ptr}.bin"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o640)
+            try:
+                os.fchmod(fd, 0o640)            # whatever the umask
+                os.ftruncate(fd, nbytes)
+            finally:
+                os.close(fd)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            with self._lock:
+                self._allocated_bytes -= nbytes
+            raise
+        return Allocation(ptr, nbytes, str(path).encode())
+
+    def free(self, allocation: Allocation) -> None:
+        self.path(allocation).unlink(missing_ok=True)
+        with self._lock:
+            self._allocated_bytes -= allocation.nbytes
+
+    def copy_in(self, allocation: Allocation, copies: list, host_files: list[str]) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        copied = 0
+        dst_fd = os.open(self.path(allocation), os.O_WRONLY)
+        src_fds: dict[int, int] = {}
+        try:
+            for index, src_off, dst_off, nbytes in copies:
+                _check_range(allocation, dst_off, nbytes)
+                if index not in src_fds:
+                    src_fds[index] = os.open(host_files[index], os.O_RDONLY)
+                _copy_range(src_fds[index], dst_fd, src_off, dst_off, nbytes)
+                copied += nbytes
+        finally:
+            for fd in src_fds.values():
+                os.close(fd)
+            os.close(dst_fd)
+        return copied, time.perf_counter() - t0
+
+    def copy_out(self, allocation: Allocation, offset: int, nbytes: int) -> bytes:
+        _check_range(allocation, offset, nbytes)
+        with open(self.path(allocation), "rb") as f:
+            return os.pread(f.fileno(), nbytes, offset)
+
+    def mem_info(self) -> tuple[int, int]:
+        with self._lock:
+            return self.device.total_bytes - self._allocated_bytes, self.device.total_bytes
+
+    def close(self) -> None:
+        try:
+            self.directory.rmdir()              # only when every allocation was freed
+        except OSError:
+            pass
+
+
+class CudaAllocator:
+    """Device memory from cudaMalloc (cupy's runtime API, not its memory pool, which would hide frees).
+
+    Host → device copies run at pinned speed: each host segment's needed span is mapped
+    read-only and registered with cudaHostRegister (ReadOnly), then copied with
+    cudaMemcpyAsync on a stream of this call's own. Where the driver refuses to register
+    such a mapping, copies go through a ring of pinned staging buffers instead: the CPU
+    reads into one buffer while the DMA engine empties another.
+    """
+
+    kind = "cuda"
+    STAGING_BUFFERS = 4
+    STAGING_BYTES = 64 << 20
+
+    def __init__(self, device: GpuDevice, runtime=None):
+        if runtime is None:
+            from cupy.cuda import runtime  # the [gpu] extra
+        self.device = device
+        self._rt = runtime
+        self._register_read_only: bool | None = None   # None until asked of the device
+        self._staging: list | None = None              # [(pinned ptr, event)], made on first need
+        self._staging_lock = threading.Lock()          # one copy at a time may use the ring
+
+    def _use_device(self) -> None:
+        # The current device is per thread: every thread that calls CUDA sets it first.
+        self._rt.setDevice(self.device.index)
+
+    def alloc(self, nbytes: int) -> Allocation:
+        self._use_device()
+        try:
+            ptr = self._rt.malloc(nbytes)
+        except self._rt.CUDARuntimeError as e:
+            if getattr(e, "status", None) == CUDA_ERROR_MEMORY_ALLOCATION:
+                raise DeviceMemoryError(f"device {self.device.uuid}: cudaMalloc of {nbytes >> 20} MiB failed: {e}") from e
+            raise
+        try:
+            handle = bytes(self._rt.ipcGetMemHandle(ptr))
+        except BaseException:
+            self._rt.free(ptr)
+            raise
+        return Allocation(ptr, nbytes, handle)
+
+    def free(self, allocation: Allocation) -> None:
+        self._use_device()
+        self._rt.free(allocation.ptr)
+
+    def mem_info(self) -> tuple[int, int]:
+        self._use_device()
+        free, total = self._rt.memGetInfo()
+        return int(free), int(total)
+
+    def copy_out(self, allocation: Allocation, offset: int, nbytes: int) -> bytes:
+        """Read device bytes back (checks and tests; pageable, synchronous)."""
+        _check_range(allocation, offset, nbytes)
+        self._use_device()
+        out = bytearray(nbytes)
+        if nbytes:
+            buf = (ctypes.c_char * nbytes).from_buffer(out)
+            self._rt.memcpy(ctypes.addressof(buf), allocation.ptr + offset, nbytes, self._rt.memcpyDeviceToHost)
+            del buf
+        return bytes(out)
+
+    def copy_in(self, allocation: Allocation, copies: list, host_files: list[str]) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        self._use_device()
+        by_file: dict[int, list] = defaultdict(list)
+        for index, src_off, dst_off, nbytes in copies:
+            _check_range(allocation, dst_off, nbytes)
+            by_file[index].append((src_off, dst_off, nbytes))
+        stream = self._rt.streamCreateWithFlags(self._rt.streamNonBlocking)
+        registered = []                                  # (address, length, file offset) mapped and pinned
+        try:
+            for index, ranges in by_file.items():
+                mapping = self._map_and_register(host_files[index], ranges)
+                if mapping is None:
+                    self._copy_via_staging(stream, allocation, host_files[index], ranges)
+                    continue
+                registered.append(mapping)
+                addr, _, start = mapping
+                for src_off, dst_off, nbytes in ranges:
+                    self._rt.memcpyAsync(allocation.ptr + dst_off, addr + src_off - start, nbytes,
+                                         self._rt.memcpyHostToDevice, stream)
+        finally:
+            # The DMA engine may still read the mappings (also when an error cut the loop
+            # short): wait for it before unpinning and unmapping them.
+            try:
+                self._rt.streamSynchronize(stream)
+            finally:
+                for addr, length, _ in registered:
+                    self._rt.hostUnregister(addr)
+                    _munmap(addr, length)
+                self._rt.streamDestroy(stream)
+        return sum(n for *_, n in copies), time.perf_counter() - t0
+
+    def _map_and_register(self, path: str, ranges: list):
+        """(address, length, file offset) of the pinned read-only span of `path` that `ranges` need, or None."""
+        if self._register_read_only is None:
+            try:
+                self._register_read_only = bool(self._rt.deviceGetAttribute(
+                    CUDA_DEV_ATTR_HOST_REGISTER_READ_ONLY, self.device.index))
+            except self._rt.CUDARuntimeError:
+                self._register_read_only = True           # unknown: try, and fall back if refused
+            if not self._register_read_only:
+                log.info("device %s cannot pin read-only host memory: copying through pinned staging buffers",
+                         self.device.uuid)
+        if not self._register_read_only:
+            return None
+        start = min(r[0] for r in ranges) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = max(r[0] + r[2] for r in ranges)
+        length = -(-(end - start) // mmap.PAGESIZE) * mmap.PAGESIZE   # the last page is the file's own
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            addr = _mmap_read_only(fd, length, start)
+        finally:
+            os.close(fd)                                  # the mapping keeps the file alive
+        try:
+            self._rt.hostRegister(addr, length, CUDA_HOST_REGISTER_READ_ONLY)
+        except self._rt.CUDARuntimeError as e:
+            _munmap(addr, length)
+            # Unmeasured on a /dev/shm mapping (GPU.md): remember a refusal, ask once.
+            self._register_read_only = False
+            log.warning("cudaHostRegister(ReadOnly) of a host-tier mapping refused on %s (%s): "
+                        "copying through pinned staging buffers from now on", self.device.uuid, e)
+            return None
+        return addr, length, start
+
+    def _copy_via_staging(self, stream: int, allocation: Allocation, path: str, ranges: list) -> None:
+        with self._staging_lock:
+            ring = self._staging_ring()
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                n = 0
+                for src_off, dst_off, nbytes in ranges:
+                    done = 0
+                    while done < nbytes:
+                        ptr, event = ring[n % len(ring)]
+                        if n >= len(ring):
+                            self._rt.eventSynchronize(event)   # this buffer's last copy out has finished
+                        chunk = min(self.STAGING_BYTES, nbytes - done)
+                        _pread_into(fd, ptr, chunk, src_off + done)
+                        self._rt.memcpyAsync(allocation.ptr + dst_off + done, ptr, chunk,
+                                             self._rt.memcpyHostToDevice, stream)
+                        self._rt.eventRecord(event, stream)
+                        done += chunk
+                        n += 1
+            finally:
+                os.close(fd)
+                self._rt.streamSynchronize(stream)         # the next user of the ring must find it idle
+
+    def _staging_ring(self) -> list:
+        if self._staging is None:
+            ring = []
+            try:
+                for _ in range(self.STAGING_BUFFERS):
+                    ptr = self._rt.hostAlloc(self.STAGING_BYTES, self._rt.hostAllocDefault)
+                    event = self._rt.eventCreateWithFlags(self._rt.eventDisableTiming)
+                    ring.append((ptr, event))
+            except BaseException:
+                self._free_ring(ring)
+                raise
+            self._staging = ring
+        return self._staging
+
+    def _free_ring(self, ring: list) -> None:
+        for ptr, event in ring:
+            self._rt.eventDestroy(event)
+            self._rt.freeHost(ptr)
+
+    def close(self) -> None:
+        with self._staging_lock:
+            if self._staging is not None:
+                self._use_device()
+                self._free_ring(self._staging)
+                self._staging = None
+
+
+def allocator_for(device: GpuDevice, fake_dir: str | Path) -> DeviceAllocator:
+    """The allocator a device needs: files under `fake_dir` for a `fake_devices` one, CUDA otherwise."""
+    if device.uuid.startswith("fake-"):
+        return FakeAllocator(device, fake_dir)
+    return CudaAllocator(device)
+
+
+def _check_range(allocation: Allocation, offset: int, nbytes: int) -> None:
+    if offset < 0 or nbytes < 0 or offset + nbytes > allocation.nbytes:
+        raise ValueError(f"range [{offset}, {offset + nbytes}) outside an allocation of {allocation.nbytes} bytes")
+
+
+def _pread_into(fd: int, ptr: int, nbytes: int, offset: int) -> None:
+    """Read file bytes straight into host memory at `ptr` (a pinned staging buffer)."""
+    while nbytes > 0:
+        n = os.preadv(fd, [(ctypes.c_char * nbytes).from_address(ptr)], offset)
+        if n == 0:
+            raise OSError(f"unexpected end of host segment at offset {offset}")
+        ptr, nbytes, offset = ptr + n, nbytes - n, offset + n
+
+
+def _copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, nbytes: int) -> None:
+    # sendfile(2), as the host tier does: kernel to kernel; the output position is set by seeking.
+    os.lseek(dst_fd, dst_off, os.SEEK_SET)
+    while nbytes > 0:
+        sent = os.sendfile(dst_fd, src_fd, src_off, min(nbytes, 1 << 30))
+        if sent == 0:
+            raise OSError(f"unexpected end of host segment at offset {src_off}")
+        src_off += sent
+        nbytes -= sent
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _mmap_read_only(fd: int, length: int, offset: int) -> int:
+    # Through libc, not Python's mmap: cudaHostRegister needs the address, and a
+    # read-only Python mmap gives none without a writable buffer.
+    addr = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
+    if addr in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of a host segment failed: {os.strerror(err)}")
+    return addr
+
+
+def _munmap(addr: int, length: int) -> None:
+    if _libc.munmap(addr, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"munmap failed: {os.strerror(err)}")
+
+
+# -- the tier -------------------------------------------------------------------------------
+
+@dataclass
+class Arena:
+    """One allocation: the tensors one model brought to the device, shared by later models that reuse them."""
+    name: str
+    seq: int                        # creation order: export lists handles in it
+    size: int
+    users: set = field(default_factory=set)   # keys of models whose tensors live here (or are loading)
+    allocation: Allocation | None = None      # set at commit
+
+
+@dataclass
+class DevicePlan:
+    """How one model becomes resident on the device: tensors it reuses and those it copies into a new arena."""
+    key: str
+    tensors: list                   # TensorEntry of the model's (GPU variant) tensors
+    locations: dict                 # tensor name -> (arena name, offset)
+    host_files: list[str]           # host segment paths the copies read
+    copies: list                    # (host file index, host offset, arena offset, nbytes, sha256)
+    arena: str | None               # the new arena's name, None when every tensor is already on the device
+    arena_bytes: int
+    # Written by `write` on the loader thread, read by commit/abort once it has returned.
+    allocation: Allocation | None = None
+    copied_bytes: int = 0
+    copy_s: float = 0.0
+
+
+class DeviceTier:
+    """Model weights on one device; same contract as HostTier (plan → write → commit/abort, free_model, export)."""
 
     name = "gpu"
 
-    def __init__(self, device: GpuDevice, capacity_bytes: int):
-        self.device = device
-        self.capacity_bytes = min(capacity_bytes, device.total_bytes)
-        self.used_bytes = 0
+    def __init__(self, allocator: DeviceAllocator, capacity_bytes: int):
+        self.allocator = allocator
+        self.device = allocator.device
+        self.capacity_bytes = min(capacity_bytes, self.device.total_bytes)
+        self.arenas: dict[str, Arena] = {}
+        self.index: dict[str, tuple[str, int]] = {}     # sha256 -> (arena, offset)
+        self.models: dict[str, dict] = {}               # resident key -> tensor name -> (arena, offset)
+        self._tensors: dict[str, list] = {}             # resident key -> its TensorEntry list (for export)
+        self._in_flight: dict[str, DevicePlan] = {}     # planned, not yet committed or aborted
+        self._next_arena = 0
+        self.promotion_bytes_per_s = 0.0                # of the last committed copy, for stats
+
+    # -- accounting ----------------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of all arenas, including those being written (reserved by their plan)."""
+        return sum(a.size for a in self.arenas.values())
 
     @property
     def free_bytes(self) -> int:
         return self.capacity_bytes - self.used_bytes
+
+    def bytes_freed_by(self, keys) -> int:
+        """What evicting all of `keys` together would free: arenas no other model uses."""
+        keys = set(keys)
+        return sum(a.size for a in self.arenas.values() if a.users and a.users <= keys)
+
+    def model_bytes(self, key: str) -> int:
+        """Bytes of the arenas a model uses (shared ones counted in full)."""
+        return sum(a.size for a in self.arenas.values() if key in a.users)
+
+    # -- promotion: plan (owner) -> write (loader) -> commit or abort (owner) -------------
+    def plan(self, key: str, tensors: list, host_locations: dict) -> DevicePlan:
+        """Decide where each tensor will live on the device and reserve the new arena's bytes.
+
+        `host_locations`: tensor name -> (host segment path, offset) of its resident host copy.
+        """
+        if key in self.models or key in self._in_flight:
+            raise ValueError(f"{key} is already on device {self.device.uuid} or loading there")
+        locations, copies, offset = {}, [], 0
+        fresh: dict[str, int] = {}                  # sha -> offset in the new arena
+        host_files: dict[str, int] = {}             # path -> index in plan.host_files
+        arena = f"arena-{self._next_arena}"
+        for t in tensors:
+            if t.sha256 in self.index:
+                locations[t.name] = self.index[t.sha256]
+            elif t.sha256 in fresh:                 # the same tensor twice in one model
+                locations[t.name] = (arena, fresh[t.sha256])
+            else:
+                if t.name not in host_locations:
+                    raise ValueError(f"{key}: tensor {t.name!r} is not resident in the host tier")
+                path, host_offset = host_locations[t.name]
+                offset = -(-offset // DEVICE_ALIGN) * DEVICE_ALIGN
+                fresh[t.sha256] = offset
+                file_index = host_files.setdefault(str(path), len(host_files))
+                copies.append((file_index, host_offset, offset, t.nbytes, t.sha256))
+                locations[t.name] = (arena, offset)
+                offset += t.nbytes
+        if copies:
+            self.arenas[arena] = Arena(arena, self._next_arena, offset, {key})   # reserved from now on
+            self._next_arena += 1
+        else:
+            arena = None
+        for arena_name, _ in locations.values():    # keep reused arenas alive while we load
+            self.arenas[arena_name].users.add(key)
+        plan = DevicePlan(key, list(tensors), locations, list(host_files), copies, arena, offset if copies else 0)
+        self._in_flight[key] = plan
+        return plan
+
+    def write(self, plan: DevicePlan) -> float:
+        """Allocate the plan's arena and copy its tensors in from the host tier. Loader thread; returns seconds.
+
+        On failure nothing stays allocated; the owner then calls `abort`.
+        """
+        t0 = time.perf_counter()
+        if plan.arena is not None:
+            allocation = self.allocator.alloc(plan.arena_bytes)
+            try:
+                plan.copied_bytes, plan.copy_s = self.allocator.copy_in(
+                    allocation, _coalesce([c[:4] for c in plan.copies]), plan.host_files)
+            except BaseException:
+                self.allocator.free(allocation)
+                raise
+            plan.allocation = allocation
+        return time.perf_counter() - t0
+
+    def commit(self, plan: DevicePlan) -> None:
+        self._in_flight.pop(plan.key, None)
+        if plan.arena is not None:
+            if plan.allocation is None:
+                raise RuntimeError(f"commit of {plan.key} before its write finished")
+            self.arenas[plan.arena].allocation = plan.allocation
+            for _, _, dst_off, _, sha in plan.copies:
+                self.index.setdefault(sha, (plan.arena, dst_off))
+            if plan.copy_s > 0:
+                self.promotion_bytes_per_s = plan.copied_bytes / plan.copy_s
+        self.models[plan.key] = plan.locations
+        self._tensors[plan.key] = plan.tensors
+
+    def abort(self, plan: DevicePlan) -> None:
+        """A failed or refused load: free what write allocated and release what the plan reserved."""
+        self._in_flight.pop(plan.key, None)
+        if plan.allocation is not None:
+            self.allocator.free(plan.allocation)
+            plan.allocation = None
+        self._drop_user(plan.key)
+
+    def free_model(self, key: str) -> int:
+        """Forget a resident model; free the arenas nobody else uses. Returns bytes freed.
+
+        Only for models no live lease maps: a client's imported mapping keeps the memory
+        in use on the device whatever this frees.
+        """
+        self.models.pop(key, None)
+        self._tensors.pop(key, None)
+        return self._drop_user(key)
+
+    def _drop_user(self, key: str) -> int:
+        freed = 0
+        for arena in list(self.arenas.values()):
+            arena.users.discard(key)
+            if not arena.users:
+                if arena.allocation is not None:
+                    self.allocator.free(arena.allocation)
+                del self.arenas[arena.name]
+                self.index = {sha: loc for sha, loc in self.index.items() if loc[0] != arena.name}
+                freed += arena.size
+        return freed
+
+    def stop(self) -> None:
+        """Free everything. Call once no write is running (the loaders have stopped)."""
+        for plan in list(self._in_flight.values()):
+            self.abort(plan)
+        for arena in self.arenas.values():
+            if arena.allocation is not None:
+                self.allocator.free(arena.allocation)
+        self.arenas.clear()
+        self.index.clear()
+        self.models.clear()
+        self._tensors.clear()
+        self.allocator.close()
+
+    # -- what clients get ------------------------------------------------------------------
+    def export(self, key: str) -> tuple[list[bytes], list[list]]:
+        """(handles of the arenas the model uses, [name, dtype, shape, handle index, offset, nbytes] per tensor)."""
+        locations = self.models[key]
+        arenas = sorted({name for name, _ in locations.values()}, key=lambda name: self.arenas[name].seq)
+        slot = {name: i for i, name in enumerate(arenas)}
+        tensors = [[t.name, t.dtype, t.shape, slot[locations[t.name][0]], locations[t.name][1], t.nbytes]
+                   for t in self._tensors[key]]
+        return [self.arenas[name].allocation.handle for name in arenas], tensors
+
+
+def host_locations(host, key: str) -> dict:
+    """tensor name -> (host segment path, offset) of a model resident in `host` (a HostTier). Owner loop."""
+    return {name: (str(host.segment_path(seg)), offset) for name, (seg, offset) in host.models[key].items()}
+
+
+def _coalesce(copies: list) -> list:
+    """Merge copies from one host file that are contiguous on both sides: fewer, larger DMA transfers."""
+    merged = []
+    for index, src, dst, n in sorted(copies, key=lambda c: (c[0], c[2])):
+        if merged:
+            p_index, p_src, p_dst, p_n = merged[-1]
+            if p_index == index and p_src + p_n == src and p_dst + p_n == dst:
+                merged[-1] = (p_index, p_src, p_dst, p_n + n)
+                continue
+        merged.append((index, src, dst, n))
+    return merged
+
+
+def GpuTier(device: GpuDevice, capacity_bytes: int) -> DeviceTier:
+    """The former bookkeeping-only class (tests/test_tiers.py still builds it): a DeviceTier over CUDA."""
+    return DeviceTier(CudaAllocator(device), capacity_bytes)
