@@ -261,7 +261,7 @@ def on_host(host: HostTier, key: str, model) -> dict:
     plan = host.plan(key, model_dir, manifest)
     host.write(plan)
     host.commit(plan)
-    return gpu.host_locations(host, key)
+    return host.file_locations(key, "cpu")
 
 
 def promote_to_device(tier, loader, key, manifest, locations) -> gpu.DevicePlan:
@@ -507,7 +507,7 @@ def test_coalesce_merges_only_ranges_contiguous_on_both_sides():
     assert gpu._coalesce([(0, 0, 0, 4096), (0, 4096, 4096, 10)]) == [(0, 0, 0, 4106)]
 
 
-def test_host_locations_point_at_the_host_tiers_segments(host, packed_models):
+def test_host_file_locations_point_at_the_host_tiers_segments(host, packed_models):
     locations = on_host(host, "a@1", packed_models["a"])
     _, segments, tensors = host.export("a@1", packed_models["a"][1])
     assert locations == {name: (segments[seg], off) for name, _, _, seg, off, _ in tensors}

@@ -56,7 +56,7 @@ def variant(seed: int, change_last: int = 0) -> onnx.ModelProto:
 def test_host_promote_export_free(host, tmp_path):
     d, m = packed(tmp_path, "a", zoo.build("tiny-cnn"))
     plan = promote(host, "a@1", d, m)
-    assert host.used_bytes == plan.segment_bytes >= m.weights_bytes - 4096 * len(m.tensors)
+    assert host.used_bytes == plan.segment_bytes >= sum(t.nbytes for t in m.tensors)
     skeleton, segments, tensors = host.export("a@1", m)
     assert Path(skeleton).exists() and all(Path(s).exists() for s in segments)
     blob = (d / "weights.bin").read_bytes()
@@ -66,6 +66,31 @@ def test_host_promote_export_free(host, tmp_path):
             assert f.read(nbytes) == blob[t.offset:t.offset + nbytes]
     assert oct(os.stat(segments[0]).st_mode & 0o777) == "0o440"
     assert host.free_model("a@1") == plan.segment_bytes
+    assert host.used_bytes == 0 and not any(host.root.iterdir())
+
+
+def test_host_holds_the_gpu_variant_beside_the_cpu_one(host, tmp_path):
+    """With a GPU tier the host tier holds both variants (the GPU one is what devices copy from), once each
+    tensor: at opt_level basic they coincide, so the GPU variant costs (almost) nothing more."""
+    d, m = packed(tmp_path, "a", zoo.build("tiny-cnn"))
+    probe = host.plan("a@1", d, m)
+    cpu_only = probe.segment_bytes
+    host.abort(probe)
+    plan = host.plan("a@1", d, m, ("cpu", "gpu"))
+    host.write(plan)
+    host.commit(plan)
+    assert plan.segment_bytes >= cpu_only and host.has_variant("a@1", "gpu")
+    skeleton, segments, tensors = host.export("a@1", m, "gpu")
+    assert skeleton.endswith("a@1.gpu.onnx") and Path(skeleton).exists()
+    stub = Path(skeleton).with_suffix(".stub")
+    assert stub.stat().st_size == max(t.nbytes for t in m.gpu_tensors) and stub.stat().st_blocks == 0
+    blob = (d / "weights.bin").read_bytes()
+    for (name, dtype, shape, seg, off, nbytes), t in zip(tensors, m.gpu_tensors):
+        with open(segments[seg], "rb") as f:
+            f.seek(off)
+            assert f.read(nbytes) == blob[t.offset:t.offset + nbytes]
+    assert host.file_locations("a@1", "gpu")[tensors[0][0]] == (segments[tensors[0][3]], tensors[0][4])
+    host.free_model("a@1")
     assert host.used_bytes == 0 and not any(host.root.iterdir())
 
 
@@ -93,7 +118,7 @@ def test_abort_releases_the_reservation(host, tmp_path):
 @pytest.mark.skipif(not gpu.probe(), reason="no CUDA device (or no cupy): the GPU tier is absent here")
 def test_gpu_tier_bookkeeping():
     dev = gpu.probe()[0]
-    tier = gpu.GpuTier(dev, capacity_bytes=1 << 30)
+    tier = gpu.DeviceTier(gpu.CudaAllocator(dev), capacity_bytes=1 << 30)
     assert tier.free_bytes == min(1 << 30, dev.total_bytes) and len(dev.uuid) > 0
 
 

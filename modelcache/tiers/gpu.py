@@ -625,11 +625,6 @@ class DeviceTier:
         return [self.arenas[name].allocation.handle for name in arenas], tensors
 
 
-def host_locations(host, key: str) -> dict:
-    """tensor name -> (host segment path, offset) of a model resident in `host` (a HostTier). Owner loop."""
-    return {name: (str(host.segment_path(seg)), offset) for name, (seg, offset) in host.models[key].items()}
-
-
 def _coalesce(copies: list) -> list:
     """Merge copies from one host file that are contiguous on both sides: fewer, larger DMA transfers."""
     merged = []
@@ -641,8 +636,3 @@ def _coalesce(copies: list) -> list:
                 continue
         merged.append((index, src, dst, n))
     return merged
-
-
-def GpuTier(device: GpuDevice, capacity_bytes: int) -> DeviceTier:
-    """The former bookkeeping-only class (tests/test_tiers.py still builds it): a DeviceTier over CUDA."""
-    return DeviceTier(CudaAllocator(device), capacity_bytes)

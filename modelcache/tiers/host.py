@@ -1,8 +1,14 @@
 """The host tier: model weights in POSIX shared memory (files on the /dev/shm tmpfs).
 
 Layout, one flat directory per daemon instance, `<shm_dir>/modelcache.<uid>.<pid>/`:
-  seg-<n>.bin     a segment: tensors at page-aligned offsets, written once, then read-only
-  <model>.onnx    a resident model's skeleton, its external data pointing into segments
+  seg-<n>.bin       a segment: tensors at page-aligned offsets, written once, then read-only
+  <model>.onnx      a resident model's skeleton, its external data pointing into segments
+  <model>.gpu.onnx  its GPU skeleton (when the daemon has GPUs): every shared weight a stub ...
+  <model>.gpu.stub  ... over this sparse file of zeros, never read (clients override the stubs)
+
+A model has up to two variants of its weights: "cpu" (the skeleton ORT optimized for the CPU
+at add time) and "gpu" (the provider-independent one the GPU tier copies to devices from
+here). Both live here when the daemon has GPUs; tensors they share are stored once.
 
 Tensors are content-addressed (sha256 from the manifest): a tensor already resident —
 in another model, another version, or twice in one model — is not stored again; the
@@ -24,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..packing import ALIGN, SKELETON_FILE, WEIGHTS_FILE, Manifest
+from ..packing import ALIGN, GPU_SKELETON_FILE, SKELETON_FILE, WEIGHTS_FILE, Manifest
 
 log = logging.getLogger("modelcache.host")
 PREFIX = "modelcache."
@@ -37,13 +43,18 @@ class Segment:
     users: set = field(default_factory=set)   # keys of models whose tensors live here (or are loading)
 
 
+def variant_tensors(manifest: Manifest, variant: str) -> list:
+    """The tensors of one variant of a packed model: "cpu" or "gpu"."""
+    return manifest.gpu_tensors if variant == "gpu" else manifest.tensors
+
+
 @dataclass
 class Plan:
     """How one model becomes resident: which tensors it reuses and which it copies into a new segment."""
     key: str
     disk_dir: Path
     manifest: Manifest
-    locations: dict                 # tensor name -> (segment name, offset)
+    locations: dict                 # variant -> tensor name -> (segment name, offset)
     copies: list                    # (disk offset, segment offset, nbytes, sha256) for the new segment
     segment: str | None             # the new segment's name, None when every tensor is already resident
     segment_bytes: int
@@ -57,7 +68,7 @@ class HostTier:
         self.root = Path(shm_dir) / f"{PREFIX}{os.getuid()}.{os.getpid()}"
         self.segments: dict[str, Segment] = {}
         self.index: dict[str, tuple[str, int]] = {}     # sha256 -> (segment, offset)
-        self.models: dict[str, dict] = {}               # resident key -> tensor name -> (segment, offset)
+        self.models: dict[str, dict] = {}               # resident key -> variant -> tensor name -> (segment, offset)
         self._next_segment = 0
 
     # -- accounting ----------------------------------------------------------------------
@@ -87,36 +98,42 @@ class HostTier:
     def stop(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 
-    def skeleton_path(self, key: str) -> Path:
-        return self.root / f"{key}.onnx"
+    def skeleton_path(self, key: str, variant: str = "cpu") -> Path:
+        return self.root / (f"{key}.gpu.onnx" if variant == "gpu" else f"{key}.onnx")
+
+    def has_variant(self, key: str, variant: str) -> bool:
+        return variant in self.models.get(key, ())
 
     def segment_path(self, name: str) -> Path:
         return self.root / name
 
     # -- promotion: plan (owner) -> write (loader) -> commit or abort (owner) -------------
-    def plan(self, key: str, disk_dir: Path, manifest: Manifest) -> Plan:
-        """Decide where each tensor will live and reserve the new segment's bytes."""
+    def plan(self, key: str, disk_dir: Path, manifest: Manifest, variants: tuple = ("cpu",)) -> Plan:
+        """Decide where each tensor of each variant will live and reserve the new segment's bytes."""
         locations, copies, offset = {}, [], 0
         fresh: dict[str, int] = {}                  # sha -> offset in the new segment
         segment = f"seg-{self._next_segment}.bin"
-        for t in manifest.tensors:
-            if t.sha256 in self.index:
-                locations[t.name] = self.index[t.sha256]
-            elif t.sha256 in fresh:                 # the same tensor twice in one model
-                locations[t.name] = (segment, fresh[t.sha256])
-            else:
-                offset = -(-offset // ALIGN) * ALIGN
-                fresh[t.sha256] = offset
-                copies.append((t.offset, offset, t.nbytes, t.sha256))
-                locations[t.name] = (segment, offset)
-                offset += t.nbytes
+        for variant in variants:
+            where = locations[variant] = {}
+            for t in variant_tensors(manifest, variant):
+                if t.sha256 in self.index:
+                    where[t.name] = self.index[t.sha256]
+                elif t.sha256 in fresh:             # the same tensor twice in one model, or in both variants
+                    where[t.name] = (segment, fresh[t.sha256])
+                else:
+                    offset = -(-offset // ALIGN) * ALIGN
+                    fresh[t.sha256] = offset
+                    copies.append((t.offset, offset, t.nbytes, t.sha256))
+                    where[t.name] = (segment, offset)
+                    offset += t.nbytes
         if copies:
             self._next_segment += 1
             self.segments[segment] = Segment(segment, offset, {key})   # reserved from now on
         else:
             segment = None
-        for seg_name, _ in locations.values():      # keep reused segments alive while we load
-            self.segments[seg_name].users.add(key)
+        for where in locations.values():            # keep reused segments alive while we load
+            for seg_name, _ in where.values():
+                self.segments[seg_name].users.add(key)
         return Plan(key, disk_dir, manifest, locations, copies, segment, offset)
 
     def write(self, plan: Plan) -> float:
@@ -136,7 +153,10 @@ class HostTier:
                 os.close(dst_fd)
             os.chmod(tmp, 0o440)
             os.rename(tmp, path)
-        _write_skeleton(plan.disk_dir / SKELETON_FILE, self.skeleton_path(plan.key), plan.locations)
+        _write_skeleton(plan.disk_dir / SKELETON_FILE, self.skeleton_path(plan.key), plan.locations["cpu"])
+        if "gpu" in plan.locations:
+            _write_gpu_skeleton(plan.disk_dir / GPU_SKELETON_FILE, self.skeleton_path(plan.key, "gpu"),
+                                plan.manifest)
         return time.perf_counter() - t0
 
     def commit(self, plan: Plan) -> None:
@@ -147,14 +167,19 @@ class HostTier:
 
     def abort(self, plan: Plan) -> None:
         """A failed or refused load: release what the plan reserved."""
-        self.skeleton_path(plan.key).unlink(missing_ok=True)
+        self._remove_skeletons(plan.key)
         self._drop_user(plan.key)
 
     def free_model(self, key: str) -> int:
         """Forget a resident model; free the segments nobody else uses. Returns bytes freed."""
         self.models.pop(key, None)
-        self.skeleton_path(key).unlink(missing_ok=True)
+        self._remove_skeletons(key)
         return self._drop_user(key)
+
+    def _remove_skeletons(self, key: str) -> None:
+        for path in (self.skeleton_path(key), self.skeleton_path(key, "gpu"),
+                     self.skeleton_path(key, "gpu").with_suffix(".stub")):
+            path.unlink(missing_ok=True)
 
     def _drop_user(self, key: str) -> int:
         freed = 0
@@ -169,14 +194,18 @@ class HostTier:
         return freed
 
     # -- what clients get ------------------------------------------------------------------
-    def export(self, key: str, manifest: Manifest) -> tuple[str, list[str], list[list]]:
+    def export(self, key: str, manifest: Manifest, variant: str = "cpu") -> tuple[str, list[str], list[list]]:
         """(skeleton path, segment paths, [name, dtype, shape, segment index, offset, nbytes] per tensor)."""
-        locations = self.models[key]
+        locations = self.models[key][variant]
         segments = sorted({seg for seg, _ in locations.values()})
         slot = {seg: i for i, seg in enumerate(segments)}
         tensors = [[t.name, t.dtype, t.shape, slot[locations[t.name][0]], locations[t.name][1], t.nbytes]
-                   for t in manifest.tensors]
-        return str(self.skeleton_path(key)), [str(self.segment_path(s)) for s in segments], tensors
+                   for t in variant_tensors(manifest, variant)]
+        return str(self.skeleton_path(key, variant)), [str(self.segment_path(s)) for s in segments], tensors
+
+    def file_locations(self, key: str, variant: str) -> dict:
+        """Tensor name -> (segment file path, offset): where a device promotion reads each tensor."""
+        return {name: (str(self.segment_path(seg)), off) for name, (seg, off) in self.models[key][variant].items()}
 
 
 def _coalesce(copies):
@@ -222,6 +251,30 @@ def _write_skeleton(src: Path, dst: Path, locations: dict) -> None:
                         entry.value = seg
                     elif entry.key == "offset":
                         entry.value = str(offset)
+    tmp = dst.with_suffix(".tmp")
+    onnx.save_model(model, str(tmp))
+    os.chmod(tmp, 0o440)
+    os.rename(tmp, dst)
+
+
+def _write_gpu_skeleton(src: Path, dst: Path, manifest: Manifest) -> None:
+    """The GPU skeleton, its stubs pointing at `<dst>.stub`: a sparse file of zeros as large as the
+    largest stub (ORT checks the external data a graph names exists; it never reads it, because
+    every stub is overridden by add_initializer). Sparse on tmpfs: it costs no memory."""
+    import onnx
+    from ..packing import iter_graphs
+
+    stub = dst.with_suffix(".stub")
+    model = onnx.load(str(src), load_external_data=False)
+    for graph in iter_graphs(model.graph):
+        for t in graph.initializer:
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                for entry in t.external_data:
+                    if entry.key == "location":
+                        entry.value = stub.name
+    with open(stub, "wb") as f:
+        f.truncate(max((t.nbytes for t in manifest.gpu_tensors), default=0))
+    os.chmod(stub, 0o440)
     tmp = dst.with_suffix(".tmp")
     onnx.save_model(model, str(tmp))
     os.chmod(tmp, 0o440)

@@ -1,0 +1,232 @@
+"""The GPU tier end to end: a real daemon with simulated GPUs (`fake_gpus`), real clients, real ORT.
+
+A simulated device is memory the daemon allocates in its own /dev/shm directory and exports by
+file name instead of a CUDA IPC handle; everything else — the device tier's bookkeeping, promotion
+through the host tier, GPU leases, eviction under leases, demotion, the open reply, the client's
+handle cache and its DLPack OrtValues — is the code a real GPU runs. Outputs are compared with
+plain ONNX Runtime. The CUDA-only parts are covered by the `gpu`-marked tests.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import modelcache
+from modelcache.errors import CapacityError, ModelCacheError
+
+from conftest import HERE, DaemonProcess, wait_until
+
+CUDA = ["CUDAExecutionProvider"]
+
+
+def feeds_for(path: str, seed: int = 0) -> dict:
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(seed)
+    out = {}
+    for i in sess.get_inputs():
+        shape = [d if isinstance(d, int) else 1 for d in i.shape]
+        out[i.name] = rng.standard_normal(shape).astype(np.float32) if "float" in i.type else \
+            rng.integers(0, 10, shape).astype(np.int64)
+    return out
+
+
+def plain(path: str, feeds: dict) -> list:
+    return ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+@pytest.fixture
+def gpu_daemon(tmp_path, monkeypatch):
+    """A daemon with one simulated 64 MiB GPU; this test process is its client, told of the fake GPU too."""
+    monkeypatch.setenv("MODELCACHE_FAKE_GPUS", "1x64M")
+    d = DaemonProcess(tmp_path, {"MODELCACHE_FAKE_GPUS": "1x64M"}).start()
+    yield d
+    rc = d.stop()
+    shm = d.shm_dir
+    d.kill()
+    assert rc == 0, d.log_path.read_text()
+    assert not shm.exists(), "daemon left its host tier (and the simulated GPU's memory) in /dev/shm"
+
+
+def gpu_tier(stats) -> dict:
+    return next(t for t in stats.tiers if t["tier"] == "gpu")
+
+
+def model_info(client, name) -> dict:
+    return next(m for m in client.list() if m["name"] == name)
+
+
+def test_gpu_open_runs_on_device_memory_and_matches_plain_ort(gpu_daemon, zoo_file):
+    with gpu_daemon.client() as c:
+        for name in ("tiny-cnn", "tiny-vit", "tiny-fp16", "tiny-if"):
+            c.add(zoo_file(name), name)
+        for name in ("tiny-cnn", "tiny-vit", "tiny-fp16", "tiny-if"):
+            feeds = feeds_for(zoo_file(name))
+            with modelcache.InferenceSession(name, providers=CUDA, client=c) as sess:
+                assert sess.device == "fake-0"
+                assert not sess.was_cache_hit             # disk -> host -> device
+                got = sess.run(None, feeds)
+            for a, b in zip(got, plain(zoo_file(name), feeds)):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
+            with modelcache.InferenceSession(name, providers=CUDA, client=c) as again:
+                assert again.was_cache_hit
+            assert model_info(c, name)["tier"] == "gpu"
+        # The default provider list keeps the host-tier path.
+        with modelcache.InferenceSession("tiny-cnn", client=c) as cpu:
+            assert cpu.device == "cpu"
+
+
+def test_gpu_leases_block_eviction_and_status_shows_them(gpu_daemon, zoo_file):
+    with gpu_daemon.client() as c:
+        c.add(zoo_file("tiny-cnn"), "cnn")
+        sess = modelcache.InferenceSession("cnn", providers=CUDA, client=c)
+        st = c.stats()
+        tier = gpu_tier(st)
+        assert tier["leased"] == {"cnn@1": 1} and tier["used_bytes"] > 0
+        assert model_info(c, "cnn")["gpu"] == [{"device": "fake-0", "state": "resident", "leases": 1}]
+        with pytest.raises(CapacityError, match="GPU sessions"):
+            c.evict("cnn", tier="gpu")
+        with pytest.raises(CapacityError, match="in use"):
+            c.evict("cnn")
+        out = subprocess.run([sys.executable, "-m", "modelcache.cli", "status"], env=gpu_daemon.env,
+                             capture_output=True, text=True, timeout=60)
+        assert "GPU 0 fake-gpu fake-0; held: cnn@1 (1 leases)" in out.stdout, out.stdout + out.stderr
+        sess.close()
+        c.evict("cnn", tier="gpu")                  # demoted: the host copy stays
+        info = model_info(c, "cnn")
+        assert info["tier"] == "host" and info["gpu"] == []
+        assert gpu_tier(c.stats())["used_bytes"] == 0
+        with modelcache.InferenceSession("cnn", providers=CUDA, client=c) as s2:
+            assert not s2.was_cache_hit             # promoted again, from the host tier
+        c.evict("cnn")                              # host eviction frees the GPU copy first
+        assert model_info(c, "cnn")["tier"] == "disk"
+
+
+def test_gpu_capacity_demotes_unleased_models_and_refuses_when_all_are_leased(tmp_path, monkeypatch):
+    import onnx
+    from modelcache import zoo
+    from modelcache.packing import pack
+    monkeypatch.setenv("MODELCACHE_FAKE_GPUS", "1x64M")
+    repo = tmp_path / "repo"
+    sizes = []
+    for seed, name in enumerate(("a", "b")):        # same architecture, other weights: nothing to share
+        src = tmp_path / f"{name}.onnx"
+        onnx.save(zoo.build("tiny-vit", seed), str(src))
+        sizes.append(sum(-(-t.nbytes // 256) * 256 for t in pack(str(src), repo, name, 1).gpu_tensors))
+    capacity = int(1.5 * max(sizes))                # room for one model at a time
+    d = DaemonProcess(tmp_path, {"MODELCACHE_FAKE_GPUS": "1x64M", "MODELCACHE_GPU_CAPACITY": str(capacity)}).start()
+    try:
+        with d.client() as c:
+            c.load("a", tier="gpu")
+            c.load("b", tier="gpu")                 # does not fit beside a: a (unleased) is demoted
+            assert model_info(c, "a")["tier"] == "host" and model_info(c, "b")["tier"] == "gpu"
+            held = modelcache.InferenceSession("b", providers=CUDA, client=c)
+            with pytest.raises(CapacityError, match="gpu_capacity"):
+                modelcache.InferenceSession("a", providers=CUDA, client=c)
+            assert model_info(c, "b")["gpu"][0]["leases"] == 1   # the refused open disturbed nothing
+            held.close()
+    finally:
+        assert d.stop() == 0, d.log_path.read_text()
+        d.kill()
+
+
+def test_a_killed_gpu_client_releases_its_lease(gpu_daemon, zoo_file):
+    with gpu_daemon.client() as c:
+        c.add(zoo_file("tiny-cnn"), "cnn")
+        env = {**os.environ, "MODELCACHE_SOCKET": gpu_daemon.socket, "MODELCACHE_FAKE_GPUS": "1x64M"}
+        proc = subprocess.Popen([sys.executable, str(HERE / "client_worker.py"), "hold", "cnn", "cuda"], env=env,
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "OPEN"
+            assert model_info(c, "cnn")["gpu"][0]["leases"] == 1
+        finally:
+            proc.kill()
+            proc.wait()
+        wait_until(lambda: model_info(c, "cnn")["gpu"][0]["leases"] == 0, what="the dead client's GPU lease released")
+        c.evict("cnn", tier="gpu")
+
+
+def test_shared_tensors_are_on_the_device_once(gpu_daemon, zoo_file, tmp_path):
+    import onnx
+    from test_tiers import variant
+    with gpu_daemon.client() as c:
+        for i, name in enumerate(("base", "tuned")):
+            path = tmp_path / f"{name}.onnx"
+            onnx.save(variant(1, change_last=2 * i), str(path))
+            c.add(str(path), name)
+        c.load("base", tier="gpu")
+        one = gpu_tier(c.stats())["used_bytes"]
+        c.load("tuned", tier="gpu")
+        both = gpu_tier(c.stats())["used_bytes"]
+        assert one < both < 1.5 * one               # the fine-tuned variant adds only the layers it changed
+
+
+def test_weights_on_the_device_are_not_written_by_clients(gpu_daemon, zoo_file):
+    """Read-only by contract: many runs from several sessions leave the device bytes as they were."""
+    with gpu_daemon.client() as c:
+        c.add(zoo_file("tiny-vit"), "vit")
+        c.load("vit", tier="gpu")
+        lease = c.open("vit", device="cuda")
+        files = [Path(h.decode()) for h in lease.ipc_handles]
+        before = [f.read_bytes() for f in files]
+        feeds = feeds_for(zoo_file("tiny-vit"))
+        sessions = [modelcache.InferenceSession("vit", providers=CUDA, client=c) for _ in range(3)]
+        for _ in range(20):
+            for s in sessions:
+                s.run(None, feeds)
+        for s in sessions:
+            s.close()
+        c.release(lease.lease_id)
+        assert [f.read_bytes() for f in files] == before
+
+
+def test_gpu_requests_without_a_gpu_tier_are_clear_errors(daemon, zoo_file):
+    with daemon.client() as c:
+        c.add(zoo_file("tiny-cnn"), "cnn")
+        with pytest.raises(ModelCacheError, match="no GPU tier"):
+            c.open("cnn", device="cuda")
+        with pytest.raises(ModelCacheError, match="no GPU tier"):
+            c.load("cnn", tier="gpu")
+        with pytest.raises(ModelCacheError, match="unknown device"):
+            c.open("cnn", device="tpu")
+
+
+def test_cli_load_and_evict_gpu_tier(gpu_daemon, zoo_file):
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "modelcache.cli", *args], env=gpu_daemon.env,
+                              capture_output=True, text=True, timeout=120)
+    assert cli("add", zoo_file("tiny-cnn"), "--name", "cnn").returncode == 0
+    out = cli("load", "cnn", "--tier", "gpu:0")
+    assert out.returncode == 0 and "resident in the gpu:0 tier" in out.stdout, out.stderr
+    out = cli("load", "cnn", "--tier", "gpu:7")
+    assert out.returncode != 0 and "no GPU '7'" in out.stderr
+    out = cli("evict", "cnn", "--tier", "gpu")
+    assert out.returncode == 0 and "demoted" in out.stdout, out.stderr
+    assert cli("evict", "cnn", "--tier", "disk").returncode == 2      # argparse: not a tier
+
+
+def test_gpu_session_keeps_running_when_the_daemon_dies(tmp_path, monkeypatch, zoo_file):
+    """The memory a client maps outlives the daemon (as CUDA keeps imported memory alive, shared/GPU.md)."""
+    monkeypatch.setenv("MODELCACHE_FAKE_GPUS", "1x64M")
+    d = DaemonProcess(tmp_path, {"MODELCACHE_FAKE_GPUS": "1x64M"}).start()
+    try:
+        c = d.client()
+        c.add(zoo_file("tiny-cnn"), "cnn")
+        feeds = feeds_for(zoo_file("tiny-cnn"))
+        sess = modelcache.InferenceSession("cnn", providers=CUDA, client=c)
+        before = sess.run(None, feeds)
+        d.proc.kill()
+        d.proc.wait()
+        after = sess.run(None, feeds)
+        for a, b in zip(before, after):
+            np.testing.assert_array_equal(a, b)
+        sess.close()    # the lease cannot be released: the daemon is gone, and close says nothing of it
+        c.close()
+    finally:
+        d.kill()
