@@ -75,6 +75,12 @@ def cmd_ls(args) -> int:
     return 0
 
 
+def _tier_arg(text: str) -> str:
+    if text == "host" or text.partition(":")[0] == "gpu":
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: use host, gpu, or gpu:UUID / gpu:INDEX")
+
+
 def cmd_load(args) -> int:
     from .client.connection import connect
     t0 = time.perf_counter()
@@ -135,8 +141,9 @@ def cmd_calibrate(args) -> int:
 def cmd_evict(args) -> int:
     from .client.connection import connect
     with connect(_settings(args).socket) as c:
-        c.evict(args.name, args.version)
-    print(f"evicted {args.name} from the host tier")
+        c.evict(args.name, args.version, tier=args.tier)
+    print(f"evicted {args.name} from the host tier (and every GPU)" if args.tier == "host" else
+          f"demoted {args.name} from the GPU tier ({args.tier}); it stays in the host tier")
     return 0
 
 
@@ -158,6 +165,8 @@ def format_status(st) -> str:
     print(f"opens {c.get('opens', 0)} (hits {c.get('hits', 0)}, misses {c.get('misses', 0)})  "
           f"evictions {c.get('evictions', 0)}  clients lost {c.get('clients_lost', 0)}  "
           f"bad messages {c.get('bad_messages', 0)}", file=out)
+    if any(t["tier"] == "gpu" for t in st.tiers):
+        print(f"gpu: {c.get('gpu_promotions', 0)} promotions, {c.get('gpu_evictions', 0)} demotions", file=out)
     ex = st.executor or {}
     if ex:
         b = ex.get("batching", {})
@@ -177,7 +186,12 @@ def format_status(st) -> str:
     for t in st.tiers:
         cap = _human(t["capacity_bytes"]) if t["capacity_bytes"] else "unbounded"
         pct = f" ({100 * t['used_bytes'] / t['capacity_bytes']:.0f}%)" if t["capacity_bytes"] else ""
-        print(f"{t['tier']:<6} {_human(t['used_bytes']) + ' / ' + cap + pct:<24} {t['path']}", file=out)
+        if t["tier"] == "gpu":  # where: the device; and which models GPU clients hold there
+            leased = ", ".join(f"{k} ({n} leases)" for k, n in t.get("leased", {}).items())
+            where = f"GPU {t['index']} {t['name']} {t['device']}" + (f"; held: {leased}" if leased else "")
+        else:
+            where = t["path"]
+        print(f"{t['tier']:<6} {_human(t['used_bytes']) + ' / ' + cap + pct:<24} {where}", file=out)
     print(file=out)
     print_models(st.models, out)
     print(f"\n{len(st.clients)} clients", file=out)
@@ -337,10 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("ls", parents=[common], help="list models: version, bytes, tier, refcount, last use")
     ls.set_defaults(func=cmd_ls)
-    ld = sub.add_parser("load", parents=[common], help="prefetch a model into the host tier (from disk or remote)")
+    ld = sub.add_parser("load", parents=[common], help="prefetch a model into the host tier or a GPU "
+                                                       "(from disk or remote)")
     ld.add_argument("name")
     ld.add_argument("--version", type=int)
-    ld.add_argument("--tier", default="host", choices=["host", "gpu"])
+    ld.add_argument("--tier", default="host", type=_tier_arg,
+                    help="host (default), gpu (the first GPU), or gpu:UUID / gpu:INDEX")
     ld.set_defaults(func=cmd_load)
     for verb, text in (("pin", "never evict this model"), ("unpin", "let the eviction policy evict it again")):
         pn = sub.add_parser(verb, parents=[common], help=text)
@@ -378,9 +394,12 @@ def build_parser() -> argparse.ArgumentParser:
                                     "a remote store: writes index.json with every file's size and sha256.")
     pb.add_argument("directory")
     pb.set_defaults(func=cmd_publish)
-    ev = sub.add_parser("evict", parents=[common], help="drop a model from the host tier (it stays on disk)")
+    ev = sub.add_parser("evict", parents=[common], help="drop a model from memory (it stays on disk), or "
+                                                        "demote it from the GPUs (--tier gpu)")
     ev.add_argument("name")
     ev.add_argument("--version", type=int)
+    ev.add_argument("--tier", default="host", type=_tier_arg,
+                    help="host (default: every copy in memory), gpu (every GPU), or gpu:UUID / gpu:INDEX")
     ev.set_defaults(func=cmd_evict)
     sta = sub.add_parser("status", parents=[common], help="one screen: version, uptime, tiers, models, clients")
     sta.set_defaults(func=cmd_status)

@@ -46,6 +46,8 @@ class Settings:
     repository: str = ""              # packed models (the disk tier); default <state dir>/repository
     shm_dir: str = "/dev/shm"         # where the host tier's shared memory lives
     host_capacity: str = "50%"        # bytes ("8G", "512M") or percent of RAM
+    gpu_capacity: str = "50%"         # per GPU: bytes, or percent of the device's memory
+    fake_gpus: str = ""               # simulated GPUs in shared memory, for tests and development: "2x256M"
     remote: str = ""                  # read-only model store (file:// or http(s)://), fetched on a miss
     eviction_policy: str = "lru"      # lru, lfu, fifo, gdsf, never, eager (read at start)
     log_level: str = "info"
@@ -169,6 +171,10 @@ def load(config_file: str | Path | None = None, overrides: dict | None = None, e
     except ValueError as e:
         raise ConfigError(str(e)) from None
     parse_size(settings.host_capacity, total=1)  # fail early on a bad size, without asking psutil for RAM
+    parse_size(settings.gpu_capacity, total=1)
+    if settings.fake_gpus:
+        from .tiers.gpu import fake_devices
+        fake_devices(settings.fake_gpus)
     return settings
 
 

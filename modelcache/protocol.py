@@ -116,7 +116,7 @@ class Open(Message, kind="open"):
     client_id: str
     name: str
     version: Optional[int] = None
-    device: str = "cpu"
+    device: str = "cpu"                # "cpu", or "cuda" / "cuda:<UUID>" for the model's copy on a GPU
 
 
 class OpenReply(Message, kind="open_ok"):
@@ -130,7 +130,11 @@ class OpenReply(Message, kind="open_ok"):
     inputs: list = []    # [{name, dtype, shape}]
     outputs: list = []
     weights_bytes: int = 0
-    hit: bool = True                   # was it resident before this open?
+    hit: bool = True                   # was it resident (on the device asked for) before this open?
+    # A GPU lease: skeleton_path is the GPU skeleton, tensors index ipc_handles instead of segments.
+    device_uuid: str = ""              # the GPU whose memory the handles export ("" for the host tier)
+    ipc_kind: str = ""                 # "cuda" (cudaIpcMemHandle_t) or "fake" (a simulated device's file)
+    ipc_handles: list = []             # one per device allocation the model's tensors live in
 
 
 class Close(Message, kind="close"):
@@ -144,11 +148,11 @@ class Ack(Message, kind="ok"):
 
 
 class Load(Message, kind="load"):
-    """Prefetch a model into the host tier without opening it; answered once it is resident."""
+    """Prefetch a model into a tier without opening it; answered once it is resident there."""
     req_id: int
     name: str
     version: Optional[int] = None
-    tier: str = "host"
+    tier: str = "host"                 # "host", or "gpu" / "gpu:<UUID or index>" (through the host tier)
 
 
 class Pin(Message, kind="pin"):
@@ -167,10 +171,12 @@ class Remove(Message, kind="remove"):
 
 
 class Evict(Message, kind="evict"):
-    """Drop a model from the host tier now (refused while clients hold it)."""
+    """Drop a model from a tier now (refused while clients hold it there)."""
     req_id: int
     name: str
     version: Optional[int] = None
+    tier: str = "host"                 # "host" frees every copy in memory; "gpu" / "gpu:<UUID or index>"
+                                       # demotes it from the GPU(s) and keeps it in the host tier
 
 
 class ListModels(Message, kind="list"):

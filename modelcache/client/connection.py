@@ -170,6 +170,7 @@ class Client:
 
     # -- API ---------------------------------------------------------------------------
     def open(self, name: str, version: int | None = None, device: str = "cpu") -> OpenedModel:
+        """Lease a model: device "cpu" (the host tier) or "cuda" / "cuda:<UUID>" (a GPU copy, by IPC handle)."""
         return self._call(P.Open(req_id=0, client_id=self.client_id, name=name, version=version, device=device),
                           expect=(P.OpenReply,))
 
@@ -177,7 +178,8 @@ class Client:
         self._call(P.Close(req_id=0, client_id=self.client_id, lease_id=lease_id), expect=(P.Ack,))
 
     def load(self, name: str, version: int | None = None, tier: str = "host", timeout_s: float | None = None) -> None:
-        """Prefetch a model into a tier (fetching it from the remote store if need be); returns once resident."""
+        """Prefetch a model into a tier: "host", "gpu" or "gpu:<UUID or index>" (fetching it from the remote store
+        and promoting it through the host tier as need be); returns once resident."""
         self._call(P.Load(req_id=0, name=name, version=version, tier=tier), expect=(P.Ack,),
                    timeout_s=timeout_s or self._add_timeout_s)
 
@@ -219,9 +221,10 @@ class Client:
         """Store a batching calibration with the model (see modelcache.client.calibrate)."""
         self._call(P.SetBatching(req_id=0, name=name, version=version, profile=profile), expect=(P.Ack,))
 
-    def evict(self, name: str, version: int | None = None) -> None:
-        """Free the model's host memory now; it stays on disk. Refused (CapacityError) while in use."""
-        self._call(P.Evict(req_id=0, name=name, version=version), expect=(P.Ack,))
+    def evict(self, name: str, version: int | None = None, tier: str = "host") -> None:
+        """Free the model's memory now; it stays on disk. tier="gpu" (or "gpu:<UUID or index>") demotes it
+        from the GPU(s) only. Refused (CapacityError) while in use there."""
+        self._call(P.Evict(req_id=0, name=name, version=version, tier=tier), expect=(P.Ack,))
 
     def list(self) -> list[dict]:
         return self._call(P.ListModels(req_id=0), expect=(P.ModelList,)).models

@@ -14,6 +14,7 @@ import time
 from .. import protocol as P
 from ..errors import CapacityError, ModelCacheError, ModelNotFound, PackError, RemoteError
 from ..packing import pack_in_subprocess
+from ..tiers.host import variant_tensors
 from .registry import ModelRecord, ModelState
 
 log = logging.getLogger("modelcache.daemon")
@@ -35,8 +36,11 @@ class CacheOps:
         return False
 
     def on_Load(self, ident, msg: P.Load):
+        device = None
         if msg.tier != "host":
-            raise ModelCacheError(f"tier {msg.tier!r} is not available in this daemon (only 'host')")
+            if msg.tier.partition(":")[0] != "gpu":
+                raise ModelCacheError(f"unknown tier {msg.tier!r}: use 'host', 'gpu' or 'gpu:<UUID or index>'")
+            device = self._device_tier(msg.tier)
         model = self._resolve_or_fetch(ident, msg)
         if model is None:
             return None
@@ -46,7 +50,10 @@ class CacheOps:
                 P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error))
             self._reply(ident, reply)
 
-        self._when_resident(model, answer)
+        if device is None:
+            self._when_resident(model, answer)
+        else:
+            self._when_on_device(model, device, answer)
         return None
 
     def _resolve_or_fetch(self, ident: bytes, msg) -> ModelRecord | None:
@@ -95,7 +102,7 @@ class CacheOps:
 
     def on_Remove(self, ident, msg: P.Remove):
         model = self.registry.resolve(msg.name, msg.version)
-        if model.refcount > 0 or model.state is ModelState.LOADING:
+        if model.refcount > 0 or model.state is ModelState.LOADING or model.busy_on_device:
             raise CapacityError(f"{model.key} is in use or loading; it cannot be removed now")
         if model.state is ModelState.RESIDENT:
             self.evict(model)
@@ -110,7 +117,10 @@ class CacheOps:
         log.info("model %s: %s", "pinned" if msg.pinned else "unpinned", model.key)
         return P.Ack(req_id=msg.req_id)
 
-    def _after_release(self, model: ModelRecord) -> None:
+    def _after_release(self, model: ModelRecord, device: str | None = None) -> None:
+        """A lease or a request let go of the model: tell the policies, and free it if they say so now."""
+        if device is not None:
+            self._after_device_release(model, device)
         if model.refcount == 0 and model.state is ModelState.RESIDENT:
             self.policy.released(model.key, self.clock())
             if self.policy.evict_on_release and not model.pinned:
@@ -118,17 +128,25 @@ class CacheOps:
 
     def on_Evict(self, ident, msg: P.Evict):
         model = self.registry.resolve(msg.name, msg.version)
-        if model.state is ModelState.LOADING:
-            raise CapacityError(f"{model.key} is loading; evict it once it is resident")
+        if msg.tier != "host":
+            if msg.tier.partition(":")[0] != "gpu":
+                raise ModelCacheError(f"unknown tier {msg.tier!r}: use 'host', 'gpu' or 'gpu:<UUID or index>'")
+            self._evict_devices(model, msg.tier)
+            return P.Ack(req_id=msg.req_id)
         if model.refcount > 0:
             raise CapacityError(f"{model.key} is in use by {model.refcount} sessions; it cannot be evicted")
+        if model.state is ModelState.LOADING or model.busy_on_device:
+            raise CapacityError(f"{model.key} is loading; evict it once it is resident")
         if model.state is ModelState.RESIDENT:
             self.evict(model)
         return P.Ack(req_id=msg.req_id)
 
     def evict(self, model: ModelRecord) -> None:
-        """Free a resident, unreferenced model (clients' old mappings stay valid)."""
+        """Free a resident, unreferenced model from memory, its GPU copies first (the tiers are inclusive;
+        clients' old host mappings stay valid)."""
         assert model.state is ModelState.RESIDENT and model.refcount == 0
+        for uuid in list(model.devices):
+            self.evict_from_device(model, uuid)
         freed = self.host.free_model(model.key)
         self.policy.removed(model.key)
         self.engine.drop_model(model.key)
@@ -144,22 +162,33 @@ class CacheOps:
         all their users go, so when the policy's per-model choice falls short we walk its
         order and count what a growing prefix frees together.
         """
-        candidates = [m for m in self.registry.models.values()
-                      if m.state is ModelState.RESIDENT and m.refcount == 0 and not m.pinned and m.key != loading]
-        by_key = {m.key: m for m in candidates}
-        victims = self.policy.choose_victims(bytes_over, {k: self.host.bytes_freed_by([k]) for k in by_key})
-        if not victims:
-            prefix = []
-            for key in self.policy.order(list(by_key)):
-                prefix.append(key)
-                if self.host.bytes_freed_by(prefix) >= bytes_over:
-                    victims = prefix
-                    break
-        if not victims or self.host.bytes_freed_by(victims) < bytes_over:
+        by_key = {m.key: m for m in self.registry.models.values()
+                  if m.state is ModelState.RESIDENT and m.refcount == 0 and not m.pinned and m.key != loading
+                  and not m.busy_on_device}
+        victims = self._choose_victims(self.policy, by_key, self.host.bytes_freed_by, bytes_over)
+        if victims is None:
             return False
         for key in victims:
             self.evict(by_key[key])
         return True
+
+    @staticmethod
+    def _choose_victims(policy, candidates: dict, bytes_freed_by, bytes_over: int) -> list | None:
+        """The keys to evict from one tier to free `bytes_over`, or None when all candidates together fall short.
+
+        Shared segments free only when all their users go, so when the policy's per-model choice
+        falls short we walk its order and count what a growing prefix frees together."""
+        victims = policy.choose_victims(bytes_over, {k: bytes_freed_by([k]) for k in candidates})
+        if not victims:
+            prefix = []
+            for key in policy.order(list(candidates)):
+                prefix.append(key)
+                if bytes_freed_by(prefix) >= bytes_over:
+                    victims = prefix
+                    break
+        if not victims or bytes_freed_by(victims) < bytes_over:
+            return None
+        return victims
 
     def on_Add(self, ident, msg: P.Add):
         opt_level = msg.opt_level or self.settings.opt_level
@@ -208,7 +237,7 @@ class CacheOps:
 
     def _start_promotion(self, model: ModelRecord) -> None:
         """Plan the model's place in the host tier, make room if needed, and copy it on a loader thread."""
-        plan = self.host.plan(model.key, model.disk_dir, model.manifest)  # reserves its bytes
+        plan = self.host.plan(model.key, model.disk_dir, model.manifest, self._host_variants(model))  # reserves
         over = self.host.used_bytes - self.host.capacity_bytes
         if over > 0 and not self.make_room(over, loading=model.key):
             self.host.abort(plan)
@@ -229,9 +258,11 @@ class CacheOps:
             else:
                 self.host.commit(plan)
                 model.state = ModelState.RESIDENT
-                self.policy.created(model.key, model.manifest.weights_bytes, self.clock())
+                self.policy.created(model.key, self.host.model_bytes(model.key), self.clock())
                 self.counters["promotions"] += 1
-                shared = model.manifest.weights_bytes - plan.segment_bytes
+                # (the blob also holds the GPU variant's own tensors: count what this promotion placed)
+                placed = sum(t.nbytes for v in plan.locations for t in variant_tensors(model.manifest, v))
+                shared = placed - plan.segment_bytes
                 log.info("model promoted: %s disk -> host, %.1f MiB copied in %.3f s%s", model.key,
                          plan.segment_bytes / 2**20, seconds,
                          f", {shared / 2**20:.1f} MiB shared with resident models" if shared > 0 else "")

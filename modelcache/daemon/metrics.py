@@ -43,6 +43,10 @@ def _esc(value: str) -> str:
     return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def _tier_labels(t: dict) -> str:
+    return f'tier="{t["tier"]}"' + (f',device="{_esc(t["device"])}"' if t.get("device") else "")
+
+
 def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, uptime_s: float,
            open_latency: Histogram, states: list[str], executor: dict | None = None,
            infer_latency: dict | None = None) -> str:
@@ -56,10 +60,10 @@ def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, 
 
     metric("modelcache_uptime_seconds", "gauge", "Seconds since the daemon started.", [f"modelcache_uptime_seconds {uptime_s:.1f}"])
     metric("modelcache_clients", "gauge", "Connected clients.", [f"modelcache_clients {clients}"])
-    metric("modelcache_tier_used_bytes", "gauge", "Bytes resident per tier.",
-           [f'modelcache_tier_used_bytes{{tier="{t["tier"]}"}} {t["used_bytes"]}' for t in tiers])
+    metric("modelcache_tier_used_bytes", "gauge", "Bytes resident per tier (GPU tiers: per device).",
+           [f'modelcache_tier_used_bytes{{{_tier_labels(t)}}} {t["used_bytes"]}' for t in tiers])
     metric("modelcache_tier_capacity_bytes", "gauge", "Capacity per tier (0: unbounded).",
-           [f'modelcache_tier_capacity_bytes{{tier="{t["tier"]}"}} {t["capacity_bytes"]}' for t in tiers])
+           [f'modelcache_tier_capacity_bytes{{{_tier_labels(t)}}} {t["capacity_bytes"]}' for t in tiers])
     by_state = {s: 0 for s in states}
     for m in models:
         by_state[m["state"]] = by_state.get(m["state"], 0) + 1
@@ -70,9 +74,15 @@ def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, 
             for m in models])
     metric("modelcache_model_resident_bytes", "gauge", "Weights bytes of each model in the host tier.",
            [f'modelcache_model_resident_bytes{{model="{_esc(m["name"])}",version="{m["version"]}"}} '
-            f'{m["bytes"] if m["tier"] == "host" else 0}' for m in models])
+            f'{m["bytes"] if m["tier"] != "disk" else 0}' for m in models])
+    metric("modelcache_model_gpu_leases", "gauge", "GPU leases per model and device (0: resident, unleased).",
+           [f'modelcache_model_gpu_leases{{model="{_esc(m["name"])}",version="{m["version"]}",'
+            f'device="{_esc(g["device"])}"}} {g["leases"]}' for m in models for g in m.get("gpu", ())
+            if g["state"] == "resident"])
     for key, help_ in (("opens", "Open requests."), ("hits", "Opens served from the host tier."),
                        ("misses", "Opens that had to promote from disk."), ("evictions", "Models evicted."),
+                       ("gpu_promotions", "Copies of models onto a GPU."),
+                       ("gpu_evictions", "Models demoted from a GPU to the host tier."),
                        ("closes", "Leases closed by clients."), ("clients_lost", "Clients dropped for silence or death."),
                        ("adds", "Models added."), ("bad_messages", "Malformed requests refused.")):
         metric(f"modelcache_{key}_total", "counter", help_, [f"modelcache_{key}_total {counters.get(key, 0)}"])

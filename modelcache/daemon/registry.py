@@ -20,6 +20,19 @@ class ModelState(enum.Enum):
 
 
 @dataclass
+class DeviceResidency:
+    """A model's copy on one GPU (the device tier is inclusive: the host tier holds it too).
+
+    `leases` counts GPU leases: clients that map this copy by IPC. Memory they map is not
+    reclaimed by freeing it (measured, shared/GPU.md), so only a copy with no leases is evicted.
+    """
+    device: str                      # the device's UUID
+    state: "ModelState"              # LOADING or RESIDENT
+    leases: int = 0
+    waiters: list = field(default_factory=list)   # callbacks(error) waiting on the one promotion
+
+
+@dataclass
 class ModelRecord:
     name: str
     version: int
@@ -33,6 +46,7 @@ class ModelRecord:
     last_use: float = 0.0
     # Opens waiting for the in-flight load: (reply callback) each. One load, many waiters.
     waiters: list = field(default_factory=list)
+    devices: dict = field(default_factory=dict)   # device UUID -> DeviceResidency
     key: str = field(init=False)  # "name@version": asked several times per request, so made once
 
     def __post_init__(self):
@@ -49,13 +63,23 @@ class ModelRecord:
 
     @property
     def tier(self) -> str:
+        """The fastest tier that holds it."""
+        if any(r.state is ModelState.RESIDENT for r in self.devices.values()):
+            return "gpu"
         return "host" if self.state is ModelState.RESIDENT else "disk"
+
+    @property
+    def busy_on_device(self) -> bool:
+        """A device copy is loading (it reads the host copy) or leased: the host copy must stay."""
+        return any(r.state is ModelState.LOADING or r.leases for r in self.devices.values())
 
     def describe(self) -> dict:
         return {"name": self.name, "version": self.version, "bytes": self.manifest.weights_bytes,
                 "tier": self.tier, "state": self.state.value, "refcount": self.refcount,
                 "hits": self.hits, "misses": self.misses, "last_use": self.last_use, "pinned": self.pinned,
-                "tensors": len(self.manifest.tensors), "opt_level": self.manifest.opt_level}
+                "tensors": len(self.manifest.tensors), "opt_level": self.manifest.opt_level,
+                "gpu": [{"device": r.device, "state": r.state.value, "leases": r.leases}
+                        for r in self.devices.values()]}
 
 
 @dataclass
@@ -72,6 +96,7 @@ class Lease:
     lease_id: str
     client_id: str
     model: ModelRecord
+    device: str | None = None        # the GPU whose copy it maps; None: the host tier's
 
 
 class Registry:
@@ -133,15 +158,18 @@ class Registry:
             raise LeaseError(f"unknown client {client_id!r}: its lease expired or the daemon restarted; reconnect")
         return rec
 
-    def grant(self, client: ClientRecord, model: ModelRecord, now: float) -> Lease:
-        lease = Lease(f"l{next(self._ids)}-{secrets.token_hex(4)}", client.client_id, model)
+    def grant(self, client: ClientRecord, model: ModelRecord, now: float, device: str | None = None) -> Lease:
+        """A lease on the model's host copy, or on its copy on `device` (which holds the host copy too)."""
+        lease = Lease(f"l{next(self._ids)}-{secrets.token_hex(4)}", client.client_id, model, device)
         self.leases[lease.lease_id] = lease
         client.leases.add(lease.lease_id)
         model.refcount += 1
+        if device is not None:
+            model.devices[device].leases += 1
         model.last_use = now
         return lease
 
-    def release(self, lease_id: str, client_id: str | None = None) -> ModelRecord:
+    def release(self, lease_id: str, client_id: str | None = None) -> Lease:
         lease = self.leases.get(lease_id)
         if lease is None or (client_id is not None and lease.client_id != client_id):
             raise LeaseError(f"unknown lease {lease_id!r}")
@@ -150,10 +178,12 @@ class Registry:
         if client is not None:  # a dropped client is already gone from the table
             client.leases.discard(lease_id)
         lease.model.refcount -= 1
-        return lease.model
+        if lease.device is not None:
+            lease.model.devices[lease.device].leases -= 1
+        return lease
 
-    def drop_client(self, client_id: str) -> list[ModelRecord]:
-        """Forget a client and release every lease it held; returns the models released."""
+    def drop_client(self, client_id: str) -> list[Lease]:
+        """Forget a client and release every lease it held; returns the leases released."""
         rec = self.clients.pop(client_id, None)
         if rec is None:
             return []

@@ -34,6 +34,7 @@ from ..tiers.host import HostTier
 from ..tiers.remote import RemoteStore
 from ..lane import lane_path
 from .cache import CacheOps
+from .devices import DeviceOps
 from .lane import LaneConnection, LaneServer
 from .metrics import Histogram, MetricsServer, render
 from .notify import Notifier
@@ -47,7 +48,7 @@ _EVENTS, _POLLIN, _SEND_MORE, _SEND_LAST = int(zmq.EVENTS), int(zmq.POLLIN), int
     int(zmq.NOBLOCK)
 
 
-class Daemon(CacheOps, ServeHandlers):
+class Daemon(CacheOps, DeviceOps, ServeHandlers):
     # Settings a reload (SIGHUP / systemctl reload) applies live; the others need a restart.
     LIVE_SETTINGS = ("log_level", "heartbeat_interval_s", "lease_timeout_s", "host_capacity",
                      "batching", "max_batch", "t_opt_ms", "batch_window_ms", "max_queue_delay_ms",
@@ -61,6 +62,8 @@ class Daemon(CacheOps, ServeHandlers):
         self.registry = Registry()
         self.repository = Repository(settings.repository_path)
         self.host = HostTier(settings.shm_dir, settings.host_capacity_bytes())
+        self.devices: dict = {}                 # GPU tier: device UUID -> tiers.gpu.DeviceTier (see devices.py)
+        self.device_policies: dict = {}         # device UUID -> its eviction policy
         self.remote = RemoteStore(settings.remote, settings.request_timeout_s) if settings.remote else None
         self.fetches: dict = {}                 # (name, version) -> [(retry, fail)] waiting on one fetch
         try:
@@ -75,7 +78,8 @@ class Daemon(CacheOps, ServeHandlers):
         self.jobs: dict[str, dict] = {}          # in-flight packs and loads, for stats
         self.reserved_versions: set = set()     # versions being packed, not yet in the registry
         self.counters = {"opens": 0, "hits": 0, "misses": 0, "closes": 0, "adds": 0,
-                         "clients_lost": 0, "bad_messages": 0, "promotions": 0, "evictions": 0}
+                         "clients_lost": 0, "bad_messages": 0, "promotions": 0, "evictions": 0,
+                         "gpu_promotions": 0, "gpu_evictions": 0}
         self.started = wall()
         self.stop_requested = False
         self.reload_requested = False
@@ -98,6 +102,7 @@ class Daemon(CacheOps, ServeHandlers):
         for model_dir, manifest in self.repository.scan():
             self.registry.add_model(model_dir, manifest)
         self.host.start()
+        self._start_devices()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # replies to vanished clients are dropped, not raised
@@ -142,7 +147,7 @@ class Daemon(CacheOps, ServeHandlers):
                 if proc.poll() is None:
                     proc.kill()
             self._remove_socket_file()
-            self.host.stop()
+            self.host.stop()  # (device memory goes with the process; simulated devices live in the host tier)
             os._exit(1)
         self.stop_requested = True
 
@@ -169,8 +174,10 @@ class Daemon(CacheOps, ServeHandlers):
 
     def status_line(self) -> str:
         resident = sum(1 for m in self.registry.models.values() if m.state is ModelState.RESIDENT)
+        gpus = "".join(f", GPU {t.device.index} {t.used_bytes >> 20}/{t.capacity_bytes >> 20} MiB"
+                       for t in self.devices.values())
         return (f"{len(self.registry.models)} models ({resident} resident), {len(self.registry.clients)} clients, "
-                f"host {self.host.used_bytes >> 20}/{self.host.capacity_bytes >> 20} MiB")
+                f"host {self.host.used_bytes >> 20}/{self.host.capacity_bytes >> 20} MiB{gpus}")
 
     def publish_metrics(self) -> None:
         if self.metrics is None:
@@ -256,7 +263,8 @@ class Daemon(CacheOps, ServeHandlers):
         if self.metrics is not None:
             self.metrics.stop()
         self._remove_socket_file()
-        # Clients that still map a model keep their pages: unlinking only drops the name.
+        # Clients that still map a model keep their pages (host and GPU): freeing only drops our references.
+        self._stop_devices()
         self.host.stop()
         self.notifier.close()
 
@@ -332,14 +340,13 @@ class Daemon(CacheOps, ServeHandlers):
         return None
 
     def on_Goodbye(self, ident, msg: P.Goodbye):
-        for model in self.registry.drop_client(msg.client_id):
-            self._after_release(model)
+        for lease in self.registry.drop_client(msg.client_id):
+            self._after_release(lease.model, lease.device)
         return P.Ack(req_id=msg.req_id)
 
     def on_Open(self, ident, msg: P.Open):
         client = self._touch(msg.client_id)
-        if msg.device != "cpu":
-            raise ModelCacheError(f"device {msg.device!r} is not available in this daemon (only 'cpu')")
+        tier = None if msg.device == "cpu" else self._device_tier(msg.device)
         model = self._resolve_or_fetch(ident, msg)
         if model is None:
             return None  # fetching from the remote store; the request runs again when it lands
@@ -354,27 +361,35 @@ class Daemon(CacheOps, ServeHandlers):
             if msg.client_id not in self.registry.clients:  # left while we were loading
                 self._after_release(model)
                 return
-            lease = self.registry.grant(client, model, self.wall())
+            uuid = tier.device.uuid if tier is not None else None
+            lease = self.registry.grant(client, model, self.wall(), uuid)
             self.policy.accessed(model.key, self.clock())
-            self._reply(ident, self._open_reply(msg.req_id, lease.lease_id, model, hit))
+            if uuid is not None:
+                self.device_policies[uuid].accessed(model.key, self.clock())
+            self._reply(ident, self._open_reply(msg.req_id, lease.lease_id, model, hit, tier))
 
-        hit = self._when_resident(model, answer)
+        hit = self._when_resident(model, answer) if tier is None else self._when_on_device(model, tier, answer)
         model.hits += hit
         model.misses += not hit
         self.counters["hits" if hit else "misses"] += 1
         return None
 
-    def _open_reply(self, req_id: int, lease_id: str, model: ModelRecord, hit: bool) -> P.OpenReply:
+    def _open_reply(self, req_id: int, lease_id: str, model: ModelRecord, hit: bool, tier=None) -> P.OpenReply:
         m = model.manifest
-        skeleton, segments, tensors = self.host.export(model.key, m)
         io = m.io_summary()
+        if tier is None:
+            skeleton, segments, tensors = self.host.export(model.key, m)
+            where = {"skeleton_path": skeleton, "segments": segments, "tensors": tensors}
+        else:
+            where = self._device_open_fields(model, tier)
         return P.OpenReply(req_id=req_id, lease_id=lease_id, name=model.name, version=model.version,
-                           skeleton_path=skeleton, segments=segments, tensors=tensors, inputs=io["inputs"],
-                           outputs=io["outputs"], weights_bytes=m.weights_bytes, hit=hit)
+                           inputs=io["inputs"], outputs=io["outputs"], weights_bytes=m.weights_bytes, hit=hit,
+                           **where)
 
     def on_Close(self, ident, msg: P.Close):
         self._touch(msg.client_id)
-        self._after_release(self.registry.release(msg.lease_id, msg.client_id))
+        lease = self.registry.release(msg.lease_id, msg.client_id)
+        self._after_release(lease.model, lease.device)
         self.counters["closes"] += 1
         return P.Ack(req_id=msg.req_id)
 
@@ -399,6 +414,7 @@ class Daemon(CacheOps, ServeHandlers):
     def _describe_tiers(self) -> list[dict]:
         return [{"tier": "host", "path": str(self.host.root), "used_bytes": self.host.used_bytes,
                  "capacity_bytes": self.host.capacity_bytes},
+                *self._describe_devices(),
                 {"tier": "disk", "path": str(self.repository.root),
                  "used_bytes": sum(m.manifest.weights_bytes for m in self.registry.models.values()),
                  "capacity_bytes": 0}]
@@ -450,8 +466,8 @@ class Daemon(CacheOps, ServeHandlers):
             dead = client.pid > 0 and not psutil.pid_exists(client.pid)
             if silent or dead:
                 released = self.registry.drop_client(client.client_id)
-                for model in released:
-                    self._after_release(model)
+                for lease in released:
+                    self._after_release(lease.model, lease.device)
                 self.counters["clients_lost"] += 1
                 log.info("client lost: %s (pid %d, %s), released %d leases", client.client_id, client.pid,
                          "process gone" if dead else "no heartbeat", len(released))
