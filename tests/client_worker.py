@@ -1,7 +1,7 @@
 """A separate client process for the integration tests.
 
     client_worker.py run NAME FEEDS.npz OUT.npz     open NAME, run it on FEEDS, save outputs, report
-    client_worker.py hold NAME                      open NAME, print OPEN, then wait to be killed
+    client_worker.py hold NAME [cuda]               open NAME (on a GPU with cuda), print OPEN, wait to be killed
     client_worker.py churn REFS.npz SECONDS SEED    open/run/close random models for SECONDS, check outputs
     client_worker.py serve REFS.npz N               N serve-mode runs over the models in REFS, check outputs
 
@@ -64,7 +64,8 @@ def main() -> int:
         print(json.dumps({"wrong": wrong, "onnxruntime_imported": "onnxruntime" in sys.modules}))
         return 0
     if cmd == "hold":
-        sess = modelcache.InferenceSession(name)
+        on_gpu = sys.argv[3:] == ["cuda"]
+        sess = modelcache.InferenceSession(name, providers=["CUDAExecutionProvider"] if on_gpu else None)
         print("OPEN", flush=True)
         while True:
             time.sleep(1)

@@ -21,20 +21,14 @@ import pytest
 import modelcache
 from modelcache.errors import CapacityError, ModelCacheError
 
-from conftest import HERE, DaemonProcess, wait_until
+from conftest import HERE, TINY, DaemonProcess, wait_until
 
 CUDA = ["CUDAExecutionProvider"]
 
 
-def feeds_for(path: str, seed: int = 0) -> dict:
-    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    rng = np.random.default_rng(seed)
-    out = {}
-    for i in sess.get_inputs():
-        shape = [d if isinstance(d, int) else 1 for d in i.shape]
-        out[i.name] = rng.standard_normal(shape).astype(np.float32) if "float" in i.type else \
-            rng.integers(0, 10, shape).astype(np.int64)
-    return out
+def feeds_for(path: str) -> dict:
+    from modelcache import zoo
+    return zoo.sample_inputs(path)
 
 
 def plain(path: str, feeds: dict) -> list:
@@ -73,7 +67,8 @@ def test_gpu_open_runs_on_device_memory_and_matches_plain_ort(gpu_daemon, zoo_fi
                 assert not sess.was_cache_hit             # disk -> host -> device
                 got = sess.run(None, feeds)
             for a, b in zip(got, plain(zoo_file(name), feeds)):
-                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
+                tol = 1e-3 if a.dtype == np.float16 else 1e-5   # plain ORT fuses: another summation order
+                np.testing.assert_allclose(a, b, rtol=tol, atol=tol, err_msg=name)
             with modelcache.InferenceSession(name, providers=CUDA, client=c) as again:
                 assert again.was_cache_hit
             assert model_info(c, name)["tier"] == "gpu"
@@ -115,9 +110,14 @@ def test_gpu_capacity_demotes_unleased_models_and_refuses_when_all_are_leased(tm
     monkeypatch.setenv("MODELCACHE_FAKE_GPUS", "1x64M")
     repo = tmp_path / "repo"
     sizes = []
-    for seed, name in enumerate(("a", "b")):        # same architecture, other weights: nothing to share
+    for scale, name in ((1.0, "a"), (2.0, "b")):    # same architecture, no tensor in common: nothing to share
+        model = zoo.build("tiny-vit", 0)
+        for t in model.graph.initializer:
+            arr = onnx.numpy_helper.to_array(t)
+            if arr.dtype == np.float32:
+                t.CopyFrom(onnx.numpy_helper.from_array(arr * scale + (scale - 1) / 4, t.name))
         src = tmp_path / f"{name}.onnx"
-        onnx.save(zoo.build("tiny-vit", seed), str(src))
+        onnx.save(model, str(src))
         sizes.append(sum(-(-t.nbytes // 256) * 256 for t in pack(str(src), repo, name, 1).gpu_tensors))
     capacity = int(1.5 * max(sizes))                # room for one model at a time
     d = DaemonProcess(tmp_path, {"MODELCACHE_FAKE_GPUS": "1x64M", "MODELCACHE_GPU_CAPACITY": str(capacity)}).start()

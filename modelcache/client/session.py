@@ -1,15 +1,21 @@
 """The drop-in `InferenceSession`: an ONNX Runtime session over the daemon's shared weights.
 
-Each weight becomes an OrtValue over a read-only mapping of a shared-memory segment
-and is handed to ORT with `add_initializer`, over a skeleton that ORT optimized at add
-time. Nothing is read, parsed or copied (benchmarks/binding has the measurement). The
-mapping lives as long as this object; the daemon's lease is released on close.
+Each weight becomes an OrtValue over memory the daemon lends and is handed to ORT with
+`add_initializer`, over a skeleton that ORT optimized at add time. Nothing is read, parsed
+or copied (benchmarks/binding has the measurement). Where the weights are follows the
+providers, as with onnxruntime: CPUExecutionProvider (the default) maps the host tier's
+shared-memory segments read-only; CUDAExecutionProvider maps the model's copy on that GPU
+through CUDA IPC handles (client/device.py) under the model's GPU skeleton. The mappings
+live as long as this object; the daemon's lease is released on close.
 """
 
 from __future__ import annotations
 
 
-from ..errors import InputError
+import os
+import warnings
+
+from ..errors import InputError, ModelCacheError
 from ..tensors import FeedCheck
 from ..session_options import attach_session_options, bind_weights
 from .connection import Client, OpenedModel, shared_client
@@ -40,13 +46,28 @@ class InferenceSession:
         self._released = False
         self._sess = None
         self._maps: list = []
-        self._lease = self._client.open(name, version)
+        self._weights: list = []
+        self._device_weights = None
+        device = _device_for(providers, ort)
+        self._lease = self._client.open(name, version, device=device or "cpu")
         try:
             so = attach_session_options(sess_options)
             # ORT keeps raw pointers into these mappings: they must outlive the session.
-            self._maps, self._weights = bind_weights(so, self._lease.segments, self._lease.tensors)
+            if self._lease.device_uuid:
+                from .device import attach_weights
+                self._device_weights = attach_weights(so, self._lease.ipc_kind, self._lease.device_uuid,
+                                                      self._lease.ipc_handles, self._lease.tensors)
+                if self._lease.ipc_kind != "cuda":   # a simulated GPU: its memory is host memory
+                    providers = ["CPUExecutionProvider"]
+            else:
+                self._maps, self._weights = bind_weights(so, self._lease.segments, self._lease.tensors)
             self._sess = ort.InferenceSession(self._lease.skeleton_path, so,
                                               providers=providers or ["CPUExecutionProvider"])
+            if self._lease.ipc_kind == "cuda" and "CUDAExecutionProvider" not in self._sess.get_providers():
+                # ORT falls back to the CPU with only a warning; over device pointers that cannot run.
+                raise ModelCacheError(f"{name}: onnxruntime could not start the CUDA execution provider "
+                                      f"(it offers {self._sess.get_providers()}); check the CUDA and cuDNN "
+                                      f"libraries onnxruntime-gpu needs")
             self._feed_check = FeedCheck(self._lease.name, self._lease.inputs)
         except BaseException:
             self.close()
@@ -82,11 +103,19 @@ class InferenceSession:
     def was_cache_hit(self) -> bool:
         return self._lease.hit
 
+    @property
+    def device(self) -> str:
+        """Where the weights this session runs on live: "cpu" (host tier) or the GPU's UUID."""
+        return self._lease.device_uuid or "cpu"
+
     # -- lifetime ----------------------------------------------------------------------
     def close(self) -> None:
         """Drop the session, then the mapping, then the lease (in that order: ORT points into the mapping)."""
         self._sess = None
         self._weights = []
+        if self._device_weights is not None:   # after the session: ORT points into these
+            self._device_weights.release()
+            self._device_weights = None
         for m in self._maps:
             try:
                 m.close()
@@ -112,3 +141,21 @@ class InferenceSession:
                 self.close()
             except Exception:
                 pass
+
+
+def _device_for(providers, ort) -> str | None:
+    """The GPU to lease the weights on ("cuda:<UUID>"), or None for the host tier, from ORT-style providers.
+
+    As onnxruntime does, a CUDA request on an onnxruntime without the CUDA provider falls back to
+    the CPU with a warning. MODELCACHE_FAKE_GPUS (simulated GPUs, for tests) counts as CUDA."""
+    if not providers:
+        return None
+    names = [p[0] if isinstance(p, (tuple, list)) else p for p in providers]
+    if "CUDAExecutionProvider" not in names:
+        return None
+    if not os.environ.get("MODELCACHE_FAKE_GPUS") and "CUDAExecutionProvider" not in ort.get_available_providers():
+        warnings.warn("Specified provider 'CUDAExecutionProvider' is not in available provider names; "
+                      "modelcache opens the model on the CPU (install onnxruntime-gpu, the [gpu] extra)")
+        return None
+    from .device import requested_device
+    return requested_device(providers)

@@ -1,7 +1,7 @@
 """The remote tier: a read-only model store at a URL (file:// or http(s)://), fetched into the repository.
 
 A store is a directory laid out like a repository (`<name>/<version>/{manifest.json,
-model.onnx,weights.bin}`) plus an `index.json` that `modelcache publish DIR` writes:
+model.onnx,weights.bin}`, and `model.gpu.onnx` for models packed with a GPU variant) plus an `index.json` that `modelcache publish DIR` writes:
 every file with its size and sha256. A fetch downloads into a temporary directory
 inside the repository, checks every file's size and sha256, and only then renames
 it into place: a corrupt or interrupted download is never visible.
@@ -20,10 +20,13 @@ import urllib.request
 from pathlib import Path
 
 from ..errors import ModelNotFound, RemoteError
-from ..packing import MANIFEST_FILE, SKELETON_FILE, WEIGHTS_FILE, Manifest, load_manifest
+from ..packing import (GPU_SKELETON_FILE, MANIFEST_FILE, SKELETON_FILE, WEIGHTS_FILE, Manifest, load_manifest,
+                       write_gpu_stub)
 
 INDEX_FILE = "index.json"
-FILES = (MANIFEST_FILE, SKELETON_FILE, WEIGHTS_FILE)
+# The GPU skeleton's stub file is not published: it is zeros, made again after a fetch (write_gpu_stub).
+FILES = (MANIFEST_FILE, SKELETON_FILE, WEIGHTS_FILE, GPU_SKELETON_FILE)
+OPTIONAL_FILES = (GPU_SKELETON_FILE,)  # absent in models packed before the GPU variant
 CHUNK = 1 << 22
 
 
@@ -34,6 +37,8 @@ def publish(directory: Path) -> dict:
         d = manifest_path.parent
         files = {}
         for f in FILES:
+            if f in OPTIONAL_FILES and not (d / f).exists():
+                continue
             h = hashlib.sha256()
             with open(d / f, "rb") as fh:
                 while chunk := fh.read(CHUNK):
@@ -109,6 +114,11 @@ class RemoteStore:
                                       f"({size} bytes, sha256 {h.hexdigest()[:12]}..., expected {meta['bytes']} "
                                       f"bytes, {meta['sha256'][:12]}...)")
             manifest = load_manifest(tmp)
+            if manifest.gpu_skeleton:
+                if GPU_SKELETON_FILE not in entry["files"]:
+                    raise RemoteError(f"{name}@{version} in {self.url} has a GPU variant but the index lists no "
+                                      f"{GPU_SKELETON_FILE}; publish the store again")
+                write_gpu_stub(tmp, manifest)
             final.parent.mkdir(parents=True, exist_ok=True)
             os.rename(tmp, final)
             return final, manifest, time.perf_counter() - t0
