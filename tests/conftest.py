@@ -95,16 +95,34 @@ class DaemonProcess:
         return modelcache.connect(self.socket, **kw)
 
 
-@pytest.fixture
-def daemon(tmp_path):
-    d = DaemonProcess(tmp_path).start()
-    yield d
+def stop_cleanly(d: DaemonProcess) -> None:
+    """Stop a test's daemon and check it exited well and left nothing behind."""
     rc = d.stop()
     shm = d.shm_dir
     d.kill()
     assert rc == 0, d.log_path.read_text()
-    assert not shm.exists(), "daemon left its host tier in /dev/shm"
+    assert not shm.exists(), "daemon left its host tier (or a simulated GPU's memory) in /dev/shm"
     assert not Path(d.socket[len("ipc://"):]).exists(), "daemon left its socket file"
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = DaemonProcess(tmp_path).start()
+    yield d
+    stop_cleanly(d)
+
+
+@pytest.fixture
+def host(tmp_path):
+    """A host tier of 64 MiB in a private /dev/shm directory, removed after the test."""
+    from modelcache.tiers.host import HostTier
+    shm = Path("/dev/shm") / f"mc-test-{os.getpid()}-{tmp_path.name}"
+    shm.mkdir()
+    tier = HostTier(shm, capacity_bytes=64 << 20)
+    tier.start()
+    yield tier
+    tier.stop()
+    shm.rmdir()
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ import pytest
 import modelcache
 from modelcache.errors import CapacityError, ModelCacheError
 
-from conftest import HERE, TINY, DaemonProcess, wait_until
+from conftest import HERE, TINY, DaemonProcess, stop_cleanly, wait_until
 
 CUDA = ["CUDAExecutionProvider"]
 
@@ -41,11 +41,7 @@ def gpu_daemon(tmp_path, monkeypatch):
     monkeypatch.setenv("MODELCACHE_FAKE_GPUS", "1x64M")
     d = DaemonProcess(tmp_path, {"MODELCACHE_FAKE_GPUS": "1x64M"}).start()
     yield d
-    rc = d.stop()
-    shm = d.shm_dir
-    d.kill()
-    assert rc == 0, d.log_path.read_text()
-    assert not shm.exists(), "daemon left its host tier (and the simulated GPU's memory) in /dev/shm"
+    stop_cleanly(d)
 
 
 def gpu_tier(stats) -> dict:
@@ -58,9 +54,9 @@ def model_info(client, name) -> dict:
 
 def test_gpu_open_runs_on_device_memory_and_matches_plain_ort(gpu_daemon, zoo_file):
     with gpu_daemon.client() as c:
-        for name in ("tiny-cnn", "tiny-vit", "tiny-fp16", "tiny-if"):
+        for name in TINY:
             c.add(zoo_file(name), name)
-        for name in ("tiny-cnn", "tiny-vit", "tiny-fp16", "tiny-if"):
+        for name in TINY:
             feeds = feeds_for(zoo_file(name))
             with modelcache.InferenceSession(name, providers=CUDA, client=c) as sess:
                 assert sess.device == "fake-0"

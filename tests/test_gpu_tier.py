@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -198,17 +197,6 @@ def packed_models(tmp_path_factory):
         onnx.save(model, str(root / f"{name}.onnx"))
         out[name] = (root / "repo" / name / "1", pack(str(root / f"{name}.onnx"), root / "repo", name, 1))
     return out
-
-
-@pytest.fixture
-def host(tmp_path):
-    shm = Path("/dev/shm") / f"mc-gputest-{os.getpid()}-{tmp_path.name}"
-    shm.mkdir()
-    tier = HostTier(shm, capacity_bytes=64 << 20)
-    tier.start()
-    yield tier
-    tier.stop()
-    shm.rmdir()
 
 
 def make_allocator(kind: str, host: HostTier, total_bytes: int = FAKE_DEVICE_BYTES):

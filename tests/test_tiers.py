@@ -13,18 +13,6 @@ import pytest
 from modelcache import zoo
 from modelcache.packing import pack
 from modelcache.tiers import gpu
-from modelcache.tiers.host import HostTier
-
-
-@pytest.fixture
-def host(tmp_path):
-    shm = Path("/dev/shm") / f"mc-test-{os.getpid()}-{tmp_path.name}"
-    shm.mkdir()
-    tier = HostTier(shm, capacity_bytes=64 << 20)
-    tier.start()
-    yield tier
-    tier.stop()
-    shm.rmdir()
 
 
 def packed(tmp_path, name, model):

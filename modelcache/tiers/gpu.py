@@ -37,6 +37,7 @@ from typing import Protocol
 
 from ..config import ConfigError, parse_size
 from ..errors import CapacityError
+from .files import copy_range
 
 log = logging.getLogger("modelcache.gpu")
 
@@ -183,7 +184,7 @@ class FakeAllocator:
                 _check_range(allocation, dst_off, nbytes)
                 if index not in src_fds:
                     src_fds[index] = os.open(host_files[index], os.O_RDONLY)
-                _copy_range(src_fds[index], dst_fd, src_off, dst_off, nbytes)
+                copy_range(src_fds[index], dst_fd, src_off, dst_off, nbytes)
                 copied += nbytes
         finally:
             for fd in src_fds.values():
@@ -402,17 +403,6 @@ def _pread_into(fd: int, ptr: int, nbytes: int, offset: int) -> None:
         if n == 0:
             raise OSError(f"unexpected end of host segment at offset {offset}")
         ptr, nbytes, offset = ptr + n, nbytes - n, offset + n
-
-
-def _copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, nbytes: int) -> None:
-    # sendfile(2), as the host tier does: kernel to kernel; the output position is set by seeking.
-    os.lseek(dst_fd, dst_off, os.SEEK_SET)
-    while nbytes > 0:
-        sent = os.sendfile(dst_fd, src_fd, src_off, min(nbytes, 1 << 30))
-        if sent == 0:
-            raise OSError(f"unexpected end of host segment at offset {src_off}")
-        src_off += sent
-        nbytes -= sent
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .files import copy_range
 from ..packing import ALIGN, GPU_SKELETON_FILE, SKELETON_FILE, WEIGHTS_FILE, Manifest
 
 log = logging.getLogger("modelcache.host")
@@ -147,7 +148,7 @@ class HostTier:
             try:
                 os.ftruncate(dst_fd, plan.segment_bytes)
                 for src_off, dst_off, nbytes, _ in _coalesce(plan.copies):
-                    _copy_range(src_fd, dst_fd, src_off, dst_off, nbytes)
+                    copy_range(src_fd, dst_fd, src_off, dst_off, nbytes)
             finally:
                 os.close(src_fd)
                 os.close(dst_fd)
@@ -218,17 +219,6 @@ def _coalesce(copies):
         else:
             merged.append((src, dst, n, sha))
     return merged
-
-
-def _copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, nbytes: int) -> None:
-    # sendfile(2): kernel to kernel, no Python buffers; the output position is set by seeking.
-    os.lseek(dst_fd, dst_off, os.SEEK_SET)
-    while nbytes > 0:
-        sent = os.sendfile(dst_fd, src_fd, src_off, min(nbytes, 1 << 30))
-        if sent == 0:
-            raise OSError(f"unexpected end of weights file at offset {src_off}")
-        src_off += sent
-        nbytes -= sent
 
 
 def _write_skeleton(src: Path, dst: Path, locations: dict) -> None:
