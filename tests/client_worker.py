@@ -4,6 +4,7 @@
     client_worker.py hold NAME [cuda]               open NAME (on a GPU with cuda), print OPEN, wait to be killed
     client_worker.py churn REFS.npz SECONDS SEED    open/run/close random models for SECONDS, check outputs
     client_worker.py serve REFS.npz N               N serve-mode runs over the models in REFS, check outputs
+    client_worker.py soak REFS.npz SECONDS SEED     serve-mode runs of random models for SECONDS, check outputs
 
 `run` prints one JSON line: whether the weights blob is mapped into this process
 (read-only, from /dev/shm) and the process's anonymous memory.
@@ -62,6 +63,24 @@ def main() -> int:
                 feeds = dict(np.load(sys.argv[2].replace(".npz", f"-{n}-feeds.npz")))
                 wrong += int(not np.allclose(s.run(None, feeds)[0], refs[n], rtol=1e-3, atol=1e-4))
         print(json.dumps({"wrong": wrong, "onnxruntime_imported": "onnxruntime" in sys.modules}))
+        return 0
+    if cmd == "soak":
+        import random
+        refs = dict(np.load(sys.argv[2]))
+        feeds = {n: dict(np.load(sys.argv[2].replace(".npz", f"-{n}-feeds.npz"))) for n in refs}
+        rng = random.Random(int(sys.argv[4]))
+        deadline = time.monotonic() + float(sys.argv[3])
+        counts = {"requests": 0, "wrong": 0, "errors": []}
+        with modelcache.connect() as client:
+            while time.monotonic() < deadline and len(counts["errors"]) < 10:
+                name = rng.choice(sorted(refs))
+                try:
+                    out = client.infer(name, feeds[name])[0]
+                    counts["requests"] += 1
+                    counts["wrong"] += int(not np.allclose(next(iter(out.values())), refs[name], rtol=1e-3, atol=1e-4))
+                except Exception as e:  # reported, and the test fails on it
+                    counts["errors"].append(f"{type(e).__name__}: {e}")
+        print(json.dumps(counts))
         return 0
     if cmd == "hold":
         on_gpu = sys.argv[3:] == ["cuda"]

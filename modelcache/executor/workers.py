@@ -53,6 +53,23 @@ class StageJob:
     queued_at: float = 0.0
     worker_id: int = -1            # set by the worker that runs it
     result: dict = field(default_factory=dict)
+    session: "StageSession | None" = None   # held from can_run_inline to the end of the inline run
+
+
+class StageSession:
+    """A stage's ORT session with the weight mappings it runs on.
+
+    ORT keeps raw pointers into the mappings (through `values`, added as initializers), so they
+    must live as long as the session is used: whoever runs the session holds this whole object,
+    not just the session, and a drop only forgets the worker's reference. The mappings close when
+    the last holder lets go, which is never during a run (an unmapped weight under a run was a
+    SIGSEGV: eviction dropped a session on the worker's thread while the owner loop ran it inline).
+    """
+
+    __slots__ = ("session", "maps", "values")
+
+    def __init__(self, session, maps: list, values: list):
+        self.session, self.maps, self.values = session, maps, values
 
 
 class WorkerUnavailable(ModelCacheError):
@@ -110,7 +127,9 @@ class Worker:
         self.cores = cores
         self.queue: queue.Queue = queue.Queue()
         self.post = post                        # post(job, error): hands the finished job to the owner loop
-        self.sessions: dict = {}                # (model key, stage) -> (session, mappings, values)
+        # (model key, stage) -> StageSession. Only this worker's thread adds or removes entries; the owner
+        # loop reads them (can_run_inline), each with one lookup.
+        self.sessions: dict = {}
         self.queued_predictions: list = []      # owner-side: predicted seconds of jobs not yet finished
         self.thread = threading.Thread(target=self._loop, name=f"worker-{worker_id}", daemon=True)
 
@@ -122,7 +141,9 @@ class Worker:
         self.thread.join(timeout=30)
 
     def drop_model(self, model_key: str) -> None:
-        """Forget sessions of an evicted model (they map segments that are being freed)."""
+        """Forget sessions of an evicted model (they map segments that are being freed). Through the
+        queue, so jobs queued before the drop still find them; a run in progress, on this thread or
+        inline on the owner loop, holds its StageSession and finishes on it."""
         self.queue.put(("drop", model_key))
 
     def _pin(self) -> None:
@@ -149,22 +170,32 @@ class Worker:
         a bad input or an ORT failure costs that request, never the worker."""
         job.worker_id = self.state.worker_id
         try:
-            sess = self._session(job)
+            # `stage` holds the session and its mappings until this run returns, whatever drops it meanwhile.
+            stage = job.session or self._session(job)
             t0 = time.perf_counter()
-            values = sess.run(job.outputs, job.inputs)
+            values = stage.session.run(job.outputs, job.inputs)
             job.result = {"outputs": dict(zip(job.outputs, values)), "run_s": time.perf_counter() - t0}
             return None
         except Exception as e:
             return e
+        finally:
+            job.session = None   # a dropped session is freed now, not when the job is
 
     def can_run_inline(self, job: StageJob) -> bool:
         """Whether the owner loop may run this job itself (see Engine._run_inline): only once this
-        worker built the stage's session, since building one takes far too long for the loop."""
-        return (job.model_key, job.stage) in self.sessions
+        worker built the stage's session, since building one takes far too long for the loop.
 
-    def _session(self, job: StageJob):
+        When it may, the job takes the session now: the worker's thread may drop it (eviction)
+        before or while the loop runs the job, and the loop must neither build one nor lose the
+        mappings under a run."""
+        job.session = self.sessions.get((job.model_key, job.stage))
+        return job.session is not None
+
+    def _session(self, job: StageJob) -> StageSession:
+        """The stage's session, built on first use. Only on this worker's thread."""
         key = (job.model_key, job.stage)
-        if key not in self.sessions:
+        stage = self.sessions.get(key)
+        if stage is None:
             import onnxruntime as ort
             from ..session_options import attach_session_options, bind_weights
 
@@ -173,8 +204,8 @@ class Worker:
             maps, values = bind_weights(so, job.segments, job.tensors)
             sess = ort.InferenceSession(job.skeleton, so, providers=self._providers())
             self._check_session(sess)
-            self.sessions[key] = (sess, maps, values)
-        return self.sessions[key][0]
+            stage = self.sessions[key] = StageSession(sess, maps, values)
+        return stage
 
     def _providers(self) -> list:
         return ["CPUExecutionProvider"]

@@ -1,0 +1,120 @@
+"""Faults a client can cause: a real daemon subprocess, real clients, hostile or unlucky input.
+
+Each test is a way a client once crashed, hung or tricked the daemon (issue #15); each checks
+that the client gets a clear typed error and that the daemon still answers afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import time
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from modelcache import zoo
+from modelcache.errors import CapacityError, DaemonUnavailable
+from modelcache.executor.workers import Worker
+from conftest import HERE, DaemonProcess
+from test_workers import stage_job
+
+SOAK_S = 20.0
+
+
+def reference(src: str, feeds: dict) -> list:
+    return ort.InferenceSession(src, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def test_a_session_taken_for_an_inline_run_outlives_its_drop(tmp_path, zoo_file):
+    """The owner loop decides to run a stage inline (can_run_inline), then the worker's thread drops
+    the model's sessions (eviction): the run must use the session it took, over mappings still
+    open, and the loop must not build a session itself."""
+    src = zoo_file("tiny-cnn")
+    job, feeds = stage_job(tmp_path, src)
+    done = queue.Queue()
+    worker = Worker(0, [0], post=lambda job, error: done.put(error))
+    worker.start()
+    try:
+        worker.queue.put(job)                  # the worker's thread builds the session
+        assert done.get(timeout=30) is None
+        inline = stage_job(tmp_path / "again", src)[0]
+        assert worker.can_run_inline(inline)
+        worker.drop_model(job.model_key)
+        deadline = time.monotonic() + 10
+        while worker.sessions and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not worker.sessions
+        assert worker.run(inline) is None
+        assert not worker.sessions, "the owner loop built a session"
+        np.testing.assert_allclose(inline.result["outputs"][inline.outputs[0]], reference(src, feeds)[0],
+                                   rtol=1e-4, atol=1e-5)
+        assert inline.session is None          # let go after the run: the dropped session is freed now
+    finally:
+        worker.stop()
+
+
+@pytest.mark.parametrize("workers", ["1", "1,1"])
+def test_eviction_under_serve_load_never_crashes_or_serves_wrong_outputs(tmp_path, zoo_file, workers):
+    """Serve clients (separate processes) run tiny models while another client evicts and reloads
+    those same models.
+
+    Eviction used to drop a worker's stage sessions (and unmap their weights) on the worker's
+    thread while the owner loop ran one of them inline: SIGSEGV. "1" exercises the express path
+    (one worker, one stage), "1,1" the general inline path, over a partitioned model too."""
+    d = DaemonProcess(tmp_path, {"MODELCACHE_WORKERS": workers, "MODELCACHE_STATE_DIR": str(tmp_path / "state"),
+                                 "MODELCACHE_LOG_LEVEL": "info", "PYTHONFAULTHANDLER": "1"})
+    d.start()
+    try:
+        models = {"cnn": "tiny-cnn", "vit": "tiny-vit", "emb": "tiny-embed", "fp16": "tiny-fp16"}
+        refs = {}
+        with d.client() as admin:
+            for name, zname in models.items():
+                admin.add(zoo_file(zname), name)
+                feeds = zoo.sample_inputs(zoo_file(zname), batch=2)
+                np.savez(tmp_path / f"refs-{name}-feeds.npz", **feeds)
+                refs[name] = reference(zoo_file(zname), feeds)[0]
+            admin.partition("vit", stages=2)
+        np.savez(tmp_path / "refs.npz", **refs)
+        env = {**os.environ, "MODELCACHE_SOCKET": d.socket}
+        procs = [subprocess.Popen([sys.executable, str(HERE / "client_worker.py"), "soak", str(tmp_path / "refs.npz"),
+                                   str(SOAK_S), str(seed)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for seed in range(4)]
+        churn = {"evictions": 0, "busy": 0, "loads": 0}
+        with d.client() as c:
+            deadline = time.monotonic() + SOAK_S
+            while time.monotonic() < deadline and d.proc.poll() is None:
+                for name in models:
+                    try:
+                        c.evict(name)
+                        churn["evictions"] += 1
+                        if name == "emb":   # a prefetch too, racing the serve clients' own loads
+                            c.load(name)
+                            churn["loads"] += 1
+                    except CapacityError:   # a request holds it right now
+                        churn["busy"] += 1
+                    except DaemonUnavailable:
+                        break
+                time.sleep(0.001)
+        reports = []
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-2000:]
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+        total = {k: sum(r[k] for r in reports) for k in ("requests", "wrong")}
+        errors = [e for r in reports for e in r["errors"]]
+        print(f"soak workers={workers}, {SOAK_S:.0f} s: {total}, churn {churn}, errors {len(errors)}")
+        assert d.proc.poll() is None, f"daemon died (rc {d.proc.returncode}):\n{d.log_path.read_text()[-3000:]}"
+        assert not errors, errors[:5]
+        assert total["wrong"] == 0 and total["requests"] > 100 and churn["evictions"] > 20, (total, churn)
+        assert "client lost" not in d.log_path.read_text(), "a live client was dropped"
+        assert d.stop() == 0, d.log_path.read_text()[-3000:]
+    finally:
+        for p in procs if "procs" in locals() else ():
+            if p.poll() is None:
+                p.kill()
+        d.kill()
