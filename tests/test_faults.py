@@ -14,20 +14,15 @@ import sys
 import time
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 
-from modelcache import zoo
 from modelcache.errors import CapacityError, DaemonUnavailable
 from modelcache.executor.workers import Worker
 from conftest import HERE, DaemonProcess
+from test_serve import add_with_references, reference
 from test_workers import stage_job
 
 SOAK_S = 20.0
-
-
-def reference(src: str, feeds: dict) -> list:
-    return ort.InferenceSession(src, providers=["CPUExecutionProvider"]).run(None, feeds)
 
 
 def test_a_session_taken_for_an_inline_run_outlives_its_drop(tmp_path, zoo_file):
@@ -71,13 +66,8 @@ def test_eviction_under_serve_load_never_crashes_or_serves_wrong_outputs(tmp_pat
     d.start()
     try:
         models = {"cnn": "tiny-cnn", "vit": "tiny-vit", "emb": "tiny-embed", "fp16": "tiny-fp16"}
-        refs = {}
         with d.client() as admin:
-            for name, zname in models.items():
-                admin.add(zoo_file(zname), name)
-                feeds = zoo.sample_inputs(zoo_file(zname), batch=2)
-                np.savez(tmp_path / f"refs-{name}-feeds.npz", **feeds)
-                refs[name] = reference(zoo_file(zname), feeds)[0]
+            refs = add_with_references(admin, zoo_file, tmp_path, models)
             admin.partition("vit", stages=2)
         np.savez(tmp_path / "refs.npz", **refs)
         env = {**os.environ, "MODELCACHE_SOCKET": d.socket}

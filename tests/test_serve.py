@@ -32,15 +32,22 @@ def reference(src, feeds):
     return ort.InferenceSession(src, providers=["CPUExecutionProvider"]).run(None, feeds)
 
 
+def add_with_references(client, zoo_file, tmp_path, models: dict) -> dict:
+    """Add each zoo model (name -> zoo name), save its batch-2 feeds as refs-NAME-feeds.npz for the client
+    workers, and return plain ORT's first output per model."""
+    refs = {}
+    for name, zname in models.items():
+        client.add(zoo_file(zname), name)
+        feeds = zoo.sample_inputs(zoo_file(zname), batch=2)
+        np.savez(tmp_path / f"refs-{name}-feeds.npz", **feeds)
+        refs[name] = reference(zoo_file(zname), feeds)[0]
+    return refs
+
+
 def test_partitioned_models_from_many_processes_match_plain_ort(serving, zoo_file, tmp_path):
     models = {"cnn": "tiny-cnn", "vit": "tiny-vit", "emb": "tiny-embed"}
-    refs = {}
     with serving.client() as c:
-        for name, zname in models.items():
-            c.add(zoo_file(zname), name)
-            feeds = zoo.sample_inputs(zoo_file(zname), batch=2)
-            np.savez(tmp_path / f"refs-{name}-feeds.npz", **feeds)
-            refs[name] = reference(zoo_file(zname), feeds)[0]
+        refs = add_with_references(c, zoo_file, tmp_path, models)
         stages = c.partition("vit", stages=2)
         assert len(stages) == 2 and stages[0]["outputs"] == stages[1]["inputs"]
         assert len(c.partition("cnn", tail_fraction=0.3)) == 2
