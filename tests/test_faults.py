@@ -17,10 +17,12 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+from modelcache import protocol as P
 from modelcache import zoo
 from modelcache.errors import CapacityError, DaemonUnavailable
 from modelcache.executor.workers import Worker
-from conftest import HERE, DaemonProcess
+from conftest import HERE, DaemonProcess, wait_until
+from test_daemon import raw_socket
 from test_workers import stage_job
 
 SOAK_S = 20.0
@@ -118,3 +120,56 @@ def test_eviction_under_serve_load_never_crashes_or_serves_wrong_outputs(tmp_pat
             if p.poll() is None:
                 p.kill()
         d.kill()
+
+
+def ask(sock, frames: list) -> object:
+    """Send raw frames on a raw DEALER and decode the answer."""
+    sock.send_multipart(frames)
+    return P.decode(sock.recv_multipart())
+
+
+def answers(d: DaemonProcess) -> bool:
+    """The daemon is alive and its owner loop answers a request."""
+    with d.client() as c:
+        return c.stats().pid == d.pid
+
+
+@pytest.fixture
+def fast_sweep(tmp_path):
+    """A daemon whose client sweep runs every 0.2 s, so a test sees several sweeps quickly."""
+    d = DaemonProcess(tmp_path, {"MODELCACHE_HEARTBEAT_INTERVAL_S": "0.2", "MODELCACHE_LEASE_TIMEOUT_S": "1.0",
+                                 "PYTHONFAULTHANDLER": "1"}).start()
+    yield d
+    assert d.stop() == 0, d.log_path.read_text()[-3000:]
+    d.kill()
+
+
+@pytest.mark.parametrize("pid", [2**31, 2**63 - 1, 2**64 - 1, -1, -(2**63)])
+def test_hello_with_an_impossible_pid_is_refused_and_the_sweep_survives(fast_sweep, pid):
+    sock = raw_socket(fast_sweep)
+    reply = ask(sock, P.encode(P.Hello(req_id=7, protocol_version=P.PROTOCOL_VERSION, pid=pid)))
+    assert isinstance(reply, P.ErrorReply) and reply.code == "protocol" and "not a process id" in reply.message
+    assert reply.req_id == 7
+    # A client of a process that exited: the next sweep drops it, so a sweep ran after the bad hello.
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    reply = ask(sock, P.encode(P.Hello(req_id=8, protocol_version=P.PROTOCOL_VERSION, pid=gone.pid)))
+    assert isinstance(reply, P.HelloReply)
+    with fast_sweep.client() as c:
+        wait_until(lambda: c.stats().counters["clients_lost"] >= 1, timeout_s=10, what="a sweep")
+    assert answers(fast_sweep)
+    sock.close()
+
+
+def test_the_sweep_never_dies_on_one_client(tmp_path):
+    """Whatever a client record holds, the sweep goes on to the next client (and the loop lives)."""
+    from modelcache.config import Settings
+    from modelcache.daemon.server import Daemon
+    daemon = Daemon(Settings(socket=f"ipc://{tmp_path}/s.sock", repository=str(tmp_path / "repo"), workers="1"))
+    now = daemon.clock()
+    odd = daemon.registry.new_client(2**40, "odd", now)        # a pid os.kill cannot take
+    broken = daemon.registry.new_client(os.getpid(), "broken", now)
+    broken.last_seen = "yesterday"                              # a bug's worth of bad state
+    silent = daemon.registry.new_client(0, "silent", now - 3600)
+    daemon.sweep_clients()
+    assert set(daemon.registry.clients) == {odd.client_id, broken.client_id}   # the silent one went

@@ -42,6 +42,8 @@ from .serving import ServeHandlers
 
 log = logging.getLogger("modelcache.daemon")
 WAKE_ADDR = "inproc://modelcache-wake"
+PID_MAX = 1 << 22          # Linux's PID_MAX_LIMIT: no pid_max setting goes higher
+MAX_CLIENT_NAME = 256      # a program's name, shown in stats
 # Plain ints, not pyzmq's enums: enum arithmetic cost ~4 us per use, several times per request.
 _EVENTS, _POLLIN, _SEND_MORE, _SEND_LAST = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.SNDMORE | zmq.NOBLOCK), \
     int(zmq.NOBLOCK)
@@ -319,6 +321,11 @@ class Daemon(CacheOps, ServeHandlers):
         if msg.protocol_version != P.PROTOCOL_VERSION:
             raise ProtocolError(f"client speaks protocol {msg.protocol_version}, this daemon "
                                 f"{P.PROTOCOL_VERSION}: upgrade the older of the two")
+        # The sweep asks the kernel about this pid: one past what a pid can be (2**31) killed the daemon there.
+        if not 0 <= msg.pid <= PID_MAX:
+            raise ProtocolError(f"hello: pid {msg.pid} is not a process id (1 to {PID_MAX}, or 0 for none)")
+        if len(msg.client_name) > MAX_CLIENT_NAME:
+            raise ProtocolError(f"hello: client_name is {len(msg.client_name)} characters; at most {MAX_CLIENT_NAME}")
         client = self.registry.new_client(msg.pid, msg.client_name, self.clock())
         log.debug("client %s (pid %d) connected", client.client_id, msg.pid)
         return P.HelloReply(req_id=msg.req_id, protocol_version=P.PROTOCOL_VERSION, daemon_version=__version__,
@@ -446,15 +453,30 @@ class Daemon(CacheOps, ServeHandlers):
         """Release the leases of clients that stopped sending heartbeats or whose process died."""
         now = self.clock()
         for client in list(self.registry.clients.values()):
-            silent = now - client.last_seen > self.settings.lease_timeout_s
-            dead = client.pid > 0 and not psutil.pid_exists(client.pid)
-            if silent or dead:
-                released = self.registry.drop_client(client.client_id)
-                for model in released:
-                    self._after_release(model)
-                self.counters["clients_lost"] += 1
-                log.info("client lost: %s (pid %d, %s), released %d leases", client.client_id, client.pid,
-                         "process gone" if dead else "no heartbeat", len(released))
+            try:
+                silent = now - client.last_seen > self.settings.lease_timeout_s
+                dead = self._process_gone(client.pid)
+                if silent or dead:
+                    released = self.registry.drop_client(client.client_id)
+                    for model in released:
+                        self._after_release(model)
+                    self.counters["clients_lost"] += 1
+                    log.info("client lost: %s (pid %d, %s), released %d leases", client.client_id, client.pid,
+                             "process gone" if dead else "no heartbeat", len(released))
+            except Exception:  # one client's record must not stop the sweep, or the owner loop with it
+                log.error("sweep failed on client %s: %s", client.client_id, traceback.format_exc())
+
+    @staticmethod
+    def _process_gone(pid: int) -> bool:
+        """Whether the client's process has surely exited; False when the kernel cannot say (then the
+        heartbeat decides), e.g. with no file descriptor left to read /proc."""
+        if pid <= 0:
+            return False
+        try:
+            return not psutil.pid_exists(pid)
+        except (OSError, OverflowError, ValueError) as e:
+            log.warning("cannot tell whether pid %d is alive: %s", pid, e)
+            return False
 
 
 def run(settings: Settings, on_ready=None, reload_settings=None) -> None:
