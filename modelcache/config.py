@@ -68,6 +68,7 @@ class Settings:
     state_dir: str = ""                # performance models persist here; default: the repository's parent
     metrics_port: int = 0              # Prometheus /metrics over HTTP; 0 = off
     metrics_host: str = "127.0.0.1"    # where /metrics listens
+    max_message_size: str = "64M"      # largest request a client may send (ZeroMQ or lane); big tensors go in shm files
 
     def __post_init__(self):
         if not self.socket:
@@ -83,6 +84,9 @@ class Settings:
 
     def host_capacity_bytes(self) -> int:
         return parse_size(self.host_capacity, total=_ram_bytes())
+
+    def max_message_bytes(self) -> int:
+        return parse_size(self.max_message_size)
 
 
 def _ram_bytes() -> int:
@@ -169,6 +173,8 @@ def load(config_file: str | Path | None = None, overrides: dict | None = None, e
     except ValueError as e:
         raise ConfigError(str(e)) from None
     parse_size(settings.host_capacity, total=1)  # fail early on a bad size, without asking psutil for RAM
+    if settings.max_message_bytes() < 1 << 16:
+        raise ConfigError(f"max_message_size {settings.max_message_size!r}: at least 64K, or no request fits")
     return settings
 
 

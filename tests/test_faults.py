@@ -13,16 +13,21 @@ import subprocess
 import sys
 import time
 
+import msgpack
 import numpy as np
 import onnxruntime as ort
+import psutil
 import pytest
+import zmq
 
 from modelcache import protocol as P
 from modelcache import zoo
 from modelcache.errors import CapacityError, DaemonUnavailable
 from modelcache.executor.workers import Worker
 from conftest import HERE, DaemonProcess, wait_until
+from modelcache.lane import HEADER, frame
 from test_daemon import raw_socket
+from test_lane import raw_lane, read_frame
 from test_workers import stage_job
 
 SOAK_S = 20.0
@@ -173,3 +178,111 @@ def test_the_sweep_never_dies_on_one_client(tmp_path):
     silent = daemon.registry.new_client(0, "silent", now - 3600)
     daemon.sweep_clients()
     assert set(daemon.registry.clients) == {odd.client_id, broken.client_id}   # the silent one went
+
+
+# -- bounded input -------------------------------------------------------------------------------
+
+MiB = 1 << 20
+
+
+def rss_bytes(pid: int) -> int:
+    return psutil.Process(pid).memory_info().rss
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The process's resident high-water mark since reset_peak_rss."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def reset_peak_rss(pid: int) -> None:
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+
+
+def array_of(n: int, item: bytes = b"\x00") -> bytes:
+    """A msgpack array of n one-byte items (zeros, or empty lists with b"\\x90")."""
+    return b"\xdd" + n.to_bytes(4, "big") + item * n
+
+
+def map_with(req_id: int, key: str, packed_value: bytes) -> bytes:
+    return b"\x82" + msgpack.packb("req_id") + msgpack.packb(req_id) + msgpack.packb(key) + packed_value
+
+
+INFLATING = {
+    # 50 MB that msgpack would make into 50 million list slots, or empty lists (64 B each)
+    "array of zeros": array_of(50_000_000),
+    "inputs: array of zeros": map_with(3, "inputs", array_of(50_000_000)),
+    "inputs: array of empty arrays": map_with(3, "inputs", array_of(50_000_000, b"\x90")),
+    # every container under the limit, all of them together far over it
+    "inputs: nested arrays": map_with(3, "inputs", b"\xdc" + (800).to_bytes(2, "big")
+                                      + (b"\xdc" + (60000).to_bytes(2, "big") + b"\x00" * 60000) * 800),
+}
+
+
+@pytest.mark.parametrize("what", list(INFLATING))
+def test_an_inflating_body_costs_the_daemon_no_more_than_its_size(daemon, what):
+    body = INFLATING[what]
+    sock = raw_socket(daemon)
+    assert answers(daemon)
+    baseline = rss_bytes(daemon.pid)
+    reset_peak_rss(daemon.pid)
+    reply = ask(sock, [b"infer", body])
+    peak = peak_rss_bytes(daemon.pid) - baseline
+    assert isinstance(reply, P.ErrorReply) and reply.code == "protocol", reply
+    assert "max_array_len" in reply.message or "more than 65536 items" in reply.message, reply.message
+    assert reply.req_id == (0 if what == "array of zeros" else 3)
+    print(f"{what}: {len(body) / MiB:.0f} MiB body, daemon peak RSS +{peak / MiB:.0f} MiB")
+    assert peak <= 2 * len(body) + 16 * MiB      # the frame in libzmq and its copy in Python, at most
+    assert answers(daemon)
+    wait_until(lambda: rss_bytes(daemon.pid) <= baseline + 10 * MiB, timeout_s=5, what="RSS back to baseline")
+    sock.close()
+
+
+@pytest.fixture
+def small_messages(tmp_path):
+    d = DaemonProcess(tmp_path, {"MODELCACHE_MAX_MESSAGE_SIZE": "1M"}).start()
+    yield d
+    assert d.stop() == 0, d.log_path.read_text()[-3000:]
+    d.kill()
+
+
+def test_a_message_over_max_message_size_costs_its_sender_the_connection(small_messages):
+    d = small_messages
+    sock = raw_socket(d)
+    sock.setsockopt(zmq.RCVTIMEO, 1000)
+    baseline = rss_bytes(d.pid)
+    reset_peak_rss(d.pid)
+    sock.send_multipart([b"infer", msgpack.packb({"req_id": 1, "inputs": [{"data": b"x" * (2 * MiB)}]})])
+    with pytest.raises(zmq.Again):              # libzmq dropped the connection: no answer ever comes
+        sock.recv_multipart()
+    assert peak_rss_bytes(d.pid) - baseline < 2 * MiB
+    assert answers(d)
+    # Just under the limit is a message like any other.
+    reply = ask(sock, [b"infer", msgpack.packb({"req_id": 2, "inputs": [{"data": b"x" * (MiB // 2)}]})])
+    assert isinstance(reply, P.ErrorReply) and reply.req_id == 2 and "missing field" in reply.message
+    sock.close()
+
+
+def test_a_lane_frame_over_max_message_size_ends_the_connection(small_messages):
+    d = small_messages
+    s = raw_lane(d)
+    s.sendall(HEADER.pack(5, 2 * MiB) + b"infer" + b"\x00" * 1024)   # refused from its header
+    assert s.recv(100) == b""
+    s.close()
+    s = raw_lane(d)                         # the same 50 MB inflating array, under the limit here
+    s.sendall(frame(b"infer", map_with(4, "inputs", array_of(MiB // 2))))
+    kind, body = read_frame(s)
+    reply = P.decode([kind, body])
+    assert isinstance(reply, P.ErrorReply) and reply.req_id == 4 and "max_array_len" in reply.message
+    s.close()
+    assert answers(d)
+
+
+def test_a_message_of_a_million_frames_is_refused(daemon):
+    sock = raw_socket(daemon)
+    sock.send_multipart([b"open"] + [b""] * 1_000_000)
+    reply = P.decode(sock.recv_multipart())
+    assert isinstance(reply, P.ErrorReply) and "2 frames" in reply.message
+    assert answers(daemon)
+    sock.close()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import zmq
 
-from ..lane import FrameReader, LaneError, frame, recv_chunk
+from ..lane import MAX_BODY, FrameReader, LaneError, frame, recv_chunk
 
 log = logging.getLogger("modelcache.daemon")
 
@@ -31,7 +31,7 @@ class LaneConnection:
 
     def __init__(self, sock: socket.socket, server: "LaneServer"):
         self.sock, self.fd, self.server = sock, sock.fileno(), server
-        self.reader = FrameReader()
+        self.reader = FrameReader(server.max_body)
         self.out = bytearray()
         self.polling_out = False  # registered for POLLOUT: replies wait for room in the socket
 
@@ -70,9 +70,10 @@ class LaneConnection:
 
 
 class LaneServer:
-    def __init__(self, path: str, counters: dict):
+    def __init__(self, path: str, counters: dict, max_body: int = MAX_BODY):
         self.path = path
         self.counters = counters         # the daemon's: a broken stream counts as a bad message
+        self.max_body = max_body         # a request's longest body, as ZeroMQ's MAXMSGSIZE: longer ones end the connection
         self.listener: socket.socket | None = None
         self.poller: zmq.Poller | None = None
         self.conns: dict[int, LaneConnection] = {}

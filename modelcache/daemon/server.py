@@ -47,6 +47,7 @@ MAX_CLIENT_NAME = 256      # a program's name, shown in stats
 # Plain ints, not pyzmq's enums: enum arithmetic cost ~4 us per use, several times per request.
 _EVENTS, _POLLIN, _SEND_MORE, _SEND_LAST = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.SNDMORE | zmq.NOBLOCK), \
     int(zmq.NOBLOCK)
+_RCVMORE = int(zmq.RCVMORE)
 
 
 class Daemon(CacheOps, ServeHandlers):
@@ -92,7 +93,8 @@ class Daemon(CacheOps, ServeHandlers):
         self.router = None
         self.wake_rx = None
         path = lane_path(settings.socket)
-        self.lane = LaneServer(path, self.counters) if path else None   # serve-mode calls, see modelcache/lane.py
+        # serve-mode calls, see modelcache/lane.py
+        self.lane = LaneServer(path, self.counters, settings.max_message_bytes()) if path else None
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -103,6 +105,8 @@ class Daemon(CacheOps, ServeHandlers):
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # replies to vanished clients are dropped, not raised
+        # A longer frame disconnects its sender before libzmq allocates it (big tensors go through shm files).
+        self.router.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes())
         addr = self.settings.socket
         if addr.startswith("ipc://"):
             path = Path(addr[len("ipc://"):])
@@ -215,7 +219,7 @@ class Daemon(CacheOps, ServeHandlers):
                     for _ in range(256):
                         if not self.router.getsockopt(_EVENTS) & _POLLIN:
                             break
-                        self._handle(self.router.recv_multipart())
+                        self._handle(self._recv_request())
                 for key, ready in events.items():
                     if type(key) is int:   # a raw file descriptor: the lane's
                         self.lane.on_ready(key, ready, self._handle)
@@ -270,10 +274,22 @@ class Daemon(CacheOps, ServeHandlers):
             Path(self.lane.path).unlink(missing_ok=True)
 
     # -- message dispatch --------------------------------------------------------------
+    def _recv_request(self) -> list[bytes]:
+        """A message's frames from the ROUTER: routing id, kind, body. Frames past the fourth are read
+        and dropped (the message then fails to decode as too many frames): MAXMSGSIZE bounds each
+        frame, not how many a peer sends, and a list of a million of them is not ours to build."""
+        recv, more = self.router.recv, self.router.getsockopt
+        frames = [recv()]
+        while more(_RCVMORE):
+            frame = recv()
+            if len(frames) < 4:
+                frames.append(frame)
+        return frames
+
     def _handle(self, frames: list[bytes]) -> None:
         ident, body = frames[0], frames[1:]
         try:
-            msg = P.decode(body)
+            msg = P.decode(body, max_items=P.REQUEST_MAX_ITEMS)
             handler = getattr(self, "on_" + type(msg).__name__, None)
             if handler is None:
                 raise ProtocolError(f"{msg.KIND.decode()!r} is a reply, not a request")
