@@ -22,7 +22,7 @@ import zmq
 
 from modelcache import protocol as P
 from modelcache import zoo
-from modelcache.errors import CapacityError, DaemonUnavailable
+from modelcache.errors import CapacityError, DaemonUnavailable, InputError, PackError
 from modelcache.executor.workers import Worker
 from conftest import HERE, DaemonProcess, wait_until
 from modelcache.lane import HEADER, frame
@@ -286,3 +286,35 @@ def test_a_message_of_a_million_frames_is_refused(daemon):
     assert isinstance(reply, P.ErrorReply) and "2 frames" in reply.message
     assert answers(daemon)
     sock.close()
+
+
+@pytest.mark.parametrize("stages, tail, says", [
+    (10**7, None, "2 <= K <= 64"), (0, None, "2 <= K <= 64"), (-3, None, "2 <= K <= 64"), (None, None, "give --stages"),
+    (None, float("nan"), "between 0 and 1"), (None, 1.5, "between 0 and 1"), (60, None, "cut points"),
+])
+def test_a_partition_that_cannot_be_met_is_refused_before_anything_is_built(daemon, zoo_file, stages, tail, says):
+    src = zoo_file("tiny-vit")
+    feeds = zoo.sample_inputs(src)
+    with daemon.client() as c:
+        c.add(src, "vit")
+        kept = [{k: e[k] for k in ("file", "inputs", "outputs")} for e in c.partition("vit", stages=2)]
+        baseline = rss_bytes(daemon.pid)
+        reset_peak_rss(daemon.pid)
+        t0 = time.monotonic()
+        with pytest.raises(PackError, match=says):
+            c.partition("vit", stages=stages, tail_fraction=tail)
+        assert time.monotonic() - t0 < 10
+        assert peak_rss_bytes(daemon.pid) - baseline < 64 * MiB     # 10**7 stages: +434 MiB before
+        if says != "cut points":    # (that one is refused by the loader, after the profile: it had to look)
+            assert [{k: e[k] for k in ("file", "inputs", "outputs")} for e in c.describe("vit").stages] == kept
+        np.testing.assert_allclose(c.infer("vit", feeds)[0]["logits"], reference(src, feeds)[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("deadline_ms", [float("nan"), float("inf"), -5.0])
+def test_an_impossible_deadline_is_an_input_error(daemon, zoo_file, deadline_ms):
+    src = zoo_file("tiny-cnn")
+    with daemon.client() as c:
+        c.add(src, "cnn")
+        with pytest.raises(InputError, match="deadline_ms"):
+            c.infer("cnn", zoo.sample_inputs(src), deadline_ms=deadline_ms)
+        assert c.infer("cnn", zoo.sample_inputs(src))[0]["logits"].shape == (1, 10)

@@ -26,8 +26,9 @@ class ServeHandlers:
                                        for e in model.manifest.stages])
 
     def on_Partition(self, ident, msg: P.Partition):
-        from ..executor.partition import partition
+        from ..executor.partition import check_request, partition
         model = self.registry.resolve(msg.name, msg.version)
+        check_request(msg.stages, msg.tail_fraction)   # here, not on the loader: no job for a request that cannot be met
         if model.refcount > 0 or model.state is ModelState.LOADING:
             raise CapacityError(f"{model.key} is in use; partition it when no session or request holds it")
 
@@ -65,6 +66,9 @@ class ServeHandlers:
 
     def on_Infer(self, ident, msg: P.Infer):
         self._touch(msg.client_id)
+        if msg.deadline_ms is not None and not 0 <= msg.deadline_ms < float("inf"):   # (NaN fails this too)
+            raise InputError(f"deadline_ms {msg.deadline_ms}: give a positive number of milliseconds "
+                             "(0 or none: no deadline)")
         model = self._resolve_or_fetch(ident, msg)
         if model is None:
             return None
