@@ -318,3 +318,75 @@ def test_an_impossible_deadline_is_an_input_error(daemon, zoo_file, deadline_ms)
         with pytest.raises(InputError, match="deadline_ms"):
             c.infer("cnn", zoo.sample_inputs(src), deadline_ms=deadline_ms)
         assert c.infer("cnn", zoo.sample_inputs(src))[0]["logits"].shape == (1, 10)
+
+
+# -- configuration a client stores ---------------------------------------------------------------
+
+MISSING = object()
+GOOD_PROFILE = {"kind": "cpu2", "batches": [1, 4], "stage_s": [[0.001], [0.003]], "ratios": [[1.0], [1.0]],
+                "g": [0.001, 0.0007, 2.0, 2.0], "t_opt_ms": 50.0, "n_opt": 4, "request_s": [0.0015, 0.004]}
+BAD_PROFILES = {
+    "request_s a number": ({"request_s": 0.002}, "request_s"),
+    "request_s too short": ({"request_s": [0.002]}, "request_s"),
+    "g of 3": ({"g": [0.001, 0.0007, 2.0]}, "g must be 4 numbers"),
+    "g of strings": ({"g": ["a", "b", "c", "d"]}, "g must be 4 numbers"),
+    "z3 zero": ({"g": [0.001, 0.0007, 0.0, 2.0]}, "z3 > 0"),
+    "n_opt zero": ({"n_opt": 0}, "n_opt"),
+    "n_opt huge": ({"n_opt": 10**9}, "n_opt"),
+    "n_opt a bool": ({"n_opt": True}, "n_opt"),
+    "n_opt a float": ({"n_opt": 4.5}, "n_opt"),
+    "t_opt_ms NaN": ({"t_opt_ms": float("nan")}, "t_opt_ms"),
+    "batches unsorted": ({"batches": [4, 1]}, "ascending"),
+    "batch zero": ({"batches": [0, 4]}, "batch sizes >= 1"),
+    "stage time a string": ({"stage_s": [["x"], [0.003]]}, "stage_s must be"),
+    "negative stage time": ({"stage_s": [[-1.0], [0.003]]}, "stage_s must be"),
+    "ratios missing": ({"ratios": MISSING}, "no 'ratios'"),
+    "an unknown field": ({"extra": [0] * 1000}, "unknown field 'extra'"),
+    "kind a number": ({"kind": 2}, "kind"),
+}
+
+
+@pytest.mark.parametrize("what", list(BAD_PROFILES))
+def test_a_profile_is_validated_in_full_before_it_is_stored(daemon, zoo_file, what):
+    change, says = BAD_PROFILES[what]
+    profile = {k: v for k, v in {**GOOD_PROFILE, **change}.items() if v is not MISSING}
+    src = zoo_file("tiny-cnn")
+    feeds = zoo.sample_inputs(src)
+    manifest = daemon.repository / "cnn" / "1" / "manifest.json"
+    with daemon.client() as c:
+        c.add(src, "cnn")
+        before = manifest.read_text()
+        with pytest.raises(InputError, match=says):
+            c.set_batching("cnn", profile)
+        assert manifest.read_text() == before                   # nothing was stored
+        for _ in range(3):                                      # and serving goes on
+            np.testing.assert_allclose(c.infer("cnn", feeds)[0]["logits"], reference(src, feeds)[0],
+                                       rtol=1e-4, atol=1e-5)
+        c.set_batching("cnn", GOOD_PROFILE)                     # a good one is still taken
+        assert json.loads(manifest.read_text())["batching"] == GOOD_PROFILE
+        assert c.infer("cnn", feeds)[0]["logits"].shape == (1, 10)
+
+
+def test_a_bad_profile_already_stored_is_ignored_not_fatal(tmp_path, zoo_file):
+    """A manifest written before profiles were checked: every serve request failed (then hung after a restart)."""
+    src = zoo_file("tiny-cnn")
+    feeds = zoo.sample_inputs(src)
+    d = DaemonProcess(tmp_path, {"MODELCACHE_BATCHING": "layer"}).start()
+    try:
+        with d.client() as c:
+            c.add(src, "cnn")
+        assert d.stop() == 0
+        path = d.repository / "cnn" / "1" / "manifest.json"
+        manifest = json.loads(path.read_text())
+        manifest["batching"] = {**GOOD_PROFILE, "request_s": 0.002}
+        path.write_text(json.dumps(manifest))
+        d.start()
+        with d.client(timeout_s=10) as c:
+            for _ in range(3):
+                np.testing.assert_allclose(c.infer("cnn", feeds)[0]["logits"], reference(src, feeds)[0],
+                                           rtol=1e-4, atol=1e-5)
+            assert c.stats().executor["in_flight"] == 0
+        assert "ignoring its stored batching profile" in d.log_path.read_text()
+        assert d.stop() == 0
+    finally:
+        d.kill()

@@ -128,5 +128,18 @@ class ServeHandlers:
                               "outputs": e["outputs"], "tensors": [t for t in all_tensors if t[0] in wanted]})
             io = model.manifest.inputs + model.manifest.outputs
             batchable = all(e.shape and not isinstance(e.shape[0], int) for e in io)
+            self._check_stored_profile(model)
             cached = self.serve_specs[model.key] = (segments, specs, batchable)
         return cached
+
+    @staticmethod
+    def _check_stored_profile(model: ModelRecord) -> None:
+        """A profile stored before set_batching checked profiles in full (or edited by hand) may be one
+        every serve request would fail on: serve without it, and say so, rather than fail forever."""
+        from ..executor.batching import check_profile
+        if model.manifest.batching:
+            try:
+                check_profile(model.manifest.batching, stages=max(1, len(model.manifest.stages)))
+            except ValueError as e:
+                log.warning("%s: ignoring its stored batching profile: %s", model.key, e)
+                model.manifest.batching = {}
