@@ -7,20 +7,22 @@ copied once (into shared memory), not through the socket.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import math
 import os
 
 from .errors import InputError, ProtocolError
-from .session_options import map_readonly
 
 INLINE_MAX_BYTES = 256 * 1024
+IO_DIR = "/dev/shm"        # where clients write the I/O files of large inputs, and the one place the daemon reads them
+IO_PREFIX = "modelcache-io."
 _counter = itertools.count()
 _dtype_names: dict = {}   # numpy dtype -> its name on the wire; asking numpy costs ~7 us a tensor
 _dtypes: dict = {}        # and back: a name on the wire -> numpy dtype (only names numpy accepted)
 
 
-def encode(arrays: dict, shm_dir: str = "/dev/shm", group_of: str | None = None,
+def encode(arrays: dict, shm_dir: str = IO_DIR, group_of: str | None = None,
            inline_only: bool = False) -> tuple[list, list[str]]:
     """name -> array  =>  (wire list, shm files the caller must unlink once answered).
 
@@ -38,7 +40,7 @@ def encode(arrays: dict, shm_dir: str = "/dev/shm", group_of: str | None = None,
         if a.nbytes <= INLINE_MAX_BYTES or inline_only:
             entry["data"] = a.tobytes()
         else:
-            path = os.path.join(shm_dir, f"modelcache-io.{os.getuid()}.{os.getpid()}.{next(_counter)}")
+            path = os.path.join(shm_dir, f"{IO_PREFIX}{os.getuid()}.{os.getpid()}.{next(_counter)}")
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
             try:
                 if group_of:  # let the daemon's group read it (a member may give a file to its group)
@@ -79,22 +81,49 @@ def decode(wire: list) -> tuple[dict, list]:
             if "data" in entry:
                 buf = entry["data"]
             else:
-                path = entry["shm"]
-                if not os.path.basename(path).startswith("modelcache-io.") or os.path.dirname(path) == "":
-                    raise ProtocolError(f"tensor {name!r}: {path!r} is not a modelcache I/O file")
-                m = map_readonly(path)
+                m = map_io_file(entry["shm"], name)
                 maps.append(m)
                 buf = m
             # Not np.ndarray(shape, dtype, buf), though it is one call less: it reads an object dtype
             # out of raw bytes (pointers from the wire) and takes a -1 dim. frombuffer refuses both.
             arr = np.frombuffer(buf, dtype=dtype, count=math.prod(shape)).reshape(shape)
-        except ProtocolError:
+        except (ProtocolError, InputError):
             raise
         except (KeyError, TypeError, ValueError, OSError) as e:
             raise ProtocolError(f"malformed tensor {entry.get('name') if isinstance(entry, dict) else entry!r}: "
                                 f"{e}") from None
         arrays[name] = arr
     return arrays, maps
+
+
+def map_io_file(path, name: str):
+    """A read-only mapping of a client's I/O file, opened so that a client cannot make the reader
+    wait or read for it what it may not read itself: only a regular file with one name, directly in
+    IO_DIR and named IO_PREFIX*; a symbolic link is not followed (it let a client read files only
+    the daemon could), and a FIFO or device is refused, never waited on (opening a FIFO blocked
+    the daemon's owner loop until someone wrote to it)."""
+    import mmap
+    import stat
+
+    if (not isinstance(path, str) or os.path.dirname(path) != IO_DIR
+            or not os.path.basename(path).startswith(IO_PREFIX)):
+        raise InputError(f"tensor {name!r}: {path!r} is not a modelcache I/O file ({IO_DIR}/{IO_PREFIX}*)")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        why = "is a symbolic link" if e.errno == errno.ELOOP else f"cannot be opened ({e.strerror})"
+        raise InputError(f"tensor {name!r}: I/O file {path} {why}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InputError(f"tensor {name!r}: I/O file {path} is not a regular file")
+        if st.st_nlink != 1:   # another name elsewhere on this file system: not a file the client wrote for us
+            raise InputError(f"tensor {name!r}: I/O file {path} has {st.st_nlink} names (hard links)")
+        if st.st_size == 0:
+            raise InputError(f"tensor {name!r}: I/O file {path} is empty")
+        return mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
 
 
 class FeedCheck:

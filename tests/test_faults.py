@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import stat
 import subprocess
 import sys
 import time
@@ -390,3 +391,71 @@ def test_a_bad_profile_already_stored_is_ignored_not_fatal(tmp_path, zoo_file):
         assert d.stop() == 0
     finally:
         d.kill()
+
+
+# -- I/O files of large inputs -------------------------------------------------------------------
+
+def infer_wire(c, wire: list):
+    """An infer request with hand-made tensors, through the client's own transport."""
+    return c._call(P.Infer(req_id=0, client_id=c.client_id, name="cnn", inputs=wire), expect=(P.InferReply,),
+                   use_lane=True)
+
+
+def io_entry(path: str, nbytes: int = 1 * 3 * 32 * 32 * 4) -> dict:
+    return {"name": "input", "dtype": "float32", "shape": [1, 3, 32, 32], "shm": path, "nbytes": nbytes}
+
+
+@pytest.fixture
+def io_paths(tmp_path):
+    """Names in /dev/shm for a test's I/O files, removed after it (and a stuck FIFO reader released)."""
+    made = []
+
+    def make(tag: str) -> str:
+        made.append(f"/dev/shm/modelcache-io.test-{os.getpid()}-{tag}")
+        return made[-1]
+    yield make
+    for path in made:
+        if os.path.exists(path) and not os.path.islink(path) and stat.S_ISFIFO(os.stat(path).st_mode):
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))   # a reader blocked on it gets EOF
+            except OSError:
+                pass
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.rmdir(path)
+        elif os.path.lexists(path):
+            os.unlink(path)
+
+
+def test_io_files_that_are_not_plain_files_of_the_client_are_refused_at_once(daemon, zoo_file, tmp_path, io_paths):
+    src = zoo_file("tiny-cnn")
+    feeds = zoo.sample_inputs(src)
+    secret = tmp_path / "secret"             # stands for a file only the daemon's user may read
+    secret.write_bytes(b"s3cret!!" * 2048)
+    fifo = io_paths("fifo")
+    os.mkfifo(fifo)
+    link = io_paths("link")
+    os.symlink(secret, link)
+    directory = io_paths("dir")
+    os.mkdir(directory)
+    twice = io_paths("twice")
+    with open(twice, "wb") as f:
+        f.write(feeds["input"].tobytes())
+    other_name = io_paths("other-name")
+    os.link(twice, other_name)
+    elsewhere = tmp_path / "modelcache-io.elsewhere"
+    elsewhere.write_bytes(feeds["input"].tobytes())
+    cases = {fifo: "not a regular file", link: "is a symbolic link", directory: "not a regular file",
+             twice: "has 2 names", str(elsewhere): "not a modelcache I/O file",
+             "/dev/shm/../shm/modelcache-io.x": "not a modelcache I/O file",
+             io_paths("missing"): "cannot be opened"}
+    with daemon.client(timeout_s=5) as c:
+        c.add(src, "cnn")
+        for path, says in cases.items():
+            t0 = time.monotonic()
+            with pytest.raises(InputError, match=says):
+                infer_wire(c, [io_entry(path)])
+            assert time.monotonic() - t0 < 2, path
+        # A plain I/O file of the client's still works, the large-input path included.
+        big = {"input": np.random.default_rng(0).standard_normal((64, 3, 32, 32)).astype(np.float32)}
+        np.testing.assert_allclose(c.infer("cnn", big)[0]["logits"], reference(src, big)[0], rtol=1e-4, atol=1e-5)
+    assert answers(daemon)
