@@ -1,8 +1,9 @@
 """Tensors on the wire for serve mode, and the feed check both sides share.
 
 Small tensors travel inline in the message (msgpack bytes); large ones through a file
-in /dev/shm that the sender writes and the receiver maps read-only, so a big input is
-copied once (into shared memory), not through the socket.
+in /dev/shm that the sender writes and the daemon reads, so a big input never goes
+through the socket. The daemon copies it out rather than mapping it: the client owns the
+file, and a mapped file that its owner truncates is a SIGBUS in whoever reads it next.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def encode(arrays: dict, shm_dir: str = IO_DIR, group_of: str | None = None,
 
 
 def decode(wire: list) -> tuple[dict, list]:
-    """wire list => (name -> read-only array, mappings to close when the arrays are no longer used)."""
+    """wire list => (name -> read-only array, mappings to close when the arrays are no longer used:
+    none any more, since I/O files are read, not mapped; kept for callers)."""
     import numpy as np
 
     arrays, maps = {}, []
@@ -81,9 +83,7 @@ def decode(wire: list) -> tuple[dict, list]:
             if "data" in entry:
                 buf = entry["data"]
             else:
-                m = map_io_file(entry["shm"], name)
-                maps.append(m)
-                buf = m
+                buf = read_io_file(entry["shm"], name, math.prod(shape) * dtype.itemsize)
             # Not np.ndarray(shape, dtype, buf), though it is one call less: it reads an object dtype
             # out of raw bytes (pointers from the wire) and takes a -1 dim. frombuffer refuses both.
             arr = np.frombuffer(buf, dtype=dtype, count=math.prod(shape)).reshape(shape)
@@ -96,13 +96,18 @@ def decode(wire: list) -> tuple[dict, list]:
     return arrays, maps
 
 
-def map_io_file(path, name: str):
-    """A read-only mapping of a client's I/O file, opened so that a client cannot make the reader
-    wait or read for it what it may not read itself: only a regular file with one name, directly in
-    IO_DIR and named IO_PREFIX*; a symbolic link is not followed (it let a client read files only
-    the daemon could), and a FIFO or device is refused, never waited on (opening a FIFO blocked
-    the daemon's owner loop until someone wrote to it)."""
-    import mmap
+def read_io_file(path, name: str, nbytes: int):
+    """The first `nbytes` of a client's I/O file, copied into the reader's memory (read-only array).
+
+    Opened so that a client cannot make the reader wait or read for it what it may not read
+    itself: only a regular file with one name, directly in IO_DIR and named IO_PREFIX*; a
+    symbolic link is not followed (it let a client read files only the daemon could), and a FIFO
+    or device is refused, never waited on (opening a FIFO blocked the daemon's owner loop until
+    someone wrote to it). Copied, not mapped: a client that truncated its file after sending it
+    took the daemon down with SIGBUS when the model read the mapping. The copy costs about what
+    the mapping's page faults did up to a few MB (0.96 against 0.84 ms for 4.8 MB, read once
+    after); a 48 MB input pays 37 against 12 ms."""
+    import numpy as np
     import stat
 
     if (not isinstance(path, str) or os.path.dirname(path) != IO_DIR
@@ -119,11 +124,20 @@ def map_io_file(path, name: str):
             raise InputError(f"tensor {name!r}: I/O file {path} is not a regular file")
         if st.st_nlink != 1:   # another name elsewhere on this file system: not a file the client wrote for us
             raise InputError(f"tensor {name!r}: I/O file {path} has {st.st_nlink} names (hard links)")
-        if st.st_size == 0:
-            raise InputError(f"tensor {name!r}: I/O file {path} is empty")
-        return mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+        if st.st_size < nbytes:
+            raise InputError(f"tensor {name!r}: I/O file {path} holds {st.st_size} bytes; the tensor needs {nbytes}")
+        data = np.empty(nbytes, np.uint8)
+        with memoryview(data) as view:
+            done = 0
+            while done < nbytes:
+                n = os.readv(fd, [view[done:]])
+                if n == 0:
+                    raise InputError(f"tensor {name!r}: I/O file {path} was truncated while it was read")
+                done += n
     finally:
         os.close(fd)
+    data.flags.writeable = False
+    return data
 
 
 class FeedCheck:

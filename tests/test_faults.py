@@ -12,6 +12,7 @@ import queue
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import msgpack
@@ -22,7 +23,7 @@ import pytest
 import zmq
 
 from modelcache import protocol as P
-from modelcache import zoo
+from modelcache import tensors, zoo
 from modelcache.errors import CapacityError, DaemonUnavailable, InputError, PackError
 from modelcache.executor.workers import Worker
 from conftest import HERE, DaemonProcess, wait_until
@@ -458,4 +459,42 @@ def test_io_files_that_are_not_plain_files_of_the_client_are_refused_at_once(dae
         # A plain I/O file of the client's still works, the large-input path included.
         big = {"input": np.random.default_rng(0).standard_normal((64, 3, 32, 32)).astype(np.float32)}
         np.testing.assert_allclose(c.infer("cnn", big)[0]["logits"], reference(src, big)[0], rtol=1e-4, atol=1e-5)
+    assert answers(daemon)
+
+
+def test_a_client_that_truncates_its_io_file_after_sending_it_costs_only_its_request(daemon, zoo_file):
+    """The daemon mapped I/O files: one truncated under a request was a SIGBUS in the daemon (rc -7)."""
+    src = zoo_file("tiny-cnn")
+    big = {"input": np.random.default_rng(0).standard_normal((256, 3, 32, 32)).astype(np.float32)}
+    want = reference(src, big)[0]
+    outcomes: list[str] = []
+    with daemon.client() as admin:
+        admin.add(src, "cnn")
+
+    def attack(k: int):
+        with daemon.client(timeout_s=10) as c:
+            for i in range(25):
+                wire, files = tensors.encode(big)
+                msg = P.Infer(req_id=0, client_id=c.client_id, name="cnn", inputs=wire)
+                with c._lock:                   # the client's own transport, one request at a time
+                    msg.req_id = next(c._ids)
+                    c._lane.send(*P.encode(msg), time.monotonic() + 10)
+                    time.sleep(0.0005 * (i % 4))
+                    os.truncate(files[0], 0)    # while the request waits for the worker, or runs
+                    reply = P.decode(c._lane.receive(time.monotonic() + 10))
+                os.unlink(files[0])
+                if isinstance(reply, P.InferReply):
+                    out = tensors.decode(reply.outputs)[0]["logits"]
+                    outcomes.append("right" if np.allclose(out, want, rtol=1e-4, atol=1e-5) else "wrong")
+                else:
+                    outcomes.append(reply.code + ("" if "bytes; the tensor needs" in reply.message
+                                                  or "truncated" in reply.message else ": " + reply.message))
+
+    threads = [threading.Thread(target=attack, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert daemon.proc.poll() is None, daemon.log_path.read_text()[-2000:]
+    assert len(outcomes) == 100 and set(outcomes) <= {"right", "input"}, sorted(set(outcomes))
     assert answers(daemon)
