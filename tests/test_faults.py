@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -498,3 +499,21 @@ def test_a_client_that_truncates_its_io_file_after_sending_it_costs_only_its_req
     assert daemon.proc.poll() is None, daemon.log_path.read_text()[-2000:]
     assert len(outcomes) == 100 and set(outcomes) <= {"right", "input"}, sorted(set(outcomes))
     assert answers(daemon)
+
+
+# -- files that are not ours ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["socket", "lane"])
+def test_a_file_at_the_socket_path_is_left_alone_and_the_daemon_refuses_to_start(tmp_path, where):
+    d = DaemonProcess(tmp_path)
+    path = Path(d.socket[len("ipc://"):] + (".lane" if where == "lane" else ""))
+    path.parent.mkdir(parents=True)
+    path.write_text("someone's notes\n")
+    with pytest.raises(RuntimeError, match="did not get ready"):
+        d.start(timeout_s=20)
+    assert d.proc.returncode == 1
+    assert path.read_text() == "someone's notes\n"
+    assert f"{path} exists and is not a socket" in d.log_path.read_text()
+    assert not d.shm_dir.exists()                 # refused before it made anything
+    if where == "lane":
+        assert not Path(d.socket[len("ipc://"):]).exists()

@@ -11,10 +11,12 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import stat
 from pathlib import Path
 
 import zmq
 
+from ..errors import ModelCacheError
 from ..lane import MAX_BODY, FrameReader, LaneError, frame, recv_chunk
 
 log = logging.getLogger("modelcache.daemon")
@@ -24,6 +26,18 @@ MAX_READ_PER_TURN = 16 << 20     # one busy client cannot hold the loop
 MAX_PENDING = 256 << 20          # unread replies a client may leave before it is cut off
 # ints, not pyzmq's enums: `int & IntFlag` runs Python code in the enum module, per event
 _IN, _OUT, _IN_OUT = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.POLLIN | zmq.POLLOUT)
+
+
+def check_socket_file(path: Path) -> None:
+    """Refuse to start over a file at a socket path that is not a socket: a stale socket of ours may
+    be replaced, anything else is someone's file (a wrong socket setting once deleted it)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ModelCacheError(f"{path} exists and is not a socket: it is left alone, and the daemon does not start; "
+                              "move it away or set another socket path")
 
 
 class LaneConnection:
@@ -80,7 +94,8 @@ class LaneServer:
         self.scratch = memoryview(bytearray(READ_CHUNK))
 
     def start(self, poller: zmq.Poller) -> None:
-        """Listen (the main socket's checks already ruled out a live daemon, so a file here is stale)."""
+        """Listen (the main socket's checks already ruled out a live daemon, so a socket here is stale)."""
+        check_socket_file(Path(self.path))
         Path(self.path).unlink(missing_ok=True)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(self.path)

@@ -34,7 +34,7 @@ from ..tiers.host import HostTier
 from ..tiers.remote import RemoteStore
 from ..lane import lane_path
 from .cache import CacheOps
-from .lane import LaneConnection, LaneServer
+from .lane import LaneConnection, LaneServer, check_socket_file
 from .metrics import Histogram, MetricsServer, render
 from .notify import Notifier
 from .registry import ModelRecord, ModelState, Registry
@@ -99,6 +99,16 @@ class Daemon(CacheOps, ServeHandlers):
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
         """Scan the repository, create the host tier, bind the socket. After this, clients may connect."""
+        addr = self.settings.socket
+        if addr.startswith("ipc://"):  # first: a daemon that refuses to start leaves nothing behind
+            path = Path(addr[len("ipc://"):])
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if os.path.lexists(path):
+                check_socket_file(path)
+                self._refuse_if_live(addr)
+                path.unlink()
+            if self.lane is not None:
+                check_socket_file(Path(self.lane.path))
         for model_dir, manifest in self.repository.scan():
             self.registry.add_model(model_dir, manifest)
         self.host.start()
@@ -107,13 +117,6 @@ class Daemon(CacheOps, ServeHandlers):
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # replies to vanished clients are dropped, not raised
         # A longer frame disconnects its sender before libzmq allocates it (big tensors go through shm files).
         self.router.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes())
-        addr = self.settings.socket
-        if addr.startswith("ipc://"):
-            path = Path(addr[len("ipc://"):])
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if path.exists():
-                self._refuse_if_live(addr)
-                path.unlink()
         self.router.bind(addr)
         if addr.startswith("ipc://"):
             os.chmod(addr[len("ipc://"):], 0o660)  # the daemon's group may connect; others may not
