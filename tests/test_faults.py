@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import stat
 import subprocess
 import sys
@@ -517,3 +518,33 @@ def test_a_file_at_the_socket_path_is_left_alone_and_the_daemon_refuses_to_start
     assert not d.shm_dir.exists()                 # refused before it made anything
     if where == "lane":
         assert not Path(d.socket[len("ipc://"):]).exists()
+
+
+def test_live_clients_survive_a_daemon_that_was_not_listening(fast_sweep):
+    """A daemon stopped for longer than the lease timeout (SIGSTOP here; a VM pause, swapping or a
+    starved process alike) swept its clients as silent before reading the heartbeats they had sent
+    meanwhile: every live client was dropped, and got "unknown client" for the rest of its life."""
+    d = fast_sweep                       # lease timeout 1 s, heartbeats every 0.2 s
+    clients = [d.client() for _ in range(4)]
+    sock = raw_socket(d)                 # a client that says hello and then never beats
+    try:
+        for _ in range(3):
+            os.kill(d.pid, signal.SIGSTOP)
+            time.sleep(2.5)
+            os.kill(d.pid, signal.SIGCONT)
+            time.sleep(0.6)              # several sweeps, and time for the heartbeats to come in
+            stats = clients[0].stats()
+            assert stats.counters["clients_lost"] == 0
+            assert {c.client_id for c in clients} <= {e["client_id"] for e in stats.clients}
+        # Silence still costs a client its place, counted from when the daemon listens again.
+        silent = ask(sock, P.encode(P.Hello(req_id=1, protocol_version=P.PROTOCOL_VERSION, pid=0))).client_id
+        os.kill(d.pid, signal.SIGSTOP)
+        time.sleep(1.5)
+        os.kill(d.pid, signal.SIGCONT)
+        wait_until(lambda: silent not in {e["client_id"] for e in clients[0].stats().clients}, timeout_s=10,
+                   what="the silent client to be dropped")
+        assert clients[0].stats().counters["clients_lost"] == 1
+    finally:
+        sock.close()
+        for c in clients:
+            c.close()

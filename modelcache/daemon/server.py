@@ -80,6 +80,8 @@ class Daemon(CacheOps, ServeHandlers):
         self.counters = {"opens": 0, "hits": 0, "misses": 0, "closes": 0, "adds": 0,
                          "clients_lost": 0, "bad_messages": 0, "promotions": 0, "evictions": 0}
         self.started = wall()
+        # When the owner loop last came back from not listening (see serve_forever): silence before it is not counted.
+        self.listening_since = float("-inf")
         self.stop_requested = False
         self.reload_requested = False
         self.pending: list = []                 # (future, done) of loader tasks, to answer them at stop
@@ -201,6 +203,7 @@ class Daemon(CacheOps, ServeHandlers):
             on_ready()
         next_sweep = self.clock()
         next_watchdog = self.clock()
+        last_turn_at = self.clock()
         try:
             while not self.stop_requested:
                 if self.reload_requested:
@@ -212,6 +215,13 @@ class Daemon(CacheOps, ServeHandlers):
                 wake_at = min(next_sweep, self.engine.next_wakeup() or next_sweep)  # a batching window ends
                 timeout_ms = max(0, int((wake_at - self.clock()) * 1000 + 0.999))
                 events = dict(poller.poll(min(timeout_ms, 250)))
+                turn_at = self.clock()
+                if turn_at - last_turn_at > self.settings.lease_timeout_s / 2:
+                    # The loop was not listening (a long handler; the process stopped, swapped or starved):
+                    # heartbeats sent meanwhile may still be on their way in through libzmq's I/O thread, and
+                    # the sweep must not drop live clients for them (a 3 s SIGSTOP dropped every client).
+                    self.listening_since = turn_at
+                last_turn_at = turn_at
                 if self.wake_rx in events:
                     while self.wake_rx.poll(0):
                         self.wake_rx.recv()
@@ -473,7 +483,7 @@ class Daemon(CacheOps, ServeHandlers):
         now = self.clock()
         for client in list(self.registry.clients.values()):
             try:
-                silent = now - client.last_seen > self.settings.lease_timeout_s
+                silent = now - max(client.last_seen, self.listening_since) > self.settings.lease_timeout_s
                 dead = self._process_gone(client.pid)
                 if silent or dead:
                     released = self.registry.drop_client(client.client_id)
