@@ -89,7 +89,7 @@ def decode(wire: list) -> tuple[dict, list]:
             arr = np.frombuffer(buf, dtype=dtype, count=math.prod(shape)).reshape(shape)
         except (ProtocolError, InputError):
             raise
-        except (KeyError, TypeError, ValueError, OSError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError, OSError) as e:   # (overflow: a dim past 2**63)
             raise ProtocolError(f"malformed tensor {entry.get('name') if isinstance(entry, dict) else entry!r}: "
                                 f"{e}") from None
         arrays[name] = arr
