@@ -28,13 +28,16 @@ from modelcache import protocol as P
 from modelcache import tensors, zoo
 from modelcache.errors import CapacityError, DaemonUnavailable, InputError, PackError
 from modelcache.executor.workers import Worker
-from conftest import HERE, DaemonProcess, wait_until
 from modelcache.lane import HEADER, frame
+from conftest import HERE, DaemonProcess, wait_until
 from test_daemon import raw_socket
 from test_lane import raw_lane, read_frame
 from test_workers import stage_job
 
 SOAK_S = 20.0
+
+
+# -- eviction under serve load -------------------------------------------------------------------
 
 
 def reference(src: str, feeds: dict) -> list:
@@ -55,11 +58,8 @@ def test_a_session_taken_for_an_inline_run_outlives_its_drop(tmp_path, zoo_file)
         assert done.get(timeout=30) is None
         inline = stage_job(tmp_path / "again", src)[0]
         assert worker.can_run_inline(inline)
-        worker.drop_model(job.model_key)
-        deadline = time.monotonic() + 10
-        while worker.sessions and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not worker.sessions
+        worker.drop_model(job.model_key)       # eviction: the worker's thread forgets the session
+        wait_until(lambda: not worker.sessions, timeout_s=10, what="the drop")
         assert worker.run(inline) is None
         assert not worker.sessions, "the owner loop built a session"
         np.testing.assert_allclose(inline.result["outputs"][inline.outputs[0]], reference(src, feeds)[0],
@@ -80,6 +80,7 @@ def test_eviction_under_serve_load_never_crashes_or_serves_wrong_outputs(tmp_pat
     d = DaemonProcess(tmp_path, {"MODELCACHE_WORKERS": workers, "MODELCACHE_STATE_DIR": str(tmp_path / "state"),
                                  "MODELCACHE_LOG_LEVEL": "info", "PYTHONFAULTHANDLER": "1"})
     d.start()
+    procs = []
     try:
         models = {"cnn": "tiny-cnn", "vit": "tiny-vit", "emb": "tiny-embed", "fp16": "tiny-fp16"}
         refs = {}
@@ -92,9 +93,9 @@ def test_eviction_under_serve_load_never_crashes_or_serves_wrong_outputs(tmp_pat
             admin.partition("vit", stages=2)
         np.savez(tmp_path / "refs.npz", **refs)
         env = {**os.environ, "MODELCACHE_SOCKET": d.socket}
-        procs = [subprocess.Popen([sys.executable, str(HERE / "client_worker.py"), "soak", str(tmp_path / "refs.npz"),
-                                   str(SOAK_S), str(seed)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True) for seed in range(4)]
+        procs += [subprocess.Popen([sys.executable, str(HERE / "client_worker.py"), "soak", str(tmp_path / "refs.npz"),
+                                    str(SOAK_S), str(seed)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True) for seed in range(4)]
         churn = {"evictions": 0, "busy": 0, "loads": 0}
         with d.client() as c:
             deadline = time.monotonic() + SOAK_S
@@ -125,11 +126,13 @@ def test_eviction_under_serve_load_never_crashes_or_serves_wrong_outputs(tmp_pat
         assert "client lost" not in d.log_path.read_text(), "a live client was dropped"
         assert d.stop() == 0, d.log_path.read_text()[-3000:]
     finally:
-        for p in procs if "procs" in locals() else ():
+        for p in procs:
             if p.poll() is None:
                 p.kill()
         d.kill()
 
+
+# -- hello and the client sweep ------------------------------------------------------------------
 
 def ask(sock, frames: list) -> object:
     """Send raw frames on a raw DEALER and decode the answer."""
@@ -179,7 +182,7 @@ def test_the_sweep_never_dies_on_one_client(tmp_path):
     odd = daemon.registry.new_client(2**40, "odd", now)        # a pid os.kill cannot take
     broken = daemon.registry.new_client(os.getpid(), "broken", now)
     broken.last_seen = "yesterday"                              # a bug's worth of bad state
-    silent = daemon.registry.new_client(0, "silent", now - 3600)
+    daemon.registry.new_client(0, "silent", now - 3600)          # silent for an hour
     daemon.sweep_clients()
     assert set(daemon.registry.clients) == {odd.client_id, broken.client_id}   # the silent one went
 

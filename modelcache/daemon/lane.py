@@ -87,7 +87,7 @@ class LaneServer:
     def __init__(self, path: str, counters: dict, max_body: int = MAX_BODY):
         self.path = path
         self.counters = counters         # the daemon's: a broken stream counts as a bad message
-        self.max_body = max_body         # a request's longest body, as ZeroMQ's MAXMSGSIZE: longer ones end the connection
+        self.max_body = max_body         # a request's longest body (as MAXMSGSIZE): a longer one ends the connection
         self.listener: socket.socket | None = None
         self.poller: zmq.Poller | None = None
         self.conns: dict[int, LaneConnection] = {}

@@ -28,7 +28,7 @@ class ServeHandlers:
     def on_Partition(self, ident, msg: P.Partition):
         from ..executor.partition import check_request, partition
         model = self.registry.resolve(msg.name, msg.version)
-        check_request(msg.stages, msg.tail_fraction)   # here, not on the loader: no job for a request that cannot be met
+        check_request(msg.stages, msg.tail_fraction)   # here, not on a loader: no job for what cannot be met
         if model.refcount > 0 or model.state is ModelState.LOADING:
             raise CapacityError(f"{model.key} is in use; partition it when no session or request holds it")
 
