@@ -70,6 +70,7 @@ class Settings:
     state_dir: str = ""                # performance models persist here; default: the repository's parent
     metrics_port: int = 0              # Prometheus /metrics over HTTP; 0 = off
     metrics_host: str = "127.0.0.1"    # where /metrics listens
+    max_message_size: str = "64M"      # largest request a client may send (ZeroMQ or lane); big tensors go in shm files
 
     def __post_init__(self):
         if not self.socket:
@@ -85,6 +86,9 @@ class Settings:
 
     def host_capacity_bytes(self) -> int:
         return parse_size(self.host_capacity, total=_ram_bytes())
+
+    def max_message_bytes(self) -> int:
+        return parse_size(self.max_message_size)
 
 
 def _ram_bytes() -> int:
@@ -175,6 +179,8 @@ def load(config_file: str | Path | None = None, overrides: dict | None = None, e
     if settings.fake_gpus:
         from .tiers.gpu import fake_devices
         fake_devices(settings.fake_gpus)
+    if settings.max_message_bytes() < 1 << 16:
+        raise ConfigError(f"max_message_size {settings.max_message_size!r}: at least 64K, or no request fits")
     return settings
 
 

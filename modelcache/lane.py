@@ -57,9 +57,10 @@ class FrameReader:
     A chunk that holds whole messages (the usual case: one request, one reply) is read
     where it lies; only a message split across chunks is gathered in a bytearray."""
 
-    def __init__(self):
+    def __init__(self, max_body: int = MAX_BODY):
         self._buf: bytes | bytearray = b""
         self._at = 0                      # where the unread part of _buf starts
+        self._max_body = max_body         # a longer frame is refused from its header, before it is gathered
 
     def feed(self, data: bytes) -> None:
         if self._at >= len(self._buf):
@@ -75,7 +76,7 @@ class FrameReader:
         if len(buf) - at < HEADER.size:
             return None
         kind_len, body_len = HEADER.unpack_from(buf, at)
-        if kind_len == 0 or body_len > MAX_BODY:
+        if kind_len == 0 or body_len > self._max_body:
             raise LaneError(f"bad frame header (kind {kind_len} bytes, body {body_len} bytes)")
         start = at + HEADER.size + kind_len
         end = start + body_len

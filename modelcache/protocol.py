@@ -281,12 +281,42 @@ class ErrorReply(Message, kind="error"):
 
 # -- encoding ----------------------------------------------------------------------------
 
+# Requests come from any client that can reach the socket, so decoding one must cost no more than
+# a small multiple of its size. msgpack's own limits (each string and container at most the body's
+# length) do not bound how many objects a body makes: a 50 MB array of zeros became 50 million list
+# slots (+853 MiB in the daemon). Big tensors travel in shm files, so a request is a few maps and short
+# lists; REQUEST_MAX_ITEMS bounds each container and, together, every element of every container.
+REQUEST_MAX_ITEMS = 1 << 16
+
+
+class _TooManyItems(ValueError):
+    pass
+
+
+def _unpack(body: bytes, max_items: int | None) -> Any:
+    if max_items is None or len(body) <= max_items:  # (an item takes at least one byte of the body)
+        return msgpack.unpackb(body, raw=False, strict_map_key=True)
+    budget = [max_items]
+
+    def count(container):  # called as each list or map is completed, inner ones first
+        budget[0] -= len(container) + 1
+        if budget[0] < 0:
+            raise _TooManyItems(f"more than {max_items} items")
+        return container
+
+    return msgpack.unpackb(body, raw=False, strict_map_key=True, max_array_len=max_items,
+                           max_map_len=max_items, list_hook=count, object_hook=count)
+
+
 def encode(msg: Message) -> list[bytes]:
     return [msg.KIND, msgpack.packb(msg.to_dict(), use_bin_type=True)]
 
 
-def decode(frames: list[bytes], expect: tuple[type, ...] | None = None) -> Any:
-    """Two frames -> the message object; ProtocolError says exactly what is wrong."""
+def decode(frames: list[bytes], expect: tuple[type, ...] | None = None, max_items: int | None = None) -> Any:
+    """Two frames -> the message object; ProtocolError says exactly what is wrong.
+
+    max_items: bound the containers' elements (the daemon passes REQUEST_MAX_ITEMS: see above);
+    None for replies, which come from one's own daemon and may list thousands of tensors."""
     if len(frames) != 2:
         raise ProtocolError(f"a message is 2 frames (kind, body), got {len(frames)}")
     kind, body = frames
@@ -297,7 +327,11 @@ def decode(frames: list[bytes], expect: tuple[type, ...] | None = None) -> Any:
         raise ProtocolError(f"unexpected message {cls.KIND.decode()!r}; expected one of "
                             f"{', '.join(c.KIND.decode() for c in expect)}")
     try:
-        data = msgpack.unpackb(body, raw=False, strict_map_key=True)
+        data = _unpack(body, max_items)
+    except _TooManyItems as e:
+        raise ProtocolError(f"{cls.KIND.decode()}: body refused: {e}") from None
+    except ValueError as e:   # msgpack's own limits say what was too big; other ValueErrors, what is broken
+        raise ProtocolError(f"{cls.KIND.decode()}: body is not valid msgpack ({str(e)[:200]})") from None
     except Exception as e:
         raise ProtocolError(f"{cls.KIND.decode()}: body is not valid msgpack ({type(e).__name__})") from None
     if not isinstance(data, dict):
@@ -319,9 +353,18 @@ def decode(frames: list[bytes], expect: tuple[type, ...] | None = None) -> Any:
 
 
 def req_id_of(frames: list[bytes]) -> int:
-    """Best-effort request id of a message that failed to decode, so the error still finds its caller."""
+    """Best-effort request id of a message that failed to decode, so the error still finds its caller.
+
+    Reads the body's map key by key and skips the other values unbuilt: this runs on whatever
+    failed to decode, a body made to inflate included."""
     try:
-        rid = msgpack.unpackb(frames[-1], raw=False).get("req_id", 0)
-        return rid if isinstance(rid, int) and not isinstance(rid, bool) else 0
+        unpacker = msgpack.Unpacker(raw=False, max_str_len=64, max_bin_len=64, max_array_len=0, max_map_len=64)
+        unpacker.feed(frames[-1])
+        for _ in range(unpacker.read_map_header()):
+            if unpacker.unpack() == "req_id":
+                rid = unpacker.unpack()
+                return rid if isinstance(rid, int) and not isinstance(rid, bool) else 0
+            unpacker.skip()
     except Exception:
-        return 0
+        pass
+    return 0

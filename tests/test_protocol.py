@@ -54,6 +54,8 @@ def test_req_id_recovered_from_a_bad_message_when_possible():
     {"name": "x", "dtype": "no-such-type", "shape": [1], "data": b"\0" * 4},
     {"name": "x", "dtype": "float32", "shape": "1", "data": b"\0" * 4},
     {"name": "x", "dtype": "float32", "shape": [1]},                              # neither data nor shm
+    {"name": "x", "dtype": "float32", "shape": [10**30], "data": b"\0" * 8},     # past what a size can hold
+    {"name": "x", "dtype": "float32", "shape": [2**40, 2**40], "data": b"\0" * 8},
 ])
 def test_malformed_tensors_are_protocol_errors(entry):
     from modelcache import tensors

@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import stat
 from pathlib import Path
 
 import zmq
 
-from ..lane import FrameReader, LaneError, frame, recv_chunk
+from ..errors import ModelCacheError
+from ..lane import MAX_BODY, FrameReader, LaneError, frame, recv_chunk
 
 log = logging.getLogger("modelcache.daemon")
 
@@ -26,12 +28,24 @@ MAX_PENDING = 256 << 20          # unread replies a client may leave before it i
 _IN, _OUT, _IN_OUT = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.POLLIN | zmq.POLLOUT)
 
 
+def check_socket_file(path: Path) -> None:
+    """Refuse to start over a file at a socket path that is not a socket: a stale socket of ours may
+    be replaced, anything else is someone's file (a wrong socket setting once deleted it)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ModelCacheError(f"{path} exists and is not a socket: it is left alone, and the daemon does not start; "
+                              "move it away or set another socket path")
+
+
 class LaneConnection:
     __slots__ = ("sock", "fd", "reader", "out", "server", "polling_out")
 
     def __init__(self, sock: socket.socket, server: "LaneServer"):
         self.sock, self.fd, self.server = sock, sock.fileno(), server
-        self.reader = FrameReader()
+        self.reader = FrameReader(server.max_body)
         self.out = bytearray()
         self.polling_out = False  # registered for POLLOUT: replies wait for room in the socket
 
@@ -70,16 +84,18 @@ class LaneConnection:
 
 
 class LaneServer:
-    def __init__(self, path: str, counters: dict):
+    def __init__(self, path: str, counters: dict, max_body: int = MAX_BODY):
         self.path = path
         self.counters = counters         # the daemon's: a broken stream counts as a bad message
+        self.max_body = max_body         # a request's longest body (as MAXMSGSIZE): a longer one ends the connection
         self.listener: socket.socket | None = None
         self.poller: zmq.Poller | None = None
         self.conns: dict[int, LaneConnection] = {}
         self.scratch = memoryview(bytearray(READ_CHUNK))
 
     def start(self, poller: zmq.Poller) -> None:
-        """Listen (the main socket's checks already ruled out a live daemon, so a file here is stale)."""
+        """Listen (the main socket's checks already ruled out a live daemon, so a socket here is stale)."""
+        check_socket_file(Path(self.path))
         Path(self.path).unlink(missing_ok=True)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(self.path)

@@ -35,7 +35,7 @@ from ..tiers.remote import RemoteStore
 from ..lane import lane_path
 from .cache import CacheOps
 from .devices import DeviceOps
-from .lane import LaneConnection, LaneServer
+from .lane import LaneConnection, LaneServer, check_socket_file
 from .metrics import Histogram, MetricsServer, render
 from .notify import Notifier
 from .registry import ModelRecord, ModelState, Registry
@@ -43,9 +43,12 @@ from .serving import ServeHandlers
 
 log = logging.getLogger("modelcache.daemon")
 WAKE_ADDR = "inproc://modelcache-wake"
+PID_MAX = 1 << 22          # Linux's PID_MAX_LIMIT: no pid_max setting goes higher
+MAX_CLIENT_NAME = 256      # a program's name, shown in stats
 # Plain ints, not pyzmq's enums: enum arithmetic cost ~4 us per use, several times per request.
 _EVENTS, _POLLIN, _SEND_MORE, _SEND_LAST = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.SNDMORE | zmq.NOBLOCK), \
     int(zmq.NOBLOCK)
+_RCVMORE = int(zmq.RCVMORE)
 
 
 class Daemon(CacheOps, DeviceOps, ServeHandlers):
@@ -81,6 +84,8 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
                          "clients_lost": 0, "bad_messages": 0, "promotions": 0, "evictions": 0,
                          "gpu_promotions": 0, "gpu_evictions": 0}
         self.started = wall()
+        # When the owner loop last came back from not listening (see serve_forever): silence before it is not counted.
+        self.listening_since = float("-inf")
         self.stop_requested = False
         self.reload_requested = False
         self.pending: list = []                 # (future, done) of loader tasks, to answer them at stop
@@ -94,11 +99,22 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         self.router = None
         self.wake_rx = None
         path = lane_path(settings.socket)
-        self.lane = LaneServer(path, self.counters) if path else None   # serve-mode calls, see modelcache/lane.py
+        # serve-mode calls, see modelcache/lane.py
+        self.lane = LaneServer(path, self.counters, settings.max_message_bytes()) if path else None
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
         """Scan the repository, create the host tier, bind the socket. After this, clients may connect."""
+        addr = self.settings.socket
+        if addr.startswith("ipc://"):  # first: a daemon that refuses to start leaves nothing behind
+            path = Path(addr[len("ipc://"):])
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if os.path.lexists(path):
+                check_socket_file(path)
+                self._refuse_if_live(addr)
+                path.unlink()
+            if self.lane is not None:
+                check_socket_file(Path(self.lane.path))
         for model_dir, manifest in self.repository.scan():
             self.registry.add_model(model_dir, manifest)
         self.host.start()
@@ -106,13 +122,8 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # replies to vanished clients are dropped, not raised
-        addr = self.settings.socket
-        if addr.startswith("ipc://"):
-            path = Path(addr[len("ipc://"):])
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if path.exists():
-                self._refuse_if_live(addr)
-                path.unlink()
+        # A longer frame disconnects its sender before libzmq allocates it (big tensors go through shm files).
+        self.router.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes())
         self.router.bind(addr)
         if addr.startswith("ipc://"):
             os.chmod(addr[len("ipc://"):], 0o660)  # the daemon's group may connect; others may not
@@ -199,6 +210,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
             on_ready()
         next_sweep = self.clock()
         next_watchdog = self.clock()
+        last_turn_at = self.clock()
         try:
             while not self.stop_requested:
                 if self.reload_requested:
@@ -210,6 +222,13 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
                 wake_at = min(next_sweep, self.engine.next_wakeup() or next_sweep)  # a batching window ends
                 timeout_ms = max(0, int((wake_at - self.clock()) * 1000 + 0.999))
                 events = dict(poller.poll(min(timeout_ms, 250)))
+                turn_at = self.clock()
+                if turn_at - last_turn_at > self.settings.lease_timeout_s / 2:
+                    # The loop was not listening (a long handler; the process stopped, swapped or starved):
+                    # heartbeats sent meanwhile may still be on their way in through libzmq's I/O thread, and
+                    # the sweep must not drop live clients for them (a 3 s SIGSTOP dropped every client).
+                    self.listening_since = turn_at
+                last_turn_at = turn_at
                 if self.wake_rx in events:
                     while self.wake_rx.poll(0):
                         self.wake_rx.recv()
@@ -220,7 +239,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
                     for _ in range(256):
                         if not self.router.getsockopt(_EVENTS) & _POLLIN:
                             break
-                        self._handle(self.router.recv_multipart())
+                        self._handle(self._recv_request())
                 for key, ready in events.items():
                     if type(key) is int:   # a raw file descriptor: the lane's
                         self.lane.on_ready(key, ready, self._handle)
@@ -276,10 +295,22 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
             Path(self.lane.path).unlink(missing_ok=True)
 
     # -- message dispatch --------------------------------------------------------------
+    def _recv_request(self) -> list[bytes]:
+        """A message's frames from the ROUTER: routing id, kind, body. Frames past the fourth are read
+        and dropped (the message then fails to decode as too many frames): MAXMSGSIZE bounds each
+        frame, not how many a peer sends, and a list of a million of them is not ours to build."""
+        recv, more = self.router.recv, self.router.getsockopt
+        frames = [recv()]
+        while more(_RCVMORE):
+            frame = recv()
+            if len(frames) < 4:
+                frames.append(frame)
+        return frames
+
     def _handle(self, frames: list[bytes]) -> None:
         ident, body = frames[0], frames[1:]
         try:
-            msg = P.decode(body)
+            msg = P.decode(body, max_items=P.REQUEST_MAX_ITEMS)
             handler = getattr(self, "on_" + type(msg).__name__, None)
             if handler is None:
                 raise ProtocolError(f"{msg.KIND.decode()!r} is a reply, not a request")
@@ -327,6 +358,11 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         if msg.protocol_version != P.PROTOCOL_VERSION:
             raise ProtocolError(f"client speaks protocol {msg.protocol_version}, this daemon "
                                 f"{P.PROTOCOL_VERSION}: upgrade the older of the two")
+        # The sweep asks the kernel about this pid: one past what a pid can be (2**31) killed the daemon there.
+        if not 0 <= msg.pid <= PID_MAX:
+            raise ProtocolError(f"hello: pid {msg.pid} is not a process id (1 to {PID_MAX}, or 0 for none)")
+        if len(msg.client_name) > MAX_CLIENT_NAME:
+            raise ProtocolError(f"hello: client_name is {len(msg.client_name)} characters; at most {MAX_CLIENT_NAME}")
         client = self.registry.new_client(msg.pid, msg.client_name, self.clock())
         log.debug("client %s (pid %d) connected", client.client_id, msg.pid)
         return P.HelloReply(req_id=msg.req_id, protocol_version=P.PROTOCOL_VERSION, daemon_version=__version__,
@@ -462,15 +498,30 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         """Release the leases of clients that stopped sending heartbeats or whose process died."""
         now = self.clock()
         for client in list(self.registry.clients.values()):
-            silent = now - client.last_seen > self.settings.lease_timeout_s
-            dead = client.pid > 0 and not psutil.pid_exists(client.pid)
-            if silent or dead:
-                released = self.registry.drop_client(client.client_id)
-                for lease in released:
-                    self._after_release(lease.model, lease.device)
-                self.counters["clients_lost"] += 1
-                log.info("client lost: %s (pid %d, %s), released %d leases", client.client_id, client.pid,
-                         "process gone" if dead else "no heartbeat", len(released))
+            try:
+                silent = now - max(client.last_seen, self.listening_since) > self.settings.lease_timeout_s
+                dead = self._process_gone(client.pid)
+                if silent or dead:
+                    released = self.registry.drop_client(client.client_id)
+                    for lease in released:
+                        self._after_release(lease.model, lease.device)
+                    self.counters["clients_lost"] += 1
+                    log.info("client lost: %s (pid %d, %s), released %d leases", client.client_id, client.pid,
+                             "process gone" if dead else "no heartbeat", len(released))
+            except Exception:  # one client's record must not stop the sweep, or the owner loop with it
+                log.error("sweep failed on client %s: %s", client.client_id, traceback.format_exc())
+
+    @staticmethod
+    def _process_gone(pid: int) -> bool:
+        """Whether the client's process has surely exited; False when the kernel cannot say (then the
+        heartbeat decides), e.g. with no file descriptor left to read /proc."""
+        if pid <= 0:
+            return False
+        try:
+            return not psutil.pid_exists(pid)
+        except (OSError, OverflowError, ValueError) as e:
+            log.warning("cannot tell whether pid %d is alive: %s", pid, e)
+            return False
 
 
 def run(settings: Settings, on_ready=None, reload_settings=None) -> None:

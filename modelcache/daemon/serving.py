@@ -26,8 +26,9 @@ class ServeHandlers:
                                        for e in model.manifest.stages])
 
     def on_Partition(self, ident, msg: P.Partition):
-        from ..executor.partition import partition
+        from ..executor.partition import check_request, partition
         model = self.registry.resolve(msg.name, msg.version)
+        check_request(msg.stages, msg.tail_fraction)   # here, not on a loader: no job for what cannot be met
         if model.refcount > 0 or model.state is ModelState.LOADING:
             raise CapacityError(f"{model.key} is in use; partition it when no session or request holds it")
 
@@ -65,6 +66,9 @@ class ServeHandlers:
 
     def on_Infer(self, ident, msg: P.Infer):
         self._touch(msg.client_id)
+        if msg.deadline_ms is not None and not 0 <= msg.deadline_ms < float("inf"):   # (NaN fails this too)
+            raise InputError(f"deadline_ms {msg.deadline_ms}: give a positive number of milliseconds "
+                             "(0 or none: no deadline)")
         model = self._resolve_or_fetch(ident, msg)
         if model is None:
             return None
@@ -124,5 +128,18 @@ class ServeHandlers:
                               "outputs": e["outputs"], "tensors": [t for t in all_tensors if t[0] in wanted]})
             io = model.manifest.inputs + model.manifest.outputs
             batchable = all(e.shape and not isinstance(e.shape[0], int) for e in io)
+            self._check_stored_profile(model)
             cached = self.serve_specs[model.key] = (segments, specs, batchable)
         return cached
+
+    @staticmethod
+    def _check_stored_profile(model: ModelRecord) -> None:
+        """A profile stored before set_batching checked profiles in full (or edited by hand) may be one
+        every serve request would fail on: serve without it, and say so, rather than fail forever."""
+        from ..executor.batching import check_profile
+        if model.manifest.batching:
+            try:
+                check_profile(model.manifest.batching, stages=max(1, len(model.manifest.stages)))
+            except ValueError as e:
+                log.warning("%s: ignoring its stored batching profile: %s", model.key, e)
+                model.manifest.batching = {}

@@ -18,6 +18,7 @@ stage times per batch size, with the fitted g(b) for sizes between the measured 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -258,17 +259,59 @@ def profile_predict(profile: dict | None, stage: int, batch: int) -> float | Non
     return float(g(batch, *profile["g"])) * profile["ratios"][nearest][stage]
 
 
+PROFILE_MAX_BATCHES = 64     # measured batch sizes in one profile (calibrate measures a handful)
+PROFILE_MAX_N_OPT = 4096
+_PROFILE_FIELDS = {"kind", "batches", "stage_s", "ratios", "g", "t_opt_ms", "n_opt", "request_s"}
+
+
+def _number(x) -> bool:
+    """A finite int or float, not a bool (which is an int to Python)."""
+    return type(x) in (int, float) and math.isfinite(x)
+
+
 def check_profile(profile: dict, stages: int) -> None:
-    """Refuse a profile that does not describe these stages (ValueError says why)."""
-    try:
-        rows = profile["stage_s"]
-        if len(profile["batches"]) != len(rows) or not rows or any(len(r) != stages for r in rows):
-            raise ValueError(f"the profile times {len(rows[0]) if rows else 0} stages; the model has {stages}: "
-                             "calibrate again after partitioning")
-        if len(profile["g"]) != 4 or int(profile["n_opt"]) < 1 or float(profile["t_opt_ms"]) <= 0:
-            raise ValueError("the profile needs g (4 numbers), n_opt >= 1 and t_opt_ms > 0")
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"not a batching profile ({e}); make one with `modelcache calibrate`") from None
+    """Refuse anything but a profile such as calibration_profile makes, for these stages: every field's
+    type, shape and range (ValueError says which). A profile is stored with the model and read for
+    every serve request, so one that passes here must never fail there."""
+    hint = "make one with `modelcache calibrate`"
+    if not isinstance(profile, dict):
+        raise ValueError(f"not a batching profile (a map of its fields); {hint}")
+    missing = sorted(_PROFILE_FIELDS - {"request_s"} - set(profile))
+    unknown = sorted(set(profile) - _PROFILE_FIELDS)
+    if missing:
+        raise ValueError(f"not a batching profile (no {missing[0]!r}); {hint}")
+    if unknown:
+        raise ValueError(f"not a batching profile (unknown field {unknown[0]!r}); {hint}")
+    kind, batches = profile["kind"], profile["batches"]
+    if not isinstance(kind, str) or len(kind) > 64:
+        raise ValueError("the profile's kind must be a worker kind such as 'cpu2'")
+    if (not isinstance(batches, list) or not 1 <= len(batches) <= PROFILE_MAX_BATCHES
+            or not all(type(b) is int and b >= 1 for b in batches) or batches != sorted(set(batches))):
+        raise ValueError(f"the profile's batches must be 1 to {PROFILE_MAX_BATCHES} distinct batch sizes >= 1, "
+                         "ascending")
+    rows = profile["stage_s"]
+    if not isinstance(rows, list) or len(rows) != len(batches) or not all(isinstance(r, list) for r in rows):
+        raise ValueError("the profile's stage_s must have one row of stage times per batch size")
+    if any(len(r) != stages for r in rows):
+        raise ValueError(f"the profile times {len(rows[0])} stages; the model has {stages}: "
+                         "calibrate again after partitioning")
+    for name in ("stage_s", "ratios"):
+        table = profile[name]
+        if (not isinstance(table, list) or len(table) != len(batches)
+                or not all(isinstance(r, list) and len(r) == stages and all(_number(x) and x >= 0 for x in r)
+                           for r in table)):
+            raise ValueError(f"the profile's {name} must be {len(batches)} rows of {stages} numbers >= 0")
+    g = profile["g"]
+    if not isinstance(g, list) or len(g) != 4 or not all(_number(z) for z in g) or g[2] <= 0:
+        raise ValueError("the profile's g must be 4 numbers (z1, z2, z3 > 0, z4)")
+    if not _number(profile["t_opt_ms"]) or profile["t_opt_ms"] <= 0:
+        raise ValueError("the profile's t_opt_ms must be a number > 0")
+    if type(profile["n_opt"]) is not int or not 1 <= profile["n_opt"] <= PROFILE_MAX_N_OPT:
+        raise ValueError(f"the profile's n_opt must be a whole number from 1 to {PROFILE_MAX_N_OPT}")
+    request_s = profile.get("request_s")
+    if request_s is not None and (not isinstance(request_s, list) or len(request_s) != len(batches)
+                                  or not all(_number(x) and x >= 0 for x in request_s)):
+        raise ValueError(f"the profile's request_s must be none or {len(batches)} numbers >= 0, one per batch size")
 
 
 def request_overhead(profile: dict | None) -> float:

@@ -127,6 +127,19 @@ def build_stage(model: onnx.ModelProto, start: int, end: int, inputs: list[str],
     return out
 
 
+MAX_STAGES = 64   # far more than a pipeline of worker groups can use; a count is checked before anything is built
+
+
+def check_request(stages: int | None, tail_fraction: float | None) -> None:
+    """Refuse a partition request that cannot be met (PackError says why), before any file is touched."""
+    if tail_fraction is not None:
+        if not 0.0 < tail_fraction < 1.0:   # (NaN fails this too)
+            raise PackError(f"tail fraction {tail_fraction}: give a share of compute between 0 and 1")
+    elif stages is None or not 1 <= stages <= MAX_STAGES:
+        raise PackError(f"give --stages K (2 <= K <= {MAX_STAGES}; 1 removes a partition) or --tail-fraction F"
+                        + (f", not {stages} stages" if stages is not None else ""))
+
+
 def partition(model_dir: Path, stages: int | None = None, tail_fraction: float | None = None,
               feeds: dict | None = None) -> dict:
     """Cut the packed model in `model_dir`; write stage skeletons and record them in the manifest.
@@ -137,12 +150,13 @@ def partition(model_dir: Path, stages: int | None = None, tail_fraction: float |
     from ..session_options import attach_session_options
     from ..zoo import sample_inputs
 
+    check_request(stages, tail_fraction)
     manifest = load_manifest(model_dir)
-    for old in model_dir.glob("stage-*.onnx"):
-        old.unlink()
     if stages == 1:
         manifest.stages, manifest.stage_cuts, manifest.batching = [], [], {}
         write_manifest(model_dir, manifest)
+        for old in model_dir.glob("stage-*.onnx"):
+            old.unlink()
         return {"stages": []}
     skeleton = model_dir / SKELETON_FILE
     model = onnx.load(str(skeleton), load_external_data=False)
@@ -158,8 +172,9 @@ def partition(model_dir: Path, stages: int | None = None, tail_fraction: float |
     if tail_fraction is not None:
         targets = [1.0 - tail_fraction]
     else:
-        if not stages or stages < 2:
-            raise PackError("give --stages K (K >= 2) or --tail-fraction F")
+        if stages - 1 > len(candidates):
+            raise PackError(f"{stages} stages need {stages - 1} cut points; this model has {len(candidates)} "
+                            "where a single tensor crosses")
         targets = [i / stages for i in range(1, stages)]
     cuts = choose_cuts(cum, candidates, targets)
     bounds = [0, *cuts, len(nodes)]
@@ -167,30 +182,43 @@ def partition(model_dir: Path, stages: int | None = None, tail_fraction: float |
     graph_outputs = [o.name for o in model.graph.output]
     cut_tensors = [crossing[c - 1][0] for c in cuts]
     dtypes = {t: _dtype_of(model, t) for t in cut_tensors}
-    entries = []
-    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        ins = graph_inputs if s == 0 else [cut_tensors[s - 1]]
-        outs = graph_outputs if s == len(bounds) - 2 else [cut_tensors[s]]
-        stage_model = build_stage(model, a, b, ins, outs, dtypes)
-        fname = f"stage-{s}.onnx"
-        onnx.save_model(stage_model, str(model_dir / fname))
-        tensors = sorted({t.name for t in stage_model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL})
-        entries.append({"file": fname, "inputs": ins, "outputs": outs, "tensors": tensors,
-                        "cost_share": (cum[b - 1] - (cum[a - 1] if a else 0.0)) / (cum[-1] or 1.0)})
-    # Check: stage by stage gives the whole model's outputs, over the same shared weights.
-    whole = ort.InferenceSession(str(skeleton), attach_session_options(), providers=["CPUExecutionProvider"])
-    want = whole.run(None, feeds)
-    data = dict(feeds)
+    # New stages are written beside the old ones and replace them only once checked: a partition that
+    # fails leaves the model's current stages (files and manifest) as they were.
+    entries, pending = [], []
     try:
-        for e in entries:
-            sess = ort.InferenceSession(str(model_dir / e["file"]), attach_session_options(),
-                                        providers=["CPUExecutionProvider"])
-            data.update(zip(e["outputs"], sess.run(e["outputs"], {k: data[k] for k in e["inputs"]})))
-    except Exception as exc:
-        raise PackError(f"partition at {cut_tensors} does not run in ONNX Runtime: {str(exc)[:300]}") from None
-    for name, w in zip(graph_outputs, want):
-        if not np.allclose(data[name], w, rtol=1e-4, atol=1e-5):
-            raise PackError(f"partition at {cut_tensors} changes output {name!r}; not kept")
+        for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            ins = graph_inputs if s == 0 else [cut_tensors[s - 1]]
+            outs = graph_outputs if s == len(bounds) - 2 else [cut_tensors[s]]
+            stage_model = build_stage(model, a, b, ins, outs, dtypes)
+            fname = f"stage-{s}.onnx"
+            pending.append(model_dir / f"{fname}.new")
+            onnx.save_model(stage_model, str(pending[-1]))
+            tensors = sorted({t.name for t in stage_model.graph.initializer
+                              if t.data_location == onnx.TensorProto.EXTERNAL})
+            entries.append({"file": fname, "inputs": ins, "outputs": outs, "tensors": tensors,
+                            "cost_share": (cum[b - 1] - (cum[a - 1] if a else 0.0)) / (cum[-1] or 1.0)})
+        # Check: stage by stage gives the whole model's outputs, over the same shared weights.
+        whole = ort.InferenceSession(str(skeleton), attach_session_options(), providers=["CPUExecutionProvider"])
+        want = whole.run(None, feeds)
+        data = dict(feeds)
+        try:
+            for e, path in zip(entries, pending):
+                sess = ort.InferenceSession(str(path), attach_session_options(), providers=["CPUExecutionProvider"])
+                data.update(zip(e["outputs"], sess.run(e["outputs"], {k: data[k] for k in e["inputs"]})))
+        except Exception as exc:
+            raise PackError(f"partition at {cut_tensors} does not run in ONNX Runtime: {str(exc)[:300]}") from None
+        for name, w in zip(graph_outputs, want):
+            if not np.allclose(data[name], w, rtol=1e-4, atol=1e-5):
+                raise PackError(f"partition at {cut_tensors} changes output {name!r}; not kept")
+        for e, path in zip(entries, pending):
+            os.replace(path, model_dir / e["file"])
+        pending = []
+    finally:
+        for path in pending:
+            path.unlink(missing_ok=True)
+    for old in model_dir.glob("stage-*.onnx"):
+        if old.name not in {e["file"] for e in entries}:
+            old.unlink()
     manifest.stages, manifest.stage_cuts = entries, cut_tensors
     manifest.batching = {}  # a calibration measured other stages
     write_manifest(model_dir, manifest)
