@@ -225,10 +225,8 @@ def cmd_add(args) -> int:
         from .packing import pack
         from .tiers.disk import Repository
         repo = Repository(settings.repository_path)
-        versions = [m.version for _, m in repo.scan() if m.name == args.name]
-        version = args.version or max(versions, default=0) + 1
-        t0 = time.perf_counter()
-        m = pack(path, repo.root, args.name, version, args.opt_level or settings.opt_level, _progress_bar())
+        t0 = time.perf_counter()  # (no version given: pack reserves the next free one, safe against other adds)
+        m = pack(path, repo.root, args.name, args.version, args.opt_level or settings.opt_level, _progress_bar())
         print(f"\nadded {m.name}@{m.version} to {repo.root} (no daemon running): {len(m.tensors)} tensors, "
               f"{_human(m.weights_bytes)}, {time.perf_counter() - t0:.2f} s")
         return 0

@@ -57,6 +57,12 @@ class RemoteError(ModelCacheError):
     code = "remote"
 
 
+class StorageError(ModelCacheError):
+    """A tier's file system is full or read-only; the message names the path and the model."""
+
+    code = "storage"
+
+
 class LeaseError(ModelCacheError):
     """An unknown or expired lease or client id."""
 
@@ -65,6 +71,7 @@ class LeaseError(ModelCacheError):
 
 ERRORS_BY_CODE = {cls.code: cls for cls in (ModelCacheError, DaemonUnavailable, RequestTimeout, ProtocolError,
                                             ModelNotFound, PackError, InputError, CapacityError, LeaseError,
+                                            StorageError,
                                             RemoteError)}
 
 

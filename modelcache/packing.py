@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,7 +26,9 @@ from typing import Callable, Iterator
 import onnx
 from onnx import TensorProto
 
-from .errors import PackError
+from . import reservations
+from .errors import ModelCacheError, PackError, from_code
+from .storage import explain_failed_write, storage_error, storage_errors
 
 MANIFEST_FORMAT = 1
 SKELETON_FILE = "model.onnx"
@@ -162,8 +163,9 @@ def validate(src: str) -> None:
         raise PackError(f"{src} is not a valid ONNX model: {str(e).strip().splitlines()[0][:300]}") from None
 
 
-def optimize(src: str, out_dir: Path, opt_level: str) -> Path:
-    """Let ORT build and optimize the model once; returns the optimized model path (external data beside it)."""
+def optimize(src: str, out_dir: Path, opt_level: str, doing: str = "optimizing") -> Path:
+    """Let ORT build and optimize the model once; returns the optimized model path (external data beside it).
+    `doing` names the work in a storage error (ORT's own message loses ENOSPC)."""
     import onnxruntime as ort
 
     if opt_level not in OPT_LEVELS:
@@ -180,8 +182,18 @@ def optimize(src: str, out_dir: Path, opt_level: str) -> Path:
     try:
         ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
     except Exception as e:
-        raise PackError(f"ONNX Runtime cannot load {src}: {str(e).strip()[:500]}") from None
+        raise (explain_failed_write(out_dir, doing, _source_bytes(src)) or
+               PackError(f"ONNX Runtime cannot load {src}: {str(e).strip()[:500]}")) from None
     return out_dir / "optimized.onnx"
+
+
+def _source_bytes(src: str) -> int:
+    """The model file plus the external-data files it names: about what ORT writes when it saves it."""
+    model = onnx.load(src, load_external_data=False)
+    files = {e.value for g in iter_graphs(model.graph) for t in g.initializer for e in t.external_data
+             if e.key == "location"}
+    base = Path(src).parent
+    return os.path.getsize(src) + sum((base / f).stat().st_size for f in files if (base / f).is_file())
 
 
 def _tensor_bytes(t: TensorProto, base_dir: Path) -> bytes:
@@ -293,7 +305,7 @@ class _GpuGraph:
 
 
 def _choose_gpu_graph(src: str, source: onnx.ModelProto, work: Path, opt_level: str,
-                      cpu_optimized: Path) -> _GpuGraph:
+                      cpu_optimized: Path, doing: str = "optimizing") -> _GpuGraph:
     """BASIC on the CPU build when its rewrites are provider-independent, else the source graph as it
     is ("disable"): even ORT_DISABLE_ALL inserts the CPU EP's Casts, so no ORT output would do."""
     model = base_dir = None
@@ -302,7 +314,7 @@ def _choose_gpu_graph(src: str, source: onnx.ModelProto, work: Path, opt_level: 
             optimized = cpu_optimized  # the CPU skeleton's graph is the same optimization
         else:
             (work / "gpu").mkdir()
-            optimized = optimize(src, work / "gpu", GPU_OPT_LEVEL)
+            optimized = optimize(src, work / "gpu", GPU_OPT_LEVEL, doing)
         model = onnx.load(str(optimized), load_external_data=False)
         base_dir, level = optimized.parent, GPU_OPT_LEVEL
         if _cpu_only_rewrites(source, model) is not None:
@@ -411,29 +423,29 @@ def write_gpu_stub(model_dir: Path, manifest: Manifest) -> None:
         os.truncate(f.fileno(), size)
 
 
-def pack(src: str, repository: Path, name: str, version: int, opt_level: str = "all",
+def pack(src: str, repository: Path, name: str, version: int | None, opt_level: str = "all",
          progress: Progress | None = None) -> Manifest:
-    """Validate, optimize and pack `src` into `repository/name/version`, atomically.
+    """Validate, optimize and pack `src` into `repository/name/version`, atomically; `version`
+    None takes the next free one, even with other processes adding the same name at once.
 
-    A crash at any point leaves at most a `.tmp-*` directory that `sweep_temp` removes;
-    the model appears under its name only through the final rename.
+    A crash at any point leaves at most a `.tmp-*` directory that the next sweep removes
+    (modelcache/reservations.py); the model appears under its name only through the final rename.
     """
     import onnxruntime as ort
 
     check_name(name)
     src = os.path.abspath(src)
     validate(src)
-    final = repository / name / str(version)
-    if final.exists():
-        raise PackError(f"model {name} version {version} already exists")
-    repository.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=repository))
+    with storage_errors(f"adding {name} to the repository", repository):
+        reservation = reservations.reserve(repository, name, version)
+    version, tmp = reservation.version, reservation.tmp
     try:
         work = tmp / "work"
         work.mkdir()
         source_model = onnx.load(src, load_external_data=False)
-        optimized = optimize(src, work, opt_level)
-        gpu = _choose_gpu_graph(src, source_model, work, opt_level, optimized)
+        doing = f"adding {name}@{version}"
+        optimized = optimize(src, work, opt_level, doing)
+        gpu = _choose_gpu_graph(src, source_model, work, opt_level, optimized, doing)
         # One progress scale over both passes; the GPU pass's bytes are an upper bound (most dedupe).
         cpu_progress = (lambda done, total: progress(done, total + gpu.shared_bytes)) if progress else None
         skeleton, tensors, weights_bytes = _externalize(optimized, tmp / WEIGHTS_FILE, cpu_progress)
@@ -455,11 +467,14 @@ def pack(src: str, repository: Path, name: str, version: int, opt_level: str = "
         for p in tmp.iterdir():  # durable before visible
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
-        final.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(tmp, final)
+        reservations.publish(reservation, repository / name / str(version))
         return manifest
+    except OSError as e:
+        error = storage_error(e, f"adding {name}@{version}", tmp) or e  # before the cleanup frees space
+        reservations.abandon(reservation)
+        raise error
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        reservations.abandon(reservation)
         raise
 
 
@@ -522,13 +537,6 @@ def _gpu_stub_mismatches(skeleton: onnx.ModelProto, gpu_tensors: list[TensorEntr
     return problems
 
 
-def sweep_temp(repository: Path) -> None:
-    """Remove half-written packs left by a crash."""
-    if repository.is_dir():
-        for p in repository.glob(".tmp-*"):
-            shutil.rmtree(p, ignore_errors=True)
-
-
 def check_name(name: str) -> None:
     ok = name and len(name) <= 128 and all(c.isalnum() or c in "-_." for c in name) and not name.startswith(".")
     if not ok:
@@ -547,17 +555,18 @@ def pack_in_subprocess(src: str, repository: Path, name: str, version: int, opt_
     if on_start:
         on_start(proc)
     error = None
-    for line in proc.stdout:  # "progress DONE TOTAL" lines, then "ok" or "error MESSAGE"
+    for line in proc.stdout:  # "progress DONE TOTAL" lines, then "ok" or "error CODE MESSAGE"
         kind, _, rest = line.rstrip("\n").partition(" ")
         if kind == "progress" and progress:
             done, total = rest.split()
             progress(int(done), int(total))
         elif kind == "error":
-            error = rest
+            code, _, message = rest.partition(" ")
+            error = from_code(code, message)
     stderr = proc.stderr.read()
     rc = proc.wait()
     if error is not None:
-        raise PackError(error)
+        raise error
     if rc != 0:
         how = f"was killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
         raise PackError(f"packing {src} failed: the packing process {how}. {stderr.strip()[-500:]}")
@@ -569,8 +578,8 @@ def _main(argv: list[str]) -> int:
     try:
         pack(src, Path(repository), name, int(version), opt_level,
              progress=lambda d, t: print(f"progress {d} {t}", flush=True))
-    except PackError as e:
-        print("error " + str(e).replace("\n", " "), flush=True)
+    except ModelCacheError as e:  # PackError, StorageError: the parent raises the same type
+        print(f"error {e.code} " + str(e).replace("\n", " "), flush=True)
         return 2
     print("ok", flush=True)
     return 0

@@ -14,6 +14,7 @@ import time
 from .. import protocol as P
 from ..errors import CapacityError, ModelCacheError, ModelNotFound, PackError, RemoteError
 from ..packing import pack_in_subprocess
+from ..storage import storage_errors
 from ..tiers.host import variant_tensors
 from .registry import ModelRecord, ModelState
 
@@ -269,4 +270,8 @@ class CacheOps:
             for wake in waiters:
                 wake(error)
 
-        self._run_on_loader(lambda: self.host.write(plan), done)
+        def write():
+            with storage_errors(f"promoting {model.key} to the host tier", self.host.root):
+                return self.host.write(plan)
+
+        self._run_on_loader(write, done)

@@ -6,7 +6,8 @@ import logging
 import shutil
 from pathlib import Path
 
-from ..packing import MANIFEST_FILE, Manifest, load_manifest, sweep_temp
+from .. import reservations
+from ..packing import MANIFEST_FILE, Manifest, load_manifest
 
 log = logging.getLogger("modelcache.disk")
 
@@ -18,7 +19,7 @@ class Repository:
     def scan(self) -> list[tuple[Path, Manifest]]:
         """Every complete packed model; half-written ones (a crash during add) are removed."""
         self.root.mkdir(parents=True, exist_ok=True)
-        sweep_temp(self.root)
+        reservations.sweep(self.root)
         found = []
         for manifest_path in sorted(self.root.glob(f"*/*/{MANIFEST_FILE}")):
             model_dir = manifest_path.parent

@@ -12,14 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from .. import reservations
 from ..errors import ModelNotFound, RemoteError
+from ..storage import storage_error, storage_errors
 from ..packing import (GPU_SKELETON_FILE, MANIFEST_FILE, SKELETON_FILE, WEIGHTS_FILE, Manifest, load_manifest,
                        write_gpu_stub)
 
@@ -91,8 +91,9 @@ class RemoteStore:
         t0 = time.perf_counter()
         name, version = entry["name"], entry["version"]
         final = repository / name / str(version)
-        repository.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=repository))
+        with storage_errors(f"fetching {name}@{version} from {self.url}", repository):
+            reservation = reservations.reserve(repository, name, version)
+        tmp = reservation.tmp
         try:
             total = sum(f["bytes"] for f in entry["files"].values())
             done = 0
@@ -119,9 +120,13 @@ class RemoteStore:
                     raise RemoteError(f"{name}@{version} in {self.url} has a GPU variant but the index lists no "
                                       f"{GPU_SKELETON_FILE}; publish the store again")
                 write_gpu_stub(tmp, manifest)
-            final.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(tmp, final)
+            reservations.publish(reservation, final)
             return final, manifest, time.perf_counter() - t0
+        except OSError as e:
+            # (the error first: it reports the free space, which the cleanup changes)
+            error = storage_error(e, f"fetching {name}@{version} from {self.url}", tmp) or e
+            reservations.abandon(reservation)
+            raise error
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            reservations.abandon(reservation)
             raise
