@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -29,6 +30,8 @@ from onnx import TensorProto
 from . import reservations
 from .errors import ModelCacheError, PackError, from_code
 from .storage import explain_failed_write, storage_error, storage_errors
+
+log = logging.getLogger("modelcache.packing")
 
 MANIFEST_FORMAT = 1
 SKELETON_FILE = "model.onnx"
@@ -128,7 +131,9 @@ def _io_entries(values) -> list[IOEntry]:
     out = []
     for vi in values:
         tt = vi.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
+        # A negative dim_value is how older exporters wrote "dynamic": ORT reads it as free (None).
+        dims = [(d.dim_value if d.dim_value >= 0 else None) if d.HasField("dim_value") else (d.dim_param or None)
+                for d in tt.shape.dim]
         out.append(IOEntry(vi.name, onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type).name, dims))
     return out
 
@@ -153,17 +158,20 @@ def _sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def validate(src: str) -> None:
-    """The file is a well-formed ONNX model; raises PackError saying what is wrong."""
+def validate(src: str) -> str | None:
+    """What the ONNX checker has against the file, or None. Not a refusal: ORT builds models the
+    checker rejects (IR 3 files whose initializers are not graph inputs, outputs with no shape), and
+    what ORT builds, modelcache adds; `optimize` refuses what ORT cannot build, quoting this."""
     if not os.path.isfile(src):
         raise PackError(f"{src}: no such file")
     try:
         onnx.checker.check_model(src)  # by path: works for models over 2 GB with external data
     except Exception as e:  # checker raises ValidationError, protobuf DecodeError, OSError...
-        raise PackError(f"{src} is not a valid ONNX model: {str(e).strip().splitlines()[0][:300]}") from None
+        return str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    return None
 
 
-def optimize(src: str, out_dir: Path, opt_level: str, doing: str = "optimizing") -> Path:
+def optimize(src: str, out_dir: Path, opt_level: str, doing: str = "optimizing", checker_says: str | None = None) -> Path:
     """Let ORT build and optimize the model once; returns the optimized model path (external data beside it).
     `doing` names the work in a storage error (ORT's own message loses ENOSPC)."""
     import onnxruntime as ort
@@ -182,14 +190,19 @@ def optimize(src: str, out_dir: Path, opt_level: str, doing: str = "optimizing")
     try:
         ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
     except Exception as e:
-        raise (explain_failed_write(out_dir, doing, _source_bytes(src)) or
-               PackError(f"ONNX Runtime cannot load {src}: {str(e).strip()[:500]}")) from None
+        ort_says = str(e).strip()[:500]
+        why = (f"{src} is not a valid ONNX model: {checker_says}; ONNX Runtime cannot load it either: {ort_says}"
+               if checker_says else f"ONNX Runtime cannot load {src}: {ort_says}")
+        raise explain_failed_write(out_dir, doing, _source_bytes(src)) or PackError(why) from None
     return out_dir / "optimized.onnx"
 
 
 def _source_bytes(src: str) -> int:
     """The model file plus the external-data files it names: about what ORT writes when it saves it."""
-    model = onnx.load(src, load_external_data=False)
+    try:
+        model = onnx.load(src, load_external_data=False)
+    except Exception:  # not a model at all: then ORT wrote nothing, and its size is as good a guess
+        return os.path.getsize(src)
     files = {e.value for g in iter_graphs(model.graph) for t in g.initializer for e in t.external_data
              if e.key == "location"}
     base = Path(src).parent
@@ -435,16 +448,21 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
 
     check_name(name)
     src = os.path.abspath(src)
-    validate(src)
+    checker_says = validate(src)
     with storage_errors(f"adding {name} to the repository", repository):
         reservation = reservations.reserve(repository, name, version)
     version, tmp = reservation.version, reservation.tmp
     try:
         work = tmp / "work"
         work.mkdir()
-        source_model = onnx.load(src, load_external_data=False)
+        try:
+            source_model = onnx.load(src, load_external_data=False)
+        except Exception as e:  # protobuf DecodeError, a truncated file...
+            raise PackError(f"{src} is not a valid ONNX model: {checker_says or e}") from None
         doing = f"adding {name}@{version}"
-        optimized = optimize(src, work, opt_level, doing)
+        optimized = optimize(src, work, opt_level, doing, checker_says)
+        if checker_says:
+            log.warning("%s: the ONNX checker says %s; ONNX Runtime builds it, so it is added", src, checker_says)
         gpu = _choose_gpu_graph(src, source_model, work, opt_level, optimized, doing)
         # One progress scale over both passes; the GPU pass's bytes are an upper bound (most dedupe).
         cpu_progress = (lambda done, total: progress(done, total + gpu.shared_bytes)) if progress else None

@@ -18,6 +18,12 @@ from .errors import InputError, ProtocolError
 INLINE_MAX_BYTES = 256 * 1024
 IO_DIR = "/dev/shm"        # where clients write the I/O files of large inputs, and the one place the daemon reads them
 IO_PREFIX = "modelcache-io."
+# numpy's dtype name -> ONNX Runtime's type string (NodeArg.type), and back.
+ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "float64": "tensor(double)",
+             "int8": "tensor(int8)", "int16": "tensor(int16)", "int32": "tensor(int32)", "int64": "tensor(int64)",
+             "uint8": "tensor(uint8)", "uint16": "tensor(uint16)", "uint32": "tensor(uint32)",
+             "uint64": "tensor(uint64)", "bool": "tensor(bool)", "object": "tensor(string)"}
+NUMPY_TYPES = {v: k for k, v in ORT_TYPES.items()}
 _counter = itertools.count()
 _dtype_names: dict = {}   # numpy dtype -> its name on the wire; asking numpy costs ~7 us a tensor
 _dtypes: dict = {}        # and back: a name on the wire -> numpy dtype (only names numpy accepted)
@@ -141,17 +147,22 @@ def read_io_file(path, name: str, nbytes: int):
 
 
 class FeedCheck:
-    """A model's declared inputs ({name, dtype, shape}), compiled once; check(feeds) runs per request."""
+    """A model's declared inputs ({name, dtype, shape}), compiled once; check(feeds) runs per request.
 
-    def __init__(self, model: str, inputs: list[dict]):
+    `optional` are the initializers a caller may override by feeding them (graph inputs with a
+    default, IR >= 4): fed, they are checked like inputs; not fed, the stored weight is used."""
+
+    def __init__(self, model: str, inputs: list[dict], optional: list[dict] = ()):
         import numpy as np
 
         self.model = model
         self._inputs = inputs
+        self._required = frozenset(i["name"] for i in inputs)
         # name -> (dtype, declared shape, ((axis, size) of every fixed dim))
         self._spec = {i["name"]: (np.dtype(i["dtype"]), i["shape"],
-                                  tuple((k, d) for k, d in enumerate(i["shape"]) if isinstance(d, int)))
-                      for i in inputs}
+                                  # (a negative dim, in manifests written before packing read it as free, is free)
+                                  tuple((k, d) for k, d in enumerate(i["shape"]) if isinstance(d, int) and d >= 0))
+                      for i in (*inputs, *optional)}
 
     def _expected(self) -> str:
         return ", ".join(f"{i['name']} ({i['dtype']}, {i['shape']})" for i in self._inputs)
@@ -163,11 +174,11 @@ class FeedCheck:
         if not isinstance(feeds, dict):
             raise InputError(f"input_feed must be a dict of name -> array, not {type(feeds).__name__}")
         spec = self._spec
-        if feeds.keys() != spec.keys():
+        if feeds.keys() != self._required:
             for k in feeds:
                 if k not in spec:
                     raise InputError(f"{self.model}: unknown input {k!r}; the model takes {self._expected()}")
-            for k in spec:
+            for k in self._required:
                 if k not in feeds:
                     raise InputError(f"{self.model}: missing input {k!r}; the model takes {self._expected()}")
         out = {}

@@ -9,13 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import InputError
-from ..tensors import FeedCheck
+from ..tensors import ORT_TYPES, FeedCheck
 from .connection import Client, shared_client
-
-_ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "float64": "tensor(double)",
-              "int64": "tensor(int64)", "int32": "tensor(int32)", "int8": "tensor(int8)", "uint8": "tensor(uint8)",
-              "bool": "tensor(bool)"}
-
 
 @dataclass(frozen=True)
 class NodeArg:
@@ -47,10 +42,10 @@ class ServeSession:
         return [outputs[n] for n in names]
 
     def get_inputs(self):
-        return [NodeArg(i["name"], i["shape"], _ORT_TYPES.get(i["dtype"], i["dtype"])) for i in self._inputs]
+        return [NodeArg(i["name"], i["shape"], ORT_TYPES.get(i["dtype"], i["dtype"])) for i in self._inputs]
 
     def get_outputs(self):
-        return [NodeArg(o["name"], o["shape"], _ORT_TYPES.get(o["dtype"], o["dtype"])) for o in self._outputs]
+        return [NodeArg(o["name"], o["shape"], ORT_TYPES.get(o["dtype"], o["dtype"])) for o in self._outputs]
 
     def close(self) -> None:
         self._closed = True

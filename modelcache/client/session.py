@@ -16,7 +16,7 @@ import os
 import warnings
 
 from ..errors import InputError, ModelCacheError
-from ..tensors import FeedCheck
+from ..tensors import NUMPY_TYPES, FeedCheck
 from ..session_options import attach_session_options, bind_weights
 from .connection import Client, OpenedModel, shared_client
 
@@ -68,7 +68,9 @@ class InferenceSession:
                 raise ModelCacheError(f"{name}: onnxruntime could not start the CUDA execution provider "
                                       f"(it offers {self._sess.get_providers()}); check the CUDA and cuDNN "
                                       f"libraries onnxruntime-gpu needs")
-            self._feed_check = FeedCheck(self._lease.name, self._lease.inputs)
+            overridable = [{"name": i.name, "dtype": NUMPY_TYPES[i.type], "shape": i.shape}
+                           for i in self._sess.get_overridable_initializers() if i.type in NUMPY_TYPES]
+            self._feed_check = FeedCheck(self._lease.name, self._lease.inputs, overridable)
         except BaseException:
             self.close()
             raise
@@ -84,6 +86,9 @@ class InferenceSession:
 
     def get_outputs(self):
         return self._sess.get_outputs()
+
+    def get_overridable_initializers(self):
+        return self._sess.get_overridable_initializers()
 
     def get_modelmeta(self):
         return self._sess.get_modelmeta()
