@@ -43,6 +43,8 @@ def bind_weights(so, segment_paths: list, tensors: list) -> tuple[list, list]:
     import numpy as np
     import onnxruntime as ort
 
+    if not tensors:  # a model with no large weights: its (empty) blob cannot even be mapped
+        return [], []
     maps = [map_readonly(p) for p in segment_paths]
     blobs = [np.frombuffer(m, dtype=np.uint8) for m in maps]
     values = []

@@ -39,7 +39,13 @@ def encode(arrays: dict, shm_dir: str = IO_DIR, group_of: str | None = None,
 
     wire, files = [], []
     for name, value in arrays.items():
-        a = np.ascontiguousarray(value)
+        a = np.asarray(value)   # (not ascontiguousarray: it turns a 0-d scalar into shape [1])
+        if not a.flags.c_contiguous:
+            a = np.ascontiguousarray(a)
+        if a.dtype.kind in "OUS":  # strings: a list of str on the wire, an object array again at the other end
+            wire.append({"name": name, "dtype": "object", "shape": list(a.shape),
+                         "strings": [_as_str(v) for v in a.ravel().tolist()]})
+            continue
         dtype = _dtype_names.get(a.dtype)
         if dtype is None:
             dtype = _dtype_names[a.dtype] = a.dtype.name
@@ -65,6 +71,28 @@ def encode(arrays: dict, shm_dir: str = IO_DIR, group_of: str | None = None,
     return wire, files
 
 
+def _as_str(v) -> str:
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "surrogateescape")
+    if not isinstance(v, str):
+        raise InputError(f"a string tensor holds a {type(v).__name__}, not str")
+    return v
+
+
+def _string_array(entry: dict, shape: tuple):
+    """An object array of str from the wire's list, checked: a peer cannot smuggle other objects in."""
+    import numpy as np
+
+    strings = entry["strings"]
+    if not isinstance(strings, list) or len(strings) != math.prod(shape):
+        raise ValueError(f"{len(strings) if isinstance(strings, list) else 'no'} strings for shape {list(shape)}")
+    if not all(isinstance(v, str) for v in strings):
+        raise TypeError("a string tensor's elements must all be str")
+    arr = np.empty(len(strings), dtype=object)
+    arr[:] = strings
+    return arr.reshape(shape)
+
+
 def decode(wire: list) -> tuple[dict, list]:
     """wire list => (name -> read-only array, mappings to close when the arrays are no longer used:
     none any more, since I/O files are read, not mapped; kept for callers)."""
@@ -81,6 +109,9 @@ def decode(wire: list) -> tuple[dict, list]:
             shape = tuple(int(d) for d in shape)
             if any(d < 0 for d in shape):
                 raise ValueError(f"negative dimension in {list(shape)}")
+            if "strings" in entry:
+                arrays[name] = _string_array(entry, shape)
+                continue
             dtype = _dtypes.get(entry["dtype"])   # (an unhashable one, a list or a map, is a TypeError)
             if dtype is None:
                 dtype = np.dtype(entry["dtype"])
@@ -186,7 +217,8 @@ class FeedCheck:
             dtype, shape, fixed = spec[name]
             if not isinstance(value, np.ndarray):
                 value = np.asarray(value)
-            if value.dtype is not dtype and value.dtype != dtype:  # (numpy's builtin dtypes are singletons)
+            if (value.dtype is not dtype and value.dtype != dtype   # (numpy's builtin dtypes are singletons)
+                    and not (dtype.kind == "O" and value.dtype.kind in "US")):  # ORT takes str arrays for strings
                 raise InputError(f"{self.model}: input {name!r} must be {dtype.name}, got {value.dtype}")
             dims = value.shape
             if len(dims) != len(shape) or any(dims[k] != d for k, d in fixed):

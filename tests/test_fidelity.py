@@ -38,6 +38,14 @@ def matmul_reshape(ir_version: int, opset: int, initializers_as_inputs: bool, x_
     return m
 
 
+def unary(op: str, elem_type: int, dims, opset: int = 13) -> onnx.ModelProto:
+    """One node, no weights at all: what remains to get right is the tensors' trip."""
+    g = helper.make_graph([helper.make_node(op, ["a", "a"] if op == "Add" else ["a"], ["b"])], "g",
+                          [helper.make_tensor_value_info("a", elem_type, dims)],
+                          [helper.make_tensor_value_info("b", elem_type, dims)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
 CASES = {
     # IR 3 (the old model zoo): every initializer is also a graph input; the output has no shape,
     # which the ONNX checker refuses and ORT accepts.
@@ -50,6 +58,14 @@ CASES = {
     "dims-empty": (matmul_reshape(8, 13, False, [None, 64], None), {"x": (5, 64)}),
     # IR >= 4 initializers listed as inputs are overridable: not fed, the stored weight is used...
     "overridable-not-fed": (matmul_reshape(7, 13, True, ["N", 64], None), {"x": (2, 64)}),
+    # 0-d tensors in and out (np.ascontiguousarray made them shape [1] on the wire).
+    "scalar": (unary("Add", TensorProto.FLOAT, []), {"a": np.array(1.5, np.float32)}),
+    # strings travel as lists of str; ORT takes str arrays as well as object arrays.
+    "strings": (unary("Identity", TensorProto.STRING, ["n"]), {"a": np.array(["x", "", "yz é"], dtype=object)}),
+    "strings-from-str-array": (unary("Identity", TensorProto.STRING, ["n"]), {"a": np.array(["x", "yz"])}),
+    "strings-2d": (unary("Identity", TensorProto.STRING, [2, None]), {"a": np.array([["a", "b"], ["c", "d"]], object)}),
+    # zero-size tensors
+    "zero-size": (unary("Add", TensorProto.FLOAT, ["n", 3]), {"a": np.zeros((0, 3), np.float32)}),
 }
 OVERRIDES = {  # ...fed, the caller's value (attach mode; serve mode runs the stored weights only)
     "weight": {"x": (2, 64), "W": (64, 64)},
@@ -99,7 +115,11 @@ def test_runs_like_plain_ort(daemon_with_cases, case, mode):
     got = session.run(None, feeds)
     assert [g.shape for g in got] == [e.shape for e in expected]
     for g, e in zip(got, expected):
-        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+        assert g.dtype == e.dtype
+        if e.dtype == object:
+            assert g.tolist() == e.tolist()
+        else:
+            np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("override", sorted(OVERRIDES))
