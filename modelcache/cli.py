@@ -301,7 +301,8 @@ def cmd_demo(args) -> int:
     return demo(args)
 
 
-BENCHMARKS = ("coldstart", "open", "tiers", "executor", "serve", "transport", "binding", "servepath")  # modules of modelcache.bench
+BENCHMARKS = ("coldstart", "open", "tiers", "executor", "serve", "transport", "binding", "servepath",
+              "conformance")  # modules of modelcache.bench
 
 
 def cmd_bench(args) -> int:

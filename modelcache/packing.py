@@ -49,6 +49,10 @@ OPT_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
               "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
 # Only BASIC rewrites are provider-independent; higher levels (on the CPU build) fuse and lay out for the CPU EP.
 GPU_OPT_LEVEL = "basic"
+# The fallback when ORT's graph at a level does not load back; last, the source graph as it is, which
+# even ORT_DISABLE_ALL's saved copy is not (seen: a Loop over an If that ORT re-saves out of SSA form).
+SOURCE_LEVEL = "source"
+_LOWER_LEVEL = {"all": "extended", "extended": "basic", "basic": "disable", "disable": SOURCE_LEVEL}
 # Lent from device memory: floating weights of at least this many elements (GPU.md, "Measured on an H100").
 # Integer tensors stay inline: the CUDA EP reads shape-like inputs (Reshape's shape, Slice's starts) on the host.
 GPU_SHARED_DTYPES = frozenset({TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.FLOAT, TensorProto.DOUBLE})
@@ -128,14 +132,36 @@ def write_manifest(model_dir: Path, manifest: Manifest) -> None:
 
 
 def _io_entries(values) -> list[IOEntry]:
+    """Name, dtype and shape of each graph input or output. A tensor's dtype is numpy's name; any other
+    value (sequence, optional, map) gets ONNX Runtime's type string, e.g. "seq(tensor(float))", no shape."""
     out = []
     for vi in values:
+        if vi.type.WhichOneof("value") != "tensor_type" or vi.type.tensor_type.elem_type == TensorProto.UNDEFINED:
+            out.append(IOEntry(vi.name, _ort_type_name(vi.type), []))
+            continue
         tt = vi.type.tensor_type
         # A negative dim_value is how older exporters wrote "dynamic": ORT reads it as free (None).
         dims = [(d.dim_value if d.dim_value >= 0 else None) if d.HasField("dim_value") else (d.dim_param or None)
                 for d in tt.shape.dim]
         out.append(IOEntry(vi.name, onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type).name, dims))
     return out
+
+
+def _ort_type_name(tp: onnx.TypeProto) -> str:
+    """ONNX Runtime's name of a value type (NodeArg.type): tensor(float), seq(tensor(int64)), ..."""
+    kind = tp.WhichOneof("value")
+    if kind in ("tensor_type", "sparse_tensor_type"):
+        elem = getattr(tp, kind).elem_type
+        name = TensorProto.DataType.Name(elem).lower() if elem else "undefined"
+        return f"{kind[:-len('_type')]}({name})"
+    if kind == "sequence_type":
+        return f"seq({_ort_type_name(tp.sequence_type.elem_type)})"
+    if kind == "optional_type":
+        return f"optional({_ort_type_name(tp.optional_type.elem_type)})"
+    if kind == "map_type":
+        key = TensorProto.DataType.Name(tp.map_type.key_type).lower()
+        return f"map({key},{_ort_type_name(tp.map_type.value_type)})"
+    return "undefined"
 
 
 def iter_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
@@ -460,14 +486,29 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
         except Exception as e:  # protobuf DecodeError, a truncated file...
             raise PackError(f"{src} is not a valid ONNX model: {checker_says or e}") from None
         doing = f"adding {name}@{version}"
-        optimized = optimize(src, work, opt_level, doing, checker_says)
         if checker_says:
             log.warning("%s: the ONNX checker says %s; ONNX Runtime builds it, so it is added", src, checker_says)
-        gpu = _choose_gpu_graph(src, source_model, work, opt_level, optimized, doing)
-        # One progress scale over both passes; the GPU pass's bytes are an upper bound (most dedupe).
-        cpu_progress = (lambda done, total: progress(done, total + gpu.shared_bytes)) if progress else None
-        skeleton, tensors, weights_bytes = _externalize(optimized, tmp / WEIGHTS_FILE, cpu_progress)
-        onnx.save_model(skeleton, str(tmp / SKELETON_FILE))
+        while True:  # at opt_level, or lower where ORT's optimized graph does not load back
+            if opt_level == SOURCE_LEVEL:
+                optimized, gpu_level = Path(src), "disable"
+            else:
+                optimized, gpu_level = optimize(src, _fresh_dir(work / opt_level), opt_level, doing, checker_says), opt_level
+            gpu = _choose_gpu_graph(src, source_model, _fresh_dir(work / f"{opt_level}-gpu"), gpu_level, optimized,
+                                    doing)
+            # One progress scale over both passes; the GPU pass's bytes are an upper bound (most dedupe).
+            cpu_progress = (lambda done, total: progress(done, total + gpu.shared_bytes)) if progress else None
+            skeleton, tensors, weights_bytes = _externalize(optimized, tmp / WEIGHTS_FILE, cpu_progress)
+            onnx.save_model(skeleton, str(tmp / SKELETON_FILE))
+            try:
+                _check_loads(tmp)
+                break
+            except PackError as e:
+                lower = _LOWER_LEVEL.get(opt_level)
+                if lower is None:
+                    raise
+                log.warning("%s: ORT's graph at opt level %s does not load back (%s); packing at %s",
+                            src, opt_level, str(e)[:300], lower)
+                opt_level = lower
         gpu_tensors, weights_bytes = _write_gpu_skeleton(gpu, tmp, tensors, weights_bytes, progress)
         shutil.rmtree(work)
         init_names = {t.name for t in source_model.graph.initializer}
@@ -479,7 +520,6 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
             ort_version=ort.__version__, opt_level=opt_level, created_unix=time.time(),
             gpu_skeleton=GPU_SKELETON_FILE, gpu_opt_level=gpu.opt_level, gpu_tensors=gpu_tensors)
         write_gpu_stub(tmp, manifest)
-        _check_loads(tmp)
         check_gpu_skeleton(tmp, manifest)
         (tmp / MANIFEST_FILE).write_text(manifest.to_json())
         for p in tmp.iterdir():  # durable before visible
@@ -494,6 +534,11 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
     except BaseException:
         reservations.abandon(reservation)
         raise
+
+
+def _fresh_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _check_loads(model_dir: Path) -> None:

@@ -31,44 +31,71 @@ _dtypes: dict = {}        # and back: a name on the wire -> numpy dtype (only na
 
 def encode(arrays: dict, shm_dir: str = IO_DIR, group_of: str | None = None,
            inline_only: bool = False) -> tuple[list, list[str]]:
-    """name -> array  =>  (wire list, shm files the caller must unlink once answered).
+    """name -> value  =>  (wire list, shm files the caller must unlink once answered).
 
-    The daemon answers inline (`inline_only`): it cannot know when a client has read a file.
+    A value is a tensor (numpy array or scalar), or what ORT takes and returns besides: a sequence
+    (list), an optional's None, a map (dict, ZipMap's output). The daemon answers inline
+    (`inline_only`): it cannot know when a client has read a file.
     """
-    import numpy as np
-
     wire, files = [], []
     for name, value in arrays.items():
-        a = np.asarray(value)   # (not ascontiguousarray: it turns a 0-d scalar into shape [1])
-        if not a.flags.c_contiguous:
-            a = np.ascontiguousarray(a)
-        if a.dtype.kind in "OUS":  # strings: a list of str on the wire, an object array again at the other end
-            wire.append({"name": name, "dtype": "object", "shape": list(a.shape),
-                         "strings": [_as_str(v) for v in a.ravel().tolist()]})
-            continue
-        dtype = _dtype_names.get(a.dtype)
-        if dtype is None:
-            dtype = _dtype_names[a.dtype] = a.dtype.name
-        entry = {"name": name, "dtype": dtype, "shape": list(a.shape)}
-        if a.nbytes <= INLINE_MAX_BYTES or inline_only:
-            entry["data"] = a.tobytes()
+        if value is None or isinstance(value, (list, tuple, dict)):
+            entry = _encode_composite(value)
         else:
-            path = os.path.join(shm_dir, f"{IO_PREFIX}{os.getuid()}.{os.getpid()}.{next(_counter)}")
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
-            try:
-                if group_of:  # let the daemon's group read it (a member may give a file to its group)
-                    try:
-                        os.fchown(fd, -1, os.stat(group_of).st_gid)
-                    except OSError:
-                        pass
-                with os.fdopen(os.dup(fd), "wb") as f:
-                    f.write(memoryview(a).cast("B"))
-            finally:
-                os.close(fd)
-            files.append(path)
-            entry.update(shm=path, nbytes=a.nbytes)
+            entry = _encode_tensor(value, shm_dir, group_of, inline_only, files)
+        entry["name"] = name
         wire.append(entry)
     return wire, files
+
+
+def _encode_tensor(value, shm_dir: str, group_of: str | None, inline_only: bool, files: list) -> dict:
+    import numpy as np
+
+    a = np.asarray(value)   # (not ascontiguousarray: it turns a 0-d scalar into shape [1])
+    if not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a)
+    if a.dtype.kind in "OUS":  # strings: a list of str on the wire, an object array again at the other end
+        return {"dtype": "object", "shape": list(a.shape), "strings": [_as_str(v) for v in a.ravel().tolist()]}
+    dtype = _dtype_names.get(a.dtype)
+    if dtype is None:
+        dtype = _dtype_names[a.dtype] = a.dtype.name
+    entry = {"dtype": dtype, "shape": list(a.shape)}
+    if a.nbytes <= INLINE_MAX_BYTES or inline_only:
+        entry["data"] = a.tobytes()
+        return entry
+    path = os.path.join(shm_dir, f"{IO_PREFIX}{os.getuid()}.{os.getpid()}.{next(_counter)}")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+    try:
+        if group_of:  # let the daemon's group read it (a member may give a file to its group)
+            try:
+                os.fchown(fd, -1, os.stat(group_of).st_gid)
+            except OSError:
+                pass
+        with os.fdopen(os.dup(fd), "wb") as f:
+            f.write(memoryview(a).cast("B"))
+    finally:
+        os.close(fd)
+    files.append(path)
+    entry.update(shm=path, nbytes=a.nbytes)
+    return entry
+
+
+def _encode_composite(value) -> dict:
+    """An optional's None, a sequence or a map; their elements travel inline."""
+    if value is None:
+        return {"none": True}
+    if isinstance(value, dict):
+        for k in value:
+            if not isinstance(k, (int, str)):
+                raise InputError(f"a map's keys must be int or str (ORT's map types), not {type(k).__name__}")
+        return {"map": [[k, _encode_element(v)] for k, v in value.items()]}
+    return {"seq": [_encode_element(v) for v in value]}
+
+
+def _encode_element(value) -> dict:
+    if value is None or isinstance(value, (list, tuple, dict)):
+        return _encode_composite(value)
+    return _encode_tensor(value, IO_DIR, None, True, [])
 
 
 def _as_str(v) -> str:
@@ -93,44 +120,67 @@ def _string_array(entry: dict, shape: tuple):
     return arr.reshape(shape)
 
 
-def decode(wire: list) -> tuple[dict, list]:
-    """wire list => (name -> read-only array, mappings to close when the arrays are no longer used:
-    none any more, since I/O files are read, not mapped; kept for callers)."""
-    import numpy as np
+MAX_NESTING = 8   # sequences of maps of sequences...: ORT's types nest two or three deep
 
+
+def decode(wire: list) -> tuple[dict, list]:
+    """wire list => (name -> read-only array (or list / dict / None, see encode), mappings to close
+    when the arrays are no longer used: none any more, since I/O files are read, not mapped; kept for
+    callers)."""
     arrays, maps = {}, []
     if not isinstance(wire, list):
         raise ProtocolError("tensors must be a list")
     for entry in wire:
         try:
-            name, shape = entry["name"], entry["shape"]
-            if not isinstance(shape, list):
-                raise TypeError(f"shape must be a list, got {type(shape).__name__}")
-            shape = tuple(int(d) for d in shape)
-            if any(d < 0 for d in shape):
-                raise ValueError(f"negative dimension in {list(shape)}")
-            if "strings" in entry:
-                arrays[name] = _string_array(entry, shape)
-                continue
-            dtype = _dtypes.get(entry["dtype"])   # (an unhashable one, a list or a map, is a TypeError)
-            if dtype is None:
-                dtype = np.dtype(entry["dtype"])
-                if len(_dtypes) < 64:             # a peer cannot grow it without bound
-                    _dtypes[entry["dtype"]] = dtype
-            if "data" in entry:
-                buf = entry["data"]
-            else:
-                buf = read_io_file(entry["shm"], name, math.prod(shape) * dtype.itemsize)
-            # Not np.ndarray(shape, dtype, buf), though it is one call less: it reads an object dtype
-            # out of raw bytes (pointers from the wire) and takes a -1 dim. frombuffer refuses both.
-            arr = np.frombuffer(buf, dtype=dtype, count=math.prod(shape)).reshape(shape)
+            arrays[entry["name"]] = _decode_value(entry, entry["name"], 0)
         except (ProtocolError, InputError):
             raise
         except (KeyError, TypeError, ValueError, OverflowError, OSError) as e:   # (overflow: a dim past 2**63)
             raise ProtocolError(f"malformed tensor {entry.get('name') if isinstance(entry, dict) else entry!r}: "
                                 f"{e}") from None
-        arrays[name] = arr
     return arrays, maps
+
+
+def _decode_value(entry: dict, name: str, depth: int):
+    import numpy as np
+
+    if "shape" not in entry:   # not a tensor: an optional's None, a sequence or a map
+        if depth >= MAX_NESTING:
+            raise ValueError(f"values nested deeper than {MAX_NESTING}")
+        if entry.get("none"):
+            return None
+        if "seq" in entry:
+            items = entry["seq"]
+            if not isinstance(items, list):
+                raise TypeError("a sequence must be a list")
+            return [_decode_value(e, name, depth + 1) for e in items]
+        pairs = entry["map"]
+        if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], (int, str))
+                                                  for p in pairs):
+            raise TypeError("a map must be a list of [int or str key, value] pairs")
+        return {k: _decode_value(v, name, depth + 1) for k, v in pairs}
+    shape = entry["shape"]
+    if not isinstance(shape, list):
+        raise TypeError(f"shape must be a list, got {type(shape).__name__}")
+    shape = tuple(int(d) for d in shape)
+    if any(d < 0 for d in shape):
+        raise ValueError(f"negative dimension in {list(shape)}")
+    if "strings" in entry:
+        return _string_array(entry, shape)
+    dtype = _dtypes.get(entry["dtype"])   # (an unhashable one, a list or a map, is a TypeError)
+    if dtype is None:
+        dtype = np.dtype(entry["dtype"])
+        if len(_dtypes) < 64:             # a peer cannot grow it without bound
+            _dtypes[entry["dtype"]] = dtype
+    if "data" in entry:
+        buf = entry["data"]
+    elif depth:
+        raise ValueError("a sequence's or map's tensors travel inline")
+    else:
+        buf = read_io_file(entry["shm"], name, math.prod(shape) * dtype.itemsize)
+    # Not np.ndarray(shape, dtype, buf), though it is one call less: it reads an object dtype
+    # out of raw bytes (pointers from the wire) and takes a -1 dim. frombuffer refuses both.
+    return np.frombuffer(buf, dtype=dtype, count=math.prod(shape)).reshape(shape)
 
 
 def read_io_file(path, name: str, nbytes: int):
@@ -184,13 +234,11 @@ class FeedCheck:
     default, IR >= 4): fed, they are checked like inputs; not fed, the stored weight is used."""
 
     def __init__(self, model: str, inputs: list[dict], optional: list[dict] = ()):
-        import numpy as np
-
         self.model = model
         self._inputs = inputs
         self._required = frozenset(i["name"] for i in inputs)
         # name -> (dtype, declared shape, ((axis, size) of every fixed dim))
-        self._spec = {i["name"]: (np.dtype(i["dtype"]), i["shape"],
+        self._spec = {i["name"]: (_numpy_dtype(i["dtype"]), i["shape"],
                                   # (a negative dim, in manifests written before packing read it as free, is free)
                                   tuple((k, d) for k, d in enumerate(i["shape"]) if isinstance(d, int) and d >= 0))
                       for i in (*inputs, *optional)}
@@ -215,6 +263,9 @@ class FeedCheck:
         out = {}
         for name, value in feeds.items():
             dtype, shape, fixed = spec[name]
+            if dtype is None:  # a sequence, optional or map, or a dtype numpy lacks: ORT checks it
+                out[name] = value
+                continue
             if not isinstance(value, np.ndarray):
                 value = np.asarray(value)
             if (value.dtype is not dtype and value.dtype != dtype   # (numpy's builtin dtypes are singletons)
@@ -225,6 +276,17 @@ class FeedCheck:
                 raise InputError(f"{self.model}: input {name!r} must have shape {shape}, got {list(dims)}")
             out[name] = value
         return out
+
+
+def _numpy_dtype(name: str):
+    """numpy's dtype of a declared input, or None for what numpy cannot name (a sequence, bfloat16
+    without ml_dtypes...): those the feed check leaves to ORT."""
+    import numpy as np
+
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return None
 
 
 def random_feeds(inputs: list[dict], batch: int = 1, seed: int = 0) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from .. import protocol as P, tensors
-from ..errors import CapacityError, InputError
+from ..errors import CapacityError, InputError, ModelCacheError
 from ..executor.engine import ServeRequest
 from .registry import ModelRecord, ModelState
 
@@ -84,10 +84,15 @@ class ServeHandlers:
 
         def finish(result, timings, error):
             try:  # the answer first: releasing the request's hold is bookkeeping the client need not wait for
+                if error is None:
+                    try:
+                        wire, _ = tensors.encode(result, inline_only=True)
+                    except Exception as e:  # an output serve mode cannot carry (a sequence): say so, never hang
+                        error = e if isinstance(e, ModelCacheError) else \
+                            ModelCacheError(f"{model.key}: cannot send its outputs: {type(e).__name__}: {e}")
                 if error is not None:
                     self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
                 else:
-                    wire, _ = tensors.encode(result, inline_only=True)
                     self._reply(ident, P.InferReply(req_id=msg.req_id, outputs=wire, timings=timings))
             finally:
                 maps.clear()  # the input mappings go with the request
@@ -100,7 +105,7 @@ class ServeHandlers:
                 return
             segments, specs, batchable = self._serve_specs(model)
             first = next(iter(feeds.values()), None)
-            samples = first.shape[0] if first is not None and first.ndim else 1
+            samples = first.shape[0] if getattr(first, "ndim", 0) else 1   # (a sequence or None: 1)
             self.engine.submit(ServeRequest(model.key, specs, segments, dict(feeds), msg.output_names, arrival,
                                             arrival + msg.deadline_ms / 1e3 if msg.deadline_ms else None,
                                             finish, samples=samples, batchable=batchable,
