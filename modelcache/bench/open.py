@@ -100,8 +100,15 @@ def report(results: dict, out=sys.stdout) -> None:
         # Each pair of runs was adjacent in time: the median of their ratios resists machine drift.
         pairs = sorted(o / m for o, m in zip(warm[name]["ort"], warm[name]["modelcache"]))
         q = lambda f: pairs[min(len(pairs) - 1, int(f * len(pairs)))]  # noqa: E731
-        print(f"{name:<14} -> session ready {ready['ort'] / ready['modelcache']:.0f}x faster, warm speed "
+        print(f"{name:<14} -> session ready {_how_much_faster(ready['ort'], ready['modelcache'])}, warm speed "
               f"{statistics.median(pairs):.2f}x plain ORT (pairs' quartiles {q(0.25):.2f}-{q(0.75):.2f})", file=out)
+
+
+def _how_much_faster(baseline_ms: float, ours_ms: float) -> str:
+    """'6.1x faster', or '1.4x slower' when it is: never '1x faster' for a loss."""
+    if ours_ms <= baseline_ms:
+        return f"{baseline_ms / ours_ms:.1f}x faster"
+    return f"{ours_ms / baseline_ms:.1f}x slower"
 
 
 def main(argv=None) -> int:
