@@ -39,6 +39,7 @@ from .lane import LaneConnection, LaneServer, check_socket_file
 from .metrics import Histogram, MetricsServer, render
 from .notify import Notifier
 from .registry import ModelRecord, ModelState, Registry
+from .restart import SocketLock, adopt_resident_models, settle_adopted
 from .serving import ServeHandlers
 
 log = logging.getLogger("modelcache.daemon")
@@ -64,7 +65,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         self.wall = wall
         self.registry = Registry()
         self.repository = Repository(settings.repository_path)
-        self.host = HostTier(settings.shm_dir, settings.host_capacity_bytes())
+        self.host = HostTier(settings.shm_dir, settings.host_capacity_bytes(), owner=settings.socket)
         self.devices: dict = {}                 # GPU tier: device UUID -> tiers.gpu.DeviceTier (see devices.py)
         self.device_policies: dict = {}         # device UUID -> its eviction policy
         self.remote = RemoteStore(settings.remote, settings.request_timeout_s) if settings.remote else None
@@ -82,7 +83,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         self.reserved_versions: set = set()     # versions being packed, not yet in the registry
         self.counters = {"opens": 0, "hits": 0, "misses": 0, "closes": 0, "adds": 0,
                          "clients_lost": 0, "bad_messages": 0, "promotions": 0, "evictions": 0,
-                         "gpu_promotions": 0, "gpu_evictions": 0}
+                         "gpu_promotions": 0, "gpu_evictions": 0, "adopted": 0}
         self.started = wall()
         # When the owner loop last came back from not listening (see serve_forever): silence before it is not counted.
         self.listening_since = float("-inf")
@@ -98,6 +99,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         self.ctx = zmq.Context.instance()
         self.router = None
         self.wake_rx = None
+        self.socket_lock: SocketLock | None = None
         path = lane_path(settings.socket)
         # serve-mode calls, see modelcache/lane.py
         self.lane = LaneServer(path, self.counters, settings.max_message_bytes()) if path else None
@@ -109,6 +111,8 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         if addr.startswith("ipc://"):  # first: a daemon that refuses to start leaves nothing behind
             path = Path(addr[len("ipc://"):])
             path.parent.mkdir(parents=True, exist_ok=True)
+            self.socket_lock = SocketLock(path)
+            self.socket_lock.acquire()
             if os.path.lexists(path):
                 check_socket_file(path)
                 self._refuse_if_live(addr)
@@ -117,8 +121,10 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
                 check_socket_file(Path(self.lane.path))
         for model_dir, manifest in self.repository.scan():
             self.registry.add_model(model_dir, manifest)
+        adoption = adopt_resident_models(self)   # warm restart: a dead daemon's host tier, checked
         self.host.start()
         self._start_devices()
+        settle_adopted(self, adoption)
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # replies to vanished clients are dropped, not raised
@@ -158,7 +164,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
                 if proc.poll() is None:
                     proc.kill()
             self._remove_socket_file()
-            self.host.stop()  # (device memory goes with the process; simulated devices live in the host tier)
+            self.host.stop(keep=self.settings.keep_host_tier)  # (device memory goes with the process)
             os._exit(1)
         self.stop_requested = True
 
@@ -284,7 +290,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         self._remove_socket_file()
         # Clients that still map a model keep their pages (host and GPU): freeing only drops our references.
         self._stop_devices()
-        self.host.stop()
+        self.host.stop(keep=self.settings.keep_host_tier)  # kept: the next daemon here re-adopts it
         self.notifier.close()
 
     def _remove_socket_file(self) -> None:
@@ -293,6 +299,8 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
             Path(addr[len("ipc://"):]).unlink(missing_ok=True)
         if self.lane is not None:
             Path(self.lane.path).unlink(missing_ok=True)
+        if self.socket_lock is not None:
+            self.socket_lock.release()
 
     # -- message dispatch --------------------------------------------------------------
     def _recv_request(self) -> list[bytes]:
