@@ -73,7 +73,7 @@ class DaemonProcess:
 
     @property
     def shm_dir(self) -> Path:
-        return Path("/dev/shm") / f"modelcache.{os.getuid()}.{self.pid}"
+        return Path(self.env.get("MODELCACHE_SHM_DIR", "/dev/shm")) / f"modelcache.{os.getuid()}.{self.pid}"
 
     def stop(self, timeout_s: float = 30.0) -> int:
         if self.proc is None or self.proc.poll() is not None:

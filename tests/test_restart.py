@@ -13,6 +13,20 @@ from modelcache import zoo
 from conftest import DaemonProcess
 
 
+@pytest.fixture(autouse=True)
+def shm_env(tmp_path, monkeypatch):
+    """A private shm_dir: a daemon of another checkout starting meanwhile removes every dead tier it
+    finds in /dev/shm, ours included. Daemons started here inherit it; it is checked empty after."""
+    shm = Path("/dev/shm") / f"mc-restart-{os.getpid()}-{tmp_path.name}"
+    shm.mkdir()
+    monkeypatch.setenv("MODELCACHE_SHM_DIR", str(shm))
+    yield shm
+    left = list(shm.iterdir())
+    import shutil
+    shutil.rmtree(shm, ignore_errors=True)
+    assert not left, f"left behind in shm: {left}"
+
+
 def _sigkill(d: DaemonProcess) -> Path:
     """Kill the daemon as a crash would (no cleanup); returns the host tier it leaves."""
     tier = d.shm_dir
@@ -115,9 +129,11 @@ def test_a_dead_tier_of_another_socket_is_left_alone(tmp_path, zoo_file):
     try:
         assert tier_a.exists()                              # a's, for a's next daemon
         a2 = _restart(a)
-        with a2.client() as c:
-            assert c.open("cnn").hit
-        _stop(a2)
+        try:
+            with a2.client() as c:
+                assert c.open("cnn").hit
+        finally:
+            _stop(a2)
     finally:
         _stop(b)
 
@@ -125,3 +141,56 @@ def test_a_dead_tier_of_another_socket_is_left_alone(tmp_path, zoo_file):
 def _plain_ort(path: str, feeds: dict):
     import onnxruntime as ort
     return ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+
+def test_clients_reconnect_and_keep_their_sessions_through_a_crash(tmp_path, zoo_file, monkeypatch):
+    from modelcache.client import connection
+    from modelcache.errors import DaemonUnavailable
+    from conftest import wait_until
+
+    d = DaemonProcess(tmp_path).start()
+    monkeypatch.setenv("MODELCACHE_SOCKET", d.socket)      # for the process-wide client of drop-in sessions
+    feeds = zoo.sample_inputs(zoo_file("tiny-cnn"))
+    ref = _plain_ort(zoo_file("tiny-cnn"), feeds)
+    c = d.client(timeout_s=60)
+    c.add(zoo_file("tiny-cnn"), "cnn")
+    dropin = modelcache.InferenceSession("cnn")              # on connection.shared_client()
+    explicit = modelcache.InferenceSession("cnn", client=c)
+    shared = connection.shared_client()
+    _sigkill(d)
+    with pytest.raises(DaemonUnavailable):
+        c.list()                                             # the one call the outage costs
+    d2 = _restart(d)
+    try:
+        # No call from the shared client: its heartbeat finds the new daemon and re-opens its lease.
+        def leases():
+            return sorted(cl["leases"] for cl in c.stats().clients)
+        assert wait_until(lambda: leases() == [1, 1], what="both clients back with one lease each")
+        assert [m["refcount"] for m in c.list()] == [2]
+        for sess in (dropin, explicit):                      # their mappings never stopped working
+            assert abs(sess.run(None, feeds)[0] - ref).max() < 1e-4
+        fresh = modelcache.InferenceSession("cnn")           # a new drop-in open, on the same shared client
+        assert fresh.was_cache_hit and connection.shared_client() is shared
+        assert abs(fresh.run(None, feeds)[0] - ref).max() < 1e-4
+        for sess in (dropin, explicit, fresh):
+            sess.close()
+        assert [m["refcount"] for m in c.list()] == [0]     # the old lease ids released the new leases
+        c.close()
+        shared.close()
+    finally:
+        _stop(d2)
+
+
+def test_a_stray_reply_of_any_kind_is_dropped_by_request_id(tmp_path):
+    """A late answer to an abandoned request (here: a list_ok to a request the client gave up on)
+    must not break the next call, whose reply is of another kind."""
+    d = DaemonProcess(tmp_path).start()
+    try:
+        c = d.client()
+        from modelcache import protocol as P
+        with c._lock:
+            c._sock.send_multipart(P.encode(P.ListModels(req_id=next(c._ids))))   # abandoned at once
+        assert c.stats().pid == d.pid          # reads past the stray list_ok, no ProtocolError
+        c.close()
+    finally:
+        _stop(d)
