@@ -28,13 +28,14 @@ from .. import __version__, protocol as P
 from ..config import ConfigError, Settings
 from ..executor.engine import Engine
 from ..eviction import make_policy
-from ..errors import ModelCacheError, ProtocolError
+from ..errors import CapacityError, ModelCacheError, ProtocolError
 from ..tiers.disk import Repository
 from ..tiers.host import HostTier
 from ..tiers.remote import RemoteStore
 from ..lane import lane_path
 from .cache import CacheOps
 from .devices import DeviceOps
+from .fds import FdBudget, raise_fd_limit
 from .lane import LaneConnection, LaneServer, check_socket_file
 from .metrics import Histogram, MetricsServer, render
 from .notify import Notifier
@@ -100,6 +101,9 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         self.router = None
         self.wake_rx = None
         self.socket_lock: SocketLock | None = None
+        self.fd_budget: FdBudget | None = None
+        self.router_events = None               # the ROUTER's accepted connections, to watch descriptors
+        self.router_bound = False               # False while descriptors are short (see _check_fds)
         path = lane_path(settings.socket)
         # serve-mode calls, see modelcache/lane.py
         self.lane = LaneServer(path, self.counters, settings.max_message_bytes()) if path else None
@@ -108,6 +112,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
     def start(self) -> None:
         """Scan the repository, create the host tier, bind the socket. After this, clients may connect."""
         addr = self.settings.socket
+        self.fd_budget = FdBudget(raise_fd_limit())   # before any socket: see daemon/fds.py
         if addr.startswith("ipc://"):  # first: a daemon that refuses to start leaves nothing behind
             path = Path(addr[len("ipc://"):])
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -130,9 +135,8 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # replies to vanished clients are dropped, not raised
         # A longer frame disconnects its sender before libzmq allocates it (big tensors go through shm files).
         self.router.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes())
-        self.router.bind(addr)
-        if addr.startswith("ipc://"):
-            os.chmod(addr[len("ipc://"):], 0o660)  # the daemon's group may connect; others may not
+        self.router_events = self.router.get_monitor_socket(zmq.EVENT_ACCEPTED)
+        self._bind_router()
         self.wake_rx = self.ctx.socket(zmq.PULL)
         self.wake_rx.bind(WAKE_ADDR)
         self.engine.start()
@@ -144,6 +148,26 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         log.info("modelcache %s ready on %s: %d models in %s, host tier %s (%d MiB)", __version__, addr,
                  len(self.registry.models), self.repository.root, self.host.root,
                  self.host.capacity_bytes >> 20)
+
+    def _bind_router(self) -> None:
+        addr = self.settings.socket
+        if addr.startswith("ipc://"):   # ours (we hold its lock): libzmq's unbind leaves the file behind
+            Path(addr[len("ipc://"):]).unlink(missing_ok=True)
+        self.router.bind(addr)
+        self.router_bound = True
+        if addr.startswith("ipc://"):
+            os.chmod(addr[len("ipc://"):], 0o660)  # the daemon's group may connect; others may not
+
+    def _check_fds(self) -> None:
+        """Stop listening on both sockets while descriptors are short; listen again when they are not."""
+        paused = self.fd_budget.check()
+        if self.lane is not None:
+            self.lane.set_accepting(not paused)
+        if paused and self.router_bound:
+            self.router.unbind(self.settings.socket)   # libzmq would accept into EMFILE and abort
+            self.router_bound = False
+        elif not paused and not self.router_bound:
+            self._bind_router()
 
     def _refuse_if_live(self, addr: str) -> None:
         """A socket file exists: refuse to start if a daemon still answers there, else it is stale."""
@@ -209,8 +233,10 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.wake_rx, zmq.POLLIN)
+        poller.register(self.router_events, zmq.POLLIN)
         if self.lane is not None:
             self.lane.start(poller)
+            self.lane.budget = self.fd_budget
         self.notifier.ready(self.status_line())
         if on_ready:
             on_ready()
@@ -235,6 +261,10 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
                     # the sweep must not drop live clients for them (a 3 s SIGSTOP dropped every client).
                     self.listening_since = turn_at
                 last_turn_at = turn_at
+                if self.router_events in events:
+                    while self.router_events.poll(0):
+                        self.router_events.recv_multipart()
+                    self._check_fds()
                 if self.wake_rx in events:
                     while self.wake_rx.poll(0):
                         self.wake_rx.recv()
@@ -251,6 +281,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
                         self.lane.on_ready(key, ready, self._handle)
                 self.engine.on_timer(self.clock())
                 if self.clock() >= next_sweep:
+                    self._check_fds()
                     self.sweep_clients()
                     for key in self.engine.drop_idle(self.clock(), self.settings.serve_idle_s):
                         log.info("serve sessions of %s dropped after %.0f s idle", key, self.settings.serve_idle_s)
@@ -281,6 +312,9 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
                 done(None, stopping)
         if self.lane is not None:
             self.lane.stop()
+        if self.router_events is not None:
+            self.router.disable_monitor()
+            self.router_events.close(linger=0)
         if self.router is not None:
             self.router.close(linger=2000)  # let the last answers (drained above) reach their clients
         if self.wake_rx is not None:
@@ -371,6 +405,9 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
             raise ProtocolError(f"hello: pid {msg.pid} is not a process id (1 to {PID_MAX}, or 0 for none)")
         if len(msg.client_name) > MAX_CLIENT_NAME:
             raise ProtocolError(f"hello: client_name is {len(msg.client_name)} characters; at most {MAX_CLIENT_NAME}")
+        if len(self.registry.clients) >= self.settings.max_clients:
+            raise CapacityError(f"the modelcache daemon serves {len(self.registry.clients)} clients, its "
+                                f"max_clients; try again later, or raise max_clients")
         client = self.registry.new_client(msg.pid, msg.client_name, self.clock())
         log.debug("client %s (pid %d) connected", client.client_id, msg.pid)
         return P.HelloReply(req_id=msg.req_id, protocol_version=P.PROTOCOL_VERSION, daemon_version=__version__,
