@@ -303,7 +303,7 @@ def cmd_demo(args) -> int:
     return demo(args)
 
 
-BENCHMARKS = ("coldstart", "open", "tiers", "executor", "serve", "transport", "binding", "servepath")  # modules of modelcache.bench
+BENCHMARKS = ("coldstart", "open", "tiers", "executor", "serve", "transport", "binding", "servepath", "restart")  # modules of modelcache.bench
 
 
 def cmd_bench(args) -> int:
