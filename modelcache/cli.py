@@ -302,7 +302,7 @@ def cmd_demo(args) -> int:
 
 
 BENCHMARKS = ("coldstart", "open", "tiers", "executor", "serve", "transport", "binding", "servepath",
-              "conformance")  # modules of modelcache.bench
+              "conformance", "restart")  # modules of modelcache.bench
 
 
 def cmd_bench(args) -> int:

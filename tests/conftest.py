@@ -44,13 +44,14 @@ class DaemonProcess:
         self.env = {**os.environ, "MODELCACHE_SOCKET": self.socket, "MODELCACHE_REPOSITORY": str(self.repository),
                     "MODELCACHE_CONFIG": "", "MODELCACHE_LOG_LEVEL": "debug", **(extra_env or {})}
         self.args = args
+        self.preexec = None          # run in the daemon's process before exec (e.g. to set a resource limit)
         self.proc: subprocess.Popen | None = None
         self.log_path = root / "daemon.log"
 
     def start(self, timeout_s: float = 30.0) -> "DaemonProcess":
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "modelcache.cli", "daemon", *self.args],
-                                     env=self.env, stdout=subprocess.PIPE, stderr=self.log)
+                                     env=self.env, stdout=subprocess.PIPE, stderr=self.log, preexec_fn=self.preexec)
         # Wait on the ready handshake, never on a sleep.
         deadline = time.monotonic() + timeout_s
         line = b""
@@ -73,7 +74,7 @@ class DaemonProcess:
 
     @property
     def shm_dir(self) -> Path:
-        return Path("/dev/shm") / f"modelcache.{os.getuid()}.{self.pid}"
+        return Path(self.env.get("MODELCACHE_SHM_DIR", "/dev/shm")) / f"modelcache.{os.getuid()}.{self.pid}"
 
     def stop(self, timeout_s: float = 30.0) -> int:
         if self.proc is None or self.proc.poll() is not None:

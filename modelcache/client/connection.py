@@ -2,7 +2,16 @@
 
 Every call carries a request id and a timeout, so a dead or stuck daemon is a typed
 error, never a hang. A DEALER socket (not REQ) keeps the connection usable after a
-timeout; late replies to abandoned requests are recognised by id and dropped.
+timeout; late replies to abandoned requests are recognised by id and dropped, whatever
+their kind.
+
+A restarted daemon is found again without the caller's help: when the daemon goes away
+(a call's socket monitor, the heartbeat's, or an "unknown client" answer), the client
+connects anew, says hello, and re-opens the leases of the sessions still open (their
+mappings never stopped working; the new lease keeps the daemon's eviction accounting
+right). The heartbeat thread retries with backoff while the daemon is away; a call made
+meanwhile fails at once with DaemonUnavailable, and a call the outage cut short is sent
+again once if the daemon is already back and the call is safe to repeat.
 
 `infer` goes over the daemon's serve lane when it has one (modelcache/lane.py): the same
 messages on a plain Unix socket, a few thread wake-ups shorter than ZeroMQ.
@@ -18,8 +27,16 @@ from pathlib import Path
 
 import zmq
 
+import logging
+
 from .. import lane as _lane, protocol as P
-from ..errors import DaemonUnavailable, RequestTimeout, from_code
+from ..errors import DaemonUnavailable, ModelCacheError, ProtocolError, RequestTimeout, from_code
+
+log = logging.getLogger("modelcache.client")
+# Calls a restarted daemon may safely see twice: the dead daemon's effects died with it.
+RETRY_SAFE = (P.Open, P.Close, P.ListModels, P.Stats, P.Describe, P.Infer, P.Load)
+RECONNECT_BACKOFF_S = (0.05, 2.0)     # the heartbeat's first retry, and the longest wait between retries
+HELLO_TIMEOUT_S = 5.0
 
 
 # What the daemon lends on open: the lease, where the weights live and how to read them.
@@ -47,13 +64,20 @@ class Client:
         self._sock = None
         self._lane = None
         self._closed = False
+        self._broken = False              # the daemon went away: reconnect before the next call
+        self._want_lane = lane            # False: infer goes over ZeroMQ too
+        self._name = name or Path(os.sys.argv[0] or "python").name
+        # Leases this client holds, by the id open() returned -> [id at the daemon now (None: lost), name,
+        # version, device]: a reconnect re-opens them, and release() maps the first id to the current one.
+        self._held: dict[str, list] = {}
         self._connect()
-        hello = self._call(P.Hello(req_id=0, protocol_version=P.PROTOCOL_VERSION, pid=os.getpid(),
-                                   client_name=name or Path(os.sys.argv[0] or "python").name),
-                           expect=(P.HelloReply,))
-        self.client_id = hello.client_id
+        with self._lock:
+            try:
+                hello = self._hello(self.timeout_s)
+            except BaseException:
+                self._close_sockets()
+                raise
         self.daemon_version = hello.daemon_version
-        self._lane = _lane.connect(self.address) if lane else None   # None: infer goes over ZeroMQ too
         self._heartbeat_stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(hello.heartbeat_interval_s,),
                                            name="modelcache-heartbeat", daemon=True)
@@ -78,6 +102,55 @@ class Client:
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
 
+    def _hello(self, timeout_s: float) -> P.HelloReply:
+        """Introduce ourselves on the current connection (under the lock)."""
+        msg = P.Hello(req_id=next(self._ids), protocol_version=P.PROTOCOL_VERSION, pid=os.getpid(),
+                      client_name=self._name)
+        reply = self._exchange_zmq(msg, (P.HelloReply, P.ErrorReply), time.monotonic() + timeout_s)
+        if reply is None:
+            raise RequestTimeout(f"the modelcache daemon at {self.address} did not answer hello within {timeout_s:g} s")
+        if isinstance(reply, P.ErrorReply):
+            raise from_code(reply.code, reply.message)
+        self.client_id = reply.client_id
+        self._lane = _lane.connect(self.address) if self._want_lane else None
+        return reply
+
+    def _reconnect(self) -> None:
+        """Under the lock: a new connection, hello, and the held leases again. DaemonUnavailable when the
+        daemon is not back (yet); then `_broken` stays set and the heartbeat keeps trying."""
+        self._broken = True
+        self._drop_lane()
+        self._close_sockets()
+        self._connect()      # DaemonUnavailable while there is no socket file
+        try:
+            self._hello(min(self.timeout_s, HELLO_TIMEOUT_S))
+        except RequestTimeout:
+            raise DaemonUnavailable(f"the modelcache daemon at {self.address} is not back yet") from None
+        self._broken = False
+        relet = 0
+        for first_id, held in list(self._held.items()):
+            if held[0] is None:
+                continue
+            _, name, version, device = held
+            reply = self._exchange_zmq(P.Open(req_id=next(self._ids), client_id=self.client_id, name=name,
+                                              version=version, device=device),
+                                       (P.OpenReply, P.ErrorReply), time.monotonic() + self.timeout_s)
+            if isinstance(reply, P.OpenReply):
+                held[0] = reply.lease_id
+                relet += 1
+            else:   # the session keeps running on its mapping; only the daemon's accounting misses it
+                held[0] = None
+                log.warning("modelcache: could not re-open %s after the daemon restarted: %s", name,
+                            reply.message if reply is not None else "no answer")
+        log.info("modelcache: reconnected to %s as %s, %d leases re-opened", self.address, self.client_id, relet)
+
+    def _close_sockets(self) -> None:
+        if self._sock is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._sock.close(linger=0)   # with it go requests queued for the dead daemon: no strays later
+            self._sock = None
+
     def _daemon_gone(self) -> bool:
         from zmq.utils.monitor import recv_monitor_message
         gone = False
@@ -91,20 +164,44 @@ class Client:
         if self._closed:
             raise DaemonUnavailable("this modelcache connection is closed")
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        expect = (*expect, P.ErrorReply)
         with self._lock:
-            msg.req_id = next(self._ids)
-            deadline = time.monotonic() + timeout_s
-            expect = (*expect, P.ErrorReply)
-            if use_lane and self._lane is not None:
-                reply = self._exchange_lane(msg, expect, deadline)
-            else:
-                reply = self._exchange_zmq(msg, expect, deadline)
+            if self._broken:
+                self._reconnect()
+            for retry in (False, True):
+                self._address_to_current(msg)
+                msg.req_id = next(self._ids)
+                deadline = time.monotonic() + timeout_s
+                try:
+                    if use_lane and self._lane is not None:
+                        reply = self._exchange_lane(msg, expect, deadline)
+                    else:
+                        reply = self._exchange_zmq(msg, expect, deadline)
+                except DaemonUnavailable as lost:
+                    self._broken = True
+                    if retry or not isinstance(msg, RETRY_SAFE):
+                        raise
+                    try:
+                        self._reconnect()     # back already (a quick restart)? then this call goes through
+                    except ModelCacheError:
+                        raise lost from None
+                    continue
+                if retry or not _daemon_forgot_us(reply):
+                    break
+                self._reconnect()             # it restarted between our calls: nothing of ours was done
         if reply is None:
             raise RequestTimeout(f"the modelcache daemon at {self.address} did not answer "
                                  f"{msg.KIND.decode()} within {timeout_s:g} s")
         if isinstance(reply, P.ErrorReply):
             raise from_code(reply.code, reply.message)
         return reply
+
+    def _address_to_current(self, msg) -> None:
+        """Point a request at this connection: our client id now, the lease's id now."""
+        if hasattr(msg, "client_id") and not isinstance(msg, P.Heartbeat):
+            msg.client_id = self.client_id
+        if isinstance(msg, P.Close) and msg.lease_id in self._held:
+            msg.lease_id = self._held[msg.lease_id][0] or msg.lease_id
 
     def _exchange_zmq(self, msg, expect: tuple, deadline: float):
         """msg's reply over ZeroMQ; None at the deadline."""
@@ -123,8 +220,8 @@ class Client:
                     raise DaemonUnavailable(f"lost the connection to the modelcache daemon at "
                                             f"{self.address} (it stopped or crashed)")
                 continue
-            reply = P.decode(self._sock.recv_multipart(), expect=expect)
-            if reply.req_id == msg.req_id:
+            reply = _reply_to(msg, P.decode(self._sock.recv_multipart()), expect)
+            if reply is not None:
                 return reply
             # else: a late answer to a request we gave up on
 
@@ -139,14 +236,14 @@ class Client:
                                     f"(it stopped, crashed or stalled)") from None
         while True:
             try:
-                reply = P.decode(self._lane.receive(deadline), expect=expect)
+                reply = _reply_to(msg, P.decode(self._lane.receive(deadline)), expect)
             except TimeoutError:
                 return None    # a late reply, whole or in part, is read and skipped by the next call
             except OSError:
                 self._drop_lane()
                 raise DaemonUnavailable(f"lost the connection to the modelcache daemon at {self.address} "
                                         f"(it stopped or crashed)") from None
-            if reply.req_id == msg.req_id:
+            if reply is not None:
                 return reply
 
     def _drop_lane(self) -> None:
@@ -155,27 +252,57 @@ class Client:
             self._lane = None
 
     def _heartbeat_loop(self, interval_s: float) -> None:
+        """Beat, and notice the daemon going away: then reconnect, with backoff, until it is back."""
+        from zmq.utils.monitor import recv_monitor_message
         sock = self._ctx.socket(zmq.DEALER)  # sockets are not thread-safe: the heartbeat has its own
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 4)
-        sock.connect(self.address)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(self.address)   # (ZeroMQ itself reconnects this one when the daemon is back)
+        backoff_s = RECONNECT_BACKOFF_S[0]
         try:
-            while not self._heartbeat_stop.wait(interval_s):
+            while not self._heartbeat_stop.wait(backoff_s if self._broken else interval_s):
+                while monitor.poll(0):
+                    if recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                        self._broken = True
+                if self._broken:
+                    # Never wait on a caller: one in a call reconnects by itself.
+                    if self._lock.acquire(blocking=False):
+                        try:
+                            if self._broken and not self._closed:
+                                self._reconnect()
+                        except ModelCacheError:
+                            pass
+                        finally:
+                            self._lock.release()
+                    backoff_s = RECONNECT_BACKOFF_S[0] if not self._broken else \
+                        min(backoff_s * 2, RECONNECT_BACKOFF_S[1])
+                    if self._broken:
+                        continue
                 try:
                     sock.send_multipart(P.encode(P.Heartbeat(client_id=self.client_id)), zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass  # daemon away; requests will say so
         finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=0)
 
     # -- API ---------------------------------------------------------------------------
     def open(self, name: str, version: int | None = None, device: str = "cpu") -> OpenedModel:
         """Lease a model: device "cpu" (the host tier) or "cuda" / "cuda:<UUID>" (a GPU copy, by IPC handle)."""
-        return self._call(P.Open(req_id=0, client_id=self.client_id, name=name, version=version, device=device),
-                          expect=(P.OpenReply,))
+        lease = self._call(P.Open(req_id=0, client_id=self.client_id, name=name, version=version, device=device),
+                           expect=(P.OpenReply,))
+        self._held[lease.lease_id] = [lease.lease_id, lease.name, lease.version, device]
+        return lease
 
     def release(self, lease_id: str) -> None:
+        held = self._held.get(lease_id)
+        if held is not None and held[0] is None:   # lost in a restart: the daemon has nothing to release
+            del self._held[lease_id]
+            return
         self._call(P.Close(req_id=0, client_id=self.client_id, lease_id=lease_id), expect=(P.Ack,))
+        self._held.pop(lease_id, None)
 
     def load(self, name: str, version: int | None = None, tier: str = "host", timeout_s: float | None = None) -> None:
         """Prefetch a model into a tier: "host", "gpu" or "gpu:<UUID or index>" (fetching it from the remote store
@@ -251,15 +378,30 @@ class Client:
         self._closed = True
         self._drop_lane()
         self._heartbeat.join(timeout=2)
-        self._sock.disable_monitor()
-        self._monitor.close(linger=0)
-        self._sock.close(linger=0)
+        with self._lock:
+            self._close_sockets()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _reply_to(msg, reply, expect: tuple):
+    """`reply` if it answers `msg`; None for a stray (a late answer to an abandoned request, of any
+    kind: it must never break the call that reads it); ProtocolError for a wrong answer to msg."""
+    if getattr(reply, "req_id", None) != msg.req_id:
+        return None
+    if not isinstance(reply, expect):
+        raise ProtocolError(f"unexpected message {reply.KIND.decode()!r}; expected one of "
+                            f"{', '.join(c.KIND.decode() for c in expect)}")
+    return reply
+
+
+def _daemon_forgot_us(reply) -> bool:
+    """A daemon that restarted between our calls answers "unknown client" and did nothing else."""
+    return isinstance(reply, P.ErrorReply) and reply.code == "lease" and reply.message.startswith("unknown client")
 
 
 def connect(socket: str | None = None, timeout_s: float | None = None, name: str = "", lane: bool = True) -> Client:

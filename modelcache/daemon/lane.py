@@ -8,6 +8,7 @@ to a vanished peer; a client that stops reading is cut off once MAX_PENDING byte
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -92,6 +93,18 @@ class LaneServer:
         self.poller: zmq.Poller | None = None
         self.conns: dict[int, LaneConnection] = {}
         self.scratch = memoryview(bytearray(READ_CHUNK))
+        self.budget = None               # daemon/fds.py FdBudget: accept only while it has room
+        self.accepting = False
+
+    def set_accepting(self, on: bool) -> None:
+        """Listen or not: a listener left in the poller with no descriptor to accept into wakes it forever."""
+        if on == self.accepting or self.listener is None:
+            return
+        self.accepting = on
+        if on:
+            self.poller.register(self.listener.fileno(), _IN)
+        else:
+            self.poller.unregister(self.listener.fileno())
 
     def start(self, poller: zmq.Poller) -> None:
         """Listen (the main socket's checks already ruled out a live daemon, so a socket here is stale)."""
@@ -103,7 +116,7 @@ class LaneServer:
         self.listener.listen(128)
         self.listener.setblocking(False)
         self.poller = poller
-        poller.register(self.listener.fileno(), _IN)
+        self.set_accepting(True)
 
     def on_ready(self, fd: int, events: int, handle) -> None:
         """The poller says `fd` is ready; complete messages go to handle([connection, kind, body])."""
@@ -120,12 +133,21 @@ class LaneServer:
 
     def _accept(self) -> None:
         while True:
+            if self.budget is not None and self.budget.check():
+                self.set_accepting(False)   # the daemon's sweep listens again once descriptors are free
+                return
             try:
                 sock, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as e:  # out of file descriptors, say: the client will fall back to ZeroMQ
-                log.warning("lane: accept failed: %s", e)
+            except OSError as e:  # the connection waits in the backlog; the client falls back to ZeroMQ
+                if e.errno in (errno.EMFILE, errno.ENFILE):
+                    if self.budget is not None:
+                        self.budget.paused = True
+                    self.set_accepting(False)
+                    log.warning("lane: out of file descriptors: not accepting until some are free")
+                else:
+                    log.warning("lane: accept failed: %s", e)
                 return
             sock.setblocking(False)
             conn = LaneConnection(sock, self)

@@ -28,17 +28,19 @@ from .. import __version__, protocol as P
 from ..config import ConfigError, Settings
 from ..executor.engine import Engine
 from ..eviction import make_policy
-from ..errors import ModelCacheError, ProtocolError
+from ..errors import CapacityError, ModelCacheError, ProtocolError
 from ..tiers.disk import Repository
 from ..tiers.host import HostTier
 from ..tiers.remote import RemoteStore
 from ..lane import lane_path
 from .cache import CacheOps
 from .devices import DeviceOps
+from .fds import FdBudget, raise_fd_limit
 from .lane import LaneConnection, LaneServer, check_socket_file
 from .metrics import Histogram, MetricsServer, render
 from .notify import Notifier
 from .registry import ModelRecord, ModelState, Registry
+from .restart import SocketLock, adopt_resident_models, settle_adopted
 from .serving import ServeHandlers
 
 log = logging.getLogger("modelcache.daemon")
@@ -64,7 +66,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         self.wall = wall
         self.registry = Registry()
         self.repository = Repository(settings.repository_path)
-        self.host = HostTier(settings.shm_dir, settings.host_capacity_bytes())
+        self.host = HostTier(settings.shm_dir, settings.host_capacity_bytes(), owner=settings.socket)
         self.devices: dict = {}                 # GPU tier: device UUID -> tiers.gpu.DeviceTier (see devices.py)
         self.device_policies: dict = {}         # device UUID -> its eviction policy
         self.remote = RemoteStore(settings.remote, settings.request_timeout_s) if settings.remote else None
@@ -82,7 +84,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         self.reserved_versions: set = set()     # versions being packed, not yet in the registry
         self.counters = {"opens": 0, "hits": 0, "misses": 0, "closes": 0, "adds": 0,
                          "clients_lost": 0, "bad_messages": 0, "promotions": 0, "evictions": 0,
-                         "gpu_promotions": 0, "gpu_evictions": 0}
+                         "gpu_promotions": 0, "gpu_evictions": 0, "adopted": 0}
         self.started = wall()
         # When the owner loop last came back from not listening (see serve_forever): silence before it is not counted.
         self.listening_since = float("-inf")
@@ -98,6 +100,10 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         self.ctx = zmq.Context.instance()
         self.router = None
         self.wake_rx = None
+        self.socket_lock: SocketLock | None = None
+        self.fd_budget: FdBudget | None = None
+        self.router_events = None               # the ROUTER's accepted connections, to watch descriptors
+        self.router_bound = False               # False while descriptors are short (see _check_fds)
         path = lane_path(settings.socket)
         # serve-mode calls, see modelcache/lane.py
         self.lane = LaneServer(path, self.counters, settings.max_message_bytes()) if path else None
@@ -106,9 +112,12 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
     def start(self) -> None:
         """Scan the repository, create the host tier, bind the socket. After this, clients may connect."""
         addr = self.settings.socket
+        self.fd_budget = FdBudget(raise_fd_limit())   # before any socket: see daemon/fds.py
         if addr.startswith("ipc://"):  # first: a daemon that refuses to start leaves nothing behind
             path = Path(addr[len("ipc://"):])
             path.parent.mkdir(parents=True, exist_ok=True)
+            self.socket_lock = SocketLock(path)
+            self.socket_lock.acquire()
             if os.path.lexists(path):
                 check_socket_file(path)
                 self._refuse_if_live(addr)
@@ -117,16 +126,17 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
                 check_socket_file(Path(self.lane.path))
         for model_dir, manifest in self.repository.scan():
             self.registry.add_model(model_dir, manifest)
+        adoption = adopt_resident_models(self)   # warm restart: a dead daemon's host tier, checked
         self.host.start()
         self._start_devices()
+        settle_adopted(self, adoption)
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # replies to vanished clients are dropped, not raised
         # A longer frame disconnects its sender before libzmq allocates it (big tensors go through shm files).
         self.router.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes())
-        self.router.bind(addr)
-        if addr.startswith("ipc://"):
-            os.chmod(addr[len("ipc://"):], 0o660)  # the daemon's group may connect; others may not
+        self.router_events = self.router.get_monitor_socket(zmq.EVENT_ACCEPTED)
+        self._bind_router()
         self.wake_rx = self.ctx.socket(zmq.PULL)
         self.wake_rx.bind(WAKE_ADDR)
         self.engine.start()
@@ -138,6 +148,26 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         log.info("modelcache %s ready on %s: %d models in %s, host tier %s (%d MiB)", __version__, addr,
                  len(self.registry.models), self.repository.root, self.host.root,
                  self.host.capacity_bytes >> 20)
+
+    def _bind_router(self) -> None:
+        addr = self.settings.socket
+        if addr.startswith("ipc://"):   # ours (we hold its lock): libzmq's unbind leaves the file behind
+            Path(addr[len("ipc://"):]).unlink(missing_ok=True)
+        self.router.bind(addr)
+        self.router_bound = True
+        if addr.startswith("ipc://"):
+            os.chmod(addr[len("ipc://"):], 0o660)  # the daemon's group may connect; others may not
+
+    def _check_fds(self) -> None:
+        """Stop listening on both sockets while descriptors are short; listen again when they are not."""
+        paused = self.fd_budget.check()
+        if self.lane is not None:
+            self.lane.set_accepting(not paused)
+        if paused and self.router_bound:
+            self.router.unbind(self.settings.socket)   # libzmq would accept into EMFILE and abort
+            self.router_bound = False
+        elif not paused and not self.router_bound:
+            self._bind_router()
 
     def _refuse_if_live(self, addr: str) -> None:
         """A socket file exists: refuse to start if a daemon still answers there, else it is stale."""
@@ -158,7 +188,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
                 if proc.poll() is None:
                     proc.kill()
             self._remove_socket_file()
-            self.host.stop()  # (device memory goes with the process; simulated devices live in the host tier)
+            self.host.stop(keep=self.settings.keep_host_tier)  # (device memory goes with the process)
             os._exit(1)
         self.stop_requested = True
 
@@ -203,8 +233,10 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.wake_rx, zmq.POLLIN)
+        poller.register(self.router_events, zmq.POLLIN)
         if self.lane is not None:
             self.lane.start(poller)
+            self.lane.budget = self.fd_budget
         self.notifier.ready(self.status_line())
         if on_ready:
             on_ready()
@@ -229,6 +261,10 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
                     # the sweep must not drop live clients for them (a 3 s SIGSTOP dropped every client).
                     self.listening_since = turn_at
                 last_turn_at = turn_at
+                if self.router_events in events:
+                    while self.router_events.poll(0):
+                        self.router_events.recv_multipart()
+                    self._check_fds()
                 if self.wake_rx in events:
                     while self.wake_rx.poll(0):
                         self.wake_rx.recv()
@@ -245,6 +281,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
                         self.lane.on_ready(key, ready, self._handle)
                 self.engine.on_timer(self.clock())
                 if self.clock() >= next_sweep:
+                    self._check_fds()
                     self.sweep_clients()
                     for key in self.engine.drop_idle(self.clock(), self.settings.serve_idle_s):
                         log.info("serve sessions of %s dropped after %.0f s idle", key, self.settings.serve_idle_s)
@@ -275,6 +312,9 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
                 done(None, stopping)
         if self.lane is not None:
             self.lane.stop()
+        if self.router_events is not None:
+            self.router.disable_monitor()
+            self.router_events.close(linger=0)
         if self.router is not None:
             self.router.close(linger=2000)  # let the last answers (drained above) reach their clients
         if self.wake_rx is not None:
@@ -284,7 +324,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         self._remove_socket_file()
         # Clients that still map a model keep their pages (host and GPU): freeing only drops our references.
         self._stop_devices()
-        self.host.stop()
+        self.host.stop(keep=self.settings.keep_host_tier)  # kept: the next daemon here re-adopts it
         self.notifier.close()
 
     def _remove_socket_file(self) -> None:
@@ -293,6 +333,8 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
             Path(addr[len("ipc://"):]).unlink(missing_ok=True)
         if self.lane is not None:
             Path(self.lane.path).unlink(missing_ok=True)
+        if self.socket_lock is not None:
+            self.socket_lock.release()
 
     # -- message dispatch --------------------------------------------------------------
     def _recv_request(self) -> list[bytes]:
@@ -363,6 +405,9 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
             raise ProtocolError(f"hello: pid {msg.pid} is not a process id (1 to {PID_MAX}, or 0 for none)")
         if len(msg.client_name) > MAX_CLIENT_NAME:
             raise ProtocolError(f"hello: client_name is {len(msg.client_name)} characters; at most {MAX_CLIENT_NAME}")
+        if len(self.registry.clients) >= self.settings.max_clients:
+            raise CapacityError(f"the modelcache daemon serves {len(self.registry.clients)} clients, its "
+                                f"max_clients; try again later, or raise max_clients")
         client = self.registry.new_client(msg.pid, msg.client_name, self.clock())
         log.debug("client %s (pid %d) connected", client.client_id, msg.pid)
         return P.HelloReply(req_id=msg.req_id, protocol_version=P.PROTOCOL_VERSION, daemon_version=__version__,

@@ -5,6 +5,8 @@ Layout, one flat directory per daemon instance, `<shm_dir>/modelcache.<uid>.<pid
   <model>.onnx      a resident model's skeleton, its external data pointing into segments
   <model>.gpu.onnx  its GPU skeleton (when the daemon has GPUs): every shared weight a stub ...
   <model>.gpu.stub  ... over this sparse file of zeros, never read (clients override the stubs)
+  <model>.where.json  where each tensor of a resident model lives: what a restarted daemon re-adopts
+  owner             the socket of the daemon that made the tier (tiers/adopt.py: only it re-adopts)
 
 A model has up to two variants of its weights: "cpu" (the skeleton ORT optimized for the CPU
 at add time) and "gpu" (the provider-independent one the GPU tier copies to devices from
@@ -23,6 +25,7 @@ touch the tables; `write` runs on a loader thread and only does the I/O of one p
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -35,6 +38,22 @@ from ..packing import ALIGN, GPU_SKELETON_FILE, SKELETON_FILE, WEIGHTS_FILE, Man
 
 log = logging.getLogger("modelcache.host")
 PREFIX = "modelcache."
+OWNER_FILE = "owner"
+WHERE_SUFFIX = ".where.json"
+
+
+def segment_number(name: str) -> int:
+    """seg-<n>.bin -> n; ValueError for any other name."""
+    if not (name.startswith("seg-") and name.endswith(".bin")):
+        raise ValueError(f"not a segment name: {name!r}")
+    return int(name[4:-4])
+
+
+def write_json_atomic(path: Path, data) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.chmod(tmp, 0o440)
+    os.rename(tmp, path)
 
 
 @dataclass
@@ -64,8 +83,9 @@ class Plan:
 class HostTier:
     name = "host"
 
-    def __init__(self, shm_dir: str | Path, capacity_bytes: int):
+    def __init__(self, shm_dir: str | Path, capacity_bytes: int, owner: str = ""):
         self.capacity_bytes = capacity_bytes
+        self.owner = owner                              # the daemon's socket: names the tier's instance
         self.root = Path(shm_dir) / f"{PREFIX}{os.getuid()}.{os.getpid()}"
         self.segments: dict[str, Segment] = {}
         self.index: dict[str, tuple[str, int]] = {}     # sha256 -> (segment, offset)
@@ -93,11 +113,21 @@ class HostTier:
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
-        remove_stale(self.root.parent)
-        self.root.mkdir(mode=0o750, exist_ok=False)
+        """Create the tier's directory, or keep the one tiers/adopt.py re-adopted (run that first)."""
+        remove_stale(self.root.parent, self.owner)
+        if self.root.exists() and not self.models:  # a dead daemon's that had our pid, not re-adopted
+            shutil.rmtree(self.root)
+        self.root.mkdir(mode=0o750, exist_ok=bool(self.models))
+        self.write_owner()
 
-    def stop(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+    def write_owner(self) -> None:
+        if self.owner:   # a tier with no owner (tests, tools) is never re-adopted
+            (self.root / OWNER_FILE).write_text(self.owner)
+
+    def stop(self, keep: bool = False) -> None:
+        """Free the tier; keep=True leaves it whole for the next daemon on this socket to re-adopt."""
+        if not keep:
+            shutil.rmtree(self.root, ignore_errors=True)
 
     def skeleton_path(self, key: str, variant: str = "cpu") -> Path:
         return self.root / (f"{key}.gpu.onnx" if variant == "gpu" else f"{key}.onnx")
@@ -107,6 +137,20 @@ class HostTier:
 
     def segment_path(self, name: str) -> Path:
         return self.root / name
+
+    def where_path(self, key: str) -> Path:
+        return self.root / f"{key}{WHERE_SUFFIX}"
+
+    def restore(self, key: str, manifest: Manifest, locations: dict, segment_bytes: dict) -> None:
+        """Take back a model a dead daemon left resident here (tiers/adopt.py has checked its bytes)."""
+        for variant, where in locations.items():
+            for t in variant_tensors(manifest, variant):
+                seg_name, offset = where[t.name]
+                seg = self.segments.setdefault(seg_name, Segment(seg_name, segment_bytes[seg_name]))
+                seg.users.add(key)
+                self.index.setdefault(t.sha256, (seg_name, offset))
+                self._next_segment = max(self._next_segment, segment_number(seg_name) + 1)
+        self.models[key] = locations
 
     # -- promotion: plan (owner) -> write (loader) -> commit or abort (owner) -------------
     def plan(self, key: str, disk_dir: Path, manifest: Manifest, variants: tuple = ("cpu",)) -> Plan:
@@ -158,6 +202,8 @@ class HostTier:
         if "gpu" in plan.locations:
             _write_gpu_skeleton(plan.disk_dir / GPU_SKELETON_FILE, self.skeleton_path(plan.key, "gpu"),
                                 plan.manifest)
+        # Last, once every file it names is in place: a daemon that dies later leaves a record to re-adopt.
+        write_json_atomic(self.where_path(plan.key), {"key": plan.key, "locations": plan.locations})
         return time.perf_counter() - t0
 
     def commit(self, plan: Plan) -> None:
@@ -178,7 +224,7 @@ class HostTier:
         return self._drop_user(key)
 
     def _remove_skeletons(self, key: str) -> None:
-        for path in (self.skeleton_path(key), self.skeleton_path(key, "gpu"),
+        for path in (self.where_path(key), self.skeleton_path(key), self.skeleton_path(key, "gpu"),
                      self.skeleton_path(key, "gpu").with_suffix(".stub")):
             path.unlink(missing_ok=True)
 
@@ -279,13 +325,28 @@ def _pid_is_daemon(pid: int) -> bool:
         return False
 
 
-def remove_stale(shm_dir: Path) -> None:
-    """Remove host tiers of this user's daemons that died without cleaning up (SIGKILL, crash)."""
+def dead_tiers(shm_dir: Path) -> list[tuple[Path, str]]:
+    """(directory, owner socket) of each host tier of this user's daemons that died without cleaning up
+    (SIGKILL, crash, or a stop that kept it: keep_host_tier); owner "" for tiers made before owners."""
+    found = []
     for d in Path(shm_dir).glob(f"{PREFIX}{os.getuid()}.*"):
         try:
             pid = int(d.name.rsplit(".", 1)[1])
         except ValueError:
             continue
         if pid != os.getpid() and not _pid_is_daemon(pid):
-            log.info("removing stale host tier %s of dead daemon %d", d, pid)
+            try:
+                owner = (d / OWNER_FILE).read_text()
+            except OSError:
+                owner = ""
+            found.append((d, owner))
+    return found
+
+
+def remove_stale(shm_dir: Path, owner: str) -> None:
+    """Remove the dead host tiers that are ours to remove: our own socket's (what adoption did not take)
+    and those with no owner. Another socket's stays for its own daemon to re-adopt when it restarts."""
+    for d, their_owner in dead_tiers(shm_dir):
+        if their_owner in ("", owner):
+            log.info("removing stale host tier %s of a dead daemon", d)
             shutil.rmtree(d, ignore_errors=True)
