@@ -106,6 +106,20 @@ def cmd_rm(args) -> int:
     return 0
 
 
+def cmd_verify(args) -> int:
+    from .scrub import DAMAGED, verify_repository
+    root = _settings(args).repository_path
+    reports = verify_repository(root, args.name)
+    if not reports:
+        print(f"no {'version of ' + args.name if args.name else 'model'} in {root}", file=sys.stderr)
+        return 2
+    for r in reports:
+        print(r.line(), flush=True)
+    damaged = sum(r.status == DAMAGED for r in reports)
+    print(f"{len(reports)} versions checked in {root}: " + (f"{damaged} DAMAGED" if damaged else "no damage"))
+    return 1 if damaged else 0
+
+
 def cmd_publish(args) -> int:
     from .tiers.remote import publish
     index = publish(args.directory)
@@ -194,6 +208,11 @@ def format_status(st) -> str:
         print(f"{t['tier']:<6} {_human(t['used_bytes']) + ' / ' + cap + pct:<24} {where}", file=out)
     print(file=out)
     print_models(st.models, out)
+    corrupt = [m for m in st.models if m.get("corrupt")]
+    if corrupt:
+        print(f"\n{len(corrupt)} corrupt versions (not served; `modelcache verify` checks the repository):", file=out)
+        for m in corrupt:
+            print(f"  {m['corrupt']}", file=out)
     print(f"\n{len(st.clients)} clients", file=out)
     for cl in st.clients:
         print(f"  pid {cl['pid']:<8} {cl['name'][:24]:<24} leases {cl['leases']:<3} idle {cl['idle_s']:.1f}s", file=out)
@@ -302,7 +321,7 @@ def cmd_demo(args) -> int:
 
 
 BENCHMARKS = ("coldstart", "open", "tiers", "executor", "serve", "transport", "binding", "servepath",
-              "conformance", "restart")  # modules of modelcache.bench
+              "conformance", "restart", "hashes")  # modules of modelcache.bench
 
 
 def cmd_bench(args) -> int:
@@ -388,6 +407,12 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("name")
     rm.add_argument("--version", type=int, required=True)
     rm.set_defaults(func=cmd_rm)
+    ve = sub.add_parser("verify", parents=[common], help="check every stored file against its checksums",
+                        description="Scrub the repository (read directly: the daemon may be down): check every "
+                                    "file of every version, or of NAME, against the checksums written at add time. "
+                                    "Exit status 1 when anything is damaged.")
+    ve.add_argument("name", nargs="?")
+    ve.set_defaults(func=cmd_verify)
     pb = sub.add_parser("publish", help="write index.json for a directory of packed models: a remote store",
                         description="Make a directory laid out like a repository (NAME/VERSION/...) usable as "
                                     "a remote store: writes index.json with every file's size and sha256.")

@@ -73,6 +73,7 @@ class Settings:
     max_message_size: str = "64M"      # largest request a client may send (ZeroMQ or lane); big tensors go in shm files
     max_clients: int = 1024            # hellos beyond this are refused (each client costs the daemon ~3 descriptors)
     keep_host_tier: bool = False       # a clean stop leaves the host tier for the next daemon to re-adopt (a crash always does)
+    verify_promotion: bool = True      # check checksums while promoting from disk; off only to measure its cost
 
     def __post_init__(self):
         if not self.socket:

@@ -63,6 +63,12 @@ class StorageError(ModelCacheError):
     code = "storage"
 
 
+class IntegrityError(ModelCacheError):
+    """A stored file of a model version does not match the checksum written when it was added."""
+
+    code = "corrupt"
+
+
 class LeaseError(ModelCacheError):
     """An unknown or expired lease or client id."""
 
@@ -71,8 +77,7 @@ class LeaseError(ModelCacheError):
 
 ERRORS_BY_CODE = {cls.code: cls for cls in (ModelCacheError, DaemonUnavailable, RequestTimeout, ProtocolError,
                                             ModelNotFound, PackError, InputError, CapacityError, LeaseError,
-                                            StorageError,
-                                            RemoteError)}
+                                            StorageError, RemoteError, IntegrityError)}
 
 
 def from_code(code: str, message: str) -> ModelCacheError:

@@ -27,8 +27,8 @@ from typing import Callable, Iterator
 import onnx
 from onnx import TensorProto
 
-from . import reservations
-from .errors import ModelCacheError, PackError, from_code
+from . import integrity, reservations
+from .errors import IntegrityError, ModelCacheError, PackError, from_code
 from .storage import explain_failed_write, storage_error, storage_errors
 
 log = logging.getLogger("modelcache.packing")
@@ -40,6 +40,9 @@ MANIFEST_FILE = "manifest.json"
 GPU_SKELETON_FILE = "model.gpu.onnx"
 # The stubs' external data: a sparse file of zeros that no session reads (add_initializer overrides them).
 GPU_STUB_FILE = "model.gpu.stub"
+# The stored files a version's checksums cover, besides manifest.json (which carries its own).
+# The GPU stub is not among them: it is sparse zeros that no session reads, made again after a fetch.
+CHECKED_FILES = (WEIGHTS_FILE, SKELETON_FILE, GPU_SKELETON_FILE)
 # Tensors are page-aligned in the blob: ORT maps each external tensor on its own, and
 # a page-aligned offset maps exactly the tensor's pages (and keeps GPU copies aligned).
 ALIGN = 4096
@@ -69,6 +72,7 @@ class TensorEntry:
     offset: int
     nbytes: int
     sha256: str
+    xxh3: str = ""      # integrity.HASH_NAME of the bytes: promotion checks it as it copies ("" before that)
 
 
 @dataclass
@@ -97,9 +101,14 @@ class Manifest:
     gpu_skeleton: str = ""       # GPU_SKELETON_FILE; "" for models packed before GPU support
     gpu_opt_level: str = ""      # level of the GPU skeleton's graph: "basic", or "disable" (see _choose_gpu_graph)
     gpu_tensors: list = field(default_factory=list)  # TensorEntry per stub of the GPU skeleton, offset into weights.bin
+    files: dict = field(default_factory=dict)  # stored file -> {"bytes", "xxh3"}; {} for versions packed before
+    checksum: str = ""      # of this manifest's canonical form (integrity.manifest_checksum); "" before
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        """The manifest as stored, its checksum recomputed: every writer goes through here."""
+        fields = json.loads(json.dumps(asdict(self)))   # the values exactly as a reader will parse them
+        self.checksum = fields["checksum"] = integrity.manifest_checksum(fields)
+        return json.dumps(fields, indent=1)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Manifest":
@@ -119,9 +128,61 @@ class Manifest:
         return cached
 
 
-def load_manifest(model_dir: Path) -> Manifest:
-    with open(model_dir / MANIFEST_FILE) as f:
-        return Manifest.from_dict(json.load(f))
+def load_manifest(model_dir: Path, key: str | None = None) -> Manifest:
+    """Read and validate a version's manifest; IntegrityError naming the version and the file when it
+    is missing, damaged or malformed (never a decode error). `key` names it (default: name@version
+    from the directory)."""
+    model_dir = Path(model_dir)
+    key = key or f"{model_dir.parent.name}@{model_dir.name}"
+    try:
+        raw = (model_dir / MANIFEST_FILE).read_bytes()
+    except FileNotFoundError:
+        raise integrity.damaged(key, MANIFEST_FILE, "the file is missing") from None
+    return parse_manifest(raw, key)
+
+
+def parse_manifest(raw: bytes, key: str) -> Manifest:
+    def bad(what: str) -> IntegrityError:
+        return integrity.damaged(key, MANIFEST_FILE, what)
+
+    try:
+        fields = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise bad(f"not JSON: {e}") from None
+    if not isinstance(fields, dict):
+        raise bad("not a JSON object")
+    stored = fields.get("checksum", "")
+    if stored and integrity.manifest_checksum(fields) != stored:
+        raise bad("its contents do not match its checksum")
+    try:
+        manifest = Manifest.from_dict(fields)
+    except (TypeError, KeyError, ValueError, AttributeError) as e:
+        raise bad(f"malformed: {type(e).__name__}: {e}") from None
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise bad(f"malformed: {problem}")
+    return manifest
+
+
+def _manifest_problem(m: Manifest) -> str | None:
+    """What in a parsed manifest cannot be used as it is, or None: the checks a reader would otherwise
+    trip over later as a KeyError or a read past the blob's end."""
+    def is_int(v) -> bool:
+        return type(v) is int
+
+    if not isinstance(m.name, str) or not is_int(m.version) or not is_int(m.weights_bytes) or m.weights_bytes < 0:
+        return "name, version or weights_bytes of the wrong type"
+    for t in [*m.tensors, *m.gpu_tensors]:
+        if not (isinstance(t.name, str) and is_int(t.offset) and is_int(t.nbytes) and t.offset >= 0
+                and t.nbytes >= 0 and isinstance(t.shape, list) and all(is_int(d) for d in t.shape)
+                and isinstance(t.sha256, str) and isinstance(t.xxh3, str)):
+            return f"tensor entry {t.name!r} has a field of the wrong type"
+        if t.offset + t.nbytes > m.weights_bytes:
+            return f"tensor {t.name!r} ends at {t.offset + t.nbytes}, past the weights' {m.weights_bytes} bytes"
+    if not isinstance(m.files, dict) or not all(
+            isinstance(r, dict) and is_int(r.get("bytes")) and isinstance(r.get("xxh3"), str) for r in m.files.values()):
+        return "files has an entry of the wrong type"
+    return None
 
 
 def write_manifest(model_dir: Path, manifest: Manifest) -> None:
@@ -289,7 +350,8 @@ def _externalize(optimized: Path, blob_path: Path, progress: Progress | None) ->
             blob.seek(offset)
             blob.write(data)
             entries.append(TensorEntry(t.name, onnx.helper.tensor_dtype_to_np_dtype(t.data_type).name,
-                                       list(t.dims), offset, nbytes, hashlib.sha256(data).hexdigest()))
+                                       list(t.dims), offset, nbytes, hashlib.sha256(data).hexdigest(),
+                                       integrity.digest(data)))
             _point_external(t, WEIGHTS_FILE, offset, nbytes)
             offset += nbytes
             done += nbytes
@@ -424,7 +486,7 @@ def _externalize_gpu(model: onnx.ModelProto, base_dir: Path, shared: set[str], b
                         blob_bytes = offset + nbytes
                         offset_of[sha] = offset
                     entries[t.name] = TensorEntry(t.name, onnx.helper.tensor_dtype_to_np_dtype(t.data_type).name,
-                                                  list(t.dims), offset, nbytes, sha)
+                                                  list(t.dims), offset, nbytes, sha, integrity.digest(data))
                     on_tensor_done(nbytes)
                 _point_external(t, GPU_STUB_FILE, 0, nbytes)
     return list(entries.values()), blob_bytes
@@ -521,6 +583,7 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
             gpu_skeleton=GPU_SKELETON_FILE, gpu_opt_level=gpu.opt_level, gpu_tensors=gpu_tensors)
         write_gpu_stub(tmp, manifest)
         check_gpu_skeleton(tmp, manifest)
+        manifest.files = integrity.record_files(tmp, CHECKED_FILES)
         (tmp / MANIFEST_FILE).write_text(manifest.to_json())
         for p in tmp.iterdir():  # durable before visible
             with open(p, "rb") as f:

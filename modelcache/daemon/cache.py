@@ -12,7 +12,7 @@ import os
 import time
 
 from .. import protocol as P
-from ..errors import CapacityError, ModelCacheError, ModelNotFound, PackError, RemoteError
+from ..errors import CapacityError, IntegrityError, ModelCacheError, ModelNotFound, PackError, RemoteError
 from ..packing import pack_in_subprocess
 from ..storage import storage_errors
 from ..tiers.host import variant_tensors
@@ -27,8 +27,12 @@ class CacheOps:
         if model.state is ModelState.RESIDENT:
             then(None, True)
             return True
+        if model.damage and self.remote is None:
+            raise IntegrityError(f"{model.damage}; no remote store is configured to fetch it again")
         model.waiters.append(lambda err: then(err, False))
-        if model.state is ModelState.ON_DISK:  # the first miss starts the load; later ones wait on it
+        if model.damage and model.state is ModelState.ON_DISK:  # a fetch that failed before: try again
+            self._refetch_damaged(model)
+        elif model.state is ModelState.ON_DISK:  # the first miss starts the load; later ones wait on it
             try:
                 self._start_promotion(model)
             except ModelCacheError:
@@ -62,7 +66,10 @@ class CacheOps:
         try:
             return self.registry.resolve(msg.name, msg.version)
         except ModelNotFound:
+            unreadable = self._unreadable_version(msg.name, msg.version)
             if self.remote is None:
+                if unreadable:
+                    raise IntegrityError(f"{unreadable}; no remote store is configured to fetch it again") from None
                 raise
         key = (msg.name, msg.version)
 
@@ -81,6 +88,9 @@ class CacheOps:
 
         def work():
             entry = self.remote.resolve(msg.name, msg.version)
+            # (the repository's table, read off the loop: a dict lookup, and only the owner writes it)
+            if (entry["name"], entry["version"]) in self.repository.unreadable:
+                self.repository.remove(entry["name"], entry["version"])  # its damaged copy is in the way
             return self.remote.fetch(entry, self.repository.root, progress)
 
         def done(result, error):
@@ -91,6 +101,7 @@ class CacheOps:
                 if manifest.name != msg.name:
                     error = RemoteError(f"the remote store's {msg.name} holds a manifest for {manifest.name!r}")
                 else:
+                    self.repository.unreadable.pop((manifest.name, manifest.version), None)
                     if (manifest.name, manifest.version) not in self.registry.models:
                         self.registry.add_model(model_dir, manifest)
                     log.info("model fetched: %s@%d from %s, %.1f MiB in %.2f s", manifest.name, manifest.version,
@@ -102,6 +113,11 @@ class CacheOps:
         return None
 
     def on_Remove(self, ident, msg: P.Remove):
+        if msg.version is not None and (msg.name, msg.version) in self.repository.unreadable:
+            self.repository.remove(msg.name, msg.version)  # a version whose manifest is damaged: never registered
+            del self.repository.unreadable[(msg.name, msg.version)]
+            log.info("damaged model removed: %s@%d", msg.name, msg.version)
+            return P.Ack(req_id=msg.req_id)
         model = self.registry.resolve(msg.name, msg.version)
         if model.refcount > 0 or model.state is ModelState.LOADING or model.busy_on_device:
             raise CapacityError(f"{model.key} is in use or loading; it cannot be removed now")
@@ -256,8 +272,16 @@ class CacheOps:
                 self.host.abort(plan)
                 model.state = ModelState.ON_DISK
                 log.error("promotion of %s failed: %s", model.key, error)
+                if isinstance(error, IntegrityError):
+                    self.counters["corrupt_detected"] += 1
+                    model.damage = str(error)
+                    if self.remote is not None and not model.refetched:
+                        model.waiters = waiters  # they wait on the fetch, then on the promotion after it
+                        self._refetch_damaged(model)
+                        return
             else:
                 self.host.commit(plan)
+                model.refetched = False
                 model.state = ModelState.RESIDENT
                 self.policy.created(model.key, self.host.model_bytes(model.key), self.clock())
                 self.counters["promotions"] += 1
@@ -275,3 +299,52 @@ class CacheOps:
                 return self.host.write(plan)
 
         self._run_on_loader(write, done)
+
+    def _unreadable_version(self, name: str, version: int | None) -> str:
+        """Why the repository could not register `name` at `version` (any version when None), or ""."""
+        for (n, v), why in self.repository.unreadable.items():
+            if n == name and version in (None, v):
+                return why
+        return ""
+
+    def _refetch_damaged(self, model: ModelRecord) -> None:
+        """Replace a damaged version with the remote store's copy, then promote it for the waiters.
+
+        LOADING meanwhile: no second fetch or promotion starts, and remove and evict leave it alone.
+        A copy that is damaged again right after its fetch is not fetched a third time (`refetched`)."""
+        model.state = ModelState.LOADING
+        job = self.jobs[f"fetch:{model.key}"] = {"kind": "fetch", "model": model.key, "bytes_done": 0,
+                                                 "bytes_total": model.manifest.weights_bytes}
+        log.warning("%s: fetching it again from %s", model.damage, self.remote.url)
+
+        def progress(done, total):
+            job["bytes_done"], job["bytes_total"] = done, total
+
+        def work():
+            entry = self.remote.resolve(model.name, model.version)
+            self.repository.remove(model.name, model.version)
+            return self.remote.fetch(entry, self.repository.root, progress)
+
+        def done(result, error):
+            self.jobs.pop(f"fetch:{model.key}", None)
+            model.state = ModelState.ON_DISK
+            if error is None:
+                model.disk_dir, model.manifest, seconds = result
+                model.__dict__.pop("_feed_check", None)          # built from the old manifest
+                self.engine.drop_model(model.key)
+                self.serve_specs.pop(model.key, None)
+                model.damage, model.refetched = "", True
+                self.counters["refetched"] += 1
+                log.info("model fetched again: %s from %s in %.2f s", model.key, self.remote.url, seconds)
+                try:
+                    self._start_promotion(model)
+                    return
+                except ModelCacheError as e:
+                    error = e
+            else:
+                error = IntegrityError(f"{model.damage}; fetching it again from {self.remote.url} failed: {error}")
+            waiters, model.waiters = model.waiters, []
+            for wake in waiters:
+                wake(error)
+
+        self._run_on_loader(work, done)

@@ -69,6 +69,9 @@ def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, 
         by_state[m["state"]] = by_state.get(m["state"], 0) + 1
     metric("modelcache_models", "gauge", "Models per lifecycle state.",
            [f'modelcache_models{{state="{s}"}} {n}' for s, n in by_state.items()])
+    metric("modelcache_model_corrupt", "gauge", "Versions whose stored files failed their checksums (1 each).",
+           [f'modelcache_model_corrupt{{model="{_esc(m["name"])}",version="{m["version"]}"}} 1'
+            for m in models if m.get("corrupt")])
     metric("modelcache_model_refcount", "gauge", "Open leases per model.",
            [f'modelcache_model_refcount{{model="{_esc(m["name"])}",version="{m["version"]}"}} {m["refcount"]}'
             for m in models])
@@ -84,7 +87,9 @@ def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, 
                        ("gpu_promotions", "Copies of models onto a GPU."),
                        ("gpu_evictions", "Models demoted from a GPU to the host tier."),
                        ("closes", "Leases closed by clients."), ("clients_lost", "Clients dropped for silence or death."),
-                       ("adds", "Models added."), ("bad_messages", "Malformed requests refused.")):
+                       ("adds", "Models added."), ("bad_messages", "Malformed requests refused."),
+                       ("corrupt_detected", "Promotions refused because a stored file failed its checksum."),
+                       ("refetched", "Damaged versions fetched again from the remote store.")):
         metric(f"modelcache_{key}_total", "counter", help_, [f"modelcache_{key}_total {counters.get(key, 0)}"])
     metric("modelcache_open_latency_seconds", "histogram", "Time from an open request to its reply.",
            open_latency.lines("modelcache_open_latency_seconds"))

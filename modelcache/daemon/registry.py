@@ -47,6 +47,9 @@ class ModelRecord:
     # Opens waiting for the in-flight load: (reply callback) each. One load, many waiters.
     waiters: list = field(default_factory=list)
     devices: dict = field(default_factory=dict)   # device UUID -> DeviceResidency
+    # Why a stored file of this version failed its checksum ("" while none has): it is not served.
+    damage: str = ""
+    refetched: bool = False  # fetched again after damage, not yet promoted: damage now is the store's own
     key: str = field(init=False)  # "name@version": asked several times per request, so made once
 
     def __post_init__(self):
@@ -75,11 +78,18 @@ class ModelRecord:
 
     def describe(self) -> dict:
         return {"name": self.name, "version": self.version, "bytes": self.manifest.weights_bytes,
-                "tier": self.tier, "state": self.state.value, "refcount": self.refcount,
+                "tier": self.tier, "state": "corrupt" if self.damage else self.state.value, "refcount": self.refcount,
                 "hits": self.hits, "misses": self.misses, "last_use": self.last_use, "pinned": self.pinned,
                 "tensors": len(self.manifest.tensors), "opt_level": self.manifest.opt_level,
                 "gpu": [{"device": r.device, "state": r.state.value, "leases": r.leases}
-                        for r in self.devices.values()]}
+                        for r in self.devices.values()], "corrupt": self.damage}
+
+
+def describe_unreadable(name: str, version: int, why: str) -> dict:
+    """A version on disk whose manifest cannot be used, shaped like ModelRecord.describe for listings."""
+    return {"name": name, "version": version, "bytes": 0, "tier": "disk", "state": "corrupt", "refcount": 0,
+            "hits": 0, "misses": 0, "last_use": 0.0, "pinned": False, "tensors": 0, "opt_level": "",
+            "gpu": [], "corrupt": why}
 
 
 @dataclass

@@ -39,7 +39,7 @@ from .fds import FdBudget, raise_fd_limit
 from .lane import LaneConnection, LaneServer, check_socket_file
 from .metrics import Histogram, MetricsServer, render
 from .notify import Notifier
-from .registry import ModelRecord, ModelState, Registry
+from .registry import ModelRecord, ModelState, Registry, describe_unreadable
 from .restart import SocketLock, adopt_resident_models, settle_adopted
 from .serving import ServeHandlers
 
@@ -66,7 +66,8 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         self.wall = wall
         self.registry = Registry()
         self.repository = Repository(settings.repository_path)
-        self.host = HostTier(settings.shm_dir, settings.host_capacity_bytes(), owner=settings.socket)
+        self.host = HostTier(settings.shm_dir, settings.host_capacity_bytes(), owner=settings.socket,
+                             verify=settings.verify_promotion)
         self.devices: dict = {}                 # GPU tier: device UUID -> tiers.gpu.DeviceTier (see devices.py)
         self.device_policies: dict = {}         # device UUID -> its eviction policy
         self.remote = RemoteStore(settings.remote, settings.request_timeout_s) if settings.remote else None
@@ -84,7 +85,8 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         self.reserved_versions: set = set()     # versions being packed, not yet in the registry
         self.counters = {"opens": 0, "hits": 0, "misses": 0, "closes": 0, "adds": 0,
                          "clients_lost": 0, "bad_messages": 0, "promotions": 0, "evictions": 0,
-                         "gpu_promotions": 0, "gpu_evictions": 0, "adopted": 0}
+                         "gpu_promotions": 0, "gpu_evictions": 0, "adopted": 0, "corrupt_detected": 0,
+                         "refetched": 0}
         self.started = wall()
         # When the owner loop last came back from not listening (see serve_forever): silence before it is not counted.
         self.listening_since = float("-inf")
@@ -478,7 +480,8 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         return P.ModelList(req_id=msg.req_id, models=self._describe_models())
 
     def _describe_models(self) -> list[dict]:
-        return [m.describe() for _, m in sorted(self.registry.models.items())]
+        return [m.describe() for _, m in sorted(self.registry.models.items())] + \
+            [describe_unreadable(n, v, why) for (n, v), why in sorted(self.repository.unreadable.items())]
 
     def on_Stats(self, ident, msg: P.Stats):
         now = self.clock()

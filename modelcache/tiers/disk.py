@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import shutil
+import tempfile
 from pathlib import Path
 
 from .. import reservations
-from ..packing import MANIFEST_FILE, Manifest, load_manifest
+from ..errors import IntegrityError
+from ..packing import Manifest, load_manifest
 
 log = logging.getLogger("modelcache.disk")
 
@@ -15,22 +17,44 @@ log = logging.getLogger("modelcache.disk")
 class Repository:
     def __init__(self, root: Path):
         self.root = Path(root)
+        # (name, version) -> why its manifest cannot be used: versions `scan` found but could not register.
+        self.unreadable: dict[tuple[str, int], str] = {}
+
+    def version_dirs(self, name: str | None = None) -> list[tuple[str, int, Path]]:
+        """(name, version, directory) of every version directory, complete or not, sorted."""
+        found = []
+        for d in sorted(self.root.glob(f"{name or '*'}/*")):
+            if d.is_dir() and not d.parent.name.startswith(".") and d.name.isdigit():
+                found.append((d.parent.name, int(d.name), d))
+        return found
 
     def scan(self) -> list[tuple[Path, Manifest]]:
-        """Every complete packed model; half-written ones (a crash during add) are removed."""
+        """Every complete packed model; half-written ones (a crash during add) are removed. A version
+        whose manifest is missing or damaged is left in place and listed in `unreadable`."""
         self.root.mkdir(parents=True, exist_ok=True)
         reservations.sweep(self.root)
         found = []
-        for manifest_path in sorted(self.root.glob(f"*/*/{MANIFEST_FILE}")):
-            model_dir = manifest_path.parent
+        self.unreadable = {}
+        for name, version, model_dir in self.version_dirs():
             try:
-                found.append((model_dir, load_manifest(model_dir)))
-            except Exception as e:  # a damaged manifest must not keep the daemon from starting
-                log.warning("skipping %s: unreadable manifest (%s)", model_dir, e)
+                manifest = load_manifest(model_dir)
+                if (manifest.name, manifest.version) != (name, version):
+                    raise IntegrityError(f"{name}@{version}: manifest.json is damaged (it names "
+                                         f"{manifest.name}@{manifest.version})")
+            except IntegrityError as e:  # a damaged manifest must not keep the daemon from starting
+                log.error("%s", e)
+                self.unreadable[(name, version)] = str(e)
+                continue
+            found.append((model_dir, manifest))
         return found
 
     def model_dir(self, name: str, version: int) -> Path:
         return self.root / name / str(version)
 
     def remove(self, name: str, version: int) -> None:
-        shutil.rmtree(self.model_dir(name, version), ignore_errors=True)
+        """Delete a version; renamed aside first, so a crash halfway leaves a `.tmp-*` that the next sweep clears (reservations.py)."""
+        d = self.model_dir(name, version)
+        if d.exists():
+            aside = Path(tempfile.mkdtemp(prefix=".tmp-removed-", dir=self.root))
+            d.rename(aside / "v")
+            shutil.rmtree(aside, ignore_errors=True)

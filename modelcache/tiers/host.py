@@ -21,6 +21,10 @@ pulls memory from under a running session.
 
 Threads: `plan`, `commit`, `abort` and `free_model` run on the owner loop and alone
 touch the tables; `write` runs on a loader thread and only does the I/O of one plan.
+
+Integrity: `write` checks the version's files against the checksums written at add time
+before it uses them (skeletons whole, the weights' size) and hashes each tensor as it copies
+it (integrity.py); a mismatch raises IntegrityError naming the model, version and file.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .files import copy_range
+from .files import copy_hashed, copy_range
+from .. import integrity
 from ..packing import ALIGN, GPU_SKELETON_FILE, SKELETON_FILE, WEIGHTS_FILE, Manifest
 
 log = logging.getLogger("modelcache.host")
@@ -83,9 +88,10 @@ class Plan:
 class HostTier:
     name = "host"
 
-    def __init__(self, shm_dir: str | Path, capacity_bytes: int, owner: str = ""):
+    def __init__(self, shm_dir: str | Path, capacity_bytes: int, owner: str = "", verify: bool = True):
         self.capacity_bytes = capacity_bytes
         self.owner = owner                              # the daemon's socket: names the tier's instance
+        self.verify = verify      # check checksums while promoting (off only to measure what checking costs)
         self.root = Path(shm_dir) / f"{PREFIX}{os.getuid()}.{os.getpid()}"
         self.segments: dict[str, Segment] = {}
         self.index: dict[str, tuple[str, int]] = {}     # sha256 -> (segment, offset)
@@ -184,6 +190,10 @@ class HostTier:
     def write(self, plan: Plan) -> float:
         """Copy the plan's new tensors from disk into shared memory and write the skeleton. Loader thread."""
         t0 = time.perf_counter()
+        verify = self.verify and bool(plan.manifest.checksum)
+        if not plan.manifest.checksum:
+            log.warning("%s: unverified (packed before file checksums); add it again to have it checked", plan.key)
+        self._check_files(plan, verify)
         if plan.segment is not None:
             path = self.segment_path(plan.segment)
             tmp = path.with_suffix(".loading")
@@ -191,20 +201,45 @@ class HostTier:
             dst_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
             try:
                 os.ftruncate(dst_fd, plan.segment_bytes)
-                for src_off, dst_off, nbytes, _ in _coalesce(plan.copies):
-                    copy_range(src_fd, dst_fd, src_off, dst_off, nbytes)
+                if verify:
+                    self._copy_verified(plan, src_fd, dst_fd)
+                else:
+                    for src_off, dst_off, nbytes, _ in _coalesce(plan.copies):
+                        copy_range(src_fd, dst_fd, src_off, dst_off, nbytes)
             finally:
                 os.close(src_fd)
                 os.close(dst_fd)
             os.chmod(tmp, 0o440)
             os.rename(tmp, path)
-        _write_skeleton(plan.disk_dir / SKELETON_FILE, self.skeleton_path(plan.key), plan.locations["cpu"])
+        _write_skeleton(plan.disk_dir / SKELETON_FILE, self.skeleton_path(plan.key), plan.locations["cpu"], plan.key)
         if "gpu" in plan.locations:
             _write_gpu_skeleton(plan.disk_dir / GPU_SKELETON_FILE, self.skeleton_path(plan.key, "gpu"),
-                                plan.manifest)
+                                plan.manifest, plan.key)
         # Last, once every file it names is in place: a daemon that dies later leaves a record to re-adopt.
         write_json_atomic(self.where_path(plan.key), {"key": plan.key, "locations": plan.locations})
         return time.perf_counter() - t0
+
+    @staticmethod
+    def _check_files(plan: Plan, verify: bool) -> None:
+        """The weights have their recorded size; with `verify`, every other recorded file its checksum
+        (skeletons are small: checked whole, whichever variants this daemon uses)."""
+        integrity.check_size(plan.key, plan.disk_dir / WEIGHTS_FILE, plan.manifest.weights_bytes)
+        if verify:
+            for fname, record in plan.manifest.files.items():
+                if fname != WEIGHTS_FILE:
+                    integrity.check_file(plan.key, plan.disk_dir, fname, record)
+
+    @staticmethod
+    def _copy_verified(plan: Plan, src_fd: int, dst_fd: int) -> None:
+        """Copy the plan's tensors, each hashed on the way, against the manifest's per-tensor xxh3."""
+        by_sha = {t.sha256: t for variant in plan.locations for t in variant_tensors(plan.manifest, variant)}
+        digests = copy_hashed(src_fd, dst_fd, [(src, dst, n) for src, dst, n, _ in plan.copies],
+                              integrity.new_hasher)
+        for (src_off, _, _, sha), got in zip(plan.copies, digests):
+            t = by_sha[sha]
+            if got != t.xxh3:
+                raise integrity.damaged(plan.key, WEIGHTS_FILE, f"tensor {t.name!r} at offset {src_off}: "
+                                        f"{integrity.HASH_NAME} {got[:12]}..., {t.xxh3[:12]}... recorded at add time")
 
     def commit(self, plan: Plan) -> None:
         if plan.segment is not None:
@@ -267,7 +302,18 @@ def _coalesce(copies):
     return merged
 
 
-def _write_skeleton(src: Path, dst: Path, locations: dict) -> None:
+def _load_skeleton(src: Path, key: str):
+    """The packed skeleton's graph; a file that does not parse is a damaged file of `key`, not a decode error."""
+    import onnx
+    try:
+        return onnx.load(str(src), load_external_data=False)
+    except FileNotFoundError:
+        raise integrity.damaged(key, src.name, "the file is missing") from None
+    except Exception as e:  # protobuf's DecodeError, UnicodeDecodeError on a damaged string...
+        raise integrity.damaged(key, src.name, f"not an ONNX graph: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _write_skeleton(src: Path, dst: Path, locations: dict, key: str) -> None:
     """The packed skeleton with each external tensor pointing at its segment and offset.
 
     Clients hand ORT the weights with add_initializer, but ORT still checks that the
@@ -277,7 +323,7 @@ def _write_skeleton(src: Path, dst: Path, locations: dict) -> None:
     import onnx
     from ..packing import iter_graphs
 
-    model = onnx.load(str(src), load_external_data=False)
+    model = _load_skeleton(src, key)
     for graph in iter_graphs(model.graph):
         for t in graph.initializer:
             if t.name in locations and t.data_location == onnx.TensorProto.EXTERNAL:
@@ -293,7 +339,7 @@ def _write_skeleton(src: Path, dst: Path, locations: dict) -> None:
     os.rename(tmp, dst)
 
 
-def _write_gpu_skeleton(src: Path, dst: Path, manifest: Manifest) -> None:
+def _write_gpu_skeleton(src: Path, dst: Path, manifest: Manifest, key: str) -> None:
     """The GPU skeleton, its stubs pointing at `<dst>.stub`: a sparse file of zeros as large as the
     largest stub (ORT checks the external data a graph names exists; it never reads it, because
     every stub is overridden by add_initializer). Sparse on tmpfs: it costs no memory."""
@@ -301,7 +347,7 @@ def _write_gpu_skeleton(src: Path, dst: Path, manifest: Manifest) -> None:
     from ..packing import iter_graphs
 
     stub = dst.with_suffix(".stub")
-    model = onnx.load(str(src), load_external_data=False)
+    model = _load_skeleton(src, key)
     for graph in iter_graphs(model.graph):
         for t in graph.initializer:
             if t.data_location == onnx.TensorProto.EXTERNAL:

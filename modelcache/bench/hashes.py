@@ -1,0 +1,86 @@
+"""Hash benchmark: which fast hash promotion verifies weights with, measured on this machine.
+
+    python -m modelcache.bench.hashes [--mib 512] [--runs 5] [--out DIR]
+
+Each candidate hashes the same buffer of random bytes in /dev/shm (mapped, as promotion
+reads a segment it has just written), once whole and once per 4 MiB chunk; sha256 (what
+the manifest already holds per tensor) is the reference. Runs are interleaved so that
+load from other processes hits every candidate alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import mmap
+import os
+import sys
+import time
+from pathlib import Path
+
+from .common import save_results, summary
+
+CHUNK = 4 << 20
+
+
+def _candidates() -> dict:
+    import blake3
+    import xxhash
+    return {
+        "xxh3_64": lambda: xxhash.xxh3_64(),
+        "xxh3_128": lambda: xxhash.xxh3_128(),
+        "blake3 (1 thread)": lambda: blake3.blake3(),
+        "blake3 (auto threads)": lambda: blake3.blake3(max_threads=blake3.blake3.AUTO),
+        "sha256": lambda: hashlib.sha256(),
+    }
+
+
+def _gb_s(make, view: memoryview, chunked: bool) -> float:
+    t = time.perf_counter()
+    h = make()
+    if chunked:
+        for off in range(0, len(view), CHUNK):
+            h.update(view[off:off + CHUNK])
+    else:
+        h.update(view)
+    h.digest()
+    return len(view) / 1e9 / (time.perf_counter() - t)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m modelcache.bench.hashes", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mib", type=int, default=512)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--out", help="write results.json and report.txt here")
+    args = ap.parse_args(argv)
+
+    path = Path("/dev/shm") / f"modelcache-bench-hash-{os.getpid()}"
+    size = args.mib << 20
+    results: dict = {}
+    try:
+        with open(path, "wb") as f:
+            for _ in range(args.mib):
+                f.write(os.urandom(1 << 20))
+        with open(path, "rb") as f:
+            mapping = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+        view = memoryview(mapping)
+        candidates = _candidates()
+        for _ in range(args.runs):
+            for name, make in candidates.items():
+                for chunked in (False, True):
+                    label = f"{name}{' per 4 MiB' if chunked else ''}"
+                    results.setdefault(label, []).append(_gb_s(make, view, chunked))
+        view.release()
+        mapping.close()
+    finally:
+        path.unlink(missing_ok=True)
+    lines = [f"hash throughput over {args.mib} MiB in /dev/shm, {args.runs} runs: median [min-max] GB/s"]
+    lines += [f"  {label:<32} {summary(v):>24}" for label, v in results.items()]
+    print("\n".join(lines))
+    save_results(args.out, "hashes", argv, {"gb_s": results}, lambda data, f: f.write("\n".join(lines) + "\n"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
