@@ -24,7 +24,7 @@ import pytest
 import zmq
 
 from modelcache import protocol as P
-from modelcache import tensors, zoo
+from modelcache import integrity, tensors, zoo
 from modelcache.errors import CapacityError, DaemonUnavailable, InputError, PackError
 from modelcache.executor.workers import Worker
 from modelcache.lane import HEADER, frame
@@ -377,6 +377,7 @@ def test_a_bad_profile_already_stored_is_ignored_not_fatal(tmp_path, zoo_file):
         path = d.repository / "cnn" / "1" / "manifest.json"
         manifest = json.loads(path.read_text())
         manifest["batching"] = {**GOOD_PROFILE, "request_s": 0.002}
+        manifest["checksum"] = integrity.manifest_checksum(manifest)   # as the daemon itself stored it then
         path.write_text(json.dumps(manifest))
         d.start()
         with d.client(timeout_s=10) as c:

@@ -8,12 +8,16 @@ Open latency (the `open` request: what a client waits for before building its se
   remote miss  removed from the repository first: fetched from a remote store (HTTP on
                loopback here), verified, then promoted
 Promotion throughput: `load` of the big model after an eviction (disk -> /dev/shm),
-interleaved with `cp` of the same weights file into /dev/shm, in the same run.
+interleaved with `cp` of the same weights file into /dev/shm, in the same run; and the
+same load by a second daemon over the same repository with verification off
+(MODELCACHE_VERIFY_PROMOTION=0), alternating which goes first: what checking every
+copied byte against its checksum costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import http.server
 import os
@@ -68,9 +72,9 @@ def main(argv=None) -> int:
         os.environ["MODELCACHE_REMOTE"] = url  # the private daemon inherits it
         socket = f"ipc://{tmp}/daemon.sock"
         lat = {"host hit": [], "disk miss": [], "remote miss": []}
-        promote_mbs, cp_mbs = [], []
+        promote_mbs, unverified_mbs, cp_mbs = [], [], []
         try:
-            with managed_daemon(socket, str(tmp / "repo")), connect(socket) as c:
+            with managed_daemon(socket, str(tmp / "repo")), connect(socket) as c, contextlib.ExitStack() as more:
                 def open_close():
                     c.release(c.open(args.model).lease_id)
 
@@ -85,9 +89,21 @@ def main(argv=None) -> int:
                 big = next(m for m in c.list() if m["name"] == args.big)
                 blob = tmp / "repo" / args.big / "1" / "weights.bin"
                 size_mb = blob.stat().st_size / 1e6
+                os.environ["MODELCACHE_VERIFY_PROMOTION"] = "0"   # the second daemon inherits it
+                try:
+                    unverified = more.enter_context(managed_daemon(f"ipc://{tmp}/unverified.sock", str(tmp / "repo")))
+                finally:
+                    del os.environ["MODELCACHE_VERIFY_PROMOTION"]
+                u = more.enter_context(connect(unverified))
+                u.load(args.big)
+
+                def promote_mb_s(client) -> float:
+                    client.evict(args.big)
+                    return big["bytes"] / 1e6 / (_timed(lambda: client.load(args.big)) / 1e3)
+
                 for r in range(args.runs):
-                    c.evict(args.big)
-                    promote_mbs.append(big["bytes"] / 1e6 / (_timed(lambda: c.load(args.big)) / 1e3))
+                    for client, out in ((c, promote_mbs), (u, unverified_mbs))[::1 if r % 2 == 0 else -1]:
+                        out.append(promote_mb_s(client))
                     dst = Path("/dev/shm") / f"modelcache-bench-cp-{os.getpid()}"
                     try:
                         cp_ms = _timed(lambda: subprocess.run(["cp", str(blob), str(dst)], check=True))
@@ -103,8 +119,12 @@ def main(argv=None) -> int:
     ratio = statistics.median(promote_mbs) / statistics.median(cp_mbs)
     lines += [f"promotion of {args.big} disk -> host: {summary(promote_mbs)} MB/s; "
               f"cp of its weights into /dev/shm: {summary(cp_mbs)} MB/s; promotion = {ratio:.2f}x cp"]
+    verified_ratio = statistics.median(promote_mbs) / statistics.median(unverified_mbs)
+    lines += [f"  the same promotion with verification off: {summary(unverified_mbs)} MB/s; "
+              f"verified = {verified_ratio:.2f}x unverified"]
     print("\n".join(lines))
-    save_results(args.out, "tiers", argv, {"open_ms": lat, "promote_mb_s": promote_mbs, "cp_mb_s": cp_mbs},
+    save_results(args.out, "tiers", argv, {"open_ms": lat, "promote_mb_s": promote_mbs,
+                                           "promote_unverified_mb_s": unverified_mbs, "cp_mb_s": cp_mbs},
                  lambda data, f: f.write("\n".join(lines) + "\n"))
     return 0
 
