@@ -158,6 +158,24 @@ def test_flipped_skeleton_byte_refused(tmp_path, packed, zoo_file, fname):
     assert_verify_finds(tmp_path, fname)
 
 
+def test_flipped_stage_skeleton_byte_refused(tmp_path, zoo_file):
+    """A partitioned model's stage skeletons are stored files too (serve mode builds its sessions on them)."""
+    src = zoo_file("tiny-cnn")
+    d = DaemonProcess(tmp_path).start()
+    with d.client() as c:
+        c.add(src, NAME)
+        c.partition(NAME, stages=2)
+    stop_cleanly(d)
+    stage = d.repository / NAME / "1" / "stage-0.onnx"
+    assert "stage-0.onnx" in manifest_of(stage.parent)["files"]
+    flip_byte(stage, stage.stat().st_size // 2)
+    d.start()
+    try:
+        assert_refused(d, zoo.sample_inputs(src), "stage-0.onnx")
+    finally:
+        stop_cleanly(d)
+
+
 def test_truncated_weights_named(tmp_path, packed, zoo_file):
     size = (packed / "weights.bin").stat().st_size
     os.truncate(packed / "weights.bin", size - 1000)

@@ -37,6 +37,7 @@ class ServeHandlers:
                 model.manifest.stages = result["stages"]
                 model.manifest.stage_cuts = result.get("cuts", [])
                 model.manifest.batching = {}            # calibrated for the old stages
+                model.manifest.files = result.get("files", model.manifest.files)  # the stage files' checksums
                 self.engine.drop_model(model.key)  # old stage sessions are stale
                 self.serve_specs.pop(model.key, None)
                 log.info("model partitioned: %s into %d stages", model.key, max(1, len(result["stages"])))

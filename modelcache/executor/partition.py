@@ -24,6 +24,7 @@ import onnx
 from onnx import helper
 
 from ..errors import PackError
+from .. import integrity
 from ..packing import SKELETON_FILE, iter_graphs, load_manifest, write_manifest
 
 
@@ -154,10 +155,11 @@ def partition(model_dir: Path, stages: int | None = None, tail_fraction: float |
     manifest = load_manifest(model_dir)
     if stages == 1:
         manifest.stages, manifest.stage_cuts, manifest.batching = [], [], {}
+        manifest.files = {f: r for f, r in manifest.files.items() if not f.startswith("stage-")}
         write_manifest(model_dir, manifest)
         for old in model_dir.glob("stage-*.onnx"):
             old.unlink()
-        return {"stages": []}
+        return {"stages": [], "files": manifest.files}
     skeleton = model_dir / SKELETON_FILE
     model = onnx.load(str(skeleton), load_external_data=False)
     nodes = list(model.graph.node)
@@ -221,6 +223,9 @@ def partition(model_dir: Path, stages: int | None = None, tail_fraction: float |
             old.unlink()
     manifest.stages, manifest.stage_cuts = entries, cut_tensors
     manifest.batching = {}  # a calibration measured other stages
+    if manifest.checksum:   # stage skeletons are stored files too: covered like the others (not in unverified versions)
+        manifest.files = {f: r for f, r in manifest.files.items() if not f.startswith("stage-")}
+        manifest.files.update(integrity.record_files(model_dir, [e["file"] for e in entries]))
     write_manifest(model_dir, manifest)
-    return {"stages": entries, "cuts": cut_tensors}
+    return {"stages": entries, "cuts": cut_tensors, "files": manifest.files}
 
