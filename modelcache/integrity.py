@@ -40,8 +40,9 @@ def digest(data) -> str:
     return h.hexdigest()
 
 
-def file_digest(path: Path) -> str:
-    h = new_hasher()
+def file_digest(path: Path, h=None) -> str:
+    """The file's hex digest: xxh3-128, or what the hasher `h` given computes (e.g. hashlib.sha256())."""
+    h = h or new_hasher()
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK):
             h.update(chunk)

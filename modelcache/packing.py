@@ -238,11 +238,7 @@ def iter_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
 
 
 def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
+    return integrity.file_digest(Path(path), hashlib.sha256())
 
 
 def validate(src: str) -> str | None:

@@ -110,6 +110,22 @@ def test_flipped_weight_byte_detected_at_promotion(tmp_path, packed, zoo_file):
     assert_verify_finds(tmp_path, "weights.bin", tensor["name"])
 
 
+@pytest.mark.parametrize("fname", ["weights.bin", "manifest.json"])
+def test_a_corrupt_version_can_be_removed(tmp_path, packed, zoo_file, fname):
+    """Refused requests hold nothing: the damaged version (registered, or not even readable) can be removed."""
+    flip_byte(packed / fname, 40)
+    d = DaemonProcess(tmp_path).start()
+    try:
+        feeds = zoo.sample_inputs(zoo_file("tiny-cnn"))
+        for _ in range(3):
+            assert_refused(d, feeds, fname)
+        with d.client() as c:
+            c.remove(NAME, 1)
+            assert c.list() == [] and not packed.exists()
+    finally:
+        stop_cleanly(d)
+
+
 def test_changed_tensor_offset_in_manifest_refused_after_restart(tmp_path, packed, zoo_file):
     # The edit keeps valid JSON and a plausible offset: only the manifest's own checksum catches it.
     m = manifest_of(packed)

@@ -27,8 +27,9 @@ class CacheOps:
         if model.state is ModelState.RESIDENT:
             then(None, True)
             return True
-        if model.damage and self.remote is None:
-            raise IntegrityError(f"{model.damage}; no remote store is configured to fetch it again")
+        if model.damage and self.remote is None:  # (through `then`: a serve request's hold is released there)
+            then(IntegrityError(f"{model.damage}; no remote store is configured to fetch it again"), False)
+            return False
         model.waiters.append(lambda err: then(err, False))
         if model.damage and model.state is ModelState.ON_DISK:  # a fetch that failed before: try again
             self._refetch_damaged(model)
