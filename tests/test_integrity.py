@@ -95,6 +95,10 @@ def test_flipped_weight_byte_detected_at_promotion(tmp_path, packed, zoo_file):
         assert "corrupt" in message
         with d.client() as c:
             assert c.stats().counters["corrupt_detected"] == 1
+        status = subprocess.run([sys.executable, "-m", "modelcache.cli", "status"], capture_output=True, text=True,
+                                env={**d.env}, timeout=60)
+        assert status.returncode == 0 and "1 corrupt versions" in status.stdout, status.stdout + status.stderr
+        assert f"{NAME}@1: weights.bin is damaged" in status.stdout
 
         def scrape():
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
