@@ -1,8 +1,8 @@
 """Checksums of a packed model's stored files: what is written at add time and how it is checked.
 
-The hash is xxh3-128 (`xxhash`): on this machine it hashes 18.8 GB/s against 3.5 for BLAKE3
-and 1.6 for sha256 (`modelcache bench hashes`, benchmarks/hashes), so promotion can verify
-every byte it copies at little cost. It guards against damage (bit rot, a bad copy, a
+The hash is xxh3-128 (`xxhash`): on this machine it hashes 14-19 GB/s against 3.2-3.5 for
+BLAKE3 (one thread or several: the same here) and 1.2-1.6 for sha256 (`modelcache bench
+hashes`, benchmarks/hashes), so promotion can verify every byte it copies at little cost. It guards against damage (bit rot, a bad copy, a
 truncated write, a hand edit), not against an attacker who can write the repository: such a
 person can rewrite the checksums too.
 

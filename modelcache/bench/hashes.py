@@ -6,6 +6,10 @@ Each candidate hashes the same buffer of random bytes in /dev/shm (mapped, as pr
 reads a segment it has just written), once whole and once per 4 MiB chunk; sha256 (what
 the manifest already holds per tensor) is the reference. Runs are interleaved so that
 load from other processes hits every candidate alike.
+
+Then the copy promotion does, from a file in the page cache into /dev/shm: sendfile alone
+(promotion without verification) against `files.copy_hashed` (read, hash, write on a
+second thread), with wall time and this process's CPU time for each.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import argparse
 import hashlib
 import mmap
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -47,6 +52,35 @@ def _gb_s(make, view: memoryview, chunked: bool) -> float:
     return len(view) / 1e9 / (time.perf_counter() - t)
 
 
+def _copy_runs(src: Path, size: int, runs: int) -> dict:
+    """MB/s and CPU ms of copying `src` into /dev/shm, without and with hashing on the way."""
+    from .. import integrity
+    from ..tiers.files import copy_hashed, copy_range
+
+    dst = Path("/dev/shm") / f"modelcache-bench-copy-{os.getpid()}"
+    ways = {"sendfile (unverified)": lambda s, d: copy_range(s, d, 0, 0, size),
+            "copy_hashed (verified)": lambda s, d: copy_hashed(s, d, [(0, 0, size)], integrity.new_hasher)}
+    out: dict = {}
+    try:
+        for _ in range(runs):
+            for label, copy in ways.items():
+                dst.unlink(missing_ok=True)
+                s_fd, d_fd = os.open(src, os.O_RDONLY), os.open(dst, os.O_RDWR | os.O_CREAT, 0o600)
+                try:
+                    os.ftruncate(d_fd, size)
+                    cpu, t = time.process_time(), time.perf_counter()
+                    copy(s_fd, d_fd)
+                    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
+                finally:
+                    os.close(s_fd)
+                    os.close(d_fd)
+                out.setdefault(f"{label} MB/s", []).append(size / 1e6 / wall)
+                out.setdefault(f"{label} CPU ms", []).append(cpu * 1e3)
+    finally:
+        dst.unlink(missing_ok=True)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m modelcache.bench.hashes", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -73,12 +107,21 @@ def main(argv=None) -> int:
                     results.setdefault(label, []).append(_gb_s(make, view, chunked))
         view.release()
         mapping.close()
+        import tempfile
+        with tempfile.NamedTemporaryFile(prefix="modelcache-bench-copy-") as disk:  # on disk, read from page cache
+            with open(path, "rb") as f:
+                shutil.copyfileobj(f, disk, 1 << 22)
+            disk.flush()
+            copies = _copy_runs(Path(disk.name), size, args.runs)
     finally:
         path.unlink(missing_ok=True)
     lines = [f"hash throughput over {args.mib} MiB in /dev/shm, {args.runs} runs: median [min-max] GB/s"]
     lines += [f"  {label:<32} {summary(v):>24}" for label, v in results.items()]
+    lines += [f"copy of {args.mib} MiB, page cache -> /dev/shm, {args.runs} runs: median [min-max]"]
+    lines += [f"  {label:<32} {summary(v):>24}" for label, v in copies.items()]
     print("\n".join(lines))
-    save_results(args.out, "hashes", argv, {"gb_s": results}, lambda data, f: f.write("\n".join(lines) + "\n"))
+    save_results(args.out, "hashes", argv, {"gb_s": results, "copy": copies},
+                 lambda data, f: f.write("\n".join(lines) + "\n"))
     return 0
 
 
