@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .. import reservations
 from ..errors import ModelNotFound, RemoteError
+from ..integrity import file_digest
 from ..storage import storage_error, storage_errors
 from ..packing import (GPU_SKELETON_FILE, MANIFEST_FILE, SKELETON_FILE, WEIGHTS_FILE, Manifest, load_manifest,
                        write_gpu_stub)
@@ -39,11 +40,7 @@ def publish(directory: Path) -> dict:
         for f in FILES:
             if f in OPTIONAL_FILES and not (d / f).exists():
                 continue
-            h = hashlib.sha256()
-            with open(d / f, "rb") as fh:
-                while chunk := fh.read(CHUNK):
-                    h.update(chunk)
-            files[f] = {"bytes": (d / f).stat().st_size, "sha256": h.hexdigest()}
+            files[f] = {"bytes": (d / f).stat().st_size, "sha256": file_digest(d / f, hashlib.sha256())}
         models.append({"name": d.parent.name, "version": int(d.name), "files": files})
     index = {"format": 1, "models": models}
     tmp = Path(directory) / (INDEX_FILE + ".tmp")
@@ -114,7 +111,7 @@ class RemoteStore:
                     raise RemoteError(f"{name}@{version}/{fname} from {self.url} does not match its index "
                                       f"({size} bytes, sha256 {h.hexdigest()[:12]}..., expected {meta['bytes']} "
                                       f"bytes, {meta['sha256'][:12]}...)")
-            manifest = load_manifest(tmp)
+            manifest = load_manifest(tmp, f"{name}@{version} from {self.url}")
             if manifest.gpu_skeleton:
                 if GPU_SKELETON_FILE not in entry["files"]:
                     raise RemoteError(f"{name}@{version} in {self.url} has a GPU variant but the index lists no "
