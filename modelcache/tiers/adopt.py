@@ -20,15 +20,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import integrity
 from ..packing import Manifest
 from .host import OWNER_FILE, WHERE_SUFFIX, HostTier, dead_tiers, segment_number, variant_tensors
 
 log = logging.getLogger("modelcache.host")
 
 
-def tensor_intact(view: memoryview, offset: int, nbytes: int, sha256: str) -> bool:
-    """The one check adoption makes of a resident tensor: its bytes against the manifest's hash.
-    (Per-tensor sha256 today; a whole-file fast checksum, once manifests carry one, goes here.)"""
+def tensor_intact(view: memoryview, offset: int, nbytes: int, sha256: str, xxh3: str = "") -> bool:
+    """The one check adoption makes of a resident tensor: its bytes against the manifest's hash, the
+    fast one (integrity.py) where the version has it, else the sha256 every version carries."""
+    if xxh3:
+        return integrity.digest(view[offset:offset + nbytes]) == xxh3
     return hashlib.sha256(view[offset:offset + nbytes]).hexdigest() == sha256
 
 
@@ -136,8 +139,8 @@ def _check_model(key: str, manifest: Manifest | None, locations: dict, needed: t
             segment_number(seg)
             if seg not in segment_bytes or offset < 0 or offset + t.nbytes > segment_bytes[seg]:
                 return f"tensor {t.name} lies outside segment {seg}"
-            if not views.intact(seg, offset, t.nbytes, t.sha256):
-                return f"tensor {t.name} in {seg} does not match the manifest's sha256"
+            if not views.intact(seg, offset, t.nbytes, t.sha256, t.xxh3):
+                return f"tensor {t.name} in {seg} does not match the manifest's checksum"
     return None
 
 
@@ -150,13 +153,14 @@ class _SegmentViews:
         self.checked: dict = {}
         self.verified_bytes = 0
 
-    def intact(self, seg: str, offset: int, nbytes: int, sha256: str) -> bool:
+    def intact(self, seg: str, offset: int, nbytes: int, sha256: str, xxh3: str = "") -> bool:
         if (seg, offset, sha256) not in self.checked:
             if seg not in self.maps:
                 with open(self.root / seg, "rb") as f:
                     size = os.fstat(f.fileno()).st_size
                     self.maps[seg] = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) if size else b""
-            self.checked[(seg, offset, sha256)] = tensor_intact(memoryview(self.maps[seg]), offset, nbytes, sha256)
+            self.checked[(seg, offset, sha256)] = tensor_intact(memoryview(self.maps[seg]), offset, nbytes, sha256,
+                                                                xxh3)
             self.verified_bytes += nbytes
         return self.checked[(seg, offset, sha256)]
 
