@@ -2,9 +2,10 @@
 
 The hash is xxh3-128 (`xxhash`): on this machine it hashes 14-19 GB/s against 3.2-3.5 for
 BLAKE3 (one thread or several: the same here) and 1.2-1.6 for sha256 (`modelcache bench
-hashes`, benchmarks/hashes), so promotion can verify every byte it copies at little cost. It guards against damage (bit rot, a bad copy, a
-truncated write, a hand edit), not against an attacker who can write the repository: such a
-person can rewrite the checksums too.
+hashes`, benchmarks/hashes), so promotion can verify every byte it copies; what that costs
+is in benchmarks/tiers and tiers/files.copy_hashed. It guards against damage (bit rot, a bad
+copy, a truncated write, a hand edit), not against an attacker who can write the repository:
+such a person can rewrite the checksums too.
 
 Where each checksum lives (see packing.Manifest):
   weights.bin       per tensor (`TensorEntry.xxh3`, checked as promotion copies each one) and

@@ -179,8 +179,8 @@ def _manifest_problem(m: Manifest) -> str | None:
             return f"tensor entry {t.name!r} has a field of the wrong type"
         if t.offset + t.nbytes > m.weights_bytes:
             return f"tensor {t.name!r} ends at {t.offset + t.nbytes}, past the weights' {m.weights_bytes} bytes"
-    if not isinstance(m.files, dict) or not all(
-            isinstance(r, dict) and is_int(r.get("bytes")) and isinstance(r.get("xxh3"), str) for r in m.files.values()):
+    if not isinstance(m.files, dict) or not all(isinstance(r, dict) and is_int(r.get("bytes"))
+                                                and isinstance(r.get("xxh3"), str) for r in m.files.values()):
         return "files has an entry of the wrong type"
     return None
 

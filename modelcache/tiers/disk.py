@@ -52,7 +52,8 @@ class Repository:
         return self.root / name / str(version)
 
     def remove(self, name: str, version: int) -> None:
-        """Delete a version; renamed aside first, so a crash halfway leaves a `.tmp-*` that the next sweep clears (reservations.py)."""
+        """Delete a version; renamed aside first, so a crash halfway leaves a `.tmp-*` that the next
+        sweep clears (reservations.py)."""
         d = self.model_dir(name, version)
         if d.exists():
             aside = Path(tempfile.mkdtemp(prefix=".tmp-removed-", dir=self.root))
