@@ -9,7 +9,7 @@ import sys
 import time
 
 from . import __version__
-from .errors import ModelCacheError
+from .errors import ModelCacheError, PermissionDenied
 
 
 def _setup_logging(level: str) -> None:
@@ -217,6 +217,8 @@ def cmd_add(args) -> int:
     path = os.path.abspath(args.file)
     try:
         client = connect(settings.socket)
+    except PermissionDenied:
+        raise  # a daemon runs but is not ours to use: packing into our own repository instead would mislead
     except ModelCacheError:
         if args.require_daemon:
             raise
@@ -228,7 +230,8 @@ def cmd_add(args) -> int:
         versions = [m.version for _, m in repo.scan() if m.name == args.name]
         version = args.version or max(versions, default=0) + 1
         t0 = time.perf_counter()
-        m = pack(path, repo.root, args.name, version, args.opt_level or settings.opt_level, _progress_bar())
+        m = pack(path, repo.root, args.name, version, args.opt_level or settings.opt_level, _progress_bar(),
+                 owner_uid=os.getuid())
         print(f"\nadded {m.name}@{m.version} to {repo.root} (no daemon running): {len(m.tensors)} tensors, "
               f"{_human(m.weights_bytes)}, {time.perf_counter() - t0:.2f} s")
         return 0
@@ -438,6 +441,11 @@ def main(argv=None) -> int:
     try:
         return args.func(args) or 0
     except ModelCacheError as e:
+        print(f"modelcache: {e}", file=sys.stderr)
+        return 1
+    except (FileNotFoundError, PermissionError) as e:  # a file the user named (e.g. `add`) and cannot open
+        if e.filename is None:
+            raise
         print(f"modelcache: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -2,7 +2,10 @@
 its connections, driven by the owner loop's poller. Nothing here blocks.
 
 A connection stands in for a ZeroMQ routing id: handlers get it as `ident` and replies go
-back through `send`. A reply to a connection that has gone is dropped, as ROUTER drops one
+back through `send`; like identity.Peer it carries the client's kernel uid, gid and pid.
+A connection's first message may bring file descriptors (SCM_RIGHTS: `add` passes the
+model's files so the daemon never opens a client-named path); later reads take none, so
+serve calls keep the cheaper recv_into. A reply to a connection that has gone is dropped, as ROUTER drops one
 to a vanished peer; a client that stops reading is cut off once MAX_PENDING bytes wait.
 """
 
@@ -17,7 +20,8 @@ from pathlib import Path
 import zmq
 
 from ..errors import ModelCacheError
-from ..lane import MAX_BODY, FrameReader, LaneError, frame, recv_chunk
+from ..lane import MAX_BODY, MAX_FDS, FrameReader, LaneError, frame, recv_chunk, recv_chunk_with_fds
+from .identity import socket_credentials
 
 log = logging.getLogger("modelcache.daemon")
 
@@ -41,13 +45,25 @@ def check_socket_file(path: Path) -> None:
 
 
 class LaneConnection:
-    __slots__ = ("sock", "fd", "reader", "out", "server", "polling_out")
+    __slots__ = ("sock", "fd", "reader", "out", "server", "polling_out", "uid", "gid", "pid", "fds")
 
     def __init__(self, sock: socket.socket, server: "LaneServer"):
         self.sock, self.fd, self.server = sock, sock.fileno(), server
         self.reader = FrameReader(server.max_body)
         self.out = bytearray()
         self.polling_out = False  # registered for POLLOUT: replies wait for room in the socket
+        self.uid, self.gid, self.pid = socket_credentials(sock)
+        self.fds: list | None = []  # descriptors come with the first message; None once it is handled
+
+    def take_fds(self) -> list:
+        """The descriptors that came with this message (the caller now owns them, and closes them)."""
+        fds, self.fds = self.fds or [], []
+        return fds
+
+    def close_fds(self) -> None:
+        for fd in self.fds or ():
+            os.close(fd)
+        self.fds = None
 
     def send(self, kind: bytes, body: bytes) -> None:
         if self.sock is None:
@@ -136,11 +152,22 @@ class LaneServer:
         got = 0
         while got < MAX_READ_PER_TURN:
             try:
-                data = recv_chunk(conn.sock, self.scratch)
+                if conn.fds is None:
+                    data = recv_chunk(conn.sock, self.scratch)
+                else:
+                    data, fds = recv_chunk_with_fds(conn.sock, self.scratch)
+                    conn.fds += fds
+                    if len(conn.fds) > MAX_FDS:
+                        self.drop(conn, f"more than {MAX_FDS} file descriptors passed")
+                        return
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as e:
                 self.drop(conn, f"read failed: {e}")
+                return
+            except LaneError as e:
+                self.counters["bad_messages"] += 1
+                self.drop(conn, str(e))
                 return
             if not data:
                 self.drop(conn, None)
@@ -159,6 +186,8 @@ class LaneServer:
             if message is None:
                 return
             handle([conn, *message])
+            if conn.fds is not None:   # only a connection's first message brings descriptors
+                conn.close_fds()
 
     def drop(self, conn: LaneConnection, why: str | None) -> None:
         if conn.sock is None:
@@ -166,6 +195,7 @@ class LaneServer:
         if why:
             log.warning("lane: dropped a client connection: %s", why)
         self.conns.pop(conn.fd, None)
+        conn.close_fds()
         try:
             self.poller.unregister(conn.fd)
         except KeyError:
