@@ -15,6 +15,8 @@ import stat
 from .errors import PackError
 
 COPY_CHUNK = 8 << 20
+# O_NONBLOCK: opening a FIFO for reading would wait for a writer; a regular file ignores the flag.
+_OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 def external_data_locations(model) -> list[str]:
@@ -62,7 +64,7 @@ def open_model_files(path: str) -> tuple[list[str], list[int]]:
     import onnx
 
     path = os.path.abspath(path)
-    fds = [os.open(path, os.O_RDONLY | os.O_CLOEXEC)]
+    fds = [os.open(path, _OPEN_FLAGS)]
     names = [os.path.basename(path)]
     try:
         check_regular_files(fds, [path], os.path.basename(path))
@@ -74,7 +76,7 @@ def open_model_files(path: str) -> tuple[list[str], list[int]]:
         for location in external_data_locations(model):
             location = posixpath.normpath(location)   # ("./w.bin" and "w.bin" are one file)
             check_source_names([names[0], location])
-            fds.append(os.open(os.path.join(os.path.dirname(path), location), os.O_RDONLY | os.O_CLOEXEC))
+            fds.append(os.open(os.path.join(os.path.dirname(path), location), _OPEN_FLAGS))
             names.append(location)
         check_regular_files(fds, [os.path.join(os.path.dirname(path), n) for n in names], names[0])
         return names, fds
