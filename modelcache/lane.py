@@ -25,7 +25,7 @@ HEADER = struct.Struct("<BI")
 MAX_BODY = 1 << 30            # a bigger length is a broken stream, not a message
 SUFFIX = ".lane"
 CLIENT_READ_BYTES = 256 << 10  # a client's read buffer: one read takes any inline-sized reply
-MAX_FDS = 64                   # descriptors one message may pass: a model file and its external-data files
+MAX_FDS = 253                  # descriptors one message may pass (the kernel's SCM_MAX_FD): a model and its data files
 _FDS_SPACE = socket.CMSG_SPACE(MAX_FDS * 4)
 
 

@@ -13,6 +13,7 @@ import posixpath
 import stat
 
 from .errors import PackError
+from .lane import MAX_FDS
 
 COPY_CHUNK = 8 << 20
 # O_NONBLOCK: opening a FIFO for reading would wait for a writer; a regular file ignores the flag.
@@ -79,6 +80,9 @@ def open_model_files(path: str) -> tuple[list[str], list[int]]:
             fds.append(os.open(os.path.join(os.path.dirname(path), location), _OPEN_FLAGS))
             names.append(location)
         check_regular_files(fds, [os.path.join(os.path.dirname(path), n) for n in names], names[0])
+        if len(fds) > MAX_FDS:
+            raise PackError(f"{path} keeps its weights in {len(fds) - 1} files; one message passes at most "
+                            f"{MAX_FDS}: save it with onnx's all_tensors_to_one_file=True")
         return names, fds
     except BaseException:
         close_all(fds)

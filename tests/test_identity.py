@@ -187,6 +187,7 @@ def test_a_member_acts_only_on_its_own_clients_leases_and_models(root_daemon, sh
             ["bye_other", "raw", "Goodbye", {"client_id": admin.client_id}],
             ["close_other", "raw", "Close", {"client_id": admin.client_id, "lease_id": lease.lease_id}],
             ["open_as_other", "raw", "Open", {"client_id": admin.client_id, "name": "rootcnn"}],
+            ["release_other_lease", "call", "release", lease.lease_id],     # with one's own client id
             ["remove", "call", "remove", "rootcnn", 1],
             ["evict", "call", "evict", "rootcnn"],
             ["pin", "call", "pin", "rootcnn"],
@@ -205,6 +206,7 @@ def test_a_member_acts_only_on_its_own_clients_leases_and_models(root_daemon, sh
         for label in ("remove", "evict", "pin", "load"):
             assert out[label]["error"] == "PermissionDenied", out[label]
             assert "rootcnn@1" in out[label]["message"] and "uid 65534" in out[label]["message"]
+        assert out["release_other_lease"]["error"] == "LeaseError", out["release_other_lease"]
         assert out["open"]["ok"]["name"] == "rootcnn"
         assert out["add_own"]["ok"]["name"] == "nobodys"
         assert "ok" in out["load_own"] and "ok" in out["evict_own"], out
