@@ -71,7 +71,7 @@ class Settings:
     metrics_port: int = 0              # Prometheus /metrics over HTTP; 0 = off
     metrics_host: str = "127.0.0.1"    # where /metrics listens
     max_message_size: str = "64M"      # largest request a client may send (ZeroMQ or lane); big tensors go in shm files
-    admin_group: str = ""              # its members (name or gid) may remove, pin, evict and load any model; root and the daemon's user always may
+    admin_group: str = ""              # name or gid: may remove/pin/evict/load any model (so may root and the daemon's user)
 
     def __post_init__(self):
         if not self.socket:

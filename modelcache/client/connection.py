@@ -247,8 +247,8 @@ class Client:
         try:
             lane = _lane.connect(self.address)
             if lane is None:
-                raise DaemonUnavailable(f"add needs the daemon's local lane socket ({self.address}.lane): "
-                                        "a tcp:// daemon cannot take files; copy the model to its host and add it there")
+                raise DaemonUnavailable(f"add needs the daemon's local lane socket ({self.address}.lane): a tcp:// "
+                                        "daemon cannot take files; copy the model to its host and add it there")
             return self._call(P.Add(req_id=0, path=os.path.abspath(path), name=name, version=version,
                                     opt_level=opt_level, files=names), expect=(P.AddReply,),
                               timeout_s=timeout_s or self._add_timeout_s, lane=lane, fds=fds)

@@ -226,13 +226,15 @@ class CacheOps:
         def progress(done, total):  # written by the loader thread; only read for stats
             job["bytes_done"], job["bytes_total"] = done, total
 
+        owner_uid = -1 if ident.uid is None else ident.uid
+
         def work():
             t0 = time.perf_counter()
             started = []
             try:
                 manifest = pack_in_subprocess(msg.path, self.repository.root, msg.name, version, opt_level,
                                               progress, on_start=lambda p: (started.append(p), self.packers.add(p)),
-                                              sources=(fds, msg.files), owner_uid=-1 if ident.uid is None else ident.uid)
+                                              sources=(fds, msg.files), owner_uid=owner_uid)
             finally:
                 close_all(fds)
                 for p in started:

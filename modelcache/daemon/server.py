@@ -455,12 +455,14 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
     def on_Stats(self, ident, msg: P.Stats):
         now = self.clock()
         admin = self.admins.is_admin(ident)
-        # Others' client ids are what `bye` and lease calls name: only admins see them (and their programs).
-        clients = [{"client_id": c.client_id, "pid": c.pid, "name": c.name, "leases": len(c.leases),
-                    "idle_s": round(now - c.last_seen, 2)}
-                   if admin or (c.uid is not None and c.uid == ident.uid) else
-                   {"client_id": "", "pid": 0, "name": "", "leases": len(c.leases), "idle_s": round(now - c.last_seen, 2)}
-                   for c in self.registry.clients.values()]
+        clients = []
+        for c in self.registry.clients.values():
+            entry = {"client_id": c.client_id, "pid": c.pid, "name": c.name, "leases": len(c.leases),
+                     "idle_s": round(now - c.last_seen, 2)}
+            if not (admin or (c.uid is not None and c.uid == ident.uid)):
+                # Others' client ids are what `bye` and lease calls name: only admins see them (and their programs).
+                entry.update(client_id="", pid=0, name="")
+            clients.append(entry)
         tiers = self._describe_tiers()
         return P.StatsReply(req_id=msg.req_id, daemon_version=__version__, pid=os.getpid(),
                             uptime_s=self.wall() - self.started, socket=self.settings.socket, clients=clients,
