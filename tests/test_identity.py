@@ -26,7 +26,7 @@ from modelcache.errors import PackError, PermissionDenied
 from modelcache.lane import recv_chunk_with_fds
 from modelcache.sources import check_source_names, open_model_files
 
-from conftest import DaemonProcess, stop_cleanly
+from conftest import DaemonProcess, stop_cleanly, wait_until
 
 HERE = Path(__file__).parent
 NOBODY = 65534
@@ -260,3 +260,43 @@ def test_a_non_member_is_told_permission_denied_at_once(root_daemon, shared_root
     assert out["connect"]["error"] == "PermissionDenied" and out["connect"]["ms"] < 100, out
     with modelcache.connect(root_daemon.socket) as admin:   # and the daemon is still up for those who may
         assert [c["client_id"] for c in admin.stats().clients] == [admin.client_id]
+
+
+def test_a_manifest_from_before_owners_loads_as_the_admins(tmp_path, zoo_file):
+    from modelcache.packing import Manifest, load_manifest, pack
+    manifest = pack(zoo_file("tiny-if"), tmp_path, "m", 1, "basic", owner_uid=4242)
+    assert load_manifest(tmp_path / "m" / "1").owner_uid == 4242
+    old = {k: v for k, v in json.loads((tmp_path / "m" / "1" / "manifest.json").read_text()).items() if k != "owner_uid"}
+    assert Manifest.from_dict(old).owner_uid == -1 and manifest.owner_uid == 4242
+
+
+@needs_root
+def test_the_daemon_checks_the_descriptors_it_is_passed(root_daemon, shared_root, zoo_file):
+    """A client that skips modelcache's own checks: the daemon still packs only regular files, as named."""
+    import time
+    from modelcache.lane import connect as lane_connect
+    fifo = shared_root / "fifo"
+    os.mkfifo(fifo)
+    good = os.open(zoo_file("tiny-cnn"), os.O_RDONLY)
+    pipe = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    cases = [(["m.onnx", "m.data"], [good], "2 files named, 1 descriptors passed"),
+             (["m.onnx"], [pipe], "m.onnx is not a regular file"),
+             (["../m.onnx"], [good], "without '..'")]
+    daemon_fds = lambda: len(os.listdir(f"/proc/{root_daemon.pid}/fd"))  # noqa: E731
+    fds_before = daemon_fds()
+    try:
+        for files, fds, says in cases:
+            lane = lane_connect(root_daemon.socket)
+            try:
+                lane.send(*P.encode(P.Add(req_id=3, path="/x/m.onnx", name="m", files=files)),
+                          time.monotonic() + 10, fds)
+                reply = P.decode(lane.receive(time.monotonic() + 10))
+            finally:
+                lane.close()
+            assert isinstance(reply, P.ErrorReply) and says in reply.message, (says, reply)
+    finally:
+        os.close(good)
+        os.close(pipe)
+    wait_until(lambda: daemon_fds() <= fds_before, timeout_s=5, what="the daemon to close every descriptor passed")
+    with root_daemon.client() as admin:
+        assert admin.list() == [] and admin.stats().counters["adds"] == 0
