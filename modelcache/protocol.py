@@ -85,7 +85,7 @@ class Message:
 class Hello(Message, kind="hello"):
     req_id: int
     protocol_version: int
-    pid: int
+    pid: int                           # for older daemons: this one takes the pid (and uid) from the kernel
     client_name: str = ""
 
 
