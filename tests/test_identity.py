@@ -300,3 +300,21 @@ def test_the_daemon_checks_the_descriptors_it_is_passed(root_daemon, shared_root
     wait_until(lambda: daemon_fds() <= fds_before, timeout_s=5, what="the daemon to close every descriptor passed")
     with root_daemon.client() as admin:
         assert admin.list() == [] and admin.stats().counters["adds"] == 0
+
+
+def test_the_packer_copies_whole_files_whatever_the_descriptors_offset(tmp_path):
+    from modelcache.sources import copy_sources
+    (tmp_path / "m.onnx").write_bytes(b"model" * 1000)
+    (tmp_path / "w.bin").write_bytes(bytes(range(256)) * 4096)
+    fds = [os.open(tmp_path / n, os.O_RDONLY) for n in ("m.onnx", "w.bin")]
+    try:
+        os.lseek(fds[1], 1234, os.SEEK_SET)            # the client had read part of it
+        out = tmp_path / "copy"
+        out.mkdir()
+        assert copy_sources(fds, ["m.onnx", "data/w.bin"], str(out)) == str(out / "m.onnx")
+        assert (out / "m.onnx").read_bytes() == (tmp_path / "m.onnx").read_bytes()
+        assert (out / "data" / "w.bin").read_bytes() == (tmp_path / "w.bin").read_bytes()
+        assert os.lseek(fds[1], 0, os.SEEK_CUR) == 1234   # and its offset is left alone
+    finally:
+        for fd in fds:
+            os.close(fd)
