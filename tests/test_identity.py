@@ -318,3 +318,39 @@ def test_the_packer_copies_whole_files_whatever_the_descriptors_offset(tmp_path)
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def test_descriptors_held_for_unfinished_messages_are_bounded_and_released(tmp_path):
+    """One open file sent 253 times on many connections that never finish a message: the lane drops
+    connections past its budget instead of holding thousands of descriptors, and frees them all."""
+    from modelcache.daemon.lane import MAX_HELD_FDS, LaneServer
+    from modelcache.lane import MAX_FDS
+    poller = zmq.Poller()
+    server = LaneServer(str(tmp_path / "d.sock.lane"), {"bad_messages": 0})
+    server.start(poller)
+    fd = os.open(tmp_path, os.O_RDONLY)
+    own_fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    before = own_fds()
+    clients = []
+    try:
+        for _ in range(2 * MAX_HELD_FDS // MAX_FDS):
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.connect(server.path)
+            socket.send_fds(c, [b"\x05"], [fd] * MAX_FDS)   # one byte of a frame header: never a message
+            clients.append(c)
+            for key, events in poller.poll(100):
+                server.on_ready(key, events, lambda message: pytest.fail("no message was whole"))
+            assert server.held_fds <= MAX_HELD_FDS
+        assert len(server.conns) < len(clients)                # some were cut off
+        for c in clients:
+            c.close()
+        for _ in range(50):
+            for key, events in poller.poll(20):
+                server.on_ready(key, events, lambda message: None)
+        assert server.held_fds == 0 and not server.conns
+        assert own_fds() <= before
+    finally:
+        for c in clients:
+            c.close()
+        server.stop()
+        os.close(fd)

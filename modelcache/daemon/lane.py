@@ -5,8 +5,8 @@ A connection stands in for a ZeroMQ routing id: handlers get it as `ident` and r
 back through `send`; like identity.Peer it carries the client's kernel uid, gid and pid.
 A connection's first message may bring file descriptors (SCM_RIGHTS: `add` passes the
 model's files so the daemon never opens a client-named path); later reads take none, so
-serve calls keep the cheaper recv_into. A reply to a connection that has gone is dropped, as ROUTER drops one
-to a vanished peer; a client that stops reading is cut off once MAX_PENDING bytes wait.
+serve calls keep the cheaper recv_into. A reply to a connection that has gone is dropped,
+as ROUTER drops one to a vanished peer; a client that stops reading is cut off once MAX_PENDING bytes wait.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ log = logging.getLogger("modelcache.daemon")
 READ_CHUNK = 1 << 20            # one read buffer, shared by every connection (the owner loop reads)
 MAX_READ_PER_TURN = 16 << 20     # one busy client cannot hold the loop
 MAX_PENDING = 256 << 20          # unread replies a client may leave before it is cut off
+# Descriptors held for first messages not yet whole, over all connections: one open file sent 253 times
+# is 253 of our descriptors, so many connections that never finish a message could exhaust them.
+MAX_HELD_FDS = 1024
 # ints, not pyzmq's enums: `int & IntFlag` runs Python code in the enum module, per event
 _IN, _OUT, _IN_OUT = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.POLLIN | zmq.POLLOUT)
 
@@ -58,11 +61,13 @@ class LaneConnection:
     def take_fds(self) -> list:
         """The descriptors that came with this message (the caller now owns them, and closes them)."""
         fds, self.fds = self.fds or [], []
+        self.server.held_fds -= len(fds)
         return fds
 
     def close_fds(self) -> None:
         for fd in self.fds or ():
             os.close(fd)
+        self.server.held_fds -= len(self.fds or ())
         self.fds = None
 
     def send(self, kind: bytes, body: bytes) -> None:
@@ -107,6 +112,7 @@ class LaneServer:
         self.listener: socket.socket | None = None
         self.poller: zmq.Poller | None = None
         self.conns: dict[int, LaneConnection] = {}
+        self.held_fds = 0                # passed descriptors not yet taken by a handler (see MAX_HELD_FDS)
         self.scratch = memoryview(bytearray(READ_CHUNK))
 
     def start(self, poller: zmq.Poller) -> None:
@@ -157,8 +163,10 @@ class LaneServer:
                 else:
                     data, fds = recv_chunk_with_fds(conn.sock, self.scratch)
                     conn.fds += fds
-                    if len(conn.fds) > MAX_FDS:
-                        self.drop(conn, f"more than {MAX_FDS} file descriptors passed")
+                    self.held_fds += len(fds)
+                    if len(conn.fds) > MAX_FDS or self.held_fds > MAX_HELD_FDS:
+                        self.drop(conn, f"{len(conn.fds)} file descriptors passed, {self.held_fds} held in all "
+                                        f"(at most {MAX_FDS} a message, {MAX_HELD_FDS} together)")
                         return
             except (BlockingIOError, InterruptedError):
                 break
