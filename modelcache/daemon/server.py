@@ -461,7 +461,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
                      "idle_s": round(now - c.last_seen, 2)}
             if not (admin or (c.uid is not None and c.uid == ident.uid)):
                 # Others' client ids are what `bye` and lease calls name: only admins see them (and their programs).
-                entry.update(client_id="", pid=0, name="")
+                entry.update(client_id="", pid=0, name="(another user)")
             clients.append(entry)
         tiers = self._describe_tiers()
         return P.StatsReply(req_id=msg.req_id, daemon_version=__version__, pid=os.getpid(),
