@@ -9,7 +9,7 @@ import sys
 import time
 
 from . import __version__
-from .errors import ModelCacheError
+from .errors import ModelCacheError, PermissionDenied
 
 
 def _setup_logging(level: str) -> None:
@@ -236,6 +236,8 @@ def cmd_add(args) -> int:
     path = os.path.abspath(args.file)
     try:
         client = connect(settings.socket)
+    except PermissionDenied:
+        raise  # a daemon runs but is not ours to use: packing into our own repository instead would mislead
     except ModelCacheError:
         if args.require_daemon:
             raise
@@ -245,7 +247,8 @@ def cmd_add(args) -> int:
         from .tiers.disk import Repository
         repo = Repository(settings.repository_path)
         t0 = time.perf_counter()  # (no version given: pack reserves the next free one, safe against other adds)
-        m = pack(path, repo.root, args.name, args.version, args.opt_level or settings.opt_level, _progress_bar())
+        m = pack(path, repo.root, args.name, args.version, args.opt_level or settings.opt_level, _progress_bar(),
+                 owner_uid=os.getuid())
         print(f"\nadded {m.name}@{m.version} to {repo.root} (no daemon running): {len(m.tensors)} tensors, "
               f"{_human(m.weights_bytes)}, {time.perf_counter() - t0:.2f} s")
         return 0
@@ -462,6 +465,11 @@ def main(argv=None) -> int:
     try:
         return args.func(args) or 0
     except ModelCacheError as e:
+        print(f"modelcache: {e}", file=sys.stderr)
+        return 1
+    except (FileNotFoundError, PermissionError) as e:  # a file the user named (e.g. `add`) and cannot open
+        if e.filename is None:
+            raise
         print(f"modelcache: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

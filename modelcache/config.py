@@ -74,6 +74,7 @@ class Settings:
     max_clients: int = 1024            # hellos beyond this are refused (each client costs the daemon ~3 descriptors)
     keep_host_tier: bool = False       # a clean stop leaves the host tier for the next daemon to re-adopt (a crash always does)
     verify_promotion: bool = True      # check checksums while promoting from disk; off only to measure its cost
+    admin_group: str = ""              # name or gid: may remove/pin/evict/load any model (so may root and the daemon's user)
 
     def __post_init__(self):
         if not self.socket:

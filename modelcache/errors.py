@@ -75,9 +75,15 @@ class LeaseError(ModelCacheError):
     code = "lease"
 
 
+class PermissionDenied(ModelCacheError, PermissionError):
+    """The caller may not do this: the socket is not theirs to reach, or the model or client id is another user's."""
+
+    code = "permission"
+
+
 ERRORS_BY_CODE = {cls.code: cls for cls in (ModelCacheError, DaemonUnavailable, RequestTimeout, ProtocolError,
                                             ModelNotFound, PackError, InputError, CapacityError, LeaseError,
-                                            StorageError, RemoteError, IntegrityError)}
+                                            StorageError, RemoteError, IntegrityError, PermissionDenied)}
 
 
 def from_code(code: str, message: str) -> ModelCacheError:

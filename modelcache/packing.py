@@ -103,6 +103,7 @@ class Manifest:
     gpu_tensors: list = field(default_factory=list)  # TensorEntry per stub of the GPU skeleton, offset into weights.bin
     files: dict = field(default_factory=dict)  # stored file -> {"bytes", "xxh3"}; {} for versions packed before
     checksum: str = ""      # of this manifest's canonical form (integrity.manifest_checksum); "" before
+    owner_uid: int = -1          # who added it (the kernel's uid of the adding client); -1: unknown, admins only
 
     def to_json(self) -> str:
         """The manifest as stored, its checksum recomputed: every writer goes through here."""
@@ -521,7 +522,7 @@ def write_gpu_stub(model_dir: Path, manifest: Manifest) -> None:
 
 
 def pack(src: str, repository: Path, name: str, version: int | None, opt_level: str = "all",
-         progress: Progress | None = None) -> Manifest:
+         progress: Progress | None = None, owner_uid: int = -1) -> Manifest:
     """Validate, optimize and pack `src` into `repository/name/version`, atomically; `version`
     None takes the next free one, even with other processes adding the same name at once.
 
@@ -576,7 +577,8 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
             outputs=_io_entries(source_model.graph.output),
             tensors=tensors, weights_bytes=weights_bytes, source_sha256=_sha256_file(src),
             ort_version=ort.__version__, opt_level=opt_level, created_unix=time.time(),
-            gpu_skeleton=GPU_SKELETON_FILE, gpu_opt_level=gpu.opt_level, gpu_tensors=gpu_tensors)
+            gpu_skeleton=GPU_SKELETON_FILE, gpu_opt_level=gpu.opt_level, gpu_tensors=gpu_tensors,
+            owner_uid=owner_uid)
         write_gpu_stub(tmp, manifest)
         check_gpu_skeleton(tmp, manifest)
         manifest.files = integrity.record_files(tmp, CHECKED_FILES)
@@ -666,14 +668,20 @@ def check_name(name: str) -> None:
 
 
 def pack_in_subprocess(src: str, repository: Path, name: str, version: int, opt_level: str = "all",
-                       progress: Progress | None = None, on_start=None) -> Manifest:
+                       progress: Progress | None = None, on_start=None, sources: tuple = ((), ()),
+                       owner_uid: int = -1) -> Manifest:
     """`pack` in a child process: ORT's memory goes back to the OS when it exits, and a model that
-    crashes ORT costs that child, not the caller (the daemon). `on_start(proc)` lets the caller kill it."""
+    crashes ORT costs that child, not the caller (the daemon). `on_start(proc)` lets the caller kill it.
+
+    sources: (descriptors, names) of the model's files as the client opened them (modelcache/sources.py);
+    the child copies them into a private directory and packs that copy: `src` then only names them."""
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "modelcache.packing", src, str(repository), name, str(version), opt_level]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    fds, names = sources
+    cmd = [sys.executable, "-m", "modelcache.packing", src, str(repository), name, str(version), opt_level,
+           str(owner_uid), *(f"{fd}:{n}" for fd, n in zip(fds, names))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, pass_fds=list(fds))
     if on_start:
         on_start(proc)
     error = None
@@ -696,13 +704,28 @@ def pack_in_subprocess(src: str, repository: Path, name: str, version: int, opt_
 
 
 def _main(argv: list[str]) -> int:
-    src, repository, name, version, opt_level = argv
+    src, repository, name, version, opt_level, owner_uid, *fd_names = argv
+    scratch = copied = None
     try:
-        pack(src, Path(repository), name, int(version), opt_level,
-             progress=lambda d, t: print(f"progress {d} {t}", flush=True))
-    except ModelCacheError as e:  # PackError, StorageError: the parent raises the same type
-        print(f"error {e.code} " + str(e).replace("\n", " "), flush=True)
+        if fd_names:  # the client's descriptors: pack a private copy, never a path the client named
+            from .sources import copy_sources
+            fds, names = zip(*((int(fd), n) for fd, _, n in (s.partition(":") for s in fd_names)))
+            scratch = reservations.scratch(Path(repository))  # (swept like a reservation after a crash)
+            copied = str(scratch.tmp)
+            path = copy_sources(list(fds), list(names), copied)
+        else:
+            path = src
+        pack(path, Path(repository), name, int(version), opt_level,
+             progress=lambda d, t: print(f"progress {d} {t}", flush=True), owner_uid=int(owner_uid))
+    except (ModelCacheError, OSError) as e:  # PackError, StorageError...: the parent raises the same type
+        code = e.code if isinstance(e, ModelCacheError) else PackError.code
+        # Errors name the client's file, not our copy of it.
+        text = str(e).replace(copied, os.path.dirname(src)) if copied else str(e)
+        print(f"error {code} " + text.replace("\n", " "), flush=True)
         return 2
+    finally:
+        if scratch is not None:
+            reservations.abandon(scratch)
     print("ok", flush=True)
     return 0
 

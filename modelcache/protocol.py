@@ -85,7 +85,7 @@ class Message:
 class Hello(Message, kind="hello"):
     req_id: int
     protocol_version: int
-    pid: int
+    pid: int                           # for older daemons: this one takes the pid (and uid) from the kernel
     client_name: str = ""
 
 
@@ -189,11 +189,15 @@ class ModelList(Message, kind="list_ok"):
 
 
 class Add(Message, kind="add"):
+    """Pack a model from the files whose descriptors come with this message over the lane (SCM_RIGHTS):
+    `files` names them, the model's file name first, then its external-data files relative to it.
+    `path` is where the client found the model, for messages only: the daemon never opens it."""
     req_id: int
     path: str
     name: str
     version: Optional[int] = None
     opt_level: Optional[str] = None
+    files: list = []
 
 
 class AddReply(Message, kind="add_ok"):

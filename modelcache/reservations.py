@@ -136,10 +136,25 @@ def reserve(root: Path, name: str, version: int | None) -> Reservation:
         elif version in being_written:
             raise PackError(f"model {name} version {version} is being added by another process; "
                             "wait for it, or add without a version to get the next free one")
-        tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{name}@{version}-", dir=root))
-        fd = os.open(tmp / WRITER_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        tmp, fd = _locked_temp_dir(root, f"{TEMP_PREFIX}{name}@{version}-")
     return Reservation(name, version, tmp, fd)
+
+
+def scratch(root: Path) -> Reservation:
+    """A private working directory in the repository's file system (a client's model copied in to be
+    packed): held like a reservation, so sweeps leave it alone while its writer lives. `abandon` it."""
+    root.mkdir(parents=True, exist_ok=True)
+    with _RepositoryLock(root):
+        tmp, fd = _locked_temp_dir(root, f"{TEMP_PREFIX}scratch-")
+    return Reservation("", 0, tmp, fd)
+
+
+def _locked_temp_dir(root: Path, prefix: str) -> tuple[Path, int]:
+    """A new temp dir with its writer lock held by us (the fd). Call under the repository lock."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+    fd = os.open(tmp / WRITER_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return tmp, fd
 
 
 def publish(reservation: Reservation, final: Path) -> None:

@@ -153,7 +153,8 @@ def test_hello_with_an_impossible_pid_is_refused_and_the_sweep_survives(fast_swe
     reply = ask(sock, P.encode(P.Hello(req_id=7, protocol_version=P.PROTOCOL_VERSION, pid=pid)))
     assert isinstance(reply, P.ErrorReply) and reply.code == "protocol" and "not a process id" in reply.message
     assert reply.req_id == 7
-    # A client of a process that exited: the next sweep drops it, so a sweep ran after the bad hello.
+    # A client that falls silent (the daemon takes the pid from the kernel, not the hello, so the exited
+    # process below no longer decides): the next sweeps drop it, so a sweep ran after the bad hello.
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     reply = ask(sock, P.encode(P.Hello(req_id=8, protocol_version=P.PROTOCOL_VERSION, pid=gone.pid)))

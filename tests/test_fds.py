@@ -3,7 +3,6 @@ serves again once connections close."""
 
 from __future__ import annotations
 
-import os
 import resource
 import socket
 import time

@@ -30,7 +30,8 @@ import zmq
 import logging
 
 from .. import lane as _lane, protocol as P
-from ..errors import DaemonUnavailable, ModelCacheError, ProtocolError, RequestTimeout, from_code
+from ..errors import (DaemonUnavailable, ModelCacheError, PermissionDenied, ProtocolError, RequestTimeout,
+                      from_code)
 
 log = logging.getLogger("modelcache.client")
 # Calls a restarted daemon may safely see twice: the dead daemon's effects died with it.
@@ -90,9 +91,8 @@ class Client:
         return self._lane is not None
 
     def _connect(self) -> None:
-        if self.address.startswith("ipc://") and not os.path.exists(self.address[len("ipc://"):]):
-            raise DaemonUnavailable(f"no modelcache daemon at {self.address} (no socket file): start one with "
-                                    "`modelcache daemon`, or point MODELCACHE_SOCKET at the running one")
+        if self.address.startswith("ipc://"):
+            check_can_connect(self.address[len("ipc://"):], self.address)
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(self.address)
@@ -159,8 +159,9 @@ class Client:
                 gone = True
         return gone
 
-    def _call(self, msg, expect: tuple, timeout_s: float | None = None, use_lane: bool = False):
-        """Send one request and wait for its reply (or a typed error)."""
+    def _call(self, msg, expect: tuple, timeout_s: float | None = None, use_lane: bool = False,
+              lane: _lane.LaneClient | None = None, fds: list = ()):
+        """Send one request and wait for its reply (or a typed error); over `lane` (with `fds`) when given."""
         if self._closed:
             raise DaemonUnavailable("this modelcache connection is closed")
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
@@ -173,8 +174,10 @@ class Client:
                 msg.req_id = next(self._ids)
                 deadline = time.monotonic() + timeout_s
                 try:
-                    if use_lane and self._lane is not None:
-                        reply = self._exchange_lane(msg, expect, deadline)
+                    if lane is not None:
+                        reply = self._exchange_lane(msg, expect, deadline, lane, fds)
+                    elif use_lane and self._lane is not None:
+                        reply = self._exchange_lane(msg, expect, deadline, self._lane)
                     else:
                         reply = self._exchange_zmq(msg, expect, deadline)
                 except DaemonUnavailable as lost:
@@ -225,29 +228,31 @@ class Client:
                 return reply
             # else: a late answer to a request we gave up on
 
-    def _exchange_lane(self, msg, expect: tuple, deadline: float):
-        """msg's reply over the serve lane; None at the deadline. A lane that fails is closed, and
+    def _exchange_lane(self, msg, expect: tuple, deadline: float, lane: _lane.LaneClient, fds: list = ()):
+        """msg's reply over a lane; None at the deadline. A serve lane that fails is closed, and
         later calls go over ZeroMQ."""
         try:
-            self._lane.send(*P.encode(msg), deadline)
+            lane.send(*P.encode(msg), deadline, fds)
         except OSError:        # (a send timeout too: part of a frame may be out, the stream is unusable)
-            self._drop_lane()
+            self._drop_lane(lane)
             raise DaemonUnavailable(f"lost the serve lane to the modelcache daemon at {self.address} "
                                     f"(it stopped, crashed or stalled)") from None
         while True:
             try:
-                reply = _reply_to(msg, P.decode(self._lane.receive(deadline)), expect)
+                reply = _reply_to(msg, P.decode(lane.receive(deadline)), expect)
             except TimeoutError:
                 return None    # a late reply, whole or in part, is read and skipped by the next call
             except OSError:
-                self._drop_lane()
+                self._drop_lane(lane)
                 raise DaemonUnavailable(f"lost the connection to the modelcache daemon at {self.address} "
                                         f"(it stopped or crashed)") from None
             if reply is not None:
                 return reply
 
-    def _drop_lane(self) -> None:
-        if self._lane is not None:
+    def _drop_lane(self, lane: _lane.LaneClient | None = None) -> None:
+        if lane is not None and lane is not self._lane:
+            lane.close()
+        elif self._lane is not None:
             self._lane.close()
             self._lane = None
 
@@ -361,10 +366,24 @@ class Client:
 
     def add(self, path: str, name: str, version: int | None = None, opt_level: str | None = None,
             timeout_s: float | None = None) -> P.AddReply:
-        """Pack an .onnx file into the daemon's repository (the daemon reads the file: give a path it can read)."""
-        return self._call(P.Add(req_id=0, path=os.path.abspath(path), name=name, version=version,
-                                opt_level=opt_level), expect=(P.AddReply,),
-                          timeout_s=timeout_s or self._add_timeout_s)
+        """Pack an .onnx file into the daemon's repository. This process opens the file and each external-data
+        file it references, with its own rights (an OSError is its own), and passes the descriptors over a
+        lane connection of their own: the daemon never opens a path a client names (see modelcache/sources.py)."""
+        from ..sources import close_all, open_model_files
+        names, fds = open_model_files(path)
+        lane = None
+        try:
+            lane = _lane.connect(self.address)
+            if lane is None:
+                raise DaemonUnavailable(f"add needs the daemon's local lane socket ({self.address}.lane): a tcp:// "
+                                        "daemon cannot take files; copy the model to its host and add it there")
+            return self._call(P.Add(req_id=0, path=os.path.abspath(path), name=name, version=version,
+                                    opt_level=opt_level, files=names), expect=(P.AddReply,),
+                              timeout_s=timeout_s or self._add_timeout_s, lane=lane, fds=fds)
+        finally:
+            close_all(fds)
+            if lane is not None:
+                lane.close()
 
     def close(self) -> None:
         """Leave: the daemon releases this client's leases at once."""
@@ -402,6 +421,31 @@ def _reply_to(msg, reply, expect: tuple):
 def _daemon_forgot_us(reply) -> bool:
     """A daemon that restarted between our calls answers "unknown client" and did nothing else."""
     return isinstance(reply, P.ErrorReply) and reply.code == "lease" and reply.message.startswith("unknown client")
+
+
+def check_can_connect(path: str, address: str) -> None:
+    """Fail at once where the kernel would refuse the connection: libzmq retries a refused ipc:// connect
+    in the background, so without this a user outside the socket's group waited for a request timeout."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise DaemonUnavailable(f"no modelcache daemon at {address} (no socket file): start one with "
+                                "`modelcache daemon`, or point MODELCACHE_SOCKET at the running one") from None
+    except PermissionError:
+        raise PermissionDenied(f"permission denied: cannot reach the modelcache socket {path}: a directory on its "
+                               "path is closed to this user") from None
+    if not os.access(path, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
+        raise PermissionDenied(f"permission denied: cannot connect to the modelcache daemon at {address}: the socket "
+                               f"is mode {st.st_mode & 0o777:04o}, group {_group_name(st.st_gid)}; ask an admin to add "
+                               "this user to that group")
+
+
+def _group_name(gid: int) -> str:
+    import grp
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
 
 
 def connect(socket: str | None = None, timeout_s: float | None = None, name: str = "", lane: bool = True) -> Client:

@@ -8,13 +8,13 @@ every handler, these run on the owner loop and use its state: `registry`, `host`
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 from .. import protocol as P
 from ..errors import CapacityError, IntegrityError, ModelCacheError, ModelNotFound, PackError, RemoteError
 from ..packing import pack_in_subprocess
 from ..storage import storage_errors
+from ..sources import check_regular_files, check_source_names, close_all
 from ..tiers.host import variant_tensors
 from .registry import ModelRecord, ModelState
 
@@ -50,6 +50,7 @@ class CacheOps:
         model = self._resolve_or_fetch(ident, msg)
         if model is None:
             return None
+        self.admins.check_model_owner(ident, model, "load")
 
         def answer(error, hit):
             reply = P.Ack(req_id=msg.req_id) if error is None else \
@@ -120,6 +121,7 @@ class CacheOps:
             log.info("damaged model removed: %s@%d", msg.name, msg.version)
             return P.Ack(req_id=msg.req_id)
         model = self.registry.resolve(msg.name, msg.version)
+        self.admins.check_model_owner(ident, model, "remove")
         if model.refcount > 0 or model.state is ModelState.LOADING or model.busy_on_device:
             raise CapacityError(f"{model.key} is in use or loading; it cannot be removed now")
         if model.state is ModelState.RESIDENT:
@@ -131,6 +133,7 @@ class CacheOps:
 
     def on_Pin(self, ident, msg: P.Pin):
         model = self.registry.resolve(msg.name, msg.version)
+        self.admins.check_model_owner(ident, model, "pin" if msg.pinned else "unpin")
         model.pinned = msg.pinned
         log.info("model %s: %s", "pinned" if msg.pinned else "unpinned", model.key)
         return P.Ack(req_id=msg.req_id)
@@ -146,6 +149,7 @@ class CacheOps:
 
     def on_Evict(self, ident, msg: P.Evict):
         model = self.registry.resolve(msg.name, msg.version)
+        self.admins.check_model_owner(ident, model, "evict")
         if msg.tier != "host":
             if msg.tier.partition(":")[0] != "gpu":
                 raise ModelCacheError(f"unknown tier {msg.tier!r}: use 'host', 'gpu' or 'gpu:<UUID or index>'")
@@ -209,12 +213,29 @@ class CacheOps:
         return victims
 
     def on_Add(self, ident, msg: P.Add):
+        """Pack the files whose descriptors came with the request (daemon/lane.py): the daemon reads what
+        the client could open, and never opens a path a client names (sources.py says why)."""
+        take_fds = getattr(ident, "take_fds", None)
+        fds = take_fds() if take_fds is not None else []
+        try:
+            if take_fds is None:
+                raise PackError(f"add {msg.name}: the model's files travel as descriptors over the daemon's local "
+                                "socket (ipc://, its .lane), which this request did not come by; upgrade the client")
+            check_source_names(msg.files)
+            if len(fds) != len(msg.files):
+                raise PackError(f"add {msg.name}: {len(msg.files)} files named, {len(fds)} descriptors passed")
+            check_regular_files(fds, msg.files, msg.name)
+            return self._start_add(ident, msg, fds)
+        except BaseException:
+            close_all(fds)
+            raise
+
+    def _start_add(self, ident, msg: P.Add, fds: list[int]):
+        """Pack on a loader thread; the descriptors are closed when it is done."""
         opt_level = msg.opt_level or self.settings.opt_level
         version = msg.version if msg.version is not None else self.registry.next_version(msg.name, self.reserved_versions)
         if (msg.name, version) in self.registry.models or (msg.name, version) in self.reserved_versions:
             raise PackError(f"model {msg.name} version {version} already exists")
-        if not os.path.isabs(msg.path):
-            raise PackError(f"add needs an absolute path (the daemon's working directory is not yours): {msg.path}")
         key = (msg.name, version)
         self.reserved_versions.add(key)
         job = {"kind": "add", "model": f"{msg.name}@{version}", "bytes_done": 0, "bytes_total": 0}
@@ -223,13 +244,17 @@ class CacheOps:
         def progress(done, total):  # written by the loader thread; only read for stats
             job["bytes_done"], job["bytes_total"] = done, total
 
+        owner_uid = -1 if ident.uid is None else ident.uid
+
         def work():
             t0 = time.perf_counter()
             started = []
             try:
                 manifest = pack_in_subprocess(msg.path, self.repository.root, msg.name, version, opt_level,
-                                              progress, on_start=lambda p: (started.append(p), self.packers.add(p)))
+                                              progress, on_start=lambda p: (started.append(p), self.packers.add(p)),
+                                              sources=(fds, msg.files), owner_uid=owner_uid)
             finally:
+                close_all(fds)
                 for p in started:
                     self.packers.discard(p)
             return manifest, time.perf_counter() - t0

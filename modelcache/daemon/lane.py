@@ -2,8 +2,11 @@
 its connections, driven by the owner loop's poller. Nothing here blocks.
 
 A connection stands in for a ZeroMQ routing id: handlers get it as `ident` and replies go
-back through `send`. A reply to a connection that has gone is dropped, as ROUTER drops one
-to a vanished peer; a client that stops reading is cut off once MAX_PENDING bytes wait.
+back through `send`; like identity.Peer it carries the client's kernel uid, gid and pid.
+A connection's first message may bring file descriptors (SCM_RIGHTS: `add` passes the
+model's files so the daemon never opens a client-named path); later reads take none, so
+serve calls keep the cheaper recv_into. A reply to a connection that has gone is dropped,
+as ROUTER drops one to a vanished peer; a client that stops reading is cut off once MAX_PENDING bytes wait.
 """
 
 from __future__ import annotations
@@ -18,13 +21,17 @@ from pathlib import Path
 import zmq
 
 from ..errors import ModelCacheError
-from ..lane import MAX_BODY, FrameReader, LaneError, frame, recv_chunk
+from ..lane import MAX_BODY, MAX_FDS, FrameReader, LaneError, frame, recv_chunk, recv_chunk_with_fds
+from .identity import socket_credentials
 
 log = logging.getLogger("modelcache.daemon")
 
 READ_CHUNK = 1 << 20            # one read buffer, shared by every connection (the owner loop reads)
 MAX_READ_PER_TURN = 16 << 20     # one busy client cannot hold the loop
 MAX_PENDING = 256 << 20          # unread replies a client may leave before it is cut off
+# Descriptors held for first messages not yet whole, over all connections: one open file sent 253 times
+# is 253 of our descriptors, so many connections that never finish a message could exhaust them.
+MAX_HELD_FDS = 1024
 # ints, not pyzmq's enums: `int & IntFlag` runs Python code in the enum module, per event
 _IN, _OUT, _IN_OUT = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.POLLIN | zmq.POLLOUT)
 
@@ -42,13 +49,27 @@ def check_socket_file(path: Path) -> None:
 
 
 class LaneConnection:
-    __slots__ = ("sock", "fd", "reader", "out", "server", "polling_out")
+    __slots__ = ("sock", "fd", "reader", "out", "server", "polling_out", "uid", "gid", "pid", "fds")
 
     def __init__(self, sock: socket.socket, server: "LaneServer"):
         self.sock, self.fd, self.server = sock, sock.fileno(), server
         self.reader = FrameReader(server.max_body)
         self.out = bytearray()
         self.polling_out = False  # registered for POLLOUT: replies wait for room in the socket
+        self.uid, self.gid, self.pid = socket_credentials(sock)
+        self.fds: list | None = []  # descriptors come with the first message; None once it is handled
+
+    def take_fds(self) -> list:
+        """The descriptors that came with this message (the caller now owns them, and closes them)."""
+        fds, self.fds = self.fds or [], []
+        self.server.held_fds -= len(fds)
+        return fds
+
+    def close_fds(self) -> None:
+        for fd in self.fds or ():
+            os.close(fd)
+        self.server.held_fds -= len(self.fds or ())
+        self.fds = None
 
     def send(self, kind: bytes, body: bytes) -> None:
         if self.sock is None:
@@ -92,6 +113,7 @@ class LaneServer:
         self.listener: socket.socket | None = None
         self.poller: zmq.Poller | None = None
         self.conns: dict[int, LaneConnection] = {}
+        self.held_fds = 0                # passed descriptors not yet taken by a handler (see MAX_HELD_FDS)
         self.scratch = memoryview(bytearray(READ_CHUNK))
         self.budget = None               # daemon/fds.py FdBudget: accept only while it has room
         self.accepting = False
@@ -158,11 +180,24 @@ class LaneServer:
         got = 0
         while got < MAX_READ_PER_TURN:
             try:
-                data = recv_chunk(conn.sock, self.scratch)
+                if conn.fds is None:
+                    data = recv_chunk(conn.sock, self.scratch)
+                else:
+                    data, fds = recv_chunk_with_fds(conn.sock, self.scratch)
+                    conn.fds += fds
+                    self.held_fds += len(fds)
+                    if len(conn.fds) > MAX_FDS or self.held_fds > MAX_HELD_FDS:
+                        self.drop(conn, f"{len(conn.fds)} file descriptors passed, {self.held_fds} held in all "
+                                        f"(at most {MAX_FDS} a message, {MAX_HELD_FDS} together)")
+                        return
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as e:
                 self.drop(conn, f"read failed: {e}")
+                return
+            except LaneError as e:
+                self.counters["bad_messages"] += 1
+                self.drop(conn, str(e))
                 return
             if not data:
                 self.drop(conn, None)
@@ -181,6 +216,8 @@ class LaneServer:
             if message is None:
                 return
             handle([conn, *message])
+            if conn.fds is not None:   # only a connection's first message brings descriptors
+                conn.close_fds()
 
     def drop(self, conn: LaneConnection, why: str | None) -> None:
         if conn.sock is None:
@@ -188,6 +225,7 @@ class LaneServer:
         if why:
             log.warning("lane: dropped a client connection: %s", why)
         self.conns.pop(conn.fd, None)
+        conn.close_fds()
         try:
             self.poller.unregister(conn.fd)
         except KeyError:

@@ -99,6 +99,8 @@ class ClientRecord:
     name: str
     last_seen: float
     leases: set = field(default_factory=set)
+    uid: int | None = None           # the kernel's, with pid (see daemon/identity.py); None: a tcp:// client
+    gid: int | None = None
 
 
 @dataclass
@@ -156,9 +158,10 @@ class Registry:
         return max(taken, default=0) + 1
 
     # -- clients and leases ----------------------------------------------------------
-    def new_client(self, pid: int, name: str, now: float) -> ClientRecord:
+    def new_client(self, pid: int, name: str, now: float, uid: int | None = None,
+                   gid: int | None = None) -> ClientRecord:
         cid = f"c{next(self._ids)}-{secrets.token_hex(4)}"
-        rec = ClientRecord(cid, pid, name, now)
+        rec = ClientRecord(cid, pid, name, now, uid=uid, gid=gid)
         self.clients[cid] = rec
         return rec
 

@@ -28,6 +28,7 @@ class ServeHandlers:
     def on_Partition(self, ident, msg: P.Partition):
         from ..executor.partition import check_request, partition
         model = self.registry.resolve(msg.name, msg.version)
+        self.admins.check_model_owner(ident, model, "partition")   # it changes what every user's requests run
         check_request(msg.stages, msg.tail_fraction)   # here, not on a loader: no job for what cannot be met
         if model.refcount > 0 or model.state is ModelState.LOADING:
             raise CapacityError(f"{model.key} is in use; partition it when no session or request holds it")
@@ -53,6 +54,7 @@ class ServeHandlers:
         from ..executor.batching import check_profile
         from ..packing import write_manifest
         model = self.registry.resolve(msg.name, msg.version)
+        self.admins.check_model_owner(ident, model, "set the batching profile of")
         try:
             check_profile(msg.profile, stages=max(1, len(model.manifest.stages)))
         except ValueError as e:
@@ -66,7 +68,7 @@ class ServeHandlers:
         return P.Ack(req_id=msg.req_id)
 
     def on_Infer(self, ident, msg: P.Infer):
-        self._touch(msg.client_id)
+        self._touch(msg.client_id, ident)
         if msg.deadline_ms is not None and not 0 <= msg.deadline_ms < float("inf"):   # (NaN fails this too)
             raise InputError(f"deadline_ms {msg.deadline_ms}: give a positive number of milliseconds "
                              "(0 or none: no deadline)")

@@ -1,0 +1,109 @@
+"""Who sent a request, as the kernel says (never as the message says), and what that caller may do.
+
+On an ipc:// socket the kernel records the peer's uid, gid and pid at connect (SO_PEERCRED).
+The lane reads them once per connection; libzmq (4.3.5) hands them out per message as the
+"Peer-Address" property, `localhost:UID:GID:PID`. A tcp:// peer has no credentials: it is
+anonymous (uid None) and may not remove, pin, evict, load or see other clients.
+
+A client id is bound to the kernel's (uid, pid) of the process that said hello, not to one
+connection: a client's heartbeat thread and its serve lane are connections of their own.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import socket
+import struct
+
+from ..errors import PermissionDenied
+
+_UCRED = struct.Struct("3i")      # struct ucred: pid, uid, gid
+
+
+class Peer:
+    """A ZeroMQ request's sender: where its reply goes (the routing id) and who it is.
+    The lane's connections (daemon/lane.py) carry the same uid, gid and pid attributes."""
+
+    __slots__ = ("routing_id", "uid", "gid", "pid")
+
+    def __init__(self, routing_id: bytes, creds: tuple | None):
+        self.routing_id = routing_id
+        self.uid, self.gid, self.pid = creds if creds is not None else (None, None, 0)
+
+
+_parsed: dict[str, tuple | None] = {}   # Peer-Address text -> credentials: parsed once per process
+
+
+def credentials_from_peer_address(address: str | None) -> tuple | None:
+    """'localhost:UID:GID:PID' -> (uid, gid, pid); None for anything else (a tcp:// peer's IP)."""
+    creds = _parsed.get(address, False)
+    if creds is False:
+        creds = None
+        parts = (address or "").rsplit(":", 3)
+        if len(parts) == 4 and all(p.isdigit() for p in parts[1:]):
+            creds = (int(parts[1]), int(parts[2]), int(parts[3]))
+        if len(_parsed) > 4096:   # one entry per client process; a long-lived daemon sees many
+            _parsed.clear()
+        _parsed[address] = creds
+    return creds
+
+
+def socket_credentials(sock: socket.socket) -> tuple:
+    """(uid, gid, pid) of a connected Unix socket's peer, from the kernel."""
+    pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return uid, gid, pid
+
+
+def _group_id(group: str) -> int:
+    from ..config import ConfigError
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"admin_group {group!r}: no such group") from None
+
+
+class Admins:
+    """Who may act on any model and see every client: root, the daemon's own user, and `admin_group`."""
+
+    def __init__(self, admin_group: str = "", daemon_uid: int | None = None):
+        self.uids = {0, os.geteuid() if daemon_uid is None else daemon_uid}
+        self.gid = _group_id(admin_group) if admin_group else None
+
+    def is_admin(self, peer) -> bool:
+        if peer.uid is None:
+            return False
+        if peer.uid in self.uids:
+            return True
+        if self.gid is None:
+            return False
+        if peer.gid == self.gid:
+            return True
+        try:  # supplementary members, as the group database lists them
+            return pwd.getpwuid(peer.uid).pw_name in grp.getgrgid(self.gid).gr_mem
+        except KeyError:
+            return False
+
+    def check_model_owner(self, peer, model, action: str) -> None:
+        """Raise PermissionDenied unless `peer` added `model` or is an admin."""
+        if self.is_admin(peer):
+            return
+        owner = getattr(model.manifest, "owner_uid", -1)
+        if peer.uid is not None and peer.uid == owner:
+            return
+        who = "a tcp:// client (no credentials)" if peer.uid is None else f"uid {peer.uid}"
+        added_by = f"uid {owner}" if owner >= 0 else "an unrecorded user (packed before owners were kept)"
+        raise PermissionDenied(f"permission denied: {who} may not {action} model {model.key}: it was added by "
+                               f"{added_by}; only its owner and admins (root, the daemon's user, admin_group) may")
+
+
+def check_client_owner(peer, client) -> None:
+    """Raise PermissionDenied unless `peer` is the process that said hello as `client`."""
+    if client.uid is None:      # a tcp:// client: its id is all there is to go by
+        return
+    if (peer.uid, peer.pid) != (client.uid, client.pid):
+        raise PermissionDenied(f"permission denied: client id {client.client_id!r} belongs to another process; "
+                               "a client acts only on its own leases")
