@@ -35,6 +35,7 @@ def become(uid: int, gid: int, groups: list[int]) -> None:
 def main() -> int:
     import modelcache
     from modelcache import protocol as P
+    from modelcache.errors import from_code
 
     uid, gid, groups = int(sys.argv[1]), int(sys.argv[2]), [int(g) for g in sys.argv[3].split(",") if g]
     socket, actions = sys.argv[4], json.loads(sys.argv[5])
@@ -53,8 +54,14 @@ def main() -> int:
             if kind == "call":
                 result = getattr(client, args[0])(*args[1:])
                 result = result.to_dict() if hasattr(result, "to_dict") else result
-            elif kind == "raw":
-                result = client._call(getattr(P, args[0])(req_id=0, **args[1]), expect=(P.Ack,)).to_dict()
+            elif kind == "raw":  # below _call, which would address the message to our own client id
+                msg = getattr(P, args[0])(req_id=0, **args[1])
+                with client._lock:
+                    msg.req_id = next(client._ids)
+                    reply = client._exchange_zmq(msg, (P.Ack, P.ErrorReply), time.monotonic() + 10)
+                if isinstance(reply, P.ErrorReply):
+                    raise from_code(reply.code, reply.message)
+                result = reply.to_dict()
             else:  # stats
                 result = [c["client_id"] for c in client.stats().clients]
             out[label] = {"ok": result}
