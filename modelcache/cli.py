@@ -303,7 +303,8 @@ def cmd_demo(args) -> int:
     return demo(args)
 
 
-BENCHMARKS = ("coldstart", "open", "tiers", "executor", "serve", "transport", "binding", "servepath")  # modules of modelcache.bench
+BENCHMARKS = ("coldstart", "open", "tiers", "executor", "serve", "transport", "binding", "servepath", "fuzz",
+              "soak")  # modules of modelcache.bench
 
 
 def cmd_bench(args) -> int:
