@@ -119,11 +119,15 @@ def test_sigkill_during_promotion(tmp_path, zoo_file):
         for delay_s in (0.0, 0.01, 0.03):
             d.stop()
             d.start()                              # a cold host tier: the next load promotes from disk
-            loader = subprocess.Popen([sys.executable, "-c", "import modelcache, sys; "
-                                       "modelcache.connect(sys.argv[1]).load('g')", d.socket])
+            loader = subprocess.Popen([sys.executable, "-c", "import modelcache, sys\n"
+                                       "c = modelcache.connect(sys.argv[1]); print('HELLO', flush=True); c.load('g')",
+                                       d.socket], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            assert loader.stdout.readline().startswith("HELLO")
             time.sleep(delay_s)
             kill_daemon(d)
-            assert loader.wait(30) != 0             # a typed error, not a hang
+            _, err = loader.communicate(timeout=30)
+            # done before the kill, or a typed error (never a hang, never another error)
+            assert loader.returncode == 0 or "DaemonUnavailable" in err or "RequestTimeout" in err, err[-500:]
             d.kill()
             d.start()
             serves_every_complete_version(d, {"g": src})
