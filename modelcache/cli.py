@@ -425,7 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "`transport` (a bare round trip: ZeroMQ vs the serve lane), "
                                      "`serve` (batching policies under open-loop Poisson load), "
                                      "`open` (session ready, memory, warm speed vs plain ORT), "
-                                     "`binding` (which ORT binding to share weights with)",
+                                     "`binding` (which ORT binding to share weights with), "
+                                     "`fuzz` (malformed messages on both sockets), "
+                                     "`soak` (many clients, churn and eviction for minutes)",
                        description="Benchmarks print figures; options after the name go to the benchmark "
                                    "(`modelcache bench coldstart --help`).")
     b.add_argument("which", choices=BENCHMARKS)

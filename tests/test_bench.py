@@ -93,14 +93,15 @@ def test_servepath_splits_a_served_call(tmp_path):
 
 
 def test_soak_reports_each_interval_and_the_slopes(tmp_path):
-    text = run("soak", "--minutes", "0.15", "--report-s", "3", "--clients", "3", "--models", "tiny-cnn", "tiny-fp16", "tiny-embed",
-               "--out", str(tmp_path))
+    text = run("soak", "--minutes", "0.15", "--report-s", "3", "--clients", "3",
+               "--models", "tiny-cnn", "tiny-fp16", "tiny-embed", "--out", str(tmp_path))
     assert "slopes per minute: RSS" in text and "daemon crashed: no" in text
     r = json.loads((tmp_path / "results.json").read_text())
     assert r["host_capacity_bytes"] < r["weights_bytes"]            # the tier cannot hold all three
     assert len(r["minutes"]) >= 2 and r["totals"]["requests"] > 50
     assert r["totals"]["wrong"] == 0 and r["totals"]["unexplained_errors"] == 0 and r["totals"]["dropped"] == 0
     assert all(m["rss_mib"] > 0 and m["fds"] > 0 for m in r["minutes"])
+    assert sum(m["churn_cycles"] for m in r["minutes"]) > 0     # models were evicted under the others' load
     assert set(r["slopes_per_minute"]) == {"rss_mib", "fds", "shm_mib"}
     assert r["client_exit_codes"] == [0, 0, 0]
 

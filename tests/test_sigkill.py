@@ -17,7 +17,6 @@ import time
 
 import numpy as np
 import psutil
-import pytest
 
 from modelcache import zoo
 from modelcache.errors import DaemonUnavailable, ModelCacheError, RequestTimeout

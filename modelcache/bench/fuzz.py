@@ -372,7 +372,8 @@ def report(r: dict, f=None) -> None:
     accepted = sum(v for k, v in c.items() if k.startswith("accepted:"))
     lines = [
         f"messages sent        {c.get('sent_zmq', 0) + c.get('sent_lane', 0)} "
-        f"(ZeroMQ {c.get('sent_zmq', 0)}, lane connections {c.get('sent_lane', 0)}) in {r['seconds']} s, seed {r['seed']}",
+        f"(ZeroMQ {c.get('sent_zmq', 0)}, lane connections {c.get('sent_lane', 0)}) "
+        f"in {r['seconds']} s, seed {r['seed']}",
         f"replies              {c.get('replies', 0)}: errors by code: {errors}; accepted {accepted}",
         f"crashes              {r['crashes']}",
         f"hangs                {r['hangs']} (probes {c.get('probes', 0)}, slowest {r['probe_ms_max']} ms)",
@@ -398,7 +399,8 @@ def main(argv=None) -> int:
     from .common import save_results
     ap = argparse.ArgumentParser(prog="modelcache bench fuzz", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--messages", type=int, default=40000, help="malformed messages in all, both sockets (default 40000)")
+    ap.add_argument("--messages", type=int, default=40000,
+                    help="malformed messages in all, both sockets (default 40000)")
     ap.add_argument("--seed", type=int, default=0, help="the generator's seed: the same seed sends the same messages")
     ap.add_argument("--batch", type=int, default=200, help="messages between two health probes (default 200)")
     ap.add_argument("--hang-s", type=float, default=10.0, help="an answer later than this is a hang (default 10)")

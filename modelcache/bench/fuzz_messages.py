@@ -143,8 +143,8 @@ def plausible_value(rng: random.Random, kind: bytes, name: str, type_text: str, 
     if name in ("tier", "device"):
         return packed(rng.choice(["host", "gpu", "cpu", "cuda", "gpu:0", "cuda:GPU-x", "disk", ""]))
     if name == "profile":
-        return map_of({k: hostile_value(rng) for k in rng.sample(
-            ["kind", "batches", "stage_s", "ratios", "g", "t_opt_ms", "n_opt", "request_s", "extra"], rng.randrange(10))})
+        keys = ["kind", "batches", "stage_s", "ratios", "g", "t_opt_ms", "n_opt", "request_s", "extra"]
+        return map_of({k: hostile_value(rng) for k in rng.sample(keys, rng.randrange(len(keys) + 1))})
     if type_text.startswith("Optional") or name in ("version", "output_names"):
         return packed(rng.choice([None, 1, 2, 0, -1, 2**64 - 1]) if name == "version"
                       else rng.choice([None, ["logits"], ["nope"], [], [1]]))

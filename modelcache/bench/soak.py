@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
 MiB = 1 << 20
@@ -48,11 +48,12 @@ class Tally:
         self.reset()
 
     def reset(self):
-        self.lat_ms, self.errors, self.wrong, self.dropped, self.busy = [], Counter(), 0, 0, 0
+        self.lat_ms, self.errors, self.wrong, self.dropped, self.busy, self.cycles = [], Counter(), 0, 0, 0, 0
 
     def line(self) -> str:
         out = json.dumps({"t": time.time(), "role": self.role, "lat_ms": [round(x, 3) for x in self.lat_ms],
-                          "errors": dict(self.errors), "wrong": self.wrong, "dropped": self.dropped, "busy": self.busy})
+                          "errors": dict(self.errors), "wrong": self.wrong, "dropped": self.dropped, "busy": self.busy,
+                          "cycles": self.cycles})
         self.reset()
         return out
 
@@ -86,6 +87,7 @@ def worker(role: str, socket: str, refs_path: str, seconds: float, seed: int, ch
                 try:
                     client.evict(name)
                     client.load(name)
+                    tally.cycles += 1
                 except modelcache.errors.CapacityError:
                     tally.busy += 1         # in use right now: the evict (or the load) is refused, as it should be
                 time.sleep(churn_interval_s)
@@ -194,7 +196,6 @@ def run_soak(args, work: Path, log=print) -> dict:
     import psutil
 
     from ..client.connection import connect
-    from ..config import parse_size
     from .common import managed_daemon
 
     address = f"ipc://{work}/daemon.sock"
@@ -269,7 +270,7 @@ def run_soak(args, work: Path, log=print) -> dict:
         result["crashed"] = crashed or not daemon.is_running()
         if not result["crashed"]:
             result["clients_lost"] = monitor.stats().counters.get("clients_lost", 0)
-    s = result["samples"]
+    s = [x for x in result["samples"] if x[0] <= seconds]   # while every client runs, not their wind-down
     result["slopes_per_minute"] = {"rss_mib": slope_per_minute([(t, r / MiB) for t, r, _, _ in s]),
                                    "fds": slope_per_minute([(t, f) for t, _, f, _ in s]),
                                    "shm_mib": slope_per_minute([(t, b / MiB) for t, _, _, b in s])}
@@ -294,7 +295,8 @@ def summarize(lines: list, lock, t0: float, t1: float, samples: list, monitor) -
     return {"seconds": round(t1 - t0, 1), "requests": len(lat), "rps": round(len(lat) / max(t1 - t0, 1e-9), 1),
             "p50_ms": round(percentile(lat, 0.5), 2), "p99_ms": round(percentile(lat, 0.99), 2),
             "errors": dict(errors), "wrong": sum(x["wrong"] for x in mine), "dropped": sum(x["dropped"] for x in mine),
-            "churn_busy": sum(x["busy"] for x in mine), "rss_mib": round(rss / MiB, 1), "fds": fds,
+            "churn_busy": sum(x["busy"] for x in mine), "churn_cycles": sum(x["cycles"] for x in mine),
+            "rss_mib": round(rss / MiB, 1), "fds": fds,
             "shm_mib": round(shm / MiB, 1)}
 
 
@@ -312,14 +314,17 @@ def report(r: dict, f=None) -> None:
     p = lambda s="": print(s, file=f)   # noqa: E731
     a = r["args"]
     p(f"soak: {a['minutes']} min, {a['clients']} clients ({' '.join(roles(a['clients']))}), models "
-      f"{' '.join(a['models'])}; weights {r['weights_bytes'] >> 10} KiB, host tier {r['host_capacity_bytes'] >> 10} KiB")
+      f"{' '.join(a['models'])}; weights {r['weights_bytes'] >> 10} KiB, "
+      f"host tier {r['host_capacity_bytes'] >> 10} KiB")
     p(HEADER_ROW)
     for i, m in enumerate(r["minutes"], 1):
         p(minute_row(i, m))
     t, s = r["totals"], r["slopes_per_minute"]
-    p(f"totals: {t.get('requests', 0)} requests, {t.get('wrong', 0)} wrong, {t.get('unexplained_errors', 0)} unexplained "
-      f"errors, {t.get('explained_errors', 0)} explained (CapacityError), {t.get('dropped', 0)} clients dropped "
-      f"(daemon's clients_lost {r.get('clients_lost', '?')}), churn refusals {sum(m['churn_busy'] for m in r['minutes'])}")
+    p(f"totals: {t.get('requests', 0)} requests, {t.get('wrong', 0)} wrong, "
+      f"{t.get('unexplained_errors', 0)} unexplained errors, {t.get('explained_errors', 0)} explained (CapacityError), "
+      f"{t.get('dropped', 0)} clients dropped (daemon's clients_lost {r.get('clients_lost', '?')}), "
+      f"evict+load cycles {sum(m.get('churn_cycles', 0) for m in r['minutes'])}, "
+      f"refused while in use {sum(m['churn_busy'] for m in r['minutes'])}")
     p(f"daemon crashed: {'YES' if r['crashed'] else 'no'}; client exit codes {r['client_exit_codes']}")
     p(f"slopes per minute: RSS {s['rss_mib']:+.2f} MiB, fds {s['fds']:+.2f}, /dev/shm {s['shm_mib']:+.2f} MiB")
     for e in r.get("client_stderr", []):
