@@ -76,13 +76,16 @@ def test_sigkill_of_the_daemon_during_add_never_shows_half_a_model(tmp_path, zoo
         t.join(30)
         assert not t.is_alive(), "the adding client hangs on a dead daemon"
         assert all(isinstance(e, (DaemonUnavailable, RequestTimeout)) for e in errors), errors
-        outcomes.append((delay_s, round(time.monotonic() - t0, 2), type(errors[0]).__name__ if errors else "added"))
+        outcomes.append((delay_s, round(time.monotonic() - t0, 2), type(errors[0]).__name__ if errors else "added",
+                         len(packers)))
         psutil.wait_procs(packers, timeout=120)     # an orphaned packer finishes (or not) before the restart
         d.kill()
     d.start()
     try:
         listed = serves_every_complete_version(d, {f"g{i}": src for i in range(4)})
-        print(f"kills during add (delay s, client error after s, outcome): {outcomes}; listed after restart: {listed}")
+        print(f"kills during add (delay s, client error after s, outcome, packers running): {outcomes}; "
+              f"listed after restart: {listed}")
+        assert any(n for *_, n in outcomes), "no kill landed while a packer ran: the delays missed the add"
     finally:
         stop_cleanly(d)
 

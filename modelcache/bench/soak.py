@@ -35,7 +35,6 @@ from pathlib import Path
 
 MiB = 1 << 20
 EXPLAINED = {"CapacityError"}
-ATTACH_RUNS = 20          # runs of one attach session before a mixed client closes it
 
 
 # -- a client process -----------------------------------------------------------------------
@@ -48,17 +47,19 @@ class Tally:
         self.reset()
 
     def reset(self):
-        self.lat_ms, self.errors, self.wrong, self.dropped, self.busy, self.cycles = [], Counter(), 0, 0, 0, 0
+        self.lat_ms, self.errors, self.wrong, self.dropped, self.busy = [], Counter(), 0, 0, 0
+        self.evictions = self.loads = 0
 
     def line(self) -> str:
         out = json.dumps({"t": time.time(), "role": self.role, "lat_ms": [round(x, 3) for x in self.lat_ms],
                           "errors": dict(self.errors), "wrong": self.wrong, "dropped": self.dropped, "busy": self.busy,
-                          "cycles": self.cycles})
+                          "evictions": self.evictions, "loads": self.loads})
         self.reset()
         return out
 
 
-def worker(role: str, socket: str, refs_path: str, seconds: float, seed: int, churn_interval_s: float) -> int:
+def worker(role: str, socket: str, refs_path: str, seconds: float, seed: int, churn_interval_s: float,
+           attach_runs: int) -> int:
     """A client process: `role` work until `seconds` pass; one JSON line per second on stdout."""
     import numpy as np
 
@@ -84,12 +85,13 @@ def worker(role: str, socket: str, refs_path: str, seconds: float, seed: int, ch
         t0 = time.perf_counter()
         try:
             if role == "churn":
-                try:
-                    client.evict(name)
-                    client.load(name)
-                    tally.cycles += 1
-                except modelcache.errors.CapacityError:
-                    tally.busy += 1         # in use right now: the evict (or the load) is refused, as it should be
+                for step in ("evict", "load"):
+                    try:
+                        getattr(client, step)(name)
+                        tally.evictions += step == "evict"
+                        tally.loads += step == "load"
+                    except modelcache.errors.CapacityError:
+                        tally.busy += 1     # in use, or the tier is full of models in use: refused, as it should be
                 time.sleep(churn_interval_s)
             elif role == "openclose":
                 with modelcache.InferenceSession(name, client=client) as s:
@@ -99,7 +101,7 @@ def worker(role: str, socket: str, refs_path: str, seconds: float, seed: int, ch
                 check(name, next(iter(out.values())))
             else:                           # mixed: attach, a session kept for a few runs
                 if name not in sessions:
-                    sessions[name] = [modelcache.InferenceSession(name, client=client), ATTACH_RUNS]
+                    sessions[name] = [modelcache.InferenceSession(name, client=client), attach_runs]
                 entry = sessions[name]
                 check(name, entry[0].run(None, feeds[name])[0])
                 entry[1] -= 1
@@ -169,8 +171,13 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 # -- the run ---------------------------------------------------------------------------------
 
+def host_bytes(client) -> int:
+    return next(t["used_bytes"] for t in client.stats().tiers if t["tier"] == "host")
+
+
 def prepare(models: list[str], work: Path, client) -> tuple[str, dict]:
-    """Add the zoo models, write their feeds and plain ORT's answers to refs.npz; returns (path, name -> bytes)."""
+    """Add the zoo models, write their feeds and plain ORT's answers to refs.npz; returns (path, name -> the
+    bytes the model takes in the host tier: its segments, less than the manifest's padded weights_bytes)."""
     import numpy as np
 
     from .. import zoo
@@ -179,7 +186,10 @@ def prepare(models: list[str], work: Path, client) -> tuple[str, dict]:
     for name in models:
         src = work / f"{name}.onnx"
         zoo.save(zoo.build(name), str(src))
-        sizes[name] = client.add(str(src), name).weights_bytes
+        client.add(str(src), name)
+        before = host_bytes(client)
+        client.load(name)
+        sizes[name] = host_bytes(client) - before
         feeds = zoo.sample_inputs(str(src), batch=2)
         arrays[f"{name}/ref"] = plain_session(str(src)).run(None, feeds)[0]
         arrays.update({f"{name}/feed/{k}": v for k, v in feeds.items()})
@@ -209,8 +219,9 @@ def run_soak(args, work: Path, log=print) -> dict:
     capacity = max(int(weights * args.capacity_fraction), max(sizes.values()) + 4096)
     env["MODELCACHE_HOST_CAPACITY"] = str(capacity)
     result = {"args": {k: v for k, v in vars(args).items() if k != "out"}, "weights_bytes": weights,
+              "model_bytes": sizes,
               "host_capacity_bytes": capacity, "minutes": [], "samples": []}
-    log(f"models {' '.join(args.models)}: {weights >> 10} KiB of weights; host tier {capacity >> 10} KiB; "
+    log(f"models {' '.join(args.models)}: {weights >> 10} KiB in the host tier, which holds {capacity >> 10} KiB; "
         f"clients {' '.join(roles(args.clients))}")
     log(HEADER_ROW)
     with managed_daemon(address, str(work / "repo"), env, str(work / "daemon.log")), connect(address) as monitor:
@@ -223,8 +234,8 @@ def run_soak(args, work: Path, log=print) -> dict:
         for i, role in enumerate(roles(args.clients)):
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "modelcache.bench.soak", "--worker", role, address, refs_path, str(seconds),
-                 str(args.seed + i), str(args.churn_interval_s)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True))
+                 str(args.seed + i), str(args.churn_interval_s), str(args.attach_runs)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
 
         def read(p):
             for line in p.stdout:
@@ -269,7 +280,10 @@ def run_soak(args, work: Path, log=print) -> dict:
         result["client_stderr"] = [p.stderr.read()[-1500:] for p in procs if p.returncode]
         result["crashed"] = crashed or not daemon.is_running()
         if not result["crashed"]:
-            result["clients_lost"] = monitor.stats().counters.get("clients_lost", 0)
+            counters = monitor.stats().counters
+            result["clients_lost"] = counters.get("clients_lost", 0)
+            result["daemon_counters"] = {k: counters.get(k, 0) for k in ("promotions", "evictions", "opens", "hits",
+                                                                         "misses", "bad_messages")}
     s = [x for x in result["samples"] if x[0] <= seconds]   # while every client runs, not their wind-down
     result["slopes_per_minute"] = {"rss_mib": slope_per_minute([(t, r / MiB) for t, r, _, _ in s]),
                                    "fds": slope_per_minute([(t, f) for t, _, f, _ in s]),
@@ -295,7 +309,8 @@ def summarize(lines: list, lock, t0: float, t1: float, samples: list, monitor) -
     return {"seconds": round(t1 - t0, 1), "requests": len(lat), "rps": round(len(lat) / max(t1 - t0, 1e-9), 1),
             "p50_ms": round(percentile(lat, 0.5), 2), "p99_ms": round(percentile(lat, 0.99), 2),
             "errors": dict(errors), "wrong": sum(x["wrong"] for x in mine), "dropped": sum(x["dropped"] for x in mine),
-            "churn_busy": sum(x["busy"] for x in mine), "churn_cycles": sum(x["cycles"] for x in mine),
+            "churn_busy": sum(x["busy"] for x in mine), "evictions": sum(x["evictions"] for x in mine),
+            "loads": sum(x["loads"] for x in mine),
             "rss_mib": round(rss / MiB, 1), "fds": fds,
             "shm_mib": round(shm / MiB, 1)}
 
@@ -314,7 +329,7 @@ def report(r: dict, f=None) -> None:
     p = lambda s="": print(s, file=f)   # noqa: E731
     a = r["args"]
     p(f"soak: {a['minutes']} min, {a['clients']} clients ({' '.join(roles(a['clients']))}), models "
-      f"{' '.join(a['models'])}; weights {r['weights_bytes'] >> 10} KiB, "
+      f"{' '.join(a['models'])}; {r['weights_bytes'] >> 10} KiB of them, "
       f"host tier {r['host_capacity_bytes'] >> 10} KiB")
     p(HEADER_ROW)
     for i, m in enumerate(r["minutes"], 1):
@@ -323,9 +338,10 @@ def report(r: dict, f=None) -> None:
     p(f"totals: {t.get('requests', 0)} requests, {t.get('wrong', 0)} wrong, "
       f"{t.get('unexplained_errors', 0)} unexplained errors, {t.get('explained_errors', 0)} explained (CapacityError), "
       f"{t.get('dropped', 0)} clients dropped (daemon's clients_lost {r.get('clients_lost', '?')}), "
-      f"evict+load cycles {sum(m.get('churn_cycles', 0) for m in r['minutes'])}, "
-      f"refused while in use {sum(m['churn_busy'] for m in r['minutes'])}")
-    p(f"daemon crashed: {'YES' if r['crashed'] else 'no'}; client exit codes {r['client_exit_codes']}")
+      f"churn: {sum(m['evictions'] for m in r['minutes'])} evictions, {sum(m['loads'] for m in r['minutes'])} loads, "
+      f"{sum(m['churn_busy'] for m in r['minutes'])} refused (in use)")
+    p(f"daemon crashed: {'YES' if r['crashed'] else 'no'}; client exit codes {r['client_exit_codes']}; "
+      f"daemon counters {r.get('daemon_counters', '?')}")
     p(f"slopes per minute: RSS {s['rss_mib']:+.2f} MiB, fds {s['fds']:+.2f}, /dev/shm {s['shm_mib']:+.2f} MiB")
     for e in r.get("client_stderr", []):
         p(f"client stderr: {e}")
@@ -340,8 +356,8 @@ def passed(r: dict) -> bool:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
-        role, socket, refs, seconds, seed, interval = argv[1:7]
-        return worker(role, socket, refs, float(seconds), int(seed), float(interval))
+        role, socket, refs, seconds, seed, interval, attach_runs = argv[1:8]
+        return worker(role, socket, refs, float(seconds), int(seed), float(interval), int(attach_runs))
     from .common import save_results
     ap = argparse.ArgumentParser(prog="modelcache bench soak", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -350,9 +366,13 @@ def main(argv=None) -> int:
                     help="client processes: 1 load/evict churn, 1 open/close churn, the rest mixed (default 8)")
     ap.add_argument("--models", nargs="+", default=["tiny-cnn", "tiny-vit", "tiny-embed", "tiny-fp16"],
                     help="zoo models the clients use (default: the four tiny ones of the eviction soak in tests)")
-    ap.add_argument("--capacity-fraction", type=float, default=0.6,
-                    help="host tier size as a share of the models' weights; below 1 evicts (default 0.6)")
+    ap.add_argument("--capacity-fraction", type=float, default=0.9,
+                    help="host tier size as a share of the models' bytes in it; below 1 evicts (default 0.9; "
+                         "never below the largest model)")
     ap.add_argument("--workers", default="1,1", help="the daemon's serve-mode worker groups (default 1,1)")
+    ap.add_argument("--attach-runs", type=int, default=5,
+                    help="runs of a mixed client's attach session before it closes it (default 5); "
+                         "longer holds leave the churn client fewer models it may evict")
     ap.add_argument("--churn-interval-s", type=float, default=0.02, help="pause of the load/evict client per model")
     ap.add_argument("--report-s", type=float, default=60.0, help="seconds per report row (default 60: per minute)")
     ap.add_argument("--seed", type=int, default=0)
