@@ -2,13 +2,14 @@
 
     modelcache bench soak [--minutes 5] [--clients 8] [--models tiny-cnn tiny-vit ...] [--out DIR]
 
-Starts a private daemon whose host tier holds --capacity-fraction of the models' weights
-(below the working set, so promotions evict), adds the zoo models, computes plain ORT's
-answer for each, and runs --clients client processes:
-  - one "churn" client loads and evicts each model in turn (the very models the others use);
+Starts a private daemon, adds each zoo model --copies times (weights seeded apart), computes
+plain ORT's answer for each, cuts the host tier to --capacity-fraction of what the models take
+in it (below the working set, so promotions evict), and runs --clients client processes:
+  - one "churn" client evicts and loads random models (the very models the others use);
   - one "openclose" client opens an attach session, runs it once and closes it, over and over;
-  - the others ("mixed") alternate serve-mode infer and attach sessions (kept for a few runs)
-    on random models.
+  - the others ("mixed") alternate serve-mode infer and attach sessions (kept --attach-runs runs).
+Clients other than the churn stay with a model for --stick requests, then pick another at random:
+at any moment some models are in use and others are free to evict.
 Every output is compared with plain ORT. Each minute (--report-s) it prints: requests, throughput,
 p50/p99 latency, errors by kind, wrong outputs, clients dropped by the daemon, and the daemon's
 RSS, open fds and /dev/shm bytes (its host tier and the clients' I/O files). At the end: the
@@ -59,7 +60,7 @@ class Tally:
 
 
 def worker(role: str, socket: str, refs_path: str, seconds: float, seed: int, churn_interval_s: float,
-           attach_runs: int) -> int:
+           attach_runs: int, stick: int) -> int:
     """A client process: `role` work until `seconds` pass; one JSON line per second on stdout."""
     import numpy as np
 
@@ -80,8 +81,14 @@ def worker(role: str, socket: str, refs_path: str, seconds: float, seed: int, ch
     def check(name, out):
         tally.wrong += int(not np.allclose(out, refs[name], rtol=1e-3, atol=1e-4))
 
+    name, left = names[0], 0
     while time.monotonic() < end:
-        name = rng.choice(names)
+        if role == "churn" or left <= 0:  # clients stay with a model a while: the tier holds what is in use,
+            name, left = rng.choice(names), stick   # not all of it, so promotions must evict
+            for s, _ in sessions.values():  # and let go of the one they leave
+                s.close()
+            sessions.clear()
+        left -= 1
         t0 = time.perf_counter()
         try:
             if role == "churn":
@@ -175,17 +182,19 @@ def host_bytes(client) -> int:
     return next(t["used_bytes"] for t in client.stats().tiers if t["tier"] == "host")
 
 
-def prepare(models: list[str], work: Path, client) -> tuple[str, dict]:
+def prepare(models: list[str], work: Path, client, copies: int = 1) -> tuple[str, dict]:
     """Add the zoo models, write their feeds and plain ORT's answers to refs.npz; returns (path, name -> the
-    bytes the model takes in the host tier: its segments, less than the manifest's padded weights_bytes)."""
+    bytes the model takes in the host tier: its segments, less than the manifest's padded weights_bytes).
+    Each zoo model is added `copies` times (NAME.K, weights seeded K: no segment is shared)."""
     import numpy as np
 
     from .. import zoo
     from .common import plain_session
     arrays, sizes = {}, {}
-    for name in models:
+    for zname, k in ((z, k) for z in models for k in range(copies)):
+        name = f"{zname}.{k}" if copies > 1 else zname
         src = work / f"{name}.onnx"
-        zoo.save(zoo.build(name), str(src))
+        zoo.save(zoo.build(zname, seed=k), str(src))
         client.add(str(src), name)
         before = host_bytes(client)
         client.load(name)
@@ -213,7 +222,7 @@ def run_soak(args, work: Path, log=print) -> dict:
            "MODELCACHE_HOST_CAPACITY": "1G"}
     # First a daemon to add the models (to learn their sizes), then the soak's, with the tier cut below them.
     with managed_daemon(address, str(work / "repo"), env, str(work / "daemon.log")), connect(address) as c:
-        refs_path, sizes = prepare(args.models, work, c)
+        refs_path, sizes = prepare(args.models, work, c, args.copies)
     weights = sum(sizes.values())
     # below the working set, yet room for the largest model (else it could never be served)
     capacity = max(int(weights * args.capacity_fraction), max(sizes.values()) + 4096)
@@ -234,7 +243,7 @@ def run_soak(args, work: Path, log=print) -> dict:
         for i, role in enumerate(roles(args.clients)):
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "modelcache.bench.soak", "--worker", role, address, refs_path, str(seconds),
-                 str(args.seed + i), str(args.churn_interval_s), str(args.attach_runs)],
+                 str(args.seed + i), str(args.churn_interval_s), str(args.attach_runs), str(args.stick)],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
 
         def read(p):
@@ -356,8 +365,8 @@ def passed(r: dict) -> bool:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
-        role, socket, refs, seconds, seed, interval, attach_runs = argv[1:8]
-        return worker(role, socket, refs, float(seconds), int(seed), float(interval), int(attach_runs))
+        role, socket, refs, seconds, seed, interval, attach_runs, stick = argv[1:9]
+        return worker(role, socket, refs, float(seconds), int(seed), float(interval), int(attach_runs), int(stick))
     from .common import save_results
     ap = argparse.ArgumentParser(prog="modelcache bench soak", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -366,10 +375,14 @@ def main(argv=None) -> int:
                     help="client processes: 1 load/evict churn, 1 open/close churn, the rest mixed (default 8)")
     ap.add_argument("--models", nargs="+", default=["tiny-cnn", "tiny-vit", "tiny-embed", "tiny-fp16"],
                     help="zoo models the clients use (default: the four tiny ones of the eviction soak in tests)")
-    ap.add_argument("--capacity-fraction", type=float, default=0.9,
-                    help="host tier size as a share of the models' bytes in it; below 1 evicts (default 0.9; "
+    ap.add_argument("--capacity-fraction", type=float, default=0.75,
+                    help="host tier size as a share of the models' bytes in it; below 1 evicts (default 0.75; "
                          "never below the largest model)")
     ap.add_argument("--workers", default="1,1", help="the daemon's serve-mode worker groups (default 1,1)")
+    ap.add_argument("--copies", type=int, default=2,
+                    help="add each zoo model this many times, weights seeded apart (default 2: 8 models)")
+    ap.add_argument("--stick", type=int, default=50,
+                    help="requests a client makes of one model before it picks another (default 50)")
     ap.add_argument("--attach-runs", type=int, default=5,
                     help="runs of a mixed client's attach session before it closes it (default 5); "
                          "longer holds leave the churn client fewer models it may evict")
