@@ -58,7 +58,7 @@ def test_sigkill_of_the_daemon_during_add_never_shows_half_a_model(tmp_path, zoo
     src = zoo_file("googlenet")
     d = DaemonProcess(tmp_path, {"MODELCACHE_LOG_LEVEL": "info"})
     outcomes = []
-    for i, delay_s in enumerate([0.3, 1.0, 2.0, 3.5]):
+    for i, delay_s in enumerate([0.0, 0.3, 0.6, 3.0]):   # after the packer starts (it takes ~1-2 s here)
         d.start()
         errors = []
 
@@ -70,6 +70,7 @@ def test_sigkill_of_the_daemon_during_add_never_shows_half_a_model(tmp_path, zoo
                 errors.append(e)
         t = threading.Thread(target=add)
         t.start()
+        wait_until(lambda: psutil.Process(d.pid).children(), timeout_s=30, what="the packer")
         time.sleep(delay_s)
         packers = kill_daemon(d)
         t0 = time.monotonic()
