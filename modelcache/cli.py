@@ -324,7 +324,7 @@ def cmd_demo(args) -> int:
 
 
 BENCHMARKS = ("coldstart", "open", "tiers", "executor", "serve", "transport", "binding", "servepath",
-              "conformance", "restart", "hashes")  # modules of modelcache.bench
+              "conformance", "restart", "hashes", "fuzz", "soak")  # modules of modelcache.bench
 
 
 def cmd_bench(args) -> int:
@@ -451,7 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "`transport` (a bare round trip: ZeroMQ vs the serve lane), "
                                      "`serve` (batching policies under open-loop Poisson load), "
                                      "`open` (session ready, memory, warm speed vs plain ORT), "
-                                     "`binding` (which ORT binding to share weights with)",
+                                     "`binding` (which ORT binding to share weights with), "
+                                     "`fuzz` (malformed messages on both sockets), "
+                                     "`soak` (many clients, churn and eviction for minutes)",
                        description="Benchmarks print figures; options after the name go to the benchmark "
                                    "(`modelcache bench coldstart --help`).")
     b.add_argument("which", choices=BENCHMARKS)

@@ -15,6 +15,7 @@ A message is the same two parts as on ZeroMQ (kind, msgpack body), framed:
 
 from __future__ import annotations
 
+import mmap
 import os
 import select
 import socket
@@ -72,23 +73,60 @@ class FrameReader:
     """Bytes in as they arrive, whole (kind, body) messages out.
 
     A chunk that holds whole messages (the usual case: one request, one reply) is read
-    where it lies; only a message split across chunks is gathered in a bytearray."""
+    where it lies; only a message split across chunks is gathered in a bytearray. A frame
+    over GATHER_EXACT_BYTES is gathered into one buffer of its exact size and its body handed
+    out as a view of it: growing a bytearray and copying the body out of it cost a 50 MB
+    request 143 MiB of daemon memory (3x its size) where this costs 1x. The buffer is an
+    anonymous mapping, whose pages cost memory only once written: a header alone, promising
+    64 MB that never come, costs nothing (a zero-filled bytearray would cost it all)."""
+
+    GATHER_EXACT_BYTES = 1 << 20
 
     def __init__(self, max_body: int = MAX_BODY):
         self._buf: bytes | bytearray = b""
         self._at = 0                      # where the unread part of _buf starts
         self._max_body = max_body         # a longer frame is refused from its header, before it is gathered
+        self._big: mmap.mmap | None = None  # a big frame being gathered (it comes before anything in _buf)
+        self._have = 0                    # bytes of it gathered so far
 
     def feed(self, data: bytes) -> None:
+        if self._big is not None and self._have < len(self._big):
+            n = min(len(data), len(self._big) - self._have)
+            self._big[self._have:self._have + n] = memoryview(data)[:n]
+            self._have += n
+            data = data[n:]
+            if not data:
+                return
         if self._at >= len(self._buf):
             self._buf, self._at = data, 0
+        else:
+            if self._at or not isinstance(self._buf, bytearray):
+                self._buf = bytearray(memoryview(self._buf)[self._at:])
+                self._at = 0
+            self._buf += data
+        self._gather_if_big()
+
+    def _gather_if_big(self) -> None:
+        """Move a big incomplete frame at the read position into a buffer of its exact size."""
+        buf, at = self._buf, self._at
+        if self._big is not None or len(buf) - at < HEADER.size:
             return
-        if self._at or not isinstance(self._buf, bytearray):
-            self._buf = bytearray(memoryview(self._buf)[self._at:])
-            self._at = 0
-        self._buf += data
+        kind_len, body_len = HEADER.unpack_from(buf, at)
+        size = HEADER.size + kind_len + body_len
+        if size <= self.GATHER_EXACT_BYTES or len(buf) - at >= size or kind_len == 0 or body_len > self._max_body:
+            return   # small, complete, or refused by next()
+        self._big = mmap.mmap(-1, size)
+        self._have = len(buf) - at
+        self._big[:self._have] = memoryview(buf)[at:]
+        self._buf, self._at = b"", 0
 
     def next(self) -> tuple[bytes, bytes] | None:
+        if self._big is not None:
+            if self._have < len(self._big):
+                return None
+            big, self._big = self._big, None
+            start = HEADER.size + big[0]
+            return bytes(big[HEADER.size:start]), memoryview(big)[start:]
         buf, at = self._buf, self._at
         if len(buf) - at < HEADER.size:
             return None
@@ -98,6 +136,7 @@ class FrameReader:
         start = at + HEADER.size + kind_len
         end = start + body_len
         if len(buf) < end:
+            self._gather_if_big()
             return None
         with memoryview(buf) as view:
             kind, body = bytes(view[at + HEADER.size:start]), bytes(view[start:end])

@@ -363,7 +363,7 @@ def req_id_of(frames: list[bytes]) -> int:
     failed to decode, a body made to inflate included."""
     try:
         unpacker = msgpack.Unpacker(raw=False, max_str_len=64, max_bin_len=64, max_array_len=0, max_map_len=64)
-        unpacker.feed(frames[-1])
+        unpacker.feed(memoryview(frames[-1])[:1 << 16])   # feed() copies: the id is near the start, or is lost
         for _ in range(unpacker.read_map_header()):
             if unpacker.unpack() == "req_id":
                 rid = unpacker.unpack()

@@ -183,6 +183,28 @@ def _decode_value(entry: dict, name: str, depth: int):
     return np.frombuffer(buf, dtype=dtype, count=math.prod(shape)).reshape(shape)
 
 
+def remove_io_files_of(pid: int) -> int:
+    """Remove the I/O files a dead client process left behind (a SIGKILL between writing one and
+    unlinking it after the reply); returns how many. Only files named for that pid
+    (IO_PREFIX + UID.PID.N, as encode names them) and owned by the uid in their name."""
+    import stat
+
+    removed = 0
+    with os.scandir(IO_DIR) as entries:
+        for entry in entries:
+            parts = entry.name[len(IO_PREFIX):].split(".") if entry.name.startswith(IO_PREFIX) else ()
+            if len(parts) != 3 or parts[1] != str(pid):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and str(st.st_uid) == parts[0]:
+                    os.unlink(entry.path)
+                    removed += 1
+            except OSError:
+                pass
+    return removed
+
+
 def read_io_file(path, name: str, nbytes: int):
     """The first `nbytes` of a client's I/O file, copied into the reader's memory (read-only array).
 

@@ -90,3 +90,26 @@ def test_servepath_splits_a_served_call(tmp_path):
     assert 0 < res["ort_run_us"] < res["daemon_handling_us"] < res["served_us"]
     assert res["client_python_us"] > 0 and res["daemon_top"]
     assert any("_run_express" in row["where"] or "submit" in row["where"] for row in res["daemon_top"])
+
+
+def test_soak_reports_each_interval_and_the_slopes(tmp_path):
+    text = run("soak", "--minutes", "0.15", "--report-s", "3", "--clients", "3",
+               "--models", "tiny-cnn", "tiny-fp16", "tiny-embed", "--out", str(tmp_path))
+    assert "slopes per minute: RSS" in text and "daemon crashed: no" in text
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert r["host_capacity_bytes"] < r["weights_bytes"]            # the tier cannot hold all three
+    assert len(r["minutes"]) >= 2 and r["totals"]["requests"] > 50
+    assert r["totals"]["wrong"] == 0 and r["totals"]["unexplained_errors"] == 0 and r["totals"]["dropped"] == 0
+    assert all(m["rss_mib"] > 0 and m["fds"] > 0 for m in r["minutes"])
+    assert sum(m["evictions"] for m in r["minutes"]) > 0        # models were evicted under the others' load
+    assert set(r["slopes_per_minute"]) == {"rss_mib", "fds", "shm_mib"}
+    assert r["client_exit_codes"] == [0, 0, 0]
+
+
+def test_fuzz_command_counts_and_bounds(tmp_path):
+    """A short run of the long fuzz: the named cases of issue 15 included; it exits 0 only if it held."""
+    text = run("fuzz", "--messages", "400", "--batch", "100", "--out", str(tmp_path))
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert r["crashes"] == 0 and r["hangs"] == 0 and r["internal_errors"] == 0, text
+    assert r["counts"]["sent_zmq"] + r["counts"]["sent_lane"] >= 400 and r["largest_message_mib"] > 45
+    assert "peak RSS" in text and "RSS after" in text

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import msgpack
 import numpy as np
-import psutil
 import pytest
 import zmq
 
 from modelcache import protocol as P
+from modelcache.bench.fuzz import peak_rss_bytes, reset_peak_rss, rss_bytes
+from modelcache.bench.fuzz_messages import array_of
 from modelcache import integrity, tensors, zoo
 from modelcache.errors import CapacityError, DaemonUnavailable, InputError, PackError
 from modelcache.executor.workers import Worker
@@ -182,26 +183,6 @@ def test_the_sweep_never_dies_on_one_client(tmp_path):
 # -- bounded input -------------------------------------------------------------------------------
 
 MiB = 1 << 20
-
-
-def rss_bytes(pid: int) -> int:
-    return psutil.Process(pid).memory_info().rss
-
-
-def peak_rss_bytes(pid: int) -> int:
-    """The process's resident high-water mark since reset_peak_rss."""
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
-def reset_peak_rss(pid: int) -> None:
-    with open(f"/proc/{pid}/clear_refs", "w") as f:
-        f.write("5")
-
-
-def array_of(n: int, item: bytes = b"\x00") -> bytes:
-    """A msgpack array of n one-byte items (zeros, or empty lists with b"\\x90")."""
-    return b"\xdd" + n.to_bytes(4, "big") + item * n
 
 
 def map_with(req_id: int, key: str, packed_value: bytes) -> bytes:

@@ -14,8 +14,10 @@ from pathlib import Path
 
 
 @contextlib.contextmanager
-def managed_daemon(socket: str | None = None, repository: str | None = None):
-    """Yield the address of a running daemon: the one at `socket` if it answers, else one we start and stop."""
+def managed_daemon(socket: str | None = None, repository: str | None = None, env: dict | None = None,
+                   log_path: str | None = None):
+    """Yield the address of a running daemon: the one at `socket` if it answers, else one we start and stop
+    (with `env` added to its environment and its log in `log_path`, where given)."""
     from ..client.connection import connect
     from ..config import load
     from ..errors import ModelCacheError
@@ -27,9 +29,11 @@ def managed_daemon(socket: str | None = None, repository: str | None = None):
         return
     except ModelCacheError:
         pass
-    env = {**os.environ, "MODELCACHE_SOCKET": settings.socket, "MODELCACHE_REPOSITORY": settings.repository}
+    env = {**os.environ, "MODELCACHE_SOCKET": settings.socket, "MODELCACHE_REPOSITORY": settings.repository,
+           **(env or {})}
+    log = open(log_path, "ab") if log_path else None
     proc = subprocess.Popen([sys.executable, "-m", "modelcache.cli", "daemon", "--log-level", "warning"],
-                            env=env, stdout=subprocess.PIPE)
+                            env=env, stdout=subprocess.PIPE, stderr=log)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -46,6 +50,8 @@ def managed_daemon(socket: str | None = None, repository: str | None = None):
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
+        if log:
+            log.close()
 
 
 def plain_session(src: str):

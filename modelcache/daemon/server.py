@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import zmq
 
-from .. import __version__, protocol as P
+from .. import __version__, protocol as P, tensors
 from ..config import ConfigError, Settings
 from ..executor.engine import Engine
 from ..eviction import make_policy
@@ -578,8 +578,9 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
                     for lease in released:
                         self._after_release(lease.model, lease.device)
                     self.counters["clients_lost"] += 1
-                    log.info("client lost: %s (pid %d, %s), released %d leases", client.client_id, client.pid,
-                             "process gone" if dead else "no heartbeat", len(released))
+                    files = tensors.remove_io_files_of(client.pid) if dead else 0
+                    log.info("client lost: %s (pid %d, %s), released %d leases, removed %d I/O files", client.client_id,
+                             client.pid, "process gone" if dead else "no heartbeat", len(released), files)
             except Exception:  # one client's record must not stop the sweep, or the owner loop with it
                 log.error("sweep failed on client %s: %s", client.client_id, traceback.format_exc())
 
