@@ -287,6 +287,9 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
                         self.lane.on_ready(key, ready, self._handle)
                 self.engine.on_timer(self.clock())
                 if self.clock() >= next_sweep:
+                    if self.clock() - turn_at > self.settings.lease_timeout_s / 2:
+                        # Stopped after the poll and before this sweep: what arrived meanwhile is unread.
+                        self.listening_since = self.clock()
                     self._check_fds()
                     self.sweep_clients()
                     for key in self.engine.drop_idle(self.clock(), self.settings.serve_idle_s):
