@@ -17,7 +17,7 @@ from modelcache import protocol as P
 from modelcache import zoo
 from modelcache.errors import DaemonUnavailable, InputError
 from modelcache.lane import HEADER, FrameReader, LaneError, frame, lane_path
-from conftest import DaemonProcess
+from conftest import DaemonProcess, wait_until
 
 
 def test_frames_come_out_whole_however_the_bytes_arrive():
@@ -93,7 +93,9 @@ def test_a_stream_of_requests_gets_every_answer_over_the_lane_and_over_zeromq(da
         c.add(src, "cnn")
         for conn, lanes in ((c, 2), (z, 1)):   # c's stream has a lane of its own; z's uses ZeroMQ
             with InferStream(conn) as stream:
-                assert conn.stats().executor["lane_connections"] == lanes
+                # (the daemon accepts a lane connection on its own time, and drops add's once it sees it closed)
+                wait_until(lambda: conn.stats().executor["lane_connections"] == lanes, timeout_s=10,
+                           what=f"{lanes} lane connections")
                 for i, feeds in enumerate(feeds_list):
                     stream.send(i, "cnn", tensors.encode(feeds)[0])
                 stream.send(99, "ghost", tensors.encode(feeds_list[0])[0])   # an error is an answer too
