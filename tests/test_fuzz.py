@@ -46,18 +46,11 @@ def fuzzed(tmp_path_factory, zoo_file):
         stop_cleanly(d)
 
 
+@pytest.mark.parametrize("batch", ["zmq_batch", "lane_batch"])   # the ZeroMQ socket, the serve lane
 @BATCHES
 @given(rng=st.randoms(use_true_random=False))
-def test_zeromq_fuzz_never_crashes_hangs_or_answers_wrongly(fuzzed, rng):
-    fuzzed.zmq_batch(rng, 40)
-    fuzzed.probe()
-    assert rss_bytes(fuzzed.pid) - fuzzed.baseline < 64 * MiB
-
-
-@BATCHES
-@given(rng=st.randoms(use_true_random=False))
-def test_lane_fuzz_never_crashes_hangs_or_answers_wrongly(fuzzed, rng):
-    fuzzed.lane_batch(rng, 40)
+def test_fuzz_never_crashes_hangs_or_answers_wrongly(fuzzed, rng, batch):
+    getattr(fuzzed, batch)(rng, 40)
     fuzzed.probe()
     assert rss_bytes(fuzzed.pid) - fuzzed.baseline < 64 * MiB
 
