@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     print(f"first open after restart (re-adopted): {summary(warm_ms)} ms, host hit in {sum(hits)}/{len(hits)} runs")
     print(f"first open after restart (tier deleted, cold): {cold_ms:.1f} ms")
     check_ms = summary([float(s) * 1000 for _, s in checks])
-    print(f"re-adoption check: {check_ms} ms for {checks[0][0]} MiB (sha256 per tensor)")
+    print(f"re-adoption check: {check_ms} ms for {checks[0][0]} MiB (per tensor: xxh3, or sha256 for versions packed before file checksums)")
     for r in reports:
         print(f"client: {r}")
     return 0
