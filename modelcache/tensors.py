@@ -39,13 +39,16 @@ def encode(arrays: dict, shm_dir: str = IO_DIR, group_of: str | None = None,
     """
     wire, files = [], []
     for name, value in arrays.items():
-        if value is None or isinstance(value, (list, tuple, dict)):
-            entry = _encode_composite(value)
-        else:
-            entry = _encode_tensor(value, shm_dir, group_of, inline_only, files)
+        entry = _encode_value(value, shm_dir, group_of, inline_only, files)
         entry["name"] = name
         wire.append(entry)
     return wire, files
+
+
+def _encode_value(value, shm_dir: str, group_of: str | None, inline_only: bool, files: list) -> dict:
+    if value is None or isinstance(value, (list, tuple, dict)):
+        return _encode_composite(value)
+    return _encode_tensor(value, shm_dir, group_of, inline_only, files)
 
 
 def _encode_tensor(value, shm_dir: str, group_of: str | None, inline_only: bool, files: list) -> dict:
@@ -88,14 +91,8 @@ def _encode_composite(value) -> dict:
         for k in value:
             if not isinstance(k, (int, str)):
                 raise InputError(f"a map's keys must be int or str (ORT's map types), not {type(k).__name__}")
-        return {"map": [[k, _encode_element(v)] for k, v in value.items()]}
-    return {"seq": [_encode_element(v) for v in value]}
-
-
-def _encode_element(value) -> dict:
-    if value is None or isinstance(value, (list, tuple, dict)):
-        return _encode_composite(value)
-    return _encode_tensor(value, IO_DIR, None, True, [])
+        return {"map": [[k, _encode_value(v, IO_DIR, None, True, [])] for k, v in value.items()]}
+    return {"seq": [_encode_value(v, IO_DIR, None, True, []) for v in value]}
 
 
 def _as_str(v) -> str:
