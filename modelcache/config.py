@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from .address import DEFAULT_REQUEST_TIMEOUT_S, default_config_file, default_socket, is_root
 from .errors import ModelCacheError
 
 
@@ -14,25 +15,11 @@ class ConfigError(ModelCacheError):
     code = "config"
 
 
-def _is_root() -> bool:
-    return hasattr(os, "geteuid") and os.geteuid() == 0
-
-
-def default_runtime_dir() -> Path:
-    """Where the socket lives: systemd's RuntimeDirectory, then /run as root, then the user's runtime dir."""
-    if os.environ.get("RUNTIME_DIRECTORY"):
-        return Path(os.environ["RUNTIME_DIRECTORY"].split(":")[0])
-    if _is_root():
-        return Path("/run/modelcache")
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    return Path(xdg) / "modelcache" if xdg else Path(f"/tmp/modelcache-{os.getuid()}")
-
-
 def default_state_dir() -> Path:
     """Where packed models and performance history persist."""
     if os.environ.get("STATE_DIRECTORY"):
         return Path(os.environ["STATE_DIRECTORY"].split(":")[0])
-    if _is_root():
+    if is_root():
         return Path("/var/lib/modelcache")
     xdg = os.environ.get("XDG_DATA_HOME")
     return (Path(xdg) if xdg else Path.home() / ".local" / "share") / "modelcache"
@@ -53,7 +40,7 @@ class Settings:
     log_level: str = "info"
     heartbeat_interval_s: float = 1.0  # clients ping this often ...
     lease_timeout_s: float = 4.0       # ... and lose their references after this long without a ping
-    request_timeout_s: float = 30.0    # every client call gives up after this long
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S   # every client call gives up after this long
     add_timeout_s: float = 3600.0      # packing a big model takes longer than an ordinary call
     opt_level: str = "all"             # ORT optimization applied once, at add time
     loader_threads: int = 2            # promotions and packs run here, off the owner loop
@@ -78,7 +65,7 @@ class Settings:
 
     def __post_init__(self):
         if not self.socket:
-            self.socket = f"ipc://{default_runtime_dir() / 'daemon.sock'}"
+            self.socket = default_socket()
         if not self.repository:
             self.repository = str(default_state_dir() / "repository")
         if not self.state_dir:
@@ -129,15 +116,6 @@ def _coerce(name: str, typ, value):
         return str(value)
     except (TypeError, ValueError):
         raise ConfigError(f"setting {name}: {value!r} is not a valid {getattr(typ, '__name__', typ)}") from None
-
-
-def default_config_file() -> Path | None:
-    if os.environ.get("MODELCACHE_CONFIG"):
-        return Path(os.environ["MODELCACHE_CONFIG"])
-    candidates = [Path("/etc/modelcache/modelcache.toml")] if _is_root() else []
-    xdg = os.environ.get("XDG_CONFIG_HOME")
-    candidates.append((Path(xdg) if xdg else Path.home() / ".config") / "modelcache" / "modelcache.toml")
-    return next((p for p in candidates if p.is_file()), None)
 
 
 def load(config_file: str | Path | None = None, overrides: dict | None = None, env=None) -> Settings:

@@ -15,10 +15,10 @@ A message is the same two parts as on ZeroMQ (kind, msgpack body), framed:
 
 from __future__ import annotations
 
+import _socket as socket  # not `socket`: it builds its IntEnums at import, ~4 ms of a client's cold start
 import mmap
 import os
 import select
-import socket
 import struct
 import time
 
@@ -168,7 +168,7 @@ class LaneClient:
         data = frame(kind, body)
         try:
             if fds:
-                sent = socket.send_fds(self._sock, [data], list(fds), socket.MSG_DONTWAIT)
+                sent = _send_fds(self._sock, data, fds)
             else:
                 sent = self._sock.send(data, socket.MSG_DONTWAIT)   # all of it, unless the daemon lags
         except BlockingIOError:
@@ -215,8 +215,24 @@ class LaneClient:
         self._reader.feed(data)
         return True
 
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def shutdown(self) -> None:
+        """End the stream both ways: wakes a thread that polls this socket (a close alone does not)."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass   # not connected any more: nothing to end
+
     def close(self) -> None:
         self._sock.close()
+
+
+def _send_fds(sock, data: bytes, fds) -> int:
+    """socket.send_fds, which the plain _socket module lacks: the bytes, with `fds` as SCM_RIGHTS."""
+    import array
+    return sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))], socket.MSG_DONTWAIT)
 
 
 def connect(address: str) -> LaneClient | None:

@@ -112,11 +112,14 @@ class Goodbye(Message, kind="bye"):
 # -- models ------------------------------------------------------------------------------
 
 class Open(Message, kind="open"):
+    """On the lane, client_id "" needs no hello: the connection is the client, and its leases last as long
+    as it does (client/leases.py). client_name names that client in `status`."""
     req_id: int
     client_id: str
     name: str
     version: Optional[int] = None
     device: str = "cpu"                # "cpu", or "cuda" / "cuda:<UUID>" for the model's copy on a GPU
+    client_name: str = ""
 
 
 class OpenReply(Message, kind="open_ok"):

@@ -33,6 +33,21 @@ def test_coldstart_quick_on_tiny_models(tmp_path):
     assert (out / "speedup.png").stat().st_size > 1000 and (out / "memory.png").stat().st_size > 1000
 
 
+def test_coldstart_breakdown_times_each_step_of_an_open_per_client_path(tmp_path):
+    text = run("coldstart", "--breakdown", "--models", "tiny-cnn", "--runs", "2", "--out", str(tmp_path))
+    rows = {line.split()[1]: line.split() for line in text.splitlines() if line.startswith("tiny-cnn ")
+            and line.split()[1] in ("zmq", "lane", "tuned")}
+    assert list(rows) == ["zmq", "lane", "tuned"]
+    samples = json.loads((tmp_path / "breakdown.json").read_text())
+    assert len(samples) == 2 * 3
+    for s in samples:
+        steps = [s[k] for k in ("modules", "connect", "open", "bind", "session")]
+        assert all(v >= 0 for v in steps) and s["session"] > 0
+        if s["path"] != "tuned":
+            assert s["open"] > 0 and s["connect"] > 0     # a real round trip to the daemon, on either path
+    assert "on the lane" in (tmp_path / "breakdown.txt").read_text()
+
+
 def test_open_bench_on_a_tiny_model(tmp_path):
     text = run("open", "--models", "tiny-cnn", "--runs", "1", "--warm-runs", "3", "--out", str(tmp_path))
     assert "tiny-cnn" in text and "x plain ORT" in text

@@ -261,6 +261,7 @@ def test_a_lane_frame_over_max_message_size_ends_the_connection(small_messages):
 
 def test_a_message_of_a_million_frames_is_refused(daemon):
     sock = raw_socket(daemon)
+    sock.setsockopt(zmq.RCVTIMEO, 60_000)    # reading a million frames took over 5 s on a loaded 2-core machine
     sock.send_multipart([b"open"] + [b""] * 1_000_000)
     reply = P.decode(sock.recv_multipart())
     assert isinstance(reply, P.ErrorReply) and "2 frames" in reply.message

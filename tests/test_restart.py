@@ -144,7 +144,7 @@ def _plain_ort(path: str, feeds: dict):
 
 
 def test_clients_reconnect_and_keep_their_sessions_through_a_crash(tmp_path, zoo_file, monkeypatch):
-    from modelcache.client import connection
+    from modelcache.client import leases as lane_leases
     from modelcache.errors import DaemonUnavailable
     from conftest import wait_until
 
@@ -154,23 +154,25 @@ def test_clients_reconnect_and_keep_their_sessions_through_a_crash(tmp_path, zoo
     ref = _plain_ort(zoo_file("tiny-cnn"), feeds)
     c = d.client(timeout_s=60)
     c.add(zoo_file("tiny-cnn"), "cnn")
-    dropin = modelcache.InferenceSession("cnn")              # on connection.shared_client()
-    explicit = modelcache.InferenceSession("cnn", client=c)
-    shared = connection.shared_client()
+    dropin = modelcache.InferenceSession("cnn")              # on the process's lease client, over the lane
+    explicit = modelcache.InferenceSession("cnn", client=c)  # on a full client, over ZeroMQ
+    shared = lane_leases.shared_lease_client()
+    assert dropin._client is shared
     _sigkill(d)
     with pytest.raises(DaemonUnavailable):
         c.list()                                             # the one call the outage costs
     d2 = _restart(d)
     try:
-        # No call from the shared client: its heartbeat finds the new daemon and re-opens its lease.
+        # No call from either client: the full client's heartbeat and the lease client's watcher find the
+        # new daemon and re-open their leases.
         def leases():
             return sorted(cl["leases"] for cl in c.stats().clients)
         assert wait_until(lambda: leases() == [1, 1], what="both clients back with one lease each")
         assert [m["refcount"] for m in c.list()] == [2]
         for sess in (dropin, explicit):                      # their mappings never stopped working
             assert abs(sess.run(None, feeds)[0] - ref).max() < 1e-4
-        fresh = modelcache.InferenceSession("cnn")           # a new drop-in open, on the same shared client
-        assert fresh.was_cache_hit and connection.shared_client() is shared
+        fresh = modelcache.InferenceSession("cnn")           # a new drop-in open, on the same lease client
+        assert fresh.was_cache_hit and fresh._client is shared and lane_leases.shared_lease_client() is shared
         assert abs(fresh.run(None, feeds)[0] - ref).max() < 1e-4
         for sess in (dropin, explicit, fresh):
             sess.close()

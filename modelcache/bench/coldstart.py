@@ -182,6 +182,40 @@ def plot(samples: list[dict], memory: list[dict], out_dir: Path) -> list[str]:
     return written
 
 
+def compile_bytecode() -> None:
+    """Compile modelcache's modules as an install does. With PYTHONDONTWRITEBYTECODE set (as on the machines
+    here) an editable install compiles every client module again in every fresh process: ~10 ms of an attach
+    open that no installed package pays (pip compiles at install), and that ort and ideal never pay at all."""
+    import compileall
+    compileall.compile_dir(str(Path(__file__).resolve().parents[1]), quiet=2)
+
+
+def breakdown(args, models: list[str], runs: int, log) -> int:
+    from . import coldstart_breakdown as bd
+    from ..client.connection import connect
+    with tempfile.TemporaryDirectory(prefix="modelcache-coldstart-") as tmp, \
+            tempfile.TemporaryDirectory(prefix="modelcache-coldstart-", dir="/dev/shm") as shm:
+        socket = args.socket or f"ipc://{tmp}/daemon.sock"
+        with managed_daemon(socket, None if args.socket else f"{tmp}/repo"):
+            ensure_models(socket, models, Path(tmp) / "zoo")
+            with connect(socket) as client:
+                tuned = {n: prepare_tuned(client, n, Path(shm)) for n in models}
+                for n in models:
+                    client.release(client.open(n).lease_id)   # resident: every path opens a host hit
+            samples = bd.measure(socket, models, tuned, runs, log)
+    bd.report(samples)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "breakdown.txt", "w") as f:
+            print("$ modelcache bench coldstart --breakdown " + " ".join(
+                (["--models", *models] if args.models else []) + (["--runs", str(runs)] if args.runs else []) +
+                ["--out", args.out]), file=f)
+            bd.report(samples, f)
+        (out / "breakdown.json").write_text(json.dumps(samples))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="modelcache bench coldstart", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -193,6 +227,9 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     ap.add_argument("--socket", help="use this running daemon (default: start a private one)")
     ap.add_argument("--out", help="directory for samples.csv, results.json, report.txt and plots")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="instead: time each step of an attach-mode open, full client vs lane vs ort-tuned "
+                         "(writes breakdown.txt; see modelcache/bench/coldstart_breakdown.py)")
     args = ap.parse_args(argv)
     models = args.models or (["squeezenet1_1", "resnet50"] if args.quick else DEFAULT_MODELS)
     runs = args.runs or (5 if args.quick else 7)
@@ -202,6 +239,9 @@ def main(argv=None) -> int:
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
 
     from ..client.connection import connect
+    compile_bytecode()
+    if args.breakdown:
+        return breakdown(args, models if args.models else ["squeezenet1_1", "alexnet"], args.runs or 15, log)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="modelcache-coldstart-") as tmp, \
             tempfile.TemporaryDirectory(prefix="modelcache-coldstart-", dir="/dev/shm") as shm:

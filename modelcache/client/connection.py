@@ -30,7 +30,8 @@ import zmq
 import logging
 
 from .. import lane as _lane, protocol as P
-from ..errors import (DaemonUnavailable, ModelCacheError, PermissionDenied, ProtocolError, RequestTimeout,
+from ..address import check_can_connect
+from ..errors import (DaemonUnavailable, ModelCacheError, ProtocolError, RequestTimeout,
                       from_code)
 
 log = logging.getLogger("modelcache.client")
@@ -421,31 +422,6 @@ def _reply_to(msg, reply, expect: tuple):
 def _daemon_forgot_us(reply) -> bool:
     """A daemon that restarted between our calls answers "unknown client" and did nothing else."""
     return isinstance(reply, P.ErrorReply) and reply.code == "lease" and reply.message.startswith("unknown client")
-
-
-def check_can_connect(path: str, address: str) -> None:
-    """Fail at once where the kernel would refuse the connection: libzmq retries a refused ipc:// connect
-    in the background, so without this a user outside the socket's group waited for a request timeout."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise DaemonUnavailable(f"no modelcache daemon at {address} (no socket file): start one with "
-                                "`modelcache daemon`, or point MODELCACHE_SOCKET at the running one") from None
-    except PermissionError:
-        raise PermissionDenied(f"permission denied: cannot reach the modelcache socket {path}: a directory on its "
-                               "path is closed to this user") from None
-    if not os.access(path, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
-        raise PermissionDenied(f"permission denied: cannot connect to the modelcache daemon at {address}: the socket "
-                               f"is mode {st.st_mode & 0o777:04o}, group {_group_name(st.st_gid)}; ask an admin to add "
-                               "this user to that group")
-
-
-def _group_name(gid: int) -> str:
-    import grp
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return str(gid)
 
 
 def connect(socket: str | None = None, timeout_s: float | None = None, name: str = "", lane: bool = True) -> Client:

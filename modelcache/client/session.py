@@ -15,10 +15,14 @@ from __future__ import annotations
 import os
 import warnings
 
+from typing import TYPE_CHECKING
+
 from ..errors import InputError, ModelCacheError
 from ..tensors import NUMPY_TYPES, FeedCheck
 from ..session_options import attach_session_options, bind_weights
-from .connection import Client, OpenedModel, shared_client
+
+if TYPE_CHECKING:   # connection.py imports pyzmq: a drop-in session on the lane never needs it (client/leases.py)
+    from .connection import Client, OpenedModel
 
 
 class InferenceSession:
@@ -41,7 +45,7 @@ class InferenceSession:
                  client: Client | None = None, socket: str | None = None, mode: str = "attach"):
         import onnxruntime as ort
 
-        self._client = client or shared_client(socket)
+        self._client = client
         self._lease: OpenedModel | None = None
         self._released = False
         self._sess = None
@@ -49,7 +53,7 @@ class InferenceSession:
         self._weights: list = []
         self._device_weights = None
         device = _device_for(providers, ort)
-        self._lease = self._client.open(name, version, device=device or "cpu")
+        self._lease = self._open(name, version, device or "cpu", socket)
         try:
             so = attach_session_options(sess_options)
             # ORT keeps raw pointers into these mappings: they must outlive the session.
@@ -74,6 +78,21 @@ class InferenceSession:
         except BaseException:
             self.close()
             raise
+
+    def _open(self, name: str, version: int | None, device: str, socket: str | None):
+        """The lease, on the caller's client, else on this process's lane (one message, no ZeroMQ:
+        client/leases.py), else on this process's full client (a tcp:// daemon, or an older one)."""
+        if self._client is None:
+            from .leases import NoLaneOpen, shared_lease_client
+            self._client = shared_lease_client(socket)
+            if self._client is not None:
+                try:
+                    return self._client.open(name, version, device=device)
+                except NoLaneOpen:
+                    pass
+            from .connection import shared_client
+            self._client = shared_client(socket)
+        return self._client.open(name, version, device=device)
 
     # -- the onnxruntime.InferenceSession surface ---------------------------------------
     def run(self, output_names, input_feed: dict, run_options=None):

@@ -49,7 +49,7 @@ def check_socket_file(path: Path) -> None:
 
 
 class LaneConnection:
-    __slots__ = ("sock", "fd", "reader", "out", "server", "polling_out", "uid", "gid", "pid", "fds")
+    __slots__ = ("sock", "fd", "reader", "out", "server", "polling_out", "uid", "gid", "pid", "fds", "client_id")
 
     def __init__(self, sock: socket.socket, server: "LaneServer"):
         self.sock, self.fd, self.server = sock, sock.fileno(), server
@@ -58,6 +58,7 @@ class LaneConnection:
         self.polling_out = False  # registered for POLLOUT: replies wait for room in the socket
         self.uid, self.gid, self.pid = socket_credentials(sock)
         self.fds: list | None = []  # descriptors come with the first message; None once it is handled
+        self.client_id = ""         # the client this connection is, once it opened a lease with no hello
 
     def take_fds(self) -> list:
         """The descriptors that came with this message (the caller now owns them, and closes them)."""
@@ -117,6 +118,7 @@ class LaneServer:
         self.scratch = memoryview(bytearray(READ_CHUNK))
         self.budget = None               # daemon/fds.py FdBudget: accept only while it has room
         self.accepting = False
+        self.on_close = None             # called with a connection that went away (its client leaves with it)
 
     def set_accepting(self, on: bool) -> None:
         """Listen or not: a listener left in the poller with no descriptor to accept into wakes it forever."""
@@ -233,9 +235,13 @@ class LaneServer:
         conn.sock.close()
         conn.sock = None
         conn.out = bytearray()
+        if conn.client_id and self.on_close is not None:
+            self.on_close(conn)
 
     def stop(self) -> None:
-        """Hand over what is still queued (briefly: a client that does not read loses it), then close."""
+        """Hand over what is still queued (briefly: a client that does not read loses it), then close.
+        The clients of the connections stay on the books: the daemon is stopping, not they leaving."""
+        self.on_close = None
         for conn in list(self.conns.values()):
             if conn.out:
                 try:

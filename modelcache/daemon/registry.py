@@ -101,6 +101,7 @@ class ClientRecord:
     leases: set = field(default_factory=set)
     uid: int | None = None           # the kernel's, with pid (see daemon/identity.py); None: a tcp:// client
     gid: int | None = None
+    connection: object = None        # a lane connection that is this client: it lives as long as that does
 
 
 @dataclass
@@ -159,9 +160,9 @@ class Registry:
 
     # -- clients and leases ----------------------------------------------------------
     def new_client(self, pid: int, name: str, now: float, uid: int | None = None,
-                   gid: int | None = None) -> ClientRecord:
+                   gid: int | None = None, connection=None) -> ClientRecord:
         cid = f"c{next(self._ids)}-{secrets.token_hex(4)}"
-        rec = ClientRecord(cid, pid, name, now, uid=uid, gid=gid)
+        rec = ClientRecord(cid, pid, name, now, uid=uid, gid=gid, connection=connection)
         self.clients[cid] = rec
         return rec
 

@@ -28,7 +28,7 @@ from .. import __version__, protocol as P, tensors
 from ..config import ConfigError, Settings
 from ..executor.engine import Engine
 from ..eviction import make_policy
-from ..errors import CapacityError, ModelCacheError, ProtocolError
+from ..errors import CapacityError, LeaseError, ModelCacheError, ProtocolError
 from ..tiers.disk import Repository
 from ..tiers.host import HostTier
 from ..tiers.remote import RemoteStore
@@ -113,6 +113,8 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         path = lane_path(settings.socket)
         # serve-mode calls, see modelcache/lane.py
         self.lane = LaneServer(path, self.counters, settings.max_message_bytes()) if path else None
+        if self.lane is not None:
+            self.lane.on_close = self._connection_closed
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -405,12 +407,48 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         except zmq.ZMQError as e:  # the client is gone or its queue is full: its loss
             log.debug("reply dropped: %s", e)
 
-    def _touch(self, client_id: str, ident):
-        """The caller's own client record, kept alive; PermissionDenied if the id is another process's."""
+    def _touch(self, client_id: str, ident, name: str = ""):
+        """The caller's own client record, kept alive; PermissionDenied if the id is another process's.
+        Client id "" on a lane connection is the connection's own client, made by its first open: an
+        attach-mode client needs no hello and no heartbeat (client/leases.py)."""
+        if not client_id and type(ident) is LaneConnection:
+            if ident.sock is None:   # a request re-run (after a fetch) for a connection that has gone
+                raise LeaseError("the connection that asked has closed")
+            client = self.registry.clients.get(ident.client_id) if ident.client_id else None
+            if client is None:
+                client = self._new_client(ident, name, connection=ident)
+                ident.client_id = client.client_id
+            return client
         client = self.registry.client(client_id)
         check_client_owner(ident, client)
         client.last_seen = self.clock()
         return client
+
+    def _new_client(self, ident, name: str, connection=None):
+        if len(name) > MAX_CLIENT_NAME:
+            raise ProtocolError(f"client_name is {len(name)} characters; at most {MAX_CLIENT_NAME}")
+        if len(self.registry.clients) >= self.settings.max_clients:
+            raise CapacityError(f"the modelcache daemon serves {len(self.registry.clients)} clients, its "
+                                f"max_clients; try again later, or raise max_clients")
+        # The kernel's pid, not the message's: the sweep drops a client whose process is gone. A tcp:// client
+        # has none (0: the heartbeat alone decides).
+        client = self.registry.new_client(ident.pid, name, self.clock(), ident.uid, ident.gid, connection)
+        log.debug("client %s (pid %d, uid %s) connected%s", client.client_id, ident.pid, ident.uid,
+                  " on the lane" if connection is not None else "")
+        return client
+
+    def _connection_closed(self, conn: LaneConnection) -> None:
+        """A lane connection that was a client went away: that client left, with its leases."""
+        client = self.registry.clients.get(conn.client_id) if conn.client_id else None
+        if client is None or client.connection is not conn:
+            return
+        released = self.registry.drop_client(client.client_id)
+        for lease in released:
+            self._after_release(lease.model, lease.device)
+        if released:   # left holding leases: it exited (or died) without closing its sessions
+            self.counters["clients_lost"] += 1
+            log.info("client gone: %s (pid %d), its connection closed holding %d leases; released them",
+                     client.client_id, client.pid, len(released))
 
     # -- handlers: each returns a reply, or None when it will reply later ---------------
     def on_Hello(self, ident, msg: P.Hello):
@@ -420,15 +458,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         # The sweep asks the kernel about this pid: one past what a pid can be (2**31) killed the daemon there.
         if not 0 <= msg.pid <= PID_MAX:
             raise ProtocolError(f"hello: pid {msg.pid} is not a process id (1 to {PID_MAX}, or 0 for none)")
-        if len(msg.client_name) > MAX_CLIENT_NAME:
-            raise ProtocolError(f"hello: client_name is {len(msg.client_name)} characters; at most {MAX_CLIENT_NAME}")
-        if len(self.registry.clients) >= self.settings.max_clients:
-            raise CapacityError(f"the modelcache daemon serves {len(self.registry.clients)} clients, its "
-                                f"max_clients; try again later, or raise max_clients")
-        # The kernel's pid, not the message's: the sweep drops a client whose process is gone. A tcp:// client
-        # has none (0: the heartbeat alone decides).
-        client = self.registry.new_client(ident.pid, msg.client_name, self.clock(), ident.uid, ident.gid)
-        log.debug("client %s (pid %d, uid %s) connected", client.client_id, ident.pid, ident.uid)
+        client = self._new_client(ident, msg.client_name)
         return P.HelloReply(req_id=msg.req_id, protocol_version=P.PROTOCOL_VERSION, daemon_version=__version__,
                             client_id=client.client_id, heartbeat_interval_s=self.settings.heartbeat_interval_s,
                             lease_timeout_s=self.settings.lease_timeout_s)
@@ -448,7 +478,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         return P.Ack(req_id=msg.req_id)
 
     def on_Open(self, ident, msg: P.Open):
-        client = self._touch(msg.client_id, ident)
+        client = self._touch(msg.client_id, ident, msg.client_name)
         tier = None if msg.device == "cpu" else self._device_tier(msg.device)
         model = self._resolve_or_fetch(ident, msg)
         if model is None:
@@ -461,7 +491,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
             if error is not None:
                 self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
                 return
-            if msg.client_id not in self.registry.clients:  # left while we were loading
+            if self.registry.clients.get(client.client_id) is not client:  # left while we were loading
                 self._after_release(model)
                 return
             uuid = tier.device.uuid if tier is not None else None
@@ -490,8 +520,8 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
                            **where)
 
     def on_Close(self, ident, msg: P.Close):
-        self._touch(msg.client_id, ident)
-        lease = self.registry.release(msg.lease_id, msg.client_id)
+        client = self._touch(msg.client_id, ident)
+        lease = self.registry.release(msg.lease_id, client.client_id)
         self._after_release(lease.model, lease.device)
         self.counters["closes"] += 1
         return P.Ack(req_id=msg.req_id)
@@ -574,7 +604,9 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         now = self.clock()
         for client in list(self.registry.clients.values()):
             try:
-                silent = now - max(client.last_seen, self.listening_since) > self.settings.lease_timeout_s
+                # A lane connection's client sends no heartbeats: the connection's end is its end.
+                silent = client.connection is None and \
+                    now - max(client.last_seen, self.listening_since) > self.settings.lease_timeout_s
                 dead = self._process_gone(client.pid)
                 if silent or dead:
                     released = self.registry.drop_client(client.client_id)

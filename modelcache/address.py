@@ -1,0 +1,83 @@
+"""Where the daemon is, and whether this process may reach it: what a client needs before its first message.
+
+Kept apart from config.py so that an attach-mode client finds the daemon without paying for the
+full settings loader: importing config (its dataclass) and running load() cost ~6 ms of a fresh
+process, measured after numpy and onnxruntime, against a cold start this project measures in
+milliseconds (benchmarks/coldstart). The loader runs when a config file exists, since it may name
+the socket; config.py builds its defaults from the functions here, so the two never disagree.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import DaemonUnavailable, PermissionDenied
+
+DEFAULT_REQUEST_TIMEOUT_S = 30.0
+SOCKET_NAME = "daemon.sock"
+
+
+def is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def default_runtime_dir() -> Path:
+    """Where the socket lives: systemd's RuntimeDirectory, then /run as root, then the user's runtime dir."""
+    if os.environ.get("RUNTIME_DIRECTORY"):
+        return Path(os.environ["RUNTIME_DIRECTORY"].split(":")[0])
+    if is_root():
+        return Path("/run/modelcache")
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(xdg) / "modelcache" if xdg else Path(f"/tmp/modelcache-{os.getuid()}")
+
+
+def default_socket() -> str:
+    return f"ipc://{default_runtime_dir() / SOCKET_NAME}"
+
+
+def default_config_file() -> Path | None:
+    if os.environ.get("MODELCACHE_CONFIG"):
+        return Path(os.environ["MODELCACHE_CONFIG"])
+    candidates = [Path("/etc/modelcache/modelcache.toml")] if is_root() else []
+    xdg = os.environ.get("XDG_CONFIG_HOME")
+    candidates.append((Path(xdg) if xdg else Path.home() / ".config") / "modelcache" / "modelcache.toml")
+    return next((p for p in candidates if p.is_file()), None)
+
+
+def client_settings(socket: str | None = None, timeout_s: float | None = None) -> tuple[str, float]:
+    """(daemon address, request timeout) by the settings' layers: default < file < environment < argument.
+
+    Without a config file and with no timeout in the environment, nothing but MODELCACHE_SOCKET can
+    change either value, so the settings loader is skipped; otherwise it decides (and validates)."""
+    if default_config_file() is None and not os.environ.get("MODELCACHE_REQUEST_TIMEOUT_S"):
+        return (socket or os.environ.get("MODELCACHE_SOCKET") or default_socket(),
+                DEFAULT_REQUEST_TIMEOUT_S if timeout_s is None else timeout_s)
+    from .config import load
+    settings = load(overrides={"socket": socket, "request_timeout_s": timeout_s})
+    return settings.socket, settings.request_timeout_s
+
+
+def check_can_connect(path: str, address: str) -> None:
+    """Fail at once where the kernel would refuse the connection: libzmq retries a refused ipc:// connect
+    in the background, so without this a user outside the socket's group waited for a request timeout."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise DaemonUnavailable(f"no modelcache daemon at {address} (no socket file): start one with "
+                                "`modelcache daemon`, or point MODELCACHE_SOCKET at the running one") from None
+    except PermissionError:
+        raise PermissionDenied(f"permission denied: cannot reach the modelcache socket {path}: a directory on its "
+                               "path is closed to this user") from None
+    if not os.access(path, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
+        raise PermissionDenied(f"permission denied: cannot connect to the modelcache daemon at {address}: the socket "
+                               f"is mode {st.st_mode & 0o777:04o}, group {_group_name(st.st_gid)}; ask an admin to add "
+                               "this user to that group")
+
+
+def _group_name(gid: int) -> str:
+    import grp
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
