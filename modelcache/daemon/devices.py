@@ -161,6 +161,7 @@ class DeviceOps:
         res = model.devices[uuid]
         assert res.state is ModelState.RESIDENT and res.leases == 0
         freed = self.devices[uuid].free_model(model.key)
+        self.serve_device_specs.pop((model.key, uuid), None)   # its addresses are gone
         self.device_policies[uuid].removed(model.key)
         del model.devices[uuid]
         self.counters["gpu_evictions"] += 1
