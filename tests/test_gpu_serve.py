@@ -256,3 +256,25 @@ def test_a_gpu_worker_runs_two_stages_over_cuda_device_memory(tmp_path, zoo_file
     finally:
         worker.sessions.clear()
         arena.tier.stop()
+
+
+def test_eager_eviction_waits_for_the_gpu_workers_sessions(tmp_path, monkeypatch, zoo_file):
+    """With `eager`, a model goes as soon as nothing holds it: for a GPU worker's model, once its sessions are gone."""
+    monkeypatch.setenv("MODELCACHE_FAKE_GPUS", "1x64M")
+    d = DaemonProcess(tmp_path, {"MODELCACHE_FAKE_GPUS": "1x64M", "MODELCACHE_WORKERS": "1",
+                                 "MODELCACHE_SERVE_IDLE_S": "1", "MODELCACHE_HEARTBEAT_INTERVAL_S": "0.25",
+                                 "MODELCACHE_EVICTION_POLICY": "eager"}).start()
+    try:
+        src = zoo_file("tiny-cnn")
+        with d.client() as c:
+            c.add(src, "cnn")
+            feeds = zoo.sample_inputs(src)
+            for _ in range(4):      # the third runs on the fake GPU (dmda explores it)
+                out, timings = c.infer("cnn", feeds)
+                np.testing.assert_allclose(out["logits"], plain(src, feeds)[0], rtol=1e-4, atol=1e-5)
+            assert gpu_info(c, "cnn")[0]["leases"] == 1     # the worker's: the model stays while it may run
+            wait_until(lambda: next(m for m in c.list() if m["name"] == "cnn")["tier"] == "disk", timeout_s=30,
+                       what="the model evicted once the GPU worker's sessions were dropped")
+            assert not list(d.shm_dir.glob("fake-gpu-0/*"))
+    finally:
+        stop_cleanly(d)
