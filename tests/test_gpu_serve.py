@@ -200,10 +200,13 @@ def test_serve_requests_run_on_the_fake_gpu_over_one_promotion(serving_gpu, zoo_
         assert st.counters["gpu_promotions"] == 1          # one promotion for every request and stage session
         # The engine holds a lease on the device copy while its GPU worker may have sessions over it.
         assert gpu_info(c, "vit") == [{"device": "fake-0", "state": "resident", "leases": 1}]
-        with pytest.raises(CapacityError, match="GPU sessions"):
+        with pytest.raises(CapacityError, match="serve-mode GPU workers"):
             c.evict("vit", tier="gpu")
         with pytest.raises(CapacityError, match="in use"):
             c.evict("vit")
+        c.partition("vit", stages=2)    # the workers' holds do not stop a new partition: their sessions go
+        out, _ = c.infer("vit", feeds)
+        np.testing.assert_allclose(next(iter(out.values())), want[0], rtol=1e-4, atol=1e-5)
         # Idle serve sessions are dropped; the worker's lease goes with them, and the copy can be demoted.
         wait_until(lambda: gpu_info(c, "vit")[0]["leases"] == 0, timeout_s=30, what="the GPU worker's lease released")
         c.evict("vit", tier="gpu")

@@ -36,7 +36,10 @@ class ServeHandlers:
         model = self.registry.resolve(msg.name, msg.version)
         self.admins.check_model_owner(ident, model, "partition")   # it changes what every user's requests run
         check_request(msg.stages, msg.tail_fraction)   # here, not on a loader: no job for what cannot be met
-        if model.refcount > 0 or model.state is ModelState.LOADING:
+        # A serve-mode GPU worker's hold does not count: its sessions are dropped with the old stages (below),
+        # and the device copy they run over is the same for any partition.
+        serving = sum(1 for _, key in self.engine.device_holds if key == model.key)
+        if model.refcount > serving or model.state is ModelState.LOADING:
             raise CapacityError(f"{model.key} is in use; partition it when no session or request holds it")
 
         def done(result, error):
