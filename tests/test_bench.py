@@ -186,3 +186,30 @@ def test_coldstart_cuda_report_and_plots_from_recorded_samples(tmp_path):
     assert "serve first result 6.82x faster than ort-cuda" in text
     assert "0.91x pinned" in text and "4 gpu-attach clients + the daemon's arena: 3458 MiB" in text
     assert sorted(plot(data, tmp_path)) == ["memory-cuda.png", "speedup-cuda.png"]
+
+
+def test_coldstart_cuda_steps_that_need_no_cuda_run_against_a_fake_gpu_daemon(tmp_path, monkeypatch, zoo_file):
+    """Serve warm-up, demotion once the GPU worker lets go, promotion figures and the serve sample: the
+    parent's steps around the CUDA children, on a daemon with a simulated GPU and the bench's settings."""
+    from conftest import DaemonProcess, stop_cleanly
+    from modelcache.bench.coldstart_cuda import (DAEMON_ENV, demote, measure_latency, measure_promotion,
+                                                 model_row, warm_serve, write_layouts)
+    monkeypatch.setenv("MODELCACHE_FAKE_GPUS", "1x64M")
+    d = DaemonProcess(tmp_path, {"MODELCACHE_FAKE_GPUS": "1x64M", "MODELCACHE_WORKERS": "1", **DAEMON_ENV}).start()
+    lines = []
+    try:
+        src = zoo_file("tiny-cnn")
+        with d.client() as c:
+            c.add(src, "cnn")
+            c.load("cnn", tier="gpu")
+            layouts = write_layouts(c, ["cnn"], d.repository, tmp_path)
+            kinds = warm_serve(c, "cnn", src, lines.append)
+            assert kinds and "calibrated" in lines[-1]
+            demote(c, "cnn", timeout_s=60)          # waits for the GPU worker's idle sessions to go
+            assert model_row(c, "cnn")["gpu"] == []
+            [row] = measure_promotion(c, ["cnn"], layouts, 1, lines.append)
+            assert row["copy_gb_s"] > 0 and row["load_gb_s"] > 0
+            samples = measure_latency(c, d.socket, {"cnn": src}, layouts, "-", ["serve"], 1, lines.append)
+            assert [s["mode"] for s in samples] == ["serve"] and 0 < samples[0]["ready_ms"] < samples[0]["first_ms"]
+    finally:
+        stop_cleanly(d)
