@@ -365,7 +365,8 @@ def main(argv=None) -> int:
     ap.add_argument("--clients", type=int, nargs="+", help="memory: clients started together (default 1 2 4 8; 0: skip)")
     ap.add_argument("--memory-model", help="model for the memory measurement (default vgg16, or the first model)")
     ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
-    ap.add_argument("--socket", help="use this running daemon (default: start a private one)")
+    ap.add_argument("--socket", help="use this running daemon (default: start a private one); with a long serve_idle_s "
+                                     "its GPU workers keep the model on the GPU that long, and gpu-attach-miss waits")
     ap.add_argument("--out", help="directory for samples.csv, results.json, report.txt and plots")
     args = ap.parse_args(argv)
     nvml = preflight()
@@ -375,11 +376,23 @@ def main(argv=None) -> int:
     memory_model = args.memory_model or ("vgg16" if "vgg16" in models else models[0])
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
 
+    try:
+        return run(args, argv, nvml, models, runs, counts, memory_model, log)
+    except RuntimeError as e:   # a child failed: its stderr is in the message
+        raise ModelCacheError(f"bench coldstart --device cuda: {e}") from None
+
+
+def run(args, argv, nvml, models, runs, counts, memory_model, log) -> int:
     from ..client.connection import connect
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="modelcache-coldstart-cuda-") as tmp:
         work = Path(tmp)
         socket = args.socket or f"ipc://{tmp}/daemon.sock"
+        floor = write_floor(work)
+        try:   # ORT lists its CUDA provider even where the CUDA or cuDNN libraries it needs are missing
+            sample("floor", "-", "-", floor, socket)
+        except RuntimeError as e:
+            raise NoCudaDevice(f"onnxruntime cannot run a session on the CUDA provider here: {e}") from None
         with managed_daemon(socket, None if args.socket else f"{tmp}/repo", env=DAEMON_ENV,
                             log_path=str(work / "daemon.log")):
             paths = ensure_models(socket, models, work / "zoo")
@@ -394,7 +407,6 @@ def main(argv=None) -> int:
                 for name in models:
                     client.load(name, tier="gpu")
                 layouts = write_layouts(client, models, repository, work)
-                floor = write_floor(work)
                 for name in models:
                     warm_serve(client, name, paths[name], log)
                 bw = sample("bandwidth", "-", "-", layouts[memory_model], socket)

@@ -79,7 +79,7 @@ def main() -> None:
         import modelcache
     else:
         ort = _ort()
-        if mode != "ort-cuda" and mode != "ideal":
+        if mode not in ("ort-cuda", "ideal", "floor"):
             import modelcache
     t_imports = time.monotonic_ns()
 
