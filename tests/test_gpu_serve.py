@@ -169,8 +169,9 @@ def test_a_cuda_gpu_worker_without_a_cuda_provider_refuses_clearly(tmp_path, zoo
 
 @pytest.fixture
 def serving_gpu(tmp_path, monkeypatch):
-    """A daemon with one CPU group and one simulated GPU, whose serve-mode sessions idle out after 2 s."""
-    env = {"MODELCACHE_FAKE_GPUS": "1x64M", "MODELCACHE_WORKERS": "1", "MODELCACHE_SERVE_IDLE_S": "2",
+    """A daemon with one CPU group and one simulated GPU, whose serve-mode sessions idle out after 5 s
+    (long enough that a test sees them held right after its requests, even on a busy machine)."""
+    env = {"MODELCACHE_FAKE_GPUS": "1x64M", "MODELCACHE_WORKERS": "1", "MODELCACHE_SERVE_IDLE_S": "5",
            "MODELCACHE_HEARTBEAT_INTERVAL_S": "0.5"}
     monkeypatch.setenv("MODELCACHE_FAKE_GPUS", "1x64M")
     d = DaemonProcess(tmp_path, env).start()
@@ -265,7 +266,7 @@ def test_eager_eviction_waits_for_the_gpu_workers_sessions(tmp_path, monkeypatch
     """With `eager`, a model goes as soon as nothing holds it: for a GPU worker's model, once its sessions are gone."""
     monkeypatch.setenv("MODELCACHE_FAKE_GPUS", "1x64M")
     d = DaemonProcess(tmp_path, {"MODELCACHE_FAKE_GPUS": "1x64M", "MODELCACHE_WORKERS": "1",
-                                 "MODELCACHE_SERVE_IDLE_S": "1", "MODELCACHE_HEARTBEAT_INTERVAL_S": "0.25",
+                                 "MODELCACHE_SERVE_IDLE_S": "5", "MODELCACHE_HEARTBEAT_INTERVAL_S": "0.25",
                                  "MODELCACHE_EVICTION_POLICY": "eager"}).start()
     try:
         src = zoo_file("tiny-cnn")
