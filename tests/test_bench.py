@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from modelcache.bench.coldstart import MODES
 
 
@@ -128,3 +130,101 @@ def test_fuzz_command_counts_and_bounds(tmp_path):
     assert r["crashes"] == 0 and r["hangs"] == 0 and r["internal_errors"] == 0, text
     assert r["counts"]["sent_zmq"] + r["counts"]["sent_lane"] >= 400 and r["largest_message_mib"] > 45
     assert "peak RSS" in text and "RSS after" in text
+
+
+def test_coldstart_cuda_without_a_gpu_says_what_is_missing():
+    from modelcache.bench.coldstart_cuda import NoCudaDevice, preflight
+    try:
+        preflight()
+    except NoCudaDevice:
+        pass
+    else:
+        pytest.skip("this machine has a CUDA device with onnxruntime-gpu and cupy: the GPU form runs here")
+    r = subprocess.run([sys.executable, "-m", "modelcache.cli", "bench", "coldstart", "--device", "cuda", "--quick"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "bench coldstart --device cuda needs a CUDA device" in r.stderr and "modelcache[gpu]" in r.stderr
+
+
+def test_coldstart_cuda_host_attach_layout_is_the_host_tiers_gpu_variant(tmp_path, monkeypatch, zoo_file):
+    """host-attach maps the GPU variant where the host tier holds it: checked here on CPU ORT (fake GPU tier)."""
+    import numpy as np
+    import onnxruntime as ort
+    from conftest import DaemonProcess, stop_cleanly
+    from modelcache import zoo
+    from modelcache.bench.coldstart_cuda import write_layouts
+    from modelcache.session_options import attach_session_options, bind_weights
+
+    monkeypatch.setenv("MODELCACHE_FAKE_GPUS", "1x64M")
+    d = DaemonProcess(tmp_path, {"MODELCACHE_FAKE_GPUS": "1x64M"}).start()
+    try:
+        src = zoo_file("tiny-vit")
+        with d.client() as c:
+            c.add(src, "vit")
+            c.load("vit", tier="gpu")
+            [path] = write_layouts(c, ["vit"], d.repository, tmp_path).values()
+            layout = json.loads(open(path).read())
+            lease = c.open("vit")
+            so = attach_session_options()
+            maps, values = bind_weights(so, layout["segments"], layout["tensors"])
+            sess = ort.InferenceSession(layout["skeleton"], so, providers=["CPUExecutionProvider"])
+            feeds = zoo.sample_inputs(src)
+            want = ort.InferenceSession(src, providers=["CPUExecutionProvider"]).run(None, feeds)
+            np.testing.assert_allclose(sess.run(None, feeds)[0], want[0], rtol=1e-4, atol=1e-5)
+            assert layout["skeleton"].endswith(".gpu.onnx") and layout["bytes"] > 0
+            del sess, values, maps
+            c.release(lease.lease_id)
+    finally:
+        stop_cleanly(d)
+
+
+def test_coldstart_cuda_report_and_plots_from_recorded_samples(tmp_path):
+    """The GPU run is rare: its report and plots are checked here on samples shaped as the children print them."""
+    from modelcache.bench.coldstart_cuda import MODES, plot, report
+    samples = [{"mode": m, "model": n, "ready_ms": r + i, "first_ms": f + i, "interpreter_ms": 60.0,
+                "imports_ms": 300.0, "session_ms": 50.0, "first_run_ms": 300.0, "run": i}
+               for n in ("vgg16", "resnet50") for i in range(3)
+               for m, r, f in zip(MODES, (1900, 900, 545, 560, 300, 540), (2120, 1200, 840, 870, 310, 630))]
+    memory = [{"model": "vgg16", "mode": "arena", "clients": 0, "device_mib": 530.0, "weights_mib": 528.0},
+              {"model": "vgg16", "mode": "floor", "clients": 1, "device_mib": 520.0, "per_client_mib": 520.0,
+               "weights_mib": 528.0}] + \
+             [{"model": "vgg16", "mode": m, "clients": k, "device_mib": k * per, "per_client_mib": per,
+               "weights_mib": 528.0} for k in (1, 2, 4, 8) for m, per in (("ort-cuda", 1500.0), ("gpu-attach-hit", 732.0))]
+    data = {"device": "NVIDIA H100 (fake figures)", "samples": samples, "memory": memory,
+            "promotion": [{"model": "vgg16", "bytes": 528 << 20, "load_gb_s": 40.0, "copy_gb_s": 50.0}],
+            "bandwidth": {"bytes": 528 << 20, "pageable_gb_s": 7.3, "pinned_gb_s": 54.7}}
+    import io
+    out = io.StringIO()
+    report(data, out)
+    text = out.getvalue()
+    assert "gpu-attach-hit ready at 1.01x ideal's ready" in text
+    assert "serve first result 6.82x faster than ort-cuda" in text
+    assert "0.91x pinned" in text and "4 gpu-attach clients + the daemon's arena: 3458 MiB" in text
+    assert sorted(plot(data, tmp_path)) == ["memory-cuda.png", "speedup-cuda.png"]
+
+
+def test_coldstart_cuda_steps_that_need_no_cuda_run_against_a_fake_gpu_daemon(tmp_path, monkeypatch, zoo_file):
+    """Serve warm-up, demotion once the GPU worker lets go, promotion figures and the serve sample: the
+    parent's steps around the CUDA children, on a daemon with a simulated GPU and the bench's settings."""
+    from conftest import DaemonProcess, stop_cleanly
+    from modelcache.bench.coldstart_cuda import (DAEMON_ENV, demote, measure_latency, measure_promotion,
+                                                 model_row, warm_serve, write_layouts)
+    monkeypatch.setenv("MODELCACHE_FAKE_GPUS", "1x64M")
+    d = DaemonProcess(tmp_path, {"MODELCACHE_FAKE_GPUS": "1x64M", "MODELCACHE_WORKERS": "1", **DAEMON_ENV}).start()
+    lines = []
+    try:
+        src = zoo_file("tiny-cnn")
+        with d.client() as c:
+            c.add(src, "cnn")
+            c.load("cnn", tier="gpu")
+            layouts = write_layouts(c, ["cnn"], d.repository, tmp_path)
+            kinds = warm_serve(c, "cnn", src, lines.append)
+            assert kinds and "calibrated" in lines[-1]
+            demote(c, "cnn", timeout_s=60)          # waits for the GPU worker's idle sessions to go
+            assert model_row(c, "cnn")["gpu"] == []
+            [row] = measure_promotion(c, ["cnn"], layouts, 1, lines.append)
+            assert row["copy_gb_s"] > 0 and row["load_gb_s"] > 0
+            samples = measure_latency(c, d.socket, {"cnn": src}, layouts, "-", ["serve"], 1, lines.append)
+            assert [s["mode"] for s in samples] == ["serve"] and 0 < samples[0]["ready_ms"] < samples[0]["first_ms"]
+    finally:
+        stop_cleanly(d)

@@ -29,6 +29,10 @@ class FakeWorker:
     def can_run_inline(self, job):
         return True                     # (a real worker: once its thread built the session)
 
+    def drop_model(self, model_key, then=None):
+        if then is not None:
+            then()
+
     def run(self, job, seconds: float = 0.01):
         job.worker_id = self.state.worker_id
         [name] = job.outputs
@@ -267,6 +271,11 @@ def test_a_new_batch_shrinks_until_its_predicted_run_meets_every_deadline():
     assert all(tag in h.answers for tag in (2, 3, 4, 5))
 
 
+# The model's copy on device GPU-1234 (what the daemon gives a request once it is there): GPU workers run
+# only stages whose weights are on their device.
+ON_GPU = {"GPU-1234": [{"uuid": "GPU-1234", "skeleton": "", "tensors": []}]}
+
+
 class FakeGpuWorker(FakeWorker):
     """As an executor GpuWorker is to a CPU group: its own kind and memory node, nothing else."""
 
@@ -297,7 +306,7 @@ def test_gpu_workers_follow_the_cpu_groups_and_dmda_weighs_them_by_calibrated_sp
         def finish(outputs, timings, error):
             answers[tag] = (outputs, timings, error)
         engine.submit(ServeRequest("m@1", ONE_STAGE, [], {"x": np.full((1, 1), tag, np.float32)}, None, now[0],
-                                   None, finish, samples=1, batchable=True))
+                                   None, finish, samples=1, batchable=True, devices=ON_GPU))
 
     for tag, worker, seconds in ((1, cpu, 0.010), (2, cpu, 0.010), (3, gpu, 0.002), (4, gpu, 0.002)):
         submit(tag)                     # dmda explores each kind it has never timed: CPU, then GPU
@@ -337,7 +346,7 @@ def test_a_worker_that_cannot_start_is_taken_out_and_its_stage_runs_elsewhere():
         def finish(outputs, timings, error):
             answers[tag] = (outputs, timings, error)
         engine.submit(ServeRequest("m@1", ONE_STAGE, [], {"x": np.full((1, 1), tag, np.float32)}, None, 0.0,
-                                   None, finish, samples=1, batchable=True))
+                                   None, finish, samples=1, batchable=True, devices=ON_GPU))
 
     for tag in (1, 2):                  # calibrate the CPU group
         submit(tag)
@@ -351,3 +360,76 @@ def test_a_worker_that_cannot_start_is_taken_out_and_its_stage_runs_elsewhere():
     submit(4)                           # never the GPU again
     assert not gpu.jobs and len(cpu.jobs) == 1
     assert engine.describe()["workers"][1]["disabled"] == "device 0 would not start"
+
+
+class DroppingGpuWorker(FakeGpuWorker):
+    """Remembers drops, to finish them when the test says (a real worker: on its thread, after queued jobs)."""
+
+    def __init__(self, worker_id, device, post):
+        super().__init__(worker_id, device, post)
+        self.drops = []
+
+    def drop_model(self, model_key, then=None):
+        self.drops.append((model_key, then))
+
+
+def test_the_engine_holds_a_device_lease_while_a_gpu_worker_may_have_sessions():
+    from modelcache.tiers.gpu import GpuDevice
+    leases, answers = [], {}
+    engine = Engine(Settings(socket="ipc:///unused", repository="/unused", workers="1", scheduler="dmda",
+                             inline_run_ms=0), None, post=lambda fn, r, e: fn(r, e), clock=lambda: 0.0,
+                    worker_factory=FakeWorker, gpu_devices=[GpuDevice(0, "GPU-1234", "Fake GPU", 1 << 30)],
+                    gpu_worker_factory=DroppingGpuWorker,
+                    device_lease=lambda key, uuid, delta: leases.append((key, uuid, delta)))
+    cpu, gpu = engine.workers
+
+    def submit(tag, devices=ON_GPU, stages=ONE_STAGE):
+        def finish(outputs, timings, error):
+            answers[tag] = (outputs, timings, error)
+        engine.submit(ServeRequest("m@1", stages, [], {"x": np.full((1, 1), tag, np.float32)}, None, 0.0,
+                                   None, finish, samples=1, batchable=True, devices=devices))
+
+    for tag in (1, 2):                  # calibrate the CPU group: no lease
+        submit(tag)
+        cpu.run_next()
+    assert leases == []
+    submit(3)                           # explored on the GPU: the engine takes a lease on the copy there
+    job = gpu.run_next()
+    assert job.device == ON_GPU["GPU-1234"][0] and not job.keep_on_device
+    assert leases == [("m@1", "GPU-1234", +1)]
+    submit(4)
+    gpu.run_next() if gpu.jobs else cpu.run_next()
+    assert leases == [("m@1", "GPU-1234", +1)]   # one per (worker, model), however many stages run there
+    submit(5, devices={})               # a request whose model is not on the device: CPU only
+    assert not gpu.jobs and len(cpu.jobs) == 1
+    cpu.run_next()
+
+    engine.drop_model("m@1")            # eviction: the lease goes back once the worker dropped its sessions
+    [(key, then)] = gpu.drops
+    assert key == "m@1" and leases == [("m@1", "GPU-1234", +1)]
+    submit(6)                           # placed there meanwhile: a new lease, its own
+    while gpu.jobs or cpu.jobs:
+        (gpu if gpu.jobs else cpu).run_next()
+    then()
+    assert leases[-1] == ("m@1", "GPU-1234", -1)
+    assert all(answers[t][2] is None for t in range(1, 7))
+
+
+def test_two_stage_requests_keep_the_crossing_tensor_on_the_gpu_that_made_it():
+    from modelcache.tiers.gpu import GpuDevice
+    engine = Engine(Settings(socket="ipc:///unused", repository="/unused", workers="1", scheduler="dmda",
+                             inline_run_ms=0), None, post=lambda fn, r, e: fn(r, e), clock=lambda: 0.0,
+                    worker_factory=FakeWorker, gpu_devices=[GpuDevice(0, "GPU-1234", "Fake GPU", 1 << 30)],
+                    gpu_worker_factory=FakeGpuWorker)
+    cpu, gpu = engine.workers
+    spec = {"uuid": "GPU-1234", "skeleton": "", "tensors": []}
+    answers = {}
+    engine.submit(ServeRequest("m@1", STAGES, [], {"x": np.ones((1, 1), np.float32)}, None, 0.0, None,
+                               lambda o, t, e: answers.setdefault(1, (o, e)), samples=1, batchable=True,
+                               devices={"GPU-1234": [spec, spec]}))
+    worker = gpu if gpu.jobs else cpu
+    job = worker.jobs[0]
+    assert job.keep_on_device == (worker is gpu)   # a later stage reads it: a GPU worker leaves it there
+    worker.run_next()
+    (gpu if gpu.jobs else cpu).run_next()
+    assert answers[1][1] is None and answers[1][0]["y"][0, 0] == 4

@@ -515,3 +515,20 @@ def test_fake_devices():
 def test_allocator_for_picks_the_fake_one_for_fake_devices(tmp_path):
     allocator = gpu.allocator_for(gpu.fake_devices("1M")[0], tmp_path / "gpu-0")
     assert allocator.kind == "fake" and allocator.mem_info() == (1 << 20, 1 << 20)
+
+
+def test_fake_local_address_maps_the_arena_once_and_free_unmaps_it(host, loader, packed_models):
+    """What the daemon's own GPU workers read: the arena's bytes at an address of this process."""
+    tier = gpu.DeviceTier(make_allocator("fake", host), CAPACITY_BYTES)
+    promote_to_device(tier, loader, "cnn@1", packed_models["cnn"][1], on_host(host, "cnn@1", packed_models["cnn"]))
+    rows = tier.local_tensors("cnn@1")
+    assert [r[0] for r in rows] == [t.name for t in packed_models["cnn"][1].tensors]
+    want = disk_bytes(packed_models["cnn"])
+    for name, _, _, address, nbytes in rows:
+        assert ctypes.string_at(address, nbytes) == want[name]
+    assert tier.local_tensors("cnn@1", {rows[0][0]}) == rows[:1]
+    [allocation] = [a.allocation for a in tier.arenas.values()]
+    assert tier.allocator.local_address(allocation) == tier.allocator.local_address(allocation)   # mapped once
+    tier.free_model("cnn@1")
+    assert not tier.allocator._local
+    tier.stop()

@@ -1,8 +1,7 @@
 """Workers: which GPUs get one, and the real worker classes running real stage sessions.
 
-The GPU worker's session code runs here too: without a CUDA provider it must refuse,
-clearly, rather than run on the CPU under a GPU's name. Where a GPU and onnxruntime-gpu
-exist, the last test runs a stage on it and compares with the CPU.
+GPU workers, which run over the GPU tier's device memory, are tested with that tier in
+tests/test_gpu_serve.py.
 """
 
 from __future__ import annotations
@@ -12,8 +11,7 @@ import onnxruntime as ort
 import pytest
 
 from modelcache import zoo
-from modelcache.executor.workers import (GpuWorker, StageJob, Worker, WorkerUnavailable, discover_gpus, gpu_kind,
-                                         select_gpus)
+from modelcache.executor.workers import StageJob, Worker, discover_gpus, gpu_kind, select_gpus
 from modelcache.packing import pack
 from modelcache.tiers.gpu import GpuDevice
 
@@ -67,22 +65,4 @@ def test_cpu_worker_runs_a_stage_like_plain_ort(tmp_path, zoo_file):
     np.testing.assert_allclose(job.result["outputs"][job.outputs[0]], want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.skipif("CUDAExecutionProvider" in ort.get_available_providers(),
-                    reason="onnxruntime has the CUDA provider here: the refusal cannot be shown")
-def test_gpu_worker_without_a_cuda_provider_refuses_clearly(tmp_path, zoo_file):
-    job, _ = stage_job(tmp_path, zoo_file("tiny-cnn"))
-    worker = GpuWorker(3, A, post=None)
-    assert worker.state.kind == "gpu:Fake A100" and worker.state.memory_node == "GPU-aaaa"
-    error = worker.run(job)   # ORT itself would quietly fall back to the CPU
-    assert isinstance(error, WorkerUnavailable) and "could not start the CUDA execution provider" in str(error)
-    assert not worker.sessions and not worker.can_run_inline(job)
-
-
-@pytest.mark.skipif(not discover_gpus("auto"), reason="no CUDA device with onnxruntime-gpu here")
-def test_gpu_worker_runs_a_stage_on_its_device(tmp_path, zoo_file):
-    src = zoo_file("tiny-cnn")
-    job, feeds = stage_job(tmp_path, src)
-    worker = GpuWorker(1, discover_gpus("auto")[0], post=None)
-    assert worker.run(job) is None
-    [want] = ort.InferenceSession(src, providers=["CPUExecutionProvider"]).run(None, feeds)
-    np.testing.assert_allclose(job.result["outputs"][job.outputs[0]], want, rtol=1e-3, atol=1e-4)
+# GPU workers run over the GPU tier's device memory: tests/test_gpu_serve.py.

@@ -1,6 +1,7 @@
 """FaaS cold-start benchmark, measured as TrIMS did: a fresh process from exec to first result.
 
     modelcache bench coldstart [--models resnet50 vgg16 ...] [--runs 7] [--quick] [--out DIR]
+    modelcache bench coldstart --device cuda ...   the GPU form (bench/coldstart_cuda.py)
 
 Modes, interleaved round by round so machine drift hits them alike:
   ort          plain onnxruntime.InferenceSession(model.onnx) + one run
@@ -217,8 +218,22 @@ def breakdown(args, models: list[str], runs: int, log) -> int:
 
 
 def main(argv=None) -> int:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    known, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if known.device == "cuda":
+        from ..errors import ModelCacheError
+        from .coldstart_cuda import main as main_cuda
+        try:
+            return main_cuda(rest)
+        except ModelCacheError as e:   # no CUDA device here: say what is missing, not a traceback
+            print(f"modelcache: {e}", file=sys.stderr)
+            return 1
     ap = argparse.ArgumentParser(prog="modelcache bench coldstart", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: the GPU modes (ort-cuda, host-attach, gpu-attach-hit/miss, serve, ideal); "
+                         "`--device cuda --help` lists its options")
     ap.add_argument("--models", nargs="+", help=f"zoo models (default: {' '.join(DEFAULT_MODELS)})")
     ap.add_argument("--runs", type=int, help="fresh processes per mode and model (default 7; 5 with --quick)")
     ap.add_argument("--quick", action="store_true", help="squeezenet1_1 and resnet50, 5 runs, 1-2 clients: < 2 min")

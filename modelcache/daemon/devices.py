@@ -161,6 +161,7 @@ class DeviceOps:
         res = model.devices[uuid]
         assert res.state is ModelState.RESIDENT and res.leases == 0
         freed = self.devices[uuid].free_model(model.key)
+        self.serve_device_specs.pop((model.key, uuid), None)   # its addresses are gone
         self.device_policies[uuid].removed(model.key)
         del model.devices[uuid]
         self.counters["gpu_evictions"] += 1
@@ -189,7 +190,10 @@ class DeviceOps:
             if res.state is ModelState.LOADING:
                 raise CapacityError(f"{model.key} is being copied to GPU {uuid}; evict it once it is there")
             if res.leases:
-                raise CapacityError(f"{model.key} is in use by {res.leases} GPU sessions on {uuid}; "
+                serving = sum(1 for _, key in self.engine.device_holds if key == model.key)
+                why = (f" ({serving} of them serve-mode GPU workers', which let go once the model had no request "
+                       f"for serve_idle_s = {self.settings.serve_idle_s:g} s)") if serving else ""
+                raise CapacityError(f"{model.key} is in use by {res.leases} GPU sessions on {uuid}{why}; "
                                     f"it cannot be evicted from that GPU")
             self.evict_from_device(model, uuid)
 
@@ -216,6 +220,7 @@ class DeviceOps:
             out.append({"tier": "gpu", "device": uuid, "index": tier.device.index, "name": tier.device.name,
                         "kind": tier.allocator.kind, "used_bytes": tier.used_bytes,
                         "capacity_bytes": tier.capacity_bytes,
+                        "promotion_bytes_per_s": tier.promotion_bytes_per_s,   # of the last host -> GPU copy
                         "models": [m.key for m in held],
                         "leased": {m.key: m.devices[uuid].leases for m in held if m.devices[uuid].leases}})
         return out

@@ -42,7 +42,7 @@ from .metrics import Histogram, MetricsServer, render
 from .notify import Notifier
 from .registry import ModelRecord, ModelState, Registry, describe_unreadable
 from .restart import SocketLock, adopt_resident_models, settle_adopted
-from .serving import ServeHandlers
+from .serving import ServeHandlers, serve_gpu_devices
 
 log = logging.getLogger("modelcache.daemon")
 WAKE_ADDR = "inproc://modelcache-wake"
@@ -76,13 +76,15 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         try:
             self.policy = make_policy(settings.eviction_policy)
             self.admins = Admins(settings.admin_group)
-            self.engine = Engine(settings, Path(settings.state_dir) / "perfmodels.json", self._post, clock)
+            self.engine = Engine(settings, Path(settings.state_dir) / "perfmodels.json", self._post, clock,
+                                 gpu_devices=serve_gpu_devices(settings), device_lease=self._serve_device_lease)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.loaders = concurrent.futures.ThreadPoolExecutor(settings.loader_threads, thread_name_prefix="loader")
         self.completions: queue.Queue = queue.Queue()
         self._thread_sockets = threading.local()
         self.serve_specs: dict = {}             # model key -> (segments, stage specs), see _serve_specs
+        self.serve_device_specs: dict = {}      # (model key, device UUID) -> its GPU stage specs, see serving.py
         self.jobs: dict[str, dict] = {}          # in-flight packs and loads, for stats
         self.reserved_versions: set = set()     # versions being packed, not yet in the registry
         self.counters = {"opens": 0, "hits": 0, "misses": 0, "closes": 0, "adds": 0,

@@ -2,6 +2,11 @@
 
 A mixin of `Daemon` (daemon/server.py). Handlers run on the owner loop; the stage work runs
 on the executor's workers (`self.engine`), and a request in flight holds its model.
+
+With GPU workers, a request first brings its model to their devices' GPU tier (one promotion,
+however many requests and stage sessions), and holds a lease on each device copy while in
+flight; the engine holds one per GPU worker that may have sessions over it (`_serve_device_lease`).
+Stage sessions there run over the tier's arena in this process: nothing is copied per session.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import logging
 from .. import protocol as P, tensors
 from ..errors import CapacityError, InputError, ModelCacheError
 from ..executor.engine import ServeRequest
+from ..executor.workers import select_gpus
 from .registry import ModelRecord, ModelState
 
 log = logging.getLogger("modelcache.daemon")
@@ -30,7 +36,10 @@ class ServeHandlers:
         model = self.registry.resolve(msg.name, msg.version)
         self.admins.check_model_owner(ident, model, "partition")   # it changes what every user's requests run
         check_request(msg.stages, msg.tail_fraction)   # here, not on a loader: no job for what cannot be met
-        if model.refcount > 0 or model.state is ModelState.LOADING:
+        # A serve-mode GPU worker's hold does not count: its sessions are dropped with the old stages (below),
+        # and the device copy they run over is the same for any partition.
+        serving = sum(1 for _, key in self.engine.device_holds if key == model.key)
+        if model.refcount > serving or model.state is ModelState.LOADING:
             raise CapacityError(f"{model.key} is in use; partition it when no session or request holds it")
 
         def done(result, error):
@@ -47,7 +56,8 @@ class ServeHandlers:
             else:
                 self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
 
-        self._run_on_loader(lambda: partition(model.disk_dir, msg.stages, msg.tail_fraction), done)
+        gpu = any(getattr(w, "device", None) is not None for w in self.engine.workers)   # GPU stages too
+        self._run_on_loader(lambda: partition(model.disk_dir, msg.stages, msg.tail_fraction, gpu=gpu), done)
         return None
 
     def on_SetBatching(self, ident, msg: P.SetBatching):
@@ -84,6 +94,7 @@ class ServeHandlers:
             if unknown:
                 raise InputError(f"{model.name}: unknown output {unknown[0]!r}; the model has {outputs}")
         model.refcount += 1  # a request in flight holds the model like a lease: it is not evicted under it
+        held_devices: list = []   # device copies it holds a lease on (see submit), released with the model
 
         def finish(result, timings, error):
             try:  # the answer first: releasing the request's hold is bookkeeping the client need not wait for
@@ -99,23 +110,95 @@ class ServeHandlers:
                     self._reply(ident, P.InferReply(req_id=msg.req_id, outputs=wire, timings=timings))
             finally:
                 maps.clear()  # the input mappings go with the request
+                for uuid in held_devices:   # (first: the model's release may evict it, its GPU copies first)
+                    model.devices[uuid].leases -= 1
+                    self._after_device_release(model, uuid)
                 model.refcount -= 1
                 self._after_release(model)
 
-        def start(error, hit):
-            if error is not None:
-                finish(None, {}, error)
-                return
+        def submit():
             segments, specs, batchable = self._serve_specs(model)
+            devices = {}
+            for uuid in self._serve_tiers(model):
+                res = model.devices.get(uuid)
+                if res is not None and res.state is ModelState.RESIDENT:
+                    stages = self._serve_device_specs(model, uuid, specs)
+                    if stages is not None:
+                        res.leases += 1
+                        held_devices.append(uuid)
+                        devices[uuid] = stages
             first = next(iter(feeds.values()), None)
             samples = first.shape[0] if getattr(first, "ndim", 0) else 1   # (a sequence or None: 1)
             self.engine.submit(ServeRequest(model.key, specs, segments, dict(feeds), msg.output_names, arrival,
                                             arrival + msg.deadline_ms / 1e3 if msg.deadline_ms else None,
                                             finish, samples=samples, batchable=batchable,
-                                            profile=model.manifest.batching or None))
+                                            profile=model.manifest.batching or None, devices=devices))
+
+        def start(error, hit):
+            if error is not None:
+                finish(None, {}, error)
+                return
+            waiting = [tier for tier in map(self.devices.get, self._serve_tiers(model))
+                       if (r := model.devices.get(tier.device.uuid)) is None or r.state is not ModelState.RESIDENT]
+            if not waiting:
+                submit()
+                return
+            left = [len(waiting)]
+
+            def on_device(error, uuid):   # a device that cannot take the model does not serve it: the CPU does
+                if error is not None:
+                    log.info("%s: served without GPU %s: %s", model.key, uuid, error)
+                left[0] -= 1
+                if left[0] == 0:
+                    submit()
+
+            for tier in waiting:
+                uuid = tier.device.uuid
+                try:
+                    self._when_on_device(model, tier, lambda error, _hit, uuid=uuid: on_device(error, uuid))
+                except ModelCacheError as e:
+                    on_device(e, uuid)
 
         self._when_resident(model, start)
         return None
+
+    def _serve_tiers(self, model: ModelRecord) -> list:
+        """UUIDs of the GPU tiers whose device has a serve-mode GPU worker, when the model has GPU weights."""
+        if not self.devices or not model.manifest.gpu_tensors:
+            return []
+        return [w.device.uuid for w in self.engine.workers
+                if getattr(w, "device", None) is not None and w.device.uuid in self.devices]
+
+    def _serve_device_specs(self, model: ModelRecord, uuid: str, specs: list) -> list | None:
+        """Per stage {uuid, skeleton, tensors at this process's addresses} of the model's copy on `uuid`, or
+        None per stage that has no GPU skeleton (None in all: GPU workers cannot run this model). Cached with
+        the copy: a demotion forgets it (evict_from_device), a new partition rebuilds `specs`."""
+        cached = self.serve_device_specs.get((model.key, uuid))
+        if cached is not None and cached[0] is specs:
+            return cached[1]
+        tier = self.devices[uuid]
+        if not model.manifest.stages:
+            stages = [{"uuid": uuid, "skeleton": str(self.host.skeleton_path(model.key, "gpu")),
+                       "tensors": tier.local_tensors(model.key)}]
+        else:
+            stages = [{"uuid": uuid, "skeleton": str(model.disk_dir / e["gpu_file"]),
+                       "tensors": tier.local_tensors(model.key, set(e["gpu_tensors"]))} if e.get("gpu_file") else None
+                      for e in model.manifest.stages]
+        if all(s is None for s in stages):
+            stages = None
+        self.serve_device_specs[(model.key, uuid)] = (specs, stages)
+        return stages
+
+    def _serve_device_lease(self, key: str, uuid: str, delta: int) -> None:
+        """The engine's lease on a model's copy on one GPU, held while a GPU worker may have sessions over it:
+        like a client's GPU lease, it holds the model and that copy (on the owner loop, from the engine)."""
+        name, _, version = key.rpartition("@")
+        model = self.registry.models[(name, int(version))]
+        res = model.devices[uuid]
+        res.leases += delta
+        model.refcount += delta
+        if delta < 0:
+            self._after_release(model, uuid)
 
     def _serve_specs(self, model: ModelRecord) -> tuple[list, list, bool]:
         """(segments, per-stage {skeleton, inputs, outputs, tensors}, batchable) of a resident model; cached
@@ -151,3 +234,12 @@ class ServeHandlers:
             except ValueError as e:
                 log.warning("%s: ignoring its stored batching profile: %s", model.key, e)
                 model.manifest.batching = {}
+
+
+def serve_gpu_devices(settings) -> list | None:
+    """The devices that get a serve-mode GPU worker: the simulated ones of `fake_gpus` (as `gpus` selects),
+    or None: those `discover_gpus` finds (CUDA devices, with onnxruntime's CUDA provider)."""
+    if not settings.fake_gpus:
+        return None
+    from ..tiers.gpu import fake_devices
+    return select_gpus(settings.gpus, fake_devices(settings.fake_gpus), cuda_provider=True)

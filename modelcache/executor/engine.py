@@ -14,6 +14,14 @@ main batch waits; then the two merge and run the remaining stages as one batch.
 
 Stage work already in flight goes first: a finished stage hands its batch to the next
 stage before any new batch is formed, so requests in flight are not overtaken.
+
+GPU workers run a stage only over its model's copy on their device (ServeRequest.devices,
+which the daemon fills once the copy is resident there). The engine holds a lease on that
+copy for each (GPU worker, model) from the first stage it places there until the worker
+confirms it dropped the model's sessions: the daemon's own process really frees device
+memory, so a copy is never freed under a session that may still run (`device_lease`).
+A stage's output that a later stage reads stays on the GPU that made it (a DeviceValue);
+it comes to host memory only where a CPU worker, a batch merge or the answer needs it.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from ..errors import ModelCacheError, RequestTimeout
 from .batching import LayerToLayer, Pending, make_batcher, parse_policy_spec, profile_predict, request_overhead
 from .perfmodel import PerfModels
 from .scheduler import Task, make_scheduler
-from .workers import GpuWorker, StageJob, Worker, WorkerUnavailable, discover_gpus, parse_groups
+from .workers import DeviceValue, GpuWorker, StageJob, Worker, WorkerUnavailable, discover_gpus, parse_groups, to_host
 
 log = logging.getLogger("modelcache.executor")
 
@@ -57,6 +65,9 @@ class ServeRequest:
     profile: dict | None = None  # the model's calibration (manifest "batching"), if any
     request_id: int = 0
     timings: dict = field(default_factory=lambda: {"stages": []})
+    # device UUID -> per stage {"uuid", "skeleton", "tensors"} of the model's copy there (see StageJob.device);
+    # only GPU workers of these devices may run its stages.
+    devices: dict = field(default_factory=dict)
 
     def pending(self, t_opt_s: float | None) -> Pending:
         """What the batching policy sees; t_opt bounds the deadline the policy protects."""
@@ -89,7 +100,7 @@ def concat(parts: list[dict]) -> dict:
     """Tensors of several requests as one batch: every name concatenated along axis 0."""
     if len(parts) == 1:
         return dict(parts[0])
-    return {name: np.concatenate([p[name] for p in parts], axis=0) for name in parts[0]}
+    return {name: np.concatenate([to_host(p[name]) for p in parts], axis=0) for name in parts[0]}
 
 
 def rows_aligned(data: dict, samples: int) -> bool:
@@ -104,7 +115,7 @@ def same_shape_rows(a: dict, b: dict) -> bool:
 
 class Engine:
     def __init__(self, settings, perf_path: Path | None, post, clock, worker_factory=None, gpu_devices=None,
-                 gpu_worker_factory=None):
+                 gpu_worker_factory=None, device_lease=None):
         # "auto": one group of every core this process may use.
         spec = settings.workers
         self.groups = parse_groups(str(len(os.sched_getaffinity(0))) if spec == "auto" else spec)
@@ -147,6 +158,11 @@ class Engine:
         self.latencies_ms: deque = deque(maxlen=1000)
         self.last_used: dict[str, float] = {}   # model key -> when a request last touched it
         self.latency_by_model: dict = {}          # model key -> Histogram of request latency (s), for metrics
+        # device_lease(model key, device UUID, +1 or -1): take or give back a lease on the model's copy on
+        # that device (the daemon's), for as long as a GPU worker may hold sessions over it.
+        self.device_lease = device_lease or (lambda key, uuid, delta: None)
+        self.device_holds: set = set()            # (worker id, model key) whose lease the engine holds
+        self._post = post
 
     def start(self) -> None:
         for w in self.workers:
@@ -162,7 +178,16 @@ class Engine:
         self.last_used.pop(model_key, None)
         self.batchers.pop(model_key, None)
         for w in self.workers:
-            w.drop_model(model_key)
+            wid = w.state.worker_id
+            if (wid, model_key) not in self.device_holds:
+                w.drop_model(model_key)
+                continue
+            # The lease goes back once the worker's sessions are gone (on its thread, after any job
+            # queued before the drop); a stage placed there meanwhile takes a new one.
+            self.device_holds.discard((wid, model_key))
+            uuid = w.state.memory_node
+            release = lambda key=model_key, uuid=uuid: self.device_lease(key, uuid, -1)  # noqa: E731
+            w.drop_model(model_key, then=lambda release=release: self._post(lambda *_: release(), None, None))
 
     def settings_changed(self) -> None:
         """Batching settings were reloaded: policies are rebuilt on the next batch of each model."""
@@ -366,18 +391,40 @@ class Engine:
         for i, w in enumerate(self.workers):  # an idle worker's estimate is "free now"
             if self.outstanding[i] == 0:
                 w.state.free_at = now
+        on_device = next((v.device for v in inputs.values() if isinstance(v, DeviceValue)), "cpu")
         task = Task(batch.batch_id, req.model_key, batch.stage, batch.samples,
-                    sum(getattr(v, "nbytes", 0) for v in inputs.values()), arrival=now)
-        [placement] = self.scheduler.place([task], self.placeable, now, self.perf.predict)
+                    sum(getattr(v, "nbytes", 0) for v in inputs.values()), data_node=on_device, arrival=now)
+        [placement] = self.scheduler.place([task], self._placeable_for(req, batch.stage), now, self.perf.predict)
         worker = self.workers[placement.worker_id]
         self.outstanding[placement.worker_id] += 1
         job = StageJob(batch.batch_id, req.model_key, batch.stage, spec["skeleton"], req.segments,
                        spec["tensors"], inputs, spec["outputs"], placement.predicted_s, queued_at=now)
+        self._on_device(job, worker, req, batch.stage)
         if self._may_inline(worker, job):
             self.inline.append((worker, job))
         else:
             worker.queue.put(job)
         return True
+
+    def _placeable_for(self, req: ServeRequest, stage: int) -> list:
+        """The workers that may run this stage: CPU groups, and GPU workers whose device holds the model."""
+        if len(self.placeable) == len(self.groups) and not self.disabled:   # no GPU worker: the common case
+            return self.placeable
+        return [s for s in self.placeable if s.memory_node == "cpu" or
+                (s.memory_node in req.devices and req.devices[s.memory_node][stage] is not None)]
+
+    def _on_device(self, job: StageJob, worker, req: ServeRequest, stage: int) -> None:
+        """A job placed on a GPU worker: give it the device copy's addresses, keep outputs a later stage reads
+        on the device, and hold a lease on the copy for as long as the worker may have a session over it."""
+        uuid = worker.state.memory_node
+        if uuid == "cpu":
+            return
+        job.device = req.devices[uuid][stage]
+        job.keep_on_device = stage + 1 < len(req.stages)
+        hold = (worker.state.worker_id, req.model_key)
+        if hold not in self.device_holds:
+            self.device_lease(req.model_key, uuid, +1)
+            self.device_holds.add(hold)
 
     def _may_inline(self, worker, job: StageJob) -> bool:
         """Run this stage on the owner loop rather than hand it to its worker's thread?
@@ -423,7 +470,7 @@ class Engine:
         if not batch.members:
             self._end(batch)
             return False
-        batch.data = {k: v[keep] for k, v in batch.data.items()}
+        batch.data = {k: to_host(v)[keep] for k, v in batch.data.items()}
         return True
 
     def _stage_done(self, job: StageJob, error, inline: bool = False) -> None:
@@ -525,9 +572,9 @@ class Engine:
         for m in batch.members:
             names = m.output_names or m.stages[-1]["outputs"]
             if len(batch.members) == 1:
-                outputs = {n: batch.data[n] for n in names}
+                outputs = {n: to_host(batch.data[n]) for n in names}
             else:
-                outputs = {n: batch.data[n][at:at + m.samples] for n in names}
+                outputs = {n: to_host(batch.data[n])[at:at + m.samples] for n in names}
             at += m.samples
             self._finish(m, outputs, None)
 

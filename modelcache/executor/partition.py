@@ -10,6 +10,11 @@ Stage skeletons are written beside the packed model and point at the same weight
 blob, so stage sessions take their weights from the same shared memory: no copy per
 stage. Every partition is checked before it is kept: stage by stage must give the
 whole model's outputs.
+
+A model with a GPU skeleton is cut at the same tensors there too (`stage-K.gpu.onnx`, the
+stubs serve-mode GPU workers override with the GPU tier's device memory). Where the GPU
+graph has no single-tensor cut at one of them (its optimizations differ from the CPU
+graph's), the model's stages run on CPU workers only, as the log says.
 """
 
 from __future__ import annotations
@@ -23,9 +28,13 @@ import numpy as np
 import onnx
 from onnx import helper
 
+import logging
+
 from ..errors import PackError
 from .. import integrity
-from ..packing import SKELETON_FILE, iter_graphs, load_manifest, write_manifest
+from ..packing import SKELETON_FILE, WEIGHTS_FILE, iter_graphs, load_manifest, write_manifest
+
+log = logging.getLogger("modelcache.executor")
 
 
 def _node_inputs(node: onnx.NodeProto) -> set[str]:
@@ -142,10 +151,12 @@ def check_request(stages: int | None, tail_fraction: float | None) -> None:
 
 
 def partition(model_dir: Path, stages: int | None = None, tail_fraction: float | None = None,
-              feeds: dict | None = None) -> dict:
+              feeds: dict | None = None, gpu: bool = False) -> dict:
     """Cut the packed model in `model_dir`; write stage skeletons and record them in the manifest.
 
-    Returns the manifest's new `stages` entry list. `stages=1` removes a partition.
+    Returns the manifest's new `stages` entry list. `stages=1` removes a partition. With `gpu` (the
+    daemon has GPU workers), cuts are taken where the GPU skeleton can be cut at the same tensor, when
+    there are enough such places, and GPU stage skeletons are written too (see partition_gpu).
     """
     import onnxruntime as ort
     from ..session_options import attach_session_options
@@ -165,6 +176,16 @@ def partition(model_dir: Path, stages: int | None = None, tail_fraction: float |
     nodes = list(model.graph.node)
     crossing = crossing_tensors(model)
     candidates = [i + 1 for i, c in enumerate(crossing) if len(c) == 1]
+    gpu_cuts = _gpu_cut_tensors(model_dir, manifest) if gpu else set()
+    # The CPU graph's layout rewrites (NCHWc) rename most activations: only a tensor both graphs cut at
+    # can pass between a CPU and a GPU stage. Prefer those cuts when they are enough.
+    common = [c for c in candidates if crossing[c - 1][0] in gpu_cuts]
+    if common and (tail_fraction is not None or stages - 1 <= len(common)):
+        candidates = common
+    elif gpu:
+        gpu = False
+        log.warning("%s: no %d places where the CPU and GPU graphs both cut at one tensor; its stages run on "
+                    "CPU workers only", model_dir, 1 if tail_fraction is not None else stages - 1)
     feeds = feeds or sample_inputs(str(skeleton))
     costs = profile_node_costs(skeleton, feeds)
     cum, acc = [], 0.0
@@ -212,20 +233,105 @@ def partition(model_dir: Path, stages: int | None = None, tail_fraction: float |
         for name, w in zip(graph_outputs, want):
             if not np.allclose(data[name], w, rtol=1e-4, atol=1e-5):
                 raise PackError(f"partition at {cut_tensors} changes output {name!r}; not kept")
+        try:
+            gpu_pending = partition_gpu(model_dir, manifest, cut_tensors, entries, feeds) if gpu else []
+        except Exception as exc:   # the CPU stages stand on their own: GPU workers just do not run them
+            log.warning("%s: the GPU skeleton cannot be cut at %s, its stages run on CPU workers only: %s",
+                        model_dir, cut_tensors, str(exc)[:300])
+            gpu_pending = []
+        pending += gpu_pending
         for e, path in zip(entries, pending):
             os.replace(path, model_dir / e["file"])
+        for e, path in zip(entries, gpu_pending):
+            os.replace(path, model_dir / e["gpu_file"])
         pending = []
     finally:
         for path in pending:
             path.unlink(missing_ok=True)
+    kept = {e["file"] for e in entries} | {e["gpu_file"] for e in entries if e.get("gpu_file")}
     for old in model_dir.glob("stage-*.onnx"):
-        if old.name not in {e["file"] for e in entries}:
+        if old.name not in kept:
             old.unlink()
     manifest.stages, manifest.stage_cuts = entries, cut_tensors
     manifest.batching = {}  # a calibration measured other stages
     if manifest.checksum:   # stage skeletons are stored files too: covered like the others (not in unverified versions)
         manifest.files = {f: r for f, r in manifest.files.items() if not f.startswith("stage-")}
-        manifest.files.update(integrity.record_files(model_dir, [e["file"] for e in entries]))
+        manifest.files.update(integrity.record_files(model_dir, sorted(kept)))
     write_manifest(model_dir, manifest)
     return {"stages": entries, "cuts": cut_tensors, "files": manifest.files}
 
+
+
+def _gpu_cut_tensors(model_dir: Path, manifest) -> set[str]:
+    """Tensors at which the model's GPU skeleton can be cut (the only one crossing a boundary)."""
+    if not manifest.gpu_skeleton or not manifest.gpu_tensors:
+        return set()
+    model = onnx.load(str(model_dir / manifest.gpu_skeleton), load_external_data=False)
+    return {c[0] for c in crossing_tensors(model) if len(c) == 1}
+
+
+def partition_gpu(model_dir: Path, manifest, cut_tensors: list[str], entries: list[dict], feeds: dict) -> list[Path]:
+    """Cut the GPU skeleton at the CPU partition's tensors; write `stage-K.gpu.onnx.new` files and add
+    "gpu_file" and "gpu_tensors" to each entry. Returns the files written ([] for a model without a GPU
+    skeleton); raises when the GPU graph cannot be cut there or its stages do not give its outputs.
+
+    Checked like the CPU stages, on the CPU: stage by stage, each stub overridden by an OrtValue over the
+    weights blob (add_initializer, as GPU workers do over device memory), equals the whole GPU skeleton."""
+    import onnxruntime as ort
+    from ..session_options import attach_session_options, bind_weights
+
+    if not manifest.gpu_skeleton or not manifest.gpu_tensors:
+        return []
+    skeleton = model_dir / manifest.gpu_skeleton
+    model = onnx.load(str(skeleton), load_external_data=False)
+    crossing = crossing_tensors(model)
+    boundary = {}
+    for i, c in enumerate(crossing):
+        if len(c) == 1:
+            boundary.setdefault(c[0], i + 1)
+    missing = [t for t in cut_tensors if t not in boundary]
+    if missing:
+        raise PackError(f"no single-tensor cut at {missing} in the GPU graph")
+    cuts = [boundary[t] for t in cut_tensors]
+    if cuts != sorted(set(cuts)):
+        raise PackError(f"the cut tensors {cut_tensors} come in another order in the GPU graph")
+    bounds = [0, *cuts, len(model.graph.node)]
+    dtypes = {t: _dtype_of(model, t) for t in cut_tensors}
+    by_name = {t.name: t for t in manifest.gpu_tensors}
+    rows = lambda names: [[n, by_name[n].dtype, by_name[n].shape, 0, by_name[n].offset, by_name[n].nbytes]  # noqa: E731
+                          for n in names]
+    written = []
+    try:
+        for s, (e, (a, b)) in enumerate(zip(entries, zip(bounds, bounds[1:]))):
+            stage_model = build_stage(model, a, b, e["inputs"], e["outputs"], dtypes)
+            written.append(model_dir / f"stage-{s}.gpu.onnx.new")
+            onnx.save_model(stage_model, str(written[-1]))
+            e["gpu_file"] = f"stage-{s}.gpu.onnx"
+            e["gpu_tensors"] = sorted({t.name for t in stage_model.graph.initializer
+                                       if t.data_location == onnx.TensorProto.EXTERNAL})
+            unknown = [n for n in e["gpu_tensors"] if n not in by_name]
+            if unknown:
+                raise PackError(f"GPU stage {s} reads stubs {unknown[:3]} that the manifest does not know")
+        blob = [str(model_dir / WEIGHTS_FILE)]
+        so = attach_session_options()
+        maps, values = bind_weights(so, blob, rows(by_name))
+        want = ort.InferenceSession(str(skeleton), so, providers=["CPUExecutionProvider"]).run(None, feeds)
+        data = dict(feeds)
+        for e, path in zip(entries, written):
+            so = attach_session_options()
+            stage_maps, stage_values = bind_weights(so, blob, rows(e["gpu_tensors"]))
+            sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+            data.update(zip(e["outputs"], sess.run(e["outputs"], {k: data[k] for k in e["inputs"]})))
+            del sess, stage_maps, stage_values
+        outputs = [o.name for o in model.graph.output]
+        for name, w in zip(outputs, want):
+            if not np.allclose(data[name], w, rtol=1e-4, atol=1e-5):
+                raise PackError(f"GPU stages change output {name!r}")
+    except BaseException:
+        for path in written:
+            path.unlink(missing_ok=True)
+        for e in entries:
+            e.pop("gpu_file", None)
+            e.pop("gpu_tensors", None)
+        raise
+    return written

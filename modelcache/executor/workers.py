@@ -1,13 +1,19 @@
 """Workers: CPU groups (threads in the daemon, each pinned to its cores, each with its own ORT
-thread pool) and one GPU worker per CUDA device.
+thread pool) and one GPU worker per device of the daemon's GPU tier.
 
 A worker only runs what the owner loop queued for it and posts the result back; it
-owns its sessions (built on first use, over the daemon's read-only mappings of the
-host tier, so stages share weights with every client) and nothing else. A GPU worker is
-the same thread, queue and session cache; its sessions run on its device's CUDA
-execution provider, which copies the shared weights to the device once per session
-(a device-resident shared arena is the GPU tier's job, not done here) and each stage's
-inputs and outputs per run.
+owns its sessions (built on first use) and nothing else. A CPU worker's sessions map the
+daemon's read-only host-tier segments, so stages share weights with every client.
+
+A GPU worker is the same thread, queue and session cache, over the GPU tier's device
+memory: the daemon's own process holds the arenas, so a stage's weights are OrtValues
+over device pointers (DLPack, ``add_initializer`` on the stage's GPU skeleton, as an
+attached client does over IPC) and no session copies them. The owner loop hands it each
+tensor's address with the job and holds a lease on that device copy for as long as the
+worker may have a session over it (see Engine). A stage whose output goes on to another
+stage keeps it on the device (IOBinding), so consecutive stages on one GPU pass the
+crossing tensor without a round trip through host memory. A fake device (``fake_gpus``)
+is host memory standing in for device memory: the same calls, on ORT's CPU provider.
 """
 
 from __future__ import annotations
@@ -54,6 +60,45 @@ class StageJob:
     worker_id: int = -1            # set by the worker that runs it
     result: dict = field(default_factory=dict)
     session: "StageSession | None" = None   # held from can_run_inline to the end of the inline run
+    # For a GPU worker: {"uuid", "skeleton" (the stage's GPU skeleton), "tensors": [[name, dtype, shape,
+    # address in this process, nbytes]]} of the device copy it runs over; None on a CPU worker.
+    device: dict | None = None
+    keep_on_device: bool = False   # a later stage reads the outputs: a GPU worker leaves them on its device
+
+
+class DeviceValue:
+    """A stage output left on a GPU worker's device (an OrtValue there) for the next stage to bind in place.
+
+    What the engine needs of an array (shape, ndim, nbytes) without copying it; `numpy()` brings it to
+    host memory, which a CPU worker, a batch merge or the answer does first (`to_host`)."""
+
+    __slots__ = ("value", "device", "shape", "nbytes")
+    _ITEMSIZE = {"float": 4, "float16": 2, "double": 8, "bfloat16": 2, "int8": 1, "uint8": 1, "int16": 2,
+                 "uint16": 2, "int32": 4, "uint32": 4, "int64": 8, "uint64": 8, "bool": 1}
+
+    def __init__(self, value, device: str):
+        self.value, self.device = value, device
+        self.shape = tuple(value.shape())
+        kind = value.data_type()[len("tensor("):-1]
+        n = 1
+        for d in self.shape:
+            n *= d
+        self.nbytes = n * self._ITEMSIZE.get(kind, 4)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def numpy(self):
+        return self.value.numpy()
+
+    def __repr__(self) -> str:
+        return f"DeviceValue({self.shape} on {self.device})"
+
+
+def to_host(value):
+    """An array in host memory: a DeviceValue copied out, anything else as it is."""
+    return value.numpy() if isinstance(value, DeviceValue) else value
 
 
 class StageSession:
@@ -140,11 +185,12 @@ class Worker:
         self.queue.put(None)
         self.thread.join(timeout=30)
 
-    def drop_model(self, model_key: str) -> None:
+    def drop_model(self, model_key: str, then=None) -> None:
         """Forget sessions of an evicted model (they map segments that are being freed). Through the
         queue, so jobs queued before the drop still find them; a run in progress, on this thread or
-        inline on the owner loop, holds its StageSession and finishes on it."""
-        self.queue.put(("drop", model_key))
+        inline on the owner loop, holds its StageSession and finishes on it. `then()` runs on this
+        thread once the sessions are gone (a GPU worker's lease on the device copy is released then)."""
+        self.queue.put(("drop", model_key, then))
 
     def _pin(self) -> None:
         try:
@@ -160,8 +206,11 @@ class Worker:
                 self.sessions.clear()
                 return
             if isinstance(job, tuple):
-                for key in [k for k in self.sessions if k[0] == job[1]]:
+                _, model_key, then = job
+                for key in [k for k in self.sessions if k[0] == model_key]:
                     del self.sessions[key]
+                if then is not None:
+                    then()
                 continue
             self.post(job, self.run(job))
 
@@ -173,8 +222,8 @@ class Worker:
             # `stage` holds the session and its mappings until this run returns, whatever drops it meanwhile.
             stage = job.session or self._session(job)
             t0 = time.perf_counter()
-            values = stage.session.run(job.outputs, job.inputs)
-            job.result = {"outputs": dict(zip(job.outputs, values)), "run_s": time.perf_counter() - t0}
+            outputs = self._run_session(stage, job)
+            job.result = {"outputs": outputs, "run_s": time.perf_counter() - t0}
             return None
         except Exception as e:
             return e
@@ -207,6 +256,12 @@ class Worker:
             stage = self.sessions[key] = StageSession(sess, maps, values)
         return stage
 
+    def _run_session(self, stage: StageSession, job: StageJob) -> dict:
+        inputs = job.inputs
+        if any(isinstance(v, DeviceValue) for v in inputs.values()):   # the previous stage ran on a GPU
+            inputs = {k: to_host(v) for k, v in inputs.items()}
+        return dict(zip(job.outputs, stage.session.run(job.outputs, inputs)))
+
     def _providers(self) -> list:
         return ["CPUExecutionProvider"]
 
@@ -220,25 +275,93 @@ def gpu_kind(device) -> str:
 
 
 class GpuWorker(Worker):
-    """One per CUDA device; see the module's docstring for what runs where."""
+    """One per GPU-tier device; see the module's docstring for what runs where."""
 
     def __init__(self, worker_id: int, device, post):
         super().__init__(worker_id, [], post)
         self.device = device
-        # Inputs live in host memory: dmda counts their copy to the device (memory_node) as a transfer.
+        self.fake = device.uuid.startswith("fake-")     # host memory standing in for the device
+        # Host inputs (a request's, a CPU stage's outputs) are copied to the device: dmda counts that
+        # (memory_node); a previous stage's output on this device is not moved.
         self.state = WorkerState(worker_id, kind=gpu_kind(device), memory_node=device.uuid)
+        self._preloaded = False
 
     def _pin(self) -> None:
         """Not pinned: its CPU work is launching kernels and copies, wherever the OS finds room."""
 
     def _providers(self) -> list:
+        if self.fake:
+            return ["CPUExecutionProvider"]
         return [("CUDAExecutionProvider", {"device_id": self.device.index}), "CPUExecutionProvider"]
+
+    def _session(self, job: StageJob) -> StageSession:
+        """The stage's session over the device copy's memory (job.device), built on first use. Only on
+        this worker's thread. No weight is copied: each is an OrtValue over its arena address."""
+        key = (job.model_key, job.stage)
+        stage = self.sessions.get(key)
+        if stage is not None:
+            return stage
+        if job.device is None or job.device.get("uuid") != self.device.uuid:
+            # The engine places on a GPU worker only stages whose model is on its device.
+            raise ModelCacheError(f"GPU worker {self.state.worker_id}: stage {job.stage} of {job.model_key} "
+                                  f"came without its weights on device {self.device.uuid}")
+        import onnxruntime as ort
+        from ..client.device import _KDL_CPU, _KDL_CUDA, _dlpack_value
+        from ..session_options import attach_session_options
+
+        if not self.fake and "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise WorkerUnavailable(f"GPU worker {self.state.worker_id}: onnxruntime {ort.__version__} has no CUDA "
+                                    f"execution provider (install onnxruntime-gpu, the [gpu] extra)")
+        if not self.fake and not self._preloaded:
+            preload = getattr(ort, "preload_dlls", None)
+            if preload is not None:
+                preload()   # the CUDA and cuDNN libraries ORT's CUDA provider needs (shared/GPU.md)
+            self._preloaded = True
+        device_type, device_id = (_KDL_CPU, 0) if self.fake else (_KDL_CUDA, self.device.index)
+        so = attach_session_options(spinning=False)
+        so.intra_op_num_threads = 1
+        values = []
+        for name, dtype, shape, address, nbytes in job.device["tensors"]:
+            value = _dlpack_value(address, dtype, shape, device_type, device_id)
+            if nbytes and value.data_ptr() != address:
+                raise ModelCacheError(f"onnxruntime copied {name!r} of {job.model_key} instead of using the arena")
+            values.append(value)
+            so.add_initializer(name, value)
+        sess = ort.InferenceSession(job.device["skeleton"], so, providers=self._providers())
+        self._check_session(sess)
+        stage = self.sessions[key] = StageSession(sess, [], values)
+        return stage
+
+    def _run_session(self, stage: StageSession, job: StageJob) -> dict:
+        """Run with IOBinding: this device's values are bound in place, host arrays copied in; outputs stay
+        on the device when a later stage reads them (job.keep_on_device), else come back to host memory."""
+        import numpy as np
+
+        io = stage.session.io_binding()
+        for name, value in job.inputs.items():
+            if isinstance(value, DeviceValue) and value.device == self.device.uuid:
+                io.bind_ortvalue_input(name, value.value)
+            else:
+                io.bind_cpu_input(name, np.ascontiguousarray(to_host(value)))
+        device, device_id = ("cpu", 0) if self.fake else ("cuda", self.device.index)
+        for name in job.outputs:
+            if job.keep_on_device:
+                io.bind_output(name, device, device_id)
+            else:
+                io.bind_output(name, "cpu")
+        stage.session.run_with_iobinding(io)
+        values = io.get_outputs()
+        if job.keep_on_device:
+            return {name: DeviceValue(v, self.device.uuid) for name, v in zip(job.outputs, values)}
+        return {name: v.numpy() for name, v in zip(job.outputs, values)}
 
     def _check_session(self, sess) -> None:
         # ORT falls back to the CPU, with only a warning, when the CUDA provider cannot start (no
         # driver, a missing CUDA or cuDNN library): a GPU worker that silently ran on the CPU would
         # corrupt its performance models and the placements. Provider start does not depend on the
         # model, so this worker is done for.
+        if self.fake:
+            return
         if sess.get_providers()[0] != "CUDAExecutionProvider":
             raise WorkerUnavailable(f"GPU worker {self.state.worker_id}: onnxruntime could not start the CUDA "
                                     f"execution provider on device {self.device.index} ({self.device.name}); "

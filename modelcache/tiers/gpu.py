@@ -123,6 +123,7 @@ class DeviceAllocator(Protocol):
     def copy_in(self, allocation: Allocation, copies: list, host_files: list[str]) -> tuple[int, float]: ...
     def copy_out(self, allocation: Allocation, offset: int, nbytes: int) -> bytes: ...
     def mem_info(self) -> tuple[int, int]: ...
+    def local_address(self, allocation: Allocation) -> int: ...
     def close(self) -> None: ...
 
 
@@ -143,6 +144,7 @@ class FakeAllocator:
         self._lock = threading.Lock()      # alloc runs on loader threads, free on the owner loop
         self._next_id = 1
         self._allocated_bytes = 0
+        self._local: dict[int, int] = {}    # allocation ptr -> address of this process's read-only mapping
 
     def path(self, allocation: Allocation) -> Path:
         return Path(allocation.handle.decode())
@@ -170,9 +172,26 @@ class FakeAllocator:
         return Allocation(ptr, nbytes, str(path).encode())
 
     def free(self, allocation: Allocation) -> None:
+        with self._lock:
+            local = self._local.pop(allocation.ptr, None)
+        if local is not None:
+            _munmap(local, allocation.nbytes)
         self.path(allocation).unlink(missing_ok=True)
         with self._lock:
             self._allocated_bytes -= allocation.nbytes
+
+    def local_address(self, allocation: Allocation) -> int:
+        """The allocation's bytes in this (the daemon's) process: a read-only mapping of its file, made once
+        and unmapped by `free`, as a CUDA allocation's device pointer serves the daemon's own GPU workers."""
+        with self._lock:
+            addr = self._local.get(allocation.ptr)
+            if addr is None:
+                fd = os.open(self.path(allocation), os.O_RDONLY)
+                try:
+                    addr = self._local[allocation.ptr] = _mmap_read_only(fd, allocation.nbytes, 0)
+                finally:
+                    os.close(fd)
+            return addr
 
     def copy_in(self, allocation: Allocation, copies: list, host_files: list[str]) -> tuple[int, float]:
         t0 = time.perf_counter()
@@ -253,6 +272,11 @@ class CudaAllocator:
     def free(self, allocation: Allocation) -> None:
         self._use_device()
         self._rt.free(allocation.ptr)
+
+    def local_address(self, allocation: Allocation) -> int:
+        """The device pointer, valid in this process (the runtime API's primary context, which ORT's CUDA
+        provider shares): the daemon's own GPU workers use it directly; IPC is for other processes."""
+        return allocation.ptr
 
     def mem_info(self) -> tuple[int, int]:
         self._use_device()
@@ -613,6 +637,22 @@ class DeviceTier:
         tensors = [[t.name, t.dtype, t.shape, slot[locations[t.name][0]], locations[t.name][1], t.nbytes]
                    for t in self._tensors[key]]
         return [self.arenas[name].allocation.handle for name in arenas], tensors
+
+    def local_tensors(self, key: str, names=None) -> list[list]:
+        """[name, dtype, shape, address, nbytes] per tensor of a resident model (those in `names`, when given),
+        at addresses of this process: what the daemon's own GPU workers build stage sessions over, no copy.
+
+        Valid while the model is resident here: the owner must hold a lease on this copy for as long as a
+        session over these addresses lives (the daemon's `free_model` really frees them, in its own process)."""
+        locations = self.models[key]
+        out = []
+        for t in self._tensors[key]:
+            if names is not None and t.name not in names:
+                continue
+            arena, offset = locations[t.name]
+            base = self.allocator.local_address(self.arenas[arena].allocation)
+            out.append([t.name, t.dtype, list(t.shape), base + offset, t.nbytes])
+        return out
 
 
 def _coalesce(copies: list) -> list:
