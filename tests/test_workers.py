@@ -66,3 +66,30 @@ def test_cpu_worker_runs_a_stage_like_plain_ort(tmp_path, zoo_file):
 
 
 # GPU workers run over the GPU tier's device memory: tests/test_gpu_serve.py.
+
+
+def test_a_session_whose_drop_is_queued_never_runs_inline():
+    """A new partition drops a model's stage sessions through the worker's queue; until the worker has
+    done so, the owner loop must not run a job inline on the stale session (seen: 'Invalid output
+    name' on the first request after a re-partition, on a loaded machine)."""
+    import threading
+    from modelcache.executor.workers import StageJob, Worker
+
+    w = Worker(0, [0], post=lambda job, error: None)
+    stale = object()
+    w.sessions[("m@1", 0)] = stale            # as if the worker had built it for the old stages
+    job = StageJob(batch_id=1, model_key="m@1", stage=0, skeleton="", segments=[], tensors=[], inputs={},
+                   outputs=[], predicted_s=None)
+    assert w.can_run_inline(job) and job.session is stale
+    job.session = None
+    done = threading.Event()
+    w.drop_model("m@1", then=done.set)        # queued: the thread has not started yet
+    assert not w.can_run_inline(job) and job.session is None
+    w.start()
+    try:
+        assert done.wait(10)
+        assert not w.can_run_inline(job)      # dropped: nothing to run inline until a new session is built
+        w.sessions[("m@1", 0)] = fresh = object()
+        assert w.can_run_inline(job) and job.session is fresh
+    finally:
+        w.stop()

@@ -175,6 +175,10 @@ class Worker:
         # (model key, stage) -> StageSession. Only this worker's thread adds or removes entries; the owner
         # loop reads them (can_run_inline), each with one lookup.
         self.sessions: dict = {}
+        # Drops of a model's sessions: sent (by the owner loop) and done (by this thread), one writer each.
+        # Until its drops are done a model's sessions may be stale (a new partition), so none runs inline.
+        self.drops_sent: dict = {}
+        self.drops_done: dict = {}
         self.queued_predictions: list = []      # owner-side: predicted seconds of jobs not yet finished
         self.thread = threading.Thread(target=self._loop, name=f"worker-{worker_id}", daemon=True)
 
@@ -190,7 +194,8 @@ class Worker:
         queue, so jobs queued before the drop still find them; a run in progress, on this thread or
         inline on the owner loop, holds its StageSession and finishes on it. `then()` runs on this
         thread once the sessions are gone (a GPU worker's lease on the device copy is released then)."""
-        self.queue.put(("drop", model_key, then))
+        self.drops_sent[model_key] = n = self.drops_sent.get(model_key, 0) + 1
+        self.queue.put(("drop", model_key, then, n))
 
     def _pin(self) -> None:
         try:
@@ -206,9 +211,10 @@ class Worker:
                 self.sessions.clear()
                 return
             if isinstance(job, tuple):
-                _, model_key, then = job
+                _, model_key, then, n = job
                 for key in [k for k in self.sessions if k[0] == model_key]:
                     del self.sessions[key]
+                self.drops_done[model_key] = n
                 if then is not None:
                     then()
                 continue
@@ -237,6 +243,8 @@ class Worker:
         When it may, the job takes the session now: the worker's thread may drop it (eviction)
         before or while the loop runs the job, and the loop must neither build one nor lose the
         mappings under a run."""
+        if self.drops_done.get(job.model_key, 0) != self.drops_sent.get(job.model_key, 0):
+            return False   # a drop is on its way to this thread: the session found now may be stale
         job.session = self.sessions.get((job.model_key, job.stage))
         return job.session is not None
 
