@@ -1,0 +1,96 @@
+"""The inner level of the search: how a stage's batch is split across the workers of its set.
+
+MARS splits a layer across the accelerators of its set; here the batch's rows are split. The split
+of a stage minimizes its slowest worker (then the workers' total time, which frees resources for a
+pipeline). Small cases are enumerated exactly; larger ones run a small genetic search seeded with
+the water-filling split (each row to the worker that would finish it first) and the even split.
+Every answer is cached per (nodes, set): the outer searches and the DP ask the same ones often.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+from .plan import PlanCost, Stage, even_split
+
+EXACT_LIMIT = 400        # compositions enumerated exactly below this many
+INNER_POPULATION = 16
+INNER_GENERATIONS = 24
+
+
+def _compositions(total: int, parts: int):
+    for bars in itertools.combinations(range(total + parts - 1), parts - 1):
+        prev, out = -1, []
+        for b in bars:
+            out.append(b - prev - 1)
+            prev = b
+        out.append(total + parts - 1 - prev - 1)
+        yield tuple(out)
+
+
+def _count(total: int, parts: int) -> int:
+    from math import comb
+    return comb(total + parts - 1, parts - 1)
+
+
+class SplitSearch:
+    def __init__(self, cost: PlanCost, seed: int = 0):
+        self.cost, self.seed = cost, seed
+        self._cache: dict = {}
+
+    def members(self, mask: int) -> tuple:
+        return tuple(w for w in range(len(self.cost.kinds)) if mask >> w & 1)
+
+    def stage(self, i: int, j: int, mask: int) -> Stage:
+        key = (i, j, mask)
+        s = self._cache.get(key)
+        if s is None:
+            workers = self.members(mask)
+            s = self._cache[key] = Stage(i, j, workers, self.best_split(i, j, workers))
+        return s
+
+    def _fitness(self, i: int, j: int, workers: tuple, split: tuple) -> tuple:
+        times = [self.cost.worker_s(w, i, j, b) for w, b in zip(workers, split)]
+        return (max(times), sum(times))
+
+    def water_fill(self, i: int, j: int, workers: tuple) -> tuple:
+        split = [0] * len(workers)
+        for _ in range(self.cost.batch):
+            k = min(range(len(workers)), key=lambda k: (self.cost.worker_s(workers[k], i, j, split[k] + 1), k))
+            split[k] += 1
+        return tuple(split)
+
+    def best_split(self, i: int, j: int, workers: tuple) -> tuple:
+        batch = self.cost.batch
+        if len(workers) == 1:
+            return (batch,)
+        fit = lambda s: self._fitness(i, j, workers, s)   # noqa: E731
+        if _count(batch, len(workers)) <= EXACT_LIMIT:
+            return min(_compositions(batch, len(workers)), key=fit)
+        # Deterministic per stage: the generator is seeded with the search's seed and the stage.
+        rng = random.Random(hash((self.seed, i, j, workers)))
+        pop = {self.water_fill(i, j, workers), even_split(batch, len(workers))}
+        while len(pop) < INNER_POPULATION:
+            cut = sorted(rng.randint(0, batch) for _ in range(len(workers) - 1))
+            pop.add(tuple(b - a for a, b in zip([0, *cut], [*cut, batch])))
+        pop = sorted(pop, key=fit)
+        for _ in range(INNER_GENERATIONS):
+            children = []
+            for _ in range(INNER_POPULATION):
+                a, b = rng.sample(pop[: max(2, len(pop) // 2)], 2)
+                child = [x if rng.random() < 0.5 else y for x, y in zip(a, b)]
+                while sum(child) != batch:    # repair: rows added or taken at random workers
+                    k = rng.randrange(len(child))
+                    if sum(child) < batch:
+                        child[k] += 1
+                    elif child[k] > 0:
+                        child[k] -= 1
+                if rng.random() < 0.7:        # mutation: move some rows from one worker to another
+                    src, dst = rng.sample(range(len(child)), 2)
+                    n = rng.randint(0, child[src])
+                    child[src] -= n
+                    child[dst] += n
+                children.append(tuple(child))
+            pop = sorted(set(pop) | set(children), key=fit)[:INNER_POPULATION]
+        return pop[0]
