@@ -71,27 +71,29 @@ def measured_kinds(system: System, facts: list[NodeFacts]) -> list[str]:
     return [k for k in system.kinds if k in have]
 
 
-def efficiencies(system: System, facts: list[NodeFacts], reference: str) -> dict[str, float]:
-    """Per op class: the roofline's time over the measured time on `reference` (how near its peak it runs)."""
-    kind = system.kinds[reference]
+def efficiencies(kind, facts: list[NodeFacts]) -> dict[str, float]:
+    """Per op class: the roofline's time over the time measured on `kind` (how near its peak it runs)."""
+    reference = kind.name
     eff = {}
     for cls in ("conv", "matmul", "other"):
         mine = [f for f in facts if op_class(f.op) == cls]
         measured = sum(f.measured_s[reference] - kind.launch_us * 1e-6 for f in mine)
         model = sum(roofline_s(kind, f, 1) for f in mine)
         if mine and measured > 0 and model > 0:
-            eff[cls] = model / measured
-    overall = sum(roofline_s(kind, f, 1) for f in facts) / max(1e-12, sum(f.measured_s[reference] for f in facts))
+            eff[cls] = min(1.0, model / measured)   # above 1: the declared peak is low; no kind beats its peak
+    overall = min(1.0, sum(roofline_s(kind, f, 1) for f in facts) / max(1e-12, sum(f.measured_s[reference] for f in facts)))
     for cls in ("conv", "matmul", "other"):
         eff.setdefault(cls, overall)    # a class this model lacks: the model's overall figure
     return eff
 
 
 def build_table(model: str, facts: list[NodeFacts], cut_bytes: list[float], system: System,
-                batch: int) -> CostTable:
+                batch: int, reference=None) -> CostTable:
+    """`reference`: the Kind to calibrate on when the system has no measured kind (this machine's CPU)."""
     measured = measured_kinds(system, facts)
-    reference = measured[0] if measured else None
-    eff = efficiencies(system, facts, reference) if reference else {"conv": 1.0, "matmul": 1.0, "other": 1.0}
+    ref_kind = system.kinds[measured[0]] if measured else reference
+    reference = ref_kind.name if ref_kind else None
+    eff = efficiencies(ref_kind, facts) if ref_kind else {"conv": 1.0, "matmul": 1.0, "other": 1.0}
     node_s, source = {}, {}
     for name, kind in system.kinds.items():
         table = np.zeros((batch + 1, len(facts)))

@@ -151,7 +151,9 @@ class GeneticSearch:
         improved = True
         while improved and self.clock() < deadline:
             improved = False
-            for g in self.neighbours(best):
+            for count, g in enumerate(self.neighbours(best)):
+                if count % 64 == 63 and self.clock() > deadline:
+                    break
                 s = self.score(g)
                 if s < best_score:
                     best, best_score, improved = g, s, True
@@ -187,7 +189,7 @@ class GeneticSearch:
                 if stalled >= self.stall:
                     break
         # Hill-climb from the few best: they often sit in different basins, and the climb is cheap.
-        polish_until = deadline + 0.25 * self.time_budget_s
+        polish_until = deadline + 0.2 * self.time_budget_s
         best = min((self.polish(g, polish_until) for g in pop[:POLISHED]), key=self.score)
         plan = self.decode(best)
         plan.objective = self.objective

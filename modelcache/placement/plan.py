@@ -34,8 +34,13 @@ class Stage:
     workers: tuple       # indices into system.workers
     split: tuple         # samples per worker, summing to the plan's batch
 
-    def active(self):
-        return [(w, b) for w, b in zip(self.workers, self.split) if b > 0]
+    def active(self) -> tuple:
+        """(worker, rows) of the workers with rows; computed once (stages are immutable and asked often)."""
+        try:
+            return self._active
+        except AttributeError:
+            object.__setattr__(self, "_active", tuple((w, b) for w, b in zip(self.workers, self.split) if b > 0))
+            return self._active
 
 
 @dataclass
@@ -128,8 +133,9 @@ class PlanCost:
         self.kinds = [w.kind for w in system.workers]
         self.nodes_of = [w.memory_node for w in system.workers]
         self.capacity = [w.memory_gbyte * 1e9 for w in system.workers]
+        self.bounded = any(math.isfinite(c) for c in self.capacity)
         self._xfer: dict = {}
-        self._split: dict = {}
+        self._stage_s: dict = {}
 
     def node_of(self, worker: int) -> str:
         return HOST if worker == self.HOST_WORKER else self.nodes_of[worker]
@@ -138,7 +144,10 @@ class PlanCost:
         return self.table.seconds(self.kinds[w], i, j, b) if b else 0.0
 
     def stage_s(self, s: Stage) -> float:
-        return max((self.worker_s(w, s.start, s.end, b) for w, b in s.active()), default=0.0)
+        t = self._stage_s.get(s)
+        if t is None:
+            t = self._stage_s[s] = max((self.worker_s(w, s.start, s.end, b) for w, b in s.active()), default=0.0)
+        return t
 
     # -- transfers ---------------------------------------------------------------------------
     def link_loads(self, boundary: int, src: list, dst: list) -> dict:
@@ -163,10 +172,12 @@ class PlanCost:
         return t
 
     def _layout(self, s: Stage | None) -> tuple:
-        return ((self.HOST_WORKER, self.batch),) if s is None else tuple(s.active())
+        return ((self.HOST_WORKER, self.batch),) if s is None else s.active()
 
     # -- whole plans -------------------------------------------------------------------------
     def feasible(self, plan: Plan) -> bool:
+        if not self.bounded:
+            return True
         held = [0.0] * len(self.kinds)
         for s in plan.stages:
             for w, b in s.active():

@@ -50,10 +50,6 @@ class SplitSearch:
             s = self._cache[key] = Stage(i, j, workers, self.best_split(i, j, workers))
         return s
 
-    def _fitness(self, i: int, j: int, workers: tuple, split: tuple) -> tuple:
-        times = [self.cost.worker_s(w, i, j, b) for w, b in zip(workers, split)]
-        return (max(times), sum(times))
-
     def water_fill(self, i: int, j: int, workers: tuple) -> tuple:
         split = [0] * len(workers)
         for _ in range(self.cost.batch):
@@ -62,35 +58,68 @@ class SplitSearch:
         return tuple(split)
 
     def best_split(self, i: int, j: int, workers: tuple) -> tuple:
-        batch = self.cost.batch
+        """Rows per worker. Workers of one kind are interchangeable, and for equal workers the slowest is
+        fastest when their rows are balanced; so the search is over rows per kind, each kind's rows spread
+        evenly over its workers: exact when that space is small, else the genetic search."""
+        batch, cost = self.cost.batch, self.cost
         if len(workers) == 1:
             return (batch,)
-        fit = lambda s: self._fitness(i, j, workers, s)   # noqa: E731
-        if _count(batch, len(workers)) <= EXACT_LIMIT:
-            return min(_compositions(batch, len(workers)), key=fit)
-        # Deterministic per stage: the generator is seeded with the search's seed and the stage.
-        rng = random.Random(hash((self.seed, i, j, workers)))
-        pop = {self.water_fill(i, j, workers), even_split(batch, len(workers))}
+        kinds = list(dict.fromkeys(cost.kinds[w] for w in workers))
+        members = [[k for k, w in enumerate(workers) if cost.kinds[w] == kind] for kind in kinds]
+        # time of one worker of each kind at b rows, b = 0..batch
+        times = [[cost.worker_s(workers[m[0]], i, j, b) for b in range(batch + 1)] for m in members]
+
+        def expand(per_kind) -> tuple:
+            split = [0] * len(workers)
+            for rows, m in zip(per_kind, members):
+                for k, r in zip(m, even_split(rows, len(m))):
+                    split[k] = r
+            return tuple(split)
+
+        def fit(per_kind) -> tuple:
+            spread = [(times[k][r // len(m) + (1 if r % len(m) else 0)], times[k][r // len(m)], r % len(m), len(m))
+                      for k, (r, m) in enumerate(zip(per_kind, members))]
+            slowest = max(t_hi if rem else t_lo for t_hi, t_lo, rem, _ in spread)
+            total = sum(rem * t_hi + (n - rem) * t_lo for t_hi, t_lo, rem, n in spread)
+            return (slowest, total)
+
+        if len(kinds) == 1:
+            return expand((batch,))
+        if _count(batch, len(kinds)) <= EXACT_LIMIT:
+            return expand(min(_compositions(batch, len(kinds)), key=fit))
+        return expand(self._genetic(batch, len(kinds), fit, (i, j, workers)))
+
+    def _genetic(self, batch: int, parts: int, fit, key) -> tuple:
+        """Rows per kind by a small genetic search, seeded with the even split; deterministic per stage."""
+        rng = random.Random(hash((self.seed, *key)))
+        scores: dict = {}
+
+        def score(c):
+            s = scores.get(c)
+            if s is None:
+                s = scores[c] = fit(c)
+            return s
+        pop = {even_split(batch, parts)}
         while len(pop) < INNER_POPULATION:
-            cut = sorted(rng.randint(0, batch) for _ in range(len(workers) - 1))
+            cut = sorted(rng.randint(0, batch) for _ in range(parts - 1))
             pop.add(tuple(b - a for a, b in zip([0, *cut], [*cut, batch])))
-        pop = sorted(pop, key=fit)
+        pop = sorted(pop, key=score)
         for _ in range(INNER_GENERATIONS):
             children = []
             for _ in range(INNER_POPULATION):
                 a, b = rng.sample(pop[: max(2, len(pop) // 2)], 2)
                 child = [x if rng.random() < 0.5 else y for x, y in zip(a, b)]
-                while sum(child) != batch:    # repair: rows added or taken at random workers
+                while sum(child) != batch:    # repair: rows added or taken at random kinds
                     k = rng.randrange(len(child))
                     if sum(child) < batch:
                         child[k] += 1
                     elif child[k] > 0:
                         child[k] -= 1
-                if rng.random() < 0.7:        # mutation: move some rows from one worker to another
+                if rng.random() < 0.7:        # mutation: move some rows from one kind to another
                     src, dst = rng.sample(range(len(child)), 2)
                     n = rng.randint(0, child[src])
                     child[src] -= n
                     child[dst] += n
                 children.append(tuple(child))
-            pop = sorted(set(pop) | set(children), key=fit)[:INNER_POPULATION]
+            pop = sorted(set(pop) | set(children), key=score)[:INNER_POPULATION]
         return pop[0]
