@@ -130,13 +130,18 @@ def cmd_publish(args) -> int:
 
 def cmd_partition(args) -> int:
     from .client.connection import connect
+    plan = None
+    if args.plan:
+        from .placement.plan import load_plan
+        plan = load_plan(args.plan)
     with connect(_settings(args).socket) as c:
-        stages = c.partition(args.name, args.stages, args.tail_fraction, args.version)
+        stages = c.partition(args.name, args.stages, args.tail_fraction, args.version, plan=plan)
     if not stages:
         print(f"{args.name}: one stage (not partitioned)")
     for i, st in enumerate(stages):
+        where = f"  on {', '.join(st['workers'])}" if st.get("workers") else ""
         print(f"stage {i}: {st['file']}  {', '.join(st['inputs'])} -> {', '.join(st['outputs'])}  "
-              f"{100 * st['cost_share']:.0f}% of measured compute")
+              f"{100 * st['cost_share']:.0f}% of measured compute{where}")
     return 0
 
 
@@ -397,6 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     how = pt.add_mutually_exclusive_group(required=True)
     how.add_argument("--stages", type=int, help="K stages of about equal compute (1 removes a partition)")
     how.add_argument("--tail-fraction", type=float, help="two stages, the second with this share of compute")
+    how.add_argument("--plan", help="a plan from `modelcache place` (searched on this machine's --describe): "
+                                    "its stages, each served on its worker set (dmda picks within it)")
     pt.set_defaults(func=cmd_partition)
     pl = sub.add_parser("place", parents=[common], help="search where a model's stages run (MARS): plan vs baselines",
                         description="Search stage boundaries x worker sets x batch splits for a packed model on a "

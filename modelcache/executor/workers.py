@@ -133,6 +133,11 @@ class Worker:
         self.queued_predictions: list = []      # owner-side: predicted seconds of jobs not yet finished
         self.thread = threading.Thread(target=self._loop, name=f"worker-{worker_id}", daemon=True)
 
+    @property
+    def name(self) -> str:
+        """How a system description names this worker (`modelcache place --describe`)."""
+        return f"cpu-{self.state.worker_id}"
+
     def start(self) -> None:
         self.thread.start()
 
@@ -227,6 +232,10 @@ class GpuWorker(Worker):
         self.device = device
         # Inputs live in host memory: dmda counts their copy to the device (memory_node) as a transfer.
         self.state = WorkerState(worker_id, kind=gpu_kind(device), memory_node=device.uuid)
+
+    @property
+    def name(self) -> str:
+        return f"gpu-{self.device.index}"
 
     def _pin(self) -> None:
         """Not pinned: its CPU work is launching kernels and copies, wherever the OS finds room."""

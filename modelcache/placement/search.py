@@ -34,7 +34,7 @@ def merge_same_sets(cost: PlanCost, plan: Plan, objective: str) -> Plan:
             splits = SplitSearch(cost)
             joined = splits.stage(a.start, b.end, sum(1 << w for w in a.workers))
             trial = Plan(stages[:k] + [joined] + stages[k + 2:], plan.batch, method=plan.method)
-            if cost.score(trial, objective) <= cost.score(Plan(stages, plan.batch), objective):
+            if cost.score(trial, objective)[0] <= cost.score(Plan(stages, plan.batch), objective)[0] * (1 + 1e-9):
                 stages = trial.stages
                 continue
         k += 1

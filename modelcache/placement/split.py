@@ -47,7 +47,11 @@ class SplitSearch:
         s = self._cache.get(key)
         if s is None:
             workers = self.members(mask)
-            s = self._cache[key] = Stage(i, j, workers, self.best_split(i, j, workers))
+            split = self.best_split(i, j, workers)
+            # Workers given no rows are left out: the stage runs without them, and serving would let dmda
+            # pick them (for other requests) though the plan never costed them.
+            active = [(w, b) for w, b in zip(workers, split) if b > 0]
+            s = self._cache[key] = Stage(i, j, tuple(w for w, _ in active), tuple(b for _, b in active))
         return s
 
     def water_fill(self, i: int, j: int, workers: tuple) -> tuple:
