@@ -334,7 +334,7 @@ def cmd_demo(args) -> int:
 
 
 BENCHMARKS = ("coldstart", "open", "tiers", "executor", "serve", "transport", "binding", "servepath",
-              "conformance", "restart", "hashes", "fuzz", "soak", "placement")  # modules of modelcache.bench
+              "conformance", "restart", "hashes", "fuzz", "soak", "placement", "placement_check")  # modules of modelcache.bench
 
 
 def cmd_bench(args) -> int:
