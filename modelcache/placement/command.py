@@ -45,8 +45,9 @@ def sim_figures(placement: Placement, plan: Plan, seed: int = 0) -> dict:
             "rate_per_s": LOAD_SHARE * capacity, "p50_s": res.percentile_s(0.5), "p99_s": res.percentile_s(0.99)}
 
 
-def report(placement: Placement, out=sys.stdout) -> dict:
+def report(placement: Placement, out=None) -> dict:
     """Print the plan, the baselines and the simulator's figures; returns them as data."""
+    out = out or sys.stdout
     cost, plan = placement.cost, placement.plan
     system, table = cost.system, cost.table
     print(f"{table.model} on {system.name!r}: {table.n} nodes, batch {plan.batch}, objective {plan.objective}",
