@@ -29,7 +29,7 @@ def plot_gantt(placement, path: Path, requests: int = PIPELINED_REQUESTS) -> Pat
     ax.set_yticks(range(len(used)), used)
     ax.invert_yaxis()
     ax.set_xlabel("ms (colour: stage; shade: request)")
-    ax.set_title(f"{cost.table.model} on {cost.system.name}: {len(plan.stages)} stages, batch {plan.batch}, "
+    ax.set_title(f"{cost.table.model} on {cost.system.name}: {len(plan.stages)} stage{'s' if len(plan.stages) > 1 else ''}, batch {plan.batch}, "
                  f"{requests} requests at once")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

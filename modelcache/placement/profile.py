@@ -72,15 +72,26 @@ def profile_nodes(skeleton: Path, feeds: dict, threads: int, runs: int = 3) -> d
     import onnxruntime as ort
     from ..session_options import attach_session_options
 
+    # Pinned to the cores a worker group of this size gets (executor/workers.py): on a shared machine a
+    # pinned thread cannot flee to an idle core, and the costs should be the worker's, not a free thread's.
+    from ..executor.workers import parse_groups
+    before = os.sched_getaffinity(0)
     with tempfile.TemporaryDirectory() as tmp:
-        so = attach_session_options(spinning=False)
-        so.intra_op_num_threads = threads
-        so.enable_profiling = True
-        so.profile_file_prefix = os.path.join(tmp, "profile")
-        sess = ort.InferenceSession(str(skeleton), so, providers=["CPUExecutionProvider"])
-        for _ in range(runs + 1):
-            sess.run(None, feeds)
-        events = json.loads(Path(sess.end_profiling()).read_text())
+        try:
+            os.sched_setaffinity(0, parse_groups(str(threads))[0])   # this thread; ORT's pool inherits it
+        except OSError:
+            pass
+        try:
+            so = attach_session_options(spinning=False)
+            so.intra_op_num_threads = threads
+            so.enable_profiling = True
+            so.profile_file_prefix = os.path.join(tmp, "profile")
+            sess = ort.InferenceSession(str(skeleton), so, providers=["CPUExecutionProvider"])
+            for _ in range(runs + 1):
+                sess.run(None, feeds)
+            events = json.loads(Path(sess.end_profiling()).read_text())
+        finally:
+            os.sched_setaffinity(0, before)
     times: dict[str, list] = {}
     args: dict[str, dict] = {}
     for e in events:
