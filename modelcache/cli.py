@@ -130,14 +130,24 @@ def cmd_publish(args) -> int:
 
 def cmd_partition(args) -> int:
     from .client.connection import connect
+    plan = None
+    if args.plan:
+        from .placement.plan import load_plan
+        plan = load_plan(args.plan)
     with connect(_settings(args).socket) as c:
-        stages = c.partition(args.name, args.stages, args.tail_fraction, args.version)
+        stages = c.partition(args.name, args.stages, args.tail_fraction, args.version, plan=plan)
     if not stages:
         print(f"{args.name}: one stage (not partitioned)")
     for i, st in enumerate(stages):
+        where = f"  on {', '.join(st['workers'])}" if st.get("workers") else ""
         print(f"stage {i}: {st['file']}  {', '.join(st['inputs'])} -> {', '.join(st['outputs'])}  "
-              f"{100 * st['cost_share']:.0f}% of measured compute")
+              f"{100 * st['cost_share']:.0f}% of measured compute{where}")
     return 0
+
+
+def cmd_place(args) -> int:
+    from .placement.command import run
+    return run(args, _settings(args))
 
 
 def cmd_calibrate(args) -> int:
@@ -324,7 +334,7 @@ def cmd_demo(args) -> int:
 
 
 BENCHMARKS = ("coldstart", "open", "tiers", "executor", "serve", "transport", "binding", "servepath",
-              "conformance", "restart", "hashes", "fuzz", "soak")  # modules of modelcache.bench
+              "conformance", "restart", "hashes", "fuzz", "soak", "placement", "placement_check")  # modules of modelcache.bench
 
 
 def cmd_bench(args) -> int:
@@ -392,7 +402,27 @@ def build_parser() -> argparse.ArgumentParser:
     how = pt.add_mutually_exclusive_group(required=True)
     how.add_argument("--stages", type=int, help="K stages of about equal compute (1 removes a partition)")
     how.add_argument("--tail-fraction", type=float, help="two stages, the second with this share of compute")
+    how.add_argument("--plan", help="a plan from `modelcache place` (searched on this machine's --describe): "
+                                    "its stages, each served on its worker set (dmda picks within it)")
     pt.set_defaults(func=cmd_partition)
+    pl = sub.add_parser("place", parents=[common], help="search where a model's stages run (MARS): plan vs baselines",
+                        description="Search stage boundaries x worker sets x batch splits for a packed model on a "
+                                    "system description (two-level GA; exact DP on small cases), show it beside "
+                                    "MARS's half-split, StarONNX's tail fraction, the fastest single worker and "
+                                    "greedy by speed, with the simulator's figures; write the plan as JSON. "
+                                    "--describe writes this machine's system description.")
+    pl.add_argument("name", nargs="?")
+    pl.add_argument("--version", type=int)
+    pl.add_argument("--system", help="system description (TOML); see examples/systems/")
+    pl.add_argument("--objective", choices=["latency", "throughput"], default="latency")
+    pl.add_argument("--time-budget", type=float, default=60.0, help="seconds the search may take (default 60)")
+    pl.add_argument("--batch", type=int, default=1, help="samples per request, split across a stage's workers")
+    pl.add_argument("--seed", type=int, default=0)
+    pl.add_argument("-o", "--output", help="plan file (default NAME.plan.json); with --describe, the TOML file")
+    pl.add_argument("--plots", help="directory for a Gantt chart and plan-vs-baselines bars (PNG)")
+    pl.add_argument("--describe", action="store_true", help="write this machine's system description")
+    pl.add_argument("--workers", help="with --describe: CPU groups as the daemon's `workers` setting ('1,1', '2')")
+    pl.set_defaults(func=cmd_place)
     cb = sub.add_parser("calibrate", parents=[common], help="time a model's stages per batch size for batching",
                         description="Serve the model at each batch size, one request at a time, on the daemon's "
                                     "workers; fit LBCI's g(b) and derive N_opt: the largest batch that pays (per-"

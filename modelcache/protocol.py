@@ -243,6 +243,7 @@ class Partition(Message, kind="partition"):
     version: Optional[int] = None
     stages: Optional[int] = None
     tail_fraction: Optional[float] = None
+    plan: Optional[dict] = None        # a placement plan (`modelcache place`): its cuts and worker sets
 
 
 class Infer(Message, kind="infer"):

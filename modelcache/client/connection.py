@@ -329,10 +329,11 @@ class Client:
         return self._call(P.Describe(req_id=0, name=name, version=version), expect=(P.DescribeReply,))
 
     def partition(self, name: str, stages: int | None = None, tail_fraction: float | None = None,
-                  version: int | None = None) -> list[dict]:
-        """Split a model into stages for serve mode (stages=1 undoes it); returns the stages."""
+                  version: int | None = None, plan: dict | None = None) -> list[dict]:
+        """Split a model into stages for serve mode (stages=1 undoes it), or as a placement plan says;
+        returns the stages."""
         return self._call(P.Partition(req_id=0, name=name, version=version, stages=stages,
-                                      tail_fraction=tail_fraction), expect=(P.DescribeReply,),
+                                      tail_fraction=tail_fraction, plan=plan), expect=(P.DescribeReply,),
                           timeout_s=self._add_timeout_s).stages
 
     def infer(self, name: str, feeds: dict, output_names: list | None = None, version: int | None = None,

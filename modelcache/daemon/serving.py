@@ -28,14 +28,17 @@ class ServeHandlers:
         io = model.manifest.io_summary()
         return P.DescribeReply(req_id=msg.req_id, name=model.name, version=model.version, inputs=io["inputs"],
                                outputs=io["outputs"], weights_bytes=model.manifest.weights_bytes,
-                               stages=[{k: e[k] for k in ("file", "inputs", "outputs", "cost_share")}
-                                       for e in model.manifest.stages])
+                               stages=[{k: e[k] for k in ("file", "inputs", "outputs", "cost_share", "workers")
+                                        if k in e} for e in model.manifest.stages])
 
     def on_Partition(self, ident, msg: P.Partition):
         from ..executor.partition import check_request, partition
         model = self.registry.resolve(msg.name, msg.version)
         self.admins.check_model_owner(ident, model, "partition")   # it changes what every user's requests run
-        check_request(msg.stages, msg.tail_fraction)   # here, not on a loader: no job for what cannot be met
+        if msg.plan is None:
+            check_request(msg.stages, msg.tail_fraction)   # here, not on a loader: no job for what cannot be met
+        else:
+            self.engine.check_plan_workers(msg.plan)
         # A serve-mode GPU worker's hold does not count: its sessions are dropped with the old stages (below),
         # and the device copy they run over is the same for any partition.
         serving = sum(1 for _, key in self.engine.device_holds if key == model.key)
@@ -57,7 +60,8 @@ class ServeHandlers:
                 self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
 
         gpu = any(getattr(w, "device", None) is not None for w in self.engine.workers)   # GPU stages too
-        self._run_on_loader(lambda: partition(model.disk_dir, msg.stages, msg.tail_fraction, gpu=gpu), done)
+        self._run_on_loader(lambda: partition(model.disk_dir, msg.stages, msg.tail_fraction, gpu=gpu, plan=msg.plan),
+                            done)
         return None
 
     def on_SetBatching(self, ident, msg: P.SetBatching):
@@ -216,7 +220,8 @@ class ServeHandlers:
             for e in stages:
                 wanted = set(e["tensors"])
                 specs.append({"skeleton": str(model.disk_dir / e["file"]), "inputs": e["inputs"],
-                              "outputs": e["outputs"], "tensors": [t for t in all_tensors if t[0] in wanted]})
+                              "outputs": e["outputs"], "tensors": [t for t in all_tensors if t[0] in wanted],
+                              "worker_ids": self.engine.worker_ids(e.get("workers"), model.key)})
             io = model.manifest.inputs + model.manifest.outputs
             batchable = all(e.shape and not isinstance(e.shape[0], int) for e in io)
             self._check_stored_profile(model)

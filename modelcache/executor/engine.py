@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from ..daemon.metrics import Histogram
-from ..errors import ModelCacheError, RequestTimeout
+from ..errors import InputError, ModelCacheError, RequestTimeout
 from .batching import LayerToLayer, Pending, make_batcher, parse_policy_spec, profile_predict, request_overhead
 from .perfmodel import PerfModels
 from .scheduler import Task, make_scheduler
@@ -173,6 +173,31 @@ class Engine:
             w.stop()
         if self.perf_path:
             self.perf.save(self.perf_path)
+
+    def worker_names(self) -> dict[str, int]:
+        """Worker name (as `modelcache place --describe` names them) -> worker id."""
+        return {w.name: w.state.worker_id for w in self.workers}
+
+    def check_plan_workers(self, plan: dict) -> None:
+        """InputError unless every worker a placement plan names is one of this daemon's."""
+        names = self.worker_names()
+        for k, stage in enumerate(plan.get("stages") or []):
+            for name in stage.get("worker_names") or []:
+                if name not in names:
+                    raise InputError(f"the plan puts stage {k} on worker {name!r}, which this daemon does not have "
+                                     f"(it has {', '.join(names)}); search the plan on `modelcache place --describe`")
+
+    def worker_ids(self, names: list | None, model_key: str) -> frozenset | None:
+        """The ids of a stage's planned workers; None (any worker) when unplanned, or when the daemon's
+        workers changed since the plan was made (then say so: the plan no longer applies)."""
+        if not names:
+            return None
+        known = self.worker_names()
+        if any(n not in known for n in names):
+            log.warning("%s: its placement plan names workers %s; this daemon has %s: serving on any worker",
+                        model_key, names, list(known))
+            return None
+        return frozenset(known[n] for n in names)
 
     def drop_model(self, model_key: str) -> None:
         self.last_used.pop(model_key, None)
@@ -394,7 +419,10 @@ class Engine:
         on_device = next((v.device for v in inputs.values() if isinstance(v, DeviceValue)), "cpu")
         task = Task(batch.batch_id, req.model_key, batch.stage, batch.samples,
                     sum(getattr(v, "nbytes", 0) for v in inputs.values()), data_node=on_device, arrival=now)
-        [placement] = self.scheduler.place([task], self._placeable_for(req, batch.stage), now, self.perf.predict)
+        placeable = self._placeable_for(req, batch.stage)
+        allowed = spec.get("worker_ids")   # a placement plan's set for this stage: dmda picks within it
+        candidates = placeable if allowed is None else [w for w in placeable if w.worker_id in allowed] or placeable
+        [placement] = self.scheduler.place([task], candidates, now, self.perf.predict)
         worker = self.workers[placement.worker_id]
         self.outstanding[placement.worker_id] += 1
         job = StageJob(batch.batch_id, req.model_key, batch.stage, spec["skeleton"], req.segments,

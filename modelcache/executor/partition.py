@@ -106,6 +106,15 @@ def choose_cuts(cum: list[float], candidates: list[int], targets: list[float]) -
     return chosen
 
 
+def _dtypes_of(model: onnx.ModelProto, names: set) -> dict:
+    """Element types of many tensors with one shape inference (float where ORT's contrib ops hide them)."""
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    known = {vi.name: vi.type.tensor_type.elem_type for vi in
+             list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)
+             if vi.type.tensor_type.elem_type}
+    return {n: known.get(n, onnx.TensorProto.FLOAT) for n in names}
+
+
 def _dtype_of(model: onnx.ModelProto, name: str) -> int:
     inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
     for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
@@ -137,6 +146,7 @@ def build_stage(model: onnx.ModelProto, start: int, end: int, inputs: list[str],
     return out
 
 
+PLAN_FILE = "placement-plan.json"   # the plan a partition was made from, beside the stages it made
 MAX_STAGES = 64   # far more than a pipeline of worker groups can use; a count is checked before anything is built
 
 
@@ -150,39 +160,96 @@ def check_request(stages: int | None, tail_fraction: float | None) -> None:
                         + (f", not {stages} stages" if stages is not None else ""))
 
 
+def stage_io(model: onnx.ModelProto, bounds: list[int]) -> list[tuple[list, list]]:
+    """(inputs, outputs) of each stage [bounds[k], bounds[k+1]): the non-initializer tensors it reads
+    that an earlier stage (or the caller) made, and those it makes that a later stage or the caller
+    needs. Any number of tensors may cross a boundary."""
+    g = model.graph
+    inits = {t.name for t in g.initializer}
+    nodes = list(g.node)
+    graph_outputs = [o.name for o in g.output]
+    made_in = {i.name: -1 for i in g.input if i.name not in inits}
+    for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        for n in nodes[a:b]:
+            for out in n.output:
+                made_in[out] = k
+    used_in: dict[str, set] = {}
+    for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        for n in nodes[a:b]:
+            for name in _node_inputs(n):
+                if name in made_in and made_in[name] != k:
+                    used_in.setdefault(name, set()).add(k)
+    last = len(bounds) - 2
+    result = []
+    for k in range(last + 1):
+        ins = sorted(t for t, users in used_in.items() if k in users)
+        outs = sorted(t for t, made in made_in.items() if made == k and (any(u > k for u in used_in.get(t, ()))))
+        if k == last:
+            outs = graph_outputs
+        result.append((ins, outs))
+    early = [t for t in graph_outputs if made_in.get(t, last) != last]
+    if early:
+        raise PackError(f"output {early[0]!r} is made before the last stage; serve mode returns the last stage's "
+                        "outputs, so a plan must keep it there")
+    return result
+
+
+def check_plan(plan: dict, model: onnx.ModelProto, name: str) -> list[int]:
+    """The stage bounds of a placement plan, once it is known to be for this model (PackError if not)."""
+    nodes = [n.name for n in model.graph.node]
+    planned = str(plan.get("model", "")).rsplit("@", 1)[0]
+    if planned and planned != name:
+        raise PackError(f"the plan is for model {planned!r}, not {name!r}")
+    stages = plan.get("stages") or []
+    bounds = [0] + [int(s["end"]) for s in stages]
+    if plan.get("nodes") != len(nodes) or bounds[-1] != len(nodes) or any(
+            nodes[s["start"]] != s.get("first_node") or nodes[s["end"] - 1] != s.get("last_node") for s in stages):
+        raise PackError(f"the plan was searched for another graph ({plan.get('nodes')} nodes) than {name}'s "
+                        f"packed skeleton ({len(nodes)} nodes): run `modelcache place` on this model again")
+    if any(b >= c for b, c in zip(bounds, bounds[1:])) or [int(s["start"]) for s in stages] != bounds[:-1]:
+        raise PackError("the plan's stages are not contiguous ranges of nodes")
+    return bounds
+
+
 def partition(model_dir: Path, stages: int | None = None, tail_fraction: float | None = None,
-              feeds: dict | None = None, gpu: bool = False) -> dict:
+              feeds: dict | None = None, gpu: bool = False, plan: dict | None = None) -> dict:
     """Cut the packed model in `model_dir`; write stage skeletons and record them in the manifest.
 
     Returns the manifest's new `stages` entry list. `stages=1` removes a partition. With `gpu` (the
     daemon has GPU workers), cuts are taken where the GPU skeleton can be cut at the same tensor, when
-    there are enough such places, and GPU stage skeletons are written too (see partition_gpu).
+    there are enough such places, and GPU stage skeletons are written too (see partition_gpu). A
+    placement `plan` (`modelcache place`) gives the cuts and each stage's worker set instead; its GPU
+    stages are written where the GPU skeleton can be cut at the plan's tensors.
     """
     import onnxruntime as ort
     from ..session_options import attach_session_options
     from ..zoo import sample_inputs
 
-    check_request(stages, tail_fraction)
+    if plan is None:
+        check_request(stages, tail_fraction)
     manifest = load_manifest(model_dir)
     if stages == 1:
         manifest.stages, manifest.stage_cuts, manifest.batching = [], [], {}
         manifest.files = {f: r for f, r in manifest.files.items() if not f.startswith("stage-")}
+        manifest.files.pop(PLAN_FILE, None)
         write_manifest(model_dir, manifest)
         for old in model_dir.glob("stage-*.onnx"):
             old.unlink()
+        (model_dir / PLAN_FILE).unlink(missing_ok=True)
         return {"stages": [], "files": manifest.files}
     skeleton = model_dir / SKELETON_FILE
     model = onnx.load(str(skeleton), load_external_data=False)
     nodes = list(model.graph.node)
     crossing = crossing_tensors(model)
     candidates = [i + 1 for i, c in enumerate(crossing) if len(c) == 1]
-    gpu_cuts = _gpu_cut_tensors(model_dir, manifest) if gpu else set()
+    gpu_cuts = _gpu_cut_tensors(model_dir, manifest) if gpu and plan is None else set()
     # The CPU graph's layout rewrites (NCHWc) rename most activations: only a tensor both graphs cut at
-    # can pass between a CPU and a GPU stage. Prefer those cuts when they are enough.
+    # can pass between a CPU and a GPU stage. Prefer those cuts when they are enough. (A plan's cuts are
+    # the plan's: partition_gpu below says whether the GPU skeleton can be cut there too.)
     common = [c for c in candidates if crossing[c - 1][0] in gpu_cuts]
     if common and (tail_fraction is not None or stages - 1 <= len(common)):
         candidates = common
-    elif gpu:
+    elif gpu and plan is None:
         gpu = False
         log.warning("%s: no %d places where the CPU and GPU graphs both cut at one tensor; its stages run on "
                     "CPU workers only", model_dir, 1 if tail_fraction is not None else stages - 1)
@@ -192,26 +259,33 @@ def partition(model_dir: Path, stages: int | None = None, tail_fraction: float |
     for n in nodes:
         acc += costs.get(n.name, 0.0)
         cum.append(acc)
-    if tail_fraction is not None:
-        targets = [1.0 - tail_fraction]
-    else:
-        if stages - 1 > len(candidates):
-            raise PackError(f"{stages} stages need {stages - 1} cut points; this model has {len(candidates)} "
-                            "where a single tensor crosses")
-        targets = [i / stages for i in range(1, stages)]
-    cuts = choose_cuts(cum, candidates, targets)
-    bounds = [0, *cuts, len(nodes)]
     graph_inputs = [i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]
     graph_outputs = [o.name for o in model.graph.output]
-    cut_tensors = [crossing[c - 1][0] for c in cuts]
-    dtypes = {t: _dtype_of(model, t) for t in cut_tensors}
+    if plan is not None:
+        bounds = check_plan(plan, model, manifest.name)
+        io = stage_io(model, bounds)
+        cut_tensors = [t for ins, _ in io[1:] for t in ins]
+        dtypes = _dtypes_of(model, set(cut_tensors) | {t for _, outs in io for t in outs})
+    else:
+        if tail_fraction is not None:
+            targets = [1.0 - tail_fraction]
+        else:
+            if stages - 1 > len(candidates):
+                raise PackError(f"{stages} stages need {stages - 1} cut points; this model has {len(candidates)} "
+                                "where a single tensor crosses")
+            targets = [i / stages for i in range(1, stages)]
+        cuts = choose_cuts(cum, candidates, targets)
+        bounds = [0, *cuts, len(nodes)]
+        cut_tensors = [crossing[c - 1][0] for c in cuts]
+        dtypes = {t: _dtype_of(model, t) for t in cut_tensors}
+        io = [(graph_inputs if s == 0 else [cut_tensors[s - 1]],
+               graph_outputs if s == len(bounds) - 2 else [cut_tensors[s]]) for s in range(len(bounds) - 1)]
     # New stages are written beside the old ones and replace them only once checked: a partition that
     # fails leaves the model's current stages (files and manifest) as they were.
     entries, pending = [], []
     try:
         for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
-            ins = graph_inputs if s == 0 else [cut_tensors[s - 1]]
-            outs = graph_outputs if s == len(bounds) - 2 else [cut_tensors[s]]
+            ins, outs = io[s]
             stage_model = build_stage(model, a, b, ins, outs, dtypes)
             fname = f"stage-{s}.onnx"
             pending.append(model_dir / f"{fname}.new")
@@ -220,6 +294,8 @@ def partition(model_dir: Path, stages: int | None = None, tail_fraction: float |
                               if t.data_location == onnx.TensorProto.EXTERNAL})
             entries.append({"file": fname, "inputs": ins, "outputs": outs, "tensors": tensors,
                             "cost_share": (cum[b - 1] - (cum[a - 1] if a else 0.0)) / (cum[-1] or 1.0)})
+            if plan is not None:   # where the plan runs it: dmda picks among these workers (daemon names)
+                entries[-1]["workers"] = list(plan["stages"][s]["worker_names"])
         # Check: stage by stage gives the whole model's outputs, over the same shared weights.
         whole = ort.InferenceSession(str(skeleton), attach_session_options(), providers=["CPUExecutionProvider"])
         want = whole.run(None, feeds)
@@ -254,9 +330,12 @@ def partition(model_dir: Path, stages: int | None = None, tail_fraction: float |
             old.unlink()
     manifest.stages, manifest.stage_cuts = entries, cut_tensors
     manifest.batching = {}  # a calibration measured other stages
+    (model_dir / PLAN_FILE).unlink(missing_ok=True)
+    if plan is not None:    # kept with the model, as its calibration is: what was planned, on which system
+        (model_dir / PLAN_FILE).write_text(json.dumps(plan, indent=1))
     if manifest.checksum:   # stage skeletons are stored files too: covered like the others (not in unverified versions)
-        manifest.files = {f: r for f, r in manifest.files.items() if not f.startswith("stage-")}
-        manifest.files.update(integrity.record_files(model_dir, sorted(kept)))
+        manifest.files = {f: r for f, r in manifest.files.items() if not f.startswith("stage-") and f != PLAN_FILE}
+        manifest.files.update(integrity.record_files(model_dir, sorted(kept) + ([PLAN_FILE] if plan is not None else [])))
     write_manifest(model_dir, manifest)
     return {"stages": entries, "cuts": cut_tensors, "files": manifest.files}
 

@@ -182,6 +182,11 @@ class Worker:
         self.queued_predictions: list = []      # owner-side: predicted seconds of jobs not yet finished
         self.thread = threading.Thread(target=self._loop, name=f"worker-{worker_id}", daemon=True)
 
+    @property
+    def name(self) -> str:
+        """How a system description names this worker (`modelcache place --describe`)."""
+        return f"cpu-{self.state.worker_id}"
+
     def start(self) -> None:
         self.thread.start()
 
@@ -293,6 +298,10 @@ class GpuWorker(Worker):
         # (memory_node); a previous stage's output on this device is not moved.
         self.state = WorkerState(worker_id, kind=gpu_kind(device), memory_node=device.uuid)
         self._preloaded = False
+
+    @property
+    def name(self) -> str:
+        return f"gpu-{self.device.index}"
 
     def _pin(self) -> None:
         """Not pinned: its CPU work is launching kernels and copies, wherever the OS finds room."""

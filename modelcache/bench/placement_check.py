@@ -1,0 +1,222 @@
+"""Simulator vs the real daemon: does a plan's simulated latency and throughput match serving it here?
+
+    modelcache bench placement_check [--models resnet50 alexnet] [--workers 1,1 2] [--stages 2 3]
+                                     [--requests 10] [--seconds 20] [--out benchmarks/placement/check]
+
+For each CPU worker layout, a daemon is started with serial batching (a request is its own batch,
+as the simulator replays it). Each model is cut into k stages of equal measured cost, stage i on
+worker cpu-(i mod groups), served with `partition --plan`; the model is profiled with ORT's
+profiler in this process just before, and the simulator predicts from that profile:
+
+  latency     one request at a time: the median of --requests round trips (client wall time)
+              against the simulator's latency of one request;
+  throughput  open-loop Poisson arrivals at 1.5x the plan's analytical capacity for --seconds
+              (latency from the scheduled send time), answered requests per second, against the
+              simulator replaying the same arrival times.
+
+The simulator is fed three ways: the profile (the planner's own costs, a true prediction); the
+stage times the daemon measured serving one request at a time (solo: then throughput under load
+is still a prediction, of queueing and pipelining); and the stage times it measured under the
+load (which checks the simulator's queueing model alone). On a shared machine the gap between
+them is other processes' load: the load average is printed beside each row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .common import managed_daemon, save_results
+
+OVERLOAD = 1.5
+
+
+def balanced_plan(table, system, stages: int) -> "Plan":
+    from ..placement.plan import Plan, Stage
+    kind = system.workers[0].kind
+    total = table.seconds(kind, 0, table.n, 1)
+    bounds, at = [0], 0
+    for k in range(1, stages):
+        at = min(range(at + 1, table.n - (stages - k) + 1),
+                 key=lambda i: abs(table.seconds(kind, 0, i, 1) - total * k / stages))
+        bounds.append(at)
+    bounds.append(table.n)
+    W = len(system.workers)
+    return Plan([Stage(a, b, (k % W,), (1,)) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))], 1,
+                model="", method=f"{stages} stages of equal cost")
+
+
+def open_loop(client, name: str, arrivals: list, feeds: dict, drain_s: float = 60.0) -> list:
+    """Send one request at each arrival time (s from now) whatever the answers do; returns per request
+    (arrival, latency from its scheduled time or None, [run seconds per stage as the daemon timed them])."""
+    from .. import tensors
+    from ..client.stream import InferStream
+
+    group_of = client.address[len("ipc://"):] if client.address.startswith("ipc://") else None
+    wire, files = tensors.encode(feeds, group_of=group_of)
+    results: dict = {}
+    try:
+        with InferStream(client) as stream:
+            start, i, sent = time.monotonic(), 0, {}
+            end = start + (arrivals[-1] if arrivals else 0) + drain_s
+            while i < len(arrivals) or (sent and time.monotonic() < end):
+                now = time.monotonic()
+                while i < len(arrivals) and start + arrivals[i] <= now:
+                    stream.send(i, name, wire)
+                    sent[i] = start + arrivals[i]
+                    i += 1
+                wait_s = (start + arrivals[i] - now) if i < len(arrivals) else end - now
+                for req_id, _, timings, error in stream.receive(max(0, int(wait_s * 1000))):
+                    scheduled = sent.pop(req_id, None)
+                    if scheduled is not None and error is None:
+                        results[req_id] = (arrivals[req_id], time.monotonic() - scheduled,
+                                           [st["run_ms"] / 1e3 for st in timings["stages"]])
+    finally:
+        for f in files:
+            os.unlink(f)
+    return [results.get(k, (a, None, [])) for k, a in enumerate(arrivals)]
+
+
+def as_served(table, plan, run_s: list):
+    """The cost table with each stage's nodes scaled so the stage takes the median time the daemon
+    measured for it: the simulator's queueing model checked apart from the profile's stage times."""
+    import numpy as np
+    from ..placement.costs import CostTable
+
+    node_s = {k: np.diff(p, axis=1) for k, p in table.prefix_s.items()}
+    for k, stage in enumerate(plan.stages):
+        for kind, arr in node_s.items():
+            planned = arr[1, stage.start:stage.end].sum()
+            if planned > 0 and run_s[k]:
+                arr[:, stage.start:stage.end] *= statistics.median(run_s[k]) / planned
+    return CostTable.from_node_seconds(table.model, node_s, table.cut_bytes, np.diff(table.weight_prefix),
+                                       table.source, table.nodes)
+
+
+def check_one(client, repo: Path, name: str, system, stages: int, args) -> dict:
+    from ..placement.machine import cost_table
+    from ..placement.plan import PlanCost
+    from ..placement.simulate import poisson_arrivals, simulate
+    from ..zoo import sample_inputs
+
+    model_dir = repo / name / "1"
+    table = cost_table(model_dir, f"{name}@1", system, 1, runs=5)
+    cost = PlanCost(table, system, 1)
+    plan = balanced_plan(table, system, stages)
+    plan.model = f"{name}@1"
+    cost.annotate(plan)
+    client.partition(name, plan=plan.to_json(system, table))
+    feeds = sample_inputs(str(model_dir / "model.onnx"), batch=1)
+    for _ in range(3):                       # sessions built, performance models calibrated
+        client.infer(name, feeds)
+    walls, solo_run_s = [], [[] for _ in plan.stages]
+    for _ in range(args.requests):
+        t0 = time.perf_counter()
+        _, timings = client.infer(name, feeds)
+        walls.append(time.perf_counter() - t0)
+        for k, st in enumerate(timings["stages"]):
+            solo_run_s[k].append(st["run_ms"] / 1e3)
+    solo = PlanCost(as_served(table, plan, solo_run_s), system, 1)
+    one = lambda c: simulate(c, plan, [0.0], within_set="dmda", samples=1, record=False).latencies_s[0]  # noqa: E731
+    measured_latency = statistics.median(walls)
+    # Offered load: 1.5x the capacity the solo stage times give, so the pipeline saturates but drains soon.
+    rate = OVERLOAD / solo.bottleneck_s(plan)
+    arrivals = poisson_arrivals(rate, max(4, int(rate * args.seconds)), seed=1)
+    load = open_loop(client, name, arrivals, feeds)
+    answered = [(a, lat) for a, lat, _ in load if lat is not None]
+    measured_thru = len(answered) / (max(a + lat for a, lat in answered) - min(arrivals))
+    loaded_run_s = [[r[k] for _, _, r in load if len(r) > k] for k in range(len(plan.stages))]
+    loaded = PlanCost(as_served(table, plan, loaded_run_s), system, 1)
+    thru = {key: simulate(c, plan, arrivals, within_set="dmda", samples=1, record=False).throughput_per_s(arrivals)
+            for key, c in (("profile", cost), ("solo", solo), ("loaded", loaded))}
+    row = {"model": name, "workers": [w.name for w in system.workers], "kind": system.workers[0].kind,
+           "stages": stages, "bounds": [(s.start, s.end) for s in plan.stages],
+           "latency_ms": {"measured": measured_latency * 1e3, "simulated_profile": one(cost) * 1e3,
+                          "simulated_solo": one(solo) * 1e3, "samples_ms": [w * 1e3 for w in walls]},
+           "throughput_per_s": {"measured": measured_thru, "offered": rate, "requests": len(arrivals),
+                                "answered": len(answered), **{f"simulated_{k}": v for k, v in thru.items()}},
+           "stage_s": {"profiled": [cost.stage_s(st) for st in plan.stages],
+                       "served_solo": [statistics.median(r) for r in solo_run_s],
+                       "served_loaded": [statistics.median(r) if r else None for r in loaded_run_s]},
+           "load_average": os.getloadavg()}
+    for key in ("profile", "solo"):
+        row[f"latency_error_{key}"] = row["latency_ms"][f"simulated_{key}"] / (measured_latency * 1e3) - 1
+    for key in ("profile", "solo", "loaded"):
+        row[f"throughput_error_{key}"] = thru[key] / measured_thru - 1
+    print("  " + line(row), flush=True)
+    for _ in range(120):                      # requests still in flight hold the model
+        try:
+            client.partition(name, stages=1)
+            break
+        except Exception:
+            time.sleep(1)
+    return row
+
+
+def line(r: dict) -> str:
+    lat, thr = r["latency_ms"], r["throughput_per_s"]
+    return (f"{r['model']:<9} {','.join(r['workers'])} ({r['kind']}) {r['stages']} stages | latency ms: measured "
+            f"{lat['measured']:.1f}, simulated {lat['simulated_profile']:.1f} from the profile "
+            f"({r['latency_error_profile'] * 100:+.1f} %), {lat['simulated_solo']:.1f} from solo stage times "
+            f"({r['latency_error_solo'] * 100:+.1f} %) | throughput /s: measured {thr['measured']:.2f}, simulated "
+            f"{thr['simulated_profile']:.2f} profile ({r['throughput_error_profile'] * 100:+.1f} %), "
+            f"{thr['simulated_solo']:.2f} solo ({r['throughput_error_solo'] * 100:+.1f} %), "
+            f"{thr['simulated_loaded']:.2f} loaded ({r['throughput_error_loaded'] * 100:+.1f} %) | load average "
+            f"{r['load_average'][0]:.1f}")
+
+
+def report(data: dict, f) -> None:
+    for r in data["rows"]:
+        f.write(line(r) + "\n")
+    for key in ("profile", "solo", "loaded"):
+        errs = [abs(r[f"{m}_error_{key}"]) for r in data["rows"] for m in ("latency", "throughput")
+                if f"{m}_error_{key}" in r]
+        if errs:
+            f.write(f"simulated from {key} stage times: largest error {max(errs) * 100:.1f} %, within 10 %: "
+                    f"{sum(e <= 0.10 for e in errs)} of {len(errs)}\n")
+
+
+def main(argv=None) -> int:
+    from .. import zoo
+    from ..client.connection import connect
+    from ..placement.machine import describe_machine
+
+    ap = argparse.ArgumentParser(prog="modelcache bench placement_check", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["resnet50", "alexnet"])
+    ap.add_argument("--workers", nargs="+", default=["1,1", "2"])
+    ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
+    ap.add_argument("--requests", type=int, default=10)
+    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="modelcache-simcheck-") as tmp:
+        tmp = Path(tmp)
+        for name in args.models:
+            zoo.save(zoo.build(name), str(tmp / f"{name}.onnx"))
+        for spec in args.workers:
+            env = {"MODELCACHE_WORKERS": spec, "MODELCACHE_BATCHING": "serial", "MODELCACHE_GPUS": "none",
+                   "MODELCACHE_STATE_DIR": str(tmp / f"state-{spec}")}
+            repo = tmp / f"repo-{spec.replace(',', '-')}"
+            with managed_daemon(f"ipc://{tmp}/d-{spec.replace(',', '-')}.sock", str(repo), env,
+                                str(tmp / "daemon.log")) as socket, connect(socket, timeout_s=600) as client:
+                system = describe_machine(spec, gpus="none")
+                print(f"workers {spec}:", flush=True)
+                for name in args.models:
+                    client.add(str(tmp / f"{name}.onnx"), name)
+                    for k in args.stages:
+                        rows.append(check_one(client, repo, name, system, k, args))
+    data = {"rows": rows, "cores": len(os.sched_getaffinity(0))}
+    report(data, sys.stdout)
+    save_results(args.out, "placement_check", argv, data, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

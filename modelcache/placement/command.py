@@ -1,0 +1,115 @@
+"""`modelcache place`: describe this machine, or search a plan for a packed model and report it beside the baselines."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from ..errors import ModelNotFound
+from .plan import Plan
+from .search import Placement, place
+from .simulate import poisson_arrivals, simulate
+
+LOAD_SHARE = 0.7          # Poisson load for the p99 figure: this share of each plan's own sustainable rate
+OVERLOAD = 2.0            # ... and for the throughput figure, this many times it (the simulator saturates)
+TRACE_REQUESTS = 400
+
+
+def model_dir(repository: Path, name: str, version: int | None) -> tuple[Path, int]:
+    from ..tiers.disk import Repository
+    versions = [(v, d) for n, v, d in Repository(repository).version_dirs(name) if (d / "manifest.json").exists()]
+    if version is not None:
+        versions = [(v, d) for v, d in versions if v == version]
+    if not versions:
+        raise ModelNotFound(f"no {name}{'@' + str(version) if version else ''} in the repository {repository}; "
+                            "add it with `modelcache add`")
+    v, d = max(versions)
+    return d, v
+
+
+def sim_figures(placement: Placement, plan: Plan, seed: int = 0) -> dict:
+    """The simulator's figures for a plan: one request's latency; the samples/s it sustains under Poisson
+    overload; p50 and p99 at LOAD_SHARE of its analytical capacity."""
+    cost = placement.cost
+    one = simulate(cost, plan, [0.0], record=False).latencies_s[0]
+    capacity = (plan.throughput_per_s or 0) / plan.batch     # requests (batches) per s
+    if not capacity or not math.isfinite(capacity):
+        return {"latency_s": one}
+    over = poisson_arrivals(OVERLOAD * capacity, TRACE_REQUESTS, seed)
+    saturated = simulate(cost, plan, over, record=False)
+    arrivals = poisson_arrivals(LOAD_SHARE * capacity, TRACE_REQUESTS, seed)
+    res = simulate(cost, plan, arrivals, record=False)
+    return {"latency_s": one, "throughput_per_s": saturated.throughput_per_s(over) * plan.batch,
+            "rate_per_s": LOAD_SHARE * capacity, "p50_s": res.percentile_s(0.5), "p99_s": res.percentile_s(0.99)}
+
+
+def report(placement: Placement, out=None) -> dict:
+    """Print the plan, the baselines and the simulator's figures; returns them as data."""
+    out = out or sys.stdout
+    cost, plan = placement.cost, placement.plan
+    system, table = cost.system, cost.table
+    print(f"{table.model} on {system.name!r}: {table.n} nodes, batch {plan.batch}, objective {plan.objective}",
+          file=out)
+    for kind, src in table.source.items():
+        print(f"  costs of {kind}: {src}", file=out)
+    for line in plan.describe(system, table):
+        print("  " + line, file=out)
+    rows = []
+    print(f"  {'plan':<22} {'latency ms':>11} {'thru/s':>9} {'vs plan':>8} {'sim lat ms':>11} {'sim thru/s':>11} "
+          f"{'sim p99 ms':>11}", file=out)
+    for p in [plan, *placement.baselines]:
+        sim = sim_figures(placement, p)
+        name = "search (" + (p.method or "ga") + ")" if p is plan else p.method
+        rows.append({"method": name, "latency_s": p.latency_s, "throughput_per_s": p.throughput_per_s,
+                     "stages": len(p.stages), "sim": sim})
+        ratio = p.latency_s / plan.latency_s if plan.latency_s else float("nan")
+        print(f"  {name:<22} {p.latency_s * 1e3:>11.3f} {p.throughput_per_s:>9.1f} {ratio:>7.2f}x "
+              f"{sim['latency_s'] * 1e3:>11.3f} {sim.get('throughput_per_s', float('nan')):>11.1f} "
+              f"{sim.get('p99_s', float('nan')) * 1e3:>11.3f}", file=out)
+    print(f"  (sim thru/s: samples/s under Poisson overload; sim p99: at {LOAD_SHARE:.0%} of each plan's capacity)",
+          file=out)
+    half = next((b for b in placement.baselines if b.method == "half-split"), None)
+    if half is not None and half.latency_s:
+        print(f"  latency reduction vs half-split: {(1 - plan.latency_s / half.latency_s) * 100:.1f} %", file=out)
+    print(f"  search: {placement.search_s:.1f} s; " + "; ".join(placement.notes), file=out)
+    return {"model": table.model, "system": system.name, "batch": plan.batch, "objective": plan.objective,
+            "nodes": table.n, "search_s": placement.search_s, "notes": placement.notes, "cost_source": table.source,
+            "rows": rows}
+
+
+def run(args, settings) -> int:
+    from .machine import cost_table, describe_machine
+    from .system import format_system, load_system
+
+    if args.describe:
+        system = describe_machine(args.workers or settings.workers, settings.gpus)
+        text = format_system(system, "This machine, written by `modelcache place --describe`. CPU peak rates are "
+                                     "measured now;\nthe kinds named cpuN are measured per node when a model "
+                                     "is placed.")
+        if args.output:
+            Path(args.output).write_text(text)
+            print(f"wrote {args.output}")
+        else:
+            print(text, end="")
+        return 0
+    if not args.name or not args.system:
+        raise SystemExit("modelcache place: give NAME and --system FILE (or --describe)")
+    system = load_system(args.system)
+    directory, version = model_dir(settings.repository_path, args.name, args.version)
+    table = cost_table(directory, f"{args.name}@{version}", system, args.batch)
+    placement = place(table, system, args.batch, args.objective, args.seed, args.time_budget)
+    data = report(placement)
+    out = Path(args.output or f"{args.name}.plan.json")
+    out.write_text(json.dumps({**placement.plan.to_json(system, table), "report": data}, indent=1))
+    print(f"wrote {out}")
+    if args.plots:
+        from .plots import plot_bars, plot_gantt
+        plots = Path(args.plots)
+        plots.mkdir(parents=True, exist_ok=True)
+        for path in (plot_gantt(placement, plots / f"{args.name}-gantt.png"),
+                     plot_bars([data], plots / f"{args.name}-vs-baselines.png")):
+            if path:
+                print(f"wrote {path}")
+    return 0

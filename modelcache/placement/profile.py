@@ -1,0 +1,146 @@
+"""What ORT's profiler tells about each node of a packed model: its time on this machine's CPU
+groups, and from the shapes it reports, the node's FLOPs and bytes for the roofline model.
+
+The profiler's per-node events carry input/output shapes and byte counts, so the optimized graph
+(fused, NCHWc) is measured and counted as it runs, with no shape inference over contrib ops.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+DTYPE_BYTES = {"float": 4, "float16": 2, "bfloat16": 2, "double": 8, "int64": 8, "int32": 4, "int16": 2,
+               "int8": 1, "uint8": 1, "bool": 1, "uint16": 2, "uint32": 4, "uint64": 8}
+MATMUL_OPS = {"MatMul", "Gemm", "FusedMatMul", "MatMulInteger", "QGemm", "MatMulNBits", "FusedGemm"}
+
+
+def op_class(op: str) -> str:
+    """Which peak rate of a kind bounds this op: 'conv', 'matmul' or 'other' (pooling, elementwise...)."""
+    if "Conv" in op:
+        return "conv"
+    if op in MATMUL_OPS or "Attention" in op:
+        return "matmul"
+    return "other"
+
+
+@dataclass
+class NodeFacts:
+    """One node, per sample (profiled at batch 1)."""
+    name: str
+    op: str
+    flops: float                 # floating-point operations
+    weight_bytes: float          # parameters read once per run, whatever the batch
+    activation_bytes: float      # inputs read and outputs written per sample
+    output_bytes: list = field(default_factory=list)      # per output, in node.output order
+    measured_s: dict = field(default_factory=dict)        # kind (cpuN) -> seconds at batch 1
+
+
+def _elems(shape) -> int:
+    return int(np.prod([max(1, int(d)) for d in shape])) if shape else 1
+
+
+def _tensor(entry: dict) -> tuple[int, list]:
+    (dtype, shape), = entry.items()
+    return DTYPE_BYTES.get(dtype, 4), shape
+
+
+def flops_of(op: str, inputs: list, outputs: list) -> float:
+    """FLOPs from the shapes ORT reports: 2 per multiply-add for conv and matmul, one per output element
+    otherwise (the roofline's memory term bounds those anyway)."""
+    out_elems = sum(_elems(_tensor(o)[1]) for o in outputs)
+    kind = op_class(op)
+    if kind == "conv" and len(inputs) >= 2:
+        w = _tensor(inputs[1])[1]
+        return 2.0 * out_elems * (_elems(w) / max(1, w[0]))     # each output: C/g * kh * kw multiply-adds
+    if kind == "matmul" and inputs:
+        a = _tensor(inputs[0])[1]
+        return 2.0 * out_elems * (a[-1] if a else 1)
+    return float(out_elems)
+
+
+def profile_nodes(skeleton: Path, feeds: dict, threads: int, runs: int = 3) -> dict[str, dict]:
+    """name -> {op, seconds (median over runs), args (the profiler's shapes and sizes)}, on `threads` cores.
+
+    One warm-up run first: the first run allocates the arena and would inflate every node."""
+    import onnxruntime as ort
+    from ..session_options import attach_session_options
+
+    # Pinned to the cores a worker group of this size gets (executor/workers.py): on a shared machine a
+    # pinned thread cannot flee to an idle core, and the costs should be the worker's, not a free thread's.
+    from ..executor.workers import parse_groups
+    before = os.sched_getaffinity(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            os.sched_setaffinity(0, parse_groups(str(threads))[0])   # this thread; ORT's pool inherits it
+        except OSError:
+            pass
+        try:
+            so = attach_session_options(spinning=False)
+            so.intra_op_num_threads = threads
+            so.enable_profiling = True
+            so.profile_file_prefix = os.path.join(tmp, "profile")
+            sess = ort.InferenceSession(str(skeleton), so, providers=["CPUExecutionProvider"])
+            for _ in range(runs + 1):
+                sess.run(None, feeds)
+            events = json.loads(Path(sess.end_profiling()).read_text())
+        finally:
+            os.sched_setaffinity(0, before)
+    times: dict[str, list] = {}
+    args: dict[str, dict] = {}
+    for e in events:
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
+            name = e["name"][: -len("_kernel_time")]
+            times.setdefault(name, []).append(float(e.get("dur", 0)) * 1e-6)
+            args[name] = e.get("args", {})
+    return {name: {"op": args[name].get("op_name", "?"), "seconds": statistics.median(t[1:] or t),
+                   "args": args[name]} for name, t in times.items()}
+
+
+def node_facts(skeleton: Path, threads: list[int], feeds: dict | None = None, runs: int = 3) -> tuple[list, dict]:
+    """(NodeFacts in graph order, graph-input bytes per sample), measured on CPU groups of each thread count."""
+    import onnx
+    from ..zoo import sample_inputs
+
+    model = onnx.load(str(skeleton), load_external_data=False)
+    feeds = feeds or sample_inputs(str(skeleton), batch=1)
+    profiles = {n: profile_nodes(skeleton, feeds, n, runs) for n in threads}
+    first = profiles[threads[0]]
+    facts = []
+    for node in model.graph.node:
+        p = first.get(node.name)
+        if p is None:   # a node ORT ran no kernel for (it folded it away): it costs nothing
+            facts.append(NodeFacts(node.name, node.op_type, 0.0, 0.0, 0.0, [0.0] * len(node.output)))
+            continue
+        a = p["args"]
+        ins, outs = a.get("input_type_shape", []), a.get("output_type_shape", [])
+        out_bytes = [b * _elems(s) for b, s in map(_tensor, outs)]
+        facts.append(NodeFacts(node.name, p["op"], flops_of(p["op"], ins, outs),
+                               float(a.get("parameter_size", 0)),
+                               float(a.get("activation_size", 0)) + float(a.get("output_size", 0)),
+                               out_bytes + [0.0] * (len(node.output) - len(out_bytes)),
+                               {f"cpu{n}": profiles[n].get(node.name, {}).get("seconds", 0.0) for n in threads}))
+    input_bytes = {k: float(v.nbytes) for k, v in feeds.items()}
+    return facts, input_bytes
+
+
+def boundary_bytes(skeleton: Path, facts: list, input_bytes: dict) -> list[float]:
+    """Bytes per sample crossing each boundary: [0] the model's inputs, [i] every tensor alive between
+    node i-1 and node i (any number of them), [n] the model's outputs."""
+    import onnx
+    from ..executor.partition import crossing_tensors
+
+    model = onnx.load(str(skeleton), load_external_data=False)
+    size = dict(input_bytes)
+    for node, f in zip(model.graph.node, facts):
+        size.update(zip(node.output, f.output_bytes))
+    crossing = crossing_tensors(model)
+    outputs = [o.name for o in model.graph.output]
+    return ([sum(input_bytes.values())] + [sum(size.get(t, 0.0) for t in c) for c in crossing]
+            + [sum(size.get(t, 0.0) for t in outputs)])

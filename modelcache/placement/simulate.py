@@ -1,0 +1,182 @@
+"""A discrete-event simulator that replays a plan under a request trace: per-worker queues, link contention.
+
+Each worker runs one stage task at a time, first come first served; each direction of each link
+carries one message at a time, first come first served. A request's stage starts when its previous
+stage has finished on every worker (the executor moves a batch stage by stage); then the boundary's
+bytes leave, one message per link (a route through host uses two links, streamed through both), and
+a worker starts its share once the messages carrying its rows are in. Outputs go back to host.
+
+Two ways to use a stage's worker set:
+  "split" - the plan's split: every request is a batch of the plan's size, its rows split as planned;
+  "dmda"  - as serve mode runs it: each request's whole stage goes to the worker of the set where it
+            would finish first (queue, transfer and compute known exactly here), as the daemon's dmda does.
+
+Times come from the plan's cost model (PlanCost); the simulator adds what the analytical model leaves
+out: queueing between requests and contention on links.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+import statistics
+from dataclasses import dataclass, field
+
+from .plan import Plan, PlanCost, rows_moved
+
+
+@dataclass
+class Interval:
+    resource: str        # a worker's name or "link a->b"
+    start: float
+    end: float
+    request: int
+    stage: int
+
+
+@dataclass
+class SimResult:
+    latencies_s: list
+    finished_at: list
+    intervals: list = field(default_factory=list)
+
+    @property
+    def completed(self) -> int:
+        return len(self.latencies_s)
+
+    def throughput_per_s(self, arrivals: list) -> float:
+        span = max(self.finished_at) - min(arrivals) if self.finished_at else 0.0
+        return self.completed / span if span > 0 else 0.0
+
+    def percentile_s(self, q: float) -> float:
+        lat = sorted(self.latencies_s)
+        return lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan")
+
+    def mean_s(self) -> float:
+        return statistics.fmean(self.latencies_s) if self.latencies_s else float("nan")
+
+
+def poisson_arrivals(rate_per_s: float, count: int, seed: int = 0, start: float = 0.0) -> list:
+    """Open-loop arrival times: exponential gaps at `rate_per_s`."""
+    rng = random.Random(seed)
+    t, out = start, []
+    for _ in range(count):
+        t += rng.expovariate(rate_per_s)
+        out.append(t)
+    return out
+
+
+class Simulator:
+    def __init__(self, cost: PlanCost, plan: Plan, within_set: str = "split", samples: int | None = None,
+                 record: bool = True):
+        if within_set not in ("split", "dmda"):
+            raise ValueError(f"within_set {within_set!r}: split or dmda")
+        self.cost, self.plan, self.mode, self.record = cost, plan, within_set, record
+        self.samples = samples or plan.batch          # rows per request (dmda mode: any; split: the plan's)
+        self.names = [w.name for w in cost.system.workers]
+
+    def run(self, arrivals: list) -> SimResult:
+        cost, plan = self.cost, self.plan
+        links = cost.system.links
+        events: list = []
+        seq = itertools.count()
+        worker_free = [0.0] * len(self.names)
+        worker_queue: list = [[] for _ in self.names]     # heap of (ready time, seq, task)
+        link_free: dict = {}
+        intervals: list = []
+        latencies, finished = [], []
+        pending: dict = {}                                # (request, stage) -> tasks left
+
+        def push(t, what, *args):
+            heapq.heappush(events, (t, next(seq), what, args))
+
+        def send(now, boundary, src, dst, request, stage):
+            """Queue the boundary's messages; returns when each destination worker has its rows."""
+            loads = cost.link_loads(boundary, src, dst)
+            done: dict = {}
+            for link, nbytes in sorted(loads.items()):
+                if nbytes <= 0:
+                    continue
+                start = max(now, link_free.get(link, 0.0))
+                end = start + links[link].latency_s + nbytes / links[link].bytes_per_s
+                link_free[link] = end
+                done[link] = end
+                if self.record:
+                    intervals.append(Interval(f"link {link[0]}->{link[1]}", start, end, request, stage))
+            ready: dict = {}
+            for a, b, rows in rows_moved(src, dst):
+                route = cost.system.route(cost.node_of(a), cost.node_of(b))
+                ready[b] = max([ready.get(b, now), *(done.get(h, now) for h in route)])
+            return ready
+
+        def layout_in(request, k):
+            return self.layouts[request][k - 1] if k > 0 else ((cost.HOST_WORKER, self.samples),)
+
+        def start_stage(now, request, k):
+            if k == len(plan.stages):
+                ready = send(now, cost.table.n, list(layout_in(request, k)), [(cost.HOST_WORKER, self.samples)],
+                             request, k)
+                end = ready.get(cost.HOST_WORKER, now)
+                push(end, "done", request)
+                return
+            stage = plan.stages[k]
+            if self.mode == "split":
+                layout = tuple(stage.active())
+            else:
+                layout = ((self._dmda_pick(now, stage, request, k, layout_in(request, k), worker_free), self.samples),)
+            self.layouts[request].append(layout)
+            ready = send(now, stage.start, list(layout_in(request, k)), list(layout), request, k)
+            pending[(request, k)] = len(layout)
+            for w, rows in layout:
+                push(ready.get(w, now), "ready", w, request, k, rows)
+                # dmda's estimate of when this worker frees: known exactly in a simulation
+                worker_free[w] = max(worker_free[w], ready.get(w, now)) + cost.worker_s(w, stage.start, stage.end, rows)
+
+        busy = [False] * len(self.names)
+
+        def try_run(now, w):
+            if busy[w] or not worker_queue[w]:
+                return
+            _, _, (request, k, rows) = heapq.heappop(worker_queue[w])
+            stage = plan.stages[k]
+            end = now + cost.worker_s(w, stage.start, stage.end, rows)
+            busy[w] = True
+            if self.record:
+                intervals.append(Interval(self.names[w], now, end, request, k))
+            push(end, "finish", w, request, k)
+
+        self.layouts = [[] for _ in arrivals]
+        for r, t in enumerate(arrivals):
+            push(t, "arrive", r)
+        while events:
+            now, _, what, args = heapq.heappop(events)
+            if what == "arrive":
+                start_stage(now, args[0], 0)
+            elif what == "ready":
+                w, request, k, rows = args
+                heapq.heappush(worker_queue[w], (now, next(seq), (request, k, rows)))
+                try_run(now, w)
+            elif what == "finish":
+                w, request, k = args
+                busy[w] = False
+                pending[(request, k)] -= 1
+                if pending[(request, k)] == 0:
+                    start_stage(now, request, k + 1)
+                try_run(now, w)
+            elif what == "done":
+                latencies.append(now - arrivals[args[0]])
+                finished.append(now)
+        return SimResult(latencies, finished, intervals)
+
+    def _dmda_pick(self, now, stage, request, k, src, worker_free) -> int:
+        """The worker of the stage's set where the whole stage would finish first (ties: lowest index)."""
+        def finish(w):
+            t = self.cost.transfer_s(stage.start, tuple(src), ((w, self.samples),))
+            return max(now + t, worker_free[w]) + self.cost.worker_s(w, stage.start, stage.end, self.samples)
+        return min(stage.workers, key=lambda w: (finish(w), w))
+
+
+def simulate(cost: PlanCost, plan: Plan, arrivals: list, within_set: str = "split", samples: int | None = None,
+             record: bool = True) -> SimResult:
+    return Simulator(cost, plan, within_set, samples, record).run(arrivals)

@@ -1,0 +1,86 @@
+"""The placement simulator on hand-built cost tables: queues, link contention, dmda within a set."""
+
+import numpy as np
+import pytest
+
+from modelcache.placement.costs import CostTable
+from modelcache.placement.plan import Plan, PlanCost, Stage
+from modelcache.placement.simulate import poisson_arrivals, simulate
+from modelcache.placement.system import parse_system
+
+SYSTEM = parse_system({
+    "name": "two devices",
+    "kinds": {k: {"conv_gflop_s": 1, "matmul_gflop_s": 1, "other_gflop_s": 1, "mem_gbyte_s": 1}
+              for k in ("cpu1", "dev")},
+    "workers": [{"name": "c0", "kind": "cpu1"}, {"name": "c1", "kind": "cpu1"},
+                {"name": "d0", "kind": "dev", "memory_node": "d0"}],
+    "links": [{"nodes": ["host", "d0"], "gbit_per_s": 8, "latency_us": 0}],     # 1 GB/s
+}, "test")
+
+
+def table(batch=2):
+    # Two nodes; per sample: cpu1 10 ms + 20 ms, dev 1 ms + 2 ms; 1 MB crosses each boundary per sample.
+    per = {"cpu1": [0.010, 0.020], "dev": [0.001, 0.002]}
+    node_s = {k: np.outer(np.arange(batch + 1), v) for k, v in per.items()}
+    return CostTable.from_node_seconds("t", node_s, [1e6, 1e6, 1e6])
+
+
+def test_one_request_takes_the_analytical_latency():
+    cost = PlanCost(table(1), SYSTEM, 1)
+    plan = Plan([Stage(0, 1, (2,), (1,)), Stage(1, 2, (0,), (1,))], 1)
+    [lat] = simulate(cost, plan, [0.0]).latencies_s
+    # 1 MB to d0 (1 ms), 1 ms there, 1 MB back (1 ms), 20 ms on c0
+    assert lat == pytest.approx(cost.latency_s(plan)) and lat == pytest.approx(0.023)
+
+
+def test_a_split_stage_is_no_slower_than_the_analytical_bound():
+    cost = PlanCost(table(2), SYSTEM, 2)
+    plan = Plan([Stage(0, 2, (0, 2), (1, 1))], 2)
+    [lat] = simulate(cost, plan, [0.0]).latencies_s
+    assert lat <= cost.latency_s(plan) + 1e-12
+    assert lat == pytest.approx(0.031)    # c0 runs its row in 30 ms (d0 its own in 1+3 ms); then d0's row goes back (1 ms)
+
+
+def test_requests_queue_on_a_busy_worker():
+    cost = PlanCost(table(1), SYSTEM, 1)
+    plan = Plan([Stage(0, 2, (0,), (1,))], 1)
+    result = simulate(cost, plan, [0.0, 0.0, 0.005])
+    assert result.latencies_s == pytest.approx([0.030, 0.060, 0.085])
+
+
+def test_messages_queue_on_a_shared_link():
+    cost = PlanCost(table(1), SYSTEM, 1)
+    plan = Plan([Stage(0, 2, (2,), (1,))], 1)
+    result = simulate(cost, plan, [0.0, 0.0])
+    # each: 1 ms in, 3 ms on d0, 1 ms out; the second's input waits 1 ms for the link, then d0 is busy until 4 ms
+    assert result.latencies_s == pytest.approx([0.005, 0.008])
+    links = [i for i in result.intervals if i.resource == "link host->d0"]
+    assert [x for i in links for x in (i.start, i.end)] == pytest.approx([0, 0.001, 0.001, 0.002])
+
+
+def test_dmda_spreads_requests_over_a_set():
+    cost = PlanCost(table(1), SYSTEM, 1)
+    plan = Plan([Stage(0, 2, (0, 1), (1, 0))], 1)
+    result = simulate(cost, plan, [0.0, 0.0], within_set="dmda")
+    assert result.latencies_s == pytest.approx([0.030, 0.030])
+    assert {i.resource for i in result.intervals} == {"c0", "c1"}
+    split = simulate(cost, plan, [0.0, 0.0], within_set="split")   # the plan's split: all on c0
+    assert split.latencies_s == pytest.approx([0.030, 0.060])
+
+
+def test_a_pipeline_under_heavy_load_runs_at_its_bottleneck():
+    cost = PlanCost(table(1), SYSTEM, 1)
+    plan = Plan([Stage(0, 1, (0,), (1,)), Stage(1, 2, (1,), (1,))], 1)    # 10 ms then 20 ms: 50 req/s at most
+    arrivals = poisson_arrivals(200.0, 400, seed=1)
+    result = simulate(cost, plan, arrivals, record=False)
+    assert result.completed == 400
+    assert result.throughput_per_s(arrivals) == pytest.approx(1 / cost.bottleneck_s(plan), rel=0.02)
+    light = poisson_arrivals(5.0, 200, seed=1)
+    quiet = simulate(cost, plan, light, record=False)
+    assert quiet.percentile_s(0.5) == pytest.approx(0.030, rel=0.01)
+    assert quiet.percentile_s(0.99) >= quiet.percentile_s(0.5)
+
+
+def test_poisson_arrivals_are_seeded():
+    assert poisson_arrivals(10, 5, seed=3) == poisson_arrivals(10, 5, seed=3)
+    assert np.mean(np.diff(poisson_arrivals(10, 5000, seed=3))) == pytest.approx(0.1, rel=0.05)
