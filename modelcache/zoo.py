@@ -330,6 +330,49 @@ def tiny_embed(seed: int = 0) -> onnx.ModelProto:
                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 64])])
 
 
+def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The same graph in fp16 throughout: weights, inputs, outputs, value infos and Casts to float.
+
+    What a converter without keep_io_types writes; done here by hand (no converter is installed).
+    """
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for graph in _graphs(out.graph):
+        for i, t in enumerate(graph.initializer):
+            if t.data_type == TensorProto.FLOAT:
+                graph.initializer[i].CopyFrom(numpy_helper.from_array(
+                    numpy_helper.to_array(t).astype(np.float16), t.name))
+        for vi in [*graph.input, *graph.output, *graph.value_info]:
+            if vi.type.tensor_type.elem_type == TensorProto.FLOAT:
+                vi.type.tensor_type.elem_type = TensorProto.FLOAT16
+        for node in graph.node:
+            for a in node.attribute:
+                if node.op_type == "Cast" and a.name == "to" and a.i == TensorProto.FLOAT:
+                    a.i = TensorProto.FLOAT16
+                elif node.op_type == "Constant" and a.name == "value" and a.t.data_type == TensorProto.FLOAT:
+                    a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float16), a.t.name))
+    out.graph.name = model.graph.name + "_fp16"
+    return out
+
+
+def _graphs(graph: onnx.GraphProto):
+    yield graph
+    for node in graph.node:
+        for a in node.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                yield from _graphs(a.g)
+            for g in a.graphs:
+                yield from _graphs(g)
+
+
+def resnet50_fp16(seed: int = 0) -> onnx.ModelProto:
+    return to_fp16(resnet50(seed))
+
+
+def vit_b_16_fp16(seed: int = 0) -> onnx.ModelProto:
+    return to_fp16(vit_b_16(seed))
+
+
 # --------------------------------------------------------------------------
 # Registry
 # --------------------------------------------------------------------------
@@ -349,6 +392,8 @@ ZOO: dict[str, ZooEntry] = {
     "squeezenet1_1": ZooEntry(squeezenet1_1, 1_235_496, "SqueezeNet 1.1, 224x224"),
     "googlenet": ZooEntry(googlenet, 6_624_904, "GoogLeNet (no aux heads), 224x224"),
     "vit_b_16": ZooEntry(vit_b_16, 86_567_656, "ViT-B/16, 224x224"),
+    "resnet50-fp16": ZooEntry(resnet50_fp16, 25_557_032, "ResNet-50 v1.5 in fp16 (weights and I/O), 224x224"),
+    "vit_b_16-fp16": ZooEntry(vit_b_16_fp16, 86_567_656, "ViT-B/16 in fp16 (weights and I/O), 224x224"),
     "tiny-cnn": ZooEntry(tiny_cnn, None, "two convs and a Gemm, 32x32 input (tests)"),
     "tiny-vit": ZooEntry(tiny_vit, None, "two-layer ViT, 32x32 input (tests)"),
     "tiny-if": ZooEntry(tiny_if, None, "If with initializers in both branches (tests)"),
