@@ -60,6 +60,11 @@ _LOWER_LEVEL = {"all": "extended", "extended": "basic", "basic": "disable", "dis
 # Integer tensors stay inline: the CUDA EP reads shape-like inputs (Reshape's shape, Slice's starts) on the host.
 GPU_SHARED_DTYPES = frozenset({TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.FLOAT, TensorProto.DOUBLE})
 GPU_SHARED_MIN_ELEMENTS = 64
+# ORT's Level-4 (ORT_ENABLE_ALL) transformer that replaces each fp16 initializer feeding a Cast to fp32 (the
+# Casts InsertCastTransformer adds for ops the CPU EP lacks in fp16) by an fp32 copy named `FusedBack_<name>`.
+# Packing keeps it off for models with half-precision weights: see `_half_weight_exclusions`.
+HALF_TO_FLOAT_FUSION = "FuseFp16InitializerToFp32NodeTransformer"
+_HALF_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 Progress = Callable[[int, int], None]  # (bytes_done, bytes_total)
 
@@ -255,9 +260,11 @@ def validate(src: str) -> str | None:
     return None
 
 
-def optimize(src: str, out_dir: Path, opt_level: str, doing: str = "optimizing", checker_says: str | None = None) -> Path:
+def optimize(src: str, out_dir: Path, opt_level: str, doing: str = "optimizing", checker_says: str | None = None,
+             disabled_optimizers: tuple[str, ...] = ()) -> Path:
     """Let ORT build and optimize the model once; returns the optimized model path (external data beside it).
-    `doing` names the work in a storage error (ORT's own message loses ENOSPC)."""
+    `doing` names the work in a storage error (ORT's own message loses ENOSPC); `disabled_optimizers` are
+    ORT transformer names left out (`optimization.disable_specified_optimizers`)."""
     import onnxruntime as ort
 
     if opt_level not in OPT_LEVELS:
@@ -271,6 +278,8 @@ def optimize(src: str, out_dir: Path, opt_level: str, doing: str = "optimizing",
     so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
                                 str(INLINE_MAX_BYTES))
     so.add_session_config_entry("session.disable_prepacking", "1")  # nothing here runs; save the memory
+    if disabled_optimizers:
+        so.add_session_config_entry("optimization.disable_specified_optimizers", ",".join(disabled_optimizers))
     try:
         ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
     except Exception as e:
@@ -279,6 +288,42 @@ def optimize(src: str, out_dir: Path, opt_level: str, doing: str = "optimizing",
                if checker_says else f"ONNX Runtime cannot load {src}: {ort_says}")
         raise explain_failed_write(out_dir, doing, _source_bytes(src)) or PackError(why) from None
     return out_dir / "optimized.onnx"
+
+
+def has_half_weights(model: onnx.ModelProto) -> bool:
+    """Whether any (sub)graph holds an fp16 or bf16 initializer or Constant."""
+    for graph in iter_graphs(model.graph):
+        if any(t.data_type in _HALF_TYPES for t in graph.initializer):
+            return True
+        for node in graph.node:
+            if node.op_type == "Constant" and any(a.name == "value" and a.t.data_type in _HALF_TYPES
+                                                  for a in node.attribute):
+                return True
+    return False
+
+
+def _half_weight_exclusions(source: onnx.ModelProto, keep_half_weights: bool = True) -> tuple[str, ...]:
+    """The ORT optimizers to leave out so that half-precision weights stay in their dtype: () for other models,
+    which pack exactly as they always have.
+
+    Why: the CPU EP lacks fp16 kernels for most ops (MatMul, Conv, ...), so InsertCastTransformer wraps
+    them in Casts at every level, and at "all" HALF_TO_FLOAT_FUSION then folds each weight's Cast into an
+    fp32 copy. With it on, the host tier held 2x the fp16 bytes (fp32 CPU weights; ViT-B: 3x, the fp16
+    originals stayed too), 3x once a GPU open added the GPU skeleton's fp16 weights. With it off, the
+    skeleton keeps the fp16 weights and their Casts, every other optimization still runs, the GPU stubs
+    dedupe onto the same bytes, and the host tier holds each weight once: 1.00x.
+
+    The price, paid in each attach-mode client: the Casts run on every `run` (fp32 temporaries from ORT's
+    arena) and rewrites that need fp32 constant weights (NCHWc on Conv) no longer apply. Measured side by
+    side (`modelcache bench halfweights --models resnet50-fp16 vit_b_16-fp16`, benchmarks/halfweights, ORT
+    1.32, 2 shared cores), attach with fp16 kept vs attach with fp32 weights as before vs plain ORT:
+    warm run 1.25x / 1.00x plain ORT (ResNet-50), 1.21x / 1.11x (ViT-B/16); USS 74 / 47 / 241 MiB and
+    91 / 62 / 460 MiB; session ready 104 / 89 / 667 ms and 141 / 143 / 1418 ms. The alternative, fp16 in
+    the host tier and each client widening the weights privately at open ("fold-at-open" there), keeps
+    the old run time but costs 148 / 393 MiB USS and 227 / 600 ms ready: every client pays the fp32 copy
+    the cache exists to share, so it was not taken. `keep_half_weights=False` restores the old packing.
+    """
+    return (HALF_TO_FLOAT_FUSION,) if keep_half_weights and has_half_weights(source) else ()
 
 
 def _source_bytes(src: str) -> int:
@@ -522,9 +567,10 @@ def write_gpu_stub(model_dir: Path, manifest: Manifest) -> None:
 
 
 def pack(src: str, repository: Path, name: str, version: int | None, opt_level: str = "all",
-         progress: Progress | None = None, owner_uid: int = -1) -> Manifest:
+         progress: Progress | None = None, owner_uid: int = -1, keep_half_weights: bool = True) -> Manifest:
     """Validate, optimize and pack `src` into `repository/name/version`, atomically; `version`
     None takes the next free one, even with other processes adding the same name at once.
+    `keep_half_weights` False lets ORT widen fp16 weights to fp32 as it did before (for benchmarks).
 
     A crash at any point leaves at most a `.tmp-*` directory that the next sweep removes
     (modelcache/reservations.py); the model appears under its name only through the final rename.
@@ -547,11 +593,13 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
         doing = f"adding {name}@{version}"
         if checker_says:
             log.warning("%s: the ONNX checker says %s; ONNX Runtime builds it, so it is added", src, checker_says)
+        exclusions = _half_weight_exclusions(source_model, keep_half_weights)
         while True:  # at opt_level, or lower where ORT's optimized graph does not load back
             if opt_level == SOURCE_LEVEL:
                 optimized, gpu_level = Path(src), "disable"
             else:
-                optimized, gpu_level = optimize(src, _fresh_dir(work / opt_level), opt_level, doing, checker_says), opt_level
+                optimized = optimize(src, _fresh_dir(work / opt_level), opt_level, doing, checker_says, exclusions)
+                gpu_level = opt_level
             gpu = _choose_gpu_graph(src, source_model, _fresh_dir(work / f"{opt_level}-gpu"), gpu_level, optimized,
                                     doing)
             # One progress scale over both passes; the GPU pass's bytes are an upper bound (most dedupe).

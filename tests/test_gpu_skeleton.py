@@ -80,8 +80,12 @@ def test_fp16_stays_fp16_without_the_cpu_casts(zoo_file, tmp_path):
     ops = [n.op_type for g in iter_graphs(gpu.graph) for n in g.node]
     assert ops == [n.op_type for n in onnx.load(src).graph.node] == ["MatMul", "Relu", "MatMul"]
     assert {t.data_type for t in initializers(tmp_path / "h" / "1" / GPU_SKELETON_FILE)} == {TensorProto.FLOAT16}
-    # ...whereas the CPU skeleton at "all" holds fp32 weights: the two variants share no bytes.
-    assert {t.dtype for t in m.tensors} == {"float32"}
+    # The CPU skeleton at "all" keeps the same fp16 weights (its Casts run in the client): each GPU stub
+    # reuses a CPU tensor's bytes, so the blob holds every weight once.
+    assert {t.dtype for t in m.tensors} == {"float16"}
+    cpu_offsets = {t.sha256: t.offset for t in m.tensors}
+    assert {t.offset for t in m.gpu_tensors} == {cpu_offsets[t.sha256] for t in m.gpu_tensors}
+    assert m.weights_bytes == max(t.offset + t.nbytes for t in m.tensors)
 
 
 @pytest.mark.parametrize("name", TINY)
