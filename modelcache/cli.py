@@ -334,7 +334,8 @@ def cmd_demo(args) -> int:
 
 
 BENCHMARKS = ("coldstart", "open", "tiers", "executor", "serve", "transport", "binding", "servepath",
-              "conformance", "restart", "hashes", "fuzz", "soak", "placement", "placement_check")  # modules of modelcache.bench
+              "conformance", "restart", "hashes", "fuzz", "soak", "placement", "placement_check",
+              "halfweights")  # modules of modelcache.bench
 
 
 def cmd_bench(args) -> int:
@@ -482,6 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "`serve` (batching policies under open-loop Poisson load), "
                                      "`open` (session ready, memory, warm speed vs plain ORT), "
                                      "`binding` (which ORT binding to share weights with), "
+                                     "`halfweights` (fp16 weights kept vs widened to fp32 at add time), "
                                      "`fuzz` (malformed messages on both sockets), "
                                      "`soak` (many clients, churn and eviction for minutes)",
                        description="Benchmarks print figures; options after the name go to the benchmark "

@@ -56,6 +56,15 @@ def test_open_bench_on_a_tiny_model(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["samples"]
 
 
+def test_halfweights_bench_on_a_tiny_fp16_model(tmp_path):
+    text = run("halfweights", "--models", "tiny-fp16", "--runs", "1", "--warm-runs", "2", "--out", str(tmp_path))
+    assert "attach       :     0.02 MiB = 1.000x the fp16 bytes; CPU tensors float16" in text
+    assert "attach-upcast:     0.04 MiB = 2.000x the fp16 bytes; CPU tensors float32" in text
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert {s["mode"] for s in results["samples"]} == {"ort", "attach", "attach-upcast", "fold-at-open"}
+    assert all(d == 0 for d in results["warm"][0]["max_abs_diff_vs_ort"].values())
+
+
 def test_tiers_bench_on_tiny_models(tmp_path):
     text = run("tiers", "--model", "tiny-cnn", "--big", "tiny-vit", "--runs", "2", "--out", str(tmp_path))
     for path in ("host hit", "disk miss", "remote miss"):
