@@ -315,13 +315,14 @@ def _half_weight_exclusions(source: onnx.ModelProto, keep_half_weights: bool = T
 
     The price, paid in each attach-mode client: the Casts run on every `run` (fp32 temporaries from ORT's
     arena) and rewrites that need fp32 constant weights (NCHWc on Conv) no longer apply. Measured side by
-    side (`modelcache bench halfweights --models resnet50-fp16 vit_b_16-fp16`, benchmarks/halfweights, ORT
-    1.32, 2 shared cores), attach with fp16 kept vs attach with fp32 weights as before vs plain ORT:
-    warm run 1.25x / 1.00x plain ORT (ResNet-50), 1.21x / 1.11x (ViT-B/16); USS 74 / 47 / 241 MiB and
-    91 / 62 / 460 MiB; session ready 104 / 89 / 667 ms and 141 / 143 / 1418 ms. The alternative, fp16 in
-    the host tier and each client widening the weights privately at open ("fold-at-open" there), keeps
-    the old run time but costs 148 / 393 MiB USS and 227 / 600 ms ready: every client pays the fp32 copy
-    the cache exists to share, so it was not taken. `keep_half_weights=False` restores the old packing.
+    side (`modelcache bench halfweights --models resnet50-fp16 vit_b_16-fp16`, benchmarks/halfweights,
+    ORT 1.32, 2 shared cores, 3 runs), fp16 kept against the old fp32 weights: warm runs +25-32 % on
+    ResNet-50 (1.25-1.45x plain ORT) and +9-10 % on ViT-B/16 (1.16-1.24x), +28 MiB USS per client
+    (70-74 vs 42-47 MiB ResNet-50, 87-91 vs 58-62 ViT-B; plain ORT 241-253 and 460-595), session ready
+    unchanged (45-140 ms; plain ORT 0.7-3.8 s). The alternative, fp16 in the host tier and each client
+    widening the weights privately at open ("fold-at-open" there), keeps the old run time but costs
+    145-148 / 390-393 MiB USS and +200-1500 ms at open: every client pays the fp32 copy the cache exists
+    to share, so it was not taken. `keep_half_weights=False` restores the old packing.
     """
     return (HALF_TO_FLOAT_FUSION,) if keep_half_weights and has_half_weights(source) else ()
 

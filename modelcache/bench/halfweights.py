@@ -55,10 +55,12 @@ def fold_at_open_session(name: str, repository: Path):
     import numpy as np
     import onnxruntime as ort
     from ..client.connection import shared_client
+    from ..client.leases import shared_lease_client
     from ..packing import SKELETON_FILE, WEIGHTS_FILE, load_manifest
     from ..session_options import attach_session_options, map_readonly
 
-    lease = shared_client().open(name, None, device="cpu")
+    lease_client = shared_lease_client(None) or shared_client()   # the path attach mode's open takes
+    lease = lease_client.open(name, None, device="cpu")
     maps = [map_readonly(p) for p in lease.segments]
     fp16 = {t[0]: np.frombuffer(maps[t[3]], np.uint8)[t[4]:t[4] + t[5]].view(t[1]).reshape(t[2])
             for t in lease.tensors}
