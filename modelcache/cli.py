@@ -335,7 +335,7 @@ def cmd_demo(args) -> int:
 
 BENCHMARKS = ("coldstart", "open", "tiers", "executor", "serve", "transport", "binding", "servepath",
               "conformance", "restart", "hashes", "fuzz", "soak", "placement", "placement_check",
-              "halfweights")  # modules of modelcache.bench
+              "halfweights", "pagefaults")  # modules of modelcache.bench
 
 
 def cmd_bench(args) -> int:

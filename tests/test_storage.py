@@ -28,10 +28,11 @@ def small_tmpfs(tmp_path):
     """small_tmpfs(size) -> a directory on a fresh tmpfs of that size; unmounted after the test."""
     mounts = []
 
-    def mount(size: str, name: str = "fs") -> Path:
+    def mount(size: str, name: str = "fs", options: str = "") -> Path:
         where = tmp_path / f"{name}-{len(mounts)}"
         where.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}" + (f",{options}" if options else ""),
+                            "tmpfs", str(where)],
                            capture_output=True, text=True)
         if r.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
@@ -145,3 +146,44 @@ def test_the_daemon_reports_full_storage_and_stays_up(tmp_path, small_tmpfs, zoo
     finally:
         d.kill()
         subprocess.run(["umount", "-l", str(d.repository)], check=False)
+
+
+# -- a host tier on huge pages -------------------------------------------------------------------
+
+def _big_weight_model(path: Path) -> None:
+    """y = x @ W with W 1024 x 1024 fp32 (4 MiB): two 2 MiB pages' worth of weight."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32), "W")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "big",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1024])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1024])], [w])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+
+def test_a_host_tier_on_a_huge_page_tmpfs_maps_into_clients_2_mib_at_a_time(tmp_path, small_tmpfs):
+    """shm_dir on a tmpfs mounted huge=within_size: a client's first run maps the weights with 2 MiB
+    pages, not one 4 KiB page at a time (`modelcache bench pagefaults` has the cost of each)."""
+    import modelcache
+    import onnxruntime as ort
+
+    shm = small_tmpfs("256M", "huge", "huge=within_size")
+    src = tmp_path / "big.onnx"
+    _big_weight_model(src)
+    d = DaemonProcess(tmp_path, extra_env={"MODELCACHE_SHM_DIR": str(shm)}).start()
+    try:
+        with d.client() as c:
+            c.add(str(src), "big")
+            with modelcache.InferenceSession("big", client=c) as sess:
+                x = np.ones((1, 1024), np.float32)
+                y = sess.run(None, {"x": x})[0]
+                want = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+                np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-3)   # sums of 1024 products
+                [segment] = sess._lease.segments
+                assert segment.startswith(str(shm))
+                smaps = Path("/proc/self/smaps").read_text()
+                mapping = smaps[smaps.index(segment):].split("VmFlags")[0]
+                huge_kib = int(mapping.split("ShmemPmdMapped:")[1].split()[0])
+                assert huge_kib >= 2048, mapping
+    finally:
+        stop_cleanly(d)

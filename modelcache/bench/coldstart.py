@@ -195,9 +195,9 @@ def breakdown(args, models: list[str], runs: int, log) -> int:
     from . import coldstart_breakdown as bd
     from ..client.connection import connect
     with tempfile.TemporaryDirectory(prefix="modelcache-coldstart-") as tmp, \
-            tempfile.TemporaryDirectory(prefix="modelcache-coldstart-", dir="/dev/shm") as shm:
+            tempfile.TemporaryDirectory(prefix="modelcache-coldstart-", dir=args.shm_dir) as shm:
         socket = args.socket or f"ipc://{tmp}/daemon.sock"
-        with managed_daemon(socket, None if args.socket else f"{tmp}/repo"):
+        with managed_daemon(socket, None if args.socket else f"{tmp}/repo", env={"MODELCACHE_SHM_DIR": args.shm_dir}):
             ensure_models(socket, models, Path(tmp) / "zoo")
             with connect(socket) as client:
                 tuned = {n: prepare_tuned(client, n, Path(shm)) for n in models}
@@ -242,6 +242,9 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     ap.add_argument("--socket", help="use this running daemon (default: start a private one)")
     ap.add_argument("--out", help="directory for samples.csv, results.json, report.txt and plots")
+    ap.add_argument("--shm-dir", default="/dev/shm",
+                    help="where the daemon's host tier and ort-tuned's copy live (e.g. a tmpfs mounted with "
+                         "huge=within_size: see `modelcache bench pagefaults`)")
     ap.add_argument("--breakdown", action="store_true",
                     help="instead: time each step of an attach-mode open, full client vs lane vs ort-tuned "
                          "(writes breakdown.txt; see modelcache/bench/coldstart_breakdown.py)")
@@ -259,9 +262,9 @@ def main(argv=None) -> int:
         return breakdown(args, models if args.models else ["squeezenet1_1", "alexnet"], args.runs or 15, log)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="modelcache-coldstart-") as tmp, \
-            tempfile.TemporaryDirectory(prefix="modelcache-coldstart-", dir="/dev/shm") as shm:
+            tempfile.TemporaryDirectory(prefix="modelcache-coldstart-", dir=args.shm_dir) as shm:
         socket = args.socket or f"ipc://{tmp}/daemon.sock"
-        with managed_daemon(socket, None if args.socket else f"{tmp}/repo"):
+        with managed_daemon(socket, None if args.socket else f"{tmp}/repo", env={"MODELCACHE_SHM_DIR": args.shm_dir}):
             paths = ensure_models(socket, models, Path(tmp) / "zoo")
             with connect(socket) as client:
                 tuned = {n: prepare_tuned(client, n, Path(shm)) for n in models}
