@@ -41,6 +41,25 @@ def cmd_daemon(args) -> int:
     return 0
 
 
+def cmd_http(args) -> int:
+    try:
+        from .http.server import run
+    except ImportError as e:   # aiohttp is the [http] extra
+        print(f"modelcache: the HTTP front needs the [http] extra (pip install 'modelcache[http]'): {e}",
+              file=sys.stderr)
+        return 1
+    settings = _settings(args)
+    _setup_logging(settings.log_level)
+    host = args.host or settings.http_host
+    port = args.port if args.port is not None else (settings.http_port or 8000)
+
+    def ready(url):
+        print(f"READY {url}", flush=True)   # as the daemon's: tests and scripts wait on it
+
+    run(settings, host, port, on_ready=ready)
+    return 0
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -358,6 +377,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--host-capacity", help="host-tier size: bytes (8G, 512M) or percent of RAM (50%%)")
     d.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: off, the default)")
     d.set_defaults(func=cmd_daemon)
+
+    h = sub.add_parser("http", parents=[common], help="serve the Open Inference Protocol (KServe v2 REST) "
+                                                      "in front of the daemon",
+                       description="HTTP/REST v2 endpoints (health, metadata, infer with JSON or binary "
+                                   "tensors, the model-repository extension) for Triton and KServe clients; "
+                                   "requests go to the daemon's serve mode over its lane. Prints 'READY <url>' "
+                                   "once listening; SIGTERM stops it after in-flight requests.")
+    h.add_argument("--host", help="address to listen on (default: http_host, 127.0.0.1)")
+    h.add_argument("--port", type=int, help="port (default: http_port if set, else 8000; 0 picks a free one)")
+    h.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    h.set_defaults(func=cmd_http)
 
     a = sub.add_parser("add", parents=[common], help="validate, optimize and pack an .onnx file",
                        description="Validate an .onnx file (onnx checker, ONNX Runtime builds it), optimize "
