@@ -16,6 +16,7 @@ from .link import DaemonLink
 from .routes import LINK, SETTINGS, add_routes, v2_errors
 
 log = logging.getLogger("modelcache.http")
+SHUTDOWN_TIMEOUT_S = 8.0
 
 
 def build_app(settings) -> web.Application:
@@ -34,7 +35,10 @@ def build_app(settings) -> web.Application:
 
 async def serve(settings, host: str, port: int, on_ready=None) -> None:
     """Serve until SIGTERM or SIGINT; `on_ready(url)` once the port accepts connections."""
-    runner = web.AppRunner(build_app(settings), access_log=None, handle_signals=False)
+    # shutdown_timeout: in-flight requests get this long at a stop (the daemon's own drain allows 60 s,
+    # but a front under systemd must exit within the unit's stop time too)
+    runner = web.AppRunner(build_app(settings), access_log=None, handle_signals=False,
+                           shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()
