@@ -343,7 +343,7 @@ def cmd_demo(args) -> int:
 
 
 BENCHMARKS = ("coldstart", "open", "tiers", "executor", "serve", "transport", "binding", "servepath",
-              "conformance", "restart", "hashes", "fuzz", "soak")  # modules of modelcache.bench
+              "conformance", "restart", "hashes", "fuzz", "soak", "http")  # modules of modelcache.bench
 
 
 def cmd_bench(args) -> int:
@@ -483,7 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "`open` (session ready, memory, warm speed vs plain ORT), "
                                      "`binding` (which ORT binding to share weights with), "
                                      "`fuzz` (malformed messages on both sockets), "
-                                     "`soak` (many clients, churn and eviction for minutes)",
+                                     "`soak` (many clients, churn and eviction for minutes), "
+                                     "`http` (what the v2 HTTP front adds over the lane)",
                        description="Benchmarks print figures; options after the name go to the benchmark "
                                    "(`modelcache bench coldstart --help`).")
     b.add_argument("which", choices=BENCHMARKS)
