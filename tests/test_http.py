@@ -255,3 +255,28 @@ def test_daemon_starts_and_stops_the_front(tmp_path, zoo_file):
         stop_cleanly(d)
     with pytest.raises(OSError):   # the port is closed: the front went with the daemon
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+def test_daemon_gone_is_503_and_not_ready(tmp_path, zoo_file):
+    """The front outlives its daemon: live, but not ready, and requests get 503 (not a hang, not a 500);
+    a daemon started again on the same socket is found by the next request."""
+    d = DaemonProcess(tmp_path).start()
+    front = HttpFront(d)
+    try:
+        with d.client() as c:
+            c.add(zoo_file("tiny-cnn"), "cnn")
+        assert front.request("GET", "/v2/models/cnn")[0] == 200
+        assert d.stop() == 0
+        status, _, payload = front.request("GET", "/v2/models/cnn")
+        assert status == 503 and "daemon" in json.loads(payload)["error"]
+        assert front.request("GET", "/v2/health/live")[0] == 200
+        assert front.request("GET", "/v2/health/ready")[0] == 400
+        d2 = DaemonProcess(tmp_path).start()
+        try:
+            assert front.request("GET", "/v2/models/cnn")[0] == 200
+            assert front.request("GET", "/v2/health/ready")[0] == 200
+        finally:
+            stop_cleanly(d2)
+    finally:
+        assert front.stop() == 0, front.log_path.read_text()
+        d.kill()
