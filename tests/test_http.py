@@ -174,6 +174,9 @@ def test_errors_are_v2_errors(served):
     with pytest.raises(InferenceServerException) as e:
         c.infer("cnn", [bad])
     assert int(e.value.status()) == 400 and "shape" in e.value.message()
+    with pytest.raises(InferenceServerException) as e:           # a deadline that cannot be met (1 us)
+        c.infer("cnn", [inp], timeout=1)
+    assert int(e.value.status()) == 504 and "deadline" in e.value.message()
     cases = [
         (b"{not json", {}),                                                      # malformed body
         (b'{"inputs": [{"name": "input", "shape": [1, 3, 32, 32], "datatype": "FP32", "data": [1, 2]}]}', {}),
