@@ -135,19 +135,30 @@ def _pct(values: list[float], q: float) -> float:
     return v[min(len(v) - 1, int(round(q / 100 * (len(v) - 1))))]
 
 
-def throughput(socket: str, hostport: str, model: str, io: tuple, mode: str, clients: int, seconds: float) -> dict:
-    """Requests/s of `clients` processes each calling in a closed loop for `seconds`, started together."""
+def throughput(socket: str, hostport: str, model: str, io: tuple, mode: str, clients: int, seconds: float,
+               watch: dict | None = None) -> dict:
+    """Requests/s of `clients` processes each calling in a closed loop for `seconds`, started together; and the
+    CPU time each process in `watch` (name -> pid) spent per request meanwhile."""
+    import psutil
+    procs_watched = {name: psutil.Process(pid) for name, pid in (watch or {}).items()}
+
+    def cpu() -> dict:
+        return {name: sum(p.cpu_times()[:2]) for name, p in procs_watched.items()}
     start_at = time.time() + 3.0   # every worker imports and connects before the clock starts
     procs = [subprocess.Popen([sys.executable, "-m", "modelcache.bench.http", "--worker", mode, socket, hostport,
                                model, json.dumps(io), str(start_at), str(seconds)], stdout=subprocess.PIPE, text=True)
              for _ in range(clients)]
+    cpu_before = cpu()
     counts = []
     for p in procs:
         out, _ = p.communicate(timeout=seconds + 120)
         if p.returncode != 0:
             raise RuntimeError(f"throughput worker failed: {out}")
         counts.append(int(out.split()[-1]))
-    return {"requests": sum(counts), "seconds": seconds, "rps": sum(counts) / seconds, "per_client": counts}
+    cpu_after = cpu()   # (includes the workers' warm-up calls and 3 s of idling: a slight overestimate)
+    n = max(1, sum(counts))
+    return {"requests": sum(counts), "seconds": seconds, "rps": sum(counts) / seconds, "per_client": counts,
+            "cpu_us_per_request": {k: (cpu_after[k] - cpu_before[k]) / n * 1e6 for k in cpu_before}}
 
 
 def _worker(mode: str, socket: str, hostport: str, model: str, io: str, start_at: str, seconds: str) -> None:
@@ -195,6 +206,10 @@ def report(res: dict, out=sys.stdout) -> None:
         print(f"  {model:<10} " + "   ".join(f"{m} {t['rps']:.1f}" for m, t in r.items()) +
               (f"   (http/lane {r['http-binary']['rps'] / r['lane']['rps']:.2f}x)" if r["lane"]["rps"] else ""),
               file=out)
+        for m, t in r.items():
+            if t.get("cpu_us_per_request"):
+                print(f"    {m:<12} CPU per request: " + ", ".join(
+                    f"{k} {v:.0f} us" for k, v in t["cpu_us_per_request"].items()), file=out)
     print(f"for scale, Triton's published HTTP figure: {TRITON_REF}", file=out)
     print(f"machine: {os.cpu_count()} cores; library: aiohttp {res.get('aiohttp', '?')}", file=out)
 
@@ -224,6 +239,9 @@ def main(argv=None) -> int:
         with managed_daemon(socket, f"{tmp}/repo", env={"MODELCACHE_CONFIG": ""}):
             ensure_models(socket, list(io), Path(tmp) / "zoo")
             front, hostport = _start_front(env, log)
+            from ..client.connection import connect
+            with connect(socket) as c:
+                daemon_pid = c.stats().pid
             try:
                 res = {"aiohttp": aiohttp.__version__, "clients": args.clients, "seconds": args.seconds,
                        "latency": {}, "throughput": {}}
@@ -232,8 +250,11 @@ def main(argv=None) -> int:
                     res["latency"][model] = latency(socket, hostport, model, io[model], calls, block, MODES)
                 for model in io:
                     print(f"throughput: {model} ...", file=sys.stderr, flush=True)
-                    res["throughput"][model] = {m: throughput(socket, hostport, model, io[model], m, args.clients,
-                                                              args.seconds) for m in ("lane", "http-binary")}
+                    res["throughput"][model] = {
+                        "lane": throughput(socket, hostport, model, io[model], "lane", args.clients, args.seconds,
+                                           {"daemon": daemon_pid}),
+                        "http-binary": throughput(socket, hostport, model, io[model], "http-binary", args.clients,
+                                                  args.seconds, {"front": front.pid, "daemon": daemon_pid})}
             finally:
                 front.send_signal(signal.SIGTERM)
                 front.wait(30)
