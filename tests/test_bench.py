@@ -128,3 +128,15 @@ def test_fuzz_command_counts_and_bounds(tmp_path):
     assert r["crashes"] == 0 and r["hangs"] == 0 and r["internal_errors"] == 0, text
     assert r["counts"]["sent_zmq"] + r["counts"]["sent_lane"] >= 400 and r["largest_message_mib"] > 45
     assert "peak RSS" in text and "RSS after" in text
+
+
+def test_http_bench_compares_the_v2_front_with_the_lane(tmp_path):
+    text = run("http", "--model", "tiny-cnn", "--big", "tiny-vit", "--calls", "20", "--big-calls", "4",
+               "--seconds", "1", "--clients", "2", "--out", str(tmp_path))
+    assert "http-binary" in text and "added" in text and "Triton" in text
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results["latency"]) == {"tiny-cnn", "tiny-vit"}
+    assert all(len(v) >= 20 for v in results["latency"]["tiny-cnn"].values())
+    tp = results["throughput"]["tiny-cnn"]
+    assert tp["lane"]["requests"] > 0 and tp["http-binary"]["requests"] > 0
+    assert set(tp["http-binary"]["cpu_us_per_request"]) == {"front", "daemon"}

@@ -1,8 +1,9 @@
 """HTTP front benchmark: what the Open Inference Protocol front (`modelcache http`) adds to a served request.
 
-    modelcache bench http [--calls 400] [--resnet-calls 40] [--seconds 8] [--clients 4] [--out DIR]
+    modelcache bench http [--model tiny-cnn] [--big resnet50] [--calls 400] [--big-calls 40] [--seconds 8]
+                          [--clients 4] [--out DIR]
 
-A daemon of its own (in a temporary directory) serves tiny-cnn and ResNet-50, and `modelcache
+A daemon of its own (in a temporary directory) serves a tiny model and a big one (zoo names), and `modelcache
 http` listens on a free loopback port. Each model, batch 1, is called sequentially four ways,
 interleaved in rounds so that all see the same machine:
 
@@ -79,7 +80,7 @@ class RawV2:
 
 def _caller(mode: str, socket: str, hostport: str, model: str, x, io: tuple):
     """A function that makes one call of `mode` and returns its output array."""
-    name, output = io
+    name, output = io[0], io[1]
     if mode == "lane":
         from ..client.connection import connect
         c = connect(socket)
@@ -108,8 +109,7 @@ def _caller(mode: str, socket: str, hostport: str, model: str, x, io: tuple):
 def latency(socket: str, hostport: str, model: str, io: tuple, calls: int, block: int, modes) -> dict:
     """Per-call latency in us of each mode, `block` calls at a time, modes taking turns."""
     import numpy as np
-    x = np.random.default_rng(0).standard_normal((1, 3, 224, 224) if model == "resnet50" else (1, 3, 32, 32)) \
-        .astype(np.float32)
+    x = np.random.default_rng(0).standard_normal(io[2]).astype(np.float32)
     callers = {m: _caller(m, socket, hostport, model, x, io) for m in modes}
     want = callers["lane"][0]()
     for m, (call, _) in callers.items():   # warm each path, and check they agree
@@ -163,9 +163,9 @@ def throughput(socket: str, hostport: str, model: str, io: tuple, mode: str, cli
 
 def _worker(mode: str, socket: str, hostport: str, model: str, io: str, start_at: str, seconds: str) -> None:
     import numpy as np
-    x = np.random.default_rng(os.getpid()).standard_normal((1, 3, 224, 224) if model == "resnet50"
-                                                           else (1, 3, 32, 32)).astype(np.float32)
-    call, close = _caller(mode, socket, hostport, model, x, tuple(json.loads(io)))
+    io = json.loads(io)
+    x = np.random.default_rng(os.getpid()).standard_normal(io[2]).astype(np.float32)
+    call, close = _caller(mode, socket, hostport, model, x, io)
     call()
     time.sleep(max(0.0, float(start_at) - time.time()))
     end, n = time.time() + float(seconds), 0
@@ -174,6 +174,16 @@ def _worker(mode: str, socket: str, hostport: str, model: str, io: str, start_at
         n += 1
     close()
     print(n, flush=True)
+
+
+def _io(path: str) -> tuple:
+    """(input name, first output's name, input shape at batch 1) of a one-input model."""
+    import onnx
+    g = onnx.load(path, load_external_data=False).graph
+    weights = {t.name for t in g.initializer}
+    inp = next(i for i in g.input if i.name not in weights)
+    shape = [d.dim_value if d.HasField("dim_value") else 1 for d in inp.type.tensor_type.shape.dim]
+    return inp.name, g.output[0].name, shape
 
 
 def _start_front(env: dict, log) -> tuple[subprocess.Popen, str]:
@@ -217,8 +227,10 @@ def report(res: dict, out=sys.stdout) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="modelcache bench http", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--calls", type=int, default=400, help="sequential calls per path, tiny-cnn")
-    ap.add_argument("--resnet-calls", type=int, default=40, help="sequential calls per path, ResNet-50")
+    ap.add_argument("--model", default="tiny-cnn", help="the tiny model (zoo name; one FP32 input)")
+    ap.add_argument("--big", default="resnet50", help="the big model (zoo name; one FP32 input)")
+    ap.add_argument("--calls", type=int, default=400, help="sequential calls per path, the tiny model")
+    ap.add_argument("--big-calls", type=int, default=40, help="sequential calls per path, the big model")
     ap.add_argument("--seconds", type=float, default=8.0, help="closed-loop time per throughput run")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--out")
@@ -230,14 +242,14 @@ def main(argv=None) -> int:
     import aiohttp
 
     from .common import ensure_models, managed_daemon, save_results
-    io = {"tiny-cnn": ("input", "logits"), "resnet50": ("input", "logits")}
     with tempfile.TemporaryDirectory(prefix="modelcache-bench-http-") as tmp:
         socket = f"ipc://{tmp}/daemon.sock"
         env = {**os.environ, "MODELCACHE_SOCKET": socket, "MODELCACHE_REPOSITORY": f"{tmp}/repo",
                "MODELCACHE_CONFIG": ""}
         log = open(Path(tmp) / "http.log", "ab")
         with managed_daemon(socket, f"{tmp}/repo", env={"MODELCACHE_CONFIG": ""}):
-            ensure_models(socket, list(io), Path(tmp) / "zoo")
+            paths = ensure_models(socket, [args.model, args.big], Path(tmp) / "zoo")
+            io = {m: _io(path) for m, path in paths.items()}
             front, hostport = _start_front(env, log)
             from ..client.connection import connect
             with connect(socket) as c:
@@ -245,7 +257,7 @@ def main(argv=None) -> int:
             try:
                 res = {"aiohttp": aiohttp.__version__, "clients": args.clients, "seconds": args.seconds,
                        "latency": {}, "throughput": {}}
-                for model, calls, block in (("tiny-cnn", args.calls, 20), ("resnet50", args.resnet_calls, 2)):
+                for model, calls, block in ((args.model, args.calls, 20), (args.big, args.big_calls, 2)):
                     print(f"latency: {model} ...", file=sys.stderr, flush=True)
                     res["latency"][model] = latency(socket, hostport, model, io[model], calls, block, MODES)
                 for model in io:
