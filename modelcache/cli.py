@@ -41,6 +41,25 @@ def cmd_daemon(args) -> int:
     return 0
 
 
+def cmd_http(args) -> int:
+    try:
+        from .http.server import run
+    except ImportError as e:   # aiohttp is the [http] extra
+        print(f"modelcache: the HTTP front needs the [http] extra (pip install 'modelcache[http]'): {e}",
+              file=sys.stderr)
+        return 1
+    settings = _settings(args)
+    _setup_logging(settings.log_level)
+    host = args.host or settings.http_host
+    port = args.port if args.port is not None else (settings.http_port or 8000)
+
+    def ready(url):
+        print(f"READY {url}", flush=True)   # as the daemon's: tests and scripts wait on it
+
+    run(settings, host, port, on_ready=ready)
+    return 0
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -335,7 +354,7 @@ def cmd_demo(args) -> int:
 
 BENCHMARKS = ("coldstart", "open", "tiers", "executor", "serve", "transport", "binding", "servepath",
               "conformance", "restart", "hashes", "fuzz", "soak", "placement", "placement_check",
-              "halfweights", "pagefaults")  # modules of modelcache.bench
+              "halfweights", "pagefaults", "http")  # modules of modelcache.bench
 
 
 def cmd_bench(args) -> int:
@@ -369,6 +388,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--host-capacity", help="host-tier size: bytes (8G, 512M) or percent of RAM (50%%)")
     d.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: off, the default)")
     d.set_defaults(func=cmd_daemon)
+
+    h = sub.add_parser("http", parents=[common], help="serve the Open Inference Protocol (KServe v2 REST) "
+                                                      "in front of the daemon",
+                       description="HTTP/REST v2 endpoints (health, metadata, infer with JSON or binary "
+                                   "tensors, the model-repository extension) for Triton and KServe clients; "
+                                   "requests go to the daemon's serve mode over its lane. Prints 'READY <url>' "
+                                   "once listening; SIGTERM stops it after in-flight requests.")
+    h.add_argument("--host", help="address to listen on (default: http_host, 127.0.0.1)")
+    h.add_argument("--port", type=int, help="port (default: http_port if set, else 8000; 0 picks a free one)")
+    h.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    h.set_defaults(func=cmd_http)
 
     a = sub.add_parser("add", parents=[common], help="validate, optimize and pack an .onnx file",
                        description="Validate an .onnx file (onnx checker, ONNX Runtime builds it), optimize "
@@ -485,7 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "`binding` (which ORT binding to share weights with), "
                                      "`halfweights` (fp16 weights kept vs widened to fp32 at add time), "
                                      "`fuzz` (malformed messages on both sockets), "
-                                     "`soak` (many clients, churn and eviction for minutes)",
+                                     "`soak` (many clients, churn and eviction for minutes), "
+                                     "`http` (what the v2 HTTP front adds over the lane)",
                        description="Benchmarks print figures; options after the name go to the benchmark "
                                    "(`modelcache bench coldstart --help`).")
     b.add_argument("which", choices=BENCHMARKS)

@@ -57,6 +57,8 @@ class Settings:
     state_dir: str = ""                # performance models persist here; default: the repository's parent
     metrics_port: int = 0              # Prometheus /metrics over HTTP; 0 = off
     metrics_host: str = "127.0.0.1"    # where /metrics listens
+    http_port: int = 0                 # the daemon starts the v2 HTTP front (`modelcache http`) on this port; 0 = off
+    http_host: str = "127.0.0.1"       # where the v2 HTTP front listens: loopback unless set
     max_message_size: str = "64M"      # largest request a client may send (ZeroMQ or lane); big tensors go in shm files
     max_clients: int = 1024            # hellos beyond this are refused (each client costs the daemon ~3 descriptors)
     keep_host_tier: bool = False       # a clean stop leaves the host tier for the next daemon to re-adopt (a crash always does)

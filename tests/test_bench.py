@@ -237,3 +237,15 @@ def test_coldstart_cuda_steps_that_need_no_cuda_run_against_a_fake_gpu_daemon(tm
             assert [s["mode"] for s in samples] == ["serve"] and 0 < samples[0]["ready_ms"] < samples[0]["first_ms"]
     finally:
         stop_cleanly(d)
+
+
+def test_http_bench_compares_the_v2_front_with_the_lane(tmp_path):
+    text = run("http", "--model", "tiny-cnn", "--big", "tiny-vit", "--calls", "20", "--big-calls", "4",
+               "--seconds", "1", "--clients", "2", "--out", str(tmp_path))
+    assert "http-binary" in text and "added" in text and "Triton" in text
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results["latency"]) == {"tiny-cnn", "tiny-vit"}
+    assert all(len(v) >= 20 for v in results["latency"]["tiny-cnn"].values())
+    tp = results["throughput"]["tiny-cnn"]
+    assert tp["lane"]["requests"] > 0 and tp["http-binary"]["requests"] > 0
+    assert set(tp["http-binary"]["cpu_us_per_request"]) == {"front", "daemon"}

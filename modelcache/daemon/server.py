@@ -103,6 +103,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         self.open_latency = Histogram()
         self.notifier = Notifier()
         self.metrics: MetricsServer | None = None
+        self.http_front = None                  # daemon/http_front.py, when http_port is set
         self.ctx = zmq.Context.instance()
         # Only an ipc:// peer has kernel credentials; a tcp:// one's Peer-Address is an IP (see identity.py).
         self.peers_have_credentials = settings.socket.startswith("ipc://")
@@ -155,6 +156,9 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
             self.metrics.start()
             self.publish_metrics()
             log.info("metrics on http://%s:%d/metrics", self.settings.metrics_host, self.metrics.port)
+        if self.settings.http_port:
+            from .http_front import HttpFront
+            self.http_front = HttpFront(self.settings.socket, self.settings.http_host, self.settings.http_port)
         log.info("modelcache %s ready on %s: %d models in %s, host tier %s (%d MiB)", __version__, addr,
                  len(self.registry.models), self.repository.root, self.host.root,
                  self.host.capacity_bytes >> 20)
@@ -248,6 +252,8 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
             self.lane.start(poller)
             self.lane.budget = self.fd_budget
         self.notifier.ready(self.status_line())
+        if self.http_front is not None:   # once the lane listens: its first request may come at once
+            self.http_front.start()
         if on_ready:
             on_ready()
         next_sweep = self.clock()
@@ -299,6 +305,8 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
                     for key in self.engine.drop_idle(self.clock(), self.settings.serve_idle_s):
                         log.info("serve sessions of %s dropped after %.0f s idle", key, self.settings.serve_idle_s)
                     self.publish_metrics()
+                    if self.http_front is not None:
+                        self.http_front.check()
                     next_sweep = self.clock() + min(self.settings.heartbeat_interval_s,
                                                     self.notifier.watchdog_interval_s or 1e9)
         finally:
@@ -307,6 +315,8 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
     def _cleanup(self) -> None:
         """Graceful stop: finish running loads and packs, answer everyone waiting, then remove our traces."""
         self.notifier.stopping()
+        if self.http_front is not None:   # first: the drain below answers its requests in flight
+            self.http_front.terminate()
         log.info("stopping: %d clients, %d leases, %d jobs in flight", len(self.registry.clients),
                  len(self.registry.leases), len(self.jobs))
         deadline = self.clock() + 60
@@ -334,6 +344,8 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
             self.wake_rx.close(linger=0)
         if self.metrics is not None:
             self.metrics.stop()
+        if self.http_front is not None:
+            self.http_front.wait()
         self._remove_socket_file()
         # Clients that still map a model keep their pages (host and GPU): freeing only drops our references.
         self._stop_devices()

@@ -1,0 +1,247 @@
+"""v2 tensors <-> numpy: JSON `data`, the binary-tensor extension, dtype names. No I/O here.
+
+The binary-tensor extension (Triton's, which tritonclient uses by default): the body is a JSON
+header of `Inference-Header-Content-Length` bytes, then each input that has a
+`binary_data_size` parameter, raw and in the order the header lists them. Outputs asked for
+with `binary_data` come back the same way. BYTES elements in binary are each a 4-byte
+little-endian length and the bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+import numpy as np
+
+from ..errors import InputError
+
+# numpy dtype name (as manifests carry it) <-> v2 datatype name
+V2_BY_NUMPY = {"bool": "BOOL", "uint8": "UINT8", "uint16": "UINT16", "uint32": "UINT32", "uint64": "UINT64",
+               "int8": "INT8", "int16": "INT16", "int32": "INT32", "int64": "INT64", "float16": "FP16",
+               "float32": "FP32", "float64": "FP64", "object": "BYTES", "str": "BYTES", "bfloat16": "BF16"}
+NUMPY_BY_V2 = {"BOOL": np.dtype(bool), "UINT8": np.dtype("uint8"), "UINT16": np.dtype("uint16"),
+               "UINT32": np.dtype("uint32"), "UINT64": np.dtype("uint64"), "INT8": np.dtype("int8"),
+               "INT16": np.dtype("int16"), "INT32": np.dtype("int32"), "INT64": np.dtype("int64"),
+               "FP16": np.dtype("float16"), "FP32": np.dtype("float32"), "FP64": np.dtype("float64"),
+               "BYTES": np.dtype(object)}
+_LENGTH = struct.Struct("<I")
+
+
+def v2_datatype(numpy_name: str) -> str:
+    """A manifest's dtype as a v2 name; ORT's own type string (a sequence, a map) where v2 has none."""
+    return V2_BY_NUMPY.get(numpy_name, numpy_name)
+
+
+def v2_shape(shape: list) -> list[int]:
+    """Fixed dims as they are, symbolic ones (a name or None) as -1."""
+    return [d if isinstance(d, int) and d >= 0 else -1 for d in shape]
+
+
+def tensor_metadata(entries: list[dict]) -> list[dict]:
+    return [{"name": e["name"], "datatype": v2_datatype(e["dtype"]), "shape": v2_shape(e["shape"] or [])}
+            for e in entries]
+
+
+class InferRequest:
+    """A decoded v2 infer request: feeds, the outputs asked for, and how each is to come back."""
+
+    __slots__ = ("id", "feeds", "output_names", "binary_outputs", "binary_default", "timeout_us")
+
+    def __init__(self):
+        self.id = None
+        self.feeds: dict = {}
+        self.output_names: list | None = None     # None: every output
+        self.binary_outputs: dict = {}            # name -> bool, for outputs named in the request
+        self.binary_default = False               # the request-level binary_data_output
+        self.timeout_us = None
+
+
+def decode_request(body: bytes, header_length: str | None) -> InferRequest:
+    """The body of POST .../infer, with the Inference-Header-Content-Length header's value (or None)."""
+    if header_length is not None:
+        try:
+            n = int(header_length)
+        except ValueError:
+            raise InputError(f"Inference-Header-Content-Length {header_length[:40]!r} is not a number") from None
+        if not 0 <= n <= len(body):
+            raise InputError(f"Inference-Header-Content-Length {n} does not fit a body of {len(body)} bytes")
+        head, binary = body[:n], memoryview(body)[n:]
+    else:
+        head, binary = body, memoryview(b"")
+    try:
+        doc = json.loads(head)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InputError(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise InputError("the request body must be a JSON object")
+    req = InferRequest()
+    req.id = doc.get("id")
+    params = _parameters(doc, "request")
+    req.binary_default = bool(params.get("binary_data_output", False))
+    timeout = params.get("timeout")
+    if timeout is not None:
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0:
+            raise InputError(f"parameter timeout {timeout!r}: give microseconds, a number >= 0")
+        req.timeout_us = timeout
+    inputs = doc.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise InputError("the request needs \"inputs\": a list of tensors")
+    offset = 0
+    for entry in inputs:
+        name, array, used = _decode_input(entry, binary, offset)
+        if name in req.feeds:
+            raise InputError(f"input {name!r} is given twice")
+        req.feeds[name] = array
+        offset += used
+    if offset != len(binary):
+        raise InputError(f"the body has {len(binary) - offset} bytes after the tensors its header describes")
+    outputs = doc.get("outputs")
+    if outputs is not None:
+        if not isinstance(outputs, list):
+            raise InputError("\"outputs\" must be a list")
+        req.output_names = []
+        for o in outputs:
+            if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+                raise InputError("each requested output needs a \"name\"")
+            oparams = _parameters(o, f"output {o['name']!r}")
+            if oparams.get("classification"):
+                raise InputError("the classification extension is not supported; ask for the raw output")
+            req.output_names.append(o["name"])
+            req.binary_outputs[o["name"]] = bool(oparams.get("binary_data", req.binary_default))
+    return req
+
+
+def _parameters(obj: dict, what: str) -> dict:
+    params = obj.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise InputError(f"{what} parameters must be a JSON object")
+    return params
+
+
+def _decode_input(entry, binary: memoryview, offset: int) -> tuple[str, np.ndarray, int]:
+    """(name, array, binary bytes it used) of one input."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+        raise InputError("each input needs a \"name\"")
+    name = entry["name"]
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        raise InputError(f"input {name!r}: \"shape\" must be a list of dims >= 0")
+    datatype = entry.get("datatype")
+    dtype = NUMPY_BY_V2.get(datatype) if isinstance(datatype, str) else None
+    if dtype is None:
+        raise InputError(f"input {name!r}: datatype {datatype!r} is not one of {', '.join(NUMPY_BY_V2)}")
+    count = math.prod(shape)
+    size = _parameters(entry, f"input {name!r}").get("binary_data_size")
+    if size is not None:
+        if "data" in entry:
+            raise InputError(f"input {name!r} has both \"data\" and binary_data_size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or offset + size > len(binary):
+            raise InputError(f"input {name!r}: binary_data_size {size!r} runs past the body's "
+                             f"{len(binary) - offset} remaining bytes")
+        raw = binary[offset:offset + size]
+        if dtype.kind == "O":
+            return name, _bytes_elements(raw, count, name).reshape(shape), size
+        if size != count * dtype.itemsize:
+            raise InputError(f"input {name!r}: {size} bytes for {count} {datatype} elements "
+                             f"({count * dtype.itemsize} bytes)")
+        return name, np.frombuffer(raw, dtype=dtype).reshape(shape), size
+    data = entry.get("data")
+    if not isinstance(data, list):
+        raise InputError(f"input {name!r} needs \"data\" (a list) or a binary_data_size parameter")
+    flat = _flatten(data) if data and isinstance(data[0], list) else data
+    if len(flat) != count:
+        raise InputError(f"input {name!r}: {len(flat)} elements for shape {shape}")
+    if dtype.kind == "O":
+        if not all(isinstance(v, str) for v in flat):
+            raise InputError(f"input {name!r}: BYTES data must be strings")
+        arr = np.empty(count, dtype=object)
+        arr[:] = flat
+        return name, arr.reshape(shape), 0
+    try:
+        if dtype.kind == "b":
+            if not all(isinstance(v, bool) for v in flat):
+                raise TypeError("BOOL data must be true or false")
+        elif not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in flat):
+            raise TypeError(f"{datatype} data must be numbers")
+        arr = np.array(flat, dtype=dtype)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise InputError(f"input {name!r}: {e}") from None
+    return name, arr.reshape(shape), 0
+
+
+def _flatten(data: list) -> list:
+    """Row-major flattening of nested lists (v2 allows `data` either flat or nested)."""
+    out, stack = [], [iter(data)]
+    while stack:
+        for v in stack[-1]:
+            if isinstance(v, list):
+                if len(stack) > 32:
+                    raise InputError("\"data\" nests deeper than 32")
+                stack.append(iter(v))
+                break
+            out.append(v)
+        else:
+            stack.pop()
+    return out
+
+
+def _bytes_elements(raw: memoryview, count: int, name: str) -> np.ndarray:
+    """BYTES in binary: [u32 length, bytes] per element; strings for the daemon (as tensors.encode sends them)."""
+    arr = np.empty(count, dtype=object)
+    pos = 0
+    for k in range(count):
+        if pos + 4 > len(raw):
+            raise InputError(f"input {name!r}: binary BYTES data ends after {k} of {count} elements")
+        (n,) = _LENGTH.unpack_from(raw, pos)
+        pos += 4
+        if pos + n > len(raw):
+            raise InputError(f"input {name!r}: element {k} runs past its binary data")
+        arr[k] = bytes(raw[pos:pos + n]).decode("utf-8", "surrogateescape")
+        pos += n
+    if pos != len(raw):
+        raise InputError(f"input {name!r}: {len(raw) - pos} bytes after its {count} BYTES elements")
+    return arr
+
+
+def encode_response(model: str, version: int | None, request_id, outputs: dict, order: list,
+                    binary: dict, binary_default: bool) -> tuple[bytes, int | None]:
+    """(body, JSON header length or None when no output is binary). `order` lists the outputs to send."""
+    entries, blobs = [], []
+    for name in order:
+        value = outputs[name]
+        a = np.asarray(value)
+        entry = {"name": name, "datatype": V2_BY_NUMPY.get(a.dtype.name, "BYTES" if a.dtype.kind in "OUS"
+                                                            else a.dtype.name.upper()),
+                 "shape": list(a.shape)}
+        if binary.get(name, binary_default):
+            if a.dtype.kind in "OUS":
+                raw = b"".join(_LENGTH.pack(len(b)) + b for b in (_as_bytes(v) for v in a.ravel().tolist()))
+            else:
+                raw = np.ascontiguousarray(a).tobytes()
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            blobs.append(raw)
+        elif a.dtype.kind in "OUS":
+            entry["data"] = [_as_str(v) for v in a.ravel().tolist()]
+        else:
+            entry["data"] = a.ravel().tolist()
+        entries.append(entry)
+    doc = {"model_name": model, "outputs": entries}
+    if version is not None:   # (the reply does not say which version served an unversioned request)
+        doc["model_version"] = str(version)
+    if request_id is not None:
+        doc["id"] = request_id
+    head = json.dumps(doc, separators=(",", ":"), allow_nan=True).encode()
+    if not blobs:
+        return head, None
+    return b"".join([head, *blobs]), len(head)
+
+
+def _as_bytes(v) -> bytes:
+    return v if isinstance(v, bytes) else str(v).encode("utf-8", "surrogateescape")
+
+
+def _as_str(v) -> str:
+    return v.decode("utf-8", "surrogateescape") if isinstance(v, bytes) else str(v)

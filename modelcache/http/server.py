@@ -1,0 +1,62 @@
+"""Run the v2 front: aiohttp's server on host:port, one DaemonLink to the daemon's serve lane.
+
+aiohttp parses HTTP/1.1 (its C parser, llhttp), keeps connections alive and bounds request
+bodies (client_max_size: the daemon's max_message_size, the largest request it takes anyway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from aiohttp import web
+
+from .link import DaemonLink
+from .routes import LINK, SETTINGS, add_routes, v2_errors
+
+log = logging.getLogger("modelcache.http")
+SHUTDOWN_TIMEOUT_S = 8.0
+
+
+def build_app(settings) -> web.Application:
+    app = web.Application(middlewares=[v2_errors], client_max_size=settings.max_message_bytes())
+    app[SETTINGS] = settings
+    add_routes(app)
+
+    async def link_ctx(app):
+        app[LINK] = DaemonLink(settings.socket, settings.request_timeout_s)
+        yield
+        await app[LINK].close()
+
+    app.cleanup_ctx.append(link_ctx)
+    return app
+
+
+async def serve(settings, host: str, port: int, on_ready=None) -> None:
+    """Serve until SIGTERM or SIGINT; `on_ready(url)` once the port accepts connections."""
+    # shutdown_timeout: in-flight requests get this long at a stop (the daemon's own drain allows 60 s,
+    # but a front under systemd must exit within the unit's stop time too)
+    runner = web.AppRunner(build_app(settings), access_log=None, handle_signals=False,
+                           shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    bound = runner.addresses[0]
+    url = f"http://{'[' + bound[0] + ']' if ':' in bound[0] else bound[0]}:{bound[1]}"
+    log.info("Open Inference Protocol (v2) on %s for the daemon at %s", url, settings.socket)
+    if on_ready:
+        on_ready(url)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):   # handlers only set the flag; shutdown runs here
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()   # in-flight requests finish, then connections close
+    log.info("HTTP front stopped")
+
+
+def run(settings, host: str, port: int, on_ready=None) -> None:
+    asyncio.run(serve(settings, host, port, on_ready))

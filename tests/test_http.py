@@ -1,0 +1,285 @@
+"""The Open Inference Protocol front (`modelcache http`), driven by Triton's own client against a real daemon.
+
+Every test runs a real daemon subprocess and a real `modelcache http` subprocess on a free
+loopback port (--port 0, read from its READY line); outputs are compared with plain ONNX Runtime.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+tritonhttp = pytest.importorskip("tritonclient.http")   # in the [test] extra
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+from conftest import DaemonProcess, stop_cleanly, wait_until  # noqa: E402
+
+
+class HttpFront:
+    """A `modelcache http` subprocess for the daemon `d`."""
+
+    def __init__(self, d: DaemonProcess):
+        self.log_path = d.root / "http.log"
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "modelcache.cli", "http", "--port", "0"], env=d.env,
+                                     stdout=subprocess.PIPE, stderr=self.log)
+        deadline = time.monotonic() + 30
+        line = b""
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if select.select([self.proc.stdout], [], [], 0.5)[0]:
+                line = self.proc.stdout.readline()
+                if line.startswith(b"READY "):
+                    break
+        if not line.startswith(b"READY "):
+            self.stop()
+            raise RuntimeError(f"modelcache http did not get ready: {line!r}\n{self.log_path.read_text()}")
+        self.url = line.split()[1].decode()             # http://127.0.0.1:PORT
+        self.hostport = self.url[len("http://"):]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(30)
+        self.log.close()
+        return self.proc.returncode
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+        """(status, headers, body) of one request on a fresh connection."""
+        conn = http.client.HTTPConnection(self.hostport, timeout=30)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            r = conn.getresponse()
+            return r.status, dict(r.getheaders()), r.read()
+        finally:
+            conn.close()
+
+
+@pytest.fixture
+def served(tmp_path, zoo_file):
+    """(daemon, front, {name: .onnx path}) with tiny-cnn (a free batch dim) and tiny-embed (int64 and bool
+    inputs) added; the daemon batches dynamically so concurrent requests can share a run."""
+    d = DaemonProcess(tmp_path, extra_env={"MODELCACHE_BATCHING": "dynamic", "MODELCACHE_MAX_BATCH": "8",
+                                           "MODELCACHE_MAX_QUEUE_DELAY_MS": "30"}).start()
+    front = None
+    try:
+        files = {"cnn": zoo_file("tiny-cnn"), "embed": zoo_file("tiny-embed")}
+        with d.client() as c:
+            for name, path in files.items():
+                c.add(path, name)
+        front = HttpFront(d)
+        yield d, front, files
+    finally:
+        rc = front.stop() if front is not None else 0
+        stop_cleanly(d)
+        assert rc == 0, front.log_path.read_text()
+
+
+def reference(src: str, feeds: dict) -> list:
+    return ort.InferenceSession(src, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def test_health_and_metadata(served):
+    d, front, files = served
+    c = tritonhttp.InferenceServerClient(front.hostport)
+    assert c.is_server_live() and c.is_server_ready()
+    meta = c.get_server_metadata()
+    assert meta["name"] == "modelcache" and "binary_tensor_data" in meta["extensions"]
+    cnn = c.get_model_metadata("cnn")
+    assert cnn["versions"] == ["1"] and cnn["platform"] == "onnxruntime_onnx"
+    assert cnn["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 3, 32, 32]}]
+    assert cnn["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, 10]}]
+    assert c.get_model_metadata("cnn", model_version="1") == cnn
+    embed = c.get_model_metadata("embed")
+    assert {i["datatype"] for i in embed["inputs"]} == {"INT64", "BOOL"}
+    assert c.is_model_ready("cnn") and c.is_model_ready("cnn", "1")
+    assert not c.is_model_ready("nope")
+    with pytest.raises(InferenceServerException) as e:
+        c.get_model_metadata("nope")
+    assert int(e.value.status()) == 404
+    assert "nope" in e.value.message()
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_infer_equals_plain_ort(served, binary):
+    d, front, files = served
+    c = tritonhttp.InferenceServerClient(front.hostport)
+    x = np.random.default_rng(1).standard_normal((3, 3, 32, 32)).astype(np.float32)
+    inp = tritonhttp.InferInput("input", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x, binary_data=binary)
+    r = c.infer("cnn", [inp], outputs=[tritonhttp.InferRequestedOutput("logits", binary_data=binary)],
+                request_id="req-7")
+    np.testing.assert_allclose(r.as_numpy("logits"), reference(files["cnn"], {"input": x})[0], rtol=1e-4, atol=1e-5)
+    assert r.get_response()["id"] == "req-7"
+    # int64 ids and a bool mask, in JSON and in binary
+    from modelcache import zoo
+    feeds = zoo.sample_inputs(files["embed"], batch=2, seed=3)
+    inputs = []
+    for name, value in feeds.items():
+        i = tritonhttp.InferInput(name, list(value.shape), {"int64": "INT64", "bool": "BOOL"}[value.dtype.name])
+        i.set_data_from_numpy(value, binary_data=binary)
+        inputs.append(i)
+    r = c.infer("embed", inputs, outputs=None if binary else
+                [tritonhttp.InferRequestedOutput(o.name, binary_data=False) for o in
+                 ort.InferenceSession(files["embed"]).get_outputs()])
+    want = reference(files["embed"], feeds)
+    for o, ref in zip(ort.InferenceSession(files["embed"]).get_outputs(), want):
+        np.testing.assert_allclose(r.as_numpy(o.name), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_batched_model_under_concurrent_requests(served):
+    """Eight requests at once through the front: the daemon's dynamic batching forms batches of them,
+    and each caller gets its own rows back."""
+    d, front, files = served
+    c = tritonhttp.InferenceServerClient(front.hostport, concurrency=8)
+    rng = np.random.default_rng(2)
+    xs = [rng.standard_normal((1 + k % 3, 3, 32, 32)).astype(np.float32) for k in range(8)]
+    pending = []
+    for x in xs:
+        inp = tritonhttp.InferInput("input", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        pending.append(c.async_infer("cnn", [inp]))
+    sess = ort.InferenceSession(files["cnn"], providers=["CPUExecutionProvider"])
+    for x, p in zip(xs, pending):
+        out = p.get_result().as_numpy("logits")
+        assert out.shape == (x.shape[0], 10)
+        np.testing.assert_allclose(out, sess.run(None, {"input": x})[0], rtol=1e-4, atol=1e-5)
+    c.close()
+    with d.client() as mc:
+        ex = mc.stats().executor
+    assert ex["served"] >= 8
+
+
+def test_errors_are_v2_errors(served):
+    d, front, files = served
+    c = tritonhttp.InferenceServerClient(front.hostport)
+    x = np.zeros((1, 3, 32, 32), np.float32)
+    inp = tritonhttp.InferInput("input", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    with pytest.raises(InferenceServerException) as e:          # unknown model
+        c.infer("nope", [inp])
+    assert int(e.value.status()) == 404
+    bad = tritonhttp.InferInput("input", [1, 3, 31, 32], "FP32")  # a shape the model does not take
+    bad.set_data_from_numpy(np.zeros((1, 3, 31, 32), np.float32))
+    with pytest.raises(InferenceServerException) as e:
+        c.infer("cnn", [bad])
+    assert int(e.value.status()) == 400 and "shape" in e.value.message()
+    with pytest.raises(InferenceServerException) as e:           # a deadline that cannot be met (1 us)
+        c.infer("cnn", [inp], timeout=1)
+    assert int(e.value.status()) == 504 and "deadline" in e.value.message()
+    cases = [
+        (b"{not json", {}),                                                      # malformed body
+        (b'{"inputs": [{"name": "input", "shape": [1, 3, 32, 32], "datatype": "FP32", "data": [1, 2]}]}', {}),
+        (b'{"inputs": [{"name": "input", "shape": [1], "datatype": "FP99", "data": [1]}]}', {}),
+        (b'{"inputs": [{"name": "input", "shape": [1, 3, 32, 32], "datatype": "FP32", '
+         b'"parameters": {"binary_data_size": 12288}}]}' + b"\0" * 100, {"Inference-Header-Content-Length": "96"}),
+        (b'{"inputs": []}', {}),
+    ]
+    for body, headers in cases:
+        status, hdrs, payload = front.request("POST", "/v2/models/cnn/infer", body, headers)
+        assert status == 400, (body[:60], payload)
+        doc = json.loads(payload)
+        assert set(doc) == {"error"} and "Traceback" not in doc["error"]
+    status, _, payload = front.request("GET", "/v2/no/such/route")
+    assert status == 404 and set(json.loads(payload)) == {"error"}
+    status, _, payload = front.request("GET", "/v2/models/cnn/versions/x")
+    assert status == 400 and "version" in json.loads(payload)["error"]
+    status, _, payload = front.request("GET", "/v2/models/cnn/versions/9")
+    assert status == 404
+
+
+def test_raw_binary_request_and_selected_output(served):
+    """The binary-tensor extension by hand, as another language's client would send it."""
+    d, front, files = served
+    x = np.random.default_rng(4).standard_normal((2, 3, 32, 32)).astype(np.float32)
+    head = json.dumps({"inputs": [{"name": "input", "shape": [2, 3, 32, 32], "datatype": "FP32",
+                                   "parameters": {"binary_data_size": x.nbytes}}],
+                       "outputs": [{"name": "logits", "parameters": {"binary_data": True}}]}).encode()
+    status, hdrs, payload = front.request("POST", "/v2/models/cnn/versions/1/infer", head + x.tobytes(),
+                                          {"Inference-Header-Content-Length": str(len(head)),
+                                           "Content-Type": "application/octet-stream"})
+    assert status == 200, payload
+    n = int(hdrs["Inference-Header-Content-Length"])
+    doc = json.loads(payload[:n])
+    assert doc["model_version"] == "1" and doc["outputs"][0]["shape"] == [2, 10]
+    out = np.frombuffer(payload[n:], np.float32).reshape(2, 10)
+    np.testing.assert_allclose(out, reference(files["cnn"], {"input": x})[0], rtol=1e-4, atol=1e-5)
+
+
+def test_model_repository_extension(served):
+    d, front, files = served
+    c = tritonhttp.InferenceServerClient(front.hostport)
+    index = {m["name"]: m for m in c.get_model_repository_index()}
+    assert index["cnn"]["state"] == "READY" and index["cnn"]["version"] == "1"
+    c.load_model("cnn")
+    with d.client() as mc:
+        assert {m["name"]: m for m in mc.list()}["cnn"]["tier"] != "disk"
+        c.unload_model("cnn")
+        assert {m["name"]: m for m in mc.list()}["cnn"]["tier"] == "disk"
+    with pytest.raises(InferenceServerException) as e:
+        c.load_model("nope")
+    assert int(e.value.status()) == 404
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_daemon_starts_and_stops_the_front(tmp_path, zoo_file):
+    """http_port: the daemon runs the front as its child and stops it with itself."""
+    port = _free_port()
+    d = DaemonProcess(tmp_path, extra_env={"MODELCACHE_HTTP_PORT": str(port)}).start()
+    try:
+        with d.client() as c:
+            c.add(zoo_file("tiny-cnn"), "cnn")
+        tc = tritonhttp.InferenceServerClient(f"127.0.0.1:{port}")
+
+        def live():
+            try:
+                return tc.is_server_live()
+            except Exception:
+                return False
+        wait_until(live, 30, "the daemon's HTTP front")
+        assert tc.get_model_metadata("cnn")["name"] == "cnn"
+        tc.close()
+    finally:
+        stop_cleanly(d)
+    with pytest.raises(OSError):   # the port is closed: the front went with the daemon
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+def test_daemon_gone_is_503_and_not_ready(tmp_path, zoo_file):
+    """The front outlives its daemon: live, but not ready, and requests get 503 (not a hang, not a 500);
+    a daemon started again on the same socket is found by the next request."""
+    d = DaemonProcess(tmp_path).start()
+    front = HttpFront(d)
+    try:
+        with d.client() as c:
+            c.add(zoo_file("tiny-cnn"), "cnn")
+        assert front.request("GET", "/v2/models/cnn")[0] == 200
+        assert d.stop() == 0
+        status, _, payload = front.request("GET", "/v2/models/cnn")
+        assert status == 503 and "daemon" in json.loads(payload)["error"]
+        assert front.request("GET", "/v2/health/live")[0] == 200
+        assert front.request("GET", "/v2/health/ready")[0] == 400
+        d2 = DaemonProcess(tmp_path).start()
+        try:
+            assert front.request("GET", "/v2/models/cnn")[0] == 200
+            assert front.request("GET", "/v2/health/ready")[0] == 200
+        finally:
+            stop_cleanly(d2)
+    finally:
+        assert front.stop() == 0, front.log_path.read_text()
+        d.kill()
