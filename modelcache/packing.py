@@ -27,7 +27,8 @@ from typing import Callable, Iterator
 import onnx
 from onnx import TensorProto
 
-from . import integrity, reservations
+from . import integrity, prepack, reservations
+from .prepack import PREPACKED_FILE
 from .errors import IntegrityError, ModelCacheError, PackError, from_code
 from .storage import explain_failed_write, storage_error, storage_errors
 
@@ -42,7 +43,7 @@ GPU_SKELETON_FILE = "model.gpu.onnx"
 GPU_STUB_FILE = "model.gpu.stub"
 # The stored files a version's checksums cover, besides manifest.json (which carries its own).
 # The GPU stub is not among them: it is sparse zeros that no session reads, made again after a fetch.
-CHECKED_FILES = (WEIGHTS_FILE, SKELETON_FILE, GPU_SKELETON_FILE)
+CHECKED_FILES = (WEIGHTS_FILE, SKELETON_FILE, GPU_SKELETON_FILE, PREPACKED_FILE)
 # Tensors are page-aligned in the blob: ORT maps each external tensor on its own, and
 # a page-aligned offset maps exactly the tensor's pages (and keeps GPU copies aligned).
 ALIGN = 4096
@@ -109,6 +110,8 @@ class Manifest:
     files: dict = field(default_factory=dict)  # stored file -> {"bytes", "xxh3"}; {} for versions packed before
     checksum: str = ""      # of this manifest's canonical form (integrity.manifest_checksum); "" before
     owner_uid: int = -1          # who added it (the kernel's uid of the adding client); -1: unknown, admins only
+    prepacked: list = field(default_factory=list)  # per weight, its MatMul blobs in PREPACKED_FILE (prepack.py)
+    prepacked_for: str = ""      # prepack.cpu_fingerprint() of the machine that made them
 
     def to_json(self) -> str:
         """The manifest as stored, its checksum recomputed: every writer goes through here."""
@@ -630,6 +633,7 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
             owner_uid=owner_uid)
         write_gpu_stub(tmp, manifest)
         check_gpu_skeleton(tmp, manifest)
+        manifest.prepacked, manifest.prepacked_for = prepack.make(tmp, SKELETON_FILE, weights_bytes, tmp / "prepack")
         manifest.files = integrity.record_files(tmp, CHECKED_FILES)
         (tmp / MANIFEST_FILE).write_text(manifest.to_json())
         for p in tmp.iterdir():  # durable before visible

@@ -138,6 +138,9 @@ class OpenReply(Message, kind="open_ok"):
     device_uuid: str = ""              # the GPU whose memory the handles export ("" for the host tier)
     ipc_kind: str = ""                 # "cuda" (cudaIpcMemHandle_t) or "fake" (a simulated device's file)
     ipc_handles: list = []             # one per device allocation the model's tensors live in
+    # Host tier: the skeleton names pre-packed blobs for the weights left out of `tensors` (prepack.py):
+    # build the session with prepacking on, so ORT maps those weights and their blobs from the skeleton.
+    prepacked: bool = False
 
 
 class Close(Message, kind="close"):

@@ -10,14 +10,17 @@ read-only from /dev/shm.
 from __future__ import annotations
 
 
-def attach_session_options(base=None, spinning: bool | None = None):
+def attach_session_options(base=None, spinning: bool | None = None, prepacked: bool = False):
     """SessionOptions for a session over a packed skeleton; a caller's `base` options are adjusted in place
-    (ORT's SessionOptions cannot be copied), so pass a fresh object per session."""
+    (ORT's SessionOptions cannot be copied), so pass a fresh object per session.
+
+    prepacked=True: the skeleton names shared pre-packed blobs for every weight ORT packs (prepack.py),
+    so prepacking is on: ORT packs each weight once to find its blob's key, then uses the mapped blob."""
     import onnxruntime as ort
 
     so = ort.SessionOptions() if base is None else base
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.add_session_config_entry("session.disable_prepacking", "1")
+    so.add_session_config_entry("session.disable_prepacking", "0" if prepacked else "1")
     if spinning is not None:
         # Many client processes on few cores: spinning threads steal each other's cores.
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")

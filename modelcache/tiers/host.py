@@ -38,8 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .files import copy_hashed, copy_range
-from .. import integrity
+from .. import integrity, prepack
 from ..packing import ALIGN, GPU_SKELETON_FILE, SKELETON_FILE, WEIGHTS_FILE, Manifest
+from ..prepack import PREPACKED_FILE
 
 log = logging.getLogger("modelcache.host")
 PREFIX = "modelcache."
@@ -83,6 +84,10 @@ class Plan:
     copies: list                    # (disk offset, segment offset, nbytes, sha256) for the new segment
     segment: str | None             # the new segment's name, None when every tensor is already resident
     segment_bytes: int
+    # Pre-packed MatMul blobs (prepack.py), each in its weight's segment (ORT maps a blob from its weight's file):
+    blob_copies: list = field(default_factory=list)   # (PREPACKED_FILE offset, segment offset, nbytes, xxh3, tensor)
+    prepacked: dict = field(default_factory=dict)     # tensor name -> [[key, [[segment offset, nbytes], ...]], ...]
+    units: dict = field(default_factory=dict)         # new prepack.unit_key -> (segment, weight offset, packs)
 
 
 class HostTier:
@@ -96,6 +101,8 @@ class HostTier:
         self.segments: dict[str, Segment] = {}
         self.index: dict[str, tuple[str, int]] = {}     # sha256 -> (segment, offset)
         self.models: dict[str, dict] = {}               # resident key -> variant -> tensor name -> (segment, offset)
+        self.units: dict[str, tuple] = {}               # prepack.unit_key -> (segment, weight offset, packs placed)
+        self.prepacked: dict[str, dict] = {}            # resident key -> tensor name -> packs placed (cpu variant)
         self._next_segment = 0
 
     # -- accounting ----------------------------------------------------------------------
@@ -164,10 +171,34 @@ class HostTier:
         locations, copies, offset = {}, [], 0
         fresh: dict[str, int] = {}                  # sha -> offset in the new segment
         segment = f"seg-{self._next_segment}.bin"
+        records = _prepacked_records(disk_dir, manifest) if "cpu" in variants else {}
+        blob_copies, prepacked, units = [], {}, {}
         for variant in variants:
             where = locations[variant] = {}
             for t in variant_tensors(manifest, variant):
-                if t.sha256 in self.index:
+                record = records.get(t.name) if variant == "cpu" else None
+                if record is not None:              # the weight and its blobs, stored together, once
+                    ukey = prepack.unit_key(t.sha256, record)
+                    unit = self.units.get(ukey) or units.get(ukey)
+                    if unit is None:
+                        offset = -(-offset // ALIGN) * ALIGN
+                        weight_offset = offset
+                        copies.append((t.offset, offset, t.nbytes, t.sha256))
+                        fresh.setdefault(t.sha256, offset)
+                        offset += t.nbytes
+                        packs = []
+                        for pack_key, blobs in record["packs"]:
+                            placed = []
+                            for src_off, nbytes, xxh3 in blobs:
+                                offset = -(-offset // ALIGN) * ALIGN
+                                blob_copies.append((src_off, offset, nbytes, xxh3, t.name))
+                                placed.append([offset, nbytes])
+                                offset += nbytes
+                            packs.append([pack_key, placed])
+                        unit = units[ukey] = (segment, weight_offset, packs)
+                    where[t.name] = (unit[0], unit[1])
+                    prepacked[t.name] = unit[2]
+                elif t.sha256 in self.index:
                     where[t.name] = self.index[t.sha256]
                 elif t.sha256 in fresh:             # the same tensor twice in one model, or in both variants
                     where[t.name] = (segment, fresh[t.sha256])
@@ -185,7 +216,7 @@ class HostTier:
         for where in locations.values():            # keep reused segments alive while we load
             for seg_name, _ in where.values():
                 self.segments[seg_name].users.add(key)
-        return Plan(key, disk_dir, manifest, locations, copies, segment, offset)
+        return Plan(key, disk_dir, manifest, locations, copies, segment, offset, blob_copies, prepacked, units)
 
     def write(self, plan: Plan) -> float:
         """Copy the plan's new tensors from disk into shared memory and write the skeleton. Loader thread."""
@@ -206,12 +237,15 @@ class HostTier:
                 else:
                     for src_off, dst_off, nbytes, _ in _coalesce(plan.copies):
                         copy_range(src_fd, dst_fd, src_off, dst_off, nbytes)
+                if plan.blob_copies:
+                    self._copy_blobs(plan, dst_fd, verify)
             finally:
                 os.close(src_fd)
                 os.close(dst_fd)
             os.chmod(tmp, 0o440)
             os.rename(tmp, path)
-        _write_skeleton(plan.disk_dir / SKELETON_FILE, self.skeleton_path(plan.key), plan.locations["cpu"], plan.key)
+        _write_skeleton(plan.disk_dir / SKELETON_FILE, self.skeleton_path(plan.key), plan.locations["cpu"], plan.key,
+                        plan.prepacked)
         if "gpu" in plan.locations:
             _write_gpu_skeleton(plan.disk_dir / GPU_SKELETON_FILE, self.skeleton_path(plan.key, "gpu"),
                                 plan.manifest, plan.key)
@@ -224,9 +258,11 @@ class HostTier:
         """The weights have their recorded size; with `verify`, every other recorded file its checksum
         (skeletons are small: checked whole, whichever variants this daemon uses)."""
         integrity.check_size(plan.key, plan.disk_dir / WEIGHTS_FILE, plan.manifest.weights_bytes)
+        if plan.blob_copies and PREPACKED_FILE in plan.manifest.files:
+            integrity.check_size(plan.key, plan.disk_dir / PREPACKED_FILE, plan.manifest.files[PREPACKED_FILE]["bytes"])
         if verify:
             for fname, record in plan.manifest.files.items():
-                if fname != WEIGHTS_FILE:
+                if fname not in (WEIGHTS_FILE, PREPACKED_FILE):   # those two: per tensor and blob, as they copy
                     integrity.check_file(plan.key, plan.disk_dir, fname, record)
 
     @staticmethod
@@ -241,11 +277,32 @@ class HostTier:
                 raise integrity.damaged(plan.key, WEIGHTS_FILE, f"tensor {t.name!r} at offset {src_off}: "
                                         f"{integrity.HASH_NAME} {got[:12]}..., {t.xxh3[:12]}... recorded at add time")
 
+    @staticmethod
+    def _copy_blobs(plan: Plan, dst_fd: int, verify: bool) -> None:
+        """Copy the plan's pre-packed blobs from PREPACKED_FILE, each checked against its recorded xxh3."""
+        src_fd = os.open(plan.disk_dir / PREPACKED_FILE, os.O_RDONLY)
+        try:
+            if not verify:
+                for src_off, dst_off, nbytes, _, _ in plan.blob_copies:
+                    copy_range(src_fd, dst_fd, src_off, dst_off, nbytes)
+                return
+            digests = copy_hashed(src_fd, dst_fd, [(src, dst, n) for src, dst, n, _, _ in plan.blob_copies],
+                                  integrity.new_hasher)
+        finally:
+            os.close(src_fd)
+        for (src_off, _, _, xxh3, name), got in zip(plan.blob_copies, digests):
+            if got != xxh3:
+                raise integrity.damaged(plan.key, PREPACKED_FILE, f"a blob of tensor {name!r} at offset {src_off}: "
+                                        f"{integrity.HASH_NAME} {got[:12]}..., {xxh3[:12]}... recorded at add time")
+
     def commit(self, plan: Plan) -> None:
         if plan.segment is not None:
             for _, dst_off, _, sha in plan.copies:
-                self.index[sha] = (plan.segment, dst_off)
+                self.index.setdefault(sha, (plan.segment, dst_off))   # an older copy stays the one reused
+        self.units.update(plan.units)
         self.models[plan.key] = plan.locations
+        if plan.prepacked:
+            self.prepacked[plan.key] = plan.prepacked
 
     def abort(self, plan: Plan) -> None:
         """A failed or refused load: release what the plan reserved."""
@@ -255,6 +312,7 @@ class HostTier:
     def free_model(self, key: str) -> int:
         """Forget a resident model; free the segments nobody else uses. Returns bytes freed."""
         self.models.pop(key, None)
+        self.prepacked.pop(key, None)
         self._remove_skeletons(key)
         return self._drop_user(key)
 
@@ -272,6 +330,7 @@ class HostTier:
                 self.segment_path(seg.name).with_suffix(".loading").unlink(missing_ok=True)
                 del self.segments[seg.name]
                 self.index = {sha: loc for sha, loc in self.index.items() if loc[0] != seg.name}
+                self.units = {u: loc for u, loc in self.units.items() if loc[0] != seg.name}
                 freed += seg.size
         return freed
 
@@ -284,6 +343,11 @@ class HostTier:
         tensors = [[t.name, t.dtype, t.shape, slot[locations[t.name][0]], locations[t.name][1], t.nbytes]
                    for t in variant_tensors(manifest, variant)]
         return str(self.skeleton_path(key, variant)), [str(self.segment_path(s)) for s in segments], tensors
+
+    def prepacked_tensors(self, key: str) -> set:
+        """The cpu tensors a client must let ORT map from the skeleton, with prepacking on, to share their
+        pre-packed blobs (add_initializer would hide the blobs); empty for a model without them."""
+        return set(self.prepacked.get(key, ()))
 
     def file_locations(self, key: str, variant: str) -> dict:
         """Tensor name -> (segment file path, offset): where a device promotion reads each tensor."""
@@ -313,12 +377,20 @@ def _load_skeleton(src: Path, key: str):
         raise integrity.damaged(key, src.name, f"not an ONNX graph: {type(e).__name__}: {str(e)[:200]}") from None
 
 
-def _write_skeleton(src: Path, dst: Path, locations: dict, key: str) -> None:
+def _prepacked_records(disk_dir: Path, manifest: Manifest) -> dict:
+    """tensor name -> prepack record, when this machine can use the model's blobs and has the file."""
+    if not prepack.usable(manifest) or not (Path(disk_dir) / PREPACKED_FILE).exists():
+        return {}
+    return {r["tensor"]: r for r in manifest.prepacked}
+
+
+def _write_skeleton(src: Path, dst: Path, locations: dict, key: str, prepacked: dict | None = None) -> None:
     """The packed skeleton with each external tensor pointing at its segment and offset.
 
-    Clients hand ORT the weights with add_initializer, but ORT still checks that the
+    Clients hand ORT most weights with add_initializer, but ORT still checks that the
     external data a skeleton names exists; pointing it at the real bytes keeps the
-    skeleton correct on its own as well.
+    skeleton correct on its own as well. A weight in `prepacked` also names its blobs
+    (ORT's `prepacked_<i>` entries, offsets in the same segment): clients let ORT map it.
     """
     import onnx
     from ..packing import iter_graphs
@@ -333,6 +405,8 @@ def _write_skeleton(src: Path, dst: Path, locations: dict, key: str) -> None:
                         entry.value = seg
                     elif entry.key == "offset":
                         entry.value = str(offset)
+                for name, value in prepack.external_entries((prepacked or {}).get(t.name, [])):
+                    t.external_data.add(key=name, value=value)
     tmp = dst.with_suffix(".tmp")
     onnx.save_model(model, str(tmp))
     os.chmod(tmp, 0o440)

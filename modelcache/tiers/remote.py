@@ -23,11 +23,12 @@ from ..integrity import file_digest
 from ..storage import storage_error, storage_errors
 from ..packing import (GPU_SKELETON_FILE, MANIFEST_FILE, SKELETON_FILE, WEIGHTS_FILE, Manifest, load_manifest,
                        write_gpu_stub)
+from ..prepack import PREPACKED_FILE
 
 INDEX_FILE = "index.json"
 # The GPU skeleton's stub file is not published: it is zeros, made again after a fetch (write_gpu_stub).
-FILES = (MANIFEST_FILE, SKELETON_FILE, WEIGHTS_FILE, GPU_SKELETON_FILE)
-OPTIONAL_FILES = (GPU_SKELETON_FILE,)  # absent in models packed before the GPU variant
+FILES = (MANIFEST_FILE, SKELETON_FILE, WEIGHTS_FILE, GPU_SKELETON_FILE, PREPACKED_FILE)
+OPTIONAL_FILES = (GPU_SKELETON_FILE, PREPACKED_FILE)  # absent before the GPU variant; prepacked: MatMul-heavy only
 CHUNK = 1 << 22
 
 

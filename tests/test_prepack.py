@@ -1,0 +1,131 @@
+"""Pre-packed MatMul weights shared through the host tier (modelcache/prepack.py), with a real daemon and ORT.
+
+A MatMul-heavy model gets its blobs at add time; clients build sessions with prepacking on over a
+skeleton that names the blobs in the host tier, get plain ORT's outputs, and make no private packed
+copy. Models that are not MatMul-heavy, and machines the blobs were not made for, open as before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import modelcache
+from modelcache import packing, prepack
+from modelcache.errors import IntegrityError
+
+# Two dense layers of 1024x4096 and 4096x1024: 32 MiB of MatMul weights, so a private packed
+# copy (another 32 MiB) stands out from the noise of a process's own allocations.
+HIDDEN, WIDE = 1024, 4096
+
+
+def mlp(path: Path) -> str:
+    rng = np.random.default_rng(0)
+    w1 = numpy_helper.from_array((rng.standard_normal((HIDDEN, WIDE)) / 32).astype(np.float32), "w1")
+    w2 = numpy_helper.from_array((rng.standard_normal((WIDE, HIDDEN)) / 64).astype(np.float32), "w2")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+                           helper.make_node("MatMul", ["r", "w2"], ["y"])], "mlp",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", HIDDEN])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", HIDDEN])], [w1, w2])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return str(path)
+
+
+CHILD = r"""
+import json, sys
+import numpy as np
+from modelcache.bench.common import memory_mib
+import modelcache, onnxruntime
+before = memory_mib()["anon_mib"]
+s = modelcache.InferenceSession(sys.argv[1])
+s.run(None, {"x": np.ones((4, %d), np.float32)})
+print(json.dumps({"grew_mib": memory_mib()["anon_mib"] - before, "prepacked": s._lease.prepacked}))
+""" % HIDDEN
+
+
+def second_client(daemon, name: str) -> dict:
+    env = {**os.environ, "MODELCACHE_SOCKET": daemon.socket}
+    out = subprocess.run([sys.executable, "-c", CHILD, name], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_matmul_model_shares_prepacked_blobs(daemon, tmp_path):
+    src = mlp(tmp_path / "mlp.onnx")
+    with daemon.client() as c:
+        c.add(src, "mlp")
+    manifest = packing.load_manifest(daemon.repository / "mlp" / "1")
+    assert {r["tensor"] for r in manifest.prepacked} == {"w1", "w2"}
+    assert manifest.prepacked_for == prepack.cpu_fingerprint()
+    assert prepack.PREPACKED_FILE in manifest.files   # covered by the version's checksums
+
+    feeds = {"x": np.random.default_rng(1).standard_normal((4, HIDDEN)).astype(np.float32)}
+    want = ort.InferenceSession(src, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    with modelcache.InferenceSession("mlp", socket=daemon.socket) as first:
+        assert first._lease.prepacked
+        assert {t[0] for t in first._lease.tensors}.isdisjoint({"w1", "w2"})  # ORT maps them from the skeleton
+        np.testing.assert_allclose(first.run(None, feeds)[0], want, rtol=1e-5, atol=1e-5)
+        skeleton = onnx.load(first._lease.skeleton_path, load_external_data=False)
+        entries = {t.name: {e.key for e in t.external_data} for t in skeleton.graph.initializer}
+        assert "prepacked_0" in entries["w1"] and "prepacked_0" in entries["w2"]
+
+        # A second client: its packing is found in the host tier, so no private 32 MiB copy.
+        child = second_client(daemon, "mlp")
+        assert child["prepacked"]
+        assert child["grew_mib"] < 12, child
+
+
+def test_without_blobs_a_client_would_copy(daemon, tmp_path):
+    """The control for the figure above: the same model with its blobs refused on this machine."""
+    src = mlp(tmp_path / "mlp.onnx")
+    with daemon.client() as c:
+        c.add(src, "mlp")
+    daemon.stop()      # the daemon reads manifests at start: edit it while none runs
+    model_dir = daemon.repository / "mlp" / "1"
+    manifest = packing.load_manifest(model_dir)
+    manifest.prepacked_for = "another-machine"
+    packing.write_manifest(model_dir, manifest)
+    daemon.start()
+    with modelcache.InferenceSession("mlp", socket=daemon.socket) as s:
+        assert not s._lease.prepacked                           # opened as before: prepacking off
+        assert {"w1", "w2"} <= {t[0] for t in s._lease.tensors}
+        child = second_client(daemon, "mlp")
+        assert not child["prepacked"] and child["grew_mib"] < 12, child
+
+
+def test_cnn_is_not_matmul_heavy(daemon, zoo_file):
+    with daemon.client() as c:
+        c.add(zoo_file("tiny-cnn"), "cnn")
+    manifest = packing.load_manifest(daemon.repository / "cnn" / "1")
+    assert manifest.prepacked == [] and prepack.PREPACKED_FILE not in manifest.files
+    with modelcache.InferenceSession("cnn", socket=daemon.socket) as s:
+        assert not s._lease.prepacked
+
+
+def test_damaged_blob_is_refused(host, tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    packing.pack(mlp(tmp_path / "mlp.onnx"), repo, "mlp", 1)
+    model_dir = repo / "mlp" / "1"
+    manifest = packing.load_manifest(model_dir)
+    blob_offset = manifest.prepacked[0]["packs"][0][1][0][0]
+    with open(model_dir / prepack.PREPACKED_FILE, "r+b") as f:
+        f.seek(blob_offset + 100)
+        byte = f.read(1)
+        f.seek(blob_offset + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    host.capacity_bytes = 1 << 30
+    plan = host.plan("mlp@1", model_dir, manifest)
+    assert plan.blob_copies
+    with pytest.raises(IntegrityError, match="prepacked.bin"):
+        host.write(plan)
+    host.abort(plan)
