@@ -138,9 +138,9 @@ class OpenReply(Message, kind="open_ok"):
     device_uuid: str = ""              # the GPU whose memory the handles export ("" for the host tier)
     ipc_kind: str = ""                 # "cuda" (cudaIpcMemHandle_t) or "fake" (a simulated device's file)
     ipc_handles: list = []             # one per device allocation the model's tensors live in
-    # Host tier: the skeleton names pre-packed blobs for the weights left out of `tensors` (prepack.py):
-    # build the session with prepacking on, so ORT maps those weights and their blobs from the skeleton.
-    prepacked: bool = False
+    # Host tier: the tensors whose pre-packed blobs the skeleton names (prepack.py). To share the blobs,
+    # leave these out of add_initializer and build with prepacking on: ORT maps them from the skeleton.
+    prepacked: list = []
 
 
 class Close(Message, kind="close"):

@@ -526,11 +526,8 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         io = m.io_summary()
         if tier is None:
             skeleton, segments, tensors = self.host.export(model.key, m)
-            prepacked = self.host.prepacked_tensors(model.key)
-            if prepacked:   # ORT maps these with their blobs from the skeleton; add_initializer would hide the blobs
-                tensors = [t for t in tensors if t[0] not in prepacked]
             where = {"skeleton_path": skeleton, "segments": segments, "tensors": tensors,
-                     "prepacked": bool(prepacked)}
+                     "prepacked": sorted(self.host.prepacked_tensors(model.key))}
         else:
             where = self._device_open_fields(model, tier)
         return P.OpenReply(req_id=req_id, lease_id=lease_id, name=model.name, version=model.version,
