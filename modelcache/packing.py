@@ -43,7 +43,7 @@ GPU_SKELETON_FILE = "model.gpu.onnx"
 GPU_STUB_FILE = "model.gpu.stub"
 # The stored files a version's checksums cover, besides manifest.json (which carries its own).
 # The GPU stub is not among them: it is sparse zeros that no session reads, made again after a fetch.
-CHECKED_FILES = (WEIGHTS_FILE, SKELETON_FILE, GPU_SKELETON_FILE, PREPACKED_FILE)
+CHECKED_FILES = (WEIGHTS_FILE, SKELETON_FILE, GPU_SKELETON_FILE)
 # Tensors are page-aligned in the blob: ORT maps each external tensor on its own, and
 # a page-aligned offset maps exactly the tensor's pages (and keeps GPU copies aligned).
 ALIGN = 4096
@@ -191,7 +191,7 @@ def _manifest_problem(m: Manifest) -> str | None:
     if not isinstance(m.files, dict) or not all(isinstance(r, dict) and is_int(r.get("bytes"))
                                                 and isinstance(r.get("xxh3"), str) for r in m.files.values()):
         return "files has an entry of the wrong type"
-    return None
+    return prepack.problem(m)
 
 
 def write_manifest(model_dir: Path, manifest: Manifest) -> None:
@@ -634,7 +634,7 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
         write_gpu_stub(tmp, manifest)
         check_gpu_skeleton(tmp, manifest)
         manifest.prepacked, manifest.prepacked_for = prepack.make(tmp, SKELETON_FILE, weights_bytes, tmp / "prepack")
-        manifest.files = integrity.record_files(tmp, CHECKED_FILES)
+        manifest.files = integrity.record_files(tmp, CHECKED_FILES + (PREPACKED_FILE,))
         (tmp / MANIFEST_FILE).write_text(manifest.to_json())
         for p in tmp.iterdir():  # durable before visible
             with open(p, "rb") as f:

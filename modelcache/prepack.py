@@ -128,6 +128,25 @@ def _make(model_dir: Path, skeleton_file: str, weights_bytes: int, work: Path) -
     return records, cpu_fingerprint()
 
 
+def problem(manifest) -> str | None:
+    """What in a manifest's prepack records cannot be used as it is, or None (packing._manifest_problem)."""
+    size = manifest.files.get(PREPACKED_FILE, {}).get("bytes", 0) if isinstance(manifest.files, dict) else 0
+    if not isinstance(manifest.prepacked, list) or not isinstance(manifest.prepacked_for, str):
+        return "prepacked or prepacked_for of the wrong type"
+    for r in manifest.prepacked:
+        try:
+            ok = isinstance(r["tensor"], str) and all(
+                isinstance(key, str) and "|" not in key and blobs and all(
+                    type(off) is int and type(n) is int and isinstance(x, str) and 0 <= off and 0 < n
+                    and off + n <= size for off, n, x in blobs)
+                for key, blobs in r["packs"])
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            return f"prepacked record {str(r)[:80]!r} is malformed or reaches past {PREPACKED_FILE}"
+    return None
+
+
 def usable(manifest) -> bool:
     """Whether this machine's clients can use the model's blobs (made here, or on a twin machine)."""
     if not manifest.prepacked:

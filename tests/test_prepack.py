@@ -127,3 +127,16 @@ def test_damaged_blob_is_refused(host, tmp_path):
     with pytest.raises(IntegrityError, match="prepacked.bin"):
         host.write(plan)
     host.abort(plan)
+
+
+def test_malformed_record_is_a_damaged_manifest(tmp_path):
+    """A record that would send the host tier past the blobs' file is refused when the manifest is read."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    packing.pack(mlp(tmp_path / "mlp.onnx"), repo, "mlp", 1)
+    model_dir = repo / "mlp" / "1"
+    manifest = packing.load_manifest(model_dir)
+    manifest.prepacked[0]["packs"][0][1][0][0] = manifest.files[prepack.PREPACKED_FILE]["bytes"]
+    packing.write_manifest(model_dir, manifest)   # (its checksum recomputed: only the record is wrong)
+    with pytest.raises(IntegrityError, match="prepacked record"):
+        packing.load_manifest(model_dir)
