@@ -354,7 +354,7 @@ def cmd_demo(args) -> int:
 
 BENCHMARKS = ("coldstart", "open", "tiers", "executor", "serve", "transport", "binding", "servepath",
               "conformance", "restart", "hashes", "fuzz", "soak", "placement", "placement_check",
-              "halfweights", "pagefaults", "http")  # modules of modelcache.bench
+              "halfweights", "pagefaults", "http", "prepack")  # modules of modelcache.bench
 
 
 def cmd_bench(args) -> int:
@@ -514,6 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "`open` (session ready, memory, warm speed vs plain ORT), "
                                      "`binding` (which ORT binding to share weights with), "
                                      "`halfweights` (fp16 weights kept vs widened to fp32 at add time), "
+                                     "`prepack` (shared pre-packed MatMul weights vs none, side by side), "
                                      "`fuzz` (malformed messages on both sockets), "
                                      "`soak` (many clients, churn and eviction for minutes), "
                                      "`http` (what the v2 HTTP front adds over the lane)",

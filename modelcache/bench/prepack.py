@@ -1,12 +1,17 @@
 """Prepack benchmark: a second client with the shared pre-packed MatMul weights vs without, side by side.
 
-    python -m modelcache.bench.prepack [--models vit_b_16] [--runs 5] [--out benchmarks/prepack]
+    modelcache bench prepack [--models vit_b_16] [--runs 5] [--out benchmarks/prepack]
 
 One daemon, one host tier; this process holds the model open (the first client). Fresh child
 processes then open it alternately with prepacked=True and prepacked=False (what every client did
 before), each measuring session-ready time, its memory after the first run (USS, anonymous), and
 the first run. A last child holds plain ORT and both modelcache sessions and alternates their warm
 runs, so the warm ratios are side by side.
+
+Read "anon +MiB" (anonymous memory the open and first run added) for private copies. USS
+counts pages only that process maps, shared memory included: the holder is prepacked, so
+it no longer maps the raw MatMul weights, and an unpacked child is alone on those pages
+(its USS shows them, though they are the host tier's, not a copy).
 """
 
 from __future__ import annotations
@@ -114,7 +119,7 @@ def report(results: dict, out=sys.stdout) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m modelcache.bench.prepack", description=__doc__,
+    ap = argparse.ArgumentParser(prog="modelcache bench prepack", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["vit_b_16"])
     ap.add_argument("--runs", type=int, default=5, help="fresh processes per mode and model (default 5)")
