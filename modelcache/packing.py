@@ -571,10 +571,13 @@ def write_gpu_stub(model_dir: Path, manifest: Manifest) -> None:
 
 
 def pack(src: str, repository: Path, name: str, version: int | None, opt_level: str = "all",
-         progress: Progress | None = None, owner_uid: int = -1, keep_half_weights: bool = True) -> Manifest:
+         progress: Progress | None = None, owner_uid: int = -1, keep_half_weights: bool = True,
+         with_prepacked: bool = False) -> Manifest:
     """Validate, optimize and pack `src` into `repository/name/version`, atomically; `version`
     None takes the next free one, even with other processes adding the same name at once.
     `keep_half_weights` False lets ORT widen fp16 weights to fp32 as it did before (for benchmarks).
+    `with_prepacked` also stores MLAS's packed MatMul weights for clients to share, where the model's
+    MatMul weights make it worth it (prepack.py; the `prepack` setting, `add --prepack`).
 
     A crash at any point leaves at most a `.tmp-*` directory that the next sweep removes
     (modelcache/reservations.py); the model appears under its name only through the final rename.
@@ -633,7 +636,8 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
             owner_uid=owner_uid)
         write_gpu_stub(tmp, manifest)
         check_gpu_skeleton(tmp, manifest)
-        manifest.prepacked, manifest.prepacked_for = prepack.make(tmp, SKELETON_FILE, weights_bytes, tmp / "prepack")
+        if with_prepacked:
+            manifest.prepacked, manifest.prepacked_for = prepack.make(tmp, SKELETON_FILE, weights_bytes, tmp / "prepack")
         manifest.files = integrity.record_files(tmp, CHECKED_FILES + (PREPACKED_FILE,))
         (tmp / MANIFEST_FILE).write_text(manifest.to_json())
         for p in tmp.iterdir():  # durable before visible
@@ -722,7 +726,7 @@ def check_name(name: str) -> None:
 
 def pack_in_subprocess(src: str, repository: Path, name: str, version: int, opt_level: str = "all",
                        progress: Progress | None = None, on_start=None, sources: tuple = ((), ()),
-                       owner_uid: int = -1) -> Manifest:
+                       owner_uid: int = -1, prepack: bool = False) -> Manifest:
     """`pack` in a child process: ORT's memory goes back to the OS when it exits, and a model that
     crashes ORT costs that child, not the caller (the daemon). `on_start(proc)` lets the caller kill it.
 
@@ -733,7 +737,7 @@ def pack_in_subprocess(src: str, repository: Path, name: str, version: int, opt_
 
     fds, names = sources
     cmd = [sys.executable, "-m", "modelcache.packing", src, str(repository), name, str(version), opt_level,
-           str(owner_uid), *(f"{fd}:{n}" for fd, n in zip(fds, names))]
+           str(owner_uid), "prepack" if prepack else "-", *(f"{fd}:{n}" for fd, n in zip(fds, names))]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, pass_fds=list(fds))
     if on_start:
         on_start(proc)
@@ -757,7 +761,7 @@ def pack_in_subprocess(src: str, repository: Path, name: str, version: int, opt_
 
 
 def _main(argv: list[str]) -> int:
-    src, repository, name, version, opt_level, owner_uid, *fd_names = argv
+    src, repository, name, version, opt_level, owner_uid, prepack_flag, *fd_names = argv
     scratch = copied = None
     try:
         if fd_names:  # the client's descriptors: pack a private copy, never a path the client named
@@ -769,7 +773,8 @@ def _main(argv: list[str]) -> int:
         else:
             path = src
         pack(path, Path(repository), name, int(version), opt_level,
-             progress=lambda d, t: print(f"progress {d} {t}", flush=True), owner_uid=int(owner_uid))
+             progress=lambda d, t: print(f"progress {d} {t}", flush=True), owner_uid=int(owner_uid),
+             with_prepacked=prepack_flag == "prepack")
     except (ModelCacheError, OSError) as e:  # PackError, StorageError...: the parent raises the same type
         code = e.code if isinstance(e, ModelCacheError) else PackError.code
         # Errors name the client's file, not our copy of it.

@@ -204,6 +204,7 @@ class Add(Message, kind="add"):
     version: Optional[int] = None
     opt_level: Optional[str] = None
     files: list = []
+    prepack: Optional[bool] = None     # None: the daemon's `prepack` setting
 
 
 class AddReply(Message, kind="add_ok"):

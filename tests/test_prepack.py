@@ -70,7 +70,7 @@ def second_client(daemon, name: str) -> dict:
 def test_matmul_model_shares_prepacked_blobs(daemon, tmp_path):
     src = mlp(tmp_path / "mlp.onnx")
     with daemon.client() as c:
-        c.add(src, "mlp")
+        c.add(src, "mlp", prepack=True)
     manifest = packing.load_manifest(daemon.repository / "mlp" / "1")
     assert {r["tensor"] for r in manifest.prepacked} == {"w1", "w2"}
     assert manifest.prepacked_for == prepack.cpu_fingerprint()
@@ -95,7 +95,7 @@ def test_without_blobs_a_client_would_copy(daemon, tmp_path):
     """The control for the figure above: the same model with its blobs refused on this machine."""
     src = mlp(tmp_path / "mlp.onnx")
     with daemon.client() as c:
-        c.add(src, "mlp")
+        c.add(src, "mlp", prepack=True)
     daemon.stop()      # the daemon reads manifests at start: edit it while none runs
     model_dir = daemon.repository / "mlp" / "1"
     manifest = packing.load_manifest(model_dir)
@@ -108,9 +108,20 @@ def test_without_blobs_a_client_would_copy(daemon, tmp_path):
         assert not child["prepacked"] and child["grew_mib"] < 12, child
 
 
+def test_blobs_are_made_only_when_asked_for(daemon, tmp_path):
+    """Off by default: blobs cost each open ~0.3 s and the host tier their size (README, Known limits)."""
+    src = mlp(tmp_path / "mlp.onnx")
+    with daemon.client() as c:
+        c.add(src, "mlp")
+    manifest = packing.load_manifest(daemon.repository / "mlp" / "1")
+    assert manifest.prepacked == [] and prepack.PREPACKED_FILE not in manifest.files
+    with modelcache.InferenceSession("mlp", socket=daemon.socket) as s:
+        assert not s.prepacked and s._lease.prepacked == []
+
+
 def test_cnn_is_not_matmul_heavy(daemon, zoo_file):
     with daemon.client() as c:
-        c.add(zoo_file("tiny-cnn"), "cnn")
+        c.add(zoo_file("tiny-cnn"), "cnn", prepack=True)
     manifest = packing.load_manifest(daemon.repository / "cnn" / "1")
     assert manifest.prepacked == [] and prepack.PREPACKED_FILE not in manifest.files
     with modelcache.InferenceSession("cnn", socket=daemon.socket) as s:
@@ -120,7 +131,7 @@ def test_cnn_is_not_matmul_heavy(daemon, zoo_file):
 def test_damaged_blob_is_refused(host, tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()
-    packing.pack(mlp(tmp_path / "mlp.onnx"), repo, "mlp", 1)
+    packing.pack(mlp(tmp_path / "mlp.onnx"), repo, "mlp", 1, with_prepacked=True)
     model_dir = repo / "mlp" / "1"
     manifest = packing.load_manifest(model_dir)
     blob_offset = manifest.prepacked[0]["packs"][0][1][0][0]
@@ -141,7 +152,7 @@ def test_malformed_record_is_a_damaged_manifest(tmp_path):
     """A record that would send the host tier past the blobs' file is refused when the manifest is read."""
     repo = tmp_path / "repo"
     repo.mkdir()
-    packing.pack(mlp(tmp_path / "mlp.onnx"), repo, "mlp", 1)
+    packing.pack(mlp(tmp_path / "mlp.onnx"), repo, "mlp", 1, with_prepacked=True)
     model_dir = repo / "mlp" / "1"
     manifest = packing.load_manifest(model_dir)
     manifest.prepacked[0]["packs"][0][1][0][0] = manifest.files[prepack.PREPACKED_FILE]["bytes"]

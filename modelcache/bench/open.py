@@ -118,6 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=5, help="fresh processes per mode and model (default 5)")
     ap.add_argument("--warm-runs", type=int, default=40, help="alternating warm runs per session (default 40)")
     ap.add_argument("--socket", help="measure against this running daemon (default: start a private one)")
+    ap.add_argument("--prepack", action="store_true",
+                    help="add the models with shared prepacked MatMul weights (`modelcache add --prepack`)")
     ap.add_argument("--out", help="write all samples to OUT/results.json and the table to OUT/report.txt")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -129,7 +131,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="modelcache-bench-") as tmp:
         socket = args.socket or f"ipc://{tmp}/daemon.sock"
         repository = None if args.socket else f"{tmp}/repo"
-        with managed_daemon(socket, repository):
+        with managed_daemon(socket, repository, env={"MODELCACHE_PREPACK": "1"} if args.prepack else None):
             paths = ensure_models(socket, args.models, Path(tmp) / "zoo")
             results = measure(socket, paths, args.runs, args.warm_runs)
     report(results)

@@ -134,7 +134,7 @@ def main(argv=None) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="modelcache-bench-") as tmp:
         socket = f"ipc://{tmp}/daemon.sock"
-        with managed_daemon(socket, f"{tmp}/repo"):
+        with managed_daemon(socket, f"{tmp}/repo", env={"MODELCACHE_PREPACK": "1"}):   # models added with blobs
             paths = ensure_models(socket, args.models, Path(tmp) / "zoo")
             results = measure(socket, paths, args.runs, args.warm_runs)
     report(results)

@@ -367,8 +367,9 @@ class Client:
         return self._call(P.Stats(req_id=0), expect=(P.StatsReply,))
 
     def add(self, path: str, name: str, version: int | None = None, opt_level: str | None = None,
-            timeout_s: float | None = None) -> P.AddReply:
-        """Pack an .onnx file into the daemon's repository. This process opens the file and each external-data
+            timeout_s: float | None = None, prepack: bool | None = None) -> P.AddReply:
+        """Pack an .onnx file into the daemon's repository (prepack: store shared MLAS-packed MatMul weights;
+        None: the daemon's `prepack` setting). This process opens the file and each external-data
         file it references, with its own rights (an OSError is its own), and passes the descriptors over a
         lane connection of their own: the daemon never opens a path a client names (see modelcache/sources.py)."""
         from ..sources import close_all, open_model_files
@@ -380,7 +381,7 @@ class Client:
                 raise DaemonUnavailable(f"add needs the daemon's local lane socket ({self.address}.lane): a tcp:// "
                                         "daemon cannot take files; copy the model to its host and add it there")
             return self._call(P.Add(req_id=0, path=os.path.abspath(path), name=name, version=version,
-                                    opt_level=opt_level, files=names), expect=(P.AddReply,),
+                                    opt_level=opt_level, files=names, prepack=prepack), expect=(P.AddReply,),
                               timeout_s=timeout_s or self._add_timeout_s, lane=lane, fds=fds)
         finally:
             close_all(fds)
