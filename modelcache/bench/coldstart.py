@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import ensure_models, managed_daemon, pyplot, save_results, summary
+from .common import compile_bytecode, ensure_models, managed_daemon, pyplot, save_results, summary
 
 MODES = ["ort", "ort-tuned", "attach-hit", "attach-miss", "serve", "ideal"]
 CHILD = str(Path(__file__).with_name("coldstart_child.py"))
@@ -181,14 +181,6 @@ def plot(samples: list[dict], memory: list[dict], out_dir: Path) -> list[str]:
         written.append("memory.png")
     plt.close("all")
     return written
-
-
-def compile_bytecode() -> None:
-    """Compile modelcache's modules as an install does. With PYTHONDONTWRITEBYTECODE set (as on the machines
-    here) an editable install compiles every client module again in every fresh process: ~10 ms of an attach
-    open that no installed package pays (pip compiles at install), and that ort and ideal never pay at all."""
-    import compileall
-    compileall.compile_dir(str(Path(__file__).resolve().parents[1]), quiet=2)
 
 
 def breakdown(args, models: list[str], runs: int, log) -> int:

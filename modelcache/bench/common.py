@@ -54,6 +54,14 @@ def managed_daemon(socket: str | None = None, repository: str | None = None, env
             log.close()
 
 
+def compile_bytecode() -> None:
+    """Compile modelcache's modules as an install does. With PYTHONDONTWRITEBYTECODE set (as on the machines
+    here) an editable install compiles every client module again in every fresh process: ~10 ms of an attach
+    open that no installed package pays (pip compiles at install), and that plain ORT never pays."""
+    import compileall
+    compileall.compile_dir(str(Path(__file__).resolve().parents[1]), quiet=2)
+
+
 def plain_session(src: str):
     """The in-process baseline serve mode is measured against: plain ORT on the .onnx file, 1 thread."""
     import onnxruntime as ort

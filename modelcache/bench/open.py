@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import ensure_models, managed_daemon, memory_mib, save_results, summary
+from .common import compile_bytecode, ensure_models, managed_daemon, memory_mib, save_results, summary
 
 
 def child_open(mode: str, name: str, src: str) -> dict:
@@ -128,6 +128,7 @@ def main(argv=None) -> int:
         result = child_open(*rest) if kind == "open" else child_warm(rest[0], rest[1], int(rest[2]))
         print(json.dumps(result))
         return 0
+    compile_bytecode()
     with tempfile.TemporaryDirectory(prefix="modelcache-bench-") as tmp:
         socket = args.socket or f"ipc://{tmp}/daemon.sock"
         repository = None if args.socket else f"{tmp}/repo"
@@ -143,6 +144,7 @@ def demo(args) -> int:
     """`modelcache demo`: a daemon on the default settings, two zoo models, fresh clients vs plain ORT."""
     from ..config import load
     settings = load()
+    compile_bytecode()   # the clients below are fresh processes: as installed, not compiling modelcache each time
     print(f"daemon socket {settings.socket}, repository {settings.repository}")
     with managed_daemon(settings.socket, settings.repository):
         work = Path(settings.repository).parent / "zoo"
