@@ -54,6 +54,27 @@ def managed_daemon(socket: str | None = None, repository: str | None = None, env
             log.close()
 
 
+def alternate_runs(sessions: dict, feeds: dict, runs: int) -> dict[str, list[float]]:
+    """Warm run times (ms) of each session, runs alternated so that every session sees the same machine."""
+    times: dict[str, list[float]] = {k: [] for k in sessions}
+    for _ in range(runs):
+        for k, s in sessions.items():
+            t = time.perf_counter()
+            s.run(None, feeds)
+            times[k].append((time.perf_counter() - t) * 1e3)
+    return times
+
+
+def run_child(module: str, socket: str, *args) -> dict:
+    """`python -m module --child ARGS` against the daemon at `socket`, in a fresh process: its last line, as JSON."""
+    import json
+    env = {**os.environ, "MODELCACHE_SOCKET": socket}
+    out = subprocess.run([sys.executable, "-m", module, "--child", *args], env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"benchmark child failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def compile_bytecode() -> None:
     """Compile modelcache's modules as an install does. With PYTHONDONTWRITEBYTECODE set (as on the machines
     here) an editable install compiles every client module again in every fresh process: ~10 ms of an attach

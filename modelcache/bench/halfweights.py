@@ -25,13 +25,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from .common import managed_daemon, memory_mib, save_results, summary
+from .common import alternate_runs, run_child, managed_daemon, memory_mib, save_results, summary
 
 UPCAST_SUFFIX = "-upcast"
 MODES = ("ort", "attach", "attach-upcast", "fold-at-open")
@@ -112,22 +111,8 @@ def child_warm(name: str, src: str, repository: str, runs: int) -> dict:
     outputs = {mode: s.run(None, feeds) for mode, s in sessions.items()}
     max_abs_diff = {mode: max(float(np.max(np.abs(g.astype(np.float64) - e.astype(np.float64))))
                               for g, e in zip(outputs[mode], outputs["ort"])) for mode in MODES}
-    times = {mode: [] for mode in MODES}
-    for _ in range(runs):
-        for mode, s in sessions.items():  # alternate, so each sees the same machine
-            t = time.perf_counter()
-            s.run(None, feeds)
-            times[mode].append((time.perf_counter() - t) * 1e3)
+    times = alternate_runs(sessions, feeds, runs)
     return {"model": name, "warm_ms": times, "max_abs_diff_vs_ort": max_abs_diff}
-
-
-def _child(socket: str, *args) -> dict:
-    env = {**os.environ, "MODELCACHE_SOCKET": socket}
-    out = subprocess.run([sys.executable, "-m", "modelcache.bench.halfweights", "--child", *args], env=env,
-                         capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"benchmark child failed: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def half_weight_bytes(src: str, min_bytes: int = 0) -> int:
@@ -174,8 +159,8 @@ def measure(socket: str, paths: dict[str, str], runs: int, warm_runs: int, repos
                          "tensor_dtypes": sorted({t[1] for t in holder._lease.tensors})})
         for _ in range(runs):
             for mode in MODES:
-                samples.append(_child(socket, "open", mode, name, src, str(repository)))
-        warm.append(_child(socket, "warm", name, src, str(repository), str(warm_runs)))
+                samples.append(run_child("modelcache.bench.halfweights", socket, "open", mode, name, src, str(repository)))
+        warm.append(run_child("modelcache.bench.halfweights", socket, "warm", name, src, str(repository), str(warm_runs)))
         for holder in holders:
             holder.close()
         host.append({"model": name, "source_fp16_bytes": half_weight_bytes(src),

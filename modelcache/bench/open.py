@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from .common import compile_bytecode, ensure_models, managed_daemon, memory_mib, save_results, summary
+from .common import (alternate_runs, compile_bytecode, ensure_models, managed_daemon, memory_mib, run_child,
+                     save_results, summary)
 
 
 def child_open(mode: str, name: str, src: str) -> dict:
@@ -52,26 +52,14 @@ def child_warm(name: str, src: str, runs: int) -> dict:
                 "modelcache": modelcache.InferenceSession(name)}
     for s in sessions.values():
         s.run(None, feeds)
-    times = {k: [] for k in sessions}
-    for _ in range(runs):
-        for k, s in sessions.items():  # alternate, so both see the same machine
-            t = time.perf_counter()
-            s.run(None, feeds)
-            times[k].append((time.perf_counter() - t) * 1e3)
+    times = alternate_runs(sessions, feeds, runs)
     return {"model": name, "warm_ms": times}
 
 
-def _child(socket: str, *args) -> dict:
-    import os
-    env = {**os.environ, "MODELCACHE_SOCKET": socket}
-    out = subprocess.run([sys.executable, "-m", "modelcache.bench.open", "--child", *args], env=env,
-                         capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"benchmark child failed: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def measure(socket: str, paths: dict[str, str], runs: int, warm_runs: int) -> dict:
+def measure(socket: str, paths: dict[str, str], runs: int, warm_runs: int, modes=("ort", "modelcache"),
+            module: str = "modelcache.bench.open") -> dict:
+    """Per model, with a first client holding it: `runs` fresh processes per mode opening it (`module`'s
+    child_open), then one process timing warm runs of every mode's session side by side (its child_warm)."""
     import modelcache
     from modelcache import zoo
     samples, warm = [], []
@@ -79,9 +67,9 @@ def measure(socket: str, paths: dict[str, str], runs: int, warm_runs: int) -> di
         holder = modelcache.InferenceSession(name, socket=socket)  # the first client: weights resident and touched
         holder.run(None, zoo.sample_inputs(src))
         for _ in range(runs):
-            for mode in ("ort", "modelcache"):
-                samples.append(_child(socket, "open", mode, name, src))
-        warm.append(_child(socket, "warm", name, src, str(warm_runs)))
+            for mode in modes:
+                samples.append(run_child(module, socket, "open", mode, name, src))
+        warm.append(run_child(module, socket, "warm", name, src, str(warm_runs)))
         holder.close()
     return {"samples": samples, "warm": warm}
 

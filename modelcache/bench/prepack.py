@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from .common import ensure_models, managed_daemon, memory_mib, save_results, summary
+from .common import alternate_runs, ensure_models, managed_daemon, memory_mib, save_results, summary
 
 MODES = ("prepacked", "unpacked")
 
@@ -58,38 +57,13 @@ def child_warm(name: str, src: str, runs: int) -> dict:
                 "unpacked": modelcache.InferenceSession(name, prepacked=False)}
     outs = {k: s.run(None, feeds)[0] for k, s in sessions.items()}
     max_abs_diff = {k: float(np.max(np.abs(outs[k] - outs["ort"]))) for k in MODES}
-    times = {k: [] for k in sessions}
-    for _ in range(runs):
-        for k, s in sessions.items():  # alternate, so all see the same machine
-            t = time.perf_counter()
-            s.run(None, feeds)
-            times[k].append((time.perf_counter() - t) * 1e3)
+    times = alternate_runs(sessions, feeds, runs)
     return {"model": name, "warm_ms": times, "max_abs_diff_vs_ort": max_abs_diff}
 
 
-def _child(socket: str, *args) -> dict:
-    import os
-    env = {**os.environ, "MODELCACHE_SOCKET": socket}
-    out = subprocess.run([sys.executable, "-m", "modelcache.bench.prepack", "--child", *args], env=env,
-                         capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"benchmark child failed: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def measure(socket: str, paths: dict[str, str], runs: int, warm_runs: int) -> dict:
-    import modelcache
-    from modelcache import zoo
-    samples, warm = [], []
-    for name, src in paths.items():
-        holder = modelcache.InferenceSession(name, socket=socket)  # the first client: weights resident and touched
-        holder.run(None, zoo.sample_inputs(src))
-        for _ in range(runs):
-            for mode in MODES:
-                samples.append(_child(socket, "open", mode, name, src))
-        warm.append(_child(socket, "warm", name, src, str(warm_runs)))
-        holder.close()
-    return {"samples": samples, "warm": warm}
+    from .open import measure as measure_open
+    return measure_open(socket, paths, runs, warm_runs, MODES, "modelcache.bench.prepack")
 
 
 def _ratio(a: list[float], b: list[float]) -> str:
