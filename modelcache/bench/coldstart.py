@@ -34,16 +34,18 @@ CHILD = str(Path(__file__).with_name("coldstart_child.py"))
 DEFAULT_MODELS = ["squeezenet1_1", "resnet50", "googlenet", "vgg16", "vit_b_16", "alexnet"]
 
 
-def spawn(mode: str, name: str, src: str, tuned_dir: str, socket: str, hold: bool = False) -> subprocess.Popen:
+def spawn(mode: str, name: str, src: str, tuned_dir: str, socket: str, hold: bool = False,
+          child: str = CHILD) -> subprocess.Popen:
+    """A fresh process of the `child` script (coldstart_child.py; the GPU form passes its own), timed from now."""
     env = {**os.environ, "MODELCACHE_SOCKET": socket}
     if hold:
         env["HOLD"] = "1"
-    return subprocess.Popen([sys.executable, CHILD, mode, name, src, tuned_dir, str(time.monotonic_ns())],
+    return subprocess.Popen([sys.executable, child, mode, name, src, tuned_dir, str(time.monotonic_ns())],
                             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def sample(mode, name, src, tuned_dir, socket) -> dict:
-    proc = spawn(mode, name, src, tuned_dir, socket)
+def sample(mode, name, src, tuned_dir, socket, child: str = CHILD) -> dict:
+    proc = spawn(mode, name, src, tuned_dir, socket, child=child)
     out, err = proc.communicate(timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"{mode} {name} failed: {err[-1500:]}")

@@ -24,7 +24,6 @@ import argparse
 import csv
 import ctypes
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -114,19 +113,13 @@ def preflight() -> Nvml:
 # -- samples ----------------------------------------------------------------------------------------
 
 def spawn(mode: str, name: str, src: str, layout: str, socket: str, hold: bool = False) -> subprocess.Popen:
-    env = {**os.environ, "MODELCACHE_SOCKET": socket}
-    if hold:
-        env["HOLD"] = "1"
-    return subprocess.Popen([sys.executable, CHILD, mode, name, src, layout, str(time.monotonic_ns())],
-                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    from .coldstart import spawn as spawn_child
+    return spawn_child(mode, name, src, layout, socket, hold, child=CHILD)
 
 
 def sample(mode, name, src, layout, socket) -> dict:
-    proc = spawn(mode, name, src, layout, socket)
-    out, err = proc.communicate(timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{mode} {name} failed: {err[-1500:]}")
-    return json.loads(out.strip().splitlines()[-1])
+    from .coldstart import sample as sample_child
+    return sample_child(mode, name, src, layout, socket, child=CHILD)
 
 
 def model_row(client, name: str) -> dict:
