@@ -84,3 +84,29 @@ def test_a_pipeline_under_heavy_load_runs_at_its_bottleneck():
 def test_poisson_arrivals_are_seeded():
     assert poisson_arrivals(10, 5, seed=3) == poisson_arrivals(10, 5, seed=3)
     assert np.mean(np.diff(poisson_arrivals(10, 5000, seed=3))) == pytest.approx(0.1, rel=0.05)
+
+
+def test_serving_overheads_delay_stages_but_hold_no_worker():
+    # 0.5 ms per stage hand-off, 2 ms per request: one request pays both; under load the worker
+    # runs back to back, since a hand-off is the daemon's queue and wake-up, not the worker's time.
+    import dataclasses
+    system = dataclasses.replace(SYSTEM, handoff_s=0.0005, request_s=0.002)
+    cost = PlanCost(table(1), system, 1)
+    plan = Plan([Stage(0, 1, (0,), (1,)), Stage(1, 2, (1,), (1,))], 1)
+    [lat] = simulate(cost, plan, [0.0]).latencies_s
+    assert lat == pytest.approx(0.010 + 0.020 + 2 * 0.0005 + 0.002) and lat == pytest.approx(cost.latency_s(plan))
+    result = simulate(cost, plan, [0.0] * 20, within_set="dmda", samples=1)
+    c1 = sorted((i.start, i.end) for i in result.intervals if i.resource == "c1")
+    assert all(b[0] == pytest.approx(a[1]) for a, b in zip(c1[1:], c1[2:]))   # c1 (the bottleneck) never idles
+
+
+def test_serving_overheads_round_trip_through_toml():
+    from modelcache.placement.system import format_system
+    import tomllib
+    data = tomllib.loads(format_system(SYSTEM).replace("request_us = 0.0", "request_us = 2000.0")
+                         .replace("handoff_us = 0.0", "handoff_us = 450.0"))
+    system = parse_system(data, "t")
+    assert (system.request_s, system.handoff_s) == pytest.approx((0.002, 0.00045))
+    assert parse_system(tomllib.loads(format_system(system)), "t") == system
+    with pytest.raises(Exception, match="handoff_us"):
+        parse_system({**data, "handoff_us": -1}, "t")

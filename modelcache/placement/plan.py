@@ -6,7 +6,8 @@ boundary's tensors move row by row from the worker that holds them to the one th
 bytes that share a link queue on it (each direction of a link is one resource), links work in
 parallel. The model's inputs start in host memory and its outputs end there.
 
-    latency     = sum over stages (transfer in + slowest worker of the stage) + transfer out
+    latency     = sum over stages (transfer in + hand-off + slowest worker of the stage) + transfer out
+                  + the request's own overhead (System.handoff_s, System.request_s: serving's costs)
     throughput  = batch / the busiest resource's time per batch (a worker or a link), the
                   rate a pipeline of many requests sustains
 
@@ -188,9 +189,9 @@ class PlanCost:
     def latency_s(self, plan: Plan) -> float:
         if not self.feasible(plan):
             return math.inf
-        total, prev = 0.0, None
+        total, prev = self.system.request_s, None
         for s in plan.stages:
-            total += self.transfer_s(s.start, self._layout(prev), self._layout(s)) + self.stage_s(s)
+            total += self.transfer_s(s.start, self._layout(prev), self._layout(s)) + self.system.handoff_s + self.stage_s(s)
             prev = s
         return total + self.transfer_s(self.table.n, self._layout(prev), self._layout(None))
 

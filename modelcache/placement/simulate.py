@@ -12,7 +12,9 @@ Two ways to use a stage's worker set:
             would finish first (queue, transfer and compute known exactly here), as the daemon's dmda does.
 
 Times come from the plan's cost model (PlanCost); the simulator adds what the analytical model leaves
-out: queueing between requests and contention on links.
+out: queueing between requests and contention on links. Serving's own costs (System.handoff_s per
+stage, System.request_s per request: the daemon's queue and thread wake-ups, the client's encode and
+round trip) are delays that hold no worker: a worker runs the next queued stage meanwhile.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ class Simulator:
             if k == len(plan.stages):
                 ready = send(now, cost.table.n, list(layout_in(request, k)), [(cost.HOST_WORKER, self.samples)],
                              request, k)
-                end = ready.get(cost.HOST_WORKER, now)
+                end = ready.get(cost.HOST_WORKER, now) + cost.system.request_s
                 push(end, "done", request)
                 return
             stage = plan.stages[k]
@@ -127,6 +129,7 @@ class Simulator:
                 layout = ((self._dmda_pick(now, stage, request, k, layout_in(request, k), worker_free), self.samples),)
             self.layouts[request].append(layout)
             ready = send(now, stage.start, list(layout_in(request, k)), list(layout), request, k)
+            ready = {w: ready.get(w, now) + cost.system.handoff_s for w, _ in layout}   # the job reaching its worker
             pending[(request, k)] = len(layout)
             for w, rows in layout:
                 push(ready.get(w, now), "ready", w, request, k, rows)
@@ -172,7 +175,7 @@ class Simulator:
     def _dmda_pick(self, now, stage, request, k, src, worker_free) -> int:
         """The worker of the stage's set where the whole stage would finish first (ties: lowest index)."""
         def finish(w):
-            t = self.cost.transfer_s(stage.start, tuple(src), ((w, self.samples),))
+            t = self.cost.transfer_s(stage.start, tuple(src), ((w, self.samples),)) + self.cost.system.handoff_s
             return max(now + t, worker_free[w]) + self.cost.worker_s(w, stage.start, stage.end, self.samples)
         return min(stage.workers, key=lambda w: (finish(w), w))
 

@@ -6,6 +6,13 @@ A `system.toml` names:
                         here: conv_gflop_s, matmul_gflop_s, other_gflop_s, mem_gbyte_s, launch_us
     [[workers]]         name, kind, memory_node ("host" for CPU groups), memory_gbyte, group (optional)
     [[links]]           nodes = [A, B, ...] (every pair of them is linked), gbit_per_s, latency_us
+    request_us          (top level, optional) what serving adds to a request outside its stages: the
+                        client's encode and decode, the round trip to the daemon (default 0)
+    handoff_us          (top level, optional) what serving adds per stage outside its run: the daemon
+                        posting the job, its worker thread waking, the result back (default 0)
+
+`modelcache place --describe` fills request_us and handoff_us with what serve mode was measured to
+add on this machine (machine.py), so the simulator predicts the daemon's latency, not ORT's alone.
 
 Links are full duplex: each direction of each pair is its own resource. Two memory nodes without
 a direct link talk through "host" (two hops), as devices on a PCIe tree do. A kind named cpuN (N
@@ -66,6 +73,8 @@ class System:
     kinds: dict[str, Kind]
     workers: list[WorkerSpec]
     links: dict[tuple[str, str], Link] = field(default_factory=dict)   # (src, dst) -> link, both directions
+    request_s: float = 0.0     # serving's cost per request outside the stages (client, IPC): a delay
+    handoff_s: float = 0.0     # serving's cost per stage outside its run (queue, thread wake-up): a delay
 
     @property
     def memory_nodes(self) -> list[str]:
@@ -107,7 +116,7 @@ def _check_keys(where: str, table, allowed) -> None:
 
 def parse_system(data: dict, source: str = "system") -> System:
     """A System from the TOML tables; SystemDescriptionError names the first thing wrong."""
-    _check_keys(source, data, ("name", "comment", "kinds", "workers", "links"))
+    _check_keys(source, data, ("name", "comment", "kinds", "workers", "links", "request_us", "handoff_us"))
     kinds = {}
     for name, table in (data.get("kinds") or {}).items():
         where = f"{source}: kinds.{name}"
@@ -155,7 +164,8 @@ def parse_system(data: dict, source: str = "system") -> System:
             for b in members:
                 if a != b:
                     links[(a, b)] = Link(a, b, bw, lat)
-    system = System(str(data.get("name", source)), kinds, workers, links)
+    system = System(str(data.get("name", source)), kinds, workers, links,
+                    *(_number(source, k, data.get(k, 0.0), positive=False) * 1e-6 for k in ("request_us", "handoff_us")))
     for node in nodes:   # every memory node must reach every other: a plan may move data between any two
         for other in nodes:
             system.route(node, other)
@@ -197,6 +207,7 @@ def format_system(system: System, header: str = "") -> str:
     """TOML text that parse_system reads back as the same System (a small writer for this one schema)."""
     lines = [f"# {line}" for line in header.splitlines()]
     lines.append(f"name = {_toml_value(system.name)}")
+    lines += [f"request_us = {_toml_value(system.request_s * 1e6)}", f"handoff_us = {_toml_value(system.handoff_s * 1e6)}"]
     for kind in system.kinds.values():
         lines += ["", f"[kinds.{_key(kind.name)}]"]
         if kind.comment:
