@@ -226,3 +226,12 @@ def test_place_beats_or_matches_every_baseline():
         result = place(table, system, batch, objective, seed=1, time_budget_s=30, clock=lambda: 0.0)
         key = (lambda p: p.latency_s) if objective == "latency" else (lambda p: -p.throughput_per_s)
         assert all(key(result.plan) <= key(b) + 1e-12 for b in result.baselines)
+
+
+def test_profile_keeps_the_faster_half_of_its_runs():
+    from modelcache.placement.profile import fastest_runs
+    # run 0 is the warm-up; run 2 was stretched by another process taking a core
+    times = {"a": [9.0, 1.0, 3.0, 1.1, 1.0], "b": [9.0, 2.0, 6.0, 2.0, 2.2]}
+    assert fastest_runs(times) == [1, 3]
+    assert fastest_runs({"a": [5.0, 1.0]}) == [1]
+    assert fastest_runs({"a": [5.0]}) == []        # no run besides the warm-up: the caller falls back to all

@@ -21,6 +21,13 @@ from .system import HOST, Kind, Link, System, WorkerSpec
 GPU_PLACEHOLDER = dict(conv_gflop_s=10000.0, matmul_gflop_s=10000.0, other_gflop_s=1000.0, mem_gbyte_s=500.0,
                        launch_us=10.0)
 
+# What serve mode adds on this machine outside the stages' ORT runs (System.request_s, handoff_s), from
+# `modelcache bench placement_check` (its "serving ms" columns: client wall - daemon total_ms, and
+# (daemon total_ms - the stages' run_ms) / stages) serving ResNet-50 and AlexNet (602 KB input) on a
+# quiet machine. Edit them in the system.toml that `place --describe` writes for another machine.
+SERVE_REQUEST_US = 1000.0
+SERVE_HANDOFF_US = 500.0
+
 
 def matmul_gflop_s(threads: int, size: int = 768, runs: int = 5) -> float:
     """Best of `runs` of a size³ float MatMul in ORT on `threads` threads."""
@@ -89,7 +96,8 @@ def describe_machine(workers_spec: str | None = None, gpus: str = "auto") -> Sys
         workers.append(WorkerSpec(f"gpu-{d.index}", kind, d.uuid, d.total_bytes / 1e9, group="gpu"))
         for a, b in ((HOST, d.uuid), (d.uuid, HOST)):
             links[(a, b)] = Link(a, b, 16e9, 10e-6)    # PCIe 4.0 x16, about 16 GB/s each way
-    return System(f"{os.uname().nodename} ({cores} cores)", kinds, workers, links)
+    return System(f"{os.uname().nodename} ({cores} cores)", kinds, workers, links,
+                  request_s=SERVE_REQUEST_US * 1e-6, handoff_s=SERVE_HANDOFF_US * 1e-6)
 
 
 def profiled_threads(system: System) -> list[int]:
