@@ -110,3 +110,20 @@ def test_serving_overheads_round_trip_through_toml():
     assert parse_system(tomllib.loads(format_system(system)), "t") == system
     with pytest.raises(Exception, match="handoff_us"):
         parse_system({**data, "handoff_us": -1}, "t")
+
+
+def test_dmda_admits_a_request_only_when_a_worker_is_idle():
+    # As the daemon's engine: both stages on c0, three requests at once. Each waits until c0 has
+    # nothing assigned, so the hand-offs (1 ms) leave c0 idle: 2 stages x (1 + 10/20 ms) a request.
+    import dataclasses
+    system = dataclasses.replace(parse_system({**{k: v for k, v in {
+        "name": "one", "kinds": {"cpu1": {"conv_gflop_s": 1, "matmul_gflop_s": 1, "other_gflop_s": 1,
+                                          "mem_gbyte_s": 1}}}.items()}, "workers": [{"name": "c0", "kind": "cpu1"}]},
+        "t"), handoff_s=0.001)
+    cost = PlanCost(table(1), system, 1)
+    plan = Plan([Stage(0, 1, (0,), (1,)), Stage(1, 2, (0,), (1,))], 1)
+    result = simulate(cost, plan, [0.0, 0.0, 0.0], within_set="dmda", samples=1)
+    assert result.finished_at == pytest.approx([0.032, 0.064, 0.096])
+    # the plan's split mode starts every arrival at once: c0 runs the first stages back to back
+    split = simulate(cost, plan, [0.0, 0.0, 0.0], within_set="split")
+    assert max(split.finished_at) == pytest.approx(0.091)

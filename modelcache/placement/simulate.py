@@ -9,7 +9,11 @@ a worker starts its share once the messages carrying its rows are in. Outputs go
 Two ways to use a stage's worker set:
   "split" - the plan's split: every request is a batch of the plan's size, its rows split as planned;
   "dmda"  - as serve mode runs it: each request's whole stage goes to the worker of the set where it
-            would finish first (queue, transfer and compute known exactly here), as the daemon's dmda does.
+            would finish first (queue, transfer and compute known exactly here), as the daemon's dmda does;
+            and, as the daemon's engine admits work (Engine._form_batches), a request waits in the
+            daemon's queue until some worker has nothing assigned, then starts (one per idle worker).
+            So a model whose stages all run on one worker takes its requests one at a time, the worker
+            idling through each hand-off, instead of queueing every arrival's first stage at once.
 
 Times come from the plan's cost model (PlanCost); the simulator adds what the analytical model leaves
 out: queueing between requests and contention on links. Serving's own costs (System.handoff_s per
@@ -132,11 +136,22 @@ class Simulator:
             ready = {w: ready.get(w, now) + cost.system.handoff_s for w, _ in layout}   # the job reaching its worker
             pending[(request, k)] = len(layout)
             for w, rows in layout:
+                outstanding[w] += 1
                 push(ready.get(w, now), "ready", w, request, k, rows)
                 # dmda's estimate of when this worker frees: known exactly in a simulation
                 worker_free[w] = max(worker_free[w], ready.get(w, now)) + cost.worker_s(w, stage.start, stage.end, rows)
 
         busy = [False] * len(self.names)
+        outstanding = [0] * len(self.names)       # stage tasks assigned to a worker, queued or running
+        waiting: list = []                        # dmda: requests the daemon holds until a worker is idle
+        at = [0]                                  # next of `waiting` to start
+
+        def admit(now):
+            idle = outstanding.count(0)
+            while at[0] < len(waiting) and idle > 0:
+                start_stage(now, waiting[at[0]], 0)
+                at[0] += 1
+                idle -= 1
 
         def try_run(now, w):
             if busy[w] or not worker_queue[w]:
@@ -155,7 +170,11 @@ class Simulator:
         while events:
             now, _, what, args = heapq.heappop(events)
             if what == "arrive":
-                start_stage(now, args[0], 0)
+                if self.mode == "dmda":
+                    waiting.append(args[0])
+                    admit(now)
+                else:
+                    start_stage(now, args[0], 0)
             elif what == "ready":
                 w, request, k, rows = args
                 heapq.heappush(worker_queue[w], (now, next(seq), (request, k, rows)))
@@ -163,9 +182,12 @@ class Simulator:
             elif what == "finish":
                 w, request, k = args
                 busy[w] = False
+                outstanding[w] -= 1
                 pending[(request, k)] -= 1
                 if pending[(request, k)] == 0:
                     start_stage(now, request, k + 1)
+                if self.mode == "dmda":
+                    admit(now)
                 try_run(now, w)
             elif what == "done":
                 latencies.append(now - arrivals[args[0]])
