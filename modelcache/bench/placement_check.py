@@ -17,8 +17,10 @@ profiler in this process just before, and the simulator predicts from that profi
 The simulator is fed three ways: the profile (the planner's own costs, a true prediction); the
 stage times the daemon measured serving one request at a time (solo: then throughput under load
 is still a prediction, of queueing and pipelining); and the stage times it measured under the
-load (which checks the simulator's queueing model alone). On a shared machine the gap between
-them is other processes' load: the load average is printed beside each row.
+load (which checks the simulator's queueing model alone). Each is simulated with the system's
+serving costs (request_us, handoff_us: machine.py); "serving ms" is what this run measured of them
+(client wall less the stages' runs). On a shared machine the gap between them is other processes'
+load: the load average is printed beside each row.
 """
 
 from __future__ import annotations
@@ -114,16 +116,15 @@ def check_one(client, repo: Path, name: str, system, stages: int, args) -> dict:
     feeds = sample_inputs(str(model_dir / "model.onnx"), batch=1)
     for _ in range(3):                       # sessions built, performance models calibrated
         client.infer(name, feeds)
-    walls, solo_run_s, request_ms, handoff_ms = [], [[] for _ in plan.stages], [], []
+    walls, solo_run_s, serving_ms = [], [[] for _ in plan.stages], []
     for _ in range(args.requests):
         t0 = time.perf_counter()
         _, timings = client.infer(name, feeds)
         walls.append(time.perf_counter() - t0)
         for k, st in enumerate(timings["stages"]):
             solo_run_s[k].append(st["run_ms"] / 1e3)
-        # serving's own costs, to check the system's request_us and handoff_us against
-        request_ms.append(walls[-1] * 1e3 - timings["total_ms"])
-        handoff_ms.append((timings["total_ms"] - sum(st["run_ms"] for st in timings["stages"])) / len(plan.stages))
+        # serving's own cost (wall less the stages' runs), against the system's request_us + stages x handoff_us
+        serving_ms.append(walls[-1] * 1e3 - sum(st["run_ms"] for st in timings["stages"]))
     solo = PlanCost(as_served(table, plan, solo_run_s), system, 1)
     one = lambda c: simulate(c, plan, [0.0], within_set="dmda", samples=1, record=False).latencies_s[0]  # noqa: E731
     measured_latency = statistics.median(walls)
@@ -146,8 +147,8 @@ def check_one(client, repo: Path, name: str, system, stages: int, args) -> dict:
            "stage_s": {"profiled": [cost.stage_s(st) for st in plan.stages],
                        "served_solo": [statistics.median(r) for r in solo_run_s],
                        "served_loaded": [statistics.median(r) if r else None for r in loaded_run_s]},
-           "overhead_ms": {"request_measured": statistics.median(request_ms), "request_system": system.request_s * 1e3,
-                           "handoff_measured": statistics.median(handoff_ms), "handoff_system": system.handoff_s * 1e3},
+           "serving_ms": {"measured": statistics.median(serving_ms),
+                          "system": (system.request_s + stages * system.handoff_s) * 1e3},
            "load_average": os.getloadavg()}
     for key in ("profile", "solo"):
         row[f"latency_error_{key}"] = row["latency_ms"][f"simulated_{key}"] / (measured_latency * 1e3) - 1
@@ -172,8 +173,7 @@ def line(r: dict) -> str:
             f"{thr['simulated_profile']:.2f} profile ({r['throughput_error_profile'] * 100:+.1f} %), "
             f"{thr['simulated_solo']:.2f} solo ({r['throughput_error_solo'] * 100:+.1f} %), "
             f"{thr['simulated_loaded']:.2f} loaded ({r['throughput_error_loaded'] * 100:+.1f} %) | "
-            + (f"serving ms: request {o['request_measured']:.2f} (system {o['request_system']:.2f}), hand-off "
-               f"{o['handoff_measured']:.2f}/stage (system {o['handoff_system']:.2f}) | " if (o := r.get("overhead_ms")) else "")
+            + (f"serving ms: measured {o['measured']:.2f}, system {o['system']:.2f} | " if (o := r.get("serving_ms")) else "")
             + f"load average {r['load_average'][0]:.1f}")
 
 

@@ -21,12 +21,16 @@ from .system import HOST, Kind, Link, System, WorkerSpec
 GPU_PLACEHOLDER = dict(conv_gflop_s=10000.0, matmul_gflop_s=10000.0, other_gflop_s=1000.0, mem_gbyte_s=500.0,
                        launch_us=10.0)
 
-# What serve mode adds on this machine outside the stages' ORT runs (System.request_s, handoff_s), from
-# `modelcache bench placement_check` (its "serving ms" columns: client wall - daemon total_ms, and
-# (daemon total_ms - the stages' run_ms) / stages) serving ResNet-50 and AlexNet (602 KB input) on a
-# quiet machine. Edit them in the system.toml that `place --describe` writes for another machine.
-SERVE_REQUEST_US = 1000.0
-SERVE_HANDOFF_US = 500.0
+# What serve mode adds on this machine outside the stages' ORT runs (System.request_s, handoff_s):
+# client wall time less the stages' run_ms, serving AlexNet and ResNet-50 (602 KB input, 4 KB output)
+# one request at a time in 1-3 stages on groups "1,1" and "2" (20 requests each, load average 0.3-1.0):
+# medians 2.21 ms at 1 stage (1.80-2.52), 2.51 at 2 (2.23-2.92), 2.75 at 3 (2.53-3.10); a line through
+# them: 1.95 ms a request (client encode and decode, the lane round trip, the daemon's decode and
+# reply) + 0.27 ms a stage (the job to its worker's thread, the wake-up, the result back to the loop).
+# A tiny model's request costs less (0.3-0.5 ms, README): the 602 KB input is most of it here.
+# `bench placement_check` prints the measured figure beside the system's for each row.
+SERVE_REQUEST_US = 1950.0
+SERVE_HANDOFF_US = 270.0
 
 
 def matmul_gflop_s(threads: int, size: int = 768, runs: int = 5) -> float:
