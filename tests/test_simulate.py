@@ -127,3 +127,19 @@ def test_dmda_admits_a_request_only_when_a_worker_is_idle():
     # the plan's split mode starts every arrival at once: c0 runs the first stages back to back
     split = simulate(cost, plan, [0.0, 0.0, 0.0], within_set="split")
     assert max(split.finished_at) == pytest.approx(0.091)
+
+
+def test_serving_work_on_the_workers_cores_is_the_first_stages_busy_time():
+    import dataclasses
+    base = dataclasses.replace(SYSTEM, request_s=0.004)
+    shared = dataclasses.replace(base, serving_on_worker_cores=True)
+    plan = Plan([Stage(0, 1, (0,), (1,)), Stage(1, 2, (1,), (1,))], 1)     # 10 ms on c0, 20 ms on c1
+    for system in (base, shared):     # one request: 4 ms either way
+        cost = PlanCost(table(1), system, 1)
+        assert simulate(cost, plan, [0.0]).latencies_s == pytest.approx([0.034])
+    cost = PlanCost(table(1), dataclasses.replace(shared), 1)
+    plan0 = Plan([Stage(0, 2, (0,), (1,))], 1)                                # 30 ms on c0, + 4 ms a request
+    assert cost.bottleneck_s(plan0) == pytest.approx(0.034)
+    assert PlanCost(table(1), base, 1).bottleneck_s(plan0) == pytest.approx(0.030)
+    result = simulate(cost, plan0, [0.0] * 10, within_set="dmda", samples=1)
+    assert max(result.finished_at) == pytest.approx(10 * 0.034)

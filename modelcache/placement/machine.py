@@ -101,7 +101,8 @@ def describe_machine(workers_spec: str | None = None, gpus: str = "auto") -> Sys
         for a, b in ((HOST, d.uuid), (d.uuid, HOST)):
             links[(a, b)] = Link(a, b, 16e9, 10e-6)    # PCIe 4.0 x16, about 16 GB/s each way
     return System(f"{os.uname().nodename} ({cores} cores)", kinds, workers, links,
-                  request_s=SERVE_REQUEST_US * 1e-6, handoff_s=SERVE_HANDOFF_US * 1e-6)
+                  request_s=SERVE_REQUEST_US * 1e-6, handoff_s=SERVE_HANDOFF_US * 1e-6,
+                  serving_on_worker_cores=sum(map(len, groups)) >= cores)
 
 
 def profiled_threads(system: System) -> list[int]:

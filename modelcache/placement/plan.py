@@ -210,6 +210,8 @@ class PlanCost:
             if s is not None:
                 for w, b in s.active():
                     busy[w] = busy.get(w, 0.0) + self.worker_s(w, s.start, s.end, b)
+                    if s is plan.stages[0] and self.system.serving_on_worker_cores:
+                        busy[w] += self.system.request_s    # the request's serving work runs on these cores
             prev = s
         return max(busy.values(), default=0.0)
 

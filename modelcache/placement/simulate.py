@@ -18,7 +18,9 @@ Two ways to use a stage's worker set:
 Times come from the plan's cost model (PlanCost); the simulator adds what the analytical model leaves
 out: queueing between requests and contention on links. Serving's own costs (System.handoff_s per
 stage, System.request_s per request: the daemon's queue and thread wake-ups, the client's encode and
-round trip) are delays that hold no worker: a worker runs the next queued stage meanwhile.
+round trip) are delays that hold no worker: a worker runs the next queued stage meanwhile; except
+that where the workers take every core (System.serving_on_worker_cores) the request's cost is the
+first stage's worker's busy time, the cores it would have had being taken by the client and daemon.
 """
 
 from __future__ import annotations
@@ -123,7 +125,8 @@ class Simulator:
             if k == len(plan.stages):
                 ready = send(now, cost.table.n, list(layout_in(request, k)), [(cost.HOST_WORKER, self.samples)],
                              request, k)
-                end = ready.get(cost.HOST_WORKER, now) + cost.system.request_s
+                # serving's per-request cost: a delay, unless it was the first stage's worker's busy time
+                end = ready.get(cost.HOST_WORKER, now) + (0.0 if cost.system.serving_on_worker_cores else cost.system.request_s)
                 push(end, "done", request)
                 return
             stage = plan.stages[k]
@@ -139,7 +142,7 @@ class Simulator:
                 outstanding[w] += 1
                 push(ready.get(w, now), "ready", w, request, k, rows)
                 # dmda's estimate of when this worker frees: known exactly in a simulation
-                worker_free[w] = max(worker_free[w], ready.get(w, now)) + cost.worker_s(w, stage.start, stage.end, rows)
+                worker_free[w] = max(worker_free[w], ready.get(w, now)) + self._busy_s(w, k, rows)
 
         busy = [False] * len(self.names)
         outstanding = [0] * len(self.names)       # stage tasks assigned to a worker, queued or running
@@ -158,7 +161,7 @@ class Simulator:
                 return
             _, _, (request, k, rows) = heapq.heappop(worker_queue[w])
             stage = plan.stages[k]
-            end = now + cost.worker_s(w, stage.start, stage.end, rows)
+            end = now + self._busy_s(w, k, rows)
             busy[w] = True
             if self.record:
                 intervals.append(Interval(self.names[w], now, end, request, k))
@@ -194,11 +197,18 @@ class Simulator:
                 finished.append(now)
         return SimResult(latencies, finished, intervals)
 
+    def _busy_s(self, w: int, k: int, rows: int) -> float:
+        """A worker's time on stage k of a request: its run, plus the request's serving work when the
+        system's workers take every core (System.serving_on_worker_cores: it runs on the first stage's)."""
+        stage = self.plan.stages[k]
+        extra = self.cost.system.request_s if k == 0 and self.cost.system.serving_on_worker_cores else 0.0
+        return self.cost.worker_s(w, stage.start, stage.end, rows) + extra
+
     def _dmda_pick(self, now, stage, request, k, src, worker_free) -> int:
         """The worker of the stage's set where the whole stage would finish first (ties: lowest index)."""
         def finish(w):
             t = self.cost.transfer_s(stage.start, tuple(src), ((w, self.samples),)) + self.cost.system.handoff_s
-            return max(now + t, worker_free[w]) + self.cost.worker_s(w, stage.start, stage.end, self.samples)
+            return max(now + t, worker_free[w]) + self._busy_s(w, k, self.samples)
         return min(stage.workers, key=lambda w: (finish(w), w))
 
 

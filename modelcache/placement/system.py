@@ -10,6 +10,8 @@ A `system.toml` names:
                         client's encode and decode, the round trip to the daemon (default 0)
     handoff_us          (top level, optional) what serving adds per stage outside its run: the daemon
                         posting the job, its worker thread waking, the result back (default 0)
+    serving_on_worker_cores  (top level, optional) true when the workers take every core: request_us
+                        is then the first stage's worker's busy time under load (default false)
 
 `modelcache place --describe` fills request_us and handoff_us with what serve mode was measured to
 add on this machine (machine.py), so the simulator predicts the daemon's latency, not ORT's alone.
@@ -75,6 +77,11 @@ class System:
     links: dict[tuple[str, str], Link] = field(default_factory=dict)   # (src, dst) -> link, both directions
     request_s: float = 0.0     # serving's cost per request outside the stages (client, IPC): a delay
     handoff_s: float = 0.0     # serving's cost per stage outside its run (queue, thread wake-up): a delay
+    # True when the workers' groups take every core, so the client's and the daemon's work for a request
+    # (request_s) runs on a worker's cores: under load it is then the first stage's worker's busy time,
+    # not a free delay. Measured here (bench placement_check, 2 cores, groups "1,1" and "2"): served
+    # throughput sat 1.5-5 ms a request below the stages' run times, about one request_s.
+    serving_on_worker_cores: bool = False
 
     @property
     def memory_nodes(self) -> list[str]:
@@ -106,6 +113,12 @@ def _number(where: str, key: str, value, positive: bool = True) -> float:
     return float(value)
 
 
+def _flag(where: str, key: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise SystemDescriptionError(f"{where}: {key} = {value!r} is not true or false")
+    return value
+
+
 def _check_keys(where: str, table, allowed) -> None:
     if not isinstance(table, dict):
         raise SystemDescriptionError(f"{where}: expected a table, got {type(table).__name__}")
@@ -116,7 +129,8 @@ def _check_keys(where: str, table, allowed) -> None:
 
 def parse_system(data: dict, source: str = "system") -> System:
     """A System from the TOML tables; SystemDescriptionError names the first thing wrong."""
-    _check_keys(source, data, ("name", "comment", "kinds", "workers", "links", "request_us", "handoff_us"))
+    _check_keys(source, data, ("name", "comment", "kinds", "workers", "links", "request_us", "handoff_us",
+                                     "serving_on_worker_cores"))
     kinds = {}
     for name, table in (data.get("kinds") or {}).items():
         where = f"{source}: kinds.{name}"
@@ -165,7 +179,8 @@ def parse_system(data: dict, source: str = "system") -> System:
                 if a != b:
                     links[(a, b)] = Link(a, b, bw, lat)
     system = System(str(data.get("name", source)), kinds, workers, links,
-                    *(_number(source, k, data.get(k, 0.0), positive=False) * 1e-6 for k in ("request_us", "handoff_us")))
+                    *(_number(source, k, data.get(k, 0.0), positive=False) * 1e-6 for k in ("request_us", "handoff_us")),
+                    serving_on_worker_cores=_flag(source, "serving_on_worker_cores", data.get("serving_on_worker_cores", False)))
     for node in nodes:   # every memory node must reach every other: a plan may move data between any two
         for other in nodes:
             system.route(node, other)
@@ -207,7 +222,8 @@ def format_system(system: System, header: str = "") -> str:
     """TOML text that parse_system reads back as the same System (a small writer for this one schema)."""
     lines = [f"# {line}" for line in header.splitlines()]
     lines.append(f"name = {_toml_value(system.name)}")
-    lines += [f"request_us = {_toml_value(system.request_s * 1e6)}", f"handoff_us = {_toml_value(system.handoff_s * 1e6)}"]
+    lines += [f"request_us = {_toml_value(system.request_s * 1e6)}", f"handoff_us = {_toml_value(system.handoff_s * 1e6)}",
+              f"serving_on_worker_cores = {_toml_value(system.serving_on_worker_cores)}"]
     for kind in system.kinds.values():
         lines += ["", f"[kinds.{_key(kind.name)}]"]
         if kind.comment:
