@@ -110,9 +110,10 @@ def fastest_runs(times: dict[str, list]) -> list[int]:
     total. On 2 cores a 2-thread run is stretched whole whenever another process takes a core for a
     moment (each parallel op waits for its preempted thread): ResNet-50's 2-thread kernel total was
     58 ms in one profile and 94 ms in the next, a minute apart, at load average 1.8. The per-node median
-    of every run then mixes stretched runs in, and a plan's stages came out 31 % above what the daemon's
-    worker took; the faster half is the group's cost when it has its cores, which is what a daemon
-    worker is pinned to have."""
+    of every run mixes stretched runs in; the faster half is the group's cost when it has its cores.
+    (On a quiet machine the two agree: ResNet-50 on 2 threads, profile 54.3 ms, the daemon's worker
+    51.6 ms; the earlier report's +31 % on group "2" was taken at load average 1.6, so this guards
+    against noise rather than fixing a bias.)"""
     runs = max((len(t) for t in times.values()), default=0)
     totals = {i: sum(t[i] for t in times.values() if i < len(t)) for i in range(1, runs)}
     ordered = sorted(totals, key=lambda i: (totals[i], i))
