@@ -129,14 +129,7 @@ def load(config_file: str | Path | None = None, overrides: dict | None = None, e
     values: dict = {}
     path = Path(config_file) if config_file else default_config_file()
     if path is not None:
-        tomllib = _tomllib()  # imported only when there is a file: clients start faster without it
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        data = read_toml(path, "config file", ConfigError)
         data = data.get("modelcache", data)  # accept a [modelcache] table or top-level keys
         for key, value in data.items():
             key = key.replace("-", "_")
@@ -168,6 +161,18 @@ def load(config_file: str | Path | None = None, overrides: dict | None = None, e
     if settings.max_message_bytes() < 1 << 16:
         raise ConfigError(f"max_message_size {settings.max_message_size!r}: at least 64K, or no request fits")
     return settings
+
+
+def read_toml(path: str | Path, what: str, error=ConfigError) -> dict:
+    """A TOML file's table; `error` saying "<what> <path> does not exist" or "is not valid TOML: ..."."""
+    tomllib = _tomllib()  # imported only when there is a file: clients start faster without it
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise error(f"{what} {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise error(f"{what} {path} is not valid TOML: {e}") from None
 
 
 def _tomllib():

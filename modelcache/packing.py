@@ -726,7 +726,7 @@ def check_name(name: str) -> None:
 
 def pack_in_subprocess(src: str, repository: Path, name: str, version: int, opt_level: str = "all",
                        progress: Progress | None = None, on_start=None, sources: tuple = ((), ()),
-                       owner_uid: int = -1, prepack: bool = False) -> Manifest:
+                       owner_uid: int = -1, with_prepacked: bool = False) -> Manifest:
     """`pack` in a child process: ORT's memory goes back to the OS when it exits, and a model that
     crashes ORT costs that child, not the caller (the daemon). `on_start(proc)` lets the caller kill it.
 
@@ -737,7 +737,7 @@ def pack_in_subprocess(src: str, repository: Path, name: str, version: int, opt_
 
     fds, names = sources
     cmd = [sys.executable, "-m", "modelcache.packing", src, str(repository), name, str(version), opt_level,
-           str(owner_uid), "prepack" if prepack else "-", *(f"{fd}:{n}" for fd, n in zip(fds, names))]
+           str(owner_uid), "prepack" if with_prepacked else "-", *(f"{fd}:{n}" for fd, n in zip(fds, names))]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, pass_fds=list(fds))
     if on_start:
         on_start(proc)

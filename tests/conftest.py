@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -104,6 +105,20 @@ def stop_cleanly(d: DaemonProcess) -> None:
     assert rc == 0, d.log_path.read_text()
     assert not shm.exists(), "daemon left its host tier (or a simulated GPU's memory) in /dev/shm"
     assert not Path(d.socket[len("ipc://"):]).exists(), "daemon left its socket file"
+
+
+@contextlib.contextmanager
+def daemon_with_models(root: Path, paths: dict):
+    """(daemon, client) with each {name: .onnx path} added; stopped cleanly, and checked, on exit."""
+    d = DaemonProcess(root).start()
+    try:
+        with d.client() as c:
+            for name, path in paths.items():
+                c.add(path, name)
+            yield d, c
+        stop_cleanly(d)
+    finally:
+        d.kill()
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import modelcache
-from conftest import DaemonProcess, stop_cleanly
+from conftest import daemon_with_models
 
 RNG = np.random.default_rng(0)
 
@@ -84,15 +84,8 @@ def daemon_with_cases(tmp_path_factory):
     for name, (model, _) in CASES.items():
         paths[name] = str(root / f"{name}.onnx")
         onnx.save(model, paths[name])
-    d = DaemonProcess(root).start()
-    try:
-        with d.client() as c:
-            for name, path in paths.items():
-                c.add(path, name)
-            yield c, paths
-        stop_cleanly(d)
-    finally:
-        d.kill()
+    with daemon_with_models(root, paths) as (_, c):
+        yield c, paths
 
 
 def _metadata(session) -> tuple:

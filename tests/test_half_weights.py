@@ -19,7 +19,7 @@ from modelcache import zoo
 from modelcache.packing import (ALIGN, HALF_TO_FLOAT_FUSION, INLINE_MAX_BYTES, SKELETON_FILE, WEIGHTS_FILE,
                                 _half_weight_exclusions, _tensor_nbytes, is_gpu_shared_weight, iter_graphs, pack)
 from modelcache.tiers.host import HostTier
-from conftest import stop_cleanly
+from conftest import daemon_with_models
 
 FP16_MODELS = ["tiny-fp16", "tiny-vit-fp16"]
 
@@ -115,16 +115,8 @@ def test_a_half_weight_constant_node_counts(tmp_path):
 
 @pytest.fixture(scope="module")
 def daemon_with_fp16(tmp_path_factory, fp16_files):
-    from conftest import DaemonProcess
-    d = DaemonProcess(tmp_path_factory.mktemp("fp16d")).start()
-    try:
-        with d.client() as c:
-            for name, path in fp16_files.items():
-                c.add(path, name)
-            yield d, c
-        stop_cleanly(d)
-    finally:
-        d.kill()
+    with daemon_with_models(tmp_path_factory.mktemp("fp16d"), fp16_files) as (d, c):
+        yield d, c
 
 
 @pytest.mark.parametrize("name", FP16_MODELS)

@@ -10,15 +10,7 @@ from modelcache import zoo
 from modelcache.errors import InputError, PackError
 from modelcache.placement.machine import cost_table, describe_machine
 from modelcache.placement.plan import Plan, Stage
-from conftest import DaemonProcess
-
-
-@pytest.fixture
-def serving(tmp_path):
-    d = DaemonProcess(tmp_path, {"MODELCACHE_WORKERS": "1,1", "MODELCACHE_STATE_DIR": str(tmp_path / "state")}).start()
-    yield d
-    assert d.stop() == 0, d.log_path.read_text()[-3000:]
-    d.kill()
+from test_serve import serving  # noqa: F401  (a daemon with CPU worker groups "1,1")
 
 
 def hand_plan(serving, name: str, system, cut: int, sets: list) -> dict:

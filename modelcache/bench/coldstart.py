@@ -16,6 +16,7 @@ Memory: k concurrent clients of one model holding a session, PSS and USS per cli
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -42,6 +43,21 @@ def spawn(mode: str, name: str, src: str, tuned_dir: str, socket: str, hold: boo
         env["HOLD"] = "1"
     return subprocess.Popen([sys.executable, child, mode, name, src, tuned_dir, str(time.monotonic_ns())],
                             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@contextlib.contextmanager
+def holding(procs: list):
+    """Clients started with hold=True: wait until each has its session, and let them all go on exit."""
+    try:
+        for p in procs:
+            if not p.stdout.readline():
+                raise RuntimeError(f"memory client failed: {p.stderr.read()[-1500:]}")
+        yield procs
+    finally:
+        for p in procs:
+            p.stdin.close()
+        for p in procs:
+            p.wait(60)
 
 
 def sample(mode, name, src, tuned_dir, socket, child: str = CHILD) -> dict:
@@ -90,12 +106,7 @@ def measure_memory(client, socket, name, src, tuned_dir, counts, log) -> list[di
     rows = []
     for k in counts:
         for mode in ("ort", "attach-hit"):
-            procs = [spawn(mode, name, src, tuned_dir, socket, hold=True) for _ in range(k)]
-            try:
-                for p in procs:
-                    line = p.stdout.readline()
-                    if not line:
-                        raise RuntimeError(f"memory client failed: {p.stderr.read()[-1500:]}")
+            with holding([spawn(mode, name, src, tuned_dir, socket, hold=True) for _ in range(k)]) as procs:
                 infos = [psutil.Process(p.pid).memory_full_info() for p in procs]
                 daemon_pss = psutil.Process(daemon_pid).memory_full_info().pss if mode == "attach-hit" else 0
                 row = {"model": name, "mode": mode, "clients": k,
@@ -106,11 +117,6 @@ def measure_memory(client, socket, name, src, tuned_dir, counts, log) -> list[di
                 rows.append(row)
                 log(f"memory {mode} k={k}: total PSS {row['total_pss_mib']:.0f} MiB, "
                     f"USS/client {row['uss_per_client_mib']:.0f} MiB")
-            finally:
-                for p in procs:
-                    p.stdin.close()
-                for p in procs:
-                    p.wait(60)
     return rows
 
 

@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 
 from ..errors import ModelCacheError
+from . import coldstart
+from .coldstart import holding
 from .common import ensure_models, managed_daemon, pyplot, save_results, summary
 
 MODES = ["ort-cuda", "host-attach", "gpu-attach-hit", "gpu-attach-miss", "serve", "ideal"]
@@ -113,13 +115,11 @@ def preflight() -> Nvml:
 # -- samples ----------------------------------------------------------------------------------------
 
 def spawn(mode: str, name: str, src: str, layout: str, socket: str, hold: bool = False) -> subprocess.Popen:
-    from .coldstart import spawn as spawn_child
-    return spawn_child(mode, name, src, layout, socket, hold, child=CHILD)
+    return coldstart.spawn(mode, name, src, layout, socket, hold, child=CHILD)
 
 
 def sample(mode, name, src, layout, socket) -> dict:
-    from .coldstart import sample as sample_child
-    return sample_child(mode, name, src, layout, socket, child=CHILD)
+    return coldstart.sample(mode, name, src, layout, socket, child=CHILD)
 
 
 def model_row(client, name: str) -> dict:
@@ -228,23 +228,14 @@ def measure_memory(client, nvml, uuid, idle_used, socket, name, src, layout, flo
              "weights_mib": weights / 2**20}]
     plan = [("floor", 1)] + [(mode, k) for k in counts for mode in ("ort-cuda", "gpu-attach-hit")]
     for mode, k in plan:
-        procs = [spawn(mode, name, src, floor if mode == "floor" else layout, socket, hold=True)
-                 for _ in range(k)]
-        try:
-            for p in procs:
-                if not p.stdout.readline():
-                    raise RuntimeError(f"memory client failed: {p.stderr.read()[-1500:]}")
+        with holding([spawn(mode, name, src, floor if mode == "floor" else layout, socket, hold=True)
+                      for _ in range(k)]):
             time.sleep(0.5)
             clients = nvml.used_bytes(uuid) - idle_used - daemon
             rows.append({"model": name, "mode": mode, "clients": k, "device_mib": clients / 2**20,
                          "per_client_mib": clients / k / 2**20, "weights_mib": weights / 2**20})
             log(f"memory {mode} k={k}: clients {clients / 2**20:.0f} MiB ({clients / k / 2**20:.0f} each), "
                 f"the daemon's arena {daemon / 2**20:.0f} MiB")
-        finally:
-            for p in procs:
-                p.stdin.close()
-            for p in procs:
-                p.wait(60)
     return rows
 
 

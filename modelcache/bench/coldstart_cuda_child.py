@@ -111,12 +111,8 @@ def main() -> None:
     if mode == "serve" and "onnxruntime" in sys.modules:
         raise SystemExit("serve mode imported onnxruntime")
 
-    feeds = {}
-    for i in sess.get_inputs():
-        shape = [d if isinstance(d, int) else 1 for d in i.shape]
-        dtype = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
-                 "tensor(bool)": np.bool_}[i.type]
-        feeds[i.name] = np.ones(shape, dtype)
+    from coldstart_child import ones_feeds   # beside this script (run as one: its folder is on sys.path)
+    feeds = ones_feeds(sess, np)
     if mode == "floor":
         sess.run(None, feeds)
         t_done = time.monotonic_ns()

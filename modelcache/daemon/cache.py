@@ -233,7 +233,7 @@ class CacheOps:
     def _start_add(self, ident, msg: P.Add, fds: list[int]):
         """Pack on a loader thread; the descriptors are closed when it is done."""
         opt_level = msg.opt_level or self.settings.opt_level
-        prepacked = self.settings.prepack if msg.prepack is None else msg.prepack
+        with_prepacked = self.settings.prepack if msg.prepack is None else msg.prepack
         version = msg.version if msg.version is not None else self.registry.next_version(msg.name, self.reserved_versions)
         if (msg.name, version) in self.registry.models or (msg.name, version) in self.reserved_versions:
             raise PackError(f"model {msg.name} version {version} already exists")
@@ -253,7 +253,8 @@ class CacheOps:
             try:
                 manifest = pack_in_subprocess(msg.path, self.repository.root, msg.name, version, opt_level,
                                               progress, on_start=lambda p: (started.append(p), self.packers.add(p)),
-                                              sources=(fds, msg.files), owner_uid=owner_uid, prepack=prepacked)
+                                              sources=(fds, msg.files), owner_uid=owner_uid,
+                                              with_prepacked=with_prepacked)
             finally:
                 close_all(fds)
                 for p in started:

@@ -188,17 +188,8 @@ def parse_system(data: dict, source: str = "system") -> System:
 
 
 def load_system(path: str | Path) -> System:
-    from ..config import _tomllib
-    tomllib = _tomllib()
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        raise SystemDescriptionError(f"system description {path} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
-        raise SystemDescriptionError(f"system description {path} is not valid TOML: {e}") from None
-    return parse_system(data, str(path))
+    from ..config import read_toml
+    return parse_system(read_toml(path, "system description", SystemDescriptionError), str(path))
 
 
 # -- writing -------------------------------------------------------------------------------
