@@ -180,6 +180,28 @@ def test_the_sweep_never_dies_on_one_client(tmp_path):
     assert set(daemon.registry.clients) == {odd.client_id, broken.client_id}   # the silent one went
 
 
+def test_the_sweep_counts_no_silence_while_the_loop_was_stopped_before_it(tmp_path):
+    """The pause between a turn's poll and the sweep is judged on the sweep's own clock reading: a check a
+    few calls earlier left a window, and a SIGSTOP landing in it dropped every live client (CI, once)."""
+    from modelcache.config import Settings
+    from modelcache.daemon.server import Daemon
+    daemon = Daemon(Settings(socket=f"ipc://{tmp_path}/s.sock", repository=str(tmp_path / "repo"), workers="1",
+                             lease_timeout_s=1.0))
+    now = [100.0]
+    daemon.clock = lambda: now[0]
+    live = daemon.registry.new_client(os.getpid(), "live", 100.0)
+    daemon.turn_at = 100.0                 # the poll returned, then the process stopped for 1.5 s
+    now[0] = 101.5
+    daemon.sweep_clients()
+    assert live.client_id in daemon.registry.clients
+    daemon.turn_at = now[0] = 102.0        # listening again; its beats are a moment away
+    daemon.sweep_clients()
+    assert live.client_id in daemon.registry.clients
+    daemon.turn_at = now[0] = 102.6        # a whole lease timeout after listening again, and still silent
+    daemon.sweep_clients()
+    assert live.client_id not in daemon.registry.clients
+
+
 # -- bounded input -------------------------------------------------------------------------------
 
 MiB = 1 << 20

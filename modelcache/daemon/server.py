@@ -94,6 +94,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         self.started = wall()
         # When the owner loop last came back from not listening (see serve_forever): silence before it is not counted.
         self.listening_since = float("-inf")
+        self.turn_at = float("inf")             # when the owner loop's poll last returned (see sweep_clients)
         self.stop_requested = False
         self.reload_requested = False
         self.pending: list = []                 # (future, done) of loader tasks, to answer them at stop
@@ -270,7 +271,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
                 wake_at = min(next_sweep, self.engine.next_wakeup() or next_sweep)  # a batching window ends
                 timeout_ms = max(0, int((wake_at - self.clock()) * 1000 + 0.999))
                 events = dict(poller.poll(min(timeout_ms, 250)))
-                turn_at = self.clock()
+                turn_at = self.turn_at = self.clock()
                 if turn_at - last_turn_at > self.settings.lease_timeout_s / 2:
                     # The loop was not listening (a long handler; the process stopped, swapped or starved):
                     # heartbeats sent meanwhile may still be on their way in through libzmq's I/O thread, and
@@ -297,9 +298,6 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
                         self.lane.on_ready(key, ready, self._handle)
                 self.engine.on_timer(self.clock())
                 if self.clock() >= next_sweep:
-                    if self.clock() - turn_at > self.settings.lease_timeout_s / 2:
-                        # Stopped after the poll and before this sweep: what arrived meanwhile is unread.
-                        self.listening_since = self.clock()
                     self._check_fds()
                     self.sweep_clients()
                     for key in self.engine.drop_idle(self.clock(), self.settings.serve_idle_s):
@@ -617,6 +615,11 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
     def sweep_clients(self) -> None:
         """Release the leases of clients that stopped sending heartbeats or whose process died."""
         now = self.clock()
+        if now - self.turn_at > self.settings.lease_timeout_s / 2:
+            # Stopped after this turn's poll and before this reading: what arrived meanwhile is unread. Judged
+            # on the same reading as the silence below: a check made a few calls earlier left a window (a
+            # SIGSTOP landing in _check_fds dropped every live client in CI).
+            self.listening_since = now
         for client in list(self.registry.clients.values()):
             try:
                 # A lane connection's client sends no heartbeats: the connection's end is its end.
