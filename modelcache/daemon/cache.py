@@ -106,6 +106,7 @@ class CacheOps:
                     self.repository.unreadable.pop((manifest.name, manifest.version), None)
                     if (manifest.name, manifest.version) not in self.registry.models:
                         self.registry.add_model(model_dir, manifest)
+                    self.counters["fetched"] += 1
                     log.info("model fetched: %s@%d from %s, %.1f MiB in %.2f s", manifest.name, manifest.version,
                              self.remote.url, manifest.weights_bytes / 2**20, seconds)
             for retry, fail_ in waiters:

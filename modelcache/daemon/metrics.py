@@ -89,7 +89,8 @@ def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, 
                        ("closes", "Leases closed by clients."), ("clients_lost", "Clients dropped for silence or death."),
                        ("adds", "Models added."), ("bad_messages", "Malformed requests refused."),
                        ("corrupt_detected", "Promotions refused because a stored file failed its checksum."),
-                       ("refetched", "Damaged versions fetched again from the remote store.")):
+                       ("refetched", "Damaged versions fetched again from the remote store."),
+                       ("fetched", "Versions fetched from the remote store on a miss.")):
         metric(f"modelcache_{key}_total", "counter", help_, [f"modelcache_{key}_total {counters.get(key, 0)}"])
     metric("modelcache_open_latency_seconds", "histogram", "Time from an open request to its reply.",
            open_latency.lines("modelcache_open_latency_seconds"))
