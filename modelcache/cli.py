@@ -510,6 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--models", nargs="+", default=["resnet50", "squeezenet1_1"])
     dm.set_defaults(func=cmd_demo)
 
+    from .cluster.cli import add_parser as add_cluster_parser   # (imports Ray only when run)
+    add_cluster_parser(sub)
+
     b = sub.add_parser("bench", help="benchmarks: `coldstart` (fresh FaaS processes, TrIMS-style), "
                                      "`tiers` (open latency per tier, promotion vs cp), "
                                      "`executor` (serve-mode overhead, throughput per scheduler), "

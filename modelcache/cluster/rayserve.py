@@ -65,16 +65,21 @@ class NodeDaemon:
         self.log_path = log_path or os.path.join(tempfile.gettempdir(), f"modelcache-{self.node_id[:12]}.log")
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
+        self.restarting = True           # False: a daemon that dies stays down (see set_restarts)
         self._stopping = False
         if not _answers(self.address):
-            self._start()
-            threading.Thread(target=self._supervise, name="modelcache-supervise", daemon=True).start()
+            started = threading.Event()
+            self._start_error: Exception | None = None
+            threading.Thread(target=self._supervise, args=(started,), name="modelcache-supervise", daemon=True).start()
+            started.wait()
+            if self._start_error is not None:
+                raise self._start_error
 
     def _start(self, timeout_s: float = 60.0) -> None:
         env = {**os.environ, **{f"MODELCACHE_{k.upper()}": v for k, v in self.settings.items()}}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "modelcache.cli", "daemon"], env=env,
-                                         stdout=subprocess.PIPE, stderr=log)
+                                         stdout=subprocess.PIPE, stderr=log, preexec_fn=_stop_with_parent)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and self.proc.poll() is None:
             if select.select([self.proc.stdout], [], [], 0.5)[0]:
@@ -82,19 +87,32 @@ class NodeDaemon:
                     return
         raise RuntimeError(f"the modelcache daemon on node {self.node_id} did not get ready; its log: {self.log_path}")
 
-    def _supervise(self) -> None:
-        """Restart our daemon when it dies (it re-adopts the host tier a crash leaves), as systemd's unit does."""
+    def _supervise(self, started: threading.Event) -> None:
+        """Start our daemon, and restart it when it dies (it re-adopts the host tier a crash leaves), as the
+        systemd unit does. This thread is the daemon's parent: if the actor dies, the daemon gets SIGTERM."""
         backoff_s = 0.2
         while not self._stopping:
-            time.sleep(0.2)
-            if self.proc is not None and self.proc.poll() is not None and not self._stopping:
-                time.sleep(backoff_s)
+            dead = self.proc is None or self.proc.poll() is not None
+            if dead and not self._stopping and (self.restarting or self.proc is None):
+                restart = self.proc is not None
                 try:
                     self._start()
-                    self.restarts += 1
+                    self.restarts += restart
                     backoff_s = 0.2
-                except Exception:
+                except Exception as e:
+                    if not started.is_set():
+                        self._start_error = e
+                        started.set()
+                        return
+                    time.sleep(backoff_s)
                     backoff_s = min(backoff_s * 2, 5.0)
+                started.set()
+            time.sleep(0.2)
+
+    def set_restarts(self, enabled: bool) -> None:
+        """Whether a daemon that dies is restarted (on by default). Off: it stays down until turned on again,
+        e.g. while a node is being looked at; requests for that node go to others meanwhile."""
+        self.restarting = enabled
 
     def info(self) -> dict:
         return {"node_id": self.node_id, "address": self.address, "owned": self.proc is not None,
@@ -121,6 +139,14 @@ class NodeDaemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def _stop_with_parent() -> None:
+    """In the daemon's process before exec: SIGTERM when the thread that started it dies (Linux), so a killed
+    actor (a cluster shut down, a node drained) never leaves a daemon and its host tier behind."""
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def start_daemons(settings=None) -> list[dict]:
@@ -179,14 +205,9 @@ class LocalityRouter(FIFOMixin, MultiplexMixin, RequestRouter):
         avoid = set((pending_request.kwargs or {}).get("avoid", ()))
         replicas = [r for r in candidate_replicas if r.node_id not in avoid] or candidate_replicas
         by_id = {r.replica_id.unique_id: r for r in replicas}
-        views = [self._view(r) for r in replicas]
-        return [[by_id[i] for i in group] for group in self.policy.rank(model, views)]
-
-    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
-        model = pending_request.metadata.multiplexed_model_id
-        replica = next((r for r in self._replicas_list if r.replica_id == replica_id), None)
-        if model and replica is not None:
-            self.policy.routed(model, self._view(replica))
+        # One replica per rank: Serve tries them in this order (a full one is skipped), and the policy takes the
+        # first as where the request goes. (on_request_routed is only called under strict max_ongoing_requests.)
+        return [[by_id[i]] for i in self.policy.order(model, [self._view(r) for r in replicas])]
 
 
 class ModelcacheReplica:
@@ -199,7 +220,7 @@ class ModelcacheReplica:
         self.address = ray.get(actor.info.remote())["address"]
         self.client = connect(self.address)
         self.in_flight = 0
-        self.service_ms = 10.0            # a moving mean of time per request, for the router's queue estimate
+        self.service_ms = 10.0            # a moving mean of a warm request's time, for the router's queue estimate
         ctx = serve.get_replica_context()
         self._handle = serve.get_deployment_handle(ctx.deployment, ctx.app_name)
 
@@ -232,7 +253,8 @@ class ModelcacheReplica:
         finally:
             self.in_flight -= 1
         elapsed_ms = 1000 * (time.perf_counter() - started)
-        self.service_ms += 0.2 * (elapsed_ms - self.service_ms)
+        if tier in WARM_TIERS:    # the time a queued request waits for: loads are priced by the router apart
+            self.service_ms += 0.2 * (elapsed_ms - self.service_ms)
         return {"outputs": outputs, "node": self.node_id, "tier": tier, "warm": tier in WARM_TIERS,
                 "ms": elapsed_ms, "failed_over_from": list(avoid)}
 

@@ -3,7 +3,7 @@
 A node's view is what its daemon's stats say (`NodeView.from_stats`): which tier holds each model, and the
 node's queue. The estimated cost of sending a request for model m to node n is
 
-    open_ms(tier of m on n) + queue(n) * service_ms(n)
+    open_ms(tier of m on n) + (queue(n) - 1/2) * service_ms(n)
 
 where a host (or GPU) hit costs about a millisecond, a disk miss the time to read and check the weights,
 and a remote miss the time to fetch them first (benchmarks/tiers: ResNet-50 1.0 / 53.5 / 508 ms).
@@ -16,6 +16,7 @@ starting loads of m on every node.
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -27,7 +28,7 @@ class OpenCosts:
     """What opening a model costs by the tier it is in. Defaults from `modelcache bench tiers` here."""
 
     warm_ms: float = 1.0                   # host (or GPU) tier: the weights are mapped
-    miss_ms: float = 5.0                   # fixed part of any miss: a promotion's bookkeeping, a session
+    miss_ms: float = 20.0                  # fixed part of any miss: promotion bookkeeping, the serve session
     disk_bytes_per_s: float = 2.0e9        # reading and checking a packed version from the repository
     remote_bytes_per_s: float = 2.0e8      # fetching it from the remote store first (then the disk read)
     default_bytes: int = 100 << 20         # a model no node has listed yet
@@ -99,7 +100,10 @@ class LocalityPolicy:
         tier = node.tiers.get(model)
         if tier not in WARM_TIERS and self.clock() - self._warming.get((model, node.node_id), -1e18) < self.remember_s:
             tier = "host"                  # a load is under way there, or just finished: its stats are late
-        return self.costs.open_ms(tier, node.sizes.get(model, size)) + node.queue * node.service_ms
+        # The wait behind the queue: the request being served is on average half done. (Serve's queue-length
+        # cache also lags its completion callbacks: a replica that just answered still counts that request.)
+        wait_ms = max(0.0, node.queue - 0.5) * node.service_ms
+        return self.costs.open_ms(tier, node.sizes.get(model, size)) + wait_ms
 
     def rank(self, model: str, nodes: list) -> list:
         """Node ids grouped by estimated cost, cheapest group first; nodes that are down come last."""
@@ -108,6 +112,17 @@ class LocalityPolicy:
         for node in nodes:
             scored.setdefault(round(self.estimate_ms(model, node, size), 3), []).append(node.node_id)
         return [scored[cost] for cost in sorted(scored)]
+
+    def order(self, model: str, nodes: list, rng: random.Random | None = None) -> list:
+        """Every node id, best first (ties in random order, so equal nodes share the load); the first is taken
+        to be where the request goes (`routed`): Serve moves on to the next only when it is full."""
+        rng = rng or random
+        ordered = []
+        for group in self.rank(model, nodes):
+            ordered += rng.sample(group, len(group))
+        if ordered:
+            self.routed(model, next(n for n in nodes if n.node_id == ordered[0]))
+        return ordered
 
     def routed(self, model: str, node: NodeView) -> None:
         """A request for `model` was sent to `node`: if it was a miss there, that node is now warming it."""
