@@ -114,3 +114,17 @@ def test_node_view_from_daemon_stats_takes_the_latest_version_and_gpu_residency(
     assert (view.queue, view.service_ms, view.host_used, view.host_capacity) == (2, 4.0, 40, 100)
     assert view.tier_of("absent") == "remote"
     assert NodeView.from_dict(view.to_dict()) == view
+
+
+def test_a_miss_goes_where_the_model_fits_rather_than_where_it_evicts():
+    policy = LocalityPolicy(clock=Clock())
+    full = NodeView(node_id="full", host_used=100 * MiB, host_capacity=110 * MiB)
+    roomy = NodeView(node_id="roomy", host_used=20 * MiB, host_capacity=110 * MiB)
+    assert policy.rank("m", [full, roomy]) == [["roomy"], ["full"]]     # 100 MiB (unknown size): 10 vs 90 short
+    assert policy.estimate_ms("m", roomy, 40 * MiB) == policy.estimate_ms("m", NodeView(node_id="empty"), 40 * MiB)
+    # a copy on the full node's disk still beats fetching it to the roomy one
+    full.tiers, full.sizes = {"m": "disk"}, {"m": 40 * MiB}
+    assert policy.rank("m", [roomy, full])[0] == ["full"]
+    # and a warm node pays nothing for room: it loads nothing
+    full.tiers = {"m": "host"}
+    assert policy.estimate_ms("m", full) == policy.costs.warm_ms

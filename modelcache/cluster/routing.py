@@ -3,7 +3,7 @@
 A node's view is what its daemon's stats say (`NodeView.from_stats`): which tier holds each model, and the
 node's queue. The estimated cost of sending a request for model m to node n is
 
-    open_ms(tier of m on n) + (queue(n) - 1/2) * service_ms(n)
+    open_ms(tier of m on n) + (queue(n) - 1/2) * service_ms(n) [+ reading back what a miss would evict]
 
 where a host (or GPU) hit costs about a millisecond, a disk miss the time to read and check the weights,
 and a remote miss the time to fetch them first (benchmarks/tiers: ResNet-50 1.0 / 53.5 / 508 ms).
@@ -103,7 +103,15 @@ class LocalityPolicy:
         # The wait behind the queue: the request being served is on average half done. (Serve's queue-length
         # cache also lags its completion callbacks: a replica that just answered still counts that request.)
         wait_ms = max(0.0, node.queue - 0.5) * node.service_ms
-        return self.costs.open_ms(tier, node.sizes.get(model, size)) + wait_ms
+        size = node.sizes.get(model, size)
+        cost = self.costs.open_ms(tier, size) + wait_ms
+        if tier not in WARM_TIERS and node.host_capacity:
+            # A load that does not fit evicts models warm there, and their next requests pay a miss: priced as
+            # reading those bytes back once, so that a miss goes where there is room, not where it evicts.
+            short = (self.costs.default_bytes if size is None else size) - (node.host_capacity - node.host_used)
+            if short > 0:
+                cost += self.costs.open_ms("disk", short)
+        return cost
 
     def rank(self, model: str, nodes: list) -> list:
         """Node ids grouped by estimated cost, cheapest group first; nodes that are down come last."""
