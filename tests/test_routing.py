@@ -128,3 +128,16 @@ def test_a_miss_goes_where_the_model_fits_rather_than_where_it_evicts():
     # and a warm node pays nothing for room: it loads nothing
     full.tiers = {"m": "host"}
     assert policy.estimate_ms("m", full) == policy.costs.warm_ms
+
+
+def test_misses_just_sent_to_a_node_count_against_its_room_until_its_stats_show_them():
+    clock = Clock()
+    policy = LocalityPolicy(clock=clock)
+    a = NodeView(node_id="a", host_capacity=100 * MiB)
+    b = NodeView(node_id="b", host_capacity=100 * MiB)
+    policy.routed("m1", a, 60 * MiB)                  # a is loading 60 MiB its stats do not show yet
+    assert policy.rank("m2", [a, b]) == [["b"], ["a"]]
+    a.tiers, a.sizes, a.host_used = {"m1": "host"}, {"m1": 60 * MiB}, 60 * MiB     # the stats caught up
+    assert policy._loading_bytes(a) == 0
+    clock.now += 10
+    assert policy._live_warming() == {}

@@ -92,13 +92,13 @@ class LocalityPolicy:
         self.costs = costs or OpenCosts()
         self.remember_s = remember_s
         self.clock = clock
-        self._warming: dict = {}          # (model, node_id) -> when a miss for it was sent there
+        self._warming: dict = {}          # (model, node_id) -> (when a miss for it was sent there, its bytes)
 
     def estimate_ms(self, model: str, node: NodeView, size: int | None = None) -> float:
         if not node.up:
             return float("inf")
         tier = node.tiers.get(model)
-        if tier not in WARM_TIERS and self.clock() - self._warming.get((model, node.node_id), -1e18) < self.remember_s:
+        if tier not in WARM_TIERS and (model, node.node_id) in self._live_warming():
             tier = "host"                  # a load is under way there, or just finished: its stats are late
         # The wait behind the queue: the request being served is on average half done. (Serve's queue-length
         # cache also lags its completion callbacks: a replica that just answered still counts that request.)
@@ -108,10 +108,20 @@ class LocalityPolicy:
         if tier not in WARM_TIERS and node.host_capacity:
             # A load that does not fit evicts models warm there, and their next requests pay a miss: priced as
             # reading those bytes back once, so that a miss goes where there is room, not where it evicts.
-            short = (self.costs.default_bytes if size is None else size) - (node.host_capacity - node.host_used)
+            free = node.host_capacity - node.host_used - self._loading_bytes(node)
+            short = (self.costs.default_bytes if size is None else size) - free
             if short > 0:
                 cost += self.costs.open_ms("disk", short)
         return cost
+
+    def _live_warming(self) -> dict:
+        now = self.clock()
+        return {k: v for k, v in self._warming.items() if now - v[0] < self.remember_s}
+
+    def _loading_bytes(self, node: NodeView) -> int:
+        """Bytes of the misses just sent to `node` that its stats do not show yet: its room is that much less."""
+        return sum(size for (model, node_id), (_, size) in self._live_warming().items()
+                   if node_id == node.node_id and node.tiers.get(model) not in WARM_TIERS)
 
     def rank(self, model: str, nodes: list) -> list:
         """Node ids grouped by estimated cost, cheapest group first; nodes that are down come last."""
@@ -129,14 +139,15 @@ class LocalityPolicy:
         for group in self.rank(model, nodes):
             ordered += rng.sample(group, len(group))
         if ordered:
-            self.routed(model, next(n for n in nodes if n.node_id == ordered[0]))
+            size = next((n.sizes[model] for n in nodes if model in n.sizes), None)
+            self.routed(model, next(n for n in nodes if n.node_id == ordered[0]), size)
         return ordered
 
-    def routed(self, model: str, node: NodeView) -> None:
+    def routed(self, model: str, node: NodeView, size: int | None = None) -> None:
         """A request for `model` was sent to `node`: if it was a miss there, that node is now warming it."""
         now = self.clock()
-        if node.tiers.get(model) not in WARM_TIERS:
-            self._warming[(model, node.node_id)] = now
+        if node.tiers.get(model) not in WARM_TIERS and (model, node.node_id) not in self._live_warming():
+            size = node.sizes.get(model, size)
+            self._warming[(model, node.node_id)] = (now, self.costs.default_bytes if size is None else size)
         # forget what is old, so the table stays as small as the set of models in motion
-        for key in [k for k, t in self._warming.items() if now - t >= self.remember_s]:
-            del self._warming[key]
+        self._warming = self._live_warming()
