@@ -294,6 +294,13 @@ def main(argv=None) -> int:
         print(f"{len(sizes)} models, {total / 2**20:.0f} MB in all; host tier per node: {host_capacity / 2**20:.0f} "
               f"MB (a third); popularity ranks: {', '.join(by_rank)}", flush=True)
         schedule = trace(by_rank, args.requests, args.zipf, args.rate, args.seed)
+
+        def collect(partial=False):
+            return {"args": vars(args), "models": sizes, "popularity_order": by_rank, "total_mb": total / 2**20,
+                    "host_capacity_mb": host_capacity / 2**20, "warmup": warmup,
+                    "machine": f"{os.cpu_count()} cores, {NODES} Ray nodes of 1 CPU each on it",
+                    "partial": partial, "runs": runs,
+                    "summary": summarize(runs, [m for m in args.modes if any(r["mode"] == m for r in runs)])}
         warmup = int(args.warmup * len(schedule))
 
         t0 = time.perf_counter()
@@ -315,6 +322,9 @@ def main(argv=None) -> int:
                       f"{run['p50_ms']:.1f} ms, p99 {run['p99_ms']:.1f} ms, remote fetches {run['remote_fetches']}, "
                       f"errors {run['errors']} ({time.perf_counter() - t0:.0f} s)", flush=True)
                 shutil.rmtree(tmp / f"r{repeat}-{mode}", ignore_errors=True)
+                if args.out:               # what is done so far survives a cluster killed under us
+                    Path(args.out).mkdir(parents=True, exist_ok=True)
+                    (Path(args.out) / "results.json").write_text(json.dumps(collect(partial=True), indent=1))
     finally:
         try:
             serve.shutdown()
@@ -330,10 +340,7 @@ def main(argv=None) -> int:
             cluster.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
 
-    data = {"args": vars(args), "models": sizes, "popularity_order": by_rank, "total_mb": total / 2**20,
-            "host_capacity_mb": host_capacity / 2**20, "warmup": warmup,
-            "machine": f"{os.cpu_count()} cores, {NODES} Ray nodes of 1 CPU each on it",
-            "runs": runs, "summary": summarize(runs, args.modes)}
+    data = collect()
     print()
     report(data)
     save_results(args.out, "cluster", argv, data, report)
