@@ -241,10 +241,13 @@ def report(data: dict, f=sys.stdout) -> None:
               f"{summary(s['remote_fetches']):>18} {sum(s['errors']):>6}", file=f)
     r = data["summary"]["ratios"]
     if r:
-        print(f"warm-hit fraction locality/default: {summary(r['warm_locality_over_default'])}x (target >= 2x: "
+        def ratio(values):
+            med = statistics.median(values)
+            return f"{med:.2f} [{min(values):.2f}-{max(values):.2f}]" if len(values) > 1 else f"{med:.2f}"
+        print(f"warm-hit fraction locality/default: {ratio(r['warm_locality_over_default'])}x (target >= 2x: "
               f"{'met' if r['warm_target_met'] else 'NOT met'}); p99 default/locality: "
-              f"{summary(r['p99_default_over_locality'])}x (target >= 3x: {'met' if r['p99_target_met'] else 'NOT met'})",
-              file=f)
+              f"{ratio(r['p99_default_over_locality'])}x (target >= 3x: {'met' if r['p99_target_met'] else 'NOT met'})"
+              " (ratios per repeat, then the median)", file=f)
     for run in data["runs"]:
         nodes = "; ".join(f"{n['node']} {n['requests']} req, {n['fetched']} fetched, host "
                           f"{len(n['models'].get('host', []))} models"
