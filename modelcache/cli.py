@@ -354,7 +354,7 @@ def cmd_demo(args) -> int:
 
 BENCHMARKS = ("coldstart", "open", "tiers", "executor", "serve", "transport", "binding", "servepath",
               "conformance", "restart", "hashes", "fuzz", "soak", "placement", "placement_check",
-              "halfweights", "pagefaults", "http", "prepack")  # modules of modelcache.bench
+              "halfweights", "pagefaults", "http", "prepack", "cluster")  # modules of modelcache.bench
 
 
 def cmd_bench(args) -> int:
@@ -524,7 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "`prepack` (shared pre-packed MatMul weights vs none, side by side), "
                                      "`fuzz` (malformed messages on both sockets), "
                                      "`soak` (many clients, churn and eviction for minutes), "
-                                     "`http` (what the v2 HTTP front adds over the lane)",
+                                     "`http` (what the v2 HTTP front adds over the lane), "
+                                     "`cluster` (locality-aware vs Ray Serve's default routing on a 3-node Ray "
+                                     "cluster, Zipf/Poisson trace)",
                        description="Benchmarks print figures; options after the name go to the benchmark "
                                    "(`modelcache bench coldstart --help`).")
     b.add_argument("which", choices=BENCHMARKS)
