@@ -117,32 +117,15 @@ def build_store(store: Path, n: int, seed: int) -> dict:
 
 # -- one run: fresh daemons and app, the trace replayed open-loop -------------------------------------------
 
-def _node_index(node: dict) -> int:
-    return next(int(k[len("mc_node"):]) for k in node["Resources"] if k.startswith("mc_node"))
-
-
-def _wait_no_daemons(timeout_s: float = 30.0) -> None:
-    from ..cluster import rayserve
-    deadline = time.monotonic() + timeout_s
-    while rayserve.daemon_actors() and time.monotonic() < deadline:
-        time.sleep(0.2)
-
-
 def run_mode(mode: str, schedule: list, warmup: int, store: Path, work: Path, host_capacity: int) -> dict:
     from ray import serve
 
-    from ..cluster import rayserve
+    from ..cluster import local, rayserve
     router, multiplexed = MODES[mode]
     work.mkdir(parents=True)
 
-    def settings(node):
-        d = work / f"n{_node_index(node)}"
-        d.mkdir(exist_ok=True)
-        return {"socket": f"ipc://{d}/daemon.sock", "repository": str(d / "repo"), "remote": f"file://{store}",
-                "host_capacity": str(host_capacity), "workers": "1", "config": "", "log_level": "warning"}
-
     inputs = {"ids": np.arange(IDS, dtype=np.int64).reshape(1, IDS)}
-    rayserve.start_daemons(settings)
+    local.start_node_daemons(work, remote=f"file://{store}", host_capacity=str(host_capacity), log_level="warning")
     try:
         handle = rayserve.deploy(router=router)
         try:
@@ -179,7 +162,6 @@ def run_mode(mode: str, schedule: list, warmup: int, store: Path, work: Path, ho
             serve.delete(rayserve.APP_NAME)
     finally:
         rayserve.stop_daemons()
-        _wait_no_daemons()
     for i, row in enumerate(results):
         row["model"] = schedule[i][1]
     measured = [r for r in results[warmup:] if "error" not in r]
@@ -279,14 +261,9 @@ def main(argv=None) -> int:
 
     import os
 
-    import ray
-    from ray import serve
-    from ray.cluster_utils import Cluster
-
-    from ..cluster import rayserve
+    from ..cluster import local
 
     tmp = Path(tempfile.mkdtemp(prefix="modelcache-cluster-"))
-    cluster = None
     runs = []
     try:
         sizes = build_store(tmp / "store", args.models, args.seed)
@@ -297,6 +274,7 @@ def main(argv=None) -> int:
         print(f"{len(sizes)} models, {total / 2**20:.0f} MB in all; host tier per node: {host_capacity / 2**20:.0f} "
               f"MB (a third); popularity ranks: {', '.join(by_rank)}", flush=True)
         schedule = trace(by_rank, args.requests, args.zipf, args.rate, args.seed)
+        warmup = int(args.warmup * len(schedule))
 
         def collect(partial=False):
             return {"args": vars(args), "models": sizes, "popularity_order": by_rank, "total_mb": total / 2**20,
@@ -304,43 +282,27 @@ def main(argv=None) -> int:
                     "machine": f"{os.cpu_count()} cores, {NODES} Ray nodes of 1 CPU each on it",
                     "partial": partial, "runs": runs,
                     "summary": summarize(runs, [m for m in args.modes if any(r["mode"] == m for r in runs)])}
-        warmup = int(args.warmup * len(schedule))
 
         t0 = time.perf_counter()
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"mc_node0": 1}})
-        for i in range(1, NODES):
-            cluster.add_node(num_cpus=1, resources={f"mc_node{i}": 1})
-        ray.init(address=cluster.address, namespace="modelcache-bench", log_to_driver=False)
-        cluster.wait_for_nodes()
-        print(f"ray cluster of {NODES} nodes up in {time.perf_counter() - t0:.1f} s", flush=True)
-        for repeat in range(args.repeats):
-            for mode in args.modes:
-                t0 = time.perf_counter()
-                run = run_mode(mode, schedule, warmup, tmp / "store", tmp / f"r{repeat}-{mode}", host_capacity)
-                run["repeat"] = repeat
-                if not args.samples:
-                    run.pop("samples")
-                runs.append(run)
-                print(f"{mode:<18} repeat {repeat}: warm-hit {100 * run['warm_fraction']:.1f} %, p50 "
-                      f"{run['p50_ms']:.1f} ms, p99 {run['p99_ms']:.1f} ms, remote fetches {run['remote_fetches']}, "
-                      f"errors {run['errors']} ({time.perf_counter() - t0:.0f} s)", flush=True)
-                shutil.rmtree(tmp / f"r{repeat}-{mode}", ignore_errors=True)
-                if args.out:               # what is done so far survives a cluster killed under us
-                    Path(args.out).mkdir(parents=True, exist_ok=True)
-                    (Path(args.out) / "results.json").write_text(json.dumps(collect(partial=True), indent=1))
+        with local.ray_cluster(NODES):
+            print(f"ray cluster of {NODES} nodes up in {time.perf_counter() - t0:.1f} s", flush=True)
+            for repeat in range(args.repeats):
+                for mode in args.modes:
+                    t0 = time.perf_counter()
+                    run = run_mode(mode, schedule, warmup, tmp / "store", tmp / f"r{repeat}-{mode}", host_capacity)
+                    run["repeat"] = repeat
+                    if not args.samples:
+                        run.pop("samples")
+                    runs.append(run)
+                    print(f"{mode:<18} repeat {repeat}: warm-hit {100 * run['warm_fraction']:.1f} %, p50 "
+                          f"{run['p50_ms']:.1f} ms, p99 {run['p99_ms']:.1f} ms, remote fetches "
+                          f"{run['remote_fetches']}, errors {run['errors']} ({time.perf_counter() - t0:.0f} s)",
+                          flush=True)
+                    shutil.rmtree(tmp / f"r{repeat}-{mode}", ignore_errors=True)
+                    if args.out:               # what is done so far survives a cluster killed under us
+                        Path(args.out).mkdir(parents=True, exist_ok=True)
+                        (Path(args.out) / "results.json").write_text(json.dumps(collect(partial=True), indent=1))
     finally:
-        try:
-            serve.shutdown()
-        except Exception:
-            pass
-        if ray.is_initialized():
-            try:
-                rayserve.stop_daemons()
-            except Exception:
-                pass
-            ray.shutdown()
-        if cluster is not None:
-            cluster.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
 
     data = collect()

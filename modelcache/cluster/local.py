@@ -24,23 +24,14 @@ def node_index(node: dict) -> int:
 
 
 @contextlib.contextmanager
-def local_cluster(root: Path, nodes: int = 3, remote: str = "", host_capacity: str = "64M", **settings):
-    """Yields the Cluster, connected and with a daemon per node; stops the app, the daemons and Ray after."""
-    root = Path(root)
+def ray_cluster(nodes: int = 3):
+    """Yields a connected Cluster of `nodes` one-CPU nodes; after: the Serve app, the daemons and Ray stopped."""
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {f"{NODE_RESOURCE}0": 1}})
     try:
         for i in range(1, nodes):
             cluster.add_node(num_cpus=1, resources={f"{NODE_RESOURCE}{i}": 1})
         ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
-
-        def node_settings(node: dict) -> dict:
-            home = root / f"node{node_index(node)}"
-            home.mkdir(parents=True, exist_ok=True)
-            return {"socket": f"ipc://{home}/daemon.sock", "repository": str(home / "repo"), "remote": remote,
-                    "host_capacity": host_capacity, "workers": "1", "config": "", **settings}
-
-        rayserve.start_daemons(node_settings)
         yield cluster
     finally:
         try:
@@ -55,10 +46,30 @@ def local_cluster(root: Path, nodes: int = 3, remote: str = "", host_capacity: s
             cluster.shutdown()
 
 
-def daemon_of(node_index_: int) -> dict:
-    """The info (node id, address, pid) of local node i's daemon."""
+def start_node_daemons(root: Path, remote: str = "", host_capacity: str = "64M", **settings) -> list:
+    """A daemon on every node of a `ray_cluster`, node i's under root/node<i>; returns their infos."""
+    root = Path(root)
+
+    def node_settings(node: dict) -> dict:
+        home = root / f"node{node_index(node)}"
+        home.mkdir(parents=True, exist_ok=True)
+        return {"socket": f"ipc://{home}/daemon.sock", "repository": str(home / "repo"), "remote": remote,
+                "host_capacity": str(host_capacity), "workers": "1", "config": "", **settings}
+
+    return rayserve.start_daemons(node_settings)
+
+
+@contextlib.contextmanager
+def local_cluster(root: Path, nodes: int = 3, remote: str = "", host_capacity: str = "64M", **settings):
+    """A `ray_cluster` with a daemon per node (see start_node_daemons)."""
+    with ray_cluster(nodes) as cluster:
+        start_node_daemons(root, remote, host_capacity, **settings)
+        yield cluster
+
+
+def daemon_of(index: int) -> dict:
+    """The info (node id, address, pid, restarts) of local node `index`'s daemon."""
     for node in ray.nodes():
-        if node["Alive"] and node_index(node) == node_index_:
-            actor = rayserve.daemon_actors()[node["NodeID"]]
-            return ray.get(actor.info.remote())
-    raise LookupError(f"no node {node_index_} in this cluster")
+        if node["Alive"] and node_index(node) == index:
+            return ray.get(rayserve.daemon_actors()[node["NodeID"]].info.remote())
+    raise LookupError(f"no node {index} in this cluster")

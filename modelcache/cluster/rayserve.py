@@ -62,7 +62,7 @@ class NodeDaemon:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.settings = {k: str(v) for k, v in settings.items()}
         self.address = Settings(socket=self.settings.get("socket", "")).socket
-        self.log_path = log_path or os.path.join(tempfile.gettempdir(), f"modelcache-{self.node_id[:12]}.log")
+        self.log_path = log_path or os.path.join(_ray_logs_dir(), f"modelcache-daemon-{self.node_id[:12]}.log")
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self.restarting = True           # False: a daemon that dies stays down (see set_restarts)
@@ -141,6 +141,14 @@ class NodeDaemon:
                 self.proc.wait()
 
 
+def _ray_logs_dir() -> str:
+    """The Ray session's log directory (with the raylet's and workers' logs, and cleaned up with them)."""
+    try:
+        return ray._private.worker.global_worker.node.get_logs_dir_path()
+    except Exception:   # (a private API: should it move, the temp dir)
+        return tempfile.gettempdir()
+
+
 def _stop_with_parent() -> None:
     """In the daemon's process before exec: SIGTERM when the thread that started it dies (Linux), so a killed
     actor (a cluster shut down, a node drained) never leaves a daemon and its host tier behind."""
@@ -174,11 +182,16 @@ def daemon_actors() -> dict:
     return actors
 
 
-def stop_daemons() -> int:
+def stop_daemons(timeout_s: float = 30.0) -> int:
+    """Stop every NodeDaemon (and the daemons they started); returns once their names are free again, so a
+    start_daemons right after makes new ones rather than finding the dying ones."""
     actors = daemon_actors()
     ray.get([a.stop.remote() for a in actors.values()])
     for a in actors.values():
         ray.kill(a)
+    deadline = time.monotonic() + timeout_s
+    while daemon_actors() and time.monotonic() < deadline:
+        time.sleep(0.1)
     return len(actors)
 
 
