@@ -212,7 +212,7 @@ def summarize(runs: list, modes: list) -> dict:
 def report(data: dict, f=sys.stdout) -> None:
     a = data["args"]
     print(f"{a['models']} embedding models ({data['total_mb']:.0f} MB in all), host tier {data['host_capacity_mb']:.0f} "
-          f"MB per node (a third), {NODES} nodes; {a['requests']} requests, Zipf s={a['zipf']}, Poisson "
+          f"MB per node ({data['host_capacity_mb'] / data['total_mb']:.2f} of all), {NODES} nodes; {a['requests']} requests, Zipf s={a['zipf']}, Poisson "
           f"{a['rate']}/s; the first {data['warmup']} requests are warm-up, left out of hits and latency; "
           f"{a['repeats']} repeat(s): median [min-max]", file=f)
     print(f"{'mode':<18} {'requests':>8} {'warm-hit':>18} {'p50 ms':>20} {'p99 ms':>22} {'remote fetches':>18}"
@@ -250,6 +250,9 @@ def main(argv=None) -> int:
     ap.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent s of model popularity")
     ap.add_argument("--rate", type=float, default=8.0, help="mean arrivals per second (Poisson)")
     ap.add_argument("--warmup", type=float, default=0.2, help="fraction of the trace left out of the figures")
+    ap.add_argument("--host-fraction", type=float, default=1 / NODES,
+                    help="each node's host tier, as a fraction of all the models' bytes (default: a third, so the "
+                         "three tiers together hold every model only if they pack perfectly)")
     ap.add_argument("--repeats", type=int, default=3, help="runs of every mode, interleaved (same trace)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
@@ -270,9 +273,9 @@ def main(argv=None) -> int:
         rng = np.random.default_rng(args.seed + 1)
         by_rank = [list(sizes)[i] for i in rng.permutation(len(sizes))]      # popularity independent of size
         total = sum(sizes.values())
-        host_capacity = total // NODES
+        host_capacity = int(total * args.host_fraction)
         print(f"{len(sizes)} models, {total / 2**20:.0f} MB in all; host tier per node: {host_capacity / 2**20:.0f} "
-              f"MB (a third); popularity ranks: {', '.join(by_rank)}", flush=True)
+              f"MB ({args.host_fraction:.2f} of the models' bytes); popularity ranks: {', '.join(by_rank)}", flush=True)
         schedule = trace(by_rank, args.requests, args.zipf, args.rate, args.seed)
         warmup = int(args.warmup * len(schedule))
 
