@@ -76,6 +76,16 @@ def profile_nodes(skeleton: Path, feeds: dict, threads: int, runs: int = 3, min_
     `runs` runs, and more (up to `max_runs`) until they have taken `min_s` seconds: another process's
     burst that stretches a multi-thread run lasts a second or more, so runs spread over a few seconds
     have fast ones to keep (fastest_runs) where a handful taken in a fraction of a second may have none."""
+    times, args = node_times(skeleton, feeds, threads, runs, min_s, max_runs)
+    keep = fastest_runs(times)
+    return {name: {"op": args[name].get("op_name", "?"),
+                   "seconds": statistics.median([t[i] for i in keep if i < len(t)] or t),
+                   "args": args[name]} for name, t in times.items()}
+
+
+def node_times(skeleton: Path, feeds: dict, threads: int, runs: int = 3, min_s: float = MIN_PROFILE_S,
+               max_runs: int = MAX_PROFILE_RUNS) -> tuple[dict[str, list], dict[str, dict]]:
+    """(name -> its kernel seconds in each run, the warm-up first; name -> the profiler's args): profile_nodes' runs."""
     import onnxruntime as ort
     from ..session_options import attach_session_options
 
@@ -109,10 +119,7 @@ def profile_nodes(skeleton: Path, feeds: dict, threads: int, runs: int = 3, min_
             name = e["name"][: -len("_kernel_time")]
             times.setdefault(name, []).append(float(e.get("dur", 0)) * 1e-6)
             args[name] = e.get("args", {})
-    keep = fastest_runs(times)
-    return {name: {"op": args[name].get("op_name", "?"),
-                   "seconds": statistics.median([t[i] for i in keep if i < len(t)] or t),
-                   "args": args[name]} for name, t in times.items()}
+    return times, args
 
 
 def fastest_runs(times: dict[str, list]) -> list[int]:
