@@ -65,3 +65,14 @@ def test_report_reads_rows_with_and_without_cpu_figures():
         out = io.StringIO()
         report(json.loads(COMMITTED.read_text()), out)
         assert "within 10 %" in out.getvalue()
+
+
+def test_speed_drift_is_the_daemons_stage_runs_against_the_profiles():
+    from modelcache.bench.placement_check import line, speed_drift
+    r = row(0.0, 0)
+    assert speed_drift(r) is None
+    r["stage_s"] = {"profiled": [0.020, 0.030], "served_solo": [0.025, 0.030], "served_loaded": [0.020, 0.025]}
+    assert speed_drift(r) == pytest.approx((0.1, -0.1))
+    assert "stage runs vs the profile: solo +10.0 %, load -10.0 %" in line(r)
+    r["stage_s"]["served_loaded"] = [None, 0.03]
+    assert speed_drift(r) is None

@@ -199,6 +199,19 @@ def quietest(measure, args) -> dict:
     return row
 
 
+def speed_drift(r: dict) -> tuple | None:
+    """The daemon's stage runs, solo and under load, against the profile's for the same stages (sums; None
+    when not recorded). The profile is taken seconds before the solo requests and the load: on a VM whose
+    speed moves with nothing visible in it (benchmarks/placement/check/speed_probe.py: no other process,
+    no steal, 2-thread MatMul 130 -> 80 GFLOP/s for half a second at a time), this is how far the machine
+    moved between them, which an error "from the profile" carries whatever the simulator does."""
+    st = r.get("stage_s") or {}
+    if not st.get("profiled") or not st.get("served_solo") or None in (st.get("served_loaded") or [None]):
+        return None
+    base = sum(st["profiled"])
+    return sum(st["served_solo"]) / base - 1, sum(st["served_loaded"]) / base - 1
+
+
 def line(r: dict) -> str:
     lat, thr = r["latency_ms"], r["throughput_per_s"]
     return (f"{r['model']:<9} {','.join(r['workers'])} ({r['kind']}) {r['stages']} stages | latency ms: measured "
@@ -209,6 +222,8 @@ def line(r: dict) -> str:
             f"{thr['simulated_solo']:.2f} solo ({r['throughput_error_solo'] * 100:+.1f} %), "
             f"{thr['simulated_loaded']:.2f} loaded ({r['throughput_error_loaded'] * 100:+.1f} %) | "
             + (f"serving ms: measured {o['measured']:.2f}, system {o['system']:.2f} | " if (o := r.get("serving_ms")) else "")
+            + (f"stage runs vs the profile: solo {drift[0] * 100:+.1f} %, load {drift[1] * 100:+.1f} % | "
+               if (drift := speed_drift(r)) else "")
             + f"load average {r['load_average'][0]:.1f}"
             + (f" | other cores: profile {c['profile']['other'] + c['profile']['steal']:.2f}, solo "
                f"{c['solo']['other'] + c['solo']['steal']:.2f}, load {c['load']['other'] + c['load']['steal']:.2f}"
