@@ -235,3 +235,38 @@ def test_profile_keeps_the_faster_half_of_its_runs():
     assert fastest_runs(times) == [1, 3]
     assert fastest_runs({"a": [5.0, 1.0]}) == [1]
     assert fastest_runs({"a": [5.0]}) == []        # no run besides the warm-up: the caller falls back to all
+
+
+def tiny_relu_model(path):
+    import onnx
+    from onnx import TensorProto, helper
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="relu")], "tiny",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return {"x": np.ones((1, 8), dtype=np.float32)}
+
+
+def test_profile_spreads_its_runs_over_min_s(tmp_path, monkeypatch):
+    """At least `runs` runs after the warm-up; more, up to max_runs, until they took min_s: a burst of
+    another process's work lasts longer than a handful of runs, so the runs kept must span more."""
+    import onnxruntime as ort
+    from modelcache.placement import profile
+
+    counted = []
+    real = ort.InferenceSession.run
+
+    def run(self, *a, **k):
+        counted.append(1)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(ort.InferenceSession, "run", run)
+    feeds = tiny_relu_model(tmp_path / "m.onnx")
+    out = profile.profile_nodes(tmp_path / "m.onnx", feeds, 1, runs=3, min_s=0.0)
+    assert len(counted) == 4 and out["relu"]["seconds"] >= 0    # the warm-up and 3 runs
+    counted.clear()
+    profile.profile_nodes(tmp_path / "m.onnx", feeds, 1, runs=3, min_s=60.0, max_runs=9)
+    assert len(counted) == 10                                    # capped at max_runs
+    counted.clear()
+    profile.profile_nodes(tmp_path / "m.onnx", feeds, 1, runs=3, min_s=0.05)
+    assert len(counted) > 4                                      # a tiny run: more runs to fill 50 ms

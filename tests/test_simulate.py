@@ -129,7 +129,7 @@ def test_dmda_admits_a_request_only_when_a_worker_is_idle():
     assert max(split.finished_at) == pytest.approx(0.091)
 
 
-def test_serving_work_on_the_workers_cores_is_the_first_stages_busy_time():
+def test_serving_work_on_the_workers_cores_takes_an_idle_worker_else_stretches_one():
     import dataclasses
     base = dataclasses.replace(SYSTEM, request_s=0.004)
     shared = dataclasses.replace(base, serving_on_worker_cores=True)
@@ -137,9 +137,45 @@ def test_serving_work_on_the_workers_cores_is_the_first_stages_busy_time():
     for system in (base, shared):     # one request: 4 ms either way
         cost = PlanCost(table(1), system, 1)
         assert simulate(cost, plan, [0.0]).latencies_s == pytest.approx([0.034])
-    cost = PlanCost(table(1), dataclasses.replace(shared), 1)
+    # One host worker (as group "2"): nowhere else to run, so every request's 4 ms is that worker's time.
+    one = dataclasses.replace(shared, workers=shared.workers[:1])
+    cost = PlanCost(table(1), one, 1)
     plan0 = Plan([Stage(0, 2, (0,), (1,))], 1)                                # 30 ms on c0, + 4 ms a request
     assert cost.bottleneck_s(plan0) == pytest.approx(0.034)
-    assert PlanCost(table(1), base, 1).bottleneck_s(plan0) == pytest.approx(0.030)
+    assert PlanCost(table(1), dataclasses.replace(base, workers=base.workers[:1]), 1).bottleneck_s(plan0) == \
+        pytest.approx(0.030)
     result = simulate(cost, plan0, [0.0] * 10, within_set="dmda", samples=1)
     assert max(result.finished_at) == pytest.approx(10 * 0.034)
+    # Two host workers, all stages on c0: c1 is idle, the serving work runs there and c0 never waits for it.
+    cost = PlanCost(table(1), shared, 1)
+    assert cost.bottleneck_s(plan0) == pytest.approx(0.030)
+    arrivals = [i * 0.030 for i in range(10)]           # each after c0 started the one before
+    result = simulate(cost, plan0, arrivals, within_set="dmda", samples=1)
+    assert max(result.finished_at) == pytest.approx(0.004 + 10 * 0.030)
+    assert [i.resource for i in result.intervals if i.stage == -1] == ["c0"] + ["c1"] * 9   # the first: both idle
+    # Both busy at every arrival: the work stretches the running stage of the worker with fewer assigned.
+    result = simulate(cost, plan, [0.0, 0.001], within_set="split", samples=1)
+    # r0: served on c0 (both idle, fewest assigned, lowest index) 0-4, then c0 4-14, c1 14-34 ms;
+    # r1 arrives at 1 ms, c0 busy serving r0 and c1 idle: served on c1 1-5, c0 14-24, c1 34-54
+    assert result.finished_at == pytest.approx([0.034, 0.054])
+    result = simulate(cost, plan, [0.0, 0.0, 0.002], within_set="split", samples=1)
+    # r2 at 2 ms finds c0 and c1 serving r0 and r1: it stretches c0's (lowest index; neither has a stage)
+    stretched = [i for i in result.intervals if i.resource == "c0" and i.stage == -1]
+    assert [x for i in stretched for x in (i.start, i.end)] == pytest.approx([0.0, 0.008])
+
+
+def test_the_bound_counts_serving_work_against_the_host_workers_slack():
+    import dataclasses
+    shared = dataclasses.replace(SYSTEM, request_s=0.004, serving_on_worker_cores=True)
+    cost = PlanCost(table(1), shared, 1)
+    # 10 ms on c0, 20 ms on c1: 10 ms of slack on c0 absorbs the 4 ms
+    assert cost.bottleneck_s(Plan([Stage(0, 1, (0,), (1,)), Stage(1, 2, (1,), (1,))], 1)) == pytest.approx(0.020)
+    # 30 ms split 10 + 20 over c0 and c1 of a batch of 2... one request per batch here: both 15 ms a row
+    per = {"cpu1": [0.015, 0.015], "dev": [0.001, 0.001]}
+    node_s = {k: np.outer(np.arange(2), v) for k, v in per.items()}
+    even = PlanCost(CostTable.from_node_seconds("t", node_s, [1e6, 1e6, 1e6]), shared, 1)
+    plan = Plan([Stage(0, 1, (0,), (1,)), Stage(1, 2, (1,), (1,))], 1)
+    assert even.bottleneck_s(plan) == pytest.approx((0.030 + 0.004) / 2)
+    arrivals = [i * 0.010 for i in range(400)]                     # offered faster than either bound
+    rate = simulate(even, plan, arrivals, within_set="dmda", samples=1, record=False).throughput_per_s(arrivals)
+    assert 1 / 0.0191 <= rate <= 1 / 0.017                         # between stretching one always and the bound

@@ -1,7 +1,8 @@
 """Simulator vs the real daemon: does a plan's simulated latency and throughput match serving it here?
 
     modelcache bench placement_check [--models resnet50 alexnet] [--workers 1,1 2] [--stages 2 3]
-                                     [--requests 10] [--seconds 20] [--out benchmarks/placement/check]
+                                     [--requests 10] [--seconds 20] [--max-other 0.1] [--retries 1]
+                                     [--out benchmarks/placement/check]
 
 For each CPU worker layout, a daemon is started with serial batching (a request is its own batch,
 as the simulator replays it). Each model is cut into k stages of equal measured cost, stage i on
@@ -21,6 +22,14 @@ load (which checks the simulator's queueing model alone). Each is simulated with
 serving costs (request_us, handoff_us: machine.py); "serving ms" is what this run measured of them
 (client wall less the stages' runs). On a shared machine the gap between them is other processes'
 load: the load average is printed beside each row.
+
+Other processes are measured, not guessed from the load average (which counts this benchmark's own
+daemon and lags a minute): each phase of a row (the profile, the solo requests, the load) records
+the cores other processes and the hypervisor (steal) took meanwhile (bench/cpuload.py). On 2 cores a
+2-thread worker's every parallel op waits for a preempted thread, so a burst of someone else's work
+in one phase and not the other shows as a simulator error that is no error of the simulator. A row
+where any phase saw more than --max-other cores of that is measured again (up to --retries times),
+keeping the quietest attempt; the row says what its phases saw and how many attempts it took.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import cpuload
 from .common import managed_daemon, save_results
 
 OVERLOAD = 1.5
@@ -107,7 +117,10 @@ def check_one(client, repo: Path, name: str, system, stages: int, args) -> dict:
     from ..zoo import sample_inputs
 
     model_dir = repo / name / "1"
-    table = cost_table(model_dir, f"{name}@1", system, 1, runs=5)
+    phases = {}
+    with cpuload.Meter() as m:
+        table = cost_table(model_dir, f"{name}@1", system, 1, runs=5, min_s=args.profile_s)
+    phases["profile"] = m.result
     cost = PlanCost(table, system, 1)
     plan = balanced_plan(table, system, stages)
     plan.model = f"{name}@1"
@@ -117,6 +130,7 @@ def check_one(client, repo: Path, name: str, system, stages: int, args) -> dict:
     for _ in range(3):                       # sessions built, performance models calibrated
         client.infer(name, feeds)
     walls, solo_run_s, serving_ms = [], [[] for _ in plan.stages], []
+    solo_meter = cpuload.Meter().__enter__()
     for _ in range(args.requests):
         t0 = time.perf_counter()
         _, timings = client.infer(name, feeds)
@@ -125,13 +139,17 @@ def check_one(client, repo: Path, name: str, system, stages: int, args) -> dict:
             solo_run_s[k].append(st["run_ms"] / 1e3)
         # serving's own cost (wall less the stages' runs), against the system's request_us + stages x handoff_us
         serving_ms.append(walls[-1] * 1e3 - sum(st["run_ms"] for st in timings["stages"]))
+    solo_meter.__exit__(None, None, None)
+    phases["solo"] = solo_meter.result
     solo = PlanCost(as_served(table, plan, solo_run_s), system, 1)
     one = lambda c: simulate(c, plan, [0.0], within_set="dmda", samples=1, record=False).latencies_s[0]  # noqa: E731
     measured_latency = statistics.median(walls)
     # Offered load: 1.5x the capacity the solo stage times give, so the pipeline saturates but drains soon.
     rate = OVERLOAD / solo.bottleneck_s(plan)
     arrivals = poisson_arrivals(rate, max(4, int(rate * args.seconds)), seed=1)
-    load = open_loop(client, name, arrivals, feeds)
+    with cpuload.Meter() as m:
+        load = open_loop(client, name, arrivals, feeds)
+    phases["load"] = m.result
     answered = [(a, lat) for a, lat, _ in load if lat is not None]
     measured_thru = len(answered) / (max(a + lat for a, lat in answered) - min(arrivals))
     loaded_run_s = [[r[k] for _, _, r in load if len(r) > k] for k in range(len(plan.stages))]
@@ -149,12 +167,12 @@ def check_one(client, repo: Path, name: str, system, stages: int, args) -> dict:
                        "served_loaded": [statistics.median(r) if r else None for r in loaded_run_s]},
            "serving_ms": {"measured": statistics.median(serving_ms),
                           "system": (system.request_s + stages * system.handoff_s) * 1e3},
-           "load_average": os.getloadavg()}
+           "load_average": os.getloadavg(), "cpu": phases,
+           "other_cores": max(p["other"] + p["steal"] for p in phases.values())}
     for key in ("profile", "solo"):
         row[f"latency_error_{key}"] = row["latency_ms"][f"simulated_{key}"] / (measured_latency * 1e3) - 1
     for key in ("profile", "solo", "loaded"):
         row[f"throughput_error_{key}"] = thru[key] / measured_thru - 1
-    print("  " + line(row), flush=True)
     for _ in range(120):                      # requests still in flight hold the model
         try:
             client.partition(name, stages=1)
@@ -162,6 +180,36 @@ def check_one(client, repo: Path, name: str, system, stages: int, args) -> dict:
         except Exception:
             time.sleep(1)
     return row
+
+
+def quietest(measure, args) -> dict:
+    """A row measured until no phase saw more than args.max_other cores of other processes' work (at most
+    1 + args.retries attempts): the quietest attempt, with every attempt's figures kept beside it."""
+    tries = []
+    while True:
+        row = measure()
+        tries.append(row)
+        print(("  " if len(tries) == 1 else "    again: ") + line(row), flush=True)
+        if row["other_cores"] <= args.max_other or len(tries) > args.retries:
+            break
+    best = min(range(len(tries)), key=lambda i: tries[i]["other_cores"])
+    row = dict(tries[best], attempts=len(tries), chosen=best + 1)
+    if len(tries) > 1:
+        row["other_attempts"] = [t for i, t in enumerate(tries) if i != best]
+    return row
+
+
+def speed_drift(r: dict) -> tuple | None:
+    """The daemon's stage runs, solo and under load, against the profile's for the same stages (sums; None
+    when not recorded). The profile is taken seconds before the solo requests and the load: on a VM whose
+    speed moves with nothing visible in it (benchmarks/placement/check/speed_probe.py: no other process,
+    no steal, 2-thread MatMul 130 -> 80 GFLOP/s for half a second at a time), this is how far the machine
+    moved between them, which an error "from the profile" carries whatever the simulator does."""
+    st = r.get("stage_s") or {}
+    if not st.get("profiled") or not st.get("served_solo") or None in (st.get("served_loaded") or [None]):
+        return None
+    base = sum(st["profiled"])
+    return sum(st["served_solo"]) / base - 1, sum(st["served_loaded"]) / base - 1
 
 
 def line(r: dict) -> str:
@@ -174,10 +222,20 @@ def line(r: dict) -> str:
             f"{thr['simulated_solo']:.2f} solo ({r['throughput_error_solo'] * 100:+.1f} %), "
             f"{thr['simulated_loaded']:.2f} loaded ({r['throughput_error_loaded'] * 100:+.1f} %) | "
             + (f"serving ms: measured {o['measured']:.2f}, system {o['system']:.2f} | " if (o := r.get("serving_ms")) else "")
-            + f"load average {r['load_average'][0]:.1f}")
+            + (f"stage runs vs the profile: solo {drift[0] * 100:+.1f} %, load {drift[1] * 100:+.1f} % | "
+               if (drift := speed_drift(r)) else "")
+            + f"load average {r['load_average'][0]:.1f}"
+            + (f" | other cores: profile {c['profile']['other'] + c['profile']['steal']:.2f}, solo "
+               f"{c['solo']['other'] + c['solo']['steal']:.2f}, load {c['load']['other'] + c['load']['steal']:.2f}"
+               f"{'' if r.get('attempts', 1) == 1 else ', attempt %d of %d' % (r['chosen'], r['attempts'])}"
+               if (c := r.get("cpu")) else ""))
 
 
 def report(data: dict, f) -> None:
+    if "load_average_at_start" in data:
+        f.write(f"(load average {data['load_average_at_start']:.2f} at start; other processes' cores "
+                f"(busy less this benchmark's, plus steal) at most {data['max_other']} in every phase of a row, "
+                f"else measured again, up to {data['retries']} more times)\n")
     for r in data["rows"]:
         f.write(line(r) + "\n")
     for key in ("profile", "solo", "loaded"):
@@ -200,9 +258,14 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
     ap.add_argument("--requests", type=int, default=10)
     ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--profile-s", type=float, default=2.0,
+                    help="the profile's runs span at least this many seconds (profile_nodes min_s)")
+    ap.add_argument("--max-other", type=float, default=0.1,
+                    help="a row where other processes (and steal) took more cores than this in any phase is measured again")
+    ap.add_argument("--retries", type=int, default=1, help="times a disturbed row is measured again")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    rows = []
+    rows, load_at_start = [], os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="modelcache-simcheck-") as tmp:
         tmp = Path(tmp)
         for name in args.models:
@@ -218,8 +281,9 @@ def main(argv=None) -> int:
                 for name in args.models:
                     client.add(str(tmp / f"{name}.onnx"), name)
                     for k in args.stages:
-                        rows.append(check_one(client, repo, name, system, k, args))
-    data = {"rows": rows, "cores": len(os.sched_getaffinity(0))}
+                        rows.append(quietest(lambda: check_one(client, repo, name, system, k, args), args))
+    data = {"rows": rows, "cores": len(os.sched_getaffinity(0)), "load_average_at_start": load_at_start,
+            "max_other": args.max_other, "retries": args.retries}
     report(data, sys.stdout)
     save_results(args.out, "placement_check", argv, data, report)
     return 0

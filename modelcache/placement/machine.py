@@ -115,7 +115,7 @@ def profiled_threads(system: System) -> list[int]:
 
 
 def cost_table(model_dir: Path, model: str, system: System, batch: int, runs: int = 3,
-               facts_cache: dict | None = None) -> CostTable:
+               facts_cache: dict | None = None, min_s: float | None = None) -> CostTable:
     """Profile the packed model in `model_dir` (its skeleton, as serve mode runs it) and table its costs.
 
     When no kind of the system is measured here, the modelled kinds are calibrated on this machine's
@@ -126,7 +126,8 @@ def cost_table(model_dir: Path, model: str, system: System, batch: int, runs: in
     key = (str(skeleton), tuple(threads))
     cached = (facts_cache or {}).get(key)
     if cached is None:
-        facts, input_bytes = node_facts(skeleton, threads, runs=runs)
+        facts, input_bytes = node_facts(skeleton, threads, runs=runs,
+                                        **({} if min_s is None else {"min_s": min_s}))
         cached = (facts, boundary_bytes(skeleton, facts, input_bytes))
         if facts_cache is not None:
             facts_cache[key] = cached

@@ -210,10 +210,14 @@ class PlanCost:
             if s is not None:
                 for w, b in s.active():
                     busy[w] = busy.get(w, 0.0) + self.worker_s(w, s.start, s.end, b)
-                    if s is plan.stages[0] and self.system.serving_on_worker_cores:
-                        busy[w] += self.system.request_s    # the request's serving work runs on these cores
             prev = s
-        return max(busy.values(), default=0.0)
+        bound = max(busy.values(), default=0.0)
+        hosts = [i for i, w in enumerate(self.system.workers) if w.memory_node == HOST]
+        if self.system.serving_on_worker_cores and hosts:
+            # the request's serving work takes host workers' idle time (the OS runs the client's and the
+            # daemon's threads where a core is free): it binds once it exceeds all their slack
+            bound = max(bound, (sum(busy.get(w, 0.0) for w in hosts) + self.system.request_s) / len(hosts))
+        return bound
 
     def score(self, plan: Plan, objective: str) -> tuple:
         """What a search minimizes: latency, or the bottleneck (then latency, to break ties).

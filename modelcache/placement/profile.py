@@ -11,6 +11,7 @@ import json
 import os
 import statistics
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,8 @@ import numpy as np
 
 DTYPE_BYTES = {"float": 4, "float16": 2, "bfloat16": 2, "double": 8, "int64": 8, "int32": 4, "int16": 2,
                "int8": 1, "uint8": 1, "bool": 1, "uint16": 2, "uint32": 4, "uint64": 8}
+MIN_PROFILE_S = 1.0       # a node's runs span at least this long (profile_nodes)
+MAX_PROFILE_RUNS = 100
 MATMUL_OPS = {"MatMul", "Gemm", "FusedMatMul", "MatMulInteger", "QGemm", "MatMulNBits", "FusedGemm"}
 
 
@@ -65,10 +68,24 @@ def flops_of(op: str, inputs: list, outputs: list) -> float:
     return float(out_elems)
 
 
-def profile_nodes(skeleton: Path, feeds: dict, threads: int, runs: int = 3) -> dict[str, dict]:
+def profile_nodes(skeleton: Path, feeds: dict, threads: int, runs: int = 3, min_s: float = MIN_PROFILE_S,
+                  max_runs: int = MAX_PROFILE_RUNS) -> dict[str, dict]:
     """name -> {op, seconds (median over the faster half of the runs), args (the profiler's shapes and sizes)}, on `threads` cores.
 
-    One warm-up run first: the first run allocates the arena and would inflate every node."""
+    One warm-up run first: the first run allocates the arena and would inflate every node. Then at least
+    `runs` runs, and more (up to `max_runs`) until they have taken `min_s` seconds: another process's
+    burst that stretches a multi-thread run lasts a second or more, so runs spread over a few seconds
+    have fast ones to keep (fastest_runs) where a handful taken in a fraction of a second may have none."""
+    times, args = node_times(skeleton, feeds, threads, runs, min_s, max_runs)
+    keep = fastest_runs(times)
+    return {name: {"op": args[name].get("op_name", "?"),
+                   "seconds": statistics.median([t[i] for i in keep if i < len(t)] or t),
+                   "args": args[name]} for name, t in times.items()}
+
+
+def node_times(skeleton: Path, feeds: dict, threads: int, runs: int = 3, min_s: float = MIN_PROFILE_S,
+               max_runs: int = MAX_PROFILE_RUNS) -> tuple[dict[str, list], dict[str, dict]]:
+    """(name -> its kernel seconds in each run, the warm-up first; name -> the profiler's args): profile_nodes' runs."""
     import onnxruntime as ort
     from ..session_options import attach_session_options
 
@@ -87,8 +104,11 @@ def profile_nodes(skeleton: Path, feeds: dict, threads: int, runs: int = 3) -> d
             so.enable_profiling = True
             so.profile_file_prefix = os.path.join(tmp, "profile")
             sess = ort.InferenceSession(str(skeleton), so, providers=["CPUExecutionProvider"])
-            for _ in range(runs + 1):
+            sess.run(None, feeds)                     # the warm-up
+            done, start = 0, time.perf_counter()
+            while done < runs or (time.perf_counter() - start < min_s and done < max_runs):
                 sess.run(None, feeds)
+                done += 1
             events = json.loads(Path(sess.end_profiling()).read_text())
         finally:
             os.sched_setaffinity(0, before)
@@ -99,10 +119,7 @@ def profile_nodes(skeleton: Path, feeds: dict, threads: int, runs: int = 3) -> d
             name = e["name"][: -len("_kernel_time")]
             times.setdefault(name, []).append(float(e.get("dur", 0)) * 1e-6)
             args[name] = e.get("args", {})
-    keep = fastest_runs(times)
-    return {name: {"op": args[name].get("op_name", "?"),
-                   "seconds": statistics.median([t[i] for i in keep if i < len(t)] or t),
-                   "args": args[name]} for name, t in times.items()}
+    return times, args
 
 
 def fastest_runs(times: dict[str, list]) -> list[int]:
@@ -120,14 +137,15 @@ def fastest_runs(times: dict[str, list]) -> list[int]:
     return sorted(ordered[: max(1, (len(ordered) + 1) // 2)])
 
 
-def node_facts(skeleton: Path, threads: list[int], feeds: dict | None = None, runs: int = 3) -> tuple[list, dict]:
+def node_facts(skeleton: Path, threads: list[int], feeds: dict | None = None, runs: int = 3,
+               min_s: float = MIN_PROFILE_S) -> tuple[list, dict]:
     """(NodeFacts in graph order, graph-input bytes per sample), measured on CPU groups of each thread count."""
     import onnx
     from ..zoo import sample_inputs
 
     model = onnx.load(str(skeleton), load_external_data=False)
     feeds = feeds or sample_inputs(str(skeleton), batch=1)
-    profiles = {n: profile_nodes(skeleton, feeds, n, runs) for n in threads}
+    profiles = {n: profile_nodes(skeleton, feeds, n, runs, min_s) for n in threads}
     first = profiles[threads[0]]
     facts = []
     for node in model.graph.node:

@@ -19,8 +19,17 @@ Times come from the plan's cost model (PlanCost); the simulator adds what the an
 out: queueing between requests and contention on links. Serving's own costs (System.handoff_s per
 stage, System.request_s per request: the daemon's queue and thread wake-ups, the client's encode and
 round trip) are delays that hold no worker: a worker runs the next queued stage meanwhile; except
-that where the workers take every core (System.serving_on_worker_cores) the request's cost is the
-first stage's worker's busy time, the cores it would have had being taken by the client and daemon.
+that where the workers take every core (System.serving_on_worker_cores) a request's serving work
+(request_s, from its arrival; then it enters the daemon's queue) needs a core of some host worker.
+The client's and the daemon's threads are not pinned: the OS runs them on an idle core, so the work
+takes an idle host worker (fewest stages assigned first; a stage ready there meanwhile waits, as a
+thread would for the core); only when every host worker is busy does it stretch a running task, of
+the worker with the fewest stages assigned (where the OS's balancing puts the woken thread). On one
+2-thread worker (group "2") that is every request's cost in the worker's time; on "1,1" with one
+worker's stages the lighter, the other worker absorbs it (bench placement_check: AlexNet in 3
+stages on "1,1" served 50.4/s against its busier worker's 19.6 ms of stage runs a request, which
+charging the serving work to the first stage's worker, as before, put at 46.4/s). Serving intervals
+are recorded with stage -1.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from .plan import Plan, PlanCost, rows_moved
+from .system import HOST
 
 
 @dataclass
@@ -125,8 +135,8 @@ class Simulator:
             if k == len(plan.stages):
                 ready = send(now, cost.table.n, list(layout_in(request, k)), [(cost.HOST_WORKER, self.samples)],
                              request, k)
-                # serving's per-request cost: a delay, unless it was the first stage's worker's busy time
-                end = ready.get(cost.HOST_WORKER, now) + (0.0 if cost.system.serving_on_worker_cores else cost.system.request_s)
+                # serving's per-request cost: a delay, unless it took a worker's time (serve())
+                end = ready.get(cost.HOST_WORKER, now) + (0.0 if shared else cost.system.request_s)
                 push(end, "done", request)
                 return
             stage = plan.stages[k]
@@ -145,6 +155,10 @@ class Simulator:
                 worker_free[w] = max(worker_free[w], ready.get(w, now)) + self._busy_s(w, k, rows)
 
         busy = [False] * len(self.names)
+        running: list = [None] * len(self.names)      # [token, Interval, event, args] of the task a worker runs
+        tokens = itertools.count()
+        hosts = [i for i, w in enumerate(cost.system.workers) if w.memory_node == HOST]
+        shared = cost.system.serving_on_worker_cores and cost.system.request_s > 0 and bool(hosts)
         outstanding = [0] * len(self.names)       # stage tasks assigned to a worker, queued or running
         waiting: list = []                        # dmda: requests the daemon holds until a worker is idle
         at = [0]                                  # next of `waiting` to start
@@ -156,16 +170,51 @@ class Simulator:
                 at[0] += 1
                 idle -= 1
 
+        def occupy(now, w, end, request, k, what, *args):
+            """Worker w runs a task (a stage, or serving work) until `end`; its event carries a token, so a
+            stretched task's first end is ignored."""
+            busy[w] = True
+            interval = Interval(self.names[w], now, end, request, k)
+            if self.record:
+                intervals.append(interval)
+            running[w] = [next(tokens), interval, what, args]
+            push(end, what, *args, running[w][0])
+
+        def current(w, token) -> bool:
+            if running[w] is None or running[w][0] != token:
+                return False                      # stretched: its later event ends it
+            running[w] = None
+            busy[w] = False
+            return True
+
         def try_run(now, w):
             if busy[w] or not worker_queue[w]:
                 return
             _, _, (request, k, rows) = heapq.heappop(worker_queue[w])
-            stage = plan.stages[k]
-            end = now + self._busy_s(w, k, rows)
-            busy[w] = True
-            if self.record:
-                intervals.append(Interval(self.names[w], now, end, request, k))
-            push(end, "finish", w, request, k)
+            occupy(now, w, now + self._busy_s(w, k, rows), request, k, "finish", w, request, k)
+
+        def enter(now, request):
+            """The request reaches the daemon's engine (dmda: its queue)."""
+            if self.mode == "dmda":
+                waiting.append(request)
+                admit(now)
+            else:
+                start_stage(now, request, 0)
+
+        def serve(now, request):
+            """A request's serving work on the workers' cores (serving_on_worker_cores); see the module doc."""
+            choose = lambda ws: min(ws, key=lambda w: (outstanding[w], w))   # noqa: E731
+            idle = [w for w in hosts if not busy[w]]
+            if idle:
+                w = choose(idle)
+                occupy(now, w, now + cost.system.request_s, request, -1, "served", w, request)
+                return
+            w = choose(hosts)
+            token, interval, what, args = running[w]
+            interval.end += cost.system.request_s
+            running[w][0] = next(tokens)
+            push(interval.end, what, *args, running[w][0])
+            push(now + cost.system.request_s, "enter", request)
 
         self.layouts = [[] for _ in arrivals]
         for r, t in enumerate(arrivals):
@@ -173,18 +222,25 @@ class Simulator:
         while events:
             now, _, what, args = heapq.heappop(events)
             if what == "arrive":
-                if self.mode == "dmda":
-                    waiting.append(args[0])
-                    admit(now)
+                if shared:
+                    serve(now, args[0])
                 else:
-                    start_stage(now, args[0], 0)
+                    enter(now, args[0])
+            elif what == "enter":
+                enter(now, args[0])
+            elif what == "served":
+                w, request, token = args
+                if current(w, token):
+                    enter(now, request)
+                    try_run(now, w)
             elif what == "ready":
                 w, request, k, rows = args
                 heapq.heappush(worker_queue[w], (now, next(seq), (request, k, rows)))
                 try_run(now, w)
             elif what == "finish":
-                w, request, k = args
-                busy[w] = False
+                w, request, k, token = args
+                if not current(w, token):
+                    continue
                 outstanding[w] -= 1
                 pending[(request, k)] -= 1
                 if pending[(request, k)] == 0:
@@ -198,11 +254,9 @@ class Simulator:
         return SimResult(latencies, finished, intervals)
 
     def _busy_s(self, w: int, k: int, rows: int) -> float:
-        """A worker's time on stage k of a request: its run, plus the request's serving work when the
-        system's workers take every core (System.serving_on_worker_cores: it runs on the first stage's)."""
+        """A worker's time on stage k of a request."""
         stage = self.plan.stages[k]
-        extra = self.cost.system.request_s if k == 0 and self.cost.system.serving_on_worker_cores else 0.0
-        return self.cost.worker_s(w, stage.start, stage.end, rows) + extra
+        return self.cost.worker_s(w, stage.start, stage.end, rows)
 
     def _dmda_pick(self, now, stage, request, k, src, worker_free) -> int:
         """The worker of the stage's set where the whole stage would finish first (ties: lowest index)."""

@@ -11,7 +11,8 @@ A `system.toml` names:
     handoff_us          (top level, optional) what serving adds per stage outside its run: the daemon
                         posting the job, its worker thread waking, the result back (default 0)
     serving_on_worker_cores  (top level, optional) true when the workers take every core: request_us
-                        is then the first stage's worker's busy time under load (default false)
+                        then needs a host worker's time, an idle one's if any, else it stretches a
+                        busy one's task (simulate.py; default false)
 
 `modelcache place --describe` fills request_us and handoff_us with what serve mode was measured to
 add on this machine (machine.py), so the simulator predicts the daemon's latency, not ORT's alone.
@@ -78,9 +79,10 @@ class System:
     request_s: float = 0.0     # serving's cost per request outside the stages (client, IPC): a delay
     handoff_s: float = 0.0     # serving's cost per stage outside its run (queue, thread wake-up): a delay
     # True when the workers' groups take every core, so the client's and the daemon's work for a request
-    # (request_s) runs on a worker's cores: under load it is then the first stage's worker's busy time,
-    # not a free delay. Measured here (bench placement_check, 2 cores, groups "1,1" and "2"): served
-    # throughput sat 1.5-5 ms a request below the stages' run times, about one request_s.
+    # (request_s) runs on a worker's cores: under load it takes an idle host worker's time, else stretches
+    # a busy one's (simulate.py), not a free delay. Measured here (bench placement_check, 2 cores, groups
+    # "1,1" and "2"): on one worker served throughput sat about one request_s a request below the stages'
+    # run times; on "1,1" the less busy worker absorbed it.
     serving_on_worker_cores: bool = False
 
     @property
