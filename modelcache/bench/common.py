@@ -75,6 +75,16 @@ def run_child(module: str, socket: str, *args) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def answer_child(child: list, child_open, child_warm) -> int:
+    """The child's side of `run_child`: `--child open ARGS` or `--child warm ARGS RUNS` (RUNS an int) runs
+    that function in this fresh process and prints its result as JSON, the line run_child reads."""
+    import json
+    kind, *rest = child
+    result = child_open(*rest) if kind == "open" else child_warm(*rest[:-1], int(rest[-1]))
+    print(json.dumps(result))
+    return 0
+
+
 def compile_bytecode() -> None:
     """Compile modelcache's modules as an install does. With PYTHONDONTWRITEBYTECODE set (as on the machines
     here) an editable install compiles every client module again in every fresh process: ~10 ms of an attach

@@ -22,7 +22,6 @@ client widening the weights into private fp32 arrays when it opens (fold_at_open
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import alternate_runs, run_child, managed_daemon, memory_mib, save_results, summary
+from .common import alternate_runs, answer_child, run_child, managed_daemon, memory_mib, save_results, summary
 
 UPCAST_SUFFIX = "-upcast"
 MODES = ("ort", "attach", "attach-upcast", "fold-at-open")
@@ -208,10 +207,7 @@ def main(argv=None) -> int:
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        kind, *rest = args.child
-        result = child_open(*rest) if kind == "open" else child_warm(rest[0], rest[1], rest[2], int(rest[3]))
-        print(json.dumps(result))
-        return 0
+        return answer_child(args.child, child_open, child_warm)
     from .. import zoo
     with tempfile.TemporaryDirectory(prefix="modelcache-bench-") as tmp:
         socket, repository = f"ipc://{tmp}/daemon.sock", Path(tmp) / "repo"

@@ -12,15 +12,14 @@ alternates their runs, so the ratio is side by side.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from .common import (alternate_runs, compile_bytecode, ensure_models, managed_daemon, memory_mib, run_child,
-                     save_results, summary)
+from .common import (alternate_runs, answer_child, compile_bytecode, ensure_models, managed_daemon, memory_mib,
+                     run_child, save_results, summary)
 
 
 def child_open(mode: str, name: str, src: str) -> dict:
@@ -112,10 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        kind, *rest = args.child
-        result = child_open(*rest) if kind == "open" else child_warm(rest[0], rest[1], int(rest[2]))
-        print(json.dumps(result))
-        return 0
+        return answer_child(args.child, child_open, child_warm)
     compile_bytecode()
     with tempfile.TemporaryDirectory(prefix="modelcache-bench-") as tmp:
         socket = args.socket or f"ipc://{tmp}/daemon.sock"

@@ -17,14 +17,13 @@ it no longer maps the raw MatMul weights, and an unpacked child is alone on thos
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from .common import alternate_runs, ensure_models, managed_daemon, memory_mib, save_results, summary
+from .common import alternate_runs, answer_child, ensure_models, managed_daemon, memory_mib, save_results, summary
 
 MODES = ("prepacked", "unpacked")
 
@@ -102,10 +101,7 @@ def main(argv=None) -> int:
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        kind, *rest = args.child
-        result = child_open(*rest) if kind == "open" else child_warm(rest[0], rest[1], int(rest[2]))
-        print(json.dumps(result))
-        return 0
+        return answer_child(args.child, child_open, child_warm)
     with tempfile.TemporaryDirectory(prefix="modelcache-bench-") as tmp:
         socket = f"ipc://{tmp}/daemon.sock"
         with managed_daemon(socket, f"{tmp}/repo", env={"MODELCACHE_PREPACK": "1"}):   # models added with blobs
