@@ -43,14 +43,16 @@ def daemon_actor_name(node_id: str) -> str:
     return f"modelcache-daemon-{node_id}"
 
 
-def _answers(address: str) -> bool:
+def _daemon_stats(address: str, timeout_s: float) -> dict:
+    """The stats of the daemon at `address` as plain data, or {"up": False, "error": ...} when it does not answer."""
     from ..client.connection import connect
     try:
-        with connect(address, timeout_s=2, lane=False) as c:
-            c.stats()
-        return True
-    except ModelCacheError:
-        return False
+        with connect(address, timeout_s=timeout_s, lane=False) as c:
+            reply = c.stats()
+    except ModelCacheError as e:
+        return {"up": False, "error": str(e)}
+    return {"up": True, "models": reply.models, "tiers": reply.tiers, "counters": reply.counters,
+            "clients": len(reply.clients), "executor": reply.executor}
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)
@@ -67,7 +69,7 @@ class NodeDaemon:
         self.restarts = 0
         self.restarting = True           # False: a daemon that dies stays down (see set_restarts)
         self._stopping = False
-        if not _answers(self.address):
+        if not _daemon_stats(self.address, timeout_s=2)["up"]:
             started = threading.Event()
             self._start_error: Exception | None = None
             threading.Thread(target=self._supervise, args=(started,), name="modelcache-supervise", daemon=True).start()
@@ -119,15 +121,7 @@ class NodeDaemon:
                 "pid": self.proc.pid if self.proc is not None else None, "restarts": self.restarts}
 
     def stats(self) -> dict:
-        """The daemon's stats as plain data, or {"up": False, "error": ...} when it does not answer."""
-        from ..client.connection import connect
-        try:
-            with connect(self.address, timeout_s=5, lane=False) as c:
-                reply = c.stats()
-        except ModelCacheError as e:
-            return {"up": False, "error": str(e)}
-        return {"up": True, "models": reply.models, "tiers": reply.tiers, "counters": reply.counters,
-                "clients": len(reply.clients), "executor": reply.executor}
+        return _daemon_stats(self.address, timeout_s=5)
 
     def stop(self) -> None:
         """Stop the daemon this actor started (one it adopted is the node's to stop)."""

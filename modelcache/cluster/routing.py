@@ -123,9 +123,14 @@ class LocalityPolicy:
         return sum(size for (model, node_id), (_, size) in self._live_warming().items()
                    if node_id == node.node_id and node.tiers.get(model) not in WARM_TIERS)
 
+    @staticmethod
+    def _size(model: str, nodes: list) -> int | None:
+        """The model's bytes as any node lists them (a node that lacks it prices its miss by them)."""
+        return next((n.sizes[model] for n in nodes if model in n.sizes), None)
+
     def rank(self, model: str, nodes: list) -> list:
         """Node ids grouped by estimated cost, cheapest group first; nodes that are down come last."""
-        size = next((n.sizes[model] for n in nodes if model in n.sizes), None)
+        size = self._size(model, nodes)
         scored: dict = {}
         for node in nodes:
             scored.setdefault(round(self.estimate_ms(model, node, size), 3), []).append(node.node_id)
@@ -139,8 +144,7 @@ class LocalityPolicy:
         for group in self.rank(model, nodes):
             ordered += rng.sample(group, len(group))
         if ordered:
-            size = next((n.sizes[model] for n in nodes if model in n.sizes), None)
-            self.routed(model, next(n for n in nodes if n.node_id == ordered[0]), size)
+            self.routed(model, next(n for n in nodes if n.node_id == ordered[0]), self._size(model, nodes))
         return ordered
 
     def routed(self, model: str, node: NodeView, size: int | None = None) -> None:
