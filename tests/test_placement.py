@@ -247,6 +247,34 @@ def tiny_relu_model(path):
     return {"x": np.ones((1, 8), dtype=np.float32)}
 
 
+def test_node_times_are_scaled_to_each_runs_wall_time():
+    """The profiler times kernels only: each run's nodes are stretched to add up to its wall time."""
+    from modelcache.placement.profile import to_wall
+    scaled = to_wall({"a": [1.0, 2.0], "b": [3.0, 2.0]}, [8.0, 5.0])
+    assert scaled == {"a": [2.0, 2.5], "b": [6.0, 2.5]}
+    assert to_wall({"a": [1.0, 2.0], "b": [3.0]}, [8.0, 5.0]) == {"a": [1.0, 2.0], "b": [3.0]}   # runs not aligned
+
+
+def test_a_pooled_profile_adds_each_profile_s_runs_and_summarises_them_two_ways(tmp_path):
+    """Profiles taken at several moments pool their runs (warm-ups left out); the summary is the median
+    of all of them (the planner's: what a stretch of serving sees) or of the faster half of the runs."""
+    from modelcache.placement.profile import PooledProfile
+
+    feeds = tiny_relu_model(tmp_path / "m.onnx")
+    pool = PooledProfile(tmp_path / "m.onnx", feeds, [1])
+    pool.take(runs=3, min_s=0.0)
+    assert len(pool.times[1]["relu"]) == 3
+    pool.take(runs=4, min_s=0.0)
+    assert len(pool.times[1]["relu"]) == 7
+    assert pool.summary()[1]["relu"]["op"] == "Relu"
+    # Whole runs are kept or left together: run 1 (index 1) was stretched for both nodes.
+    pool.times[1] = {"relu": [1.0, 4.0, 1.2, 1.1], "other": [2.0, 8.0, 2.2, 2.4]}
+    pool.args[1]["other"] = {"op_name": "Other"}
+    fast, median = pool.summary("faster-half")[1], pool.summary()[1]
+    assert fast["relu"]["seconds"] == pytest.approx(1.1) and fast["other"]["seconds"] == pytest.approx(2.1)
+    assert median["relu"]["seconds"] == pytest.approx(1.15) and median["other"]["seconds"] == pytest.approx(2.3)
+
+
 def test_profile_spreads_its_runs_over_min_s(tmp_path, monkeypatch):
     """At least `runs` runs after the warm-up; more, up to max_runs, until they took min_s: a burst of
     another process's work lasts longer than a handful of runs, so the runs kept must span more."""

@@ -76,3 +76,30 @@ def test_speed_drift_is_the_daemons_stage_runs_against_the_profiles():
     assert "stage runs vs the profile: solo +10.0 %, load -10.0 %" in line(r)
     r["stage_s"]["served_loaded"] = [None, 0.03]
     assert speed_drift(r) is None
+
+
+def test_a_row_interleaves_profile_solo_and_load_and_reports_every_source(tmp_path, capsys):
+    """The whole check on a tiny model (a real daemon, real profiles): every row carries the figures of
+    each source the report names, its phases merged over the rounds."""
+    from modelcache.bench.placement_check import main
+
+    out = tmp_path / "check"
+    assert main(["--models", "tiny-vit", "--workers", "1,1", "--stages", "2", "--requests", "4", "--seconds", "1",
+                 "--profile-s", "0.2", "--rounds", "2", "--out", str(out)]) == 0
+    data = json.loads((out / "results.json").read_text())
+    rows = data.get("data", data)["rows"]
+    assert len(rows) >= 1
+    r = rows[0]
+    assert r["rounds"] == 2 and len(r["latency_ms"]["samples_ms"]) == 4
+    assert r["throughput_per_s"]["answered"] == r["throughput_per_s"]["requests"] > 0
+    for key in ("profile", "profile_fast", "solo", "loaded"):
+        assert r["throughput_per_s"][f"simulated_{key}"] > 0
+    assert all(r["cpu"][phase]["seconds"] > 0 for phase in ("profile", "solo", "load"))
+    text = (out / "report.txt").read_text()
+    assert "the profile (median run)" in text and "the profile's faster half" in text
+
+
+def test_phases_merge_weighted_by_their_seconds():
+    from modelcache.bench.placement_check import merged
+    m = merged([{"seconds": 1.0, "other": 0.3, "steal": 0.0}, {"seconds": 3.0, "other": 0.1, "steal": 0.4}])
+    assert m == pytest.approx({"seconds": 4.0, "other": 0.15, "steal": 0.3})

@@ -1,13 +1,17 @@
 """Simulator vs the real daemon: does a plan's simulated latency and throughput match serving it here?
 
     modelcache bench placement_check [--models resnet50 alexnet] [--workers 1,1 2] [--stages 2 3]
-                                     [--requests 10] [--seconds 20] [--max-other 0.1] [--retries 1]
-                                     [--out benchmarks/placement/check]
+                                     [--requests 15] [--seconds 21] [--profile-s 3] [--rounds 3]
+                                     [--max-other 0.1] [--retries 1] [--out benchmarks/placement/check]
 
 For each CPU worker layout, a daemon is started with serial batching (a request is its own batch,
 as the simulator replays it). Each model is cut into k stages of equal measured cost, stage i on
 worker cpu-(i mod groups), served with `partition --plan`; the model is profiled with ORT's
-profiler in this process just before, and the simulator predicts from that profile:
+profiler in this process, and the simulator predicts from that profile. A row runs in --rounds
+rounds, each a slice of the profile, of the solo requests and of the load, and each figure pools
+its slices: this VM's speed moves by ~20 % over tens of seconds with nothing else running
+(benchmarks/placement/check/speed_probe.py), so a profile taken once, seconds before, predicts the
+moment it was taken (2 and 5 of 16 figures within 10 % in two runs that way).
 
   latency     one request at a time: the median of --requests round trips (client wall time)
               against the simulator's latency of one request;
@@ -15,7 +19,8 @@ profiler in this process just before, and the simulator predicts from that profi
               (latency from the scheduled send time), answered requests per second, against the
               simulator replaying the same arrival times.
 
-The simulator is fed three ways: the profile (the planner's own costs, a true prediction); the
+The simulator is fed four ways: the profile's median run (the planner's own costs, a true
+prediction); the profile's faster half (what the planner used before; kept to show why not); the
 stage times the daemon measured serving one request at a time (solo: then throughput under load
 is still a prediction, of queueing and pipelining); and the stage times it measured under the
 load (which checks the simulator's queueing model alone). Each is simulated with the system's
@@ -110,58 +115,103 @@ def as_served(table, plan, run_s: list):
                                        table.source, table.nodes)
 
 
+def merged(meters: list[dict]) -> dict:
+    """cpuload results of a phase's slices as one: each figure weighted by its slice's seconds."""
+    seconds = sum(m["seconds"] for m in meters)
+    return {k: (seconds if k == "seconds" else sum(m[k] * m["seconds"] for m in meters) / seconds if seconds else 0.0)
+            for k in meters[0]}
+
+
 def check_one(client, repo: Path, name: str, system, stages: int, args) -> dict:
-    from ..placement.machine import cost_table
+    """One row: the model cut into `stages`, served, and simulated, in args.rounds interleaved rounds
+    (a profile slice, solo requests, a load slice), so the profile and what it predicts sample the same
+    stretch of this VM's time (its speed moves by ~20 % over tens of seconds with nothing else running)."""
+    from ..packing import SKELETON_FILE
+    from ..placement.machine import cost_table, profiled_threads
     from ..placement.plan import PlanCost
+    from ..placement.profile import PooledProfile
     from ..placement.simulate import poisson_arrivals, simulate
     from ..zoo import sample_inputs
 
     model_dir = repo / name / "1"
-    phases = {}
-    with cpuload.Meter() as m:
-        table = cost_table(model_dir, f"{name}@1", system, 1, runs=5, min_s=args.profile_s)
-    phases["profile"] = m.result
-    cost = PlanCost(table, system, 1)
-    plan = balanced_plan(table, system, stages)
-    plan.model = f"{name}@1"
-    cost.annotate(plan)
-    client.partition(name, plan=plan.to_json(system, table))
     feeds = sample_inputs(str(model_dir / "model.onnx"), batch=1)
+    pool = PooledProfile(model_dir / SKELETON_FILE, feeds, profiled_threads(system))
+    meters: dict[str, list] = {"profile": [], "solo": [], "load": []}
+    slice_s = args.profile_s / args.rounds
+    with cpuload.Meter() as m:
+        pool.take(runs=5, min_s=slice_s)
+    meters["profile"].append(m.result)
+    first = cost_table(model_dir, f"{name}@1", system, 1, profiles=pool.summary())
+    plan = balanced_plan(first, system, stages)     # the cut, from the first slice; the rounds keep it
+    plan.model = f"{name}@1"
+    PlanCost(first, system, 1).annotate(plan)
+    client.partition(name, plan=plan.to_json(system, first))
     for _ in range(3):                       # sessions built, performance models calibrated
         client.infer(name, feeds)
     walls, solo_run_s, serving_ms = [], [[] for _ in plan.stages], []
-    solo_meter = cpuload.Meter().__enter__()
-    for _ in range(args.requests):
-        t0 = time.perf_counter()
-        _, timings = client.infer(name, feeds)
-        walls.append(time.perf_counter() - t0)
-        for k, st in enumerate(timings["stages"]):
-            solo_run_s[k].append(st["run_ms"] / 1e3)
-        # serving's own cost (wall less the stages' runs), against the system's request_us + stages x handoff_us
-        serving_ms.append(walls[-1] * 1e3 - sum(st["run_ms"] for st in timings["stages"]))
-    solo_meter.__exit__(None, None, None)
-    phases["solo"] = solo_meter.result
-    solo = PlanCost(as_served(table, plan, solo_run_s), system, 1)
-    one = lambda c: simulate(c, plan, [0.0], within_set="dmda", samples=1, record=False).latencies_s[0]  # noqa: E731
+    chunks, rate = [], None                  # per round: (arrivals, open_loop's answers)
+    per_round = max(1, -(-args.requests // args.rounds))
+    for r in range(args.rounds):
+        if r:
+            with cpuload.Meter() as m:
+                pool.take(runs=5, min_s=slice_s)
+            meters["profile"].append(m.result)
+        with cpuload.Meter() as m:
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                _, timings = client.infer(name, feeds)
+                walls.append(time.perf_counter() - t0)
+                for k, st in enumerate(timings["stages"]):
+                    solo_run_s[k].append(st["run_ms"] / 1e3)
+                # serving's own cost (wall less the stages' runs), against the system's request_us + stages x handoff_us
+                serving_ms.append(walls[-1] * 1e3 - sum(st["run_ms"] for st in timings["stages"]))
+        meters["solo"].append(m.result)
+        if rate is None:
+            # Offered load: 1.5x the capacity the first solo stage times give, so the pipeline saturates but drains soon.
+            rate = OVERLOAD / PlanCost(as_served(first, plan, solo_run_s), system, 1).bottleneck_s(plan)
+        arrivals = poisson_arrivals(rate, max(4, int(rate * args.seconds / args.rounds)), seed=r + 1)
+        with cpuload.Meter() as m:
+            chunks.append((arrivals, open_loop(client, name, arrivals, feeds)))
+        meters["load"].append(m.result)
+    phases = {k: merged(v) for k, v in meters.items()}
+
+    def profiled(keep: str):
+        return PlanCost(cost_table(model_dir, f"{name}@1", system, 1, profiles=pool.summary(keep)), system, 1)
+
+    costs = {"profile": profiled("median"), "profile_fast": profiled("faster-half"),
+             "solo": PlanCost(as_served(first, plan, solo_run_s), system, 1)}
+    answers = [x for _, load in chunks for x in load]
+    loaded_run_s = [[run[k] for _, _, run in answers if len(run) > k] for k in range(len(plan.stages))]
+    costs["loaded"] = PlanCost(as_served(first, plan, loaded_run_s), system, 1)
+
+    def one(c):
+        return simulate(c, plan, [0.0], within_set="dmda", samples=1, record=False).latencies_s[0]
+
+    def throughput(served: list) -> float:
+        """Requests per second over the load slices: answered / the slices' spans (first arrival to last answer)."""
+        done = sum(n for n, _ in served)
+        return done / sum(span for _, span in served)
+
+    measured = []
+    for arrivals, load in chunks:
+        answered = [(a, lat) for a, lat, _ in load if lat is not None]
+        measured.append((len(answered), max(a + lat for a, lat in answered) - min(arrivals)))
+    measured_thru = throughput(measured)
+    thru = {}
+    for key, c in costs.items():
+        runs = [simulate(c, plan, arrivals, within_set="dmda", samples=1, record=False) for arrivals, _ in chunks]
+        thru[key] = throughput([(s.completed, max(s.finished_at) - min(arrivals))
+                                for s, (arrivals, _) in zip(runs, chunks)])
     measured_latency = statistics.median(walls)
-    # Offered load: 1.5x the capacity the solo stage times give, so the pipeline saturates but drains soon.
-    rate = OVERLOAD / solo.bottleneck_s(plan)
-    arrivals = poisson_arrivals(rate, max(4, int(rate * args.seconds)), seed=1)
-    with cpuload.Meter() as m:
-        load = open_loop(client, name, arrivals, feeds)
-    phases["load"] = m.result
-    answered = [(a, lat) for a, lat, _ in load if lat is not None]
-    measured_thru = len(answered) / (max(a + lat for a, lat in answered) - min(arrivals))
-    loaded_run_s = [[r[k] for _, _, r in load if len(r) > k] for k in range(len(plan.stages))]
-    loaded = PlanCost(as_served(table, plan, loaded_run_s), system, 1)
-    thru = {key: simulate(c, plan, arrivals, within_set="dmda", samples=1, record=False).throughput_per_s(arrivals)
-            for key, c in (("profile", cost), ("solo", solo), ("loaded", loaded))}
+    cost = costs["profile"]
     row = {"model": name, "workers": [w.name for w in system.workers], "kind": system.workers[0].kind,
-           "stages": stages, "bounds": [(s.start, s.end) for s in plan.stages],
-           "latency_ms": {"measured": measured_latency * 1e3, "simulated_profile": one(cost) * 1e3,
-                          "simulated_solo": one(solo) * 1e3, "samples_ms": [w * 1e3 for w in walls]},
-           "throughput_per_s": {"measured": measured_thru, "offered": rate, "requests": len(arrivals),
-                                "answered": len(answered), **{f"simulated_{k}": v for k, v in thru.items()}},
+           "stages": stages, "bounds": [(s.start, s.end) for s in plan.stages], "rounds": args.rounds,
+           "latency_ms": {"measured": measured_latency * 1e3,
+                          **{f"simulated_{k}": one(c) * 1e3 for k, c in costs.items() if k != "loaded"},
+                          "samples_ms": [w * 1e3 for w in walls]},
+           "throughput_per_s": {"measured": measured_thru, "offered": rate,
+                                "requests": sum(len(a) for a, _ in chunks), "answered": sum(n for n, _ in measured),
+                                **{f"simulated_{k}": v for k, v in thru.items()}},
            "stage_s": {"profiled": [cost.stage_s(st) for st in plan.stages],
                        "served_solo": [statistics.median(r) for r in solo_run_s],
                        "served_loaded": [statistics.median(r) if r else None for r in loaded_run_s]},
@@ -169,9 +219,9 @@ def check_one(client, repo: Path, name: str, system, stages: int, args) -> dict:
                           "system": (system.request_s + stages * system.handoff_s) * 1e3},
            "load_average": os.getloadavg(), "cpu": phases,
            "other_cores": max(p["other"] + p["steal"] for p in phases.values())}
-    for key in ("profile", "solo"):
+    for key in ("profile", "profile_fast", "solo"):
         row[f"latency_error_{key}"] = row["latency_ms"][f"simulated_{key}"] / (measured_latency * 1e3) - 1
-    for key in ("profile", "solo", "loaded"):
+    for key in costs:
         row[f"throughput_error_{key}"] = thru[key] / measured_thru - 1
     for _ in range(120):                      # requests still in flight hold the model
         try:
@@ -216,10 +266,15 @@ def line(r: dict) -> str:
     lat, thr = r["latency_ms"], r["throughput_per_s"]
     return (f"{r['model']:<9} {','.join(r['workers'])} ({r['kind']}) {r['stages']} stages | latency ms: measured "
             f"{lat['measured']:.1f}, simulated {lat['simulated_profile']:.1f} from the profile "
-            f"({r['latency_error_profile'] * 100:+.1f} %), {lat['simulated_solo']:.1f} from solo stage times "
+            f"({r['latency_error_profile'] * 100:+.1f} %)"
+            + (f", {lat['simulated_profile_fast']:.1f} its faster half ({r['latency_error_profile_fast'] * 100:+.1f} %)"
+               if "simulated_profile_fast" in lat else "")
+            + f", {lat['simulated_solo']:.1f} from solo stage times "
             f"({r['latency_error_solo'] * 100:+.1f} %) | throughput /s: measured {thr['measured']:.2f}, simulated "
             f"{thr['simulated_profile']:.2f} profile ({r['throughput_error_profile'] * 100:+.1f} %), "
-            f"{thr['simulated_solo']:.2f} solo ({r['throughput_error_solo'] * 100:+.1f} %), "
+            + (f"{thr['simulated_profile_fast']:.2f} faster half ({r['throughput_error_profile_fast'] * 100:+.1f} %), "
+               if "simulated_profile_fast" in thr else "")
+            + f"{thr['simulated_solo']:.2f} solo ({r['throughput_error_solo'] * 100:+.1f} %), "
             f"{thr['simulated_loaded']:.2f} loaded ({r['throughput_error_loaded'] * 100:+.1f} %) | "
             + (f"serving ms: measured {o['measured']:.2f}, system {o['system']:.2f} | " if (o := r.get("serving_ms")) else "")
             + (f"stage runs vs the profile: solo {drift[0] * 100:+.1f} %, load {drift[1] * 100:+.1f} % | "
@@ -238,11 +293,13 @@ def report(data: dict, f) -> None:
                 f"else measured again, up to {data['retries']} more times)\n")
     for r in data["rows"]:
         f.write(line(r) + "\n")
-    for key in ("profile", "solo", "loaded"):
+    names = {"profile": "the profile (median run)", "profile_fast": "the profile's faster half",
+             "solo": "solo stage times", "loaded": "loaded stage times"}
+    for key in names:
         errs = [abs(r[f"{m}_error_{key}"]) for r in data["rows"] for m in ("latency", "throughput")
                 if f"{m}_error_{key}" in r]
         if errs:
-            f.write(f"simulated from {key} stage times: largest error {max(errs) * 100:.1f} %, within 10 %: "
+            f.write(f"simulated from {names[key]}: largest error {max(errs) * 100:.1f} %, within 10 %: "
                     f"{sum(e <= 0.10 for e in errs)} of {len(errs)}\n")
 
 
@@ -256,10 +313,12 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=["resnet50", "alexnet"])
     ap.add_argument("--workers", nargs="+", default=["1,1", "2"])
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
-    ap.add_argument("--requests", type=int, default=10)
-    ap.add_argument("--seconds", type=float, default=20.0)
-    ap.add_argument("--profile-s", type=float, default=2.0,
-                    help="the profile's runs span at least this many seconds (profile_nodes min_s)")
+    ap.add_argument("--requests", type=int, default=15, help="solo requests, over all rounds")
+    ap.add_argument("--seconds", type=float, default=21.0, help="seconds of offered load, over all rounds")
+    ap.add_argument("--profile-s", type=float, default=3.0,
+                    help="the profile's runs span at least this many seconds, over all rounds")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="profile, solo requests and load interleaved this many times in each row")
     ap.add_argument("--max-other", type=float, default=0.1,
                     help="a row where other processes (and steal) took more cores than this in any phase is measured again")
     ap.add_argument("--retries", type=int, default=1, help="times a disturbed row is measured again")

@@ -115,8 +115,10 @@ def profiled_threads(system: System) -> list[int]:
 
 
 def cost_table(model_dir: Path, model: str, system: System, batch: int, runs: int = 3,
-               facts_cache: dict | None = None, min_s: float | None = None) -> CostTable:
-    """Profile the packed model in `model_dir` (its skeleton, as serve mode runs it) and table its costs.
+               facts_cache: dict | None = None, min_s: float | None = None,
+               profiles: dict | None = None) -> CostTable:
+    """Profile the packed model in `model_dir` (its skeleton, as serve mode runs it) and table its costs
+    (or table `profiles`: a PooledProfile's summary of that skeleton on profiled_threads(system)).
 
     When no kind of the system is measured here, the modelled kinds are calibrated on this machine's
     CPU (its peak rates measured now)."""
@@ -124,12 +126,12 @@ def cost_table(model_dir: Path, model: str, system: System, batch: int, runs: in
     skeleton = Path(model_dir) / SKELETON_FILE
     threads = profiled_threads(system)
     key = (str(skeleton), tuple(threads))
-    cached = (facts_cache or {}).get(key)
+    cached = None if profiles is not None else (facts_cache or {}).get(key)
     if cached is None:
-        facts, input_bytes = node_facts(skeleton, threads, runs=runs,
+        facts, input_bytes = node_facts(skeleton, threads, runs=runs, profiles=profiles,
                                         **({} if min_s is None else {"min_s": min_s}))
         cached = (facts, boundary_bytes(skeleton, facts, input_bytes))
-        if facts_cache is not None:
+        if facts_cache is not None and profiles is None:
             facts_cache[key] = cached
     facts, cuts = cached
     reference = None
