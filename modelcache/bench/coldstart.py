@@ -138,6 +138,10 @@ def report(samples: list[dict], memory: list[dict], out=sys.stdout) -> None:
             print(f"{name:<14} -> attach-hit is {med['ort'] / med['attach-hit']:.2f}x faster than ort, "
                   f"{med['attach-hit'] / med['ideal']:.2f}x ideal, {med['attach-hit'] / med['ort-tuned']:.2f}x ort-tuned",
                   file=out)
+            paired = [f"{ref} {summary(r, '.2f')}" for ref in ("ideal", "ort-tuned", "ort")
+                      if (r := paired_ratios(samples, name, "attach-hit", ref))]
+            if paired:
+                print(f"{name:<14} -> paired by round, attach-hit over: " + ", ".join(paired), file=out)
     if memory:
         print(f"\n{'model':<14} {'mode':<11} {'clients':>7} {'total PSS MiB':>14} {'(daemon)':>9} {'USS/client MiB':>15}",
               file=out)
@@ -149,6 +153,16 @@ def report(samples: list[dict], memory: list[dict], out=sys.stdout) -> None:
         a = next(r for r in memory if r["clients"] == kmax and r["mode"] == "attach-hit")
         print(f"{kmax} attach clients + daemon use {100 * a['total_pss_mib'] / o['total_pss_mib']:.0f}% of the "
               f"memory of {kmax} ort processes", file=out)
+
+
+def paired_ratios(samples: list[dict], model: str, mode: str, reference: str) -> list[float]:
+    """mode's total over reference's, round by round. The modes of a round run back to back, so the
+    machine's drift (this VM's speed moves by ~20 % over tens of seconds, and a fresh process's imports
+    by 30 ms) hits both sides of each ratio alike; the median of the ratios is steadier than the ratio
+    of the medians, which pairs a fast moment of one mode with a slow one of another."""
+    total = {(s["mode"], s["run"]): s["total_ms"] for s in samples if s["model"] == model}
+    return [total[(mode, r)] / total[(reference, r)] for (m, r) in sorted(total, key=lambda k: k[1])
+            if m == mode and (reference, r) in total]
 
 
 def plot(samples: list[dict], memory: list[dict], out_dir: Path) -> list[str]:

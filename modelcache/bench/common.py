@@ -163,12 +163,12 @@ def memory_mib() -> dict:
     return {"uss_mib": info.uss / 2**20, "pss_mib": info.pss / 2**20, "anon_mib": anon / 2**20}
 
 
-def summary(values: list[float]) -> str:
+def summary(values: list[float], fmt: str = ".1f") -> str:
     """median [min-max] — the spread tells how far to trust the median on a noisy machine."""
     if not values:
         return "-"
     med = statistics.median(values)
-    return f"{med:.1f} [{min(values):.1f}-{max(values):.1f}]" if len(values) > 1 else f"{med:.1f}"
+    return f"{med:{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]" if len(values) > 1 else f"{med:{fmt}}"
 
 
 def save_results(out_dir: str | None, bench: str, argv, data, report) -> None:
