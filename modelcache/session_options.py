@@ -39,58 +39,6 @@ def map_readonly(path: str):
         os.close(fd)  # the mapping keeps the pages; the descriptor is not needed
 
 
-MADV_POPULATE_READ = 22   # Linux 5.14+: map a range's pages now, as reads would (mmap has no name for it in 3.11)
-PREFAULT_CHUNK = 2 << 20
-
-
-def prefault(maps: list) -> "threading.Thread | None":
-    """Map every page of `maps` into this process on another thread, while ORT builds the session.
-
-    A fresh client's first run otherwise faults in each 4 KiB page of the weights as it reads them:
-    42 ms for 512 MiB on /dev/shm here, the same whether done by faults, MAP_POPULATE or
-    MADV_POPULATE_READ (bench pagefaults; populate.py beside it). Done up front, the work is no
-    cheaper; done on the other core while the session is built (10-20 ms, one thread, the weights
-    untouched by then) and ahead of the first run, it leaves that run less to do. The thread holds
-    only addresses, never the mappings: closing the session while it runs makes madvise fail on a
-    range that is gone, which it ignores. Returns the thread (started), or None where nothing is to
-    be done (no weights, no libc, MODELCACHE_PREFAULT=0)."""
-    import ctypes
-    import os
-    import threading
-
-    if not maps or os.environ.get("MODELCACHE_PREFAULT", "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    try:
-        madvise = ctypes.CDLL(None).madvise   # libc, already loaded (find_library would run ldconfig: ~15 ms)
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    ranges = [(_address(m), len(m)) for m in maps]
-    started = threading.Event()
-
-    def populate():
-        started.set()
-        for address, length in ranges:
-            # In chunks: madvise holds the process's mmap lock for its whole range, and ORT's allocations
-            # while it builds the session wait for that lock (in one 233 MiB call: session +27 ms).
-            for at in range(0, length, PREFAULT_CHUNK):
-                madvise(address + at, min(PREFAULT_CHUNK, length - at), MADV_POPULATE_READ)   # drops the GIL
-
-    thread = threading.Thread(target=populate, name="modelcache-prefault", daemon=True)
-    thread.start()
-    started.wait()   # running: the GIL is the session's to take
-    return thread
-
-
-def _address(m) -> int:
-    """The start address of an mmap, with no buffer export left behind (an export would make close fail)."""
-    import numpy as np
-    view = np.frombuffer(m, dtype=np.uint8)   # read-only: ctypes' from_buffer refuses it
-    address = view.__array_interface__["data"][0]
-    del view
-    return address
-
-
 def bind_weights(so, segment_paths: list, tensors: list) -> tuple[list, list]:
     """Hand each tensor ([name, dtype, shape, segment index, offset, nbytes]) to `so` as an OrtValue over
     a read-only mapping of its segment: no read, no copy. Returns (mappings, values); ORT keeps raw

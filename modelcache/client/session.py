@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import InputError, ModelCacheError
 from ..tensors import NUMPY_TYPES, FeedCheck
-from ..session_options import attach_session_options, bind_weights, prefault
+from ..session_options import attach_session_options, bind_weights
 
 if TYPE_CHECKING:   # connection.py imports pyzmq: a drop-in session on the lane never needs it (client/leases.py)
     from .connection import Client, OpenedModel
@@ -75,7 +75,6 @@ class InferenceSession:
                 skip = set(self._lease.prepacked) if self.prepacked else set()   # ORT maps these, with their blobs
                 self._maps, self._weights = bind_weights(so, self._lease.segments,
                                                          [t for t in self._lease.tensors if t[0] not in skip])
-                prefault(self._maps)   # pages mapped on the other core while ORT builds the session
             self._sess = ort.InferenceSession(self._lease.skeleton_path, so,
                                               providers=providers or ["CPUExecutionProvider"])
             self._trim_after_run = self.prepacked
