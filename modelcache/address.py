@@ -75,6 +75,32 @@ def check_can_connect(path: str, address: str) -> None:
                                "this user to that group")
 
 
+def check_listening(path: str, address: str) -> None:
+    """Fail at once where nobody listens on the socket file: a daemon killed with SIGKILL leaves its
+    socket file behind, and libzmq retries a refused ipc:// connect in the background, so a client's
+    hello (and each reconnect after a crash) waited its whole timeout, 5-30 s, under the client's lock.
+    A Ray replica whose node daemon was killed piled its calls up behind those waits until a request
+    passed its 60 s deadline (tests/test_cluster.py's failover test, seen once in CI's conditions).
+    A plain connect is refused at once; a connection that succeeds is closed before any handshake."""
+    import errno
+    import socket
+
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.setblocking(False)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        raise DaemonUnavailable(f"no modelcache daemon is listening at {address} (its socket file is left "
+                                "from one that stopped)") from None
+    except BlockingIOError:
+        pass            # the listener's backlog is full: it is there, and busy
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EINPROGRESS):
+            raise DaemonUnavailable(f"cannot connect to the modelcache daemon at {address}: {e.strerror}") from None
+    finally:
+        probe.close()
+
+
 def _group_name(gid: int) -> str:
     import grp
     try:

@@ -270,6 +270,23 @@ def test_daemon_death_is_visible_to_the_client(tmp_path, zoo_file):
     c.close()
 
 
+def test_a_killed_daemons_socket_file_is_refused_at_once_not_after_the_hello_timeout(tmp_path, zoo_file):
+    """SIGKILL leaves the socket file; libzmq would retry the refused connect in the background, so a
+    client's hello (and every reconnect of a client that lost the daemon) waited out its timeout."""
+    d = DaemonProcess(tmp_path).start()
+    c = d.client(timeout_s=60)
+    c.add(zoo_file("tiny-cnn"), "cnn")
+    d.kill()
+    assert os.path.exists(d.socket[len("ipc://"):])
+    with pytest.raises(DaemonUnavailable, match="lost the connection"):
+        c.list()
+    with pytest.raises(DaemonUnavailable, match="no modelcache daemon is listening"):
+        c.list()                                    # the reconnect: refused, not 5 s of hello
+    c.close()
+    with pytest.raises(DaemonUnavailable, match="no modelcache daemon is listening"):
+        modelcache.connect(d.socket, timeout_s=60)   # was: RequestTimeout after 60 s
+
+
 def test_stale_socket_and_host_tier_are_recovered(tmp_path, zoo_file):
     d = DaemonProcess(tmp_path).start()
     with d.client() as c:

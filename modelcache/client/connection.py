@@ -30,7 +30,7 @@ import zmq
 import logging
 
 from .. import lane as _lane, protocol as P
-from ..address import check_can_connect
+from ..address import check_can_connect, check_listening
 from ..errors import (DaemonUnavailable, ModelCacheError, ProtocolError, RequestTimeout,
                       from_code)
 
@@ -94,6 +94,7 @@ class Client:
     def _connect(self) -> None:
         if self.address.startswith("ipc://"):
             check_can_connect(self.address[len("ipc://"):], self.address)
+            check_listening(self.address[len("ipc://"):], self.address)
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(self.address)

@@ -228,6 +228,7 @@ class ModelcacheReplica:
         self.client = connect(self.address)
         self.in_flight = 0
         self.service_ms = 10.0            # a moving mean of a warm request's time, for the router's queue estimate
+        self._stats_pending = False       # a record_routing_stats call is waiting on the daemon
         ctx = serve.get_replica_context()
         self._handle = serve.get_deployment_handle(ctx.deployment, ctx.app_name)
 
@@ -266,10 +267,17 @@ class ModelcacheReplica:
                 "ms": elapsed_ms, "failed_over_from": list(avoid)}
 
     async def record_routing_stats(self) -> dict:
+        # Serve asks every ROUTING_STATS_PERIOD_S whether or not the last answer came: while a stats call
+        # still waits on a stuck daemon, another would only queue behind it (and the requests behind both).
+        if self._stats_pending:
+            return {"node_id": self.node_id, "up": False}
+        self._stats_pending = True
         try:
             stats = await asyncio.to_thread(self.client.stats)
         except ModelCacheError:
             return {"node_id": self.node_id, "up": False}
+        finally:
+            self._stats_pending = False
         return NodeView.from_stats(self.node_id, stats, queue=self.in_flight, service_ms=self.service_ms).to_dict()
 
     def __del__(self):
