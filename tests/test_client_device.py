@@ -408,8 +408,8 @@ for name, a in arrays.items():
     rows.append([name, a.dtype.name, list(a.shape), 0, offset, a.nbytes])
     offset += -(-a.nbytes // 256) * 256
 runtime.deviceSynchronize()
-props = runtime.getDeviceProperties(runtime.getDevice())
-print(json.dumps({"uuid": bytes(props["uuid"]).hex(), "handle": bytes(runtime.ipcGetMemHandle(base)).hex(),
+from modelcache.tiers.gpu import _runtime_uuid   # all 16 bytes: cupy's props["uuid"] stops at a zero byte
+print(json.dumps({"uuid": _runtime_uuid(runtime.getDevice()), "handle": bytes(runtime.ipcGetMemHandle(base)).hex(),
                   "tensors": rows}), flush=True)
 sys.stdin.readline()  # the importer maps the allocation while this process lives
 runtime.free(base)
@@ -477,3 +477,25 @@ def test_cuda_ipc_export_from_another_process_runs_on_the_gpu(tmp_path):
     finally:
         exporter.stdin.close()
         exporter.wait(30)
+
+
+def test_the_cuda_provider_goes_first_over_device_weights():
+    """CPU kernels must never get nodes whose weights live on the device: CUDA first, its options kept."""
+    from modelcache.client.device import cuda_first
+    cuda = ("CUDAExecutionProvider", {"device_id": 1, "cudnn_conv_algo_search": "DEFAULT"})
+    assert cuda_first(["CPUExecutionProvider", cuda]) == [cuda, "CPUExecutionProvider"]
+    assert cuda_first([cuda, "CPUExecutionProvider"]) == [cuda, "CPUExecutionProvider"]
+    assert cuda_first(["A", "CUDAExecutionProvider", "B"]) == ["CUDAExecutionProvider", "A", "B"]
+    assert cuda_first(["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
+
+
+def test_the_daemons_device_uuid_is_read_whole_not_cut_at_a_zero_byte():
+    from modelcache.tiers.gpu import device_uuid
+    whole = "ab00cd" + "11" * 13
+
+    def fails(index):
+        raise RuntimeError("no libcudart here")
+
+    assert device_uuid(0, bytes.fromhex("ab"), lambda i: whole) == whole          # cupy's cut value ignored
+    assert device_uuid(0, bytes.fromhex(whole), fails) == whole                   # cupy's, when whole
+    assert device_uuid(0, bytes.fromhex("ab"), fails) is None                     # neither: no tier, no wrong name

@@ -256,6 +256,20 @@ def cuda_device_id(providers) -> int | None:
     return None
 
 
+def cuda_first(providers) -> list:
+    """The providers list with its CUDA entry (options kept) moved to the front, the rest in order.
+
+    Over weights that live on the device, every node must go to the CUDA provider first: with the CPU
+    provider ahead of it, ORT would give nodes to CPU kernels that then read device pointers (unmeasured:
+    at best a copy to the host per weight, at worst a crash). shared/GPU.md checks get_providers()[0]."""
+    entries = list(providers or ())
+    names = [e if isinstance(e, str) else e[0] for e in entries]
+    if "CUDAExecutionProvider" not in names:
+        return entries
+    i = names.index("CUDAExecutionProvider")
+    return [entries[i], *entries[:i], *entries[i + 1:]]
+
+
 def requested_device(providers) -> str | None:
     """The device to ask the daemon for: ``"cuda:<uuid>"`` when CUDAExecutionProvider is listed, else None.
 
@@ -512,11 +526,19 @@ class DeviceWeights:
         return "CPUExecutionProvider"
 
     def release(self) -> None:
-        """Drop the OrtValues (ORT frees their descriptors), then this object's handle references. Idempotent."""
+        """Drop the OrtValues (ORT frees their descriptors), then this object's handle references. Idempotent.
+        Every handle is released even when one fails (after a sticky CUDA error every call fails); the
+        first error is raised after."""
         self.values = {}
         handles, self._handles = self._handles, []
+        first = None
         for handle in handles:
-            _cache.release(self.kind, handle)
+            try:
+                _cache.release(self.kind, handle)
+            except Exception as e:
+                first = first or e
+        if first is not None:
+            raise first
 
 
 def _check_tensor(row, n_handles: int) -> tuple:

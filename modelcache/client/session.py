@@ -66,11 +66,13 @@ class InferenceSession:
             so = attach_session_options(sess_options, prepacked=self.prepacked)
             # ORT keeps raw pointers into these mappings: they must outlive the session.
             if self._lease.device_uuid:
-                from .device import attach_weights
+                from .device import attach_weights, cuda_first
                 self._device_weights = attach_weights(so, self._lease.ipc_kind, self._lease.device_uuid,
                                                       self._lease.ipc_handles, self._lease.tensors)
                 if self._lease.ipc_kind != "cuda":   # a simulated GPU: its memory is host memory
                     providers = ["CPUExecutionProvider"]
+                else:
+                    providers = cuda_first(providers)
             else:
                 skip = set(self._lease.prepacked) if self.prepacked else set()   # ORT maps these, with their blobs
                 self._maps, self._weights = bind_weights(so, self._lease.segments,
@@ -80,7 +82,7 @@ class InferenceSession:
             self._trim_after_run = self.prepacked
             if self.prepacked:
                 _release_freed_heap()
-            if self._lease.ipc_kind == "cuda" and "CUDAExecutionProvider" not in self._sess.get_providers():
+            if self._lease.ipc_kind == "cuda" and self._sess.get_providers()[0] != "CUDAExecutionProvider":
                 # ORT falls back to the CPU with only a warning; over device pointers that cannot run.
                 raise ModelCacheError(f"{name}: onnxruntime could not start the CUDA execution provider "
                                       f"(it offers {self._sess.get_providers()}); check the CUDA and cuDNN "
@@ -154,21 +156,24 @@ class InferenceSession:
         """Drop the session, then the mapping, then the lease (in that order: ORT points into the mapping)."""
         self._sess = None
         self._weights = []
-        if self._device_weights is not None:   # after the session: ORT points into these
-            self._device_weights.release()
-            self._device_weights = None
-        for m in self._maps:
-            try:
-                m.close()
-            except BufferError:
-                pass  # a numpy view of the mapping is still alive; it is unmapped when that view dies
-        self._maps = []
-        if self._lease is not None and not self._released:
-            self._released = True
-            try:
-                self._client.release(self._lease.lease_id)
-            except Exception:
-                pass  # daemon gone: nothing to release there
+        try:
+            if self._device_weights is not None:   # after the session: ORT points into these
+                weights, self._device_weights = self._device_weights, None
+                weights.release()
+            for m in self._maps:
+                try:
+                    m.close()
+                except BufferError:
+                    pass  # a numpy view of the mapping is still alive; it is unmapped when that view dies
+            self._maps = []
+        finally:
+            # Whatever the device said, the daemon's lease goes: held, it would pin the copy until our heartbeat stops.
+            if self._lease is not None and not self._released:
+                self._released = True
+                try:
+                    self._client.release(self._lease.lease_id)
+                except Exception:
+                    pass  # daemon gone: nothing to release there
 
     def __enter__(self):
         return self
@@ -205,6 +210,21 @@ def _release_freed_heap() -> None:
         pass
 
 
+def _ort_builds() -> str:
+    """What to do about an onnxruntime without CUDA: the ORT packages installed say which."""
+    from importlib import metadata
+    have = []
+    for dist in ("onnxruntime", "onnxruntime-gpu"):
+        try:
+            have.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            pass
+    if len(have) == 2:   # one onnxruntime/ folder, two packages: the CPU build was written last
+        return (f"both {' and '.join(have)} are installed and the CPU build is the one loaded: "
+                "pip uninstall -y onnxruntime && pip install --force-reinstall --no-deps onnxruntime-gpu")
+    return "install onnxruntime-gpu, the [gpu] extra"
+
+
 def _device_for(providers, ort) -> str | None:
     """The GPU to lease the weights on ("cuda:<UUID>"), or None for the host tier, from ORT-style providers.
 
@@ -217,7 +237,7 @@ def _device_for(providers, ort) -> str | None:
         return None
     if not os.environ.get("MODELCACHE_FAKE_GPUS") and "CUDAExecutionProvider" not in ort.get_available_providers():
         warnings.warn("Specified provider 'CUDAExecutionProvider' is not in available provider names; "
-                      "modelcache opens the model on the CPU (install onnxruntime-gpu, the [gpu] extra)")
+                      f"modelcache opens the model on the CPU ({_ort_builds()})")
         return None
     from .device import requested_device
     return requested_device(providers)

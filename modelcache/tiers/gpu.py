@@ -76,11 +76,34 @@ def probe() -> list[GpuDevice]:
     devices = []
     for i in range(count):
         props = runtime.getDeviceProperties(i)
-        uuid = props.get("uuid", b"")
-        uuid = uuid.hex() if isinstance(uuid, (bytes, bytearray)) else str(uuid)
+        uuid = device_uuid(i, props.get("uuid", b""), _runtime_uuid)
+        if uuid is None:
+            log.warning("CUDA device %d: its UUID could not be read whole; it gets no GPU tier", i)
+            continue
         name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         devices.append(GpuDevice(i, uuid, name, int(props["totalGlobalMem"])))
     return devices
+
+
+def device_uuid(index: int, cupy_uuid, read_whole) -> str | None:
+    """Device `index`'s UUID as 32 hex digits, the client's name for it (client/device.py).
+
+    cupy's getDeviceProperties()["uuid"] is a C char[16] that Cython turned into bytes as if it were
+    a string: cut at its first zero byte (about one GPU in 16 has one; fbpic#718 saw 14 bytes). So the
+    whole 16 bytes are read through the CUDA runtime as the client reads them (`read_whole(index)`);
+    cupy's value serves only when that fails and it has all 16 bytes. None when neither does."""
+    try:
+        return read_whole(index)
+    except Exception as e:   # DeviceError: no libcudart found in this process, a failed call
+        log.debug("CUDA device %d: reading its UUID through the runtime failed: %s", index, e)
+    if isinstance(cupy_uuid, (bytes, bytearray)) and len(cupy_uuid) == 16:
+        return bytes(cupy_uuid).hex()
+    return None
+
+
+def _runtime_uuid(index: int) -> str:
+    from ..client.device import cuda_runtime
+    return cuda_runtime().uuid_of(index)
 
 
 def fake_devices(spec: str) -> list[GpuDevice]:
@@ -270,8 +293,15 @@ class CudaAllocator:
         return Allocation(ptr, nbytes, handle)
 
     def free(self, allocation: Allocation) -> None:
-        self._use_device()
-        self._rt.free(allocation.ptr)
+        """Give the allocation back. A CUDA error here (a sticky one, left by a serve-mode kernel in this
+        process) is logged, not raised: the memory is lost either way, and the caller's bookkeeping,
+        half done, must not be left so."""
+        try:
+            self._use_device()
+            self._rt.free(allocation.ptr)
+        except Exception as e:   # cupy's CUDARuntimeError
+            log.error("device %s: cudaFree of %d MiB failed, the memory is lost until the daemon restarts: %s",
+                      self.device.uuid, allocation.nbytes >> 20, e)
 
     def local_address(self, allocation: Allocation) -> int:
         """The device pointer, valid in this process (the runtime API's primary context, which ORT's CUDA
