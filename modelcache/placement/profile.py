@@ -111,8 +111,8 @@ class PooledProfile:
 
         The planner kept the faster half until the simulator check interleaved its profile with the
         serving it predicts (bench/placement_check.py, benchmarks/placement/check): there the median
-        put 12 of 16 figures within 10 % of the daemon's and the faster half 6, predicting every
-        latency low; in the run before, 11 and 11."""
+        put 12 and 9 of 16 figures within 10 % of the daemon's in two runs, the faster half 6 and 7,
+        predicting every latency low (11 and 11 in a run before the wall-time scaling)."""
         out = {}
         for n, times in self.times.items():
             if keep == "median":
