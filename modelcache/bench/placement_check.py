@@ -324,6 +324,8 @@ def main(argv=None) -> int:
     ap.add_argument("--retries", type=int, default=1, help="times a disturbed row is measured again")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    if args.rounds < 1 or args.requests < 1 or args.seconds <= 0 or args.profile_s < 0:
+        ap.error("--rounds and --requests must be at least 1, --seconds above 0, --profile-s not below 0")
     rows, load_at_start = [], os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="modelcache-simcheck-") as tmp:
         tmp = Path(tmp)
