@@ -82,7 +82,6 @@ def check_listening(path: str, address: str) -> None:
     A Ray replica whose node daemon was killed piled its calls up behind those waits until a request
     passed its 60 s deadline (tests/test_cluster.py's failover test, seen once in CI's conditions).
     A plain connect is refused at once; a connection that succeeds is closed before any handshake."""
-    import errno
     import socket
 
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -93,10 +92,9 @@ def check_listening(path: str, address: str) -> None:
         raise DaemonUnavailable(f"no modelcache daemon is listening at {address} (its socket file is left "
                                 "from one that stopped)") from None
     except BlockingIOError:
-        pass            # the listener's backlog is full: it is there, and busy
+        pass            # EAGAIN: the listener's backlog is full: it is there, and busy
     except OSError as e:
-        if e.errno not in (errno.EAGAIN, errno.EINPROGRESS):
-            raise DaemonUnavailable(f"cannot connect to the modelcache daemon at {address}: {e.strerror}") from None
+        raise DaemonUnavailable(f"cannot connect to the modelcache daemon at {address}: {e.strerror}") from None
     finally:
         probe.close()
 

@@ -200,8 +200,7 @@ def check_one(client, repo: Path, name: str, system, stages: int, args) -> dict:
     thru = {}
     for key, c in costs.items():
         runs = [simulate(c, plan, arrivals, within_set="dmda", samples=1, record=False) for arrivals, _ in chunks]
-        thru[key] = throughput([(s.completed, max(s.finished_at) - min(arrivals))
-                                for s, (arrivals, _) in zip(runs, chunks)])
+        thru[key] = throughput([(s.completed, s.span_s(arrivals)) for s, (arrivals, _) in zip(runs, chunks)])
     measured_latency = statistics.median(walls)
     cost = costs["profile"]
     row = {"model": name, "workers": [w.name for w in system.workers], "kind": system.workers[0].kind,
@@ -251,10 +250,10 @@ def quietest(measure, args) -> dict:
 
 def speed_drift(r: dict) -> tuple | None:
     """The daemon's stage runs, solo and under load, against the profile's for the same stages (sums; None
-    when not recorded). The profile is taken seconds before the solo requests and the load: on a VM whose
-    speed moves with nothing visible in it (benchmarks/placement/check/speed_probe.py: no other process,
-    no steal, 2-thread MatMul 130 -> 80 GFLOP/s for half a second at a time), this is how far the machine
-    moved between them, which an error "from the profile" carries whatever the simulator does."""
+    when not recorded). The profile's slices are interleaved with the requests, so the machine's own
+    drift (benchmarks/placement/check/speed_probe.py) is mostly out of this; what is left is how much
+    slower the daemon runs the stages than the profile ran them, which an error "from the profile"
+    carries whatever the simulator does."""
     st = r.get("stage_s") or {}
     if not st.get("profiled") or not st.get("served_solo") or None in (st.get("served_loaded") or [None]):
         return None

@@ -100,8 +100,8 @@ class PooledProfile:
         for n in self.threads:
             times, args = node_times(self.skeleton, self.feeds, n, runs, min_s, max_runs)
             for name, t in times.items():
-                # Keep each node's run i at the same index as every other node's, so fastest_runs
-                # can still pick whole runs; a node absent from some runs would shift them.
+                # Less the warm-up, appended in order: run i of every node stays the same run, so
+                # fastest_runs can still pick whole runs (when every node ran in every run).
                 self.times[n].setdefault(name, []).extend(t[1:])
             self.args[n].update(args)
 
@@ -113,16 +113,20 @@ class PooledProfile:
         serving it predicts (bench/placement_check.py, benchmarks/placement/check): there the median
         put 12 and 9 of 16 figures within 10 % of the daemon's in two runs, the faster half 6 and 7,
         predicting every latency low (11 and 11 in a run before the wall-time scaling)."""
+        if keep not in ("median", "faster-half"):
+            raise ValueError(f"keep={keep!r}: 'median' or 'faster-half'")
         out = {}
         for n, times in self.times.items():
-            if keep == "median":
-                pick = lambda t: t  # noqa: E731
-            else:
+            chosen = None
+            if keep == "faster-half":
                 # fastest_runs counts index 0 as the warm-up, which the pool has left out already.
                 chosen = [i - 1 for i in fastest_runs({k: [0.0, *t] for k, t in times.items()})]
-                pick = lambda t, chosen=chosen: [t[i] for i in chosen if i < len(t)] or t  # noqa: E731
-            out[n] = {name: {"op": self.args[n][name].get("op_name", "?"), "seconds": statistics.median(pick(t)),
-                             "args": self.args[n][name]} for name, t in times.items() if t}
+            out[n] = {}
+            for name, t in times.items():
+                runs = t if chosen is None else ([t[i] for i in chosen if i < len(t)] or t)
+                if runs:
+                    out[n][name] = {"op": self.args[n][name].get("op_name", "?"),
+                                    "seconds": statistics.median(runs), "args": self.args[n][name]}
         return out
 
 

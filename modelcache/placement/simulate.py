@@ -63,8 +63,12 @@ class SimResult:
     def completed(self) -> int:
         return len(self.latencies_s)
 
+    def span_s(self, arrivals: list) -> float:
+        """From the first arrival to the last answer (0 with none answered)."""
+        return max(self.finished_at) - min(arrivals) if self.finished_at else 0.0
+
     def throughput_per_s(self, arrivals: list) -> float:
-        span = max(self.finished_at) - min(arrivals) if self.finished_at else 0.0
+        span = self.span_s(arrivals)
         return self.completed / span if span > 0 else 0.0
 
     def percentile_s(self, q: float) -> float:
