@@ -455,6 +455,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--seed", type=int, default=0)
     pl.add_argument("-o", "--output", help="plan file (default NAME.plan.json); with --describe, the TOML file")
     pl.add_argument("--plots", help="directory for a Gantt chart and plan-vs-baselines bars (PNG)")
+    pl.add_argument("--profile-on", choices=["auto", "daemon", "here"], default="auto",
+                    help="where the cpuN kinds are profiled: on the daemon's own worker of N threads, where serve "
+                         "mode runs the stages (daemon), in this process pinned alike (here), or the daemon "
+                         "when one answers with such workers, else here (auto, the default)")
     pl.add_argument("--describe", action="store_true", help="write this machine's system description")
     pl.add_argument("--workers", help="with --describe: CPU groups as the daemon's `workers` setting ('1,1', '2')")
     pl.set_defaults(func=cmd_place)

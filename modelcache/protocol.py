@@ -250,6 +250,30 @@ class Partition(Message, kind="partition"):
     plan: Optional[dict] = None        # a placement plan (`modelcache place`): its cuts and worker sets
 
 
+class Profile(Message, kind="profile"):
+    """Time every node of a model with ORT's profiler on one of the daemon's CPU workers: its thread, cores
+    and thread count, over the host tier's weights, where serve mode runs the model's stages
+    (`modelcache place` costs). The worker runs nothing else meanwhile. Inputs as in Infer."""
+    req_id: int
+    name: str
+    inputs: list
+    version: Optional[int] = None
+    worker: Optional[str] = None       # a CPU worker's name (cpu-0, ...); None: the first
+    runs: int = 3                      # at least this many runs after one warm-up ...
+    min_s: float = 1.0                 # ... and more, until they span this long
+
+
+class ProfileReply(Message, kind="profile_ok"):
+    req_id: int
+    name: str
+    version: int
+    worker: str
+    threads: int
+    times: dict = {}                   # node name -> seconds in each run, the warm-up first (scaled to wall time)
+    args: dict = {}                    # node name -> the profiler's op, shapes and sizes
+    wake_s: list = []                  # per run after an idle spell, its extra seconds (placement/profile.py)
+
+
 class Infer(Message, kind="infer"):
     """Serve mode: the daemon runs the model. Tensors as in modelcache.tensors (inline or a shm file)."""
     req_id: int

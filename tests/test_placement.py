@@ -277,7 +277,8 @@ def test_a_pooled_profile_adds_each_profile_s_runs_and_summarises_them_two_ways(
 
 def test_profile_spreads_its_runs_over_min_s(tmp_path, monkeypatch):
     """At least `runs` runs after the warm-up; more, up to max_runs, until they took min_s: a burst of
-    another process's work lasts longer than a handful of runs, so the runs kept must span more."""
+    another process's work lasts longer than a handful of runs, so the runs kept must span more. Between
+    each two, a cold run (after WAKE_GAP_S idle) measures a worker's wake-up."""
     import onnxruntime as ort
     from modelcache.placement import profile
 
@@ -291,10 +292,10 @@ def test_profile_spreads_its_runs_over_min_s(tmp_path, monkeypatch):
     monkeypatch.setattr(ort.InferenceSession, "run", run)
     feeds = tiny_relu_model(tmp_path / "m.onnx")
     out = profile.profile_nodes(tmp_path / "m.onnx", feeds, 1, runs=3, min_s=0.0)
-    assert len(counted) == 4 and out["relu"]["seconds"] >= 0    # the warm-up and 3 runs
+    assert len(counted) == 6 and out["relu"]["seconds"] >= 0    # the warm-up, 3 runs and the 2 cold ones between
     counted.clear()
     profile.profile_nodes(tmp_path / "m.onnx", feeds, 1, runs=3, min_s=60.0, max_runs=9)
-    assert len(counted) == 10                                    # capped at max_runs
+    assert len(counted) == 18                                    # capped at max_runs (and their cold runs)
     counted.clear()
-    profile.profile_nodes(tmp_path / "m.onnx", feeds, 1, runs=3, min_s=0.05)
-    assert len(counted) > 4                                      # a tiny run: more runs to fill 50 ms
+    profile.profile_nodes(tmp_path / "m.onnx", feeds, 1, runs=3, min_s=0.2)
+    assert len(counted) > 6                                      # a tiny run: more runs to fill 200 ms

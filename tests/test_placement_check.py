@@ -92,11 +92,12 @@ def test_a_row_interleaves_profile_solo_and_load_and_reports_every_source(tmp_pa
     r = rows[0]
     assert r["rounds"] == 2 and len(r["latency_ms"]["samples_ms"]) == 4
     assert r["throughput_per_s"]["answered"] == r["throughput_per_s"]["requests"] > 0
-    for key in ("profile", "profile_fast", "solo", "loaded"):
+    for key in ("profile", "profile_here", "solo", "loaded"):
         assert r["throughput_per_s"][f"simulated_{key}"] > 0
     assert all(r["cpu"][phase]["seconds"] > 0 for phase in ("profile", "solo", "load"))
+    assert set(r["wake_ms"]) == {"profile", "profile_here"}     # the cold runs of both profiles
     text = (out / "report.txt").read_text()
-    assert "the profile (median run)" in text and "the profile's faster half" in text
+    assert "the profile on the daemon's workers" in text and "the profile in this process" in text
 
 
 def test_phases_merge_weighted_by_their_seconds():

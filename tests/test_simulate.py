@@ -179,3 +179,39 @@ def test_the_bound_counts_serving_work_against_the_host_workers_slack():
     arrivals = [i * 0.010 for i in range(400)]                     # offered faster than either bound
     rate = simulate(even, plan, arrivals, within_set="dmda", samples=1, record=False).throughput_per_s(arrivals)
     assert 1 / 0.0191 <= rate <= 1 / 0.017                         # between stretching one always and the bound
+
+
+def test_a_stage_on_a_worker_that_idled_pays_its_kinds_wake_up():
+    """CostTable.wake_s: a worker idle WAKE_AFTER_S or more before a stage runs it that much longer; one that
+    just finished the previous request's stage does not."""
+    from modelcache.placement.profile import WAKE_AFTER_S
+    t = table(1)
+    t.wake_s = {"cpu1": 0.002}
+    cost = PlanCost(t, SYSTEM, 1)
+    plan = Plan([Stage(0, 2, (0,), (1,))], 1)          # both nodes on c0: 30 ms a request
+    cold = simulate(cost, plan, [0.0], within_set="dmda").latencies_s[0]
+    assert cold == pytest.approx(0.032)
+    # The second arrives while the first runs: it starts the moment c0 frees, warm.
+    back_to_back = simulate(cost, plan, [0.0, 0.001], within_set="dmda").finished_at
+    assert back_to_back[1] - back_to_back[0] == pytest.approx(0.030)
+    # One that arrives after c0 idled longer than WAKE_AFTER_S pays it again.
+    later = 0.032 + 2 * WAKE_AFTER_S
+    spaced = simulate(cost, plan, [0.0, later], within_set="dmda").latencies_s
+    assert spaced == pytest.approx([0.032, 0.032])
+    t.wake_s = {}
+    assert simulate(cost, plan, [0.0], within_set="dmda").latencies_s[0] == pytest.approx(0.030)
+
+
+def test_requests_sent_one_at_a_time_find_a_busy_worker_warm():
+    """one_at_a_time: each request arrives as the previous is answered; only the first pays the wake-up
+    of a worker that runs every stage, while a worker idle through another's stage pays it every time."""
+    from modelcache.placement.simulate import one_at_a_time
+    t = table(1)
+    t.wake_s = {"cpu1": 0.002}
+    cost = PlanCost(t, SYSTEM, 1)
+    one_worker = Plan([Stage(0, 2, (0,), (1,))], 1)
+    assert one_at_a_time(cost, one_worker, 3) == pytest.approx([0.032, 0.030, 0.030])
+    # c0 idles through c1's 20 ms stage (over WAKE_AFTER_S), c1 only through c0's 12 ms (under it)
+    two = Plan([Stage(0, 1, (0,), (1,)), Stage(1, 2, (1,), (1,))], 1)
+    lat = one_at_a_time(cost, two, 3)
+    assert lat[0] == pytest.approx(0.034) and lat[1] == pytest.approx(0.032)

@@ -7,23 +7,26 @@
 For each CPU worker layout, a daemon is started with serial batching (a request is its own batch,
 as the simulator replays it). Each model is cut into k stages of equal measured cost, stage i on
 worker cpu-(i mod groups), served with `partition --plan`; the model is profiled with ORT's
-profiler in this process, and the simulator predicts from that profile. A row runs in --rounds
-rounds, each a slice of the profile, of the solo requests and of the load, and each figure pools
-its slices: this VM's speed moves by ~20 % over tens of seconds with nothing else running
+profiler on the daemon's own worker of each thread count (`place --profile-on daemon`), and in this
+process pinned alike, and the simulator predicts from each. A row runs in --rounds rounds, each a
+slice of the profiles, of the solo requests and of the load, and each figure pools its slices: this
+VM's speed moves by ~20 % over tens of seconds with nothing else running
 (benchmarks/placement/check/speed_probe.py), so a profile taken once, seconds before, predicts the
 moment it was taken (2 and 5 of 16 figures within 10 % in two runs that way).
 
   latency     one request at a time: the median of --requests round trips (client wall time)
-              against the simulator's latency of one request;
+              against the simulator's, each request sent as the previous is answered (one_at_a_time:
+              the workers that ran the previous request's stages are warm, others may have idled);
   throughput  open-loop Poisson arrivals at 1.5x the plan's analytical capacity for --seconds
               (latency from the scheduled send time), answered requests per second, against the
               simulator replaying the same arrival times.
 
-The simulator is fed four ways: the profile's median run (the planner's own costs, a true
-prediction); the profile's faster half (what the planner used before; kept to show why not); the
-stage times the daemon measured serving one request at a time (solo: then throughput under load
-is still a prediction, of queueing and pipelining); and the stage times it measured under the
-load (which checks the simulator's queueing model alone). Each is simulated with the system's
+The simulator is fed four ways: the daemon's profile (each node's median run: the planner's own
+costs, a true prediction); the profile taken in this process (what the planner used before, and
+still does without a daemon; it ran 0-14 % faster than the daemon ran the stages); the stage times
+the daemon measured serving one request at a time (solo: then throughput under load is still a
+prediction, of queueing and pipelining); and the stage times it measured under the load (which
+checks the simulator's queueing model alone). Each is simulated with the system's
 serving costs (request_us, handoff_us: machine.py); "serving ms" is what this run measured of them
 (client wall less the stages' runs). On a shared machine the gap between them is other processes'
 load: the load average is printed beside each row.
@@ -129,19 +132,30 @@ def check_one(client, repo: Path, name: str, system, stages: int, args) -> dict:
     from ..packing import SKELETON_FILE
     from ..placement.machine import cost_table, profiled_threads
     from ..placement.plan import PlanCost
-    from ..placement.profile import PooledProfile
-    from ..placement.simulate import poisson_arrivals, simulate
+    from ..placement.profile import PooledProfile, daemon_source
+    from ..placement.simulate import one_at_a_time, poisson_arrivals, simulate
     from ..zoo import sample_inputs
 
     model_dir = repo / name / "1"
     feeds = sample_inputs(str(model_dir / "model.onnx"), batch=1)
-    pool = PooledProfile(model_dir / SKELETON_FILE, feeds, profiled_threads(system))
+    threads = profiled_threads(system)
+    # The planner's costs: profiled on the daemon's own workers (`place --profile-on daemon`); beside them,
+    # the same profile taken in this process, pinned alike (`--profile-on here`).
+    pools = {"profile": PooledProfile(model_dir / SKELETON_FILE, feeds, threads,
+                                      source=daemon_source(client, name, feeds)),
+             "profile_here": PooledProfile(model_dir / SKELETON_FILE, feeds, threads)}
+    pool = pools["profile"]
     meters: dict[str, list] = {"profile": [], "solo": [], "load": []}
     slice_s = args.profile_s / args.rounds
-    with cpuload.Meter() as m:
-        pool.take(runs=5, min_s=slice_s)
-    meters["profile"].append(m.result)
-    first = cost_table(model_dir, f"{name}@1", system, 1, profiles=pool.summary())
+
+    def profile_slice(r: int) -> None:
+        with cpuload.Meter() as m:
+            for key in sorted(pools, reverse=bool(r % 2)):    # each first in every other round
+                pools[key].take(runs=5, min_s=slice_s)
+        meters["profile"].append(m.result)
+
+    profile_slice(0)
+    first = cost_table(model_dir, f"{name}@1", system, 1, profiles=pool.summary(), wake_s=pool.wake_s())
     plan = balanced_plan(first, system, stages)     # the cut, from the first slice; the rounds keep it
     plan.model = f"{name}@1"
     PlanCost(first, system, 1).annotate(plan)
@@ -153,9 +167,7 @@ def check_one(client, repo: Path, name: str, system, stages: int, args) -> dict:
     per_round = max(1, -(-args.requests // args.rounds))
     for r in range(args.rounds):
         if r:
-            with cpuload.Meter() as m:
-                pool.take(runs=5, min_s=slice_s)
-            meters["profile"].append(m.result)
+            profile_slice(r)
         with cpuload.Meter() as m:
             for _ in range(per_round):
                 t0 = time.perf_counter()
@@ -175,17 +187,16 @@ def check_one(client, repo: Path, name: str, system, stages: int, args) -> dict:
         meters["load"].append(m.result)
     phases = {k: merged(v) for k, v in meters.items()}
 
-    def profiled(keep: str):
-        return PlanCost(cost_table(model_dir, f"{name}@1", system, 1, profiles=pool.summary(keep)), system, 1)
-
-    costs = {"profile": profiled("median"), "profile_fast": profiled("faster-half"),
-             "solo": PlanCost(as_served(first, plan, solo_run_s), system, 1)}
+    costs = {key: PlanCost(cost_table(model_dir, f"{name}@1", system, 1, profiles=p.summary(), wake_s=p.wake_s()),
+                           system, 1) for key, p in pools.items()}
+    costs["solo"] = PlanCost(as_served(first, plan, solo_run_s), system, 1)
     answers = [x for _, load in chunks for x in load]
     loaded_run_s = [[run[k] for _, _, run in answers if len(run) > k] for k in range(len(plan.stages))]
     costs["loaded"] = PlanCost(as_served(first, plan, loaded_run_s), system, 1)
 
     def one(c):
-        return simulate(c, plan, [0.0], within_set="dmda", samples=1, record=False).latencies_s[0]
+        """As the solo requests were sent: each when the previous was answered (the first, on idle workers, left out)."""
+        return statistics.median(one_at_a_time(c, plan, 3)[1:])
 
     def throughput(served: list) -> float:
         """Requests per second over the load slices: answered / the slices' spans (first arrival to last answer)."""
@@ -212,13 +223,15 @@ def check_one(client, repo: Path, name: str, system, stages: int, args) -> dict:
                                 "requests": sum(len(a) for a, _ in chunks), "answered": sum(n for n, _ in measured),
                                 **{f"simulated_{k}": v for k, v in thru.items()}},
            "stage_s": {"profiled": [cost.stage_s(st) for st in plan.stages],
+                       "profiled_here": [costs["profile_here"].stage_s(st) for st in plan.stages],
                        "served_solo": [statistics.median(r) for r in solo_run_s],
                        "served_loaded": [statistics.median(r) if r else None for r in loaded_run_s]},
            "serving_ms": {"measured": statistics.median(serving_ms),
                           "system": (system.request_s + stages * system.handoff_s) * 1e3},
+           "wake_ms": {key: {n: s * 1e3 for n, s in p.wake_s().items()} for key, p in pools.items()},
            "load_average": os.getloadavg(), "cpu": phases,
            "other_cores": max(p["other"] + p["steal"] for p in phases.values())}
-    for key in ("profile", "profile_fast", "solo"):
+    for key in ("profile", "profile_here", "solo"):
         row[f"latency_error_{key}"] = row["latency_ms"][f"simulated_{key}"] / (measured_latency * 1e3) - 1
     for key in costs:
         row[f"throughput_error_{key}"] = thru[key] / measured_thru - 1
@@ -266,18 +279,21 @@ def line(r: dict) -> str:
     return (f"{r['model']:<9} {','.join(r['workers'])} ({r['kind']}) {r['stages']} stages | latency ms: measured "
             f"{lat['measured']:.1f}, simulated {lat['simulated_profile']:.1f} from the profile "
             f"({r['latency_error_profile'] * 100:+.1f} %)"
-            + (f", {lat['simulated_profile_fast']:.1f} its faster half ({r['latency_error_profile_fast'] * 100:+.1f} %)"
-               if "simulated_profile_fast" in lat else "")
+            + (f", {lat['simulated_profile_here']:.1f} profiled here ({r['latency_error_profile_here'] * 100:+.1f} %)"
+               if "simulated_profile_here" in lat else "")
             + f", {lat['simulated_solo']:.1f} from solo stage times "
             f"({r['latency_error_solo'] * 100:+.1f} %) | throughput /s: measured {thr['measured']:.2f}, simulated "
             f"{thr['simulated_profile']:.2f} profile ({r['throughput_error_profile'] * 100:+.1f} %), "
-            + (f"{thr['simulated_profile_fast']:.2f} faster half ({r['throughput_error_profile_fast'] * 100:+.1f} %), "
-               if "simulated_profile_fast" in thr else "")
+            + (f"{thr['simulated_profile_here']:.2f} here ({r['throughput_error_profile_here'] * 100:+.1f} %), "
+               if "simulated_profile_here" in thr else "")
             + f"{thr['simulated_solo']:.2f} solo ({r['throughput_error_solo'] * 100:+.1f} %), "
             f"{thr['simulated_loaded']:.2f} loaded ({r['throughput_error_loaded'] * 100:+.1f} %) | "
             + (f"serving ms: measured {o['measured']:.2f}, system {o['system']:.2f} | " if (o := r.get("serving_ms")) else "")
             + (f"stage runs vs the profile: solo {drift[0] * 100:+.1f} %, load {drift[1] * 100:+.1f} % | "
                if (drift := speed_drift(r)) else "")
+            + (f"profile here vs the daemon's: {(sum(st['profiled_here']) / sum(st['profiled']) - 1) * 100:+.1f} % | "
+               if (st := r.get("stage_s") or {}).get("profiled_here") else "")
+            + (f"wake ms: {', '.join(f'{v:.2f}' for v in wk['profile'].values())} | " if (wk := r.get("wake_ms")) else "")
             + f"load average {r['load_average'][0]:.1f}"
             + (f" | other cores: profile {c['profile']['other'] + c['profile']['steal']:.2f}, solo "
                f"{c['solo']['other'] + c['solo']['steal']:.2f}, load {c['load']['other'] + c['load']['steal']:.2f}"
@@ -292,8 +308,8 @@ def report(data: dict, f) -> None:
                 f"else measured again, up to {data['retries']} more times)\n")
     for r in data["rows"]:
         f.write(line(r) + "\n")
-    names = {"profile": "the profile (median run)", "profile_fast": "the profile's faster half",
-             "solo": "solo stage times", "loaded": "loaded stage times"}
+    names = {"profile": "the profile on the daemon's workers", "profile_here": "the profile in this process",
+             "profile_fast": "the profile's faster half", "solo": "solo stage times", "loaded": "loaded stage times"}
     for key in names:
         errs = [abs(r[f"{m}_error_{key}"]) for r in data["rows"] for m in ("latency", "throughput")
                 if f"{m}_error_{key}" in r]

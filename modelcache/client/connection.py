@@ -36,7 +36,7 @@ from ..errors import (DaemonUnavailable, ModelCacheError, ProtocolError, Request
 
 log = logging.getLogger("modelcache.client")
 # Calls a restarted daemon may safely see twice: the dead daemon's effects died with it.
-RETRY_SAFE = (P.Open, P.Close, P.ListModels, P.Stats, P.Describe, P.Infer, P.Load)
+RETRY_SAFE = (P.Open, P.Close, P.ListModels, P.Stats, P.Describe, P.Infer, P.Load, P.Profile)
 RECONNECT_BACKOFF_S = (0.05, 2.0)     # the heartbeat's first retry, and the longest wait between retries
 HELLO_TIMEOUT_S = 5.0
 
@@ -351,6 +351,23 @@ class Client:
                 os.unlink(f)
         outputs, _ = tensors.decode(reply.outputs)
         return outputs, reply.timings
+
+    def profile(self, name: str, feeds: dict, worker: str | None = None, runs: int = 3, min_s: float = 1.0,
+                version: int | None = None) -> P.ProfileReply:
+        """ORT's profiler over the model on one of the daemon's CPU workers (None: the first), where serve mode
+        runs its stages: reply.times (node -> seconds per run, the warm-up first) and reply.args (shapes,
+        sizes). The worker runs nothing else for the profile's span (`min_s`, at least `runs` runs)."""
+        from .. import tensors
+        from ..placement.profile import MAX_PROFILE_S
+        wire, files = tensors.encode(feeds, group_of=self._group_of)
+        try:
+            # Beyond the usual timeout: the worker may first finish the stages queued on it, and build the session.
+            return self._call(P.Profile(req_id=0, name=name, inputs=wire, version=version, worker=worker, runs=runs,
+                                        min_s=min_s), expect=(P.ProfileReply,),
+                              timeout_s=self.timeout_s + (2 * min_s if 0 <= min_s <= MAX_PROFILE_S else 0))
+        finally:
+            for f in files:
+                os.unlink(f)
 
     def set_batching(self, name: str, profile: dict, version: int | None = None) -> None:
         """Store a batching calibration with the model (see modelcache.client.calibrate)."""

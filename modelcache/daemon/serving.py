@@ -81,6 +81,50 @@ class ServeHandlers:
                  msg.profile.get("t_opt_ms", 0))
         return P.Ack(req_id=msg.req_id)
 
+    def on_Profile(self, ident, msg: P.Profile):
+        from ..packing import SKELETON_FILE
+        from ..placement.profile import MAX_PROFILE_RUNS, MAX_PROFILE_S
+
+        model = self.registry.resolve(msg.name, msg.version)
+        # It takes a worker for seconds, from every user's requests: the model's owner or an admin only.
+        self.admins.check_model_owner(ident, model, "profile")
+        if not 1 <= msg.runs <= MAX_PROFILE_RUNS or not 0 <= msg.min_s <= MAX_PROFILE_S:   # (NaN fails too)
+            raise InputError(f"profile runs={msg.runs}, min_s={msg.min_s}: give 1-{MAX_PROFILE_RUNS} runs spanning "
+                             f"0-{MAX_PROFILE_S:g} s")
+        worker = self.engine.cpu_worker(msg.worker)
+        feeds, maps = tensors.decode(msg.inputs)
+        model.feed_check.check(feeds)
+        model.refcount += 1          # held like a request in flight: not evicted under the worker's session
+
+        def finish(result, error):
+            try:
+                if error is not None:
+                    if not isinstance(error, ModelCacheError):
+                        error = ModelCacheError(f"{model.key}: profiling on {worker.name} failed: {str(error)[:500]}")
+                    self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
+                else:
+                    times, args, wake = result
+                    self._reply(ident, P.ProfileReply(req_id=msg.req_id, name=model.name, version=model.version,
+                                                      worker=worker.name, threads=len(worker.cores), times=times,
+                                                      args=args, wake_s=wake))
+            finally:
+                maps.clear()
+                model.refcount -= 1
+                self._after_release(model)
+
+        def start(error, hit):
+            if error is not None:
+                finish(None, error)
+                return
+            _, segments, all_tensors = self.host.export(model.key, model.manifest)
+            skeleton = str(model.disk_dir / SKELETON_FILE)
+            self.engine.run_on_worker(worker, lambda w: w.profile(skeleton, segments, all_tensors, dict(feeds),
+                                                                  msg.runs, msg.min_s, MAX_PROFILE_RUNS),
+                                      finish, expected_s=msg.min_s)
+
+        self._when_resident(model, start)
+        return None
+
     def on_Infer(self, ident, msg: P.Infer):
         self._touch(msg.client_id, ident)
         if msg.deadline_ms is not None and not 0 <= msg.deadline_ms < float("inf"):   # (NaN fails this too)

@@ -41,7 +41,8 @@ from ..errors import InputError, ModelCacheError, RequestTimeout
 from .batching import LayerToLayer, Pending, make_batcher, parse_policy_spec, profile_predict, request_overhead
 from .perfmodel import PerfModels
 from .scheduler import Task, make_scheduler
-from .workers import DeviceValue, GpuWorker, StageJob, Worker, WorkerUnavailable, discover_gpus, parse_groups, to_host
+from .workers import (DeviceValue, GpuWorker, StageJob, Worker, WorkerCall, WorkerUnavailable, discover_gpus,
+                      parse_groups, to_host)
 
 log = logging.getLogger("modelcache.executor")
 
@@ -198,6 +199,35 @@ class Engine:
                         model_key, names, list(known))
             return None
         return frozenset(known[n] for n in names)
+
+    def cpu_worker(self, name: str | None):
+        """The CPU worker of that name (None: the first); InputError naming the CPU workers otherwise."""
+        cpus = [w for w in self.workers if w.state.memory_node == "cpu" and w.state.worker_id not in self.disabled]
+        found = next((w for w in cpus if name is None or w.name == name), None)
+        if found is None:
+            raise InputError(f"no CPU worker {name!r} in this daemon: it has {', '.join(w.name for w in cpus) or 'none'}"
+                             + (" (a GPU worker's costs are modelled, not profiled)" if name in self.worker_names()
+                                else ""))
+        return found
+
+    def run_on_worker(self, worker, work, done, expected_s: float) -> None:
+        """Run work(worker) on that worker's thread, after the stages queued there; done(result, error) on the
+        owner loop. Meanwhile the worker counts as busy, so no new batch waits behind it, and dmda expects
+        it free `expected_s` later at the earliest."""
+        i = worker.state.worker_id
+        self.outstanding[i] += 1
+        worker.state.free_at = max(worker.state.free_at, self.clock()) + expected_s
+
+        def finished(result, error):
+            self.outstanding[i] -= 1
+            try:
+                done(result, error)
+            finally:
+                self._form_batches()
+                self._run_inline()
+
+        worker.queue.put(WorkerCall(work, lambda result, error: self._post(lambda *_: finished(result, error),
+                                                                           None, None)))
 
     def drop_model(self, model_key: str) -> None:
         self.last_used.pop(model_key, None)
@@ -641,7 +671,7 @@ class Engine:
                 "batching": {"policies": self.policies, "batches": self.batches_formed,
                              "mean_batch": self.batched_samples / self.batches_formed if self.batches_formed else None,
                              "layer_joins": self.layer_joins},
-                "workers": [{"id": w.state.worker_id, "kind": w.state.kind, "cores": w.cores,
+                "workers": [{"id": w.state.worker_id, "name": getattr(w, "name", None), "kind": w.state.kind, "cores": w.cores,
                              "device": w.state.memory_node, "queued": self.outstanding[i],
                              "disabled": self.disabled.get(w.state.worker_id)}
                             for i, w in enumerate(self.workers)],

@@ -79,6 +79,36 @@ def report(placement: Placement, out=None) -> dict:
             "rows": rows}
 
 
+def daemon_profiles(args, settings, directory: Path, version: int, system) -> tuple[dict | None, dict | None, str]:
+    """(a PooledProfile's summary and wake_s taken on the daemon's own CPU workers, where), per --profile-on:
+    "daemon" there or an error, "here" (None: cost_table profiles in this process), "auto" the daemon when
+    one answers and has a worker of each measured thread count, else here, saying why."""
+    here = (None, None, "this process, pinned as a worker group is")
+    if args.profile_on == "here":
+        return here
+    from ..client.connection import connect
+    from ..errors import ModelCacheError
+    from ..packing import SKELETON_FILE
+    from ..zoo import sample_inputs
+    from .machine import profiled_threads
+    from .profile import MIN_PROFILE_S, PooledProfile, daemon_source
+
+    skeleton = directory / SKELETON_FILE
+    feeds = sample_inputs(str(skeleton), batch=1)
+    try:
+        with connect(settings.socket, timeout_s=30) as client:
+            threads = profiled_threads(system)
+            source = daemon_source(client, args.name, feeds, version)
+            pool = PooledProfile(skeleton, feeds, threads, source=source)
+            pool.take(runs=3, min_s=MIN_PROFILE_S)
+            return pool.summary(), pool.wake_s(), "the daemon's worker " + ", ".join(source.workers[n] for n in threads)
+    except (ModelCacheError, ValueError) as e:
+        if args.profile_on == "daemon":
+            raise SystemExit(f"modelcache place: cannot profile on the daemon's workers: {e}") from None
+        print(f"profiling in this process, not on the daemon's workers: {e}", file=sys.stderr)
+        return here
+
+
 def run(args, settings) -> int:
     from .machine import cost_table, describe_machine
     from .system import format_system, load_system
@@ -98,7 +128,9 @@ def run(args, settings) -> int:
         raise SystemExit("modelcache place: give NAME and --system FILE (or --describe)")
     system = load_system(args.system)
     directory, version = model_dir(settings.repository_path, args.name, args.version)
-    table = cost_table(directory, f"{args.name}@{version}", system, args.batch)
+    profiles, wake_s, measured_on = daemon_profiles(args, settings, directory, version, system)
+    table = cost_table(directory, f"{args.name}@{version}", system, args.batch, profiles=profiles,
+                       measured_on=measured_on, wake_s=wake_s)
     placement = place(table, system, args.batch, args.objective, args.seed, args.time_budget)
     data = report(placement)
     out = Path(args.output or f"{args.name}.plan.json")

@@ -31,6 +31,9 @@ class CostTable:
     cut_bytes: list[float]            # per sample; [0] model inputs, [i] boundary before node i, [n] outputs
     weight_prefix: np.ndarray         # (n+1,): weight bytes of nodes [0, j)
     source: dict = field(default_factory=dict)      # kind -> "measured" | "modelled (...)"
+    # kind -> seconds a stage run takes longer on a worker of that kind that idled WAKE_AFTER_S or more
+    # before it (profile.py's cold runs; the simulator adds it). Measured kinds only.
+    wake_s: dict = field(default_factory=dict)
 
     @property
     def n(self) -> int:
@@ -88,8 +91,10 @@ def efficiencies(kind, facts: list[NodeFacts]) -> dict[str, float]:
 
 
 def build_table(model: str, facts: list[NodeFacts], cut_bytes: list[float], system: System,
-                batch: int, reference=None) -> CostTable:
-    """`reference`: the Kind to calibrate on when the system has no measured kind (this machine's CPU)."""
+                batch: int, reference=None, measured_on: str = "this machine", wake_s: dict | None = None) -> CostTable:
+    """`reference`: the Kind to calibrate on when the system has no measured kind (this machine's CPU);
+    `measured_on`: where the measured kinds' profile ran, for CostTable.source; `wake_s`: threads -> a cold
+    run's extra seconds on a CPU group of that many threads (PooledProfile.wake_s)."""
     measured = measured_kinds(system, facts)
     ref_kind = system.kinds[measured[0]] if measured else reference
     reference = ref_kind.name if ref_kind else None
@@ -104,8 +109,10 @@ def build_table(model: str, facts: list[NodeFacts], cut_bytes: list[float], syst
                 table[b] = [(roofline_s(kind, f, b) / eff[op_class(f.op)] + kind.launch_us * 1e-6) if f.flops or
                             f.activation_bytes else 0.0 for f in facts]
         node_s[name] = table
-        source[name] = "measured (ORT profiler, this machine)" if name in measured else (
+        source[name] = f"measured (ORT profiler, {measured_on})" if name in measured else (
             f"modelled (roofline, calibrated on {reference}: efficiency "
             + ", ".join(f"{c} {e:.2f}" for c, e in eff.items()) + ")" if reference else "modelled (roofline, peak rates)")
-    return CostTable.from_node_seconds(model, node_s, cut_bytes, [f.weight_bytes for f in facts], source,
-                                       [f.name for f in facts])
+    table = CostTable.from_node_seconds(model, node_s, cut_bytes, [f.weight_bytes for f in facts], source,
+                                        [f.name for f in facts])
+    table.wake_s = {k: (wake_s or {}).get(int(k[3:]), 0.0) for k in measured if k[3:].isdigit()}
+    return table

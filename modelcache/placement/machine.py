@@ -116,25 +116,35 @@ def profiled_threads(system: System) -> list[int]:
 
 def cost_table(model_dir: Path, model: str, system: System, batch: int, runs: int = 3,
                facts_cache: dict | None = None, min_s: float | None = None,
-               profiles: dict | None = None) -> CostTable:
+               profiles: dict | None = None, measured_on: str = "this machine",
+               wake_s: dict | None = None) -> CostTable:
     """Profile the packed model in `model_dir` (its skeleton, as serve mode runs it) and table its costs
-    (or table `profiles`: a PooledProfile's summary of that skeleton on profiled_threads(system)).
+    (or table `profiles` and `wake_s`: a PooledProfile's summary and wake_s of that skeleton on
+    profiled_threads(system)).
 
     When no kind of the system is measured here, the modelled kinds are calibrated on this machine's
-    CPU (its peak rates measured now)."""
+    CPU (its peak rates measured now). `measured_on` says where `profiles` ran (CostTable.source)."""
     from ..packing import SKELETON_FILE
+    from ..zoo import sample_inputs
+    from .profile import MIN_PROFILE_S, PooledProfile
     skeleton = Path(model_dir) / SKELETON_FILE
     threads = profiled_threads(system)
     key = (str(skeleton), tuple(threads))
-    cached = None if profiles is not None else (facts_cache or {}).get(key)
+    given = profiles is not None
+    cached = None if given else (facts_cache or {}).get(key)
     if cached is None:
-        facts, input_bytes = node_facts(skeleton, threads, runs=runs, profiles=profiles,
-                                        **({} if min_s is None else {"min_s": min_s}))
-        cached = (facts, boundary_bytes(skeleton, facts, input_bytes))
-        if facts_cache is not None and profiles is None:
+        feeds = sample_inputs(str(skeleton), batch=1)
+        if profiles is None:
+            pool = PooledProfile(skeleton, feeds, threads)
+            pool.take(runs, MIN_PROFILE_S if min_s is None else min_s)
+            profiles, wake_s = pool.summary(), pool.wake_s()
+        facts, input_bytes = node_facts(skeleton, threads, feeds, profiles=profiles)
+        cached = (facts, boundary_bytes(skeleton, facts, input_bytes), wake_s)
+        if facts_cache is not None and not given:
             facts_cache[key] = cached
-    facts, cuts = cached
+    facts, cuts, wake_s = cached
     reference = None
     if not any(k in facts[0].measured_s for k in system.kinds):
         reference = cpu_kind(threads[-1])
-    return build_table(model, facts, cuts, system, batch, reference=reference)
+    return build_table(model, facts, cuts, system, batch, reference=reference, measured_on=measured_on,
+                       wake_s=wake_s)

@@ -21,6 +21,15 @@ DTYPE_BYTES = {"float": 4, "float16": 2, "bfloat16": 2, "double": 8, "int64": 8,
                "int8": 1, "uint8": 1, "bool": 1, "uint16": 2, "uint32": 4, "uint64": 8}
 MIN_PROFILE_S = 1.0       # a node's runs span at least this long (profile_nodes)
 MAX_PROFILE_RUNS = 100
+MAX_PROFILE_S = 60.0      # the longest profile a daemon's worker takes (Client.profile's min_s)
+# A worker thread that idled a while runs its next stage slower than back to back: measured paired here
+# (AlexNet on 1 thread: 1.01x after 3 or 10 ms idle, 1.07x after 20 and 60 ms; on 2 threads 1.04-1.05x;
+# ResNet-50 on 1 thread 1.02x after 30 and 100 ms: about 2 ms a run either way, not a share of it).
+# Serving one request at a time, every stage on "1,1" meets a worker idle that long. So every other
+# profiled run follows WAKE_GAP_S of sleep: those "cold" runs give the extra seconds (PooledProfile.wake_s),
+# the rest the node times; the simulator adds it to a run on a worker idle WAKE_AFTER_S or more.
+WAKE_GAP_S = 0.03
+WAKE_AFTER_S = 0.015
 MATMUL_OPS = {"MatMul", "Gemm", "FusedMatMul", "MatMulInteger", "QGemm", "MatMulNBits", "FusedGemm"}
 
 
@@ -90,20 +99,30 @@ class PooledProfile:
     that interleaves short profiles with what it measures pools them here, so both sample the same
     stretch of the machine's time."""
 
-    def __init__(self, skeleton: Path, feeds: dict, threads: list[int]):
+    def __init__(self, skeleton: Path, feeds: dict, threads: list[int], source=None):
+        """source(threads, runs, min_s, max_runs) -> node_times' (times, args, wake): where a profile is taken. By
+        default in this process, pinned as a worker group of that size is (node_times); `daemon_source`
+        takes it on the daemon's own workers."""
         self.skeleton, self.feeds, self.threads = skeleton, feeds, list(threads)
+        self.source = source or (lambda n, runs, min_s, max_runs: node_times(skeleton, feeds, n, runs, min_s, max_runs))
         self.times: dict[int, dict[str, list]] = {n: {} for n in self.threads}   # warm-ups left out
         self.args: dict[int, dict[str, dict]] = {n: {} for n in self.threads}
+        self.wake: dict[int, list] = {n: [] for n in self.threads}     # cold runs' extra seconds
 
     def take(self, runs: int = 3, min_s: float = MIN_PROFILE_S, max_runs: int = MAX_PROFILE_RUNS) -> None:
         """One more profile on every thread count (profile_nodes' runs), added to the pool."""
         for n in self.threads:
-            times, args = node_times(self.skeleton, self.feeds, n, runs, min_s, max_runs)
+            times, args, wake = self.source(n, runs, min_s, max_runs)
+            self.wake[n].extend(wake)
             for name, t in times.items():
                 # Less the warm-up, appended in order: run i of every node stays the same run, so
                 # fastest_runs can still pick whole runs (when every node ran in every run).
                 self.times[n].setdefault(name, []).extend(t[1:])
             self.args[n].update(args)
+
+    def wake_s(self) -> dict[int, float]:
+        """threads -> a cold run's extra seconds (the median over the pool's; never below 0)."""
+        return {n: max(0.0, statistics.median(w)) if w else 0.0 for n, w in self.wake.items()}
 
     def summary(self, keep: str = "median") -> dict[int, dict[str, dict]]:
         """threads -> name -> {op, seconds, args}. keep: "median" (every run: the cost a stretch of
@@ -130,11 +149,37 @@ class PooledProfile:
         return out
 
 
+def daemon_workers(client) -> dict[int, str]:
+    """Thread count -> the name of the daemon's first CPU worker of that many threads (not disabled)."""
+    workers: dict[int, str] = {}
+    for w in client.stats().executor.get("workers", []):
+        kind = str(w.get("kind", ""))
+        if w.get("device", "cpu") == "cpu" and not w.get("disabled") and kind[3:].isdigit():
+            workers.setdefault(int(kind[3:]), w.get("name") or f"cpu-{w['id']}")
+    return workers
+
+
+def daemon_source(client, name: str, feeds: dict, version: int | None = None):
+    """A PooledProfile source that takes each profile on the daemon's own worker of that thread count
+    (Client.profile): where serve mode will run the model's stages, over the same weights in /dev/shm."""
+    workers = daemon_workers(client)
+
+    def take(threads: int, runs: int, min_s: float, max_runs: int):
+        worker = workers.get(threads)
+        if worker is None:
+            have = ", ".join(f"{w} ({n} threads)" for n, w in sorted(workers.items())) or "none"
+            raise ValueError(f"the daemon has no CPU worker of {threads} threads to profile on (it has {have})")
+        reply = client.profile(name, feeds, worker=worker, runs=runs, min_s=min_s, version=version)
+        return reply.times, reply.args, reply.wake_s
+    take.workers = workers
+    return take
+
+
 def node_times(skeleton: Path, feeds: dict, threads: int, runs: int = 3, min_s: float = MIN_PROFILE_S,
-               max_runs: int = MAX_PROFILE_RUNS) -> tuple[dict[str, list], dict[str, dict]]:
-    """(name -> its kernel seconds in each run, the warm-up first; name -> the profiler's args): profile_nodes' runs."""
+               max_runs: int = MAX_PROFILE_RUNS) -> tuple[dict[str, list], dict[str, dict], list]:
+    """(name -> its kernel seconds in each back-to-back run, the warm-up first; name -> the profiler's args;
+    each cold run's extra seconds): run_profiled's runs, in this process (the daemon's workers profile the same way: Client.profile, Worker.profile)."""
     import onnxruntime as ort
-    from ..session_options import attach_session_options
 
     # Pinned to the cores a worker group of this size gets (executor/workers.py): on a shared machine a
     # pinned thread cannot flee to an idle core, and the costs should be the worker's, not a free thread's.
@@ -146,27 +191,60 @@ def node_times(skeleton: Path, feeds: dict, threads: int, runs: int = 3, min_s: 
         except OSError:
             pass
         try:
-            so = attach_session_options(spinning=False)
-            so.intra_op_num_threads = threads
-            so.enable_profiling = True
-            so.profile_file_prefix = os.path.join(tmp, "profile")
+            so = profiling_options(threads, tmp)
             sess = ort.InferenceSession(str(skeleton), so, providers=["CPUExecutionProvider"])
-            walls, start = [], time.perf_counter()
-            while len(walls) <= runs or (time.perf_counter() - start < min_s and len(walls) <= max_runs):
-                t0 = time.perf_counter()
-                sess.run(None, feeds)                 # the first is the warm-up
-                walls.append(time.perf_counter() - t0)
-            events = json.loads(Path(sess.end_profiling()).read_text())
+            return run_profiled(sess, feeds, runs, min_s, max_runs)
         finally:
             os.sched_setaffinity(0, before)
+
+
+def profiling_options(threads: int, folder: str):
+    """Session options as serve mode's stage sessions have them, with ORT's profiler writing into `folder`."""
+    from ..session_options import attach_session_options
+
+    so = attach_session_options(spinning=False)
+    so.intra_op_num_threads = threads
+    so.enable_profiling = True
+    so.profile_file_prefix = os.path.join(folder, "profile")
+    return so
+
+
+# What the profiler's per-node args carry that the planner reads (node_facts); the rest (thread
+# scheduling statistics on a multi-thread run) is dropped, so a daemon's answer stays small.
+KEPT_ARGS = ("op_name", "input_type_shape", "output_type_shape", "parameter_size", "activation_size", "output_size")
+
+
+def run_profiled(sess, feeds: dict, runs: int = 3, min_s: float = MIN_PROFILE_S,
+                 max_runs: int = MAX_PROFILE_RUNS) -> tuple[dict[str, list], dict[str, dict], list]:
+    """Run a profiling session (profiling_options) one warm-up and then at least `runs` times back to back,
+    and more (up to `max_runs`) until the runs span `min_s`, each after a cold run (WAKE_GAP_S of idle
+    first). Returns node_times' (times, args) of the back-to-back runs, and per cold run its extra seconds
+    over the run before it."""
+    # Run 0 is the warm-up, odd runs follow the run before at once, even ones (from 2) idle first: after
+    # i runs, i // 2 back-to-back ones are done.
+    walls, cold, start = [], [], time.perf_counter()
+    while len(walls) // 2 < runs or (time.perf_counter() - start < min_s and len(walls) // 2 < max_runs):
+        if len(walls) >= 2 and len(walls) % 2 == 0:
+            time.sleep(WAKE_GAP_S)
+            cold.append(len(walls))
+        t0 = time.perf_counter()
+        sess.run(None, feeds)                 # the first is the warm-up
+        walls.append(time.perf_counter() - t0)
+    events = json.loads(Path(sess.end_profiling()).read_text())
     times: dict[str, list] = {}
     args: dict[str, dict] = {}
     for e in events:
         if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
             name = e["name"][: -len("_kernel_time")]
             times.setdefault(name, []).append(float(e.get("dur", 0)) * 1e-6)
-            args[name] = e.get("args", {})
-    return to_wall(times, walls), args
+            a = e.get("args", {})
+            args[name] = {k: a[k] for k in KEPT_ARGS if k in a}
+    times = to_wall(times, walls)
+    wake = [walls[i] - walls[i - 1] for i in cold]
+    if cold and all(len(t) == len(walls) for t in times.values()):   # runs line up: leave the cold ones out
+        warm = [i for i in range(len(walls)) if i not in set(cold)]
+        times = {name: [t[i] for i in warm] for name, t in times.items()}
+    return times, args, wake
 
 
 def to_wall(times: dict[str, list], walls: list) -> dict[str, list]:

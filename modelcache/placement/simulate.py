@@ -16,7 +16,9 @@ Two ways to use a stage's worker set:
             idling through each hand-off, instead of queueing every arrival's first stage at once.
 
 Times come from the plan's cost model (PlanCost); the simulator adds what the analytical model leaves
-out: queueing between requests and contention on links. Serving's own costs (System.handoff_s per
+out: queueing between requests, contention on links, and a worker's wake-up: a stage that starts on a
+worker idle for WAKE_AFTER_S or more takes its kind's wake_s longer (CostTable.wake_s, measured by
+the profile's cold runs: about 2 ms a run on this VM, see placement/profile.py). Serving's own costs (System.handoff_s per
 stage, System.request_s per request: the daemon's queue and thread wake-ups, the client's encode and
 round trip) are delays that hold no worker: a worker runs the next queued stage meanwhile; except
 that where the workers take every core (System.serving_on_worker_cores) a request's serving work
@@ -41,6 +43,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from .plan import Plan, PlanCost, rows_moved
+from .profile import WAKE_AFTER_S
 from .system import HOST
 
 
@@ -97,6 +100,7 @@ class Simulator:
         self.cost, self.plan, self.mode, self.record = cost, plan, within_set, record
         self.samples = samples or plan.batch          # rows per request (dmda mode: any; split: the plan's)
         self.names = [w.name for w in cost.system.workers]
+        self.wake_s = [cost.table.wake_s.get(w.kind, 0.0) for w in cost.system.workers]
 
     def run(self, arrivals: list) -> SimResult:
         cost, plan = self.cost, self.plan
@@ -159,6 +163,7 @@ class Simulator:
                 worker_free[w] = max(worker_free[w], ready.get(w, now)) + self._busy_s(w, k, rows)
 
         busy = [False] * len(self.names)
+        last_run_end = [float("-inf")] * len(self.names)   # a worker idle since WAKE_AFTER_S pays its wake_s
         running: list = [None] * len(self.names)      # [token, Interval, event, args] of the task a worker runs
         tokens = itertools.count()
         hosts = [i for i, w in enumerate(cost.system.workers) if w.memory_node == HOST]
@@ -195,7 +200,8 @@ class Simulator:
             if busy[w] or not worker_queue[w]:
                 return
             _, _, (request, k, rows) = heapq.heappop(worker_queue[w])
-            occupy(now, w, now + self._busy_s(w, k, rows), request, k, "finish", w, request, k)
+            wake = self.wake_s[w] if now - last_run_end[w] >= WAKE_AFTER_S else 0.0
+            occupy(now, w, now + wake + self._busy_s(w, k, rows), request, k, "finish", w, request, k)
 
         def enter(now, request):
             """The request reaches the daemon's engine (dmda: its queue)."""
@@ -245,6 +251,7 @@ class Simulator:
                 w, request, k, token = args
                 if not current(w, token):
                     continue
+                last_run_end[w] = now
                 outstanding[w] -= 1
                 pending[(request, k)] -= 1
                 if pending[(request, k)] == 0:
@@ -273,3 +280,14 @@ class Simulator:
 def simulate(cost: PlanCost, plan: Plan, arrivals: list, within_set: str = "split", samples: int | None = None,
              record: bool = True) -> SimResult:
     return Simulator(cost, plan, within_set, samples, record).run(arrivals)
+
+
+def one_at_a_time(cost: PlanCost, plan: Plan, requests: int = 3, within_set: str = "dmda") -> list:
+    """Latencies of `requests` sent one at a time, each the moment the previous one is answered (a client
+    that waits for its answer). The first meets idle workers and pays their wake-up; the later ones find
+    the workers that ran the previous request's stages warm, as a stream of requests does."""
+    arrivals, result = [], None
+    for _ in range(requests):
+        arrivals.append(result.finished_at[-1] if result else 0.0)
+        result = simulate(cost, plan, arrivals, within_set, samples=1, record=False)
+    return result.latencies_s

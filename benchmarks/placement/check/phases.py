@@ -71,7 +71,7 @@ def main(argv=None) -> int:
                 for k in args.stages:
                     row = {"round": rnd, "stages": k, "cpu": {}}
                     with cpuload.Meter() as m:
-                        times, _ = node_times(skeleton, feeds, threads, 5, args.profile_s)
+                        times, _, _ = node_times(skeleton, feeds, threads, 5, args.profile_s)
                     row["cpu"]["profile"] = m.result
                     runs = max(len(t) for t in times.values())
                     totals = [sum(t[i] for t in times.values() if i < len(t)) for i in range(1, runs)]
