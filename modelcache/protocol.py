@@ -259,8 +259,8 @@ class Profile(Message, kind="profile"):
     inputs: list
     version: Optional[int] = None
     worker: Optional[str] = None       # a CPU worker's name (cpu-0, ...); None: the first
-    runs: int = 3                      # at least this many runs after one warm-up ...
-    min_s: float = 1.0                 # ... and more, until they span this long
+    runs: int = 3                      # at least this many back-to-back runs after one warm-up (a cold run between
+    min_s: float = 1.0                 # each two), more until they span this long; none started after 60 s
 
 
 class ProfileReply(Message, kind="profile_ok"):
@@ -269,7 +269,7 @@ class ProfileReply(Message, kind="profile_ok"):
     version: int
     worker: str
     threads: int
-    times: dict = {}                   # node name -> seconds in each run, the warm-up first (scaled to wall time)
+    times: dict = {}                   # node name -> seconds in each back-to-back run, the warm-up first (scaled to wall time)
     args: dict = {}                    # node name -> the profiler's op, shapes and sizes
     wake_s: list = []                  # per run after an idle spell, its extra seconds (placement/profile.py)
 

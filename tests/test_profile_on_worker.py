@@ -102,3 +102,57 @@ def test_place_profiles_on_the_daemons_workers_and_says_so(two_workers, tmp_path
     assert "profiling in this process, not on the daemon's workers" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="cannot profile on the daemon's workers"):
         main(["place", "tv", *gone, "--profile-on", "daemon", "-o", str(tmp_path / "d.json")])
+
+
+def test_a_profile_or_request_of_a_model_the_tier_cannot_hold_is_refused_and_holds_nothing(tmp_path, zoo_file):
+    """No room to load the model: the error is the answer, and the model is not left "in use"."""
+    from modelcache.errors import CapacityError
+    d = DaemonProcess(tmp_path, {"MODELCACHE_WORKERS": "1", "MODELCACHE_HOST_CAPACITY": "1K"}).start()
+    try:
+        with d.client() as c:
+            c.add(zoo_file("tiny-vit"), "tv")
+            feeds = sample_inputs(zoo_file("tiny-vit"), batch=1)
+            with pytest.raises(CapacityError, match="raise host_capacity"):
+                c.profile("tv", feeds, min_s=0)
+            with pytest.raises(CapacityError, match="raise host_capacity"):
+                c.infer("tv", feeds)
+            c.remove("tv", 1)                   # refused while anything held it
+            assert c.list() == []
+        stop_cleanly(d)
+    finally:
+        d.kill()
+
+
+def test_kernel_events_go_to_the_run_they_started_in():
+    """A node with two kernels a run is summed there, one a run skipped is 0 there: run i is run i for all."""
+    from modelcache.placement.profile import node_events
+    run = lambda ts: {"cat": "Session", "name": "model_run", "ts": ts, "dur": 90}          # noqa: E731
+    kern = lambda n, ts, dur: {"cat": "Node", "name": f"{n}_kernel_time", "ts": ts, "dur": dur,  # noqa: E731
+                               "args": {"op_name": "Op", "thread_scheduling_stats": {"x": 1}}}
+    events = [run(0), kern("a", 1, 10), kern("a", 5, 10), kern("b", 20, 5), run(100), kern("a", 101, 30)]
+    times, args = node_events(events, 2)
+    assert times == {"a": [pytest.approx(20e-6), pytest.approx(30e-6)], "b": [pytest.approx(5e-6), 0.0]}
+    assert args["a"] == {"op_name": "Op"}
+    unaligned, _ = node_events(events, 3)    # the runs cannot be told apart: as the events come
+    assert unaligned == {"a": pytest.approx([10e-6, 10e-6, 30e-6]), "b": pytest.approx([5e-6])}
+
+
+def test_the_wake_up_needs_samples_and_is_at_most_a_tenth_of_a_run(tmp_path):
+    skeleton = tmp_path / "m.onnx"
+    pool = PooledProfile(skeleton, {}, [1], source=lambda *a: ({"a": [0.0, 0.010, 0.010]}, {"a": {}}, [0.002, 0.004]))
+    pool.take()
+    assert pool.wake_s() == {1: 0.0}                 # 2 cold runs: too few to tell
+    pool.take()
+    assert pool.wake_s() == {1: pytest.approx(0.001)}   # median 3 ms, capped at 10 % of the 10 ms run
+
+
+def test_a_profile_stops_starting_runs_past_its_time_or_when_told(zoo_file, tmp_path):
+    import onnxruntime as ort
+    path = zoo_file("tiny-vit")
+    feeds = sample_inputs(path, batch=1)
+    sess = ort.InferenceSession(path, profiling_options(1, str(tmp_path)), providers=["CPUExecutionProvider"])
+    times, _, _ = run_profiled(sess, feeds, runs=100, min_s=0, max_s=0.0)
+    assert {len(t) for t in times.values()} == {2}        # the warm-up and one run: then the time was up
+    sess = ort.InferenceSession(path, profiling_options(1, str(tmp_path)), providers=["CPUExecutionProvider"])
+    times, _, _ = run_profiled(sess, feeds, runs=100, min_s=0, should_stop=lambda: True)
+    assert {len(t) for t in times.values()} == {2}

@@ -255,6 +255,9 @@ def named_cases(fz: Fuzzer, model: str) -> None:
     fifo = os.path.join(IO_DIR, f"{IO_PREFIX}fuzz-{os.getpid()}-fifo")
     os.mkfifo(fifo, 0o600)
     try:
+        # A client id said hello just now: the fuzz's own messages may have said bye for the last one, or it
+        # may have gone silent past lease_timeout_s, and the FIFO must meet the input check, not the client's.
+        fz.hello()
         entry = {"name": "input", "dtype": "float32", "shape": [1, 3, 32, 32], "shm": fifo, "nbytes": 12288}
         infer = P.Infer(req_id=rid + 1, client_id=fz.target.client_ids[-1], name=model, inputs=[entry])
         fz.send_zmq_frames(P.encode(infer), rid + 1, b"infer")

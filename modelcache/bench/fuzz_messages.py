@@ -197,10 +197,17 @@ def zmq_message(rng: random.Random, target: FuzzTarget, req_id: int) -> Fuzzed:
         return Fuzzed(frames or [b""])
     cls = rng.choice(REQUESTS)                  # a body that is not a map of fields
     good = request_body(rng, cls, target, req_id)
-    body = rng.choice([rng.randbytes(rng.randrange(0, 200)), good[:rng.randrange(0, max(1, len(good)))],
+    body = rng.choice([rng.randbytes(rng.randrange(0, 200)), good[:cut_point(rng, len(good))],
                        packed([req_id]), packed(req_id), b"\x91" * 100_000 + b"\xc0", hostile_value(rng),
                        b"\x82" + packed("req_id") + packed(req_id) + packed(1) + packed(2)])   # an int key
     return Fuzzed([cls.KIND, body], None, cls.KIND)
+
+
+def cut_point(rng: random.Random, n: int, low: int = 0) -> int:
+    """Where to cut n bytes short: in [low, n), or low when n <= low. Drawn as a fraction, so the draw's
+    bounds do not depend on n: n grows with the req_id's msgpack encoding, which differs when hypothesis
+    replays a case, and a draw whose bounds moved failed a whole test run (FlakyStrategyDefinition)."""
+    return low + int(rng.random() * max(0, n - low))
 
 
 def lane_bytes(rng: random.Random, target: FuzzTarget, req_id: int) -> tuple[bytes, list]:
@@ -215,7 +222,7 @@ def lane_bytes(rng: random.Random, target: FuzzTarget, req_id: int) -> tuple[byt
         if len(m.frames) != 2 or not 0 < len(m.frames[0]) < 256:
             return b"\x05", []
         data = frame(*m.frames)
-        return data[:rng.randrange(1, len(data))], []
+        return data[:cut_point(rng, len(data), 1)], []
     if roll < 0.9:                              # a header that cannot be right
         return rng.choice([HEADER.pack(0, 10) + b"x" * 10, HEADER.pack(5, 2**32 - 1) + b"infer",
                            HEADER.pack(255, 0) + b"k" * 255, HEADER.pack(5, 2**31) + b"infer" + b"\x80" * 100,

@@ -104,7 +104,8 @@ def open_loop(client, name: str, arrivals: list, feeds: dict, drain_s: float = 6
 
 def as_served(table, plan, run_s: list):
     """The cost table with each stage's nodes scaled so the stage takes the median time the daemon
-    measured for it: the simulator's queueing model checked apart from the profile's stage times."""
+    measured for it: the simulator's queueing model checked apart from the profile's stage times. Its
+    wake_s is empty: the measured times hold whatever wake-ups the runs met."""
     import numpy as np
     from ..placement.costs import CostTable
 
@@ -196,7 +197,7 @@ def check_one(client, repo: Path, name: str, system, stages: int, args) -> dict:
 
     def one(c):
         """As the solo requests were sent: each when the previous was answered (the first, on idle workers, left out)."""
-        return statistics.median(one_at_a_time(c, plan, 3)[1:])
+        return statistics.median(one_at_a_time(c, plan, 3, samples=1)[1:])
 
     def throughput(served: list) -> float:
         """Requests per second over the load slices: answered / the slices' spans (first arrival to last answer)."""

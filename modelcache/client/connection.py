@@ -356,15 +356,17 @@ class Client:
                 version: int | None = None) -> P.ProfileReply:
         """ORT's profiler over the model on one of the daemon's CPU workers (None: the first), where serve mode
         runs its stages: reply.times (node -> seconds per run, the warm-up first) and reply.args (shapes,
-        sizes). The worker runs nothing else for the profile's span (`min_s`, at least `runs` runs)."""
+        sizes; reply.wake_s: the cold runs' extra seconds). The worker runs nothing else for the profile's span:
+        at least `runs` back-to-back runs, a cold run (30 ms idle first) between each two, more until `min_s`;
+        no run starts after MAX_PROFILE_S (60 s)."""
         from .. import tensors
         from ..placement.profile import MAX_PROFILE_S
         wire, files = tensors.encode(feeds, group_of=self._group_of)
         try:
-            # Beyond the usual timeout: the worker may first finish the stages queued on it, and build the session.
+            # Beyond the usual timeout: the worker starts no run after MAX_PROFILE_S, but first finishes the
+            # stages queued on it and builds the session.
             return self._call(P.Profile(req_id=0, name=name, inputs=wire, version=version, worker=worker, runs=runs,
-                                        min_s=min_s), expect=(P.ProfileReply,),
-                              timeout_s=self.timeout_s + (2 * min_s if 0 <= min_s <= MAX_PROFILE_S else 0))
+                                        min_s=min_s), expect=(P.ProfileReply,), timeout_s=self.timeout_s + MAX_PROFILE_S)
         finally:
             for f in files:
                 os.unlink(f)

@@ -83,7 +83,7 @@ class ServeHandlers:
 
     def on_Profile(self, ident, msg: P.Profile):
         from ..packing import SKELETON_FILE
-        from ..placement.profile import MAX_PROFILE_RUNS, MAX_PROFILE_S
+        from ..placement.profile import MAX_PROFILE_RUNS, MAX_PROFILE_S, WAKE_GAP_S
 
         model = self.registry.resolve(msg.name, msg.version)
         # It takes a worker for seconds, from every user's requests: the model's owner or an admin only.
@@ -95,8 +95,12 @@ class ServeHandlers:
         feeds, maps = tensors.decode(msg.inputs)
         model.feed_check.check(feeds)
         model.refcount += 1          # held like a request in flight: not evicted under the worker's session
+        answered = []
 
         def finish(result, error):
+            if answered:             # (a failure after the answer: the hold is released once)
+                return
+            answered.append(True)
             try:
                 if error is not None:
                     if not isinstance(error, ModelCacheError):
@@ -113,16 +117,25 @@ class ServeHandlers:
                 self._after_release(model)
 
         def start(error, hit):
-            if error is not None:
-                finish(None, error)
-                return
-            _, segments, all_tensors = self.host.export(model.key, model.manifest)
-            skeleton = str(model.disk_dir / SKELETON_FILE)
-            self.engine.run_on_worker(worker, lambda w: w.profile(skeleton, segments, all_tensors, dict(feeds),
-                                                                  msg.runs, msg.min_s, MAX_PROFILE_RUNS),
-                                      finish, expected_s=msg.min_s)
+            # Called by the load's waiters too: whatever fails here is this request's answer, never the loop's.
+            try:
+                if error is not None:
+                    raise error
+                _, segments, all_tensors = self.host.export(model.key, model.manifest)
+                skeleton = str(model.disk_dir / SKELETON_FILE)
+                # How long the worker is out: dmda places nothing there meanwhile it need not.
+                run_s = self.engine.predicted_run_s(model.key, len(model.manifest.stages), worker.state.kind) or 0.0
+                expected_s = min(MAX_PROFILE_S, max(msg.min_s, msg.runs * (2 * run_s + WAKE_GAP_S)))
+                self.engine.run_on_worker(worker, lambda w: w.profile(skeleton, segments, all_tensors, dict(feeds),
+                                                                      msg.runs, msg.min_s, MAX_PROFILE_RUNS),
+                                          finish, expected_s=expected_s)
+            except Exception as e:
+                finish(None, e)
 
-        self._when_resident(model, start)
+        try:
+            self._when_resident(model, start)
+        except Exception as e:       # no room to load it, say: the answer, and the hold released
+            finish(None, e)
         return None
 
     def on_Infer(self, ident, msg: P.Infer):
@@ -207,7 +220,10 @@ class ServeHandlers:
                 except ModelCacheError as e:
                     on_device(e, uuid)
 
-        self._when_resident(model, start)
+        try:
+            self._when_resident(model, start)
+        except ModelCacheError as e:   # no room to load it, say: the answer, and the request's hold released
+            finish(None, {}, e)
         return None
 
     def _serve_tiers(self, model: ModelRecord) -> list:

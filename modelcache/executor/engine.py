@@ -210,6 +210,11 @@ class Engine:
                                 else ""))
         return found
 
+    def predicted_run_s(self, model_key: str, stages: int, kind: str) -> float | None:
+        """Seconds one sample takes through every stage of a model on a worker of `kind`; None until measured."""
+        each = [self.perf.predict(model_key, s, kind, 1) for s in range(max(1, stages))]
+        return None if None in each else sum(each)
+
     def run_on_worker(self, worker, work, done, expected_s: float) -> None:
         """Run work(worker) on that worker's thread, after the stages queued there; done(result, error) on the
         owner loop. Meanwhile the worker counts as busy, so no new batch waits behind it, and dmda expects

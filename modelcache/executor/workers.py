@@ -188,6 +188,7 @@ class Worker:
         self.drops_sent: dict = {}
         self.drops_done: dict = {}
         self.queued_predictions: list = []      # owner-side: predicted seconds of jobs not yet finished
+        self.stopping = False
         self.thread = threading.Thread(target=self._loop, name=f"worker-{worker_id}", daemon=True)
 
     @property
@@ -199,6 +200,7 @@ class Worker:
         self.thread.start()
 
     def stop(self) -> None:
+        self.stopping = True             # a profile in progress starts no more runs (Worker.profile)
         self.queue.put(None)
         self.thread.join(timeout=30)
 
@@ -227,7 +229,9 @@ class Worker:
                 try:
                     result, error = job.work(self), None
                 except Exception as e:    # a bad input or an ORT failure costs that call, never the worker
-                    result, error = None, e
+                    # Without its traceback, which holds the failed call's frames (a profile's session) until
+                    # the owner loop is done with the error.
+                    result, error = None, e.with_traceback(None)
                 job.done(result, error)
                 continue
             if isinstance(job, tuple):
@@ -295,7 +299,7 @@ class Worker:
         import tempfile
 
         import onnxruntime as ort
-        from ..placement.profile import profiling_options, run_profiled
+        from ..placement.profile import MAX_PROFILE_S, profiling_options, run_profiled
         from ..session_options import bind_weights
 
         with tempfile.TemporaryDirectory(prefix="modelcache-profile-") as tmp:
@@ -303,7 +307,8 @@ class Worker:
             maps, values = bind_weights(so, segments, tensors)   # held until the session is gone
             sess = ort.InferenceSession(skeleton, so, providers=["CPUExecutionProvider"])
             try:
-                return run_profiled(sess, feeds, runs, min_s, max_runs)
+                return run_profiled(sess, feeds, runs, min_s, max_runs, max_s=MAX_PROFILE_S,
+                                    should_stop=lambda: self.stopping)
             finally:
                 del sess, values
                 maps.clear()

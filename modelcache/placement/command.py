@@ -93,15 +93,31 @@ def daemon_profiles(args, settings, directory: Path, version: int, system) -> tu
     from .machine import profiled_threads
     from .profile import MIN_PROFILE_S, PooledProfile, daemon_source
 
+    import onnx
+    from ..packing import load_manifest
+
     skeleton = directory / SKELETON_FILE
     feeds = sample_inputs(str(skeleton), batch=1)
     try:
         with connect(settings.socket, timeout_s=30) as client:
+            # The daemon's NAME@version must be the model in this repository (--repository may name another).
+            theirs = client.describe(args.name, version)
+            if theirs.version != version or theirs.weights_bytes != load_manifest(directory).weights_bytes:
+                raise ValueError(f"the daemon's {args.name}@{theirs.version} is not the one in {directory}")
             threads = profiled_threads(system)
             source = daemon_source(client, args.name, feeds, version)
+            missing = [n for n in threads if n not in source.workers]
+            if missing:
+                source(missing[0], 1, 0.0, 1)          # raises, saying which workers the daemon has
+            where = ", ".join(source.workers[n] for n in threads)
+            print(f"profiling {args.name}@{version} on the daemon's worker {where} (it runs no stage meanwhile, "
+                  f"~{len(threads) * MIN_PROFILE_S:g} s and the session's build)", file=sys.stderr)
             pool = PooledProfile(skeleton, feeds, threads, source=source)
             pool.take(runs=3, min_s=MIN_PROFILE_S)
-            return pool.summary(), pool.wake_s(), "the daemon's worker " + ", ".join(source.workers[n] for n in threads)
+            nodes = {n.name for n in onnx.load(str(skeleton), load_external_data=False).graph.node}
+            if any(not set(pool.times[n]) <= nodes for n in threads):
+                raise ValueError(f"the daemon's {args.name}@{version} has nodes that {skeleton} lacks")
+            return pool.summary(), pool.wake_s(), "the daemon's worker " + where
     except (ModelCacheError, ValueError) as e:
         if args.profile_on == "daemon":
             raise SystemExit(f"modelcache place: cannot profile on the daemon's workers: {e}") from None

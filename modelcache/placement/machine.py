@@ -130,6 +130,8 @@ def cost_table(model_dir: Path, model: str, system: System, batch: int, runs: in
     skeleton = Path(model_dir) / SKELETON_FILE
     threads = profiled_threads(system)
     key = (str(skeleton), tuple(threads))
+    if wake_s is not None and profiles is None:
+        raise ValueError("cost_table: wake_s goes with the profiles it was measured with (give both, or neither)")
     given = profiles is not None
     cached = None if given else (facts_cache or {}).get(key)
     if cached is None:

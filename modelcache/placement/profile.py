@@ -21,7 +21,7 @@ DTYPE_BYTES = {"float": 4, "float16": 2, "bfloat16": 2, "double": 8, "int64": 8,
                "int8": 1, "uint8": 1, "bool": 1, "uint16": 2, "uint32": 4, "uint64": 8}
 MIN_PROFILE_S = 1.0       # a node's runs span at least this long (profile_nodes)
 MAX_PROFILE_RUNS = 100
-MAX_PROFILE_S = 60.0      # the longest profile a daemon's worker takes (Client.profile's min_s)
+MAX_PROFILE_S = 60.0      # a daemon's worker starts no profiled run after this long (and min_s is at most it)
 # A worker thread that idled a while runs its next stage slower than back to back: measured paired here
 # (AlexNet on 1 thread: 1.01x after 3 or 10 ms idle, 1.07x after 20 and 60 ms; on 2 threads 1.04-1.05x;
 # ResNet-50 on 1 thread 1.02x after 30 and 100 ms: about 2 ms a run either way, not a share of it).
@@ -30,6 +30,8 @@ MAX_PROFILE_S = 60.0      # the longest profile a daemon's worker takes (Client.
 # the rest the node times; the simulator adds it to a run on a worker idle WAKE_AFTER_S or more.
 WAKE_GAP_S = 0.03
 WAKE_AFTER_S = 0.015
+MIN_WAKE_SAMPLES = 3
+MAX_WAKE_SHARE = 0.1
 MATMUL_OPS = {"MatMul", "Gemm", "FusedMatMul", "MatMulInteger", "QGemm", "MatMulNBits", "FusedGemm"}
 
 
@@ -121,8 +123,15 @@ class PooledProfile:
             self.args[n].update(args)
 
     def wake_s(self) -> dict[int, float]:
-        """threads -> a cold run's extra seconds (the median over the pool's; never below 0)."""
-        return {n: max(0.0, statistics.median(w)) if w else 0.0 for n, w in self.wake.items()}
+        """threads -> a cold run's extra seconds: the median over the pool's cold runs, 0 with fewer than
+        MIN_WAKE_SAMPLES, and at most MAX_WAKE_SHARE of a run (the probe found ~2 ms a run, not a share of
+        it: a long run's cold-minus-warm is mostly its own noise)."""
+        out = {}
+        for n, w in self.wake.items():
+            run_s = sum(statistics.median(t) for t in self.times[n].values() if t)
+            out[n] = (min(max(0.0, statistics.median(w)), MAX_WAKE_SHARE * run_s)
+                      if len(w) >= MIN_WAKE_SAMPLES else 0.0)
+        return out
 
     def summary(self, keep: str = "median") -> dict[int, dict[str, dict]]:
         """threads -> name -> {op, seconds, args}. keep: "median" (every run: the cost a stretch of
@@ -177,8 +186,9 @@ def daemon_source(client, name: str, feeds: dict, version: int | None = None):
 
 def node_times(skeleton: Path, feeds: dict, threads: int, runs: int = 3, min_s: float = MIN_PROFILE_S,
                max_runs: int = MAX_PROFILE_RUNS) -> tuple[dict[str, list], dict[str, dict], list]:
-    """(name -> its kernel seconds in each back-to-back run, the warm-up first; name -> the profiler's args;
-    each cold run's extra seconds): run_profiled's runs, in this process (the daemon's workers profile the same way: Client.profile, Worker.profile)."""
+    """(name -> its seconds in each back-to-back run (kernel times scaled to the run's wall time), the
+    warm-up first; name -> the profiler's args; each cold run's extra seconds): run_profiled's runs, in this
+    process (the daemon's workers profile the same way: Client.profile, Worker.profile)."""
     import onnxruntime as ort
 
     # Pinned to the cores a worker group of this size gets (executor/workers.py): on a shared machine a
@@ -215,15 +225,20 @@ KEPT_ARGS = ("op_name", "input_type_shape", "output_type_shape", "parameter_size
 
 
 def run_profiled(sess, feeds: dict, runs: int = 3, min_s: float = MIN_PROFILE_S,
-                 max_runs: int = MAX_PROFILE_RUNS) -> tuple[dict[str, list], dict[str, dict], list]:
-    """Run a profiling session (profiling_options) one warm-up and then at least `runs` times back to back,
-    and more (up to `max_runs`) until the runs span `min_s`, each after a cold run (WAKE_GAP_S of idle
-    first). Returns node_times' (times, args) of the back-to-back runs, and per cold run its extra seconds
+                 max_runs: int = MAX_PROFILE_RUNS, max_s: float | None = None,
+                 should_stop=None) -> tuple[dict[str, list], dict[str, dict], list]:
+    """Run a profiling session (profiling_options): one warm-up, then back-to-back runs, each but the first
+    followed by a cold run (after WAKE_GAP_S of idle): at least `runs` back-to-back runs, and more (up to
+    `max_runs`) until they span `min_s`; none started once `max_s` passed (or should_stop() says so) and one
+    is done. Returns node_times' (times, args) of the back-to-back runs, and per cold run its extra seconds
     over the run before it."""
     # Run 0 is the warm-up, odd runs follow the run before at once, even ones (from 2) idle first: after
     # i runs, i // 2 back-to-back ones are done.
     walls, cold, start = [], [], time.perf_counter()
     while len(walls) // 2 < runs or (time.perf_counter() - start < min_s and len(walls) // 2 < max_runs):
+        if len(walls) >= 2 and ((max_s is not None and time.perf_counter() - start >= max_s)
+                                or (should_stop is not None and should_stop())):
+            break
         if len(walls) >= 2 and len(walls) % 2 == 0:
             time.sleep(WAKE_GAP_S)
             cold.append(len(walls))
@@ -231,20 +246,40 @@ def run_profiled(sess, feeds: dict, runs: int = 3, min_s: float = MIN_PROFILE_S,
         sess.run(None, feeds)                 # the first is the warm-up
         walls.append(time.perf_counter() - t0)
     events = json.loads(Path(sess.end_profiling()).read_text())
-    times: dict[str, list] = {}
-    args: dict[str, dict] = {}
-    for e in events:
-        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
-            name = e["name"][: -len("_kernel_time")]
-            times.setdefault(name, []).append(float(e.get("dur", 0)) * 1e-6)
-            a = e.get("args", {})
-            args[name] = {k: a[k] for k in KEPT_ARGS if k in a}
+    times, args = node_events(events, len(walls))
     times = to_wall(times, walls)
     wake = [walls[i] - walls[i - 1] for i in cold]
     if cold and all(len(t) == len(walls) for t in times.values()):   # runs line up: leave the cold ones out
         warm = [i for i in range(len(walls)) if i not in set(cold)]
         times = {name: [t[i] for i in warm] for name, t in times.items()}
     return times, args, wake
+
+
+def node_events(events: list, runs: int) -> tuple[dict[str, list], dict[str, dict]]:
+    """(node name -> its kernel seconds per run, node name -> the profiler's args kept) from ORT's profile.
+
+    Each kernel event goes to the run (ORT's "model_run" event) it started in, summed there (a node of a
+    subgraph may run several kernels a run; one a run skips counts 0), so run i of every node is the same
+    run and cold runs can be told apart. Should the run events not number `runs`, the kernel events are
+    listed in order as they come, which run_profiled and to_wall then take as they are."""
+    import bisect
+
+    starts = sorted(float(e.get("ts", 0)) for e in events
+                    if e.get("cat") == "Session" and e.get("name") == "model_run")
+    kernels = [e for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")]
+    times: dict[str, list] = {}
+    args: dict[str, dict] = {}
+    for e in kernels:
+        name = e["name"][: -len("_kernel_time")]
+        seconds = float(e.get("dur", 0)) * 1e-6
+        if len(starts) == runs:
+            run = max(0, bisect.bisect_right(starts, float(e.get("ts", 0))) - 1)
+            times.setdefault(name, [0.0] * runs)[run] += seconds
+        else:
+            times.setdefault(name, []).append(seconds)
+        a = e.get("args", {})
+        args[name] = {k: a[k] for k in KEPT_ARGS if k in a}
+    return times, args
 
 
 def to_wall(times: dict[str, list], walls: list) -> dict[str, list]:

@@ -159,7 +159,8 @@ class Simulator:
             for w, rows in layout:
                 outstanding[w] += 1
                 push(ready.get(w, now), "ready", w, request, k, rows)
-                # dmda's estimate of when this worker frees: known exactly in a simulation
+                # dmda's estimate of when this worker frees: its queue and compute, known exactly here; like the
+                # daemon's performance models it leaves a wake-up out
                 worker_free[w] = max(worker_free[w], ready.get(w, now)) + self._busy_s(w, k, rows)
 
         busy = [False] * len(self.names)
@@ -251,7 +252,7 @@ class Simulator:
                 w, request, k, token = args
                 if not current(w, token):
                     continue
-                last_run_end[w] = now
+                last_run_end[w] = now       # (serving work on a worker's core is another thread's: not counted)
                 outstanding[w] -= 1
                 pending[(request, k)] -= 1
                 if pending[(request, k)] == 0:
@@ -282,12 +283,13 @@ def simulate(cost: PlanCost, plan: Plan, arrivals: list, within_set: str = "spli
     return Simulator(cost, plan, within_set, samples, record).run(arrivals)
 
 
-def one_at_a_time(cost: PlanCost, plan: Plan, requests: int = 3, within_set: str = "dmda") -> list:
+def one_at_a_time(cost: PlanCost, plan: Plan, requests: int = 3, within_set: str = "dmda",
+                  samples: int | None = None) -> list:
     """Latencies of `requests` sent one at a time, each the moment the previous one is answered (a client
     that waits for its answer). The first meets idle workers and pays their wake-up; the later ones find
     the workers that ran the previous request's stages warm, as a stream of requests does."""
     arrivals, result = [], None
     for _ in range(requests):
         arrivals.append(result.finished_at[-1] if result else 0.0)
-        result = simulate(cost, plan, arrivals, within_set, samples=1, record=False)
+        result = simulate(cost, plan, arrivals, within_set, samples=samples, record=False)
     return result.latencies_s
