@@ -269,7 +269,8 @@ class ProfileReply(Message, kind="profile_ok"):
     version: int
     worker: str
     threads: int
-    times: dict = {}                   # node name -> seconds in each back-to-back run, the warm-up first (scaled to wall time)
+    times: dict = {}                   # node name -> seconds in each back-to-back run, the warm-up first
+                                       # (kernel times scaled to the run's wall time)
     args: dict = {}                    # node name -> the profiler's op, shapes and sizes
     wake_s: list = []                  # per run after an idle spell, its extra seconds (placement/profile.py)
 

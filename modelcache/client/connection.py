@@ -366,7 +366,8 @@ class Client:
             # Beyond the usual timeout: the worker starts no run after MAX_PROFILE_S, but first finishes the
             # stages queued on it and builds the session.
             return self._call(P.Profile(req_id=0, name=name, inputs=wire, version=version, worker=worker, runs=runs,
-                                        min_s=min_s), expect=(P.ProfileReply,), timeout_s=self.timeout_s + MAX_PROFILE_S)
+                                        min_s=min_s), expect=(P.ProfileReply,),
+                              timeout_s=self.timeout_s + MAX_PROFILE_S)
         finally:
             for f in files:
                 os.unlink(f)

@@ -127,7 +127,7 @@ class ServeHandlers:
                 run_s = self.engine.predicted_run_s(model.key, len(model.manifest.stages), worker.state.kind) or 0.0
                 expected_s = min(MAX_PROFILE_S, max(msg.min_s, msg.runs * (2 * run_s + WAKE_GAP_S)))
                 self.engine.run_on_worker(worker, lambda w: w.profile(skeleton, segments, all_tensors, dict(feeds),
-                                                                      msg.runs, msg.min_s, MAX_PROFILE_RUNS),
+                                                                      msg.runs, msg.min_s),
                                           finish, expected_s=expected_s)
             except Exception as e:
                 finish(None, e)

@@ -205,7 +205,8 @@ class Engine:
         cpus = [w for w in self.workers if w.state.memory_node == "cpu" and w.state.worker_id not in self.disabled]
         found = next((w for w in cpus if name is None or w.name == name), None)
         if found is None:
-            raise InputError(f"no CPU worker {name!r} in this daemon: it has {', '.join(w.name for w in cpus) or 'none'}"
+            have = ", ".join(w.name for w in cpus) or "none"
+            raise InputError(f"no CPU worker {name!r} in this daemon: it has {have}"
                              + (" (a GPU worker's costs are modelled, not profiled)" if name in self.worker_names()
                                 else ""))
         return found
@@ -676,8 +677,8 @@ class Engine:
                 "batching": {"policies": self.policies, "batches": self.batches_formed,
                              "mean_batch": self.batched_samples / self.batches_formed if self.batches_formed else None,
                              "layer_joins": self.layer_joins},
-                "workers": [{"id": w.state.worker_id, "name": getattr(w, "name", None), "kind": w.state.kind, "cores": w.cores,
-                             "device": w.state.memory_node, "queued": self.outstanding[i],
+                "workers": [{"id": w.state.worker_id, "name": getattr(w, "name", None), "kind": w.state.kind,
+                             "cores": w.cores, "device": w.state.memory_node, "queued": self.outstanding[i],
                              "disabled": self.disabled.get(w.state.worker_id)}
                             for i, w in enumerate(self.workers)],
                 "served": self.served, "failed": self.failed, "in_flight": len(self.requests),

@@ -288,11 +288,12 @@ class Worker:
             stage = self.sessions[key] = StageSession(sess, maps, values)
         return stage
 
-    def profile(self, skeleton: str, segments: list, tensors: list, feeds: dict, runs: int, min_s: float,
-                max_runs: int) -> tuple[dict, dict, list]:
+    def profile(self, skeleton: str, segments: list, tensors: list, feeds: dict, runs: int,
+                min_s: float) -> tuple[dict, dict, list]:
         """ORT's profiler over a whole model as this worker runs its stages: on this thread and its cores, with
         its thread count, over the host tier's weights in this process (placement/profile.py's run_profiled:
-        node times, args, cold runs' extra seconds). A session of its own, built and freed here: the worker's stage sessions are untouched.
+        node times, args, cold runs' extra seconds). A session of its own, built and freed here: the
+        worker's stage sessions are untouched.
 
         Why here and not in the planner's process: there the same runs came out 0-14 % faster than the
         daemon ran the model's stages (`bench placement_check`), which the plans' predictions carried."""
@@ -307,8 +308,7 @@ class Worker:
             maps, values = bind_weights(so, segments, tensors)   # held until the session is gone
             sess = ort.InferenceSession(skeleton, so, providers=["CPUExecutionProvider"])
             try:
-                return run_profiled(sess, feeds, runs, min_s, max_runs, max_s=MAX_PROFILE_S,
-                                    should_stop=lambda: self.stopping)
+                return run_profiled(sess, feeds, runs, min_s, max_s=MAX_PROFILE_S, should_stop=lambda: self.stopping)
             finally:
                 del sess, values
                 maps.clear()

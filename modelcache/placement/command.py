@@ -86,15 +86,13 @@ def daemon_profiles(args, settings, directory: Path, version: int, system) -> tu
     here = (None, None, "this process, pinned as a worker group is")
     if args.profile_on == "here":
         return here
+    import onnx
     from ..client.connection import connect
     from ..errors import ModelCacheError
-    from ..packing import SKELETON_FILE
+    from ..packing import SKELETON_FILE, load_manifest
     from ..zoo import sample_inputs
     from .machine import profiled_threads
     from .profile import MIN_PROFILE_S, PooledProfile, daemon_source
-
-    import onnx
-    from ..packing import load_manifest
 
     skeleton = directory / SKELETON_FILE
     feeds = sample_inputs(str(skeleton), batch=1)
@@ -105,10 +103,7 @@ def daemon_profiles(args, settings, directory: Path, version: int, system) -> tu
             if theirs.version != version or theirs.weights_bytes != load_manifest(directory).weights_bytes:
                 raise ValueError(f"the daemon's {args.name}@{theirs.version} is not the one in {directory}")
             threads = profiled_threads(system)
-            source = daemon_source(client, args.name, feeds, version)
-            missing = [n for n in threads if n not in source.workers]
-            if missing:
-                source(missing[0], 1, 0.0, 1)          # raises, saying which workers the daemon has
+            source = daemon_source(client, args.name, feeds, version, threads)
             where = ", ".join(source.workers[n] for n in threads)
             print(f"profiling {args.name}@{version} on the daemon's worker {where} (it runs no stage meanwhile, "
                   f"~{len(threads) * MIN_PROFILE_S:g} s and the session's build)", file=sys.stderr)

@@ -168,17 +168,24 @@ def daemon_workers(client) -> dict[int, str]:
     return workers
 
 
-def daemon_source(client, name: str, feeds: dict, version: int | None = None):
+def daemon_source(client, name: str, feeds: dict, version: int | None = None, threads: list | None = None):
     """A PooledProfile source that takes each profile on the daemon's own worker of that thread count
-    (Client.profile): where serve mode will run the model's stages, over the same weights in /dev/shm."""
+    (Client.profile): where serve mode will run the model's stages, over the same weights in /dev/shm.
+    ValueError, naming the daemon's workers, for a thread count it has none of: at once for each of
+    `threads`, else when a profile asks."""
     workers = daemon_workers(client)
 
-    def take(threads: int, runs: int, min_s: float, max_runs: int):
-        worker = workers.get(threads)
-        if worker is None:
-            have = ", ".join(f"{w} ({n} threads)" for n, w in sorted(workers.items())) or "none"
-            raise ValueError(f"the daemon has no CPU worker of {threads} threads to profile on (it has {have})")
-        reply = client.profile(name, feeds, worker=worker, runs=runs, min_s=min_s, version=version)
+    def worker_of(n: int) -> str:
+        if n not in workers:
+            have = ", ".join(f"{w} ({k} threads)" for k, w in sorted(workers.items())) or "none"
+            raise ValueError(f"the daemon has no CPU worker of {n} threads to profile on (it has {have})")
+        return workers[n]
+
+    for n in threads or ():
+        worker_of(n)
+
+    def take(n: int, runs: int, min_s: float, max_runs: int):
+        reply = client.profile(name, feeds, worker=worker_of(n), runs=runs, min_s=min_s, version=version)
         return reply.times, reply.args, reply.wake_s
     take.workers = workers
     return take
@@ -250,7 +257,7 @@ def run_profiled(sess, feeds: dict, runs: int = 3, min_s: float = MIN_PROFILE_S,
     times = to_wall(times, walls)
     wake = [walls[i] - walls[i - 1] for i in cold]
     if cold and all(len(t) == len(walls) for t in times.values()):   # runs line up: leave the cold ones out
-        warm = [i for i in range(len(walls)) if i not in set(cold)]
+        warm = sorted(set(range(len(walls))) - set(cold))
         times = {name: [t[i] for i in warm] for name, t in times.items()}
     return times, args, wake
 
@@ -309,17 +316,12 @@ def fastest_runs(times: dict[str, list]) -> list[int]:
     return sorted(ordered[: max(1, (len(ordered) + 1) // 2)])
 
 
-def node_facts(skeleton: Path, threads: list[int], feeds: dict | None = None, runs: int = 3,
-               min_s: float = MIN_PROFILE_S, profiles: dict | None = None) -> tuple[list, dict]:
-    """(NodeFacts in graph order, graph-input bytes per sample), measured on CPU groups of each thread count
-    (or taken from `profiles`, a PooledProfile's summary over the same feeds)."""
+def node_facts(skeleton: Path, threads: list[int], feeds: dict, profiles: dict) -> tuple[list, dict]:
+    """(NodeFacts in graph order, graph-input bytes per sample) from `profiles`: a PooledProfile's summary
+    of the skeleton over `feeds` on CPU groups of each thread count."""
     import onnx
-    from ..zoo import sample_inputs
 
     model = onnx.load(str(skeleton), load_external_data=False)
-    feeds = feeds or sample_inputs(str(skeleton), batch=1)
-    if profiles is None:
-        profiles = {n: profile_nodes(skeleton, feeds, n, runs, min_s) for n in threads}
     first = profiles[threads[0]]
     facts = []
     for node in model.graph.node:

@@ -18,8 +18,8 @@ Two ways to use a stage's worker set:
 Times come from the plan's cost model (PlanCost); the simulator adds what the analytical model leaves
 out: queueing between requests, contention on links, and a worker's wake-up: a stage that starts on a
 worker idle for WAKE_AFTER_S or more takes its kind's wake_s longer (CostTable.wake_s, measured by
-the profile's cold runs: about 2 ms a run on this VM, see placement/profile.py). Serving's own costs (System.handoff_s per
-stage, System.request_s per request: the daemon's queue and thread wake-ups, the client's encode and
+the profile's cold runs: about 2 ms a run on this VM, see placement/profile.py). Serving's own costs
+(System.handoff_s per stage, System.request_s per request: the daemon's queue and thread wake-ups, the client's encode and
 round trip) are delays that hold no worker: a worker runs the next queued stage meanwhile; except
 that where the workers take every core (System.serving_on_worker_cores) a request's serving work
 (request_s, from its arrival; then it enters the daemon's queue) needs a core of some host worker.
