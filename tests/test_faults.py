@@ -185,10 +185,9 @@ def test_the_sweep_counts_no_silence_while_the_loop_was_stopped_before_it(tmp_pa
     few calls earlier left a window, and a SIGSTOP landing in it dropped every live client (CI, once)."""
     from modelcache.config import Settings
     from modelcache.daemon.server import Daemon
-    daemon = Daemon(Settings(socket=f"ipc://{tmp_path}/s.sock", repository=str(tmp_path / "repo"), workers="1",
-                             lease_timeout_s=1.0))
     now = [100.0]
-    daemon.clock = lambda: now[0]
+    daemon = Daemon(Settings(socket=f"ipc://{tmp_path}/s.sock", repository=str(tmp_path / "repo"), workers="1",
+                             lease_timeout_s=1.0), clock=lambda: now[0])
     live = daemon.registry.new_client(os.getpid(), "live", 100.0)
     daemon.turn_at = 100.0                 # the poll returned, then the process stopped for 1.5 s
     now[0] = 101.5

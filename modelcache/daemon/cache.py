@@ -1,8 +1,10 @@
-"""The daemon's cache operations: promotion into the host tier, eviction, pinning, prefetch, add, fetch.
+"""The host tier's cache: promotion from disk into shared memory, eviction, pinning, prefetch, add, fetch.
 
-A mixin of `Daemon` (daemon/server.py), split out so each file reads as one concern. Like
-every handler, these run on the owner loop and use its state: `registry`, `host`, `policy`,
-`engine`, `repository`, `remote`, `jobs`, `counters`, and `_run_on_loader` for slow work.
+`HostCache` runs on the owner loop. It is handed what it works with: the registry (whose model
+records own their transitions), the host tier (which plans, writes and frees), the eviction policy
+(which only chooses), the repository and remote store, the loader threads for slow work, and
+`reply` to answer a request later. The GPU tier (`DeviceCache`, devices.py) builds on it: a model
+reaches a GPU through the host tier, and leaves the host tier only after its GPU copies.
 """
 
 from __future__ import annotations
@@ -16,13 +18,47 @@ from ..packing import pack_in_subprocess
 from ..storage import storage_errors
 from ..sources import check_regular_files, check_source_names, close_all
 from ..tiers.host import variant_tensors
-from .registry import ModelRecord, ModelState
+from .loaders import Loaders
+from .registry import ModelRecord, ModelState, Registry
 
 log = logging.getLogger("modelcache.daemon")
 
 
-class CacheOps:
-    def _when_resident(self, model: ModelRecord, then) -> bool:
+class HostCache:
+    def __init__(self, *, registry: Registry, host, policy, repository, remote, loaders: Loaders, settings, admins,
+                 counters: dict, jobs: dict, clock, reply, redispatch):
+        self.registry = registry
+        self.host = host                  # tiers.host.HostTier
+        self.policy = policy              # eviction: it chooses, this frees
+        self.repository = repository
+        self.remote = remote              # tiers.remote.RemoteStore, or None
+        self.loaders = loaders
+        self.settings = settings
+        self.admins = admins
+        self.counters = counters
+        self.jobs = jobs                  # in-flight packs, fetches and loads, for stats
+        self.clock = clock
+        self.reply = reply                # (ident, message): answer a request later
+        self.redispatch = redispatch      # (ident, request): run a request again (after its fetch)
+        # The GPU tier, once the daemon built it (None without one): evicting from host demotes it first.
+        self.gpu = None
+        # Called with a model's key when its host copy is freed or replaced: what was built over it goes.
+        self.forget: list = []
+        self.fetches: dict = {}           # (name, version) -> [(retry, fail)] waiting on one fetch
+        self.reserved_versions: set = set()     # versions being packed, not yet in the registry
+        # Packing subprocesses, so an immediate stop can kill them. Loader threads add and remove
+        # entries (single set operations, atomic under the GIL); only the signal handler reads it.
+        self.packers: set = set()
+
+    def handlers(self) -> dict:
+        return {P.Load: self.on_Load, P.Remove: self.on_Remove, P.Pin: self.on_Pin, P.Evict: self.on_Evict,
+                P.Add: self.on_Add}
+
+    def host_variants(self, model: ModelRecord) -> tuple:
+        """What a host promotion copies: the CPU weights, and the GPU ones when there is a GPU tier."""
+        return ("cpu", "gpu") if self.gpu is not None and self.gpu.tiers and model.manifest.gpu_tensors else ("cpu",)
+
+    def when_resident(self, model: ModelRecord, then) -> bool:
         """Call then(error, hit) once `model` is resident: now on a hit (returns True), else after the one load."""
         if model.state is ModelState.RESIDENT:
             then(None, True)
@@ -30,14 +66,14 @@ class CacheOps:
         if model.damage and self.remote is None:  # (through `then`: a serve request's hold is released there)
             then(IntegrityError(f"{model.damage}; no remote store is configured to fetch it again"), False)
             return False
-        model.waiters.append(lambda err: then(err, False))
+        model.wait_for_load(lambda err: then(err, False))
         if model.damage and model.state is ModelState.ON_DISK:  # a fetch that failed before: try again
             self._refetch_damaged(model)
         elif model.state is ModelState.ON_DISK:  # the first miss starts the load; later ones wait on it
             try:
-                self._start_promotion(model)
+                self.start_promotion(model)
             except ModelCacheError:
-                model.waiters.clear()
+                model.waiters.clear()   # (this caller gets the error raised; no load is in flight)
                 raise
         return False
 
@@ -46,8 +82,8 @@ class CacheOps:
         if msg.tier != "host":
             if msg.tier.partition(":")[0] != "gpu":
                 raise ModelCacheError(f"unknown tier {msg.tier!r}: use 'host', 'gpu' or 'gpu:<UUID or index>'")
-            device = self._device_tier(msg.tier)
-        model = self._resolve_or_fetch(ident, msg)
+            device = self._gpu().tier_named(msg.tier)
+        model = self.resolve_or_fetch(ident, msg)
         if model is None:
             return None
         self.admins.check_model_owner(ident, model, "load")
@@ -55,15 +91,15 @@ class CacheOps:
         def answer(error, hit):
             reply = P.Ack(req_id=msg.req_id) if error is None else \
                 P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error))
-            self._reply(ident, reply)
+            self.reply(ident, reply)
 
         if device is None:
-            self._when_resident(model, answer)
+            self.when_resident(model, answer)
         else:
-            self._when_on_device(model, device, answer)
+            self.gpu.when_on_device(model, device, answer)
         return None
 
-    def _resolve_or_fetch(self, ident: bytes, msg) -> ModelRecord | None:
+    def resolve_or_fetch(self, ident: bytes, msg) -> ModelRecord | None:
         """The model a request names; if only the remote store has it, start one fetch and return None."""
         try:
             return self.registry.resolve(msg.name, msg.version)
@@ -76,10 +112,10 @@ class CacheOps:
         key = (msg.name, msg.version)
 
         def fail(error):
-            self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
+            self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
 
         waiting = self.fetches.get(key)
-        self.fetches.setdefault(key, []).append((lambda: self._dispatch(ident, msg), fail))
+        self.fetches.setdefault(key, []).append((lambda: self.redispatch(ident, msg), fail))
         if waiting is not None:
             return None  # one fetch per model, however many ask
         job = {"kind": "fetch", "model": f"{msg.name}@{msg.version or 'latest'}", "bytes_done": 0, "bytes_total": 0}
@@ -112,7 +148,7 @@ class CacheOps:
             for retry, fail_ in waiters:
                 retry() if error is None else fail_(error)
 
-        self._run_on_loader(work, done)
+        self.loaders.run(work, done)
         return None
 
     def on_Remove(self, ident, msg: P.Remove):
@@ -123,8 +159,10 @@ class CacheOps:
             return P.Ack(req_id=msg.req_id)
         model = self.registry.resolve(msg.name, msg.version)
         self.admins.check_model_owner(ident, model, "remove")
-        if model.refcount > 0 or model.state is ModelState.LOADING or model.busy_on_device:
-            raise CapacityError(f"{model.key} is in use or loading; it cannot be removed now")
+        try:
+            model.check_freeable()
+        except CapacityError:
+            raise CapacityError(f"{model.key} is in use or loading; it cannot be removed now") from None
         if model.state is ModelState.RESIDENT:
             self.evict(model)
         self.registry.remove_model(model)
@@ -139,13 +177,13 @@ class CacheOps:
         log.info("model %s: %s", "pinned" if msg.pinned else "unpinned", model.key)
         return P.Ack(req_id=msg.req_id)
 
-    def _after_release(self, model: ModelRecord, device: str | None = None) -> None:
+    def after_release(self, model: ModelRecord, device: str | None = None) -> None:
         """A lease or a request let go of the model: tell the policies, and free it if they say so now."""
         if device is not None:
-            self._after_device_release(model, device)
-        if model.refcount == 0 and model.state is ModelState.RESIDENT:
+            self.gpu.after_release(model, device)
+        if model.idle:
             self.policy.released(model.key, self.clock())
-            if self.policy.evict_on_release and not model.pinned:
+            if self.policy.evict_on_release and model.evictable:
                 self.evict(model)
 
     def on_Evict(self, ident, msg: P.Evict):
@@ -154,12 +192,10 @@ class CacheOps:
         if msg.tier != "host":
             if msg.tier.partition(":")[0] != "gpu":
                 raise ModelCacheError(f"unknown tier {msg.tier!r}: use 'host', 'gpu' or 'gpu:<UUID or index>'")
-            self._evict_devices(model, msg.tier)
+            if self.gpu is not None:
+                self.gpu.evict_named(model, msg.tier)
             return P.Ack(req_id=msg.req_id)
-        if model.refcount > 0:
-            raise CapacityError(f"{model.key} is in use by {model.refcount} sessions; it cannot be evicted")
-        if model.state is ModelState.LOADING or model.busy_on_device:
-            raise CapacityError(f"{model.key} is loading; evict it once it is resident")
+        model.check_freeable()
         if model.state is ModelState.RESIDENT:
             self.evict(model)
         return P.Ack(req_id=msg.req_id)
@@ -167,14 +203,14 @@ class CacheOps:
     def evict(self, model: ModelRecord) -> None:
         """Free a resident, unreferenced model from memory, its GPU copies first (the tiers are inclusive;
         clients' old host mappings stay valid)."""
-        assert model.state is ModelState.RESIDENT and model.refcount == 0
+        model.check_freeable()
         for uuid in list(model.devices):
-            self.evict_from_device(model, uuid)
+            self.gpu.evict_from_device(model, uuid)
+        model.evicted()                 # (raises, freeing nothing, if anything still holds it)
         freed = self.host.free_model(model.key)
         self.policy.removed(model.key)
-        self.engine.drop_model(model.key)
-        self.serve_specs.pop(model.key, None)
-        model.state = ModelState.ON_DISK
+        for forget in self.forget:
+            forget(model.key)
         self.counters["evictions"] += 1
         log.info("model evicted: %s from host, %.1f MiB freed", model.key, freed / 2**20)
 
@@ -185,33 +221,13 @@ class CacheOps:
         all their users go, so when the policy's per-model choice falls short we walk its
         order and count what a growing prefix frees together.
         """
-        by_key = {m.key: m for m in self.registry.models.values()
-                  if m.state is ModelState.RESIDENT and m.refcount == 0 and not m.pinned and m.key != loading
-                  and not m.busy_on_device}
-        victims = self._choose_victims(self.policy, by_key, self.host.bytes_freed_by, bytes_over)
+        by_key = {m.key: m for m in self.registry.models.values() if m.evictable and m.key != loading}
+        victims = choose_victims(self.policy, by_key, self.host.bytes_freed_by, bytes_over)
         if victims is None:
             return False
         for key in victims:
             self.evict(by_key[key])
         return True
-
-    @staticmethod
-    def _choose_victims(policy, candidates: dict, bytes_freed_by, bytes_over: int) -> list | None:
-        """The keys to evict from one tier to free `bytes_over`, or None when all candidates together fall short.
-
-        Shared segments free only when all their users go, so when the policy's per-model choice
-        falls short we walk its order and count what a growing prefix frees together."""
-        victims = policy.choose_victims(bytes_over, {k: bytes_freed_by([k]) for k in candidates})
-        if not victims:
-            prefix = []
-            for key in policy.order(list(candidates)):
-                prefix.append(key)
-                if bytes_freed_by(prefix) >= bytes_over:
-                    victims = prefix
-                    break
-        if not victims or bytes_freed_by(victims) < bytes_over:
-            return None
-        return victims
 
     def on_Add(self, ident, msg: P.Add):
         """Pack the files whose descriptors came with the request (daemon/lane.py): the daemon reads what
@@ -267,23 +283,23 @@ class CacheOps:
             self.jobs.pop(f"add:{msg.name}@{version}", None)
             if error is not None:
                 log.warning("add %s from %s failed: %s", job["model"], msg.path, error)
-                self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
+                self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
                 return
             manifest, pack_s = result
             self.registry.add_model(self.repository.model_dir(msg.name, version), manifest)
             self.counters["adds"] += 1
             log.info("model added: %s@%d, %d tensors, %.1f MiB, packed in %.2f s", msg.name, version,
                      len(manifest.tensors), manifest.weights_bytes / 2**20, pack_s)
-            self._reply(ident, P.AddReply(req_id=msg.req_id, name=msg.name, version=version,
+            self.reply(ident, P.AddReply(req_id=msg.req_id, name=msg.name, version=version,
                                           weights_bytes=manifest.weights_bytes, tensors=len(manifest.tensors),
                                           pack_s=pack_s))
 
-        self._run_on_loader(work, done)
+        self.loaders.run(work, done)
         return None
 
-    def _start_promotion(self, model: ModelRecord) -> None:
+    def start_promotion(self, model: ModelRecord) -> None:
         """Plan the model's place in the host tier, make room if needed, and copy it on a loader thread."""
-        plan = self.host.plan(model.key, model.disk_dir, model.manifest, self._host_variants(model))  # reserves
+        plan = self.host.plan(model.key, model.disk_dir, model.manifest, self.host_variants(model))  # reserves
         over = self.host.used_bytes - self.host.capacity_bytes
         if over > 0 and not self.make_room(over, loading=model.key):
             self.host.abort(plan)
@@ -291,27 +307,26 @@ class CacheOps:
                 f"{model.key} needs {plan.segment_bytes >> 20} MiB in the host tier "
                 f"({self.host.capacity_bytes >> 20} MiB, {(self.host.used_bytes - plan.segment_bytes) >> 20} MiB "
                 f"used) and no unused, unpinned model can make room; close sessions, unpin, or raise host_capacity")
-        model.state = ModelState.LOADING
+        model.start_load()
         self.jobs[f"load:{model.key}"] = {"kind": "load", "model": model.key, "bytes_total": plan.segment_bytes}
 
         def done(seconds, error):
             self.jobs.pop(f"load:{model.key}", None)
-            waiters, model.waiters = model.waiters, []
             if error is not None:
                 self.host.abort(plan)
-                model.state = ModelState.ON_DISK
+                waiters = model.finish_load(ok=False)
                 log.error("promotion of %s failed: %s", model.key, error)
                 if isinstance(error, IntegrityError):
                     self.counters["corrupt_detected"] += 1
-                    model.damage = str(error)
+                    model.mark_corrupt(str(error))
                     if self.remote is not None and not model.refetched:
-                        model.waiters = waiters  # they wait on the fetch, then on the promotion after it
+                        for wake in waiters:  # they wait on the fetch, then on the promotion after it
+                            model.wait_for_load(wake)
                         self._refetch_damaged(model)
                         return
             else:
                 self.host.commit(plan)
-                model.refetched = False
-                model.state = ModelState.RESIDENT
+                waiters = model.finish_load(ok=True)
                 self.policy.created(model.key, self.host.model_bytes(model.key), self.clock())
                 self.counters["promotions"] += 1
                 # (the blob also holds the GPU variant's own tensors: count what this promotion placed)
@@ -327,7 +342,13 @@ class CacheOps:
             with storage_errors(f"promoting {model.key} to the host tier", self.host.root):
                 return self.host.write(plan)
 
-        self._run_on_loader(write, done)
+        self.loaders.run(write, done)
+
+    def _gpu(self):
+        """The GPU tier a request names, or the error a daemon without one gives."""
+        if self.gpu is None:
+            raise ModelCacheError("this daemon has no GPU tier")
+        return self.gpu
 
     def _unreadable_version(self, name: str, version: int | None) -> str:
         """Why the repository could not register `name` at `version` (any version when None), or ""."""
@@ -341,7 +362,7 @@ class CacheOps:
 
         LOADING meanwhile: no second fetch or promotion starts, and remove and evict leave it alone.
         A copy that is damaged again right after its fetch is not fetched a third time (`refetched`)."""
-        model.state = ModelState.LOADING
+        model.start_load()
         job = self.jobs[f"fetch:{model.key}"] = {"kind": "fetch", "model": model.key, "bytes_done": 0,
                                                  "bytes_total": model.manifest.weights_bytes}
         log.warning("%s: fetching it again from %s", model.damage, self.remote.url)
@@ -356,24 +377,39 @@ class CacheOps:
 
         def done(result, error):
             self.jobs.pop(f"fetch:{model.key}", None)
-            model.state = ModelState.ON_DISK
             if error is None:
-                model.disk_dir, model.manifest, seconds = result
-                model.__dict__.pop("_feed_check", None)          # built from the old manifest
-                self.engine.drop_model(model.key)
-                self.serve_specs.pop(model.key, None)
-                model.damage, model.refetched = "", True
+                disk_dir, manifest, seconds = result
+                model.replaced(disk_dir, manifest)
+                for forget in self.forget:
+                    forget(model.key)
                 self.counters["refetched"] += 1
                 log.info("model fetched again: %s from %s in %.2f s", model.key, self.remote.url, seconds)
                 try:
-                    self._start_promotion(model)
+                    self.start_promotion(model)
                     return
                 except ModelCacheError as e:
                     error = e
             else:
                 error = IntegrityError(f"{model.damage}; fetching it again from {self.remote.url} failed: {error}")
-            waiters, model.waiters = model.waiters, []
-            for wake in waiters:
+            for wake in model.finish_load(ok=False):
                 wake(error)
 
-        self._run_on_loader(work, done)
+        self.loaders.run(work, done)
+
+
+def choose_victims(policy, candidates: dict, bytes_freed_by, bytes_over: int) -> list | None:
+    """The keys to evict from one tier to free `bytes_over`, or None when all candidates together fall short.
+
+    Shared segments free only when all their users go, so when the policy's per-model choice
+    falls short we walk its order and count what a growing prefix frees together."""
+    victims = policy.choose_victims(bytes_over, {k: bytes_freed_by([k]) for k in candidates})
+    if not victims:
+        prefix = []
+        for key in policy.order(list(candidates)):
+            prefix.append(key)
+            if bytes_freed_by(prefix) >= bytes_over:
+                victims = prefix
+                break
+    if not victims or bytes_freed_by(victims) < bytes_over:
+        return None
+    return victims

@@ -1,8 +1,8 @@
 """The daemon's GPU tier: a model's copy on each device, promoted from the host tier, lent by IPC handle.
 
-A mixin of `Daemon` (daemon/server.py), like cache.py: its methods run on the owner loop and
-use `self.devices` (device UUID -> tiers.gpu.DeviceTier), `self.device_policies`, `self.host`
-and `_run_on_loader` for the copies.
+`DeviceCache` runs on the owner loop, over `tiers` (device UUID -> tiers.gpu.DeviceTier) and one
+eviction policy per device; it is handed the host cache it promotes from and the loader threads
+that copy.
 
 The tiers are inclusive: a model on a GPU is in the host tier too (promotion reads it from
 there, a restarted daemon can promote it again from there, and a GPU lease holds the host
@@ -16,7 +16,9 @@ from __future__ import annotations
 import logging
 
 from ..errors import CapacityError, ModelCacheError
-from .registry import DeviceResidency, ModelRecord, ModelState
+from .cache import HostCache, choose_victims
+from .loaders import Loaders
+from .registry import DeviceResidency, ModelRecord, ModelState, Registry
 
 log = logging.getLogger("modelcache.daemon")
 
@@ -29,9 +31,26 @@ def normalize_uuid(text: str) -> str:
     return text
 
 
-class DeviceOps:
+class DeviceCache:
+    def __init__(self, *, registry: Registry, cache: HostCache, loaders: Loaders, settings, counters: dict,
+                 jobs: dict, clock, serve_holds=lambda key: 0):
+        self.registry = registry
+        self.cache = cache                # the host tier's: a model reaches a GPU through it
+        self.host = cache.host
+        self.loaders = loaders
+        self.settings = settings
+        self.counters = counters
+        self.jobs = jobs
+        self.clock = clock
+        self.tiers: dict = {}             # device UUID -> tiers.gpu.DeviceTier
+        self.policies: dict = {}          # device UUID -> its eviction policy
+        # Called with (model key, device UUID) when a copy is freed: what was built over its addresses goes.
+        self.forget: list = []
+        # key -> how many serve-mode GPU workers hold the model (said when they keep it from being evicted)
+        self.serve_holds = serve_holds
+
     # -- lifecycle -----------------------------------------------------------------------
-    def _start_devices(self) -> None:
+    def start(self) -> None:
         """One DeviceTier per GPU this daemon may use (`gpus`), or per simulated one (`fake_gpus`)."""
         from ..config import parse_size
         from ..eviction import make_policy
@@ -47,29 +66,29 @@ class DeviceOps:
             allocator = gpu.CudaAllocator
         for device in devices:
             capacity = parse_size(self.settings.gpu_capacity, total=device.total_bytes)
-            self.devices[device.uuid] = gpu.DeviceTier(allocator(device), capacity)
-            self.device_policies[device.uuid] = make_policy(self.settings.eviction_policy)
+            self.tiers[device.uuid] = gpu.DeviceTier(allocator(device), capacity)
+            self.policies[device.uuid] = make_policy(self.settings.eviction_policy)
             log.info("GPU tier on device %d (%s, %s): %d MiB", device.index, device.name, device.uuid,
-                     self.devices[device.uuid].capacity_bytes >> 20)
+                     self.tiers[device.uuid].capacity_bytes >> 20)
 
-    def _stop_devices(self) -> None:
-        for tier in self.devices.values():
+    def stop(self) -> None:
+        for tier in self.tiers.values():
             try:
                 tier.stop()
             except Exception as e:  # a broken device must not keep the host tier from being cleaned
                 log.error("GPU tier %s did not stop cleanly: %s", tier.device.uuid, e)
 
     # -- naming --------------------------------------------------------------------------
-    def _device_tier(self, spec: str):
+    def tier_named(self, spec: str):
         """The tier a request names: 'cuda' or 'gpu' (the first device), or 'cuda:<UUID or index>'."""
         kind, _, which = spec.partition(":")
         if kind not in ("cuda", "gpu"):
             raise ModelCacheError(f"unknown device {spec!r}: use 'cpu', 'cuda' or 'cuda:<UUID or index>'")
-        if not self.devices:
+        if not self.tiers:
             raise ModelCacheError(
                 "this daemon has no GPU tier: no CUDA device was found (it needs a GPU and the [gpu] extra: "
                 "onnxruntime-gpu and cupy), or the setting gpus is 'none'")
-        tiers = sorted(self.devices.values(), key=lambda t: t.device.index)
+        tiers = sorted(self.tiers.values(), key=lambda t: t.device.index)
         if not which:
             return tiers[0]
         uuid = normalize_uuid(which)
@@ -79,12 +98,8 @@ class DeviceOps:
         known = ", ".join(f"{t.device.index} ({t.device.uuid})" for t in tiers)
         raise ModelCacheError(f"no GPU {which!r} in this daemon's GPU tier; it has {known}")
 
-    def _host_variants(self, model: ModelRecord) -> tuple:
-        """What a host promotion copies: the CPU weights, and the GPU ones when there is a GPU tier."""
-        return ("cpu", "gpu") if self.devices and model.manifest.gpu_tensors else ("cpu",)
-
     # -- promotion -----------------------------------------------------------------------
-    def _when_on_device(self, model: ModelRecord, tier, then) -> bool:
+    def when_on_device(self, model: ModelRecord, tier, then) -> bool:
         """Call then(error, hit) once `model` is on `tier`'s device: now on a hit (returns True), else
         after the one promotion (host first, when it is only on disk)."""
         uuid = tier.device.uuid
@@ -103,7 +118,7 @@ class DeviceOps:
             res = model.devices.get(uuid)
             if res is None:
                 try:
-                    res = self._start_device_promotion(model, tier)
+                    res = self._start_promotion(model, tier)
                 except ModelCacheError as e:
                     then(e, False)
                     return
@@ -112,39 +127,38 @@ class DeviceOps:
             else:
                 res.waiters.append(lambda err: then(err, False))
 
-        self._when_resident(model, on_host)
+        self.cache.when_resident(model, on_host)
         return False
 
-    def _start_device_promotion(self, model: ModelRecord, tier) -> DeviceResidency:
+    def _start_promotion(self, model: ModelRecord, tier) -> DeviceResidency:
         """Plan the model's place on the device, make room if needed, and copy it on a loader thread."""
         uuid = tier.device.uuid
         if not self.host.has_variant(model.key, "gpu"):
             raise ModelCacheError(f"{model.key}: its GPU weights are not in the host tier")
         plan = tier.plan(model.key, model.manifest.gpu_tensors, self.host.file_locations(model.key, "gpu"))
         over = tier.used_bytes - tier.capacity_bytes
-        if over > 0 and not self._make_room_on_device(tier, over, loading=model.key):
+        if over > 0 and not self._make_room(tier, over, loading=model.key):
             tier.abort(plan)
             raise CapacityError(
                 f"{model.key} needs {plan.arena_bytes >> 20} MiB on GPU {tier.device.index} "
                 f"({tier.capacity_bytes >> 20} MiB, {(tier.used_bytes - plan.arena_bytes) >> 20} MiB used) "
                 f"and no model without GPU sessions can make room; close GPU sessions, unpin, "
                 f"or raise gpu_capacity")
-        res = model.devices[uuid] = DeviceResidency(uuid, ModelState.LOADING)
+        res = model.start_device_load(uuid)
         job_key = f"gpu-load:{model.key}:{uuid}"
         self.jobs[job_key] = {"kind": "gpu-load", "model": model.key, "device": uuid,
                               "bytes_total": plan.arena_bytes}
 
         def done(seconds, error):
             self.jobs.pop(job_key, None)
-            waiters, res.waiters = res.waiters, []
             if error is not None:
                 tier.abort(plan)
-                model.devices.pop(uuid, None)
+                waiters = model.finish_device_load(uuid, ok=False)
                 log.error("promotion of %s to GPU %s failed: %s", model.key, uuid, error)
             else:
                 tier.commit(plan)
-                res.state = ModelState.RESIDENT
-                self.device_policies[uuid].created(model.key, plan.arena_bytes, self.clock())
+                waiters = model.finish_device_load(uuid, ok=True)
+                self.policies[uuid].created(model.key, plan.arena_bytes, self.clock())
                 self.counters["gpu_promotions"] += 1
                 rate = plan.arena_bytes / seconds / 1e9 if seconds else 0.0
                 log.info("model promoted: %s host -> GPU %d, %.1f MiB in %.3f s (%.1f GB/s)", model.key,
@@ -152,37 +166,35 @@ class DeviceOps:
             for wake in waiters:
                 wake(error)
 
-        self._run_on_loader(lambda: tier.write(plan), done)
+        self.loaders.run(lambda: tier.write(plan), done)
         return res
 
     # -- eviction ------------------------------------------------------------------------
     def evict_from_device(self, model: ModelRecord, uuid: str) -> None:
         """Demote: free the model's copy on one GPU (it has no leases); the host copy stays."""
-        res = model.devices[uuid]
-        assert res.state is ModelState.RESIDENT and res.leases == 0
-        freed = self.devices[uuid].free_model(model.key)
-        self.serve_device_specs.pop((model.key, uuid), None)   # its addresses are gone
-        self.device_policies[uuid].removed(model.key)
-        del model.devices[uuid]
+        model.device_evicted(uuid)      # (raises, freeing nothing, while a lease maps it)
+        freed = self.tiers[uuid].free_model(model.key)
+        for forget in self.forget:      # its addresses are gone
+            forget(model.key, uuid)
+        self.policies[uuid].removed(model.key)
         self.counters["gpu_evictions"] += 1
         log.info("model demoted: %s from GPU %s to host, %.1f MiB freed", model.key, uuid, freed / 2**20)
 
-    def _make_room_on_device(self, tier, bytes_over: int, loading: str) -> bool:
+    def _make_room(self, tier, bytes_over: int, loading: str) -> bool:
         """Demote unleased, unpinned models from this device, as its policy chooses, until `bytes_over` is free."""
         uuid = tier.device.uuid
         by_key = {m.key: m for m in self.registry.models.values()
-                  if (r := m.devices.get(uuid)) is not None and r.state is ModelState.RESIDENT and r.leases == 0
-                  and not m.pinned and m.key != loading}
-        victims = self._choose_victims(self.device_policies[uuid], by_key, tier.bytes_freed_by, bytes_over)
+                  if (r := m.devices.get(uuid)) is not None and r.freeable and not m.pinned and m.key != loading}
+        victims = choose_victims(self.policies[uuid], by_key, tier.bytes_freed_by, bytes_over)
         if victims is None:
             return False
         for key in victims:
             self.evict_from_device(by_key[key], uuid)
         return True
 
-    def _evict_devices(self, model: ModelRecord, spec: str | None) -> None:
+    def evict_named(self, model: ModelRecord, spec: str | None) -> None:
         """`evict --tier gpu[:X]`: demote from the named GPU, or from all of them."""
-        uuids = list(model.devices) if spec in (None, "gpu", "cuda") else [self._device_tier(spec).device.uuid]
+        uuids = list(model.devices) if spec in (None, "gpu", "cuda") else [self.tier_named(spec).device.uuid]
         for uuid in uuids:
             res = model.devices.get(uuid)
             if res is None:
@@ -190,32 +202,33 @@ class DeviceOps:
             if res.state is ModelState.LOADING:
                 raise CapacityError(f"{model.key} is being copied to GPU {uuid}; evict it once it is there")
             if res.leases:
-                serving = sum(1 for _, key in self.engine.device_holds if key == model.key)
+                serving = self.serve_holds(model.key)
                 why = (f" ({serving} of them serve-mode GPU workers', which let go once the model had no request "
                        f"for serve_idle_s = {self.settings.serve_idle_s:g} s)") if serving else ""
                 raise CapacityError(f"{model.key} is in use by {res.leases} GPU sessions on {uuid}{why}; "
                                     f"it cannot be evicted from that GPU")
             self.evict_from_device(model, uuid)
 
-    def _after_device_release(self, model: ModelRecord, uuid: str) -> None:
+    def after_release(self, model: ModelRecord, uuid: str) -> None:
+        """A lease on the copy on `uuid` ended: tell its policy, and demote it if the policy says so now."""
         res = model.devices.get(uuid)
-        if res is not None and res.leases == 0 and res.state is ModelState.RESIDENT:
-            policy = self.device_policies[uuid]
+        if res is not None and res.freeable:
+            policy = self.policies[uuid]
             policy.released(model.key, self.clock())
             if policy.evict_on_release and not model.pinned:
                 self.evict_from_device(model, uuid)
 
     # -- what clients and operators see ----------------------------------------------------
-    def _device_open_fields(self, model: ModelRecord, tier) -> dict:
+    def open_fields(self, model: ModelRecord, tier) -> dict:
         """The OpenReply fields of a GPU lease: the GPU skeleton, the IPC handles, each tensor's place."""
         handles, tensors = tier.export(model.key)
         return {"skeleton_path": str(self.host.skeleton_path(model.key, "gpu")), "segments": [],
                 "tensors": tensors, "device_uuid": tier.device.uuid, "ipc_kind": tier.allocator.kind,
                 "ipc_handles": handles}
 
-    def _describe_devices(self) -> list[dict]:
+    def describe(self) -> list[dict]:
         out = []
-        for uuid, tier in sorted(self.devices.items(), key=lambda kv: kv[1].device.index):
+        for uuid, tier in sorted(self.tiers.items(), key=lambda kv: kv[1].device.index):
             held = [m for m in self.registry.models.values() if uuid in m.devices]
             out.append({"tier": "gpu", "device": uuid, "index": tier.device.index, "name": tier.device.name,
                         "kind": tier.allocator.kind, "used_bytes": tier.used_bytes,

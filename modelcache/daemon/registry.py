@@ -1,4 +1,11 @@
-"""The daemon's tables: models with their lifecycle, clients, and leases. Owned by the owner loop alone."""
+"""The daemon's tables: models with their lifecycle, clients, and leases. Owned by the owner loop alone.
+
+A model's record owns its transitions (as sllm-store's `Model` and plasma's lifecycle manager do):
+holding and letting go (leases, requests in flight), starting and finishing the one load that every
+waiter shares, marking damage, and being freed from a tier. The rule that matters most on a GPU —
+memory is never freed while a lease maps it — is checked here, in `check_freeable` and
+`DeviceResidency.check_freeable`, which the caches call before they free anything.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,7 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import LeaseError, ModelNotFound
+from ..errors import CapacityError, LeaseError, ModelNotFound
 from ..packing import Manifest
 
 
@@ -30,6 +37,26 @@ class DeviceResidency:
     state: "ModelState"              # LOADING or RESIDENT
     leases: int = 0
     waiters: list = field(default_factory=list)   # callbacks(error) waiting on the one promotion
+
+    def acquire(self) -> None:
+        self.leases += 1
+
+    def release(self) -> None:
+        if self.leases <= 0:
+            raise AssertionError(f"a GPU lease on {self.device} released more often than it was taken")
+        self.leases -= 1
+
+    @property
+    def freeable(self) -> bool:
+        return self.state is ModelState.RESIDENT and self.leases == 0
+
+    def check_freeable(self, key: str) -> None:
+        """Raise unless this copy may be freed now: device memory a lease maps is never freed."""
+        if self.state is ModelState.LOADING:
+            raise CapacityError(f"{key} is being copied to GPU {self.device}; evict it once it is there")
+        if self.leases:
+            raise CapacityError(f"{key} is in use by {self.leases} GPU sessions on {self.device}; "
+                                f"it cannot be evicted from that GPU")
 
 
 @dataclass
@@ -75,6 +102,95 @@ class ModelRecord:
     def busy_on_device(self) -> bool:
         """A device copy is loading (it reads the host copy) or leased: the host copy must stay."""
         return any(r.state is ModelState.LOADING or r.leases for r in self.devices.values())
+
+    # -- lifecycle: the only code that changes state, refcount, waiters and damage ---------
+    def hold(self, device: str | None = None) -> None:
+        """A lease or a request in flight: the model (and its copy on `device`) is not freed under it."""
+        if device is not None:
+            self.devices[device].acquire()
+        self.refcount += 1
+
+    def let_go(self, device: str | None = None) -> None:
+        if self.refcount <= 0:
+            raise AssertionError(f"{self.key} released more often than it was held")
+        if device is not None:
+            self.devices[device].release()
+        self.refcount -= 1
+
+    @property
+    def idle(self) -> bool:
+        """Resident with nothing holding it: the moment its eviction policy hears it was released."""
+        return self.refcount == 0 and self.state is ModelState.RESIDENT
+
+    def wait_for_load(self, wake) -> None:
+        """`wake(error)` runs once the load in flight ends: one load, however many wait."""
+        self.waiters.append(wake)
+
+    def start_load(self) -> None:
+        """ON_DISK -> LOADING: a promotion (or a fetch of a damaged version) is on its way."""
+        if self.state is not ModelState.ON_DISK:
+            raise AssertionError(f"{self.key}: a load started while {self.state.value}")
+        self.state = ModelState.LOADING
+
+    def finish_load(self, ok: bool) -> list:
+        """LOADING -> RESIDENT (ok) or ON_DISK; returns the waiters to wake, no longer waiting."""
+        self.state = ModelState.RESIDENT if ok else ModelState.ON_DISK
+        if ok:
+            self.refetched = False
+        waiters, self.waiters = self.waiters, []
+        return waiters
+
+    def mark_corrupt(self, why: str) -> None:
+        """A stored file failed its checksum: not served until a fresh copy replaces it."""
+        self.damage = why
+
+    def replaced(self, disk_dir: Path, manifest: Manifest) -> None:
+        """The remote store's fresh copy replaced a damaged one (LOADING -> ON_DISK, to be promoted)."""
+        self.disk_dir, self.manifest = disk_dir, manifest
+        self.__dict__.pop("_feed_check", None)          # built from the old manifest
+        self.state = ModelState.ON_DISK
+        self.damage, self.refetched = "", True
+
+    @property
+    def evictable(self) -> bool:
+        """A candidate the eviction policy may choose: resident, unused, unpinned, no device copy busy."""
+        return self.state is ModelState.RESIDENT and self.refcount == 0 and not self.pinned \
+            and not self.busy_on_device
+
+    def check_freeable(self) -> None:
+        """Raise unless the host copy may be freed now (an explicit evict or remove; pins do not count)."""
+        if self.refcount > 0:
+            raise CapacityError(f"{self.key} is in use by {self.refcount} sessions; it cannot be evicted")
+        if self.state is ModelState.LOADING or self.busy_on_device:
+            raise CapacityError(f"{self.key} is loading; evict it once it is resident")
+
+    def evicted(self) -> None:
+        """RESIDENT -> ON_DISK once its GPU copies are gone; raises if anything still holds it."""
+        self.check_freeable()
+        if self.state is not ModelState.RESIDENT or self.devices:
+            raise AssertionError(f"{self.key} freed while {self.state.value} with GPU copies {list(self.devices)}")
+        self.state = ModelState.ON_DISK
+
+    def start_device_load(self, device: str) -> DeviceResidency:
+        if device in self.devices or self.state is not ModelState.RESIDENT:
+            raise AssertionError(f"{self.key}: a GPU promotion to {device} started twice or without a host copy")
+        res = self.devices[device] = DeviceResidency(device, ModelState.LOADING)
+        return res
+
+    def finish_device_load(self, device: str, ok: bool) -> list:
+        """The copy on `device` is RESIDENT (ok) or gone; returns its waiters to wake."""
+        res = self.devices[device]
+        if ok:
+            res.state = ModelState.RESIDENT
+        else:
+            del self.devices[device]
+        waiters, res.waiters = res.waiters, []
+        return waiters
+
+    def device_evicted(self, device: str) -> None:
+        """Forget the copy on `device`; raises (and frees nothing) while a lease maps it."""
+        self.devices[device].check_freeable(self.key)
+        del self.devices[device]
 
     def describe(self) -> dict:
         return {"name": self.name, "version": self.version, "bytes": self.manifest.weights_bytes,
@@ -175,11 +291,9 @@ class Registry:
     def grant(self, client: ClientRecord, model: ModelRecord, now: float, device: str | None = None) -> Lease:
         """A lease on the model's host copy, or on its copy on `device` (which holds the host copy too)."""
         lease = Lease(f"l{next(self._ids)}-{secrets.token_hex(4)}", client.client_id, model, device)
+        model.hold(device)
         self.leases[lease.lease_id] = lease
         client.leases.add(lease.lease_id)
-        model.refcount += 1
-        if device is not None:
-            model.devices[device].leases += 1
         model.last_use = now
         return lease
 
@@ -191,9 +305,7 @@ class Registry:
         client = self.clients.get(lease.client_id)
         if client is not None:  # a dropped client is already gone from the table
             client.leases.discard(lease_id)
-        lease.model.refcount -= 1
-        if lease.device is not None:
-            lease.model.devices[lease.device].leases -= 1
+        lease.model.let_go(lease.device)
         return lease
 
     def drop_client(self, client_id: str) -> list[Lease]:

@@ -11,7 +11,6 @@ from pathlib import Path
 
 from ..errors import ModelCacheError
 from ..tiers.adopt import Adoption, adopt_host_tier
-from .registry import ModelState
 
 log = logging.getLogger("modelcache.daemon")
 
@@ -51,29 +50,31 @@ class SocketLock:
             self.fd = None
 
 
-def adopt_resident_models(daemon) -> Adoption:
-    """Re-adopt the dead daemon's host tier into `daemon` (before host.start); its models become resident."""
-    manifests = {key: m.manifest for key, m in _by_key(daemon).items()}
-    return adopt_host_tier(daemon.host, manifests, {})
+def adopt_resident_models(cache) -> Adoption:
+    """Re-adopt the dead daemon's host tier into `cache` (a HostCache, before host.start); its models become
+    resident."""
+    manifests = {key: m.manifest for key, m in _by_key(cache).items()}
+    return adopt_host_tier(cache.host, manifests, {})
 
 
-def settle_adopted(daemon, found: Adoption) -> None:
+def settle_adopted(cache, found: Adoption) -> None:
     """After the GPU tiers start (host.start first: they live in its directory): mark the adopted models
     resident, or free those that lack the GPU variant this daemon's promotions copy."""
-    models = _by_key(daemon)
+    models = _by_key(cache)
     for key in found.adopted:
         model = models[key]
-        missing = set(daemon._host_variants(model)) - set(daemon.host.models[key])
+        missing = set(cache.host_variants(model)) - set(cache.host.models[key])
         if missing:
-            daemon.host.free_model(key)
+            cache.host.free_model(key)
             found.rejected[key] = f"its {', '.join(sorted(missing))} weights were not resident"
             log.info("warm restart: %s re-promotes: %s", key, found.rejected[key])
             continue
-        model.state = ModelState.RESIDENT
-        daemon.policy.created(key, daemon.host.model_bytes(key), daemon.clock())
-        daemon.counters["adopted"] += 1
+        model.start_load()                # (its load is the dead daemon's, found whole)
+        model.finish_load(ok=True)
+        cache.policy.created(key, cache.host.model_bytes(key), cache.clock())
+        cache.counters["adopted"] += 1
     found.adopted = [k for k in found.adopted if k not in found.rejected]
 
 
-def _by_key(daemon) -> dict:
-    return {m.key: m for m in daemon.registry.models.values()}
+def _by_key(cache) -> dict:
+    return {m.key: m for m in cache.registry.models.values()}

@@ -1,7 +1,10 @@
 """The resident daemon: one owner loop holds every table; loader threads only copy and pack.
 
-This file holds the lifecycle, the message dispatch, sessions (hello, open, close), stats
-and client liveness; the cache operations are in cache.py and serve mode in serving.py.
+The daemon is composed of objects that each own one thing, each handed its collaborators:
+`Loaders` (loader threads, loaders.py), `HostCache` (the host tier's models, cache.py),
+`DeviceCache` (the GPU tiers, devices.py), `Serving` (serve mode over the executor's engine,
+serving.py) and `Sessions` (clients, leases, liveness, sessions.py). This file holds the owner
+loop, the sockets, start and stop, the dispatch table from message type to handler, and stats.
 
 The owner loop (the main thread) polls the ROUTER socket that clients talk to and a
 wake-up socket that loader threads poke when they finish. Loader threads never touch
@@ -11,50 +14,47 @@ set flags.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
-import queue
 import threading
 import signal
 import time
 import traceback
 from pathlib import Path
 
-import psutil
 import zmq
 
-from .. import __version__, protocol as P, tensors
+from .. import __version__, protocol as P
 from ..config import ConfigError, Settings
 from ..executor.engine import Engine
 from ..eviction import make_policy
-from ..errors import CapacityError, LeaseError, ModelCacheError, ProtocolError
+from ..errors import ModelCacheError, ProtocolError
 from ..tiers.disk import Repository
 from ..tiers.host import HostTier
 from ..tiers.remote import RemoteStore
 from ..lane import lane_path
-from .cache import CacheOps
-from .devices import DeviceOps
+from .cache import HostCache
+from .devices import DeviceCache
 from .fds import FdBudget, raise_fd_limit
-from .identity import Admins, Peer, check_client_owner, credentials_from_peer_address
+from .identity import Admins, Peer, credentials_from_peer_address
 from .lane import LaneConnection, LaneServer, check_socket_file
+from .loaders import Loaders
 from .metrics import Histogram, MetricsServer, render
 from .notify import Notifier
-from .registry import ModelRecord, ModelState, Registry, describe_unreadable
+from .registry import ModelState, Registry, describe_unreadable
 from .restart import SocketLock, adopt_resident_models, settle_adopted
-from .serving import ServeHandlers, serve_gpu_devices
+from .serving import Serving, serve_gpu_devices
+from .sessions import Sessions
 
 log = logging.getLogger("modelcache.daemon")
 WAKE_ADDR = "inproc://modelcache-wake"
-PID_MAX = 1 << 22          # Linux's PID_MAX_LIMIT: no pid_max setting goes higher
-MAX_CLIENT_NAME = 256      # a program's name, shown in stats
 # Plain ints, not pyzmq's enums: enum arithmetic cost ~4 us per use, several times per request.
 _EVENTS, _POLLIN, _SEND_MORE, _SEND_LAST = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.SNDMORE | zmq.NOBLOCK), \
     int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
 
 
-class Daemon(CacheOps, DeviceOps, ServeHandlers):
+class Daemon:
     # Settings a reload (SIGHUP / systemctl reload) applies live; the others need a restart.
     LIVE_SETTINGS = ("log_level", "heartbeat_interval_s", "lease_timeout_s", "host_capacity",
                      "batching", "max_batch", "t_opt_ms", "batch_window_ms", "max_queue_delay_ms",
@@ -69,39 +69,47 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         self.repository = Repository(settings.repository_path)
         self.host = HostTier(settings.shm_dir, settings.host_capacity_bytes(), owner=settings.socket,
                              verify=settings.verify_promotion)
-        self.devices: dict = {}                 # GPU tier: device UUID -> tiers.gpu.DeviceTier (see devices.py)
-        self.device_policies: dict = {}         # device UUID -> its eviction policy
         self.remote = RemoteStore(settings.remote, settings.request_timeout_s) if settings.remote else None
-        self.fetches: dict = {}                 # (name, version) -> [(retry, fail)] waiting on one fetch
-        try:
-            self.policy = make_policy(settings.eviction_policy)
-            self.admins = Admins(settings.admin_group)
-            self.engine = Engine(settings, Path(settings.state_dir) / "perfmodels.json", self._post, clock,
-                                 gpu_devices=serve_gpu_devices(settings), device_lease=self._serve_device_lease)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        self.loaders = concurrent.futures.ThreadPoolExecutor(settings.loader_threads, thread_name_prefix="loader")
-        self.completions: queue.Queue = queue.Queue()
         self._thread_sockets = threading.local()
-        self.serve_specs: dict = {}             # model key -> (segments, stage specs), see _serve_specs
-        self.serve_device_specs: dict = {}      # (model key, device UUID) -> its GPU stage specs, see serving.py
-        self.jobs: dict[str, dict] = {}          # in-flight packs and loads, for stats
-        self.reserved_versions: set = set()     # versions being packed, not yet in the registry
+        self.loaders = Loaders(settings.loader_threads, wake=self._wake)
+        self.jobs: dict[str, dict] = {}          # in-flight packs, fetches and loads, for stats
         self.counters = {"opens": 0, "hits": 0, "misses": 0, "closes": 0, "adds": 0,
                          "clients_lost": 0, "bad_messages": 0, "promotions": 0, "evictions": 0,
                          "gpu_promotions": 0, "gpu_evictions": 0, "adopted": 0, "corrupt_detected": 0,
                          "refetched": 0, "fetched": 0}
+        self.open_latency = Histogram()
+        try:
+            policy = make_policy(settings.eviction_policy)
+            self.admins = Admins(settings.admin_group)
+            # (the engine's GPU workers hold device copies through serving, built below)
+            self.engine = Engine(settings, Path(settings.state_dir) / "perfmodels.json", self.loaders.post, clock,
+                                 gpu_devices=serve_gpu_devices(settings),
+                                 device_lease=lambda key, uuid, delta: self.serving.device_lease(key, uuid, delta))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.cache = HostCache(registry=self.registry, host=self.host, policy=policy, repository=self.repository,
+                               remote=self.remote, loaders=self.loaders, settings=settings, admins=self.admins,
+                               counters=self.counters, jobs=self.jobs, clock=clock, reply=self._reply,
+                               redispatch=self._dispatch)
+        self.gpu = self.cache.gpu = DeviceCache(
+            registry=self.registry, cache=self.cache, loaders=self.loaders, settings=settings,
+            counters=self.counters, jobs=self.jobs, clock=clock,
+            serve_holds=lambda key: self.serving.serve_holds(key))
+        self.sessions = Sessions(registry=self.registry, cache=self.cache, gpu=self.gpu, settings=settings,
+                                 counters=self.counters, clock=clock, wall=wall, reply=self._reply,
+                                 open_latency=self.open_latency)
+        self.serving = Serving(registry=self.registry, cache=self.cache, gpu=self.gpu, engine=self.engine,
+                               loaders=self.loaders, admins=self.admins, clock=clock, reply=self._reply,
+                               touch=self.sessions.touch)
+        # Message type -> handler(ident, message): each returns its reply, or None when it answers later.
+        self.handlers = {**self.sessions.handlers(), **self.cache.handlers(), **self.serving.handlers(),
+                         P.ListModels: self.on_ListModels, P.Stats: self.on_Stats}
         self.started = wall()
         # When the owner loop last came back from not listening (see serve_forever): silence before it is not counted.
         self.listening_since = float("-inf")
         self.turn_at = float("inf")             # when the owner loop's poll last returned (see sweep_clients)
         self.stop_requested = False
         self.reload_requested = False
-        self.pending: list = []                 # (future, done) of loader tasks, to answer them at stop
-        # Packing subprocesses, so an immediate stop can kill them. Loader threads add and remove
-        # entries (single set operations, atomic under the GIL); only the signal handler reads it.
-        self.packers: set = set()
-        self.open_latency = Histogram()
         self.notifier = Notifier()
         self.metrics: MetricsServer | None = None
         self.http_front = None                  # daemon/http_front.py, when http_port is set
@@ -118,7 +126,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         # serve-mode calls, see modelcache/lane.py
         self.lane = LaneServer(path, self.counters, settings.max_message_bytes()) if path else None
         if self.lane is not None:
-            self.lane.on_close = self._connection_closed
+            self.lane.on_close = self.sessions.connection_closed
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -138,10 +146,10 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
                 check_socket_file(Path(self.lane.path))
         for model_dir, manifest in self.repository.scan():
             self.registry.add_model(model_dir, manifest)
-        adoption = adopt_resident_models(self)   # warm restart: a dead daemon's host tier, checked
+        adoption = adopt_resident_models(self.cache)   # warm restart: a dead daemon's host tier, checked
         self.host.start()
-        self._start_devices()
-        settle_adopted(self, adoption)
+        self.gpu.start()
+        settle_adopted(self.cache, adoption)
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # replies to vanished clients are dropped, not raised
@@ -199,7 +207,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
     def request_stop(self, *_):
         """Signal handler: the first signal asks for a graceful stop, a second one exits at once."""
         if self.stop_requested:
-            for proc in list(self.packers):
+            for proc in list(self.cache.packers):
                 if proc.poll() is None:
                     proc.kill()
             self._remove_socket_file()
@@ -231,7 +239,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
     def status_line(self) -> str:
         resident = sum(1 for m in self.registry.models.values() if m.state is ModelState.RESIDENT)
         gpus = "".join(f", GPU {t.device.index} {t.used_bytes >> 20}/{t.capacity_bytes >> 20} MiB"
-                       for t in self.devices.values())
+                       for t in self.gpu.tiers.values())
         return (f"{len(self.registry.models)} models ({resident} resident), {len(self.registry.clients)} clients, "
                 f"host {self.host.used_bytes >> 20}/{self.host.capacity_bytes >> 20} MiB{gpus}")
 
@@ -285,7 +293,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
                 if self.wake_rx in events:
                     while self.wake_rx.poll(0):
                         self.wake_rx.recv()
-                    self._apply_completions()
+                    self.loaders.apply_completions()
                 if self.router in events:
                     # A bounded batch, so completions and sweeps are not starved. Ask EVENTS rather
                     # than recv until zmq.Again: raising Again cost ~0.3 ms a request.
@@ -322,15 +330,10 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
             if self.wake_rx.poll(10):
                 while self.wake_rx.poll(0):
                     self.wake_rx.recv()
-            self._apply_completions()
+            self.loaders.apply_completions()
             self.engine.on_timer(self.clock())
-        self.loaders.shutdown(wait=True, cancel_futures=True)
-        self._apply_completions()
+        self.loaders.shutdown()
         self.engine.stop()
-        stopping = ModelCacheError("the modelcache daemon is stopping")
-        for future, done in self.pending:
-            if future.cancelled():  # queued, never started: its caller still deserves an answer
-                done(None, stopping)
         if self.lane is not None:
             self.lane.stop()
         if self.router_events is not None:
@@ -346,7 +349,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
             self.http_front.wait()
         self._remove_socket_file()
         # Clients that still map a model keep their pages (host and GPU): freeing only drops our references.
-        self._stop_devices()
+        self.gpu.stop()
         self.host.stop(keep=self.settings.keep_host_tier)  # kept: the next daemon here re-adopts it
         self.notifier.close()
 
@@ -382,7 +385,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         ident, body = frames[0], frames[1:]
         try:
             msg = P.decode(body, max_items=P.REQUEST_MAX_ITEMS)
-            handler = getattr(self, "on_" + type(msg).__name__, None)
+            handler = self.handlers.get(type(msg))
             if handler is None:
                 raise ProtocolError(f"{msg.KIND.decode()!r} is a reply, not a request")
         except ProtocolError as e:
@@ -394,7 +397,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
 
     def _dispatch(self, ident: bytes, msg, handler=None) -> None:
         """Run a request's handler and send its reply or its error; also used to re-run a request."""
-        handler = handler or getattr(self, "on_" + type(msg).__name__)
+        handler = handler or self.handlers[type(msg)]
         try:
             reply = handler(ident, msg)
         except ModelCacheError as e:
@@ -419,126 +422,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         except zmq.ZMQError as e:  # the client is gone or its queue is full: its loss
             log.debug("reply dropped: %s", e)
 
-    def _touch(self, client_id: str, ident, name: str = ""):
-        """The caller's own client record, kept alive; PermissionDenied if the id is another process's.
-        Client id "" on a lane connection is the connection's own client, made by its first open: an
-        attach-mode client needs no hello and no heartbeat (client/leases.py)."""
-        if not client_id and type(ident) is LaneConnection:
-            if ident.sock is None:   # a request re-run (after a fetch) for a connection that has gone
-                raise LeaseError("the connection that asked has closed")
-            client = self.registry.clients.get(ident.client_id) if ident.client_id else None
-            if client is None:
-                client = self._new_client(ident, name, connection=ident)
-                ident.client_id = client.client_id
-            return client
-        client = self.registry.client(client_id)
-        check_client_owner(ident, client)
-        client.last_seen = self.clock()
-        return client
-
-    def _new_client(self, ident, name: str, connection=None):
-        if len(name) > MAX_CLIENT_NAME:
-            raise ProtocolError(f"client_name is {len(name)} characters; at most {MAX_CLIENT_NAME}")
-        if len(self.registry.clients) >= self.settings.max_clients:
-            raise CapacityError(f"the modelcache daemon serves {len(self.registry.clients)} clients, its "
-                                f"max_clients; try again later, or raise max_clients")
-        # The kernel's pid, not the message's: the sweep drops a client whose process is gone. A tcp:// client
-        # has none (0: the heartbeat alone decides).
-        client = self.registry.new_client(ident.pid, name, self.clock(), ident.uid, ident.gid, connection)
-        log.debug("client %s (pid %d, uid %s) connected%s", client.client_id, ident.pid, ident.uid,
-                  " on the lane" if connection is not None else "")
-        return client
-
-    def _connection_closed(self, conn: LaneConnection) -> None:
-        """A lane connection that was a client went away: that client left, with its leases."""
-        client = self.registry.clients.get(conn.client_id) if conn.client_id else None
-        if client is None or client.connection is not conn:
-            return
-        released = self.registry.drop_client(client.client_id)
-        for lease in released:
-            self._after_release(lease.model, lease.device)
-        if released:   # left holding leases: it exited (or died) without closing its sessions
-            self.counters["clients_lost"] += 1
-            log.info("client gone: %s (pid %d), its connection closed holding %d leases; released them",
-                     client.client_id, client.pid, len(released))
-
-    # -- handlers: each returns a reply, or None when it will reply later ---------------
-    def on_Hello(self, ident, msg: P.Hello):
-        if msg.protocol_version != P.PROTOCOL_VERSION:
-            raise ProtocolError(f"client speaks protocol {msg.protocol_version}, this daemon "
-                                f"{P.PROTOCOL_VERSION}: upgrade the older of the two")
-        # The sweep asks the kernel about this pid: one past what a pid can be (2**31) killed the daemon there.
-        if not 0 <= msg.pid <= PID_MAX:
-            raise ProtocolError(f"hello: pid {msg.pid} is not a process id (1 to {PID_MAX}, or 0 for none)")
-        client = self._new_client(ident, msg.client_name)
-        return P.HelloReply(req_id=msg.req_id, protocol_version=P.PROTOCOL_VERSION, daemon_version=__version__,
-                            client_id=client.client_id, heartbeat_interval_s=self.settings.heartbeat_interval_s,
-                            lease_timeout_s=self.settings.lease_timeout_s)
-
-    def on_Heartbeat(self, ident, msg: P.Heartbeat):
-        client = self.registry.clients.get(msg.client_id)
-        if client is not None and (client.uid is None or (ident.uid, ident.pid) == (client.uid, client.pid)):
-            client.last_seen = self.clock()   # (another process's heartbeat for it keeps nothing alive)
-        return None
-
-    def on_Goodbye(self, ident, msg: P.Goodbye):
-        client = self.registry.clients.get(msg.client_id)
-        if client is not None:
-            check_client_owner(ident, client)
-        for lease in self.registry.drop_client(msg.client_id):
-            self._after_release(lease.model, lease.device)
-        return P.Ack(req_id=msg.req_id)
-
-    def on_Open(self, ident, msg: P.Open):
-        client = self._touch(msg.client_id, ident, msg.client_name)
-        tier = None if msg.device == "cpu" else self._device_tier(msg.device)
-        model = self._resolve_or_fetch(ident, msg)
-        if model is None:
-            return None  # fetching from the remote store; the request runs again when it lands
-        self.counters["opens"] += 1
-        t_request = self.clock()
-
-        def answer(error: ModelCacheError | None, hit: bool):
-            self.open_latency.observe(self.clock() - t_request)
-            if error is not None:
-                self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
-                return
-            if self.registry.clients.get(client.client_id) is not client:  # left while we were loading
-                self._after_release(model)
-                return
-            uuid = tier.device.uuid if tier is not None else None
-            lease = self.registry.grant(client, model, self.wall(), uuid)
-            self.policy.accessed(model.key, self.clock())
-            if uuid is not None:
-                self.device_policies[uuid].accessed(model.key, self.clock())
-            self._reply(ident, self._open_reply(msg.req_id, lease.lease_id, model, hit, tier))
-
-        hit = self._when_resident(model, answer) if tier is None else self._when_on_device(model, tier, answer)
-        model.hits += hit
-        model.misses += not hit
-        self.counters["hits" if hit else "misses"] += 1
-        return None
-
-    def _open_reply(self, req_id: int, lease_id: str, model: ModelRecord, hit: bool, tier=None) -> P.OpenReply:
-        m = model.manifest
-        io = m.io_summary()
-        if tier is None:
-            skeleton, segments, tensors = self.host.export(model.key, m)
-            where = {"skeleton_path": skeleton, "segments": segments, "tensors": tensors,
-                     "prepacked": sorted(self.host.prepacked_tensors(model.key))}
-        else:
-            where = self._device_open_fields(model, tier)
-        return P.OpenReply(req_id=req_id, lease_id=lease_id, name=model.name, version=model.version,
-                           inputs=io["inputs"], outputs=io["outputs"], weights_bytes=m.weights_bytes, hit=hit,
-                           **where)
-
-    def on_Close(self, ident, msg: P.Close):
-        client = self._touch(msg.client_id, ident)
-        lease = self.registry.release(msg.lease_id, client.client_id)
-        self._after_release(lease.model, lease.device)
-        self.counters["closes"] += 1
-        return P.Ack(req_id=msg.req_id)
-
+    # -- handlers of the daemon's own: listings and stats -------------------------------
     def on_ListModels(self, ident, msg: P.ListModels):
         return P.ModelList(req_id=msg.req_id, models=self._describe_models())
 
@@ -568,14 +452,13 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
     def _describe_tiers(self) -> list[dict]:
         return [{"tier": "host", "path": str(self.host.root), "used_bytes": self.host.used_bytes,
                  "capacity_bytes": self.host.capacity_bytes},
-                *self._describe_devices(),
+                *self.gpu.describe(),
                 {"tier": "disk", "path": str(self.repository.root),
                  "used_bytes": sum(m.manifest.weights_bytes for m in self.registry.models.values()),
                  "capacity_bytes": 0}]
 
-    def _post(self, done, result, error) -> None:
-        """From any thread: have `done(result, error)` run on the owner loop, and wake it."""
-        self.completions.put((done, result, error))
+    def _wake(self) -> None:
+        """From any thread: wake the owner loop (a loader or the executor posted a completion)."""
         wake = getattr(self._thread_sockets, "wake", None)
         if wake is None:  # one PUSH socket per posting thread: sockets are not thread-safe, and
             wake = self._thread_sockets.wake = self.ctx.socket(zmq.PUSH)  # one per post cost ~70 us
@@ -586,31 +469,6 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
         except zmq.ZMQError:
             pass  # the owner is stopping, or already has a wake-up queued: either way it will look
 
-    def _run_on_loader(self, work, done) -> None:
-        """Run `work` on a loader thread; `done(result, error)` runs later on the owner loop."""
-        def task():
-            try:
-                result, error = work(), None
-            except ModelCacheError as e:
-                result, error = None, e
-            except Exception as e:
-                log.error("loader task failed: %s", traceback.format_exc())
-                result, error = None, ModelCacheError(f"{type(e).__name__}: {e}")
-            self._post(done, result, error)
-        self.pending = [(f, d) for f, d in self.pending if not f.done()]
-        self.pending.append((self.loaders.submit(task), done))
-
-    def _apply_completions(self) -> None:
-        while True:
-            try:
-                done, result, error = self.completions.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                done(result, error)
-            except Exception:  # a bug in one completion must not take the daemon (and every client) down
-                log.error("internal error in a completion: %s", traceback.format_exc())
-
     # -- client liveness ---------------------------------------------------------------
     def sweep_clients(self) -> None:
         """Release the leases of clients that stopped sending heartbeats or whose process died."""
@@ -620,34 +478,7 @@ class Daemon(CacheOps, DeviceOps, ServeHandlers):
             # on the same reading as the silence below: a check made a few calls earlier left a window (a
             # SIGSTOP landing in _check_fds dropped every live client in CI).
             self.listening_since = now
-        for client in list(self.registry.clients.values()):
-            try:
-                # A lane connection's client sends no heartbeats: the connection's end is its end.
-                silent = client.connection is None and \
-                    now - max(client.last_seen, self.listening_since) > self.settings.lease_timeout_s
-                dead = self._process_gone(client.pid)
-                if silent or dead:
-                    released = self.registry.drop_client(client.client_id)
-                    for lease in released:
-                        self._after_release(lease.model, lease.device)
-                    self.counters["clients_lost"] += 1
-                    files = tensors.remove_io_files_of(client.pid) if dead else 0
-                    log.info("client lost: %s (pid %d, %s), released %d leases, removed %d I/O files", client.client_id,
-                             client.pid, "process gone" if dead else "no heartbeat", len(released), files)
-            except Exception:  # one client's record must not stop the sweep, or the owner loop with it
-                log.error("sweep failed on client %s: %s", client.client_id, traceback.format_exc())
-
-    @staticmethod
-    def _process_gone(pid: int) -> bool:
-        """Whether the client's process has surely exited; False when the kernel cannot say (then the
-        heartbeat decides), e.g. with no file descriptor left to read /proc."""
-        if pid <= 0:
-            return False
-        try:
-            return not psutil.pid_exists(pid)
-        except (OSError, OverflowError, ValueError) as e:
-            log.warning("cannot tell whether pid %d is alive: %s", pid, e)
-            return False
+        self.sessions.sweep(now, self.listening_since)
 
 
 def run(settings: Settings, on_ready=None, reload_settings=None) -> None:

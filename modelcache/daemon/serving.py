@@ -1,7 +1,7 @@
 """Serve-mode requests in the daemon: describe, partition, infer.
 
-A mixin of `Daemon` (daemon/server.py). Handlers run on the owner loop; the stage work runs
-on the executor's workers (`self.engine`), and a request in flight holds its model.
+`Serving` runs on the owner loop; the stage work runs on the executor's workers (`engine`), and a
+request in flight holds its model. It is handed the host and GPU caches that bring a model in.
 
 With GPU workers, a request first brings its model to their devices' GPU tier (one promotion,
 however many requests and stage sessions), and holds a lease on each device copy while in
@@ -17,12 +17,47 @@ from .. import protocol as P, tensors
 from ..errors import CapacityError, InputError, ModelCacheError
 from ..executor.engine import ServeRequest
 from ..executor.workers import select_gpus
-from .registry import ModelRecord, ModelState
+from .cache import HostCache
+from .devices import DeviceCache
+from .registry import ModelRecord, ModelState, Registry
 
 log = logging.getLogger("modelcache.daemon")
 
 
-class ServeHandlers:
+class Serving:
+    def __init__(self, *, registry: Registry, cache: HostCache, gpu: DeviceCache, engine, loaders, admins, clock,
+                 reply, touch):
+        self.registry = registry
+        self.cache = cache
+        self.host = cache.host
+        self.gpu = gpu
+        self.engine = engine              # executor.engine.Engine
+        self.loaders = loaders
+        self.admins = admins
+        self.clock = clock
+        self.reply = reply                # (ident, message): answer a request later
+        self.touch = touch                # (client_id, ident) -> the caller's client record, kept alive
+        self.serve_specs: dict = {}             # model key -> (segments, stage specs), see _serve_specs
+        self.serve_device_specs: dict = {}      # (model key, device UUID) -> its GPU stage specs
+        cache.forget.append(self.forget_model)
+        gpu.forget.append(self.forget_device_copy)
+
+    def handlers(self) -> dict:
+        return {P.Describe: self.on_Describe, P.Partition: self.on_Partition, P.SetBatching: self.on_SetBatching,
+                P.Profile: self.on_Profile, P.Infer: self.on_Infer}
+
+    def forget_model(self, key: str) -> None:
+        """The model's host copy is gone or stale: its stage sessions and specs go with it."""
+        self.engine.drop_model(key)
+        self.serve_specs.pop(key, None)
+
+    def forget_device_copy(self, key: str, uuid: str) -> None:
+        self.serve_device_specs.pop((key, uuid), None)
+
+    def serve_holds(self, key: str) -> int:
+        """How many serve-mode GPU workers hold the model's device copies."""
+        return sum(1 for _, k in self.engine.device_holds if k == key)
+
     def on_Describe(self, ident, msg: P.Describe):
         model = self.registry.resolve(msg.name, msg.version)
         io = model.manifest.io_summary()
@@ -41,8 +76,7 @@ class ServeHandlers:
             self.engine.check_plan_workers(msg.plan)
         # A serve-mode GPU worker's hold does not count: its sessions are dropped with the old stages (below),
         # and the device copy they run over is the same for any partition.
-        serving = sum(1 for _, key in self.engine.device_holds if key == model.key)
-        if model.refcount > serving or model.state is ModelState.LOADING:
+        if model.refcount > self.serve_holds(model.key) or model.state is ModelState.LOADING:
             raise CapacityError(f"{model.key} is in use; partition it when no session or request holds it")
 
         def done(result, error):
@@ -51,16 +85,15 @@ class ServeHandlers:
                 model.manifest.stage_cuts = result.get("cuts", [])
                 model.manifest.batching = {}            # calibrated for the old stages
                 model.manifest.files = result.get("files", model.manifest.files)  # the stage files' checksums
-                self.engine.drop_model(model.key)  # old stage sessions are stale
-                self.serve_specs.pop(model.key, None)
+                self.forget_model(model.key)  # old stage sessions are stale
                 log.info("model partitioned: %s into %d stages", model.key, max(1, len(result["stages"])))
-                self._reply(ident, P.DescribeReply(req_id=msg.req_id, name=model.name, version=model.version,
+                self.reply(ident, P.DescribeReply(req_id=msg.req_id, name=model.name, version=model.version,
                                                    stages=result["stages"]))
             else:
-                self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
+                self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
 
         gpu = any(getattr(w, "device", None) is not None for w in self.engine.workers)   # GPU stages too
-        self._run_on_loader(lambda: partition(model.disk_dir, msg.stages, msg.tail_fraction, gpu=gpu, plan=msg.plan),
+        self.loaders.run(lambda: partition(model.disk_dir, msg.stages, msg.tail_fraction, gpu=gpu, plan=msg.plan),
                             done)
         return None
 
@@ -75,8 +108,7 @@ class ServeHandlers:
             raise InputError(f"{model.key}: {e}") from None
         model.manifest.batching = dict(msg.profile)
         write_manifest(model.disk_dir, model.manifest)
-        self.engine.drop_model(model.key)  # its batching policy is rebuilt with the new profile
-        self.serve_specs.pop(model.key, None)
+        self.forget_model(model.key)  # its batching policy is rebuilt with the new profile
         log.info("batching profile stored: %s, N_opt %s at t_opt %.0f ms", model.key, msg.profile.get("n_opt"),
                  msg.profile.get("t_opt_ms", 0))
         return P.Ack(req_id=msg.req_id)
@@ -94,7 +126,7 @@ class ServeHandlers:
         worker = self.engine.cpu_worker(msg.worker)
         feeds, maps = tensors.decode(msg.inputs)
         model.feed_check.check(feeds)
-        model.refcount += 1          # held like a request in flight: not evicted under the worker's session
+        model.hold()                 # held like a request in flight: not evicted under the worker's session
         answered = []
 
         def finish(result, error):
@@ -105,16 +137,16 @@ class ServeHandlers:
                 if error is not None:
                     if not isinstance(error, ModelCacheError):
                         error = ModelCacheError(f"{model.key}: profiling on {worker.name} failed: {str(error)[:500]}")
-                    self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
+                    self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
                 else:
                     times, args, wake = result
-                    self._reply(ident, P.ProfileReply(req_id=msg.req_id, name=model.name, version=model.version,
+                    self.reply(ident, P.ProfileReply(req_id=msg.req_id, name=model.name, version=model.version,
                                                       worker=worker.name, threads=len(worker.cores), times=times,
                                                       args=args, wake_s=wake))
             finally:
                 maps.clear()
-                model.refcount -= 1
-                self._after_release(model)
+                model.let_go()
+                self.cache.after_release(model)
 
         def start(error, hit):
             # Called by the load's waiters too: whatever fails here is this request's answer, never the loop's.
@@ -133,17 +165,17 @@ class ServeHandlers:
                 finish(None, e)
 
         try:
-            self._when_resident(model, start)
+            self.cache.when_resident(model, start)
         except Exception as e:       # no room to load it, say: the answer, and the hold released
             finish(None, e)
         return None
 
     def on_Infer(self, ident, msg: P.Infer):
-        self._touch(msg.client_id, ident)
+        self.touch(msg.client_id, ident)
         if msg.deadline_ms is not None and not 0 <= msg.deadline_ms < float("inf"):   # (NaN fails this too)
             raise InputError(f"deadline_ms {msg.deadline_ms}: give a positive number of milliseconds "
                              "(0 or none: no deadline)")
-        model = self._resolve_or_fetch(ident, msg)
+        model = self.cache.resolve_or_fetch(ident, msg)
         if model is None:
             return None
         arrival = self.clock()
@@ -154,7 +186,7 @@ class ServeHandlers:
             unknown = [n for n in msg.output_names if n not in outputs]
             if unknown:
                 raise InputError(f"{model.name}: unknown output {unknown[0]!r}; the model has {outputs}")
-        model.refcount += 1  # a request in flight holds the model like a lease: it is not evicted under it
+        model.hold()  # a request in flight holds the model like a lease: it is not evicted under it
         held_devices: list = []   # device copies it holds a lease on (see submit), released with the model
 
         def finish(result, timings, error):
@@ -166,16 +198,16 @@ class ServeHandlers:
                         error = e if isinstance(e, ModelCacheError) else \
                             ModelCacheError(f"{model.key}: cannot send its outputs: {type(e).__name__}: {e}")
                 if error is not None:
-                    self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
+                    self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
                 else:
-                    self._reply(ident, P.InferReply(req_id=msg.req_id, outputs=wire, timings=timings))
+                    self.reply(ident, P.InferReply(req_id=msg.req_id, outputs=wire, timings=timings))
             finally:
                 maps.clear()  # the input mappings go with the request
                 for uuid in held_devices:   # (first: the model's release may evict it, its GPU copies first)
-                    model.devices[uuid].leases -= 1
-                    self._after_device_release(model, uuid)
-                model.refcount -= 1
-                self._after_release(model)
+                    model.devices[uuid].release()
+                    self.gpu.after_release(model, uuid)
+                model.let_go()
+                self.cache.after_release(model)
 
         def submit():
             segments, specs, batchable = self._serve_specs(model)
@@ -185,7 +217,7 @@ class ServeHandlers:
                 if res is not None and res.state is ModelState.RESIDENT:
                     stages = self._serve_device_specs(model, uuid, specs)
                     if stages is not None:
-                        res.leases += 1
+                        res.acquire()
                         held_devices.append(uuid)
                         devices[uuid] = stages
             first = next(iter(feeds.values()), None)
@@ -199,7 +231,7 @@ class ServeHandlers:
             if error is not None:
                 finish(None, {}, error)
                 return
-            waiting = [tier for tier in map(self.devices.get, self._serve_tiers(model))
+            waiting = [tier for tier in map(self.gpu.tiers.get, self._serve_tiers(model))
                        if (r := model.devices.get(tier.device.uuid)) is None or r.state is not ModelState.RESIDENT]
             if not waiting:
                 submit()
@@ -216,22 +248,22 @@ class ServeHandlers:
             for tier in waiting:
                 uuid = tier.device.uuid
                 try:
-                    self._when_on_device(model, tier, lambda error, _hit, uuid=uuid: on_device(error, uuid))
+                    self.gpu.when_on_device(model, tier, lambda error, _hit, uuid=uuid: on_device(error, uuid))
                 except ModelCacheError as e:
                     on_device(e, uuid)
 
         try:
-            self._when_resident(model, start)
+            self.cache.when_resident(model, start)
         except ModelCacheError as e:   # no room to load it, say: the answer, and the request's hold released
             finish(None, {}, e)
         return None
 
     def _serve_tiers(self, model: ModelRecord) -> list:
         """UUIDs of the GPU tiers whose device has a serve-mode GPU worker, when the model has GPU weights."""
-        if not self.devices or not model.manifest.gpu_tensors:
+        if not self.gpu.tiers or not model.manifest.gpu_tensors:
             return []
         return [w.device.uuid for w in self.engine.workers
-                if getattr(w, "device", None) is not None and w.device.uuid in self.devices]
+                if getattr(w, "device", None) is not None and w.device.uuid in self.gpu.tiers]
 
     def _serve_device_specs(self, model: ModelRecord, uuid: str, specs: list) -> list | None:
         """Per stage {uuid, skeleton, tensors at this process's addresses} of the model's copy on `uuid`, or
@@ -240,7 +272,7 @@ class ServeHandlers:
         cached = self.serve_device_specs.get((model.key, uuid))
         if cached is not None and cached[0] is specs:
             return cached[1]
-        tier = self.devices[uuid]
+        tier = self.gpu.tiers[uuid]
         if not model.manifest.stages:
             stages = [{"uuid": uuid, "skeleton": str(self.host.skeleton_path(model.key, "gpu")),
                        "tensors": tier.local_tensors(model.key)}]
@@ -253,16 +285,18 @@ class ServeHandlers:
         self.serve_device_specs[(model.key, uuid)] = (specs, stages)
         return stages
 
-    def _serve_device_lease(self, key: str, uuid: str, delta: int) -> None:
+    def device_lease(self, key: str, uuid: str, delta: int) -> None:
         """The engine's lease on a model's copy on one GPU, held while a GPU worker may have sessions over it:
         like a client's GPU lease, it holds the model and that copy (on the owner loop, from the engine)."""
         name, _, version = key.rpartition("@")
         model = self.registry.models[(name, int(version))]
-        res = model.devices[uuid]
-        res.leases += delta
-        model.refcount += delta
+        for _ in range(abs(delta)):
+            if delta > 0:
+                model.hold(uuid)
+            else:
+                model.let_go(uuid)
         if delta < 0:
-            self._after_release(model, uuid)
+            self.cache.after_release(model, uuid)
 
     def _serve_specs(self, model: ModelRecord) -> tuple[list, list, bool]:
         """(segments, per-stage {skeleton, inputs, outputs, tensors}, batchable) of a resident model; cached

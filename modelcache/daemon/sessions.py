@@ -1,0 +1,205 @@
+"""Clients and their sessions: hello, heartbeats, open and close (leases), goodbye, and client liveness.
+
+`Sessions` runs on the owner loop. It is handed the registry (clients, leases, model records), the
+host and GPU caches that bring a model in for an open, and `reply` to answer an open once its load
+lands. A client that stops beating, whose process is gone or whose lane connection closed loses its
+leases here, and the caches hear of each release.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+
+import psutil
+
+from .. import __version__, protocol as P, tensors
+from ..errors import CapacityError, LeaseError, ModelCacheError, ProtocolError
+from .cache import HostCache
+from .devices import DeviceCache
+from .identity import check_client_owner
+from .lane import LaneConnection
+from .registry import ModelRecord, Registry
+
+log = logging.getLogger("modelcache.daemon")
+PID_MAX = 1 << 22          # Linux's PID_MAX_LIMIT: no pid_max setting goes higher
+MAX_CLIENT_NAME = 256      # a program's name, shown in stats
+
+
+class Sessions:
+    def __init__(self, *, registry: Registry, cache: HostCache, gpu: DeviceCache, settings, counters: dict, clock,
+                 wall, reply, open_latency):
+        self.registry = registry
+        self.cache = cache
+        self.gpu = gpu
+        self.host = cache.host
+        self.settings = settings
+        self.counters = counters
+        self.clock = clock                # monotonic: liveness
+        self.wall = wall                  # wall time: a model's last use, as `ls` shows it
+        self.reply = reply                # (ident, message): answer a request later
+        self.open_latency = open_latency  # metrics.Histogram of request-to-answer seconds
+
+    def handlers(self) -> dict:
+        return {P.Hello: self.on_Hello, P.Heartbeat: self.on_Heartbeat, P.Goodbye: self.on_Goodbye,
+                P.Open: self.on_Open, P.Close: self.on_Close}
+
+    # -- who is asking ---------------------------------------------------------------------
+    def touch(self, client_id: str, ident, name: str = ""):
+        """The caller's own client record, kept alive; PermissionDenied if the id is another process's.
+        Client id "" on a lane connection is the connection's own client, made by its first open: an
+        attach-mode client needs no hello and no heartbeat (client/leases.py)."""
+        if not client_id and type(ident) is LaneConnection:
+            if ident.sock is None:   # a request re-run (after a fetch) for a connection that has gone
+                raise LeaseError("the connection that asked has closed")
+            client = self.registry.clients.get(ident.client_id) if ident.client_id else None
+            if client is None:
+                client = self._new_client(ident, name, connection=ident)
+                ident.client_id = client.client_id
+            return client
+        client = self.registry.client(client_id)
+        check_client_owner(ident, client)
+        client.last_seen = self.clock()
+        return client
+
+    def _new_client(self, ident, name: str, connection=None):
+        if len(name) > MAX_CLIENT_NAME:
+            raise ProtocolError(f"client_name is {len(name)} characters; at most {MAX_CLIENT_NAME}")
+        if len(self.registry.clients) >= self.settings.max_clients:
+            raise CapacityError(f"the modelcache daemon serves {len(self.registry.clients)} clients, its "
+                                f"max_clients; try again later, or raise max_clients")
+        # The kernel's pid, not the message's: the sweep drops a client whose process is gone. A tcp:// client
+        # has none (0: the heartbeat alone decides).
+        client = self.registry.new_client(ident.pid, name, self.clock(), ident.uid, ident.gid, connection)
+        log.debug("client %s (pid %d, uid %s) connected%s", client.client_id, ident.pid, ident.uid,
+                  " on the lane" if connection is not None else "")
+        return client
+
+    def _drop(self, client_id: str) -> list:
+        """Forget a client; every lease it held is released, and the caches hear of each."""
+        released = self.registry.drop_client(client_id)
+        for lease in released:
+            self.cache.after_release(lease.model, lease.device)
+        return released
+
+    def connection_closed(self, conn: LaneConnection) -> None:
+        """A lane connection that was a client went away: that client left, with its leases."""
+        client = self.registry.clients.get(conn.client_id) if conn.client_id else None
+        if client is None or client.connection is not conn:
+            return
+        released = self._drop(client.client_id)
+        if released:   # left holding leases: it exited (or died) without closing its sessions
+            self.counters["clients_lost"] += 1
+            log.info("client gone: %s (pid %d), its connection closed holding %d leases; released them",
+                     client.client_id, client.pid, len(released))
+
+    # -- handlers: each returns a reply, or None when it will reply later ---------------
+    def on_Hello(self, ident, msg: P.Hello):
+        if msg.protocol_version != P.PROTOCOL_VERSION:
+            raise ProtocolError(f"client speaks protocol {msg.protocol_version}, this daemon "
+                                f"{P.PROTOCOL_VERSION}: upgrade the older of the two")
+        # The sweep asks the kernel about this pid: one past what a pid can be (2**31) killed the daemon there.
+        if not 0 <= msg.pid <= PID_MAX:
+            raise ProtocolError(f"hello: pid {msg.pid} is not a process id (1 to {PID_MAX}, or 0 for none)")
+        client = self._new_client(ident, msg.client_name)
+        return P.HelloReply(req_id=msg.req_id, protocol_version=P.PROTOCOL_VERSION, daemon_version=__version__,
+                            client_id=client.client_id, heartbeat_interval_s=self.settings.heartbeat_interval_s,
+                            lease_timeout_s=self.settings.lease_timeout_s)
+
+    def on_Heartbeat(self, ident, msg: P.Heartbeat):
+        client = self.registry.clients.get(msg.client_id)
+        if client is not None and (client.uid is None or (ident.uid, ident.pid) == (client.uid, client.pid)):
+            client.last_seen = self.clock()   # (another process's heartbeat for it keeps nothing alive)
+        return None
+
+    def on_Goodbye(self, ident, msg: P.Goodbye):
+        client = self.registry.clients.get(msg.client_id)
+        if client is not None:
+            check_client_owner(ident, client)
+        self._drop(msg.client_id)
+        return P.Ack(req_id=msg.req_id)
+
+    def on_Open(self, ident, msg: P.Open):
+        client = self.touch(msg.client_id, ident, msg.client_name)
+        tier = None if msg.device == "cpu" else self.gpu.tier_named(msg.device)
+        model = self.cache.resolve_or_fetch(ident, msg)
+        if model is None:
+            return None  # fetching from the remote store; the request runs again when it lands
+        self.counters["opens"] += 1
+        t_request = self.clock()
+
+        def answer(error: ModelCacheError | None, hit: bool):
+            self.open_latency.observe(self.clock() - t_request)
+            if error is not None:
+                self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
+                return
+            if self.registry.clients.get(client.client_id) is not client:  # left while we were loading
+                self.cache.after_release(model)
+                return
+            uuid = tier.device.uuid if tier is not None else None
+            lease = self.registry.grant(client, model, self.wall(), uuid)
+            self.cache.policy.accessed(model.key, self.clock())
+            if uuid is not None:
+                self.gpu.policies[uuid].accessed(model.key, self.clock())
+            self.reply(ident, self._open_reply(msg.req_id, lease.lease_id, model, hit, tier))
+
+        if tier is None:
+            hit = self.cache.when_resident(model, answer)
+        else:
+            hit = self.gpu.when_on_device(model, tier, answer)
+        model.hits += hit
+        model.misses += not hit
+        self.counters["hits" if hit else "misses"] += 1
+        return None
+
+    def _open_reply(self, req_id: int, lease_id: str, model: ModelRecord, hit: bool, tier=None) -> P.OpenReply:
+        m = model.manifest
+        io = m.io_summary()
+        if tier is None:
+            skeleton, segments, tensors_ = self.host.export(model.key, m)
+            where = {"skeleton_path": skeleton, "segments": segments, "tensors": tensors_,
+                     "prepacked": sorted(self.host.prepacked_tensors(model.key))}
+        else:
+            where = self.gpu.open_fields(model, tier)
+        return P.OpenReply(req_id=req_id, lease_id=lease_id, name=model.name, version=model.version,
+                           inputs=io["inputs"], outputs=io["outputs"], weights_bytes=m.weights_bytes, hit=hit,
+                           **where)
+
+    def on_Close(self, ident, msg: P.Close):
+        client = self.touch(msg.client_id, ident)
+        lease = self.registry.release(msg.lease_id, client.client_id)
+        self.cache.after_release(lease.model, lease.device)
+        self.counters["closes"] += 1
+        return P.Ack(req_id=msg.req_id)
+
+    # -- client liveness ---------------------------------------------------------------
+    def sweep(self, now: float, listening_since: float) -> None:
+        """Release the leases of clients that stopped sending heartbeats or whose process died.
+        `listening_since`: when the owner loop last came back from not listening; silence before it
+        does not count (heartbeats sent meanwhile may still be on their way in)."""
+        for client in list(self.registry.clients.values()):
+            try:
+                # A lane connection's client sends no heartbeats: the connection's end is its end.
+                silent = client.connection is None and \
+                    now - max(client.last_seen, listening_since) > self.settings.lease_timeout_s
+                dead = process_gone(client.pid)
+                if silent or dead:
+                    released = self._drop(client.client_id)
+                    self.counters["clients_lost"] += 1
+                    files = tensors.remove_io_files_of(client.pid) if dead else 0
+                    log.info("client lost: %s (pid %d, %s), released %d leases, removed %d I/O files", client.client_id,
+                             client.pid, "process gone" if dead else "no heartbeat", len(released), files)
+            except Exception:  # one client's record must not stop the sweep, or the owner loop with it
+                log.error("sweep failed on client %s: %s", client.client_id, traceback.format_exc())
+
+
+def process_gone(pid: int) -> bool:
+    """Whether the client's process has surely exited; False when the kernel cannot say (then the
+    heartbeat decides), e.g. with no file descriptor left to read /proc."""
+    if pid <= 0:
+        return False
+    try:
+        return not psutil.pid_exists(pid)
+    except (OSError, OverflowError, ValueError) as e:
+        log.warning("cannot tell whether pid %d is alive: %s", pid, e)
+        return False

@@ -1,0 +1,256 @@
+"""A model's lifecycle, in process: the daemon's parts built by hand over a real host tier, a simulated
+GPU (the fake allocator) and real packed models, stepped with a fake clock; no subprocess, no socket.
+
+The rules with one owner each: one promotion however many ask (`ModelRecord.start_load` /
+`finish_load`), and memory is never freed while a lease maps it (`check_freeable`, which the
+caches call before they free anything).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from modelcache import zoo
+from modelcache.config import Settings
+from modelcache.daemon.cache import HostCache
+from modelcache.daemon.devices import DeviceCache
+from modelcache.daemon.identity import Admins
+from modelcache.daemon.loaders import Loaders
+from modelcache.daemon.registry import ModelState, Registry
+from modelcache.errors import CapacityError, IntegrityError
+from modelcache.eviction import make_policy
+from modelcache.packing import WEIGHTS_FILE, pack
+from modelcache.tiers.disk import Repository
+from modelcache.tiers.host import HostTier
+
+MiB = 1 << 20
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Parts:
+    """The host cache and the GPU cache as the daemon wires them, over `tmp_path`."""
+
+    def __init__(self, tmp_path, policy: str = "lru", host_capacity: str = "256M", fake_gpus: str = "1x64M"):
+        self.settings = Settings(socket=f"ipc://{tmp_path}/d.sock", repository=str(tmp_path / "repo"),
+                                 shm_dir=str(tmp_path / "shm"), host_capacity=host_capacity, fake_gpus=fake_gpus,
+                                 eviction_policy=policy, workers="1", gpus="auto")
+        (tmp_path / "shm").mkdir(parents=True, exist_ok=True)
+        self.clock = FakeClock()
+        self.registry = Registry()
+        self.repository = Repository(self.settings.repository_path)
+        self.host = HostTier(self.settings.shm_dir, self.settings.host_capacity_bytes(), owner=self.settings.socket)
+        self.loaders = Loaders(1)
+        self.counters = {k: 0 for k in ("promotions", "evictions", "gpu_promotions", "gpu_evictions",
+                                        "corrupt_detected", "fetched", "refetched", "adds")}
+        self.replies: list = []
+        self.cache = HostCache(registry=self.registry, host=self.host, policy=make_policy(policy),
+                               repository=self.repository, remote=None, loaders=self.loaders, settings=self.settings,
+                               admins=Admins(""), counters=self.counters, jobs={}, clock=self.clock,
+                               reply=lambda ident, msg: self.replies.append(msg), redispatch=None)
+        self.gpu = self.cache.gpu = DeviceCache(registry=self.registry, cache=self.cache, loaders=self.loaders,
+                                                settings=self.settings, counters=self.counters, jobs={},
+                                                clock=self.clock)
+        self.host.start()
+        self.gpu.start()
+        self.tier = next(iter(self.gpu.tiers.values()))
+        self.uuid = self.tier.device.uuid
+
+    def add(self, tmp_path, zoo_name: str, name: str, seed: int = 0):
+        src = tmp_path / f"{name}.onnx"
+        zoo.save(zoo.build(zoo_name, seed), str(src))
+        manifest = pack(str(src), self.repository.root, name, 1)
+        return self.registry.add_model(self.repository.model_dir(name, 1), manifest)
+
+    def stop(self):
+        self.loaders.shutdown()
+        self.gpu.stop()
+        self.host.stop()
+
+
+@pytest.fixture
+def parts(tmp_path):
+    p = Parts(tmp_path)
+    yield p
+    p.stop()
+
+
+def resident(parts: Parts, model) -> None:
+    answers = []
+    parts.cache.when_resident(model, lambda error, hit: answers.append(error))
+    parts.loaders.settle()
+    assert answers == [None]
+
+
+def on_device(parts: Parts, model) -> None:
+    answers = []
+    parts.gpu.when_on_device(model, parts.tier, lambda error, hit: answers.append(error))
+    parts.loaders.settle()
+    assert answers == [None]
+
+
+def counting(obj, method: str) -> list:
+    """Record each call of obj.method (and still make it)."""
+    calls, real = [], getattr(obj, method)
+
+    def wrapper(*args, **kw):
+        calls.append(args)
+        return real(*args, **kw)
+    setattr(obj, method, wrapper)
+    return calls
+
+
+# -- one promotion however many ask ------------------------------------------------------------------
+
+def test_many_opens_of_a_cold_model_share_one_promotion(parts, tmp_path):
+    model = parts.add(tmp_path, "tiny-cnn", "m")
+    writes = counting(parts.host, "write")
+    answers = []
+    hits = [parts.cache.when_resident(model, lambda error, hit, i=i: answers.append((i, error, hit)))
+            for i in range(3)]
+    assert hits == [False, False, False] and model.state is ModelState.LOADING
+    parts.loaders.settle()
+    assert len(writes) == 1
+    assert sorted(answers) == [(0, None, False), (1, None, False), (2, None, False)]
+    assert model.state is ModelState.RESIDENT and model.waiters == []
+    assert parts.cache.when_resident(model, lambda error, hit: answers.append((3, error, hit))) is True
+    assert answers[-1] == (3, None, True) and len(writes) == 1
+
+
+def test_many_gpu_opens_share_one_host_and_one_device_promotion(parts, tmp_path):
+    model = parts.add(tmp_path, "tiny-cnn", "m")
+    host_writes, device_writes = counting(parts.host, "write"), counting(parts.tier, "write")
+    answers = []
+    for _ in range(3):
+        parts.gpu.when_on_device(model, parts.tier, lambda error, hit: answers.append(error))
+    parts.loaders.settle()
+    assert answers == [None, None, None]
+    assert (len(host_writes), len(device_writes)) == (1, 1)
+    assert model.devices[parts.uuid].state is ModelState.RESIDENT and model.tier == "gpu"
+
+
+def test_a_damaged_weights_file_fails_every_waiter_and_marks_the_version(parts, tmp_path):
+    model = parts.add(tmp_path, "tiny-cnn", "m")
+    blob = model.disk_dir / WEIGHTS_FILE
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    answers = []
+    for _ in range(2):
+        parts.cache.when_resident(model, lambda error, hit: answers.append(error))
+    parts.loaders.settle()
+    assert len(answers) == 2 and all(isinstance(e, IntegrityError) for e in answers)
+    assert model.state is ModelState.ON_DISK and model.damage and parts.host.used_bytes == 0
+    assert parts.counters["corrupt_detected"] == 1
+
+
+# -- never free what a lease maps -----------------------------------------------------------------------
+
+def test_a_leased_gpu_copy_is_never_freed(parts, tmp_path):
+    model = parts.add(tmp_path, "tiny-cnn", "m")
+    on_device(parts, model)
+    client = parts.registry.new_client(1, "c", parts.clock())
+    lease = parts.registry.grant(client, model, 0.0, parts.uuid)
+    frees = counting(parts.tier, "free_model")
+    with pytest.raises(CapacityError, match="in use by 1 GPU sessions"):
+        parts.gpu.evict_named(model, "gpu")
+    with pytest.raises(CapacityError, match="in use by 1 sessions"):
+        parts.cache.evict(model)
+    with pytest.raises(CapacityError):
+        model.device_evicted(parts.uuid)
+    assert not parts.gpu._make_room(parts.tier, 1, loading="")    # no candidate: the one copy is leased
+    assert frees == [] and model.devices[parts.uuid].leases == 1
+    parts.registry.release(lease.lease_id)
+    parts.cache.after_release(model, parts.uuid)
+    parts.gpu.evict_named(model, "gpu")
+    assert len(frees) == 1 and model.tier == "host" and parts.tier.used_bytes == 0
+
+
+def test_a_host_copy_under_a_lease_or_a_gpu_load_is_not_freed(parts, tmp_path):
+    model = parts.add(tmp_path, "tiny-cnn", "m")
+    resident(parts, model)
+    model.hold()                              # a serve request in flight
+    with pytest.raises(CapacityError):
+        parts.cache.evict(model)
+    assert not parts.cache.make_room(1, loading="")
+    model.let_go()
+    model.start_device_load(parts.uuid)       # a GPU copy reads the host copy meanwhile
+    assert not model.evictable
+    with pytest.raises(CapacityError, match="loading"):
+        parts.cache.evict(model)
+    model.finish_device_load(parts.uuid, ok=False)
+    assert model.evictable
+    parts.cache.evict(model)
+    assert model.state is ModelState.ON_DISK and parts.host.used_bytes == 0
+
+
+def test_releasing_more_than_was_held_is_a_bug_caught_at_once(parts, tmp_path):
+    model = parts.add(tmp_path, "tiny-cnn", "m")
+    resident(parts, model)
+    with pytest.raises(AssertionError):
+        model.let_go()
+    assert model.refcount == 0
+
+
+def test_evicting_from_host_demotes_the_gpu_copies_first(parts, tmp_path):
+    model = parts.add(tmp_path, "tiny-cnn", "m")
+    on_device(parts, model)
+    parts.cache.evict(model)
+    assert model.devices == {} and model.state is ModelState.ON_DISK
+    assert parts.tier.used_bytes == 0 and parts.host.used_bytes == 0
+    assert (parts.counters["gpu_evictions"], parts.counters["evictions"]) == (1, 1)
+
+
+# -- the policy chooses, the cache frees (with the clock passed in) --------------------------------------
+
+def test_room_is_made_from_the_least_recently_used_unheld_model(tmp_path):
+    probe = Parts(tmp_path / "probe")
+    try:
+        one = probe.add(tmp_path / "probe", "tiny-cnn", "x")
+        resident(probe, one)
+        size = probe.host.model_bytes(one.key)
+    finally:
+        probe.stop()
+    parts = Parts(tmp_path, host_capacity=str(2 * size + size // 2))   # room for two of three
+    try:
+        a, b, c = (parts.add(tmp_path, "tiny-cnn", n, seed) for seed, n in enumerate("abc"))  # nothing shared
+        for model in (a, b):
+            resident(parts, model)
+            parts.clock.now += 10
+        parts.cache.policy.accessed(a.key, parts.clock())   # a used after b: b is the least recent
+        parts.clock.now += 10
+        resident(parts, c)
+        assert (a.state, b.state, c.state) == (ModelState.RESIDENT, ModelState.ON_DISK, ModelState.RESIDENT)
+        a.pinned = True
+        c.hold()                               # nothing left to evict: pinned, or held
+        answers = []
+        with pytest.raises(CapacityError):
+            parts.cache.when_resident(b, lambda error, hit: answers.append(error))
+        assert b.state is ModelState.ON_DISK and b.waiters == [] and answers == []
+        c.let_go()
+    finally:
+        parts.stop()
+
+
+def test_the_eager_policy_frees_a_model_on_its_last_release(tmp_path):
+    parts = Parts(tmp_path, policy="eager")
+    try:
+        model = parts.add(tmp_path, "tiny-cnn", "m")
+        resident(parts, model)
+        client = parts.registry.new_client(1, "c", parts.clock())
+        first = parts.registry.grant(client, model, 0.0)
+        second = parts.registry.grant(client, model, 0.0)
+        parts.registry.release(first.lease_id)
+        parts.cache.after_release(model)
+        assert model.state is ModelState.RESIDENT
+        parts.registry.release(second.lease_id)
+        parts.cache.after_release(model)
+        assert model.state is ModelState.ON_DISK and parts.host.used_bytes == 0
+    finally:
+        parts.stop()
