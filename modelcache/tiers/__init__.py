@@ -1,1 +1,2 @@
-"""Storage tiers: disk (the repository, source of truth) and host shared memory."""
+"""Storage tiers: the remote store, the disk repository (source of truth), host shared memory and GPUs
+(the memory tiers keep one contract, base.py)."""
