@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import integrity
 from .errors import IntegrityError
-from .packing import CHECKED_FILES, WEIGHTS_FILE, Manifest, TensorEntry, iter_graphs, load_manifest
+from .format import CHECKED_FILES, WEIGHTS_FILE, Manifest, TensorEntry, iter_graphs, load_manifest
 from .tiers.disk import Repository
 
 OK, UNVERIFIED, DAMAGED = "ok", "unverified", "DAMAGED"

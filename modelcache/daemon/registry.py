@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import LeaseError, ModelNotFound
-from ..packing import Manifest
+from ..format import Manifest
 
 
 class ModelState(enum.Enum):

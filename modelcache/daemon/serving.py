@@ -66,7 +66,7 @@ class ServeHandlers:
 
     def on_SetBatching(self, ident, msg: P.SetBatching):
         from ..executor.batching import check_profile
-        from ..packing import write_manifest
+        from ..format import write_manifest
         model = self.registry.resolve(msg.name, msg.version)
         self.admins.check_model_owner(ident, model, "set the batching profile of")
         try:
@@ -82,7 +82,7 @@ class ServeHandlers:
         return P.Ack(req_id=msg.req_id)
 
     def on_Profile(self, ident, msg: P.Profile):
-        from ..packing import SKELETON_FILE
+        from ..format import SKELETON_FILE
         from ..placement.profile import MAX_PROFILE_RUNS, MAX_PROFILE_S, WAKE_GAP_S
 
         model = self.registry.resolve(msg.name, msg.version)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .. import reservations
 from ..errors import IntegrityError
-from ..packing import Manifest, load_manifest
+from ..format import Manifest, load_manifest
 
 log = logging.getLogger("modelcache.disk")
 
