@@ -1,6 +1,6 @@
 import pytest
 
-from modelcache.config import ConfigError, load, parse_size
+from modelcache.config import ConfigError, load, parse_fake_gpus, parse_size
 
 
 def test_layers_defaults_toml_env_flags(tmp_path):
@@ -36,6 +36,13 @@ def test_systemd_directories_are_followed(monkeypatch):
     ("1000", None, 1000), ("25%", 4000, 1000)])
 def test_sizes(text, total, expect):
     assert parse_size(text, total) == expect
+
+
+@pytest.mark.parametrize("spec, expect", [
+    ("2x256M", (2, 256 * 2**20)), ("1G", (1, 2**30)), (" 4X1G", (4, 2**30)), ("", (0, 0)), ("none", (0, 0))])
+def test_fake_gpus(spec, expect):
+    # One reading of the spec for the daemon (tiers.gpu.fake_devices) and its clients (client.device).
+    assert parse_fake_gpus(spec) == expect
 
 
 def test_bad_values_are_clear(tmp_path):
