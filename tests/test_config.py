@@ -62,7 +62,7 @@ def test_bad_values_are_clear(tmp_path):
 
 
 def test_batching_policy_per_model():
-    from modelcache.executor.batching import parse_policy_spec
+    from modelcache.config import parse_policy_spec
     assert parse_policy_spec("layer") == {"*": "layer"}
     assert parse_policy_spec("alexnet=layer, resnet50=dynamic") == {"alexnet": "layer", "resnet50": "dynamic",
                                                                       "*": "serial"}

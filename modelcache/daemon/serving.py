@@ -65,7 +65,7 @@ class ServeHandlers:
         return None
 
     def on_SetBatching(self, ident, msg: P.SetBatching):
-        from ..executor.batching import check_profile
+        from ..calibration import check_profile
         from ..format import write_manifest
         model = self.registry.resolve(msg.name, msg.version)
         self.admins.check_model_owner(ident, model, "set the batching profile of")
@@ -292,7 +292,7 @@ class ServeHandlers:
     def _check_stored_profile(model: ModelRecord) -> None:
         """A profile stored before set_batching checked profiles in full (or edited by hand) may be one
         every serve request would fail on: serve without it, and say so, rather than fail forever."""
-        from ..executor.batching import check_profile
+        from ..calibration import check_profile
         if model.manifest.batching:
             try:
                 check_profile(model.manifest.batching, stages=max(1, len(model.manifest.stages)))
