@@ -38,7 +38,8 @@ from .devices import DeviceOps
 from .fds import FdBudget, raise_fd_limit
 from .identity import Admins, Peer, check_client_owner, credentials_from_peer_address
 from .lane import LaneConnection, LaneServer, check_socket_file
-from .metrics import Histogram, MetricsServer, render
+from ..histogram import Histogram
+from .metrics import MetricsServer, render
 from .notify import Notifier
 from .registry import ModelRecord, ModelState, Registry, describe_unreadable
 from .restart import SocketLock, adopt_resident_models, settle_adopted

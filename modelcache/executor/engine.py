@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..daemon.metrics import Histogram
+from ..histogram import Histogram
 from ..errors import InputError, ModelCacheError, RequestTimeout
 from ..calibration import profile_predict, request_overhead
 from ..config import parse_policy_spec
