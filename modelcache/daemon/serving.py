@@ -83,7 +83,8 @@ class ServeHandlers:
 
     def on_Profile(self, ident, msg: P.Profile):
         from ..format import SKELETON_FILE
-        from ..placement.profile import MAX_PROFILE_RUNS, MAX_PROFILE_S, WAKE_GAP_S
+        from ..executor.profile import WAKE_GAP_S
+        from ..protocol import MAX_PROFILE_RUNS, MAX_PROFILE_S
 
         model = self.registry.resolve(msg.name, msg.version)
         # It takes a worker for seconds, from every user's requests: the model's owner or an admin only.

@@ -291,7 +291,7 @@ class Worker:
     def profile(self, skeleton: str, segments: list, tensors: list, feeds: dict, runs: int,
                 min_s: float) -> tuple[dict, dict, list]:
         """ORT's profiler over a whole model as this worker runs its stages: on this thread and its cores, with
-        its thread count, over the host tier's weights in this process (placement/profile.py's run_profiled:
+        its thread count, over the host tier's weights in this process (executor/profile.py's run_profiled:
         node times, args, cold runs' extra seconds). A session of its own, built and freed here: the
         worker's stage sessions are untouched.
 
@@ -300,7 +300,8 @@ class Worker:
         import tempfile
 
         import onnxruntime as ort
-        from ..placement.profile import MAX_PROFILE_S, profiling_options, run_profiled
+        from ..protocol import MAX_PROFILE_S
+        from .profile import profiling_options, run_profiled
         from ..session_options import bind_weights
 
         with tempfile.TemporaryDirectory(prefix="modelcache-profile-") as tmp:
