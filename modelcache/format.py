@@ -193,6 +193,16 @@ def _prepacked_problem(manifest: Manifest) -> str | None:
     return None
 
 
+def version_dirs(root: Path, name: str | None = None) -> list[tuple[str, int, Path]]:
+    """(name, version, directory) of every version directory of a repository laid out as
+    <root>/<name>/<version>/, complete or not, sorted (names starting with "." are work in progress)."""
+    found = []
+    for d in sorted(Path(root).glob(f"{name or '*'}/*")):
+        if d.is_dir() and not d.parent.name.startswith(".") and d.name.isdigit():
+            found.append((d.parent.name, int(d.name), d))
+    return found
+
+
 def write_manifest(model_dir: Path, manifest: Manifest) -> None:
     """Replace a packed model's manifest atomically: a reader sees the old one or the new one."""
     tmp = model_dir / (MANIFEST_FILE + ".tmp")
