@@ -53,6 +53,8 @@ def client_settings(socket: str | None = None, timeout_s: float | None = None) -
     if default_config_file() is None and not os.environ.get("MODELCACHE_REQUEST_TIMEOUT_S"):
         return (socket or os.environ.get("MODELCACHE_SOCKET") or default_socket(),
                 DEFAULT_REQUEST_TIMEOUT_S if timeout_s is None else timeout_s)
+    # The one upward import of this layer, lazy on purpose: config builds its defaults from this module,
+    # and a client pays for the loader only when a file or the environment may change the answer.
     from .config import load
     settings = load(overrides={"socket": socket, "request_timeout_s": timeout_s})
     return settings.socket, settings.request_timeout_s

@@ -107,6 +107,45 @@ def parse_size(text: str | int, total: int | None = None) -> int:
         raise ConfigError(f"cannot read {text!r} as a size: write bytes, e.g. 8G, 512M, or a percentage like 40%") from None
 
 
+# The executor's batching policies (executor/batching.py), as the `batching` setting names them.
+BATCHING_POLICIES = ("serial", "batch", "dynamic", "layer")
+
+
+def parse_policy_spec(spec: str) -> dict[str, str]:
+    """'layer' -> {'*': 'layer'}; 'alexnet=layer,*=serial' -> per model name, '*' for the rest."""
+    out = {}
+    for part in str(spec).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, _, policy = part.rpartition("=")
+        name = name.strip() or "*"
+        policy = policy.strip()
+        if policy not in BATCHING_POLICIES:
+            raise ValueError(f"batching={spec!r}: unknown policy {policy!r}; choose one of {', '.join(BATCHING_POLICIES)}, "
+                             "for all models or per model as 'alexnet=layer,*=serial'")
+        out[name] = policy
+    out.setdefault("*", "serial")
+    return out
+
+
+def parse_fake_gpus(spec: str) -> tuple[int, int]:
+    """The `fake_gpus` setting (MODELCACHE_FAKE_GPUS, which clients read too) -> (devices, bytes each):
+    "2x256M" = two devices of 256 MiB, "1G" = one, "" or "none" = none."""
+    spec = str(spec).strip().lower()
+    if spec in ("", "none", "off", "0"):
+        return 0, 0
+    count, _, size = spec.rpartition("x")
+    try:
+        n = int(count) if count else 1
+    except ValueError:
+        raise ConfigError(f"fake_gpus={spec!r}: write a size such as 1G, or count x size such as 2x256M") from None
+    total = parse_size(size)
+    if n < 1 or total <= 0:
+        raise ConfigError(f"fake_gpus={spec!r}: needs at least one device of a positive size")
+    return n, total
+
+
 def _coerce(name: str, typ, value):
     try:
         if typ in (float, "float"):
@@ -148,16 +187,13 @@ def load(config_file: str | Path | None = None, overrides: dict | None = None, e
     settings = Settings(**values)
     if settings.opt_level not in ("disable", "basic", "extended", "all"):
         raise ConfigError(f"opt_level {settings.opt_level!r}: choose disable, basic, extended or all")
-    from .executor.batching import parse_policy_spec
     try:
         parse_policy_spec(settings.batching)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     parse_size(settings.host_capacity, total=1)  # fail early on a bad size, without asking psutil for RAM
     parse_size(settings.gpu_capacity, total=1)
-    if settings.fake_gpus:
-        from .tiers.gpu import fake_devices
-        fake_devices(settings.fake_gpus)
+    parse_fake_gpus(settings.fake_gpus)
     if settings.max_message_bytes() < 1 << 16:
         raise ConfigError(f"max_message_size {settings.max_message_size!r}: at least 64K, or no request fits")
     return settings

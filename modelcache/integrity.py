@@ -7,7 +7,7 @@ is in benchmarks/tiers and tiers/files.copy_hashed. It guards against damage (bi
 copy, a truncated write, a hand edit), not against an attacker who can write the repository:
 such a person can rewrite the checksums too.
 
-Where each checksum lives (see packing.Manifest):
+Where each checksum lives (see format.Manifest):
   weights.bin       per tensor (`TensorEntry.xxh3`, checked as promotion copies each one) and
                     whole (`Manifest.files`, checked by `modelcache verify`)
   model.onnx, model.gpu.onnx   whole, in `Manifest.files`

@@ -10,43 +10,33 @@ The GPU variant (`model.gpu.onnx`) is a second skeleton for ORT's CUDA EP: the g
 after provider-independent rewrites only, each shared weight left as a data-free stub
 that a client overrides with `SessionOptions.add_initializer` over device memory the
 daemon lends. Its weights live in the same blob, deduplicated against the CPU tensors.
+
+What it writes is the stored-model format (format.py: files, manifest, alignment); readers import that, not this.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import onnx
 from onnx import TensorProto
 
 from . import integrity, prepack, reservations
-from .prepack import PREPACKED_FILE
-from .errors import IntegrityError, ModelCacheError, PackError, from_code
+from .errors import ModelCacheError, PackError, from_code
+from .format import (ALIGN, CHECKED_FILES, GPU_SKELETON_FILE, GPU_STUB_FILE, MANIFEST_FILE, PREPACKED_FILE, SKELETON_FILE,
+                     WEIGHTS_FILE, IOEntry, Manifest, TensorEntry, iter_graphs, load_manifest, tensor_nbytes,
+                     write_gpu_stub)
 from .storage import explain_failed_write, storage_error, storage_errors
 
 log = logging.getLogger("modelcache.packing")
 
-MANIFEST_FORMAT = 1
-SKELETON_FILE = "model.onnx"
-WEIGHTS_FILE = "weights.bin"
-MANIFEST_FILE = "manifest.json"
-GPU_SKELETON_FILE = "model.gpu.onnx"
-# The stubs' external data: a sparse file of zeros that no session reads (add_initializer overrides them).
-GPU_STUB_FILE = "model.gpu.stub"
-# The stored files a version's checksums cover, besides manifest.json (which carries its own).
-# The GPU stub is not among them: it is sparse zeros that no session reads, made again after a fetch.
-CHECKED_FILES = (WEIGHTS_FILE, SKELETON_FILE, GPU_SKELETON_FILE)
-# Tensors are page-aligned in the blob: ORT maps each external tensor on its own, and
-# a page-aligned offset maps exactly the tensor's pages (and keeps GPU copies aligned).
-ALIGN = 4096
 # Smaller tensors stay inside the skeleton: shape constants, scalars, biases of tiny layers.
 INLINE_MAX_BYTES = 1024
 OPT_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
@@ -68,137 +58,6 @@ HALF_TO_FLOAT_FUSION = "FuseFp16InitializerToFp32NodeTransformer"
 _HALF_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 Progress = Callable[[int, int], None]  # (bytes_done, bytes_total)
-
-
-@dataclass
-class TensorEntry:
-    name: str
-    dtype: str
-    shape: list[int]
-    offset: int
-    nbytes: int
-    sha256: str
-    xxh3: str = ""      # integrity.HASH_NAME of the bytes: promotion checks it as it copies ("" before that)
-
-
-@dataclass
-class IOEntry:
-    name: str
-    dtype: str          # numpy dtype name, e.g. "float32"
-    shape: list         # ints for fixed dims, strings (or None) for symbolic ones
-
-
-@dataclass
-class Manifest:
-    name: str
-    version: int
-    inputs: list[IOEntry]
-    outputs: list[IOEntry]
-    tensors: list[TensorEntry]
-    weights_bytes: int
-    source_sha256: str
-    ort_version: str
-    opt_level: str
-    created_unix: float
-    format: int = MANIFEST_FORMAT
-    stage_cuts: list = field(default_factory=list)   # the tensor crossing each cut
-    stages: list = field(default_factory=list)       # {file, inputs, outputs, tensors, cost_share} per stage
-    batching: dict = field(default_factory=dict)     # calibration profile of these stages (`modelcache calibrate`)
-    gpu_skeleton: str = ""       # GPU_SKELETON_FILE; "" for models packed before GPU support
-    gpu_opt_level: str = ""      # level of the GPU skeleton's graph: "basic", or "disable" (see _choose_gpu_graph)
-    gpu_tensors: list = field(default_factory=list)  # TensorEntry per stub of the GPU skeleton, offset into weights.bin
-    files: dict = field(default_factory=dict)  # stored file -> {"bytes", "xxh3"}; {} for versions packed before
-    checksum: str = ""      # of this manifest's canonical form (integrity.manifest_checksum); "" before
-    owner_uid: int = -1          # who added it (the kernel's uid of the adding client); -1: unknown, admins only
-    prepacked: list = field(default_factory=list)  # per weight, its MatMul blobs in PREPACKED_FILE (prepack.py)
-    prepacked_for: str = ""      # prepack.cpu_fingerprint() of the machine that made them
-
-    def to_json(self) -> str:
-        """The manifest as stored, its checksum recomputed: every writer goes through here."""
-        fields = json.loads(json.dumps(asdict(self)))   # the values exactly as a reader will parse them
-        self.checksum = fields["checksum"] = integrity.manifest_checksum(fields)
-        return json.dumps(fields, indent=1)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Manifest":
-        d = dict(d)
-        d["inputs"] = [IOEntry(**e) for e in d["inputs"]]
-        d["outputs"] = [IOEntry(**e) for e in d["outputs"]]
-        d["tensors"] = [TensorEntry(**e) for e in d["tensors"]]
-        d["gpu_tensors"] = [TensorEntry(**e) for e in d.get("gpu_tensors", [])]
-        return cls(**d)
-
-    def io_summary(self) -> dict:
-        """The part of a manifest a client needs to validate feeds (sent over the wire); built once."""
-        cached = self.__dict__.get("_io_summary")
-        if cached is None:
-            cached = self.__dict__["_io_summary"] = {"inputs": [asdict(e) for e in self.inputs],
-                                                     "outputs": [asdict(e) for e in self.outputs]}
-        return cached
-
-
-def load_manifest(model_dir: Path, key: str | None = None) -> Manifest:
-    """Read and validate a version's manifest; IntegrityError naming the version and the file when it
-    is missing, damaged or malformed (never a decode error). `key` names it (default: name@version
-    from the directory)."""
-    model_dir = Path(model_dir)
-    key = key or f"{model_dir.parent.name}@{model_dir.name}"
-    try:
-        raw = (model_dir / MANIFEST_FILE).read_bytes()
-    except FileNotFoundError:
-        raise integrity.damaged(key, MANIFEST_FILE, "the file is missing") from None
-    return parse_manifest(raw, key)
-
-
-def parse_manifest(raw: bytes, key: str) -> Manifest:
-    def bad(what: str) -> IntegrityError:
-        return integrity.damaged(key, MANIFEST_FILE, what)
-
-    try:
-        fields = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise bad(f"not JSON: {e}") from None
-    if not isinstance(fields, dict):
-        raise bad("not a JSON object")
-    stored = fields.get("checksum", "")
-    if stored and integrity.manifest_checksum(fields) != stored:
-        raise bad("its contents do not match its checksum")
-    try:
-        manifest = Manifest.from_dict(fields)
-    except (TypeError, KeyError, ValueError, AttributeError) as e:
-        raise bad(f"malformed: {type(e).__name__}: {e}") from None
-    problem = _manifest_problem(manifest)
-    if problem:
-        raise bad(f"malformed: {problem}")
-    return manifest
-
-
-def _manifest_problem(m: Manifest) -> str | None:
-    """What in a parsed manifest cannot be used as it is, or None: the checks a reader would otherwise
-    trip over later as a KeyError or a read past the blob's end."""
-    def is_int(v) -> bool:
-        return type(v) is int
-
-    if not isinstance(m.name, str) or not is_int(m.version) or not is_int(m.weights_bytes) or m.weights_bytes < 0:
-        return "name, version or weights_bytes of the wrong type"
-    for t in [*m.tensors, *m.gpu_tensors]:
-        if not (isinstance(t.name, str) and is_int(t.offset) and is_int(t.nbytes) and t.offset >= 0
-                and t.nbytes >= 0 and isinstance(t.shape, list) and all(is_int(d) for d in t.shape)
-                and isinstance(t.sha256, str) and isinstance(t.xxh3, str)):
-            return f"tensor entry {t.name!r} has a field of the wrong type"
-        if t.offset + t.nbytes > m.weights_bytes:
-            return f"tensor {t.name!r} ends at {t.offset + t.nbytes}, past the weights' {m.weights_bytes} bytes"
-    if not isinstance(m.files, dict) or not all(isinstance(r, dict) and is_int(r.get("bytes"))
-                                                and isinstance(r.get("xxh3"), str) for r in m.files.values()):
-        return "files has an entry of the wrong type"
-    return prepack.problem(m)
-
-
-def write_manifest(model_dir: Path, manifest: Manifest) -> None:
-    """Replace a packed model's manifest atomically: a reader sees the old one or the new one."""
-    tmp = model_dir / (MANIFEST_FILE + ".tmp")
-    tmp.write_text(manifest.to_json())
-    os.replace(tmp, model_dir / MANIFEST_FILE)
 
 
 def _io_entries(values) -> list[IOEntry]:
@@ -232,18 +91,6 @@ def _ort_type_name(tp: onnx.TypeProto) -> str:
         key = TensorProto.DataType.Name(tp.map_type.key_type).lower()
         return f"map({key},{_ort_type_name(tp.map_type.value_type)})"
     return "undefined"
-
-
-def iter_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    """The graph and every subgraph (If/Loop/Scan bodies), depth first."""
-    yield graph
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from iter_graphs(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for g in attr.graphs:
-                    yield from iter_graphs(g)
 
 
 def _sha256_file(path: str) -> str:
@@ -356,13 +203,6 @@ def _tensor_bytes(t: TensorProto, base_dir: Path) -> bytes:
 _DATA_FIELDS = ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data")
 
 
-def _tensor_nbytes(t: TensorProto) -> int:
-    nbytes = int(onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize)
-    for d in t.dims:
-        nbytes *= d
-    return nbytes
-
-
 def _point_external(t: TensorProto, location: str, offset: int, nbytes: int) -> None:
     """Drop the tensor's data and declare it external at `location`[offset:offset+nbytes]."""
     for fld in _DATA_FIELDS:
@@ -381,7 +221,7 @@ def _externalize(optimized: Path, blob_path: Path, progress: Progress | None) ->
         for t in graph.initializer:
             if t.data_type == TensorProto.STRING:
                 continue  # strings have no fixed-size raw form; they stay inline
-            nbytes = _tensor_nbytes(t)
+            nbytes = tensor_nbytes(t)
             if nbytes >= INLINE_MAX_BYTES or t.data_location == TensorProto.EXTERNAL:
                 candidates.append((t, nbytes))
     total = sum(n for _, n in candidates)
@@ -469,7 +309,7 @@ def _choose_gpu_graph(src: str, source: onnx.ModelProto, work: Path, opt_level: 
     if model is None:
         model, base_dir, level = onnx.load(src, load_external_data=False), Path(src).parent, "disable"
     shared = _gpu_shared_names(model, base_dir)
-    sizes = {t.name: _tensor_nbytes(t) for g in iter_graphs(model.graph) for t in g.initializer if t.name in shared}
+    sizes = {t.name: tensor_nbytes(t) for g in iter_graphs(model.graph) for t in g.initializer if t.name in shared}
     return _GpuGraph(model, base_dir, level, shared, sum(sizes.values()))
 
 
@@ -518,7 +358,7 @@ def _externalize_gpu(model: onnx.ModelProto, base_dir: Path, shared: set[str], b
                         t.data_location = TensorProto.DEFAULT
                         t.raw_data = data
                     continue
-                nbytes = _tensor_nbytes(t)
+                nbytes = tensor_nbytes(t)
                 if t.name not in entries:  # a weight repeated in sibling subgraphs is stored and lent once
                     data = _tensor_bytes(t, base_dir)
                     if len(data) != nbytes:
@@ -558,16 +398,6 @@ def _write_gpu_skeleton(gpu: _GpuGraph, model_dir: Path, cpu_tensors: list[Tenso
     except ValueError as e:  # protobuf's 2 GB limit: large non-floating tensors (e.g. int8) stay inline
         raise PackError(f"the GPU skeleton is too large to save: {e}") from None
     return gpu_tensors, blob_bytes
-
-
-def write_gpu_stub(model_dir: Path, manifest: Manifest) -> None:
-    """(Re)create the GPU skeleton's stub file: sparse zeros as long as the largest stub, costing no disk.
-
-    For whoever copies a packed model (the remote tier): never copy the stub, make it here.
-    """
-    size = max((t.nbytes for t in manifest.gpu_tensors), default=0)
-    with open(model_dir / GPU_STUB_FILE, "wb") as f:
-        os.truncate(f.fileno(), size)
 
 
 def pack(src: str, repository: Path, name: str, version: int | None, opt_level: str = "all",
@@ -711,7 +541,7 @@ def _gpu_stub_mismatches(skeleton: onnx.ModelProto, gpu_tensors: list[TensorEntr
                 continue
             stubs.add(t.name)
             dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).name
-            if (entry.dtype, list(entry.shape), entry.nbytes) != (dtype, list(t.dims), _tensor_nbytes(t)):
+            if (entry.dtype, list(entry.shape), entry.nbytes) != (dtype, list(t.dims), tensor_nbytes(t)):
                 problems.append(f"{t.name!r} is {dtype}{list(t.dims)} in the skeleton, "
                                 f"{entry.dtype}{list(entry.shape)} ({entry.nbytes} bytes) in the manifest")
     problems += [f"GPU tensor {name!r} has no stub in the skeleton" for name in entries if name not in stubs]

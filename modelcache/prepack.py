@@ -22,6 +22,7 @@ prepacking on, and hand every other weight over as before.
 
 Packing layouts depend on the CPU's instruction set and on the ORT version: the blobs are used only
 where both match what made them (`usable`); elsewhere the model opens without prepacking, as before.
+The file and the manifest's records are part of the stored-model format (format.py checks the records).
 """
 
 from __future__ import annotations
@@ -33,11 +34,10 @@ import shutil
 from pathlib import Path
 
 from . import integrity
+from .format import ALIGN, PREPACKED_FILE, iter_graphs, tensor_nbytes
 
 log = logging.getLogger("modelcache.prepack")
 
-PREPACKED_FILE = "prepacked.bin"
-ALIGN = 4096
 # Which models get blobs: those whose MatMul weights are at least this share of their weights.
 # CNNs' big Gemm heads (VGG16's 400 MB of FC) gain little from prepacking at batch 1 and would
 # double their host-tier footprint.
@@ -99,10 +99,9 @@ def _make(model_dir: Path, skeleton_file: str, weights_bytes: int, work: Path) -
     so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
     ort.InferenceSession(str(model_dir / skeleton_file), so, providers=["CPUExecutionProvider"])
     saved = onnx.load(str(work / "prepacked.onnx"), load_external_data=False)
-    from .packing import iter_graphs, _tensor_nbytes
     packed = [(t, _blob_entries(t)) for g in iter_graphs(saved.graph) for t in g.initializer]
     packed = [(t, entries) for t, entries in packed if entries]
-    matmul_bytes = sum(_tensor_nbytes(t) for t, entries in packed if any(k.startswith("MatMul+") for k, _ in entries))
+    matmul_bytes = sum(tensor_nbytes(t) for t, entries in packed if any(k.startswith("MatMul+") for k, _ in entries))
     if not packed or matmul_bytes < MATMUL_SHARE_MIN * max(weights_bytes, 1):
         return [], ""
     records, seen, offset = [], set(), 0
@@ -126,25 +125,6 @@ def _make(model_dir: Path, skeleton_file: str, weights_bytes: int, work: Path) -
             records.append({"tensor": t.name, "packs": packs})
         dst.truncate(offset)
     return records, cpu_fingerprint()
-
-
-def problem(manifest) -> str | None:
-    """What in a manifest's prepack records cannot be used as it is, or None (packing._manifest_problem)."""
-    size = manifest.files.get(PREPACKED_FILE, {}).get("bytes", 0) if isinstance(manifest.files, dict) else 0
-    if not isinstance(manifest.prepacked, list) or not isinstance(manifest.prepacked_for, str):
-        return "prepacked or prepacked_for of the wrong type"
-    for r in manifest.prepacked:
-        try:
-            ok = isinstance(r["tensor"], str) and all(
-                isinstance(key, str) and "|" not in key and blobs and all(
-                    type(off) is int and type(n) is int and isinstance(x, str) and 0 <= off and 0 < n
-                    and off + n <= size for off, n, x in blobs)
-                for key, blobs in r["packs"])
-        except (TypeError, KeyError, ValueError):
-            ok = False
-        if not ok:
-            return f"prepacked record {str(r)[:80]!r} is malformed or reaches past {PREPACKED_FILE}"
-    return None
 
 
 def usable(manifest) -> bool:

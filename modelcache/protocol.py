@@ -250,6 +250,12 @@ class Partition(Message, kind="partition"):
     plan: Optional[dict] = None        # a placement plan (`modelcache place`): its cuts and worker sets
 
 
+# A Profile's bounds: the daemon refuses more runs or a longer min_s, and its worker starts no profiled run
+# after MAX_PROFILE_S (so a client waits that much beyond its usual timeout).
+MAX_PROFILE_RUNS = 100
+MAX_PROFILE_S = 60.0
+
+
 class Profile(Message, kind="profile"):
     """Time every node of a model with ORT's profiler on one of the daemon's CPU workers: its thread, cores
     and thread count, over the host tier's weights, where serve mode runs the model's stages
@@ -272,7 +278,7 @@ class ProfileReply(Message, kind="profile_ok"):
     times: dict = {}                   # node name -> seconds in each back-to-back run, the warm-up first
                                        # (kernel times scaled to the run's wall time)
     args: dict = {}                    # node name -> the profiler's op, shapes and sizes
-    wake_s: list = []                  # per run after an idle spell, its extra seconds (placement/profile.py)
+    wake_s: list = []                  # per run after an idle spell, its extra seconds (executor/profile.py)
 
 
 class Infer(Message, kind="infer"):

@@ -16,8 +16,7 @@ from pathlib import Path
 
 from . import integrity
 from .errors import IntegrityError
-from .packing import CHECKED_FILES, WEIGHTS_FILE, Manifest, TensorEntry, iter_graphs, load_manifest
-from .tiers.disk import Repository
+from .format import CHECKED_FILES, WEIGHTS_FILE, Manifest, TensorEntry, iter_graphs, load_manifest, version_dirs
 
 OK, UNVERIFIED, DAMAGED = "ok", "unverified", "DAMAGED"
 
@@ -40,7 +39,7 @@ class VersionReport:
 
 
 def verify_repository(root: Path, name: str | None = None) -> list[VersionReport]:
-    return [verify_version(d, f"{n}@{v}") for n, v, d in Repository(root).version_dirs(name)]
+    return [verify_version(d, f"{n}@{v}") for n, v, d in version_dirs(root, name)]
 
 
 def verify_version(model_dir: Path, key: str) -> VersionReport:

@@ -23,7 +23,7 @@ _OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
 def external_data_locations(model) -> list[str]:
     """The external-data files an onnx.ModelProto's initializers (subgraphs' too) name, in first-seen order."""
     from onnx import TensorProto
-    from .packing import iter_graphs
+    from .format import iter_graphs
 
     seen: dict[str, None] = {}
     for graph in iter_graphs(model.graph):

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from modelcache.executor.batching import (BatchWindow, Dynamic, LayerToLayer, Pending, Serial, fit_g, g, n_opt)
+from modelcache.calibration import fit_g, g, n_opt
+from modelcache.executor.batching import BatchWindow, Dynamic, LayerToLayer, Pending, Serial
 
 
 def q(*specs):
@@ -79,7 +80,7 @@ def test_layer_to_layer_starts_a_batch_at_once_with_what_is_queued():
 
 
 def test_profile_predicts_measured_sizes_exactly_and_others_from_g():
-    from modelcache.executor.batching import calibration_profile, profile_predict
+    from modelcache.calibration import calibration_profile, profile_predict
     truth = (0.010, 0.002, 6.0, 2.0)
     stage_s = {b: [0.25 * float(g(b, *truth)), 0.75 * float(g(b, *truth))] for b in (1, 2, 4, 8, 16)}
     p = calibration_profile("cpu2", stage_s, t_opt_s=2 * float(g(8, *truth)) * 1.001)   # N_opt: 2 batches fit

@@ -126,7 +126,7 @@ def test_models_sharing_most_tensors_cost_barely_more_than_one(tmp_path):
         with d.client() as c:
             c.add(str(a), "base")
             c.add(str(b), "finetuned")
-            from modelcache.packing import load_manifest
+            from modelcache.format import load_manifest
             ma, mb = (load_manifest(d.repository / n / "1") for n in ("base", "finetuned"))
             shared = sum(t.nbytes for t in mb.tensors if t.sha256 in {x.sha256 for x in ma.tensors})
             cpu_bytes = sum(t.nbytes for t in mb.tensors)   # (the blob also holds the GPU variant)

@@ -16,8 +16,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from modelcache.client.device import (DeviceError, attach_weights, cuda_device_id, cuda_runtime, fake_gpu_count,
-                                      handle_cache, normalize_uuid, requested_device)
+from modelcache.client.device import attach_weights, cuda_device_id, fake_gpu_count, handle_cache, requested_device
+from modelcache.cuda import DeviceError, cuda_runtime, normalize_uuid
 from modelcache.errors import ModelCacheError, ProtocolError
 from modelcache.session_options import attach_session_options
 
@@ -283,7 +283,7 @@ def test_requested_device_without_cuda_is_none_and_touches_nothing(monkeypatch):
     assert requested_device(None) is None
 
 
-@pytest.mark.parametrize("spec, count", [("2x256M", 2), ("1", 1), (" 4X1G", 4)])
+@pytest.mark.parametrize("spec, count", [("2x256M", 2), ("1", 1), (" 4X1G", 4), ("1G", 1)])  # as the daemon reads it
 def test_fake_gpu_count(spec, count):
     assert fake_gpu_count(spec) == count
 
@@ -316,6 +316,7 @@ def test_import_loads_neither_numpy_nor_onnxruntime_nor_cupy():
     r = _run_python("""
         import sys
         import modelcache.client.device
+        import modelcache.cuda
         print([m for m in ("numpy", "onnxruntime", "cupy") if m in sys.modules])
     """)
     assert r.returncode == 0, r.stderr
@@ -325,7 +326,7 @@ def test_import_loads_neither_numpy_nor_onnxruntime_nor_cupy():
 def test_missing_cuda_runtime_is_a_clear_error():
     # A fresh process, so that no libcudart is mapped yet; names the loader cannot find.
     r = _run_python("""
-        from modelcache.client.device import CudaRuntime, DeviceError
+        from modelcache.cuda import CudaRuntime, DeviceError
         try:
             CudaRuntime(names=("libcudart.so.0-not-here",))
         except DeviceError as e:
@@ -357,7 +358,7 @@ def test_the_cuda_runtime_already_loaded_is_the_one_used():
                 break
             except OSError:
                 pass
-        from modelcache.client.device import CudaRuntime
+        from modelcache.cuda import CudaRuntime
         CudaRuntime(names=("libcudart.so.0-not-here",))
         print("ok")
     """)

@@ -1,6 +1,6 @@
 import pytest
 
-from modelcache.config import ConfigError, load, parse_size
+from modelcache.config import ConfigError, load, parse_fake_gpus, parse_size
 
 
 def test_layers_defaults_toml_env_flags(tmp_path):
@@ -38,6 +38,13 @@ def test_sizes(text, total, expect):
     assert parse_size(text, total) == expect
 
 
+@pytest.mark.parametrize("spec, expect", [
+    ("2x256M", (2, 256 * 2**20)), ("1G", (1, 2**30)), (" 4X1G", (4, 2**30)), ("", (0, 0)), ("none", (0, 0))])
+def test_fake_gpus(spec, expect):
+    # One reading of the spec for the daemon (tiers.gpu.fake_devices) and its clients (client.device).
+    assert parse_fake_gpus(spec) == expect
+
+
 def test_bad_values_are_clear(tmp_path):
     with pytest.raises(ConfigError, match="as a size"):
         load(None, {"host_capacity": "lots"}, env={})
@@ -55,7 +62,7 @@ def test_bad_values_are_clear(tmp_path):
 
 
 def test_batching_policy_per_model():
-    from modelcache.executor.batching import parse_policy_spec
+    from modelcache.config import parse_policy_spec
     assert parse_policy_spec("layer") == {"*": "layer"}
     assert parse_policy_spec("alexnet=layer, resnet50=dynamic") == {"alexnet": "layer", "resnet50": "dynamic",
                                                                       "*": "serial"}

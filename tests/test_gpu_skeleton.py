@@ -17,9 +17,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from modelcache import zoo
 from modelcache.errors import PackError
-from modelcache.packing import (ALIGN, GPU_SKELETON_FILE, GPU_STUB_FILE, INLINE_MAX_BYTES, MANIFEST_FILE, OPT_LEVELS,
-                                WEIGHTS_FILE, Manifest, check_gpu_skeleton, is_gpu_shared_weight, iter_graphs,
-                                load_manifest, pack)
+from modelcache.format import (ALIGN, GPU_SKELETON_FILE, GPU_STUB_FILE, MANIFEST_FILE, WEIGHTS_FILE, Manifest,
+                               iter_graphs, load_manifest)
+from modelcache.packing import INLINE_MAX_BYTES, OPT_LEVELS, check_gpu_skeleton, is_gpu_shared_weight, pack
 from modelcache.session_options import attach_session_options, bind_weights
 from conftest import TINY
 

@@ -16,8 +16,9 @@ import pytest
 
 import modelcache
 from modelcache import zoo
-from modelcache.packing import (ALIGN, HALF_TO_FLOAT_FUSION, INLINE_MAX_BYTES, SKELETON_FILE, WEIGHTS_FILE,
-                                _half_weight_exclusions, _tensor_nbytes, is_gpu_shared_weight, iter_graphs, pack)
+from modelcache.format import ALIGN, SKELETON_FILE, WEIGHTS_FILE, iter_graphs, tensor_nbytes
+from modelcache.packing import (HALF_TO_FLOAT_FUSION, INLINE_MAX_BYTES, _half_weight_exclusions, is_gpu_shared_weight,
+                                pack)
 from modelcache.tiers.host import HostTier
 from conftest import daemon_with_models
 
@@ -42,15 +43,15 @@ def fp16_initializers(src: str) -> list:
 def fp16_bytes_in_blob(src: str) -> tuple[int, int]:
     """(bytes, count) of the source's fp16 initializers large enough for the CPU skeleton to keep them
     in the weights blob (smaller ones stay inline)."""
-    big = [_tensor_nbytes(t) for t in fp16_initializers(src) if _tensor_nbytes(t) >= INLINE_MAX_BYTES]
+    big = [tensor_nbytes(t) for t in fp16_initializers(src) if tensor_nbytes(t) >= INLINE_MAX_BYTES]
     return sum(big), len(big)
 
 
 def fp16_bytes_lent(src: str) -> tuple[int, int]:
     """(bytes, count) of the distinct fp16 weights either skeleton takes from the blob: the CPU one's,
     and the GPU one's stubs (which include smaller weights: packing.is_gpu_shared_weight)."""
-    lent = {t.raw_data: _tensor_nbytes(t) for t in fp16_initializers(src)
-            if _tensor_nbytes(t) >= INLINE_MAX_BYTES or is_gpu_shared_weight(t)}
+    lent = {t.raw_data: tensor_nbytes(t) for t in fp16_initializers(src)
+            if tensor_nbytes(t) >= INLINE_MAX_BYTES or is_gpu_shared_weight(t)}
     return sum(lent.values()), len(lent)
 
 

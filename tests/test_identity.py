@@ -263,7 +263,8 @@ def test_a_non_member_is_told_permission_denied_at_once(root_daemon, shared_root
 
 
 def test_a_manifest_from_before_owners_loads_as_the_admins(tmp_path, zoo_file):
-    from modelcache.packing import Manifest, load_manifest, pack
+    from modelcache.format import Manifest, load_manifest
+    from modelcache.packing import pack
     manifest = pack(zoo_file("tiny-if"), tmp_path, "m", 1, "basic", owner_uid=4242)
     assert load_manifest(tmp_path / "m" / "1").owner_uid == 4242
     old = {k: v for k, v in json.loads((tmp_path / "m" / "1" / "manifest.json").read_text()).items() if k != "owner_uid"}

@@ -22,7 +22,8 @@ import pytest
 import modelcache
 from modelcache import integrity, zoo
 from modelcache.errors import IntegrityError
-from modelcache.packing import pack, parse_manifest
+from modelcache.format import parse_manifest
+from modelcache.packing import pack
 from modelcache.tiers.files import copy_hashed
 from modelcache.tiers.remote import publish
 from conftest import DaemonProcess, stop_cleanly, wait_until

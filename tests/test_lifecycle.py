@@ -12,7 +12,7 @@ import pytest
 
 from modelcache.daemon.registry import ModelState
 from modelcache.errors import CapacityError, IntegrityError
-from modelcache.packing import WEIGHTS_FILE
+from modelcache.format import WEIGHTS_FILE
 
 from daemon_parts import Parts, counting, on_device, resident
 

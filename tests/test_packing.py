@@ -11,7 +11,8 @@ import pytest
 
 from modelcache import zoo
 from modelcache.errors import PackError
-from modelcache.packing import ALIGN, SKELETON_FILE, WEIGHTS_FILE, iter_graphs, load_manifest, pack
+from modelcache.format import ALIGN, SKELETON_FILE, WEIGHTS_FILE, iter_graphs, load_manifest
+from modelcache.packing import pack
 from modelcache.session_options import attach_session_options
 from modelcache.tiers.disk import Repository
 from conftest import TINY
@@ -161,3 +162,24 @@ def test_kill_during_add_never_leaves_a_half_model(zoo_file, tmp_path):
     assert not list(repo.glob(".tmp-*"))
     if found:
         assert (found[0][0] / WEIGHTS_FILE).stat().st_size == found[0][1].weights_bytes
+
+
+def test_format_element_types_agree_with_onnx():
+    # format.py sizes tensors without onnx: its table must say what onnx's numpy dtypes say.
+    from modelcache.format import ONNX_ELEMENT_TYPES
+
+    known = {v for _, v in onnx.TensorProto.DataType.items() if v != onnx.TensorProto.UNDEFINED}
+    assert set(ONNX_ELEMENT_TYPES) == known
+    for elem_type, (name, itemsize) in ONNX_ELEMENT_TYPES.items():
+        np_dtype = onnx.helper.tensor_dtype_to_np_dtype(elem_type)
+        assert (name, itemsize) == (np_dtype.name, np_dtype.itemsize), elem_type
+
+
+def test_what_only_reads_a_stored_model_imports_neither_onnx_nor_the_packer():
+    readers = ["modelcache.format", "modelcache.tiers.host", "modelcache.tiers.disk", "modelcache.tiers.remote",
+               "modelcache.tiers.adopt", "modelcache.daemon.registry", "modelcache.scrub"]
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in readers) +
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('onnx', 'onnxruntime')"
+            " or m == 'modelcache.packing'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -249,7 +249,7 @@ def tiny_relu_model(path):
 
 def test_node_times_are_scaled_to_each_runs_wall_time():
     """The profiler times kernels only: each run's nodes are stretched to add up to its wall time."""
-    from modelcache.placement.profile import to_wall
+    from modelcache.executor.profile import to_wall
     scaled = to_wall({"a": [1.0, 2.0], "b": [3.0, 2.0]}, [8.0, 5.0])
     assert scaled == {"a": [2.0, 2.5], "b": [6.0, 2.5]}
     assert to_wall({"a": [1.0, 2.0], "b": [3.0]}, [8.0, 5.0]) == {"a": [1.0, 2.0], "b": [3.0]}   # runs not aligned

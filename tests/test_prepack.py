@@ -20,7 +20,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import modelcache
-from modelcache import packing, prepack
+from modelcache import format, packing, prepack
 from modelcache.errors import IntegrityError
 
 # Two dense layers of 1024x4096 and 4096x1024: 32 MiB of MatMul weights, so a private packed
@@ -71,10 +71,10 @@ def test_matmul_model_shares_prepacked_blobs(daemon, tmp_path):
     src = mlp(tmp_path / "mlp.onnx")
     with daemon.client() as c:
         c.add(src, "mlp", prepack=True)
-    manifest = packing.load_manifest(daemon.repository / "mlp" / "1")
+    manifest = format.load_manifest(daemon.repository / "mlp" / "1")
     assert {r["tensor"] for r in manifest.prepacked} == {"w1", "w2"}
     assert manifest.prepacked_for == prepack.cpu_fingerprint()
-    assert prepack.PREPACKED_FILE in manifest.files   # covered by the version's checksums
+    assert format.PREPACKED_FILE in manifest.files   # covered by the version's checksums
 
     feeds = {"x": np.random.default_rng(1).standard_normal((4, HIDDEN)).astype(np.float32)}
     want = ort.InferenceSession(src, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
@@ -98,9 +98,9 @@ def test_without_blobs_a_client_would_copy(daemon, tmp_path):
         c.add(src, "mlp", prepack=True)
     daemon.stop()      # the daemon reads manifests at start: edit it while none runs
     model_dir = daemon.repository / "mlp" / "1"
-    manifest = packing.load_manifest(model_dir)
+    manifest = format.load_manifest(model_dir)
     manifest.prepacked_for = "another-machine"
-    packing.write_manifest(model_dir, manifest)
+    format.write_manifest(model_dir, manifest)
     daemon.start()
     with modelcache.InferenceSession("mlp", socket=daemon.socket) as s:
         assert not s.prepacked and s._lease.prepacked == []     # opened as before: prepacking off
@@ -113,8 +113,8 @@ def test_blobs_are_made_only_when_asked_for(daemon, tmp_path):
     src = mlp(tmp_path / "mlp.onnx")
     with daemon.client() as c:
         c.add(src, "mlp")
-    manifest = packing.load_manifest(daemon.repository / "mlp" / "1")
-    assert manifest.prepacked == [] and prepack.PREPACKED_FILE not in manifest.files
+    manifest = format.load_manifest(daemon.repository / "mlp" / "1")
+    assert manifest.prepacked == [] and format.PREPACKED_FILE not in manifest.files
     with modelcache.InferenceSession("mlp", socket=daemon.socket) as s:
         assert not s.prepacked and s._lease.prepacked == []
 
@@ -122,8 +122,8 @@ def test_blobs_are_made_only_when_asked_for(daemon, tmp_path):
 def test_cnn_is_not_matmul_heavy(daemon, zoo_file):
     with daemon.client() as c:
         c.add(zoo_file("tiny-cnn"), "cnn", prepack=True)
-    manifest = packing.load_manifest(daemon.repository / "cnn" / "1")
-    assert manifest.prepacked == [] and prepack.PREPACKED_FILE not in manifest.files
+    manifest = format.load_manifest(daemon.repository / "cnn" / "1")
+    assert manifest.prepacked == [] and format.PREPACKED_FILE not in manifest.files
     with modelcache.InferenceSession("cnn", socket=daemon.socket) as s:
         assert not s.prepacked and s._lease.prepacked == []
 
@@ -133,9 +133,9 @@ def test_damaged_blob_is_refused(host, tmp_path):
     repo.mkdir()
     packing.pack(mlp(tmp_path / "mlp.onnx"), repo, "mlp", 1, with_prepacked=True)
     model_dir = repo / "mlp" / "1"
-    manifest = packing.load_manifest(model_dir)
+    manifest = format.load_manifest(model_dir)
     blob_offset = manifest.prepacked[0]["packs"][0][1][0][0]
-    with open(model_dir / prepack.PREPACKED_FILE, "r+b") as f:
+    with open(model_dir / format.PREPACKED_FILE, "r+b") as f:
         f.seek(blob_offset + 100)
         byte = f.read(1)
         f.seek(blob_offset + 100)
@@ -154,8 +154,8 @@ def test_malformed_record_is_a_damaged_manifest(tmp_path):
     repo.mkdir()
     packing.pack(mlp(tmp_path / "mlp.onnx"), repo, "mlp", 1, with_prepacked=True)
     model_dir = repo / "mlp" / "1"
-    manifest = packing.load_manifest(model_dir)
-    manifest.prepacked[0]["packs"][0][1][0][0] = manifest.files[prepack.PREPACKED_FILE]["bytes"]
-    packing.write_manifest(model_dir, manifest)   # (its checksum recomputed: only the record is wrong)
+    manifest = format.load_manifest(model_dir)
+    manifest.prepacked[0]["packs"][0][1][0][0] = manifest.files[format.PREPACKED_FILE]["bytes"]
+    format.write_manifest(model_dir, manifest)   # (its checksum recomputed: only the record is wrong)
     with pytest.raises(IntegrityError, match="prepacked record"):
-        packing.load_manifest(model_dir)
+        format.load_manifest(model_dir)

@@ -8,7 +8,8 @@ import onnx
 import pytest
 
 from modelcache.errors import InputError, ModelNotFound
-from modelcache.placement.profile import PooledProfile, daemon_source, run_profiled, profiling_options
+from modelcache.executor.profile import profiling_options, run_profiled
+from modelcache.placement.profile import PooledProfile, daemon_source
 from modelcache.zoo import sample_inputs
 
 from conftest import DaemonProcess, stop_cleanly
@@ -125,7 +126,7 @@ def test_a_profile_or_request_of_a_model_the_tier_cannot_hold_is_refused_and_hol
 
 def test_kernel_events_go_to_the_run_they_started_in():
     """A node with two kernels a run is summed there, one a run skipped is 0 there: run i is run i for all."""
-    from modelcache.placement.profile import node_events
+    from modelcache.executor.profile import node_events
     run = lambda ts: {"cat": "Session", "name": "model_run", "ts": ts, "dur": 90}          # noqa: E731
     kern = lambda n, ts, dur: {"cat": "Node", "name": f"{n}_kernel_time", "ts": ts, "dur": dur,  # noqa: E731
                                "args": {"op_name": "Op", "thread_scheduling_stats": {"x": 1}}}

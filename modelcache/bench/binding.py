@@ -54,7 +54,7 @@ def child(candidate: str, src: str, packed: str, warm_runs: int) -> dict:
         sess = ort.InferenceSession(os.path.join(packed, "model.onnx"), attach_session_options(),
                                     providers=["CPUExecutionProvider"])
     elif candidate == "add-initializer":
-        from modelcache.packing import load_manifest
+        from modelcache.format import load_manifest
         manifest = load_manifest(Path(packed))
         blob = np.memmap(os.path.join(packed, "weights.bin"), dtype=np.uint8, mode="r")
         so = attach_session_options()

@@ -54,7 +54,7 @@ def fold_at_open_session(name: str, repository: Path):
     import onnxruntime as ort
     from ..client.connection import shared_client
     from ..client.leases import shared_lease_client
-    from ..packing import SKELETON_FILE, WEIGHTS_FILE, load_manifest
+    from ..format import SKELETON_FILE, WEIGHTS_FILE, load_manifest
     from ..session_options import attach_session_options, map_readonly
 
     lease_client = shared_lease_client(None) or shared_client()   # the path attach mode's open takes
@@ -117,9 +117,10 @@ def child_warm(name: str, src: str, repository: str, runs: int) -> dict:
 def half_weight_bytes(src: str, min_bytes: int = 0) -> int:
     """Bytes of the model's fp16/bf16 initializers of at least `min_bytes` each, every (sub)graph."""
     import onnx
-    from ..packing import _HALF_TYPES, _tensor_nbytes, iter_graphs
+    from ..format import iter_graphs, tensor_nbytes
+    from ..packing import _HALF_TYPES
     model = onnx.load(src, load_external_data=False)
-    sizes = [_tensor_nbytes(t) for g in iter_graphs(model.graph) for t in g.initializer if t.data_type in _HALF_TYPES]
+    sizes = [tensor_nbytes(t) for g in iter_graphs(model.graph) for t in g.initializer if t.data_type in _HALF_TYPES]
     return sum(n for n in sizes if n >= min_bytes)
 
 
@@ -133,7 +134,7 @@ def pack_both(src: str, repository: Path, name: str) -> None:
 def host_tier_bytes_with_gpu(repository: Path, name: str) -> int:
     """The segment bytes a fresh host tier would hold for the model with both variants (a GPU open
     promotes the GPU skeleton's weights through the host tier): the tier's own plan, nothing written."""
-    from ..packing import load_manifest
+    from ..format import load_manifest
     from ..tiers.host import HostTier
     with tempfile.TemporaryDirectory() as shm:
         model_dir = repository / name / "1"

@@ -130,7 +130,7 @@ def check_one(client, repo: Path, name: str, system, stages: int, args) -> dict:
     """One row: the model cut into `stages`, served, and simulated, in args.rounds interleaved rounds
     (a profile slice, solo requests, a load slice), so the profile and what it predicts sample the same
     stretch of this VM's time (its speed moves by ~20 % over tens of seconds with nothing else running)."""
-    from ..packing import SKELETON_FILE
+    from ..format import SKELETON_FILE
     from ..placement.machine import cost_table, profiled_threads
     from ..placement.plan import PlanCost
     from ..placement.profile import PooledProfile, daemon_source

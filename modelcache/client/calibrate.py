@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from ..executor.batching import calibration_profile
+from ..calibration import calibration_profile
 from ..tensors import random_feeds
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16)

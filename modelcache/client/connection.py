@@ -360,7 +360,7 @@ class Client:
         at least `runs` back-to-back runs, a cold run (30 ms idle first) between each two, more until `min_s`;
         no run starts after MAX_PROFILE_S (60 s)."""
         from .. import tensors
-        from ..placement.profile import MAX_PROFILE_S
+        from ..protocol import MAX_PROFILE_S
         wire, files = tensors.encode(feeds, group_of=self._group_of)
         try:
             # Beyond the usual timeout: the worker starts no run after MAX_PROFILE_S, but first finishes the

@@ -15,20 +15,13 @@ from __future__ import annotations
 
 import logging
 
+from ..cuda import DeviceError, normalize_uuid
 from ..errors import CapacityError, ModelCacheError
 from .cache import HostCache, choose_victims
 from .loaders import Loaders
 from .registry import DeviceResidency, ModelRecord, ModelState, Registry
 
 log = logging.getLogger("modelcache.daemon")
-
-
-def normalize_uuid(text: str) -> str:
-    """A device UUID as the wire carries it: our hex form, or nvidia-smi's 'GPU-xxxxxxxx-xxxx-...'."""
-    text = text.strip().lower()
-    if text.startswith("gpu-"):
-        text = text[4:].replace("-", "")
-    return text
 
 
 class DeviceCache:
@@ -91,9 +84,12 @@ class DeviceCache:
         tiers = sorted(self.tiers.values(), key=lambda t: t.device.index)
         if not which:
             return tiers[0]
-        uuid = normalize_uuid(which)
+        try:
+            uuid = normalize_uuid(which)
+        except DeviceError:
+            uuid = which.strip().lower()   # a fake device's name, or an index: matched as they are
         for tier in tiers:
-            if normalize_uuid(tier.device.uuid) == uuid or (which.isdigit() and tier.device.index == int(which)):
+            if tier.device.uuid == uuid or (which.isdigit() and tier.device.index == int(which)):
                 return tier
         known = ", ".join(f"{t.device.index} ({t.device.uuid})" for t in tiers)
         raise ModelCacheError(f"no GPU {which!r} in this daemon's GPU tier; it has {known}")

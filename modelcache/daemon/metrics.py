@@ -6,37 +6,13 @@ The HTTP thread never reads the daemon's tables: the owner loop renders a snapsh
 
 from __future__ import annotations
 
-import bisect
 import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from ..histogram import Histogram
+
 log = logging.getLogger("modelcache.metrics")
-
-OPEN_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-
-class Histogram:
-    def __init__(self, buckets=OPEN_BUCKETS_S):
-        self.buckets = tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
-        self.total = 0.0
-        self.n = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.n += 1
-
-    def lines(self, name: str, labels: str = "") -> list[str]:
-        sep = "," if labels else ""
-        out, cum = [], 0
-        for bound, count in zip((*self.buckets, "+Inf"), self.counts):
-            cum += count
-            out.append(f'{name}_bucket{{{labels}{sep}le="{bound}"}} {cum}')
-        lab = f"{{{labels}}}" if labels else ""
-        out += [f"{name}_sum{lab} {self.total:.6f}", f"{name}_count{lab} {self.n}"]
-        return out
 
 
 def _esc(value: str) -> str:

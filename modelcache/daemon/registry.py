@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CapacityError, LeaseError, ModelNotFound
-from ..packing import Manifest
+from ..format import Manifest
 
 
 class ModelState(enum.Enum):

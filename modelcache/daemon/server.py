@@ -38,8 +38,9 @@ from .devices import DeviceCache
 from .fds import FdBudget, raise_fd_limit
 from .identity import Admins, Peer, credentials_from_peer_address
 from .lane import LaneConnection, LaneServer, check_socket_file
+from ..histogram import Histogram
 from .loaders import Loaders
-from .metrics import Histogram, MetricsServer, render
+from .metrics import MetricsServer, render
 from .notify import Notifier
 from .registry import ModelState, Registry, describe_unreadable
 from .restart import SocketLock, adopt_resident_models, settle_adopted

@@ -98,8 +98,8 @@ class Serving:
         return None
 
     def on_SetBatching(self, ident, msg: P.SetBatching):
-        from ..executor.batching import check_profile
-        from ..packing import write_manifest
+        from ..calibration import check_profile
+        from ..format import write_manifest
         model = self.registry.resolve(msg.name, msg.version)
         self.admins.check_model_owner(ident, model, "set the batching profile of")
         try:
@@ -114,8 +114,9 @@ class Serving:
         return P.Ack(req_id=msg.req_id)
 
     def on_Profile(self, ident, msg: P.Profile):
-        from ..packing import SKELETON_FILE
-        from ..placement.profile import MAX_PROFILE_RUNS, MAX_PROFILE_S, WAKE_GAP_S
+        from ..format import SKELETON_FILE
+        from ..executor.profile import WAKE_GAP_S
+        from ..protocol import MAX_PROFILE_RUNS, MAX_PROFILE_S
 
         model = self.registry.resolve(msg.name, msg.version)
         # It takes a worker for seconds, from every user's requests: the model's owner or an admin only.
@@ -326,7 +327,7 @@ class Serving:
     def _check_stored_profile(model: ModelRecord) -> None:
         """A profile stored before set_batching checked profiles in full (or edited by hand) may be one
         every serve request would fail on: serve without it, and say so, rather than fail forever."""
-        from ..executor.batching import check_profile
+        from ..calibration import check_profile
         if model.manifest.batching:
             try:
                 check_profile(model.manifest.batching, stages=max(1, len(model.manifest.stages)))

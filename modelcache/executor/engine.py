@@ -36,9 +36,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..daemon.metrics import Histogram
+from ..histogram import Histogram
 from ..errors import InputError, ModelCacheError, RequestTimeout
-from .batching import LayerToLayer, Pending, make_batcher, parse_policy_spec, profile_predict, request_overhead
+from ..calibration import profile_predict, request_overhead
+from ..config import parse_policy_spec
+from .batching import LayerToLayer, Pending, make_batcher
 from .perfmodel import PerfModels
 from .scheduler import Task, make_scheduler
 from .workers import (DeviceValue, GpuWorker, StageJob, Worker, WorkerCall, WorkerUnavailable, discover_gpus,

@@ -32,7 +32,7 @@ import logging
 
 from ..errors import PackError
 from .. import integrity
-from ..packing import SKELETON_FILE, WEIGHTS_FILE, iter_graphs, load_manifest, write_manifest
+from ..format import SKELETON_FILE, WEIGHTS_FILE, iter_graphs, load_manifest, write_manifest
 
 log = logging.getLogger("modelcache.executor")
 

@@ -291,7 +291,7 @@ class Worker:
     def profile(self, skeleton: str, segments: list, tensors: list, feeds: dict, runs: int,
                 min_s: float) -> tuple[dict, dict, list]:
         """ORT's profiler over a whole model as this worker runs its stages: on this thread and its cores, with
-        its thread count, over the host tier's weights in this process (placement/profile.py's run_profiled:
+        its thread count, over the host tier's weights in this process (executor/profile.py's run_profiled:
         node times, args, cold runs' extra seconds). A session of its own, built and freed here: the
         worker's stage sessions are untouched.
 
@@ -300,7 +300,8 @@ class Worker:
         import tempfile
 
         import onnxruntime as ort
-        from ..placement.profile import MAX_PROFILE_S, profiling_options, run_profiled
+        from ..protocol import MAX_PROFILE_S
+        from .profile import profiling_options, run_profiled
         from ..session_options import bind_weights
 
         with tempfile.TemporaryDirectory(prefix="modelcache-profile-") as tmp:
@@ -367,7 +368,7 @@ class GpuWorker(Worker):
             raise ModelCacheError(f"GPU worker {self.state.worker_id}: stage {job.stage} of {job.model_key} "
                                   f"came without its weights on device {self.device.uuid}")
         import onnxruntime as ort
-        from ..client.device import _KDL_CPU, _KDL_CUDA, _dlpack_value
+        from ..cuda import KDL_CPU, KDL_CUDA, dlpack_value
         from ..session_options import attach_session_options
 
         if not self.fake and "CUDAExecutionProvider" not in ort.get_available_providers():
@@ -378,12 +379,12 @@ class GpuWorker(Worker):
             if preload is not None:
                 preload()   # the CUDA and cuDNN libraries ORT's CUDA provider needs (shared/GPU.md)
             self._preloaded = True
-        device_type, device_id = (_KDL_CPU, 0) if self.fake else (_KDL_CUDA, self.device.index)
+        device_type, device_id = (KDL_CPU, 0) if self.fake else (KDL_CUDA, self.device.index)
         so = attach_session_options(spinning=False)
         so.intra_op_num_threads = 1
         values = []
         for name, dtype, shape, address, nbytes in job.device["tensors"]:
-            value = _dlpack_value(address, dtype, shape, device_type, device_id)
+            value = dlpack_value(address, dtype, shape, device_type, device_id)
             if nbytes and value.data_ptr() != address:
                 raise ModelCacheError(f"onnxruntime copied {name!r} of {job.model_key} instead of using the arena")
             values.append(value)

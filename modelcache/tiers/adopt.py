@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import integrity
-from ..packing import Manifest
+from ..format import Manifest
 from .host import OWNER_FILE, WHERE_SUFFIX, HostTier, dead_tiers, segment_number, variant_tensors
 
 log = logging.getLogger("modelcache.host")

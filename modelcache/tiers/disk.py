@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .. import reservations
 from ..errors import IntegrityError
-from ..packing import Manifest, load_manifest
+from ..format import Manifest, load_manifest, version_dirs
 
 log = logging.getLogger("modelcache.disk")
 
@@ -22,11 +22,7 @@ class Repository:
 
     def version_dirs(self, name: str | None = None) -> list[tuple[str, int, Path]]:
         """(name, version, directory) of every version directory, complete or not, sorted."""
-        found = []
-        for d in sorted(self.root.glob(f"{name or '*'}/*")):
-            if d.is_dir() and not d.parent.name.startswith(".") and d.name.isdigit():
-                found.append((d.parent.name, int(d.name), d))
-        return found
+        return version_dirs(self.root, name)
 
     def scan(self) -> list[tuple[Path, Manifest]]:
         """Every complete packed model; half-written ones (a crash during add) are removed. A version

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from ..config import ConfigError, parse_size
+from ..config import parse_fake_gpus
+from ..cuda import fake_uuid
 from ..errors import CapacityError
 from .files import copy_range
 
@@ -86,7 +87,7 @@ def probe() -> list[GpuDevice]:
 
 
 def device_uuid(index: int, cupy_uuid, read_whole) -> str | None:
-    """Device `index`'s UUID as 32 hex digits, the client's name for it (client/device.py).
+    """Device `index`'s UUID as 32 hex digits, the client's name for it (cuda.normalize_uuid).
 
     cupy's getDeviceProperties()["uuid"] is a C char[16] that Cython turned into bytes as if it were
     a string: cut at its first zero byte (about one GPU in 16 has one; fbpic#718 saw 14 bytes). So the
@@ -102,24 +103,14 @@ def device_uuid(index: int, cupy_uuid, read_whole) -> str | None:
 
 
 def _runtime_uuid(index: int) -> str:
-    from ..client.device import cuda_runtime
+    from ..cuda import cuda_runtime
     return cuda_runtime().uuid_of(index)
 
 
 def fake_devices(spec: str) -> list[GpuDevice]:
     """The devices of the `fake_gpus` setting: "2x256M" = two devices of 256 MiB, "1G" = one, "" = none."""
-    spec = str(spec).strip().lower()
-    if spec in ("", "none", "off", "0"):
-        return []
-    count, _, size = spec.rpartition("x")
-    try:
-        n = int(count) if count else 1
-    except ValueError:
-        raise ConfigError(f"fake_gpus={spec!r}: write a size such as 1G, or count x size such as 2x256M") from None
-    total = parse_size(size)
-    if n < 1 or total <= 0:
-        raise ConfigError(f"fake_gpus={spec!r}: needs at least one device of a positive size")
-    return [GpuDevice(i, f"fake-{i}", "fake-gpu", total) for i in range(n)]
+    count, total = parse_fake_gpus(spec)
+    return [GpuDevice(i, fake_uuid(i), "fake-gpu", total) for i in range(count)]
 
 
 # -- allocators -----------------------------------------------------------------------------

@@ -39,8 +39,7 @@ from pathlib import Path
 
 from .files import copy_hashed, copy_range
 from .. import integrity, prepack
-from ..packing import ALIGN, GPU_SKELETON_FILE, SKELETON_FILE, WEIGHTS_FILE, Manifest
-from ..prepack import PREPACKED_FILE
+from ..format import ALIGN, GPU_SKELETON_FILE, PREPACKED_FILE, SKELETON_FILE, WEIGHTS_FILE, Manifest
 
 log = logging.getLogger("modelcache.host")
 PREFIX = "modelcache."
@@ -393,7 +392,7 @@ def _write_skeleton(src: Path, dst: Path, locations: dict, key: str, prepacked: 
     (ORT's `prepacked_<i>` entries, offsets in the same segment): clients let ORT map it.
     """
     import onnx
-    from ..packing import iter_graphs
+    from ..format import iter_graphs
 
     model = _load_skeleton(src, key)
     for graph in iter_graphs(model.graph):
@@ -418,7 +417,7 @@ def _write_gpu_skeleton(src: Path, dst: Path, manifest: Manifest, key: str) -> N
     largest stub (ORT checks the external data a graph names exists; it never reads it, because
     every stub is overridden by add_initializer). Sparse on tmpfs: it costs no memory."""
     import onnx
-    from ..packing import iter_graphs
+    from ..format import iter_graphs
 
     stub = dst.with_suffix(".stub")
     model = _load_skeleton(src, key)

@@ -21,9 +21,8 @@ from .. import reservations
 from ..errors import ModelNotFound, RemoteError
 from ..integrity import file_digest
 from ..storage import storage_error, storage_errors
-from ..packing import (GPU_SKELETON_FILE, MANIFEST_FILE, SKELETON_FILE, WEIGHTS_FILE, Manifest, load_manifest,
-                       write_gpu_stub)
-from ..prepack import PREPACKED_FILE
+from ..format import (GPU_SKELETON_FILE, MANIFEST_FILE, PREPACKED_FILE, SKELETON_FILE, WEIGHTS_FILE, Manifest,
+                      load_manifest, write_gpu_stub)
 
 INDEX_FILE = "index.json"
 # The GPU skeleton's stub file is not published: it is zeros, made again after a fetch (write_gpu_stub).

@@ -1,0 +1,152 @@
+"""The batching calibration profile stored with a model (its manifest's `batching`): LBCI's per-sample
+cost model g(b) and N_opt, and how a profile is made (`modelcache calibrate`), checked and read.
+
+Pure numbers with no executor in them, so the client that measures a profile, the daemon that
+stores it and the executor that serves by it all import it from here.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+# -- LBCI's per-sample cost model and optimal batch size ------------------------------------
+
+def g(b, z1: float, z2: float, z3: float, z4: float):
+    """Time of a batch of b samples: b * ((z1 - z2) / (1 + (b / z3) ** z4) + z2).
+
+    Per-sample time falls from ~z1 (small batches) to z2 (large) around b = z3, steepness z4.
+    """
+    import numpy as np  # here, not at the top: the client imports this module to calibrate
+    b = np.asarray(b, dtype=float)
+    return b * ((z1 - z2) / (1.0 + (b / z3) ** z4) + z2)
+
+
+def fit_g(batches, seconds) -> tuple[float, float, float, float]:
+    """Least-squares fit of g to measured batch times: a grid over (z3, z4), z1 and z2 in closed form."""
+    import numpy as np
+    b = np.asarray(batches, dtype=float)
+    t = np.asarray(seconds, dtype=float)
+    best, best_err = None, float("inf")
+    for z3 in np.geomspace(max(b.min(), 0.5), b.max() * 2, 40):
+        for z4 in np.linspace(0.5, 4.0, 15):
+            s = 1.0 / (1.0 + (b / z3) ** z4)
+            # t = z1 * b*s + z2 * b*(1 - s): linear in (z1, z2)
+            a = np.stack([b * s, b * (1 - s)], axis=1)
+            (z1, z2), *_ = np.linalg.lstsq(a, t, rcond=None)
+            err = float(np.sum((a @ np.array([z1, z2]) - t) ** 2))
+            if err < best_err and z1 > 0 and z2 > 0:
+                best, best_err = (float(z1), float(z2), float(z3), float(z4)), err
+    if best is None:
+        raise ValueError("cannot fit g(b) to these measurements")
+    return best
+
+
+def n_opt(z: tuple, t_opt: float, max_batch: int = 256, min_gain: float = 0.1) -> int:
+    """The largest batch whose predicted time stays within t_opt and that pays: its per-sample time
+    at least `min_gain` below a batch of 1's. Where batching gains nothing (ResNet-50 on this CPU
+    runs 61 ms a sample at every size) a bigger batch only makes its first request wait, so N_opt is 1."""
+    one = float(g(1, *z))
+    best = 1
+    for b in range(2, max_batch + 1):
+        t = float(g(b, *z))
+        if t <= t_opt and t / b <= (1 - min_gain) * one:
+            best = b
+    return best
+
+
+# -- calibration profile: LBCI's ratio table and N_opt, stored with the model ---------------
+
+def calibration_profile(kind: str, stage_s: dict[int, list[float]], t_opt_s: float,
+                        request_s: dict[int, float] | None = None) -> dict:
+    """From measured stage times per batch size ({b: [stage seconds]}) on one worker kind.
+
+    Returns what the manifest stores: the table, the ratio of each stage to the whole per batch
+    size (LBCI's run-time ratio table), the fitted g(b) of the whole model, t_opt and N_opt,
+    and (when given) the round trip of a request per batch size as a client saw it.
+    """
+    batches = sorted(stage_s)
+    totals = [sum(stage_s[b]) for b in batches]
+    z = fit_g(batches, totals) if len(batches) >= 2 else (totals[0], totals[0], 1.0, 1.0)
+    return {"kind": kind, "batches": batches, "stage_s": [list(stage_s[b]) for b in batches],
+            "ratios": [[t / sum(stage_s[b]) for t in stage_s[b]] for b in batches],
+            # N_opt within t_opt / 2, not t_opt: under load a request waits for the batch running when it
+            # arrived and then runs in its own, so two batch times must fit in the bound.
+            "g": list(z), "t_opt_ms": t_opt_s * 1e3, "n_opt": n_opt(z, t_opt_s / 2, max_batch=max(batches) * 4),
+            "request_s": [request_s[b] for b in batches] if request_s else None}
+
+
+def profile_predict(profile: dict | None, stage: int, batch: int) -> float | None:
+    """Seconds for `stage` at `batch` samples from a calibration profile, None without one.
+
+    A measured batch size answers from the table; any other from g(b) times the stage's
+    share at the nearest measured size."""
+    if not profile or stage >= len(profile["stage_s"][0]):
+        return None
+    batches = profile["batches"]
+    if batch in batches:
+        return profile["stage_s"][batches.index(batch)][stage]
+    nearest = min(range(len(batches)), key=lambda i: abs(batches[i] - batch))
+    return float(g(batch, *profile["g"])) * profile["ratios"][nearest][stage]
+
+
+PROFILE_MAX_BATCHES = 64     # measured batch sizes in one profile (calibrate measures a handful)
+PROFILE_MAX_N_OPT = 4096
+_PROFILE_FIELDS = {"kind", "batches", "stage_s", "ratios", "g", "t_opt_ms", "n_opt", "request_s"}
+
+
+def _number(x) -> bool:
+    """A finite int or float, not a bool (which is an int to Python)."""
+    return type(x) in (int, float) and math.isfinite(x)
+
+
+def check_profile(profile: dict, stages: int) -> None:
+    """Refuse anything but a profile such as calibration_profile makes, for these stages: every field's
+    type, shape and range (ValueError says which). A profile is stored with the model and read for
+    every serve request, so one that passes here must never fail there."""
+    hint = "make one with `modelcache calibrate`"
+    if not isinstance(profile, dict):
+        raise ValueError(f"not a batching profile (a map of its fields); {hint}")
+    missing = sorted(_PROFILE_FIELDS - {"request_s"} - set(profile))
+    unknown = sorted(set(profile) - _PROFILE_FIELDS)
+    if missing:
+        raise ValueError(f"not a batching profile (no {missing[0]!r}); {hint}")
+    if unknown:
+        raise ValueError(f"not a batching profile (unknown field {unknown[0]!r}); {hint}")
+    kind, batches = profile["kind"], profile["batches"]
+    if not isinstance(kind, str) or len(kind) > 64:
+        raise ValueError("the profile's kind must be a worker kind such as 'cpu2'")
+    if (not isinstance(batches, list) or not 1 <= len(batches) <= PROFILE_MAX_BATCHES
+            or not all(type(b) is int and b >= 1 for b in batches) or batches != sorted(set(batches))):
+        raise ValueError(f"the profile's batches must be 1 to {PROFILE_MAX_BATCHES} distinct batch sizes >= 1, "
+                         "ascending")
+    rows = profile["stage_s"]
+    if not isinstance(rows, list) or len(rows) != len(batches) or not all(isinstance(r, list) for r in rows):
+        raise ValueError("the profile's stage_s must have one row of stage times per batch size")
+    if any(len(r) != stages for r in rows):
+        raise ValueError(f"the profile times {len(rows[0])} stages; the model has {stages}: "
+                         "calibrate again after partitioning")
+    for name in ("stage_s", "ratios"):
+        table = profile[name]
+        if (not isinstance(table, list) or len(table) != len(batches)
+                or not all(isinstance(r, list) and len(r) == stages and all(_number(x) and x >= 0 for x in r)
+                           for r in table)):
+            raise ValueError(f"the profile's {name} must be {len(batches)} rows of {stages} numbers >= 0")
+    g = profile["g"]
+    if not isinstance(g, list) or len(g) != 4 or not all(_number(z) for z in g) or g[2] <= 0:
+        raise ValueError("the profile's g must be 4 numbers (z1, z2, z3 > 0, z4)")
+    if not _number(profile["t_opt_ms"]) or profile["t_opt_ms"] <= 0:
+        raise ValueError("the profile's t_opt_ms must be a number > 0")
+    if type(profile["n_opt"]) is not int or not 1 <= profile["n_opt"] <= PROFILE_MAX_N_OPT:
+        raise ValueError(f"the profile's n_opt must be a whole number from 1 to {PROFILE_MAX_N_OPT}")
+    request_s = profile.get("request_s")
+    if request_s is not None and (not isinstance(request_s, list) or len(request_s) != len(batches)
+                                  or not all(_number(x) and x >= 0 for x in request_s)):
+        raise ValueError(f"the profile's request_s must be none or {len(batches)} numbers >= 0, one per batch size")
+
+
+def request_overhead(profile: dict | None) -> float:
+    """Seconds a batch-1 request spends outside its stages (the way in and out), from a profile."""
+    if not profile or not profile.get("request_s"):
+        return 0.0
+    return max(0.0, profile["request_s"][0] - sum(profile["stage_s"][0]))
