@@ -28,7 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import compile_bytecode, ensure_models, managed_daemon, pyplot, save_results, summary
+from ..plotting import pyplot
+from .common import compile_bytecode, ensure_models, managed_daemon, save_results, summary
 
 MODES = ["ort", "ort-tuned", "attach-hit", "attach-miss", "serve", "ideal"]
 CHILD = str(Path(__file__).with_name("coldstart_child.py"))

@@ -34,7 +34,8 @@ from pathlib import Path
 from ..errors import ModelCacheError
 from . import coldstart
 from .coldstart import holding
-from .common import ensure_models, managed_daemon, pyplot, save_results, summary
+from ..plotting import pyplot
+from .common import ensure_models, managed_daemon, save_results, summary
 
 MODES = ["ort-cuda", "host-attach", "gpu-attach-hit", "gpu-attach-miss", "serve", "ideal"]
 CHILD = str(Path(__file__).with_name("coldstart_cuda_child.py"))

@@ -184,14 +184,3 @@ def save_results(out_dir: str | None, bench: str, argv, data, report) -> None:
         f.write(f"$ modelcache bench {bench} {' '.join(args)}\n")
         report(data, f)
 
-
-def pyplot():
-    """matplotlib's pyplot for writing files, or None (with a note) when the [bench] extra is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plots skipped: install modelcache[bench] (matplotlib)", file=sys.stderr)
-        return None
-    return plt
