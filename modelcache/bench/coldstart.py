@@ -16,13 +16,10 @@ Memory: k concurrent clients of one model holding a session, PSS and USS per cli
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,43 +27,11 @@ from pathlib import Path
 
 from ..plotting import pyplot
 from .common import compile_bytecode, ensure_models, managed_daemon, save_results, summary
+from .fresh import holding, sample, spawn
 
 MODES = ["ort", "ort-tuned", "attach-hit", "attach-miss", "serve", "ideal"]
 CHILD = str(Path(__file__).with_name("coldstart_child.py"))
 DEFAULT_MODELS = ["squeezenet1_1", "resnet50", "googlenet", "vgg16", "vit_b_16", "alexnet"]
-
-
-def spawn(mode: str, name: str, src: str, tuned_dir: str, socket: str, hold: bool = False,
-          child: str = CHILD) -> subprocess.Popen:
-    """A fresh process of the `child` script (coldstart_child.py; the GPU form passes its own), timed from now."""
-    env = {**os.environ, "MODELCACHE_SOCKET": socket}
-    if hold:
-        env["HOLD"] = "1"
-    return subprocess.Popen([sys.executable, child, mode, name, src, tuned_dir, str(time.monotonic_ns())],
-                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-@contextlib.contextmanager
-def holding(procs: list):
-    """Clients started with hold=True: wait until each has its session, and let them all go on exit."""
-    try:
-        for p in procs:
-            if not p.stdout.readline():
-                raise RuntimeError(f"memory client failed: {p.stderr.read()[-1500:]}")
-        yield procs
-    finally:
-        for p in procs:
-            p.stdin.close()
-        for p in procs:
-            p.wait(60)
-
-
-def sample(mode, name, src, tuned_dir, socket, child: str = CHILD) -> dict:
-    proc = spawn(mode, name, src, tuned_dir, socket, child=child)
-    out, err = proc.communicate(timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{mode} {name} failed: {err[-1500:]}")
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def prepare_tuned(client, name: str, root: Path) -> str:
@@ -89,7 +54,7 @@ def measure_latency(client, socket, paths, tuned, modes, runs, log) -> list[dict
                     client.evict(name)
                 elif mode in ("attach-hit", "serve"):
                     client.release(client.open(name).lease_id)  # make sure it is resident
-                s = sample(mode, name, src, tuned[name], socket)
+                s = sample(mode, name, src, tuned[name], socket, child=CHILD)
                 s["run"] = r
                 samples.append(s)
             log(f"round {r + 1}/{runs} {name}: " + ", ".join(f"{s['mode']} {s['total_ms']:.0f}"
@@ -107,7 +72,7 @@ def measure_memory(client, socket, name, src, tuned_dir, counts, log) -> list[di
     rows = []
     for k in counts:
         for mode in ("ort", "attach-hit"):
-            with holding([spawn(mode, name, src, tuned_dir, socket, hold=True) for _ in range(k)]) as procs:
+            with holding([spawn(mode, name, src, tuned_dir, socket, hold=True, child=CHILD) for _ in range(k)]) as procs:
                 infos = [psutil.Process(p.pid).memory_full_info() for p in procs]
                 daemon_pss = psutil.Process(daemon_pid).memory_full_info().pss if mode == "attach-hit" else 0
                 row = {"model": name, "mode": mode, "clients": k,
