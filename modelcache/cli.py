@@ -348,7 +348,7 @@ def cmd_zoo(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .bench.open import demo
+    from .demo import demo
     return demo(args)
 
 

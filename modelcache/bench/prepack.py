@@ -61,7 +61,7 @@ def child_warm(name: str, src: str, runs: int) -> dict:
 
 
 def measure(socket: str, paths: dict[str, str], runs: int, warm_runs: int) -> dict:
-    from .open import measure as measure_open
+    from ..demo import measure as measure_open
     return measure_open(socket, paths, runs, warm_runs, MODES, "modelcache.bench.prepack")
 
 
