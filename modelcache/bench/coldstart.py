@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import shutil
 import statistics
 import sys
@@ -171,32 +170,6 @@ def plot(samples: list[dict], memory: list[dict], out_dir: Path) -> list[str]:
     return written
 
 
-def breakdown(args, models: list[str], runs: int, log) -> int:
-    from . import coldstart_breakdown as bd
-    from ..client.connection import connect
-    with tempfile.TemporaryDirectory(prefix="modelcache-coldstart-") as tmp, \
-            tempfile.TemporaryDirectory(prefix="modelcache-coldstart-", dir=args.shm_dir) as shm:
-        socket = args.socket or f"ipc://{tmp}/daemon.sock"
-        with managed_daemon(socket, None if args.socket else f"{tmp}/repo", env={"MODELCACHE_SHM_DIR": args.shm_dir}):
-            ensure_models(socket, models, Path(tmp) / "zoo")
-            with connect(socket) as client:
-                tuned = {n: prepare_tuned(client, n, Path(shm)) for n in models}
-                for n in models:
-                    client.release(client.open(n).lease_id)   # resident: every path opens a host hit
-            samples = bd.measure(socket, models, tuned, runs, log)
-    bd.report(samples)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "breakdown.txt", "w") as f:
-            print("$ modelcache bench coldstart --breakdown " + " ".join(
-                (["--models", *models] if args.models else []) + (["--runs", str(runs)] if args.runs else []) +
-                ["--out", args.out]), file=f)
-            bd.report(samples, f)
-        (out / "breakdown.json").write_text(json.dumps(samples))
-    return 0
-
-
 def main(argv=None) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -224,10 +197,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="directory for samples.csv, results.json, report.txt and plots")
     ap.add_argument("--shm-dir", default="/dev/shm",
                     help="where the daemon's host tier and ort-tuned's copy live (e.g. a tmpfs mounted with "
-                         "huge=within_size: see `modelcache bench pagefaults`)")
-    ap.add_argument("--breakdown", action="store_true",
-                    help="instead: time each step of an attach-mode open, full client vs lane vs ort-tuned "
-                         "(writes breakdown.txt; see modelcache/bench/coldstart_breakdown.py)")
+                         "huge=within_size: see benchmarks/pagefaults)")
     args = ap.parse_args(argv)
     models = args.models or (["squeezenet1_1", "resnet50"] if args.quick else DEFAULT_MODELS)
     runs = args.runs or (5 if args.quick else 7)
@@ -238,8 +208,6 @@ def main(argv=None) -> int:
 
     from ..client.connection import connect
     compile_bytecode()
-    if args.breakdown:
-        return breakdown(args, models if args.models else ["squeezenet1_1", "alexnet"], args.runs or 15, log)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="modelcache-coldstart-") as tmp, \
             tempfile.TemporaryDirectory(prefix="modelcache-coldstart-", dir=args.shm_dir) as shm:
