@@ -348,13 +348,26 @@ def cmd_zoo(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .bench.open import demo
+    from .demo import demo
     return demo(args)
 
 
-BENCHMARKS = ("coldstart", "open", "tiers", "executor", "serve", "transport", "binding", "servepath",
-              "conformance", "restart", "hashes", "fuzz", "soak", "placement", "placement_check",
-              "halfweights", "pagefaults", "http", "prepack", "cluster")  # modules of modelcache.bench
+# What a user runs on their own machine to size or check a deployment (modules of modelcache.bench). The
+# benchmarks that recorded a design decision live in the checkout's benchmarks/ beside their results.
+BENCHMARKS = {
+    "coldstart": "fresh FaaS processes from exec to first result, TrIMS-style (--device cuda: the GPU form)",
+    "open": "session ready time, private memory and warm speed vs plain ORT (the demo, with more runs)",
+    "tiers": "open latency per tier (host hit, disk miss, remote miss) and promotion throughput vs cp",
+    "executor": "serve mode: overhead over in-process ORT, throughput per worker layout and scheduler",
+    "serve": "batching policies under open-loop Poisson load: latency and the highest sustainable rate",
+    "http": "what the Open Inference Protocol (v2 HTTP) front adds over the serve lane",
+    "placement": "the searched placement plan against the baselines, per model and system description",
+    "conformance": "ONNX's backend test models: what plain ORT runs, modelcache adds and runs, same outputs",
+    "fuzz": "malformed messages on both sockets of a running daemon: it answers and stays up",
+    "soak": "many clients, churn and eviction against one daemon for minutes: memory and latency slopes",
+    "restart": "SIGKILL the daemon under clients holding sessions: the new daemon's first open, warm vs cold",
+    "cluster": "locality-aware vs Ray Serve's default routing on a local 3-node Ray cluster (Zipf/Poisson)",
+}
 
 
 def cmd_bench(args) -> int:
@@ -517,23 +530,16 @@ def build_parser() -> argparse.ArgumentParser:
     from .cluster.cli import add_parser as add_cluster_parser   # (imports Ray only when run)
     add_cluster_parser(sub)
 
-    b = sub.add_parser("bench", help="benchmarks: `coldstart` (fresh FaaS processes, TrIMS-style), "
-                                     "`tiers` (open latency per tier, promotion vs cp), "
-                                     "`executor` (serve-mode overhead, throughput per scheduler), "
-                                     "`transport` (a bare round trip: ZeroMQ vs the serve lane), "
-                                     "`serve` (batching policies under open-loop Poisson load), "
-                                     "`open` (session ready, memory, warm speed vs plain ORT), "
-                                     "`binding` (which ORT binding to share weights with), "
-                                     "`halfweights` (fp16 weights kept vs widened to fp32 at add time), "
-                                     "`prepack` (shared pre-packed MatMul weights vs none, side by side), "
-                                     "`fuzz` (malformed messages on both sockets), "
-                                     "`soak` (many clients, churn and eviction for minutes), "
-                                     "`http` (what the v2 HTTP front adds over the lane), "
-                                     "`cluster` (locality-aware vs Ray Serve's default routing on a 3-node Ray "
-                                     "cluster, Zipf/Poisson trace)",
-                       description="Benchmarks print figures; options after the name go to the benchmark "
-                                   "(`modelcache bench coldstart --help`).")
-    b.add_argument("which", choices=BENCHMARKS)
+    b = sub.add_parser("bench", help="benchmarks to size or check a deployment on this machine "
+                                     "(`modelcache bench --help` lists them)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Benchmarks to run on your own machine; each prints its figures (and with --out\n"
+                                   "writes them). Options after the name go to the benchmark "
+                                   "(`modelcache bench coldstart --help`).\n\n" +
+                                   "\n".join(f"  {name:<12} {line}" for name, line in BENCHMARKS.items()) +
+                                   "\n\nThe benchmarks behind design decisions (binding, hashes, transport, ...) "
+                                   "live in a\ncheckout's benchmarks/, beside their results (benchmarks/README.md).")
+    b.add_argument("which", choices=list(BENCHMARKS))
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (try `-- --help`)")
     b.set_defaults(func=cmd_bench)
     return p

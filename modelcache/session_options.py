@@ -1,6 +1,6 @@
 """The ONNX Runtime session settings that make a session share the daemon's weights.
 
-Chosen by measurement (`python -m modelcache.bench.binding`, results in benchmarks/binding):
+Chosen by measurement (benchmarks/binding/run.py, results beside it):
 optimizers run once at pack time, so here they are off — an optimizer that rewrites a
 weight would silently read its own private copy — and prepacking is off, because a
 prepacked weight is a private copy too. ORT then maps each external initializer

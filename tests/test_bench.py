@@ -35,34 +35,10 @@ def test_coldstart_quick_on_tiny_models(tmp_path):
     assert (out / "speedup.png").stat().st_size > 1000 and (out / "memory.png").stat().st_size > 1000
 
 
-def test_coldstart_breakdown_times_each_step_of_an_open_per_client_path(tmp_path):
-    text = run("coldstart", "--breakdown", "--models", "tiny-cnn", "--runs", "2", "--out", str(tmp_path))
-    rows = {line.split()[1]: line.split() for line in text.splitlines() if line.startswith("tiny-cnn ")
-            and line.split()[1] in ("zmq", "lane", "tuned")}
-    assert list(rows) == ["zmq", "lane", "tuned"]
-    samples = json.loads((tmp_path / "breakdown.json").read_text())
-    assert len(samples) == 2 * 3
-    for s in samples:
-        steps = [s[k] for k in ("modules", "connect", "open", "bind", "session")]
-        assert all(v >= 0 for v in steps) and s["session"] > 0
-        if s["path"] != "tuned":
-            assert s["open"] > 0 and s["connect"] > 0     # a real round trip to the daemon, on either path
-    assert "on the lane" in (tmp_path / "breakdown.txt").read_text()
-
-
 def test_open_bench_on_a_tiny_model(tmp_path):
     text = run("open", "--models", "tiny-cnn", "--runs", "1", "--warm-runs", "3", "--out", str(tmp_path))
     assert "tiny-cnn" in text and "x plain ORT" in text
     assert json.loads((tmp_path / "results.json").read_text())["samples"]
-
-
-def test_halfweights_bench_on_a_tiny_fp16_model(tmp_path):
-    text = run("halfweights", "--models", "tiny-fp16", "--runs", "1", "--warm-runs", "2", "--out", str(tmp_path))
-    assert "attach       :     0.02 MiB = 1.000x the fp16 bytes; CPU tensors float16" in text
-    assert "attach-upcast:     0.04 MiB = 2.000x the fp16 bytes; CPU tensors float32" in text
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert {s["mode"] for s in results["samples"]} == {"ort", "attach", "attach-upcast", "fold-at-open"}
-    assert all(d == 0 for d in results["warm"][0]["max_abs_diff_vs_ort"].values())
 
 
 def test_tiers_bench_on_tiny_models(tmp_path):
@@ -83,14 +59,6 @@ def test_executor_bench_runs(tmp_path):
     assert all(r["requests"] > 0 for r in results["throughput"])
 
 
-def test_transport_bench_compares_zeromq_and_the_lane(tmp_path):
-    text = run("transport", "--calls", "50", "--out", str(tmp_path))
-    assert "zmq" in text and "lane" in text
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert all(results[k][t]["p50_us"] > 0 for k in ("zmq", "lane") for t in ("0", "1000"))
-    assert "recv_chunk (reused 1 MiB buffer)" in results["reads"] and all(us > 0 for us in results["reads"].values())
-
-
 def test_serve_bench_quick_sweeps_bisects_and_writes_csv_and_plots(tmp_path):
     out = tmp_path / "serve"
     text = run("serve", "--quick", "--policies", "serial", "layer", "--work", str(tmp_path / "work"),
@@ -107,15 +75,6 @@ def test_serve_bench_quick_sweeps_bisects_and_writes_csv_and_plots(tmp_path):
     assert results["models"]["tiny-cnn"]["profile"]["n_opt"] >= 1
     for png in ("tiny-cnn-latency.png", "tiny-cnn-bars.png"):
         assert (out / png).stat().st_size > 1000
-
-
-def test_servepath_splits_a_served_call(tmp_path):
-    text = run("servepath", "--calls", "50", "--profile", "--out", str(tmp_path))
-    assert "client Python" in text and "daemon handling" in text
-    res = json.loads((tmp_path / "results.json").read_text())
-    assert 0 < res["ort_run_us"] < res["daemon_handling_us"] < res["served_us"]
-    assert res["client_python_us"] > 0 and res["daemon_top"]
-    assert any("_run_express" in row["where"] or "submit" in row["where"] for row in res["daemon_top"])
 
 
 def test_soak_reports_each_interval_and_the_slopes(tmp_path):

@@ -16,56 +16,21 @@ Memory: k concurrent clients of one model holding a session, PSS and USS per cli
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
-import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from .common import compile_bytecode, ensure_models, managed_daemon, pyplot, save_results, summary
+from ..plotting import pyplot
+from .common import compile_bytecode, ensure_models, managed_daemon, save_results, summary
+from .fresh import holding, sample, spawn
 
 MODES = ["ort", "ort-tuned", "attach-hit", "attach-miss", "serve", "ideal"]
 CHILD = str(Path(__file__).with_name("coldstart_child.py"))
 DEFAULT_MODELS = ["squeezenet1_1", "resnet50", "googlenet", "vgg16", "vit_b_16", "alexnet"]
-
-
-def spawn(mode: str, name: str, src: str, tuned_dir: str, socket: str, hold: bool = False,
-          child: str = CHILD) -> subprocess.Popen:
-    """A fresh process of the `child` script (coldstart_child.py; the GPU form passes its own), timed from now."""
-    env = {**os.environ, "MODELCACHE_SOCKET": socket}
-    if hold:
-        env["HOLD"] = "1"
-    return subprocess.Popen([sys.executable, child, mode, name, src, tuned_dir, str(time.monotonic_ns())],
-                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-@contextlib.contextmanager
-def holding(procs: list):
-    """Clients started with hold=True: wait until each has its session, and let them all go on exit."""
-    try:
-        for p in procs:
-            if not p.stdout.readline():
-                raise RuntimeError(f"memory client failed: {p.stderr.read()[-1500:]}")
-        yield procs
-    finally:
-        for p in procs:
-            p.stdin.close()
-        for p in procs:
-            p.wait(60)
-
-
-def sample(mode, name, src, tuned_dir, socket, child: str = CHILD) -> dict:
-    proc = spawn(mode, name, src, tuned_dir, socket, child=child)
-    out, err = proc.communicate(timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{mode} {name} failed: {err[-1500:]}")
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def prepare_tuned(client, name: str, root: Path) -> str:
@@ -88,7 +53,7 @@ def measure_latency(client, socket, paths, tuned, modes, runs, log) -> list[dict
                     client.evict(name)
                 elif mode in ("attach-hit", "serve"):
                     client.release(client.open(name).lease_id)  # make sure it is resident
-                s = sample(mode, name, src, tuned[name], socket)
+                s = sample(mode, name, src, tuned[name], socket, child=CHILD)
                 s["run"] = r
                 samples.append(s)
             log(f"round {r + 1}/{runs} {name}: " + ", ".join(f"{s['mode']} {s['total_ms']:.0f}"
@@ -106,7 +71,7 @@ def measure_memory(client, socket, name, src, tuned_dir, counts, log) -> list[di
     rows = []
     for k in counts:
         for mode in ("ort", "attach-hit"):
-            with holding([spawn(mode, name, src, tuned_dir, socket, hold=True) for _ in range(k)]) as procs:
+            with holding([spawn(mode, name, src, tuned_dir, socket, hold=True, child=CHILD) for _ in range(k)]) as procs:
                 infos = [psutil.Process(p.pid).memory_full_info() for p in procs]
                 daemon_pss = psutil.Process(daemon_pid).memory_full_info().pss if mode == "attach-hit" else 0
                 row = {"model": name, "mode": mode, "clients": k,
@@ -205,32 +170,6 @@ def plot(samples: list[dict], memory: list[dict], out_dir: Path) -> list[str]:
     return written
 
 
-def breakdown(args, models: list[str], runs: int, log) -> int:
-    from . import coldstart_breakdown as bd
-    from ..client.connection import connect
-    with tempfile.TemporaryDirectory(prefix="modelcache-coldstart-") as tmp, \
-            tempfile.TemporaryDirectory(prefix="modelcache-coldstart-", dir=args.shm_dir) as shm:
-        socket = args.socket or f"ipc://{tmp}/daemon.sock"
-        with managed_daemon(socket, None if args.socket else f"{tmp}/repo", env={"MODELCACHE_SHM_DIR": args.shm_dir}):
-            ensure_models(socket, models, Path(tmp) / "zoo")
-            with connect(socket) as client:
-                tuned = {n: prepare_tuned(client, n, Path(shm)) for n in models}
-                for n in models:
-                    client.release(client.open(n).lease_id)   # resident: every path opens a host hit
-            samples = bd.measure(socket, models, tuned, runs, log)
-    bd.report(samples)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "breakdown.txt", "w") as f:
-            print("$ modelcache bench coldstart --breakdown " + " ".join(
-                (["--models", *models] if args.models else []) + (["--runs", str(runs)] if args.runs else []) +
-                ["--out", args.out]), file=f)
-            bd.report(samples, f)
-        (out / "breakdown.json").write_text(json.dumps(samples))
-    return 0
-
-
 def main(argv=None) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -258,10 +197,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="directory for samples.csv, results.json, report.txt and plots")
     ap.add_argument("--shm-dir", default="/dev/shm",
                     help="where the daemon's host tier and ort-tuned's copy live (e.g. a tmpfs mounted with "
-                         "huge=within_size: see `modelcache bench pagefaults`)")
-    ap.add_argument("--breakdown", action="store_true",
-                    help="instead: time each step of an attach-mode open, full client vs lane vs ort-tuned "
-                         "(writes breakdown.txt; see modelcache/bench/coldstart_breakdown.py)")
+                         "huge=within_size: see benchmarks/pagefaults)")
     args = ap.parse_args(argv)
     models = args.models or (["squeezenet1_1", "resnet50"] if args.quick else DEFAULT_MODELS)
     runs = args.runs or (5 if args.quick else 7)
@@ -272,8 +208,6 @@ def main(argv=None) -> int:
 
     from ..client.connection import connect
     compile_bytecode()
-    if args.breakdown:
-        return breakdown(args, models if args.models else ["squeezenet1_1", "alexnet"], args.runs or 15, log)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="modelcache-coldstart-") as tmp, \
             tempfile.TemporaryDirectory(prefix="modelcache-coldstart-", dir=args.shm_dir) as shm:

@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 
 from ..errors import ModelCacheError
-from . import coldstart
-from .coldstart import holding
-from .common import ensure_models, managed_daemon, pyplot, save_results, summary
+from ..plotting import pyplot
+from .common import ensure_models, managed_daemon, save_results, summary
+from .fresh import holding, sample as sample_child, spawn as spawn_child
 
 MODES = ["ort-cuda", "host-attach", "gpu-attach-hit", "gpu-attach-miss", "serve", "ideal"]
 CHILD = str(Path(__file__).with_name("coldstart_cuda_child.py"))
@@ -115,11 +115,11 @@ def preflight() -> Nvml:
 # -- samples ----------------------------------------------------------------------------------------
 
 def spawn(mode: str, name: str, src: str, layout: str, socket: str, hold: bool = False) -> subprocess.Popen:
-    return coldstart.spawn(mode, name, src, layout, socket, hold, child=CHILD)
+    return spawn_child(mode, name, src, layout, socket, hold, child=CHILD)
 
 
 def sample(mode, name, src, layout, socket) -> dict:
-    return coldstart.sample(mode, name, src, layout, socket, child=CHILD)
+    return sample_child(mode, name, src, layout, socket, child=CHILD)
 
 
 def model_row(client, name: str) -> dict:

@@ -66,10 +66,12 @@ def alternate_runs(sessions: dict, feeds: dict, runs: int) -> dict[str, list[flo
 
 
 def run_child(module: str, socket: str, *args) -> dict:
-    """`python -m module --child ARGS` against the daemon at `socket`, in a fresh process: its last line, as JSON."""
+    """`python -m module --child ARGS` (or `python module ...`, a script's path) against the daemon at `socket`,
+    in a fresh process: its last line, as JSON."""
     import json
     env = {**os.environ, "MODELCACHE_SOCKET": socket}
-    out = subprocess.run([sys.executable, "-m", module, "--child", *args], env=env, capture_output=True, text=True)
+    command = [sys.executable, module] if module.endswith(".py") else [sys.executable, "-m", module]
+    out = subprocess.run([*command, "--child", *args], env=env, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"benchmark child failed: {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -171,27 +173,22 @@ def summary(values: list[float], fmt: str = ".1f") -> str:
     return f"{med:{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]" if len(values) > 1 else f"{med:{fmt}}"
 
 
-def save_results(out_dir: str | None, bench: str, argv, data, report) -> None:
-    """OUT/results.json (every sample) and OUT/report.txt (the command, then the printed table)."""
+def save_results(out_dir: str | None, bench: str, argv, data, report, command: str | None = None) -> None:
+    """OUT/results.json (every sample) and OUT/report.txt (the command, then the printed table). `command`
+    names a script run as itself (the decision records in benchmarks/), else it is `modelcache bench BENCH`."""
     if not out_dir:
         return
     import json
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(data, indent=1))
-    args = list(argv) if argv is not None else sys.argv[sys.argv.index(bench) + 1:] if bench in sys.argv else []
+    if argv is not None:
+        args = list(argv)
+    elif command:
+        args = sys.argv[1:]
+    else:
+        args = sys.argv[sys.argv.index(bench) + 1:] if bench in sys.argv else []
     with open(out / "report.txt", "w") as f:
-        f.write(f"$ modelcache bench {bench} {' '.join(args)}\n")
+        f.write(f"$ {command or 'modelcache bench ' + bench} {' '.join(args)}\n")
         report(data, f)
 
-
-def pyplot():
-    """matplotlib's pyplot for writing files, or None (with a note) when the [bench] extra is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plots skipped: install modelcache[bench] (matplotlib)", file=sys.stderr)
-        return None
-    return plt

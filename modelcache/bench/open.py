@@ -2,100 +2,19 @@
 
     modelcache bench open [--models vgg16 resnet50] [--runs 5] [--out benchmarks/open]
 
-Session-ready time and memory are measured in fresh processes, interleaved so machine
-drift hits both modes alike. For modelcache, this benchmark itself holds the model
-open and has run it once: the measured process is a *second* client, the case the
-cache exists for. Warm speed is measured in one process that holds both sessions and
-alternates their runs, so the ratio is side by side.
+The measure `modelcache demo` prints, with more runs and models of your choice (modelcache/demo.py
+has how it measures): the figures to check a machine by before deploying on it.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from .common import (alternate_runs, answer_child, compile_bytecode, ensure_models, managed_daemon, memory_mib,
-                     run_child, save_results, summary)
-
-
-def child_open(mode: str, name: str, src: str) -> dict:
-    t0 = time.perf_counter()
-    import numpy as np  # noqa: F401  (counted in imports, as any client would)
-    import onnxruntime as ort
-    import modelcache
-    from modelcache import zoo
-    t_imports = time.perf_counter()
-    if mode == "ort":
-        sess = ort.InferenceSession(src, providers=["CPUExecutionProvider"])
-    else:
-        sess = modelcache.InferenceSession(name)
-    t_ready = time.perf_counter()
-    feeds = zoo.sample_inputs(src)
-    sess.run(None, feeds)
-    t_first = time.perf_counter()
-    return {"mode": mode, "model": name, "imports_ms": (t_imports - t0) * 1e3,
-            "ready_ms": (t_ready - t_imports) * 1e3, "first_run_ms": (t_first - t_ready) * 1e3,
-            **memory_mib()}
-
-
-def child_warm(name: str, src: str, runs: int) -> dict:
-    import onnxruntime as ort
-    import modelcache
-    from modelcache import zoo
-    feeds = zoo.sample_inputs(src)
-    sessions = {"ort": ort.InferenceSession(src, providers=["CPUExecutionProvider"]),
-                "modelcache": modelcache.InferenceSession(name)}
-    for s in sessions.values():
-        s.run(None, feeds)
-    times = alternate_runs(sessions, feeds, runs)
-    return {"model": name, "warm_ms": times}
-
-
-def measure(socket: str, paths: dict[str, str], runs: int, warm_runs: int, modes=("ort", "modelcache"),
-            module: str = "modelcache.bench.open") -> dict:
-    """Per model, with a first client holding it: `runs` fresh processes per mode opening it (`module`'s
-    child_open), then one process timing warm runs of every mode's session side by side (its child_warm)."""
-    import modelcache
-    from modelcache import zoo
-    samples, warm = [], []
-    for name, src in paths.items():
-        holder = modelcache.InferenceSession(name, socket=socket)  # the first client: weights resident and touched
-        holder.run(None, zoo.sample_inputs(src))
-        for _ in range(runs):
-            for mode in modes:
-                samples.append(run_child(module, socket, "open", mode, name, src))
-        warm.append(run_child(module, socket, "warm", name, src, str(warm_runs)))
-        holder.close()
-    return {"samples": samples, "warm": warm}
-
-
-def report(results: dict, out=sys.stdout) -> None:
-    samples, warm = results["samples"], {w["model"]: w["warm_ms"] for w in results["warm"]}
-    print(f"{'model':<14} {'mode':<11} {'ready ms':>22} {'USS MiB':>22} {'anon MiB':>9} {'warm ms':>20}", file=out)
-    for name in dict.fromkeys(s["model"] for s in samples):
-        ready = {}
-        for mode in ("ort", "modelcache"):
-            rows = [s for s in samples if s["model"] == name and s["mode"] == mode]
-            ready[mode] = statistics.median(r["ready_ms"] for r in rows)
-            print(f"{name:<14} {mode:<11} {summary([r['ready_ms'] for r in rows]):>22} "
-                  f"{summary([r['uss_mib'] for r in rows]):>22} {statistics.median(r['anon_mib'] for r in rows):>9.1f} "
-                  f"{summary(warm[name][mode]):>20}", file=out)
-        # Each pair of runs was adjacent in time: the median of their ratios resists machine drift.
-        pairs = sorted(o / m for o, m in zip(warm[name]["ort"], warm[name]["modelcache"]))
-        q = lambda f: pairs[min(len(pairs) - 1, int(f * len(pairs)))]  # noqa: E731
-        print(f"{name:<14} -> session ready {_how_much_faster(ready['ort'], ready['modelcache'])}, warm speed "
-              f"{statistics.median(pairs):.2f}x plain ORT (pairs' quartiles {q(0.25):.2f}-{q(0.75):.2f})", file=out)
-
-
-def _how_much_faster(baseline_ms: float, ours_ms: float) -> str:
-    """'6.1x faster', or '1.4x slower' when it is: never '1x faster' for a loss."""
-    if ours_ms <= baseline_ms:
-        return f"{baseline_ms / ours_ms:.1f}x faster"
-    return f"{ours_ms / baseline_ms:.1f}x slower"
+from ..demo import measure, report
+from .common import compile_bytecode, ensure_models, managed_daemon, save_results
 
 
 def main(argv=None) -> int:
@@ -108,10 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prepack", action="store_true",
                     help="add the models with shared prepacked MatMul weights (`modelcache add --prepack`)")
     ap.add_argument("--out", help="write all samples to OUT/results.json and the table to OUT/report.txt")
-    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.child:
-        return answer_child(args.child, child_open, child_warm)
     compile_bytecode()
     with tempfile.TemporaryDirectory(prefix="modelcache-bench-") as tmp:
         socket = args.socket or f"ipc://{tmp}/daemon.sock"
@@ -121,22 +37,6 @@ def main(argv=None) -> int:
             results = measure(socket, paths, args.runs, args.warm_runs)
     report(results)
     save_results(args.out, "open", argv, results, report)
-    return 0
-
-
-def demo(args) -> int:
-    """`modelcache demo`: a daemon on the default settings, two zoo models, fresh clients vs plain ORT."""
-    from ..config import load
-    settings = load()
-    compile_bytecode()   # the clients below are fresh processes: as installed, not compiling modelcache each time
-    print(f"daemon socket {settings.socket}, repository {settings.repository}")
-    with managed_daemon(settings.socket, settings.repository):
-        work = Path(settings.repository).parent / "zoo"
-        paths = ensure_models(settings.socket, args.models, work)
-        results = measure(settings.socket, paths, runs=1, warm_runs=10)
-    report(results)
-    print("\nready = from InferenceSession(...) to a usable session, in a fresh process; "
-          "USS = memory only that process holds")
     return 0
 
 

@@ -38,7 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import ensure_models, managed_daemon, pyplot, save_results
+from ..plotting import pyplot
+from .common import ensure_models, managed_daemon, save_results
 
 POLICIES = ("serial", "batch", "dynamic", "layer")
 

@@ -319,7 +319,7 @@ class Engine:
         one worker group (nothing to place), a one-stage model, no deadline, and a stage that may
         run on the owner loop (_may_inline). Same run, perf record, timings and answer as the
         general path, without its Batch, placement and stage bookkeeping: most of the engine's
-        work per request, which an idle daemon's latency pays in full (`bench servepath --profile`
+        work per request, which an idle daemon's latency pays in full (`benchmarks/servepath/run.py --profile`
         shows the split). False: it does not qualify, and nothing was changed."""
         if len(self.workers) != 1 or len(req.stages) != 1 or req.deadline is not None or self._running_inline:
             return False

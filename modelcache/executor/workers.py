@@ -296,7 +296,7 @@ class Worker:
         worker's stage sessions are untouched.
 
         Why here and not in the planner's process: there the same runs came out 0-14 % faster than the
-        daemon ran the model's stages (`bench placement_check`), which the plans' predictions carried."""
+        daemon ran the model's stages (benchmarks/placement/check), which the plans' predictions carried."""
         import tempfile
 
         import onnxruntime as ort

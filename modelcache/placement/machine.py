@@ -28,7 +28,7 @@ GPU_PLACEHOLDER = dict(conv_gflop_s=10000.0, matmul_gflop_s=10000.0, other_gflop
 # them: 1.95 ms a request (client encode and decode, the lane round trip, the daemon's decode and
 # reply) + 0.27 ms a stage (the job to its worker's thread, the wake-up, the result back to the loop).
 # A tiny model's request costs less (0.3-0.5 ms, README): the 602 KB input is most of it here.
-# `bench placement_check` prints the measured figure beside the system's for each row.
+# benchmarks/placement/check prints the measured figure beside the system's for each row.
 SERVE_REQUEST_US = 1950.0
 SERVE_HANDOFF_US = 270.0
 

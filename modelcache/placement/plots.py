@@ -11,7 +11,7 @@ PIPELINED_REQUESTS = 3     # the Gantt chart shows a few requests back to back, 
 
 def plot_gantt(placement, path: Path, requests: int = PIPELINED_REQUESTS) -> Path | None:
     """The simulator's schedule of `requests` arriving together: one row per worker and link."""
-    from ..bench.common import pyplot
+    from ..plotting import pyplot
     plt = pyplot()
     if plt is None:
         return None
@@ -39,7 +39,7 @@ def plot_gantt(placement, path: Path, requests: int = PIPELINED_REQUESTS) -> Pat
 
 def plot_bars(reports: list, path: Path, metric: str = "latency_s") -> Path | None:
     """Grouped bars: per model, the plan and each baseline (ms of one request's latency)."""
-    from ..bench.common import pyplot
+    from ..plotting import pyplot
     plt = pyplot()
     if plt is None:
         return None

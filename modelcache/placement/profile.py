@@ -94,7 +94,7 @@ def profile_nodes(skeleton: Path, feeds: dict, threads: int, runs: int = 3, min_
 class PooledProfile:
     """A model's per-node kernel times on each thread count, pooled over profiles taken at several moments.
 
-    On a VM whose speed moves on its own by 20 % over tens of seconds (bench/placement_check.py, its
+    On a VM whose speed moves on its own by 20 % over tens of seconds (benchmarks/placement/check/run.py, its
     speed_probe.py), one profile taken before a measurement predicts the moment it was taken. A check
     that interleaves short profiles with what it measures pools them here, so both sample the same
     stretch of the machine's time."""
@@ -136,7 +136,7 @@ class PooledProfile:
         serving sees; what the planner uses) or "faster-half" (the group's cost when it has its cores).
 
         The planner kept the faster half until the simulator check interleaved its profile with the
-        serving it predicts (bench/placement_check.py, benchmarks/placement/check): there the median
+        serving it predicts (benchmarks/placement/check): there the median
         put 12 and 9 of 16 figures within 10 % of the daemon's in two runs, the faster half 6 and 7,
         predicting every latency low (11 and 11 in a run before the wall-time scaling)."""
         if keep not in ("median", "faster-half"):

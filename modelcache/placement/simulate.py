@@ -28,7 +28,7 @@ takes an idle host worker (fewest stages assigned first; a stage ready there mea
 thread would for the core); only when every host worker is busy does it stretch a running task, of
 the worker with the fewest stages assigned (where the OS's balancing puts the woken thread). On one
 2-thread worker (group "2") that is every request's cost in the worker's time; on "1,1" with one
-worker's stages the lighter, the other worker absorbs it (bench placement_check: AlexNet in 3
+worker's stages the lighter, the other worker absorbs it (benchmarks/placement/check: AlexNet in 3
 stages on "1,1" served 50.4/s against its busier worker's 19.6 ms of stage runs a request, which
 charging the serving work to the first stage's worker, as before, put at 46.4/s). Serving intervals
 are recorded with stage -1.

@@ -80,7 +80,7 @@ class System:
     handoff_s: float = 0.0     # serving's cost per stage outside its run (queue, thread wake-up): a delay
     # True when the workers' groups take every core, so the client's and the daemon's work for a request
     # (request_s) runs on a worker's cores: under load it takes an idle host worker's time, else stretches
-    # a busy one's (simulate.py), not a free delay. Measured here (bench placement_check, 2 cores, groups
+    # a busy one's (simulate.py), not a free delay. Measured here (benchmarks/placement/check, 2 cores, groups
     # "1,1" and "2"): on one worker served throughput sat about one request_s a request below the stages'
     # run times; on "1,1" the less busy worker absorbed it.
     serving_on_worker_cores: bool = False

@@ -24,7 +24,7 @@ def copy_hashed(src_fd: int, dst_fd: int, ranges, new_hasher, chunk: int = 1 << 
     and the hash let go of the GIL). On 512 MiB, page cache -> /dev/shm, with the machine quiet:
     2344 MB/s with 1 MiB chunks, against 2273 for sendfile alone and 1915 for the same steps on one
     thread. It costs more CPU than sendfile (a second copy, through this buffer, and the hash):
-    316 ms against 236 (`modelcache bench hashes`, benchmarks/hashes), which shows in wall time
+    316 ms against 236 (benchmarks/hashes), which shows in wall time
     when no second core is free. Hashing a mapping instead costs more still (page faults), and a
     mapping of the repository's file would kill the daemon (SIGBUS) if the file were truncated.
     """

@@ -11,7 +11,7 @@ Per round and stage count, as placement_check does a row, but keeping every samp
   solo      one request at a time: the sum of the stages' run_ms per request (median), and wall;
   loaded    open loop at 1.5x for --seconds: stage sum per request (median) and served throughput,
             with the per-request service time it implies (1 / throughput) less the stage sum;
-and the cores other processes and steal took in each phase (modelcache/bench/cpuload.py).
+and the cores other processes and steal took in each phase (cpuload.py here).
 
 The question it answers: is the gap between a row's profile, solo and loaded stage times systematic
 (the cut, the phase, the order of rows), or noise that comes and goes with other processes' load?
@@ -30,9 +30,9 @@ from pathlib import Path
 
 def main(argv=None) -> int:
     from modelcache import zoo
-    from modelcache.bench import cpuload
+    from benchmarks.placement.check import cpuload
     from modelcache.bench.common import managed_daemon
-    from modelcache.bench.placement_check import OVERLOAD, balanced_plan, open_loop
+    from benchmarks.placement.check.run import OVERLOAD, balanced_plan, open_loop
     from modelcache.client.connection import connect
     from modelcache.placement.machine import cost_table, describe_machine
     from modelcache.placement.plan import PlanCost

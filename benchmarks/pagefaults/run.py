@@ -1,6 +1,6 @@
 """What mapping the host tier's pages costs a fresh client: first touch of a shared file, per directory.
 
-    modelcache bench pagefaults [--mib 512] [--runs 5] [--dirs /dev/shm /mnt/modelcache-huge]
+    PYTHONPATH=. python benchmarks/pagefaults/run.py [--mib 512] [--runs 5] [--dirs /dev/shm /mnt/modelcache-huge]
 
 A client maps a model's segment and ORT reads every weight on the first run, so each 4 KiB page
 of the segment is mapped into the client on that run: a page fault (or part of one, with the
@@ -39,7 +39,7 @@ def first_and_second_touch(path: str) -> tuple[float, float]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="modelcache bench pagefaults", description=__doc__,
+    ap = argparse.ArgumentParser(prog="benchmarks/pagefaults/run.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=512, help="file size (VGG16's weights: 528 MiB)")
     ap.add_argument("--runs", type=int, default=5)

@@ -1,7 +1,7 @@
 """Transport benchmark: a bare request/reply round trip over ZeroMQ against the serve lane's
 Unix stream socket, between two processes, as the daemon and a client use them.
 
-    modelcache bench transport [--calls 1500] [--work-us 100] [--out DIR]
+    PYTHONPATH=. python benchmarks/transport/run.py [--calls 1500] [--work-us 100] [--out DIR]
 
 The server busies itself --work-us per request (a stand-in for a tiny model's run), and
 the client busies itself for a "think" time between calls (0, 100, 300, 1000 us), during
@@ -47,7 +47,7 @@ def serve(kind: str, address: str, work_us: float) -> None:
                 return
             _busy(work_us)
             sock.send_multipart([ident, b"ok"])
-    from .common import serve_one_lane_client
+    from modelcache.bench.common import serve_one_lane_client
 
     def answer(body: bytes) -> bytes | None:
         if body == b"quit":
@@ -59,7 +59,7 @@ def serve(kind: str, address: str, work_us: float) -> None:
 
 
 def measure(kind: str, address: str, calls: int, work_us: float) -> dict:
-    server = subprocess.Popen([sys.executable, "-m", "modelcache.bench.transport", "--serve", kind, address,
+    server = subprocess.Popen([sys.executable, __file__, "--serve", kind, address,
                                "--work-us", str(work_us)], stdout=subprocess.PIPE, text=True)
     try:
         server.stdout.readline()
@@ -79,7 +79,7 @@ def measure(kind: str, address: str, calls: int, work_us: float) -> dict:
                 time.sleep(0.1)
                 sock.close()
         else:
-            from ..lane import LaneClient
+            from modelcache.lane import LaneClient
             lane = LaneClient(address)
 
             def call():
@@ -117,7 +117,7 @@ def reads(calls: int = 20000) -> dict:
     """Microseconds per send + read of one message, by how it is read (best of 5 blocks)."""
     import socket
 
-    from ..lane import recv_chunk
+    from modelcache.lane import recv_chunk
 
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     message = bytes(READ_MESSAGE_BYTES)
@@ -156,7 +156,7 @@ def report(res: dict, out=sys.stdout) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="modelcache bench transport", description=__doc__,
+    ap = argparse.ArgumentParser(prog="benchmarks/transport/run.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=1500, help="round trips per transport and think time")
     ap.add_argument("--work-us", type=float, default=100.0, help="server work per request")
@@ -166,14 +166,15 @@ def main(argv=None) -> int:
     if args.serve:
         serve(args.serve[0], args.serve[1], args.work_us)
         return 0
-    from .common import save_results
+    from modelcache.bench.common import save_results
     with tempfile.TemporaryDirectory(prefix="modelcache-transport-") as tmp:
         res = {"work_us": args.work_us, "calls": args.calls,
                "zmq": measure("zmq", f"ipc://{os.path.join(tmp, 'zmq.sock')}", args.calls, args.work_us),
                "lane": measure("lane", os.path.join(tmp, "lane.sock"), args.calls, args.work_us),
                "reads": reads()}
     report(res)
-    save_results(args.out, "transport", argv, res, report)
+    save_results(args.out, "transport", argv, res, report,
+                 command="PYTHONPATH=. python benchmarks/transport/run.py")
     return 0
 
 

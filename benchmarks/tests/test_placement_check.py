@@ -1,4 +1,5 @@
-"""bench placement_check's bookkeeping: other processes' load per phase, rows measured again when disturbed."""
+"""The placement check's bookkeeping (benchmarks/placement/check): other processes' load per phase, rows
+measured again when disturbed."""
 
 import io
 import json
@@ -7,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from modelcache.bench import cpuload
-from modelcache.bench.placement_check import quietest, report
+from benchmarks.placement.check import cpuload
+from benchmarks.placement.check.run import quietest, report
 
-COMMITTED = Path(__file__).resolve().parent.parent / "benchmarks/placement/check/results.json"
+COMMITTED = Path(__file__).resolve().parents[1] / "placement/check/results.json"
 
 
 def test_cpu_load_is_split_into_own_other_and_steal():
@@ -68,7 +69,7 @@ def test_report_reads_rows_with_and_without_cpu_figures():
 
 
 def test_speed_drift_is_the_daemons_stage_runs_against_the_profiles():
-    from modelcache.bench.placement_check import line, speed_drift
+    from benchmarks.placement.check.run import line, speed_drift
     r = row(0.0, 0)
     assert speed_drift(r) is None
     r["stage_s"] = {"profiled": [0.020, 0.030], "served_solo": [0.025, 0.030], "served_loaded": [0.020, 0.025]}
@@ -81,7 +82,7 @@ def test_speed_drift_is_the_daemons_stage_runs_against_the_profiles():
 def test_a_row_interleaves_profile_solo_and_load_and_reports_every_source(tmp_path, capsys):
     """The whole check on a tiny model (a real daemon, real profiles): every row carries the figures of
     each source the report names, its phases merged over the rounds."""
-    from modelcache.bench.placement_check import main
+    from benchmarks.placement.check.run import main
 
     out = tmp_path / "check"
     assert main(["--models", "tiny-vit", "--workers", "1,1", "--stages", "2", "--requests", "4", "--seconds", "1",
@@ -101,6 +102,6 @@ def test_a_row_interleaves_profile_solo_and_load_and_reports_every_source(tmp_pa
 
 
 def test_phases_merge_weighted_by_their_seconds():
-    from modelcache.bench.placement_check import merged
+    from benchmarks.placement.check.run import merged
     m = merged([{"seconds": 1.0, "other": 0.3, "steal": 0.0}, {"seconds": 3.0, "other": 0.1, "steal": 0.4}])
     assert m == pytest.approx({"seconds": 4.0, "other": 0.15, "steal": 0.3})

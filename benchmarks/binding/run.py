@@ -1,6 +1,6 @@
 """Which ORT binding shares the daemon's weights best? Measures the candidates side by side.
 
-    python -m modelcache.bench.binding [--models resnet50 vgg16] [--runs 3]
+    PYTHONPATH=. python benchmarks/binding/run.py [--models resnet50 vgg16] [--runs 3]
 
 Each candidate builds a session in a fresh process and reports: session create time,
 private memory (USS) once ready and after a warm run, and the median warm run time.
@@ -96,7 +96,7 @@ def report(samples: list[dict], out=sys.stdout) -> None:
 
 
 def run_child(candidate: str, src: str, packed: str, warm_runs: int) -> dict:
-    cmd = [sys.executable, "-m", "modelcache.bench.binding", "--child", candidate, src, packed, str(warm_runs)]
+    cmd = [sys.executable, __file__, "--child", candidate, src, packed, str(warm_runs)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -132,7 +132,8 @@ def main(argv=None) -> int:
                 for c in CANDIDATES:  # interleaved, so machine drift hits every candidate alike
                     samples.append({"model": name, **run_child(c, src, str(packed), args.warm_runs)})
         report(samples)
-        save_results(args.out, "binding", argv, samples, report)
+        save_results(args.out, "binding", argv, samples, report,
+                     command="PYTHONPATH=. python benchmarks/binding/run.py")
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)

@@ -1,6 +1,6 @@
 """Hash benchmark: which fast hash promotion verifies weights with, measured on this machine.
 
-    python -m modelcache.bench.hashes [--mib 512] [--runs 5] [--out DIR]
+    PYTHONPATH=. python benchmarks/hashes/run.py [--mib 512] [--runs 5] [--out DIR]
 
 Each candidate hashes the same buffer of random bytes in /dev/shm (mapped, as promotion
 reads a segment it has just written), once whole and once per 4 MiB chunk; sha256 (what
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import save_results, summary
+from modelcache.bench.common import save_results, summary
 
 CHUNK = 4 << 20
 
@@ -54,8 +54,8 @@ def _gb_s(make, view: memoryview, chunked: bool) -> float:
 
 def _copy_runs(src: Path, size: int, runs: int) -> dict:
     """MB/s and CPU ms of copying `src` into /dev/shm, without and with hashing on the way."""
-    from .. import integrity
-    from ..tiers.files import copy_hashed, copy_range
+    from modelcache import integrity
+    from modelcache.tiers.files import copy_hashed, copy_range
 
     dst = Path("/dev/shm") / f"modelcache-bench-copy-{os.getpid()}"
     ways = {"sendfile (unverified)": lambda s, d: copy_range(s, d, 0, 0, size),
@@ -82,7 +82,7 @@ def _copy_runs(src: Path, size: int, runs: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m modelcache.bench.hashes", description=__doc__,
+    ap = argparse.ArgumentParser(prog="benchmarks/hashes/run.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=512)
     ap.add_argument("--runs", type=int, default=5)
@@ -121,7 +121,8 @@ def main(argv=None) -> int:
     lines += [f"  {label:<32} {summary(v):>24}" for label, v in copies.items()]
     print("\n".join(lines))
     save_results(args.out, "hashes", argv, {"gb_s": results, "copy": copies},
-                 lambda data, f: f.write("\n".join(lines) + "\n"))
+                 lambda data, f: f.write("\n".join(lines) + "\n"),
+                 command="PYTHONPATH=. python benchmarks/hashes/run.py")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Half-precision weights benchmark: what keeping fp16 weights in their dtype costs and saves.
 
-    modelcache bench halfweights [--models resnet50-fp16] [--runs 5] [--warm-runs 20] [--out benchmarks/halfweights]
+    PYTHONPATH=. python benchmarks/halfweights/run.py [--models resnet50-fp16] [--runs 5] [--warm-runs 20] [--out benchmarks/halfweights]
 
 Each fp16 model is packed twice into one repository: as `add` packs it (fp16 weights kept, the CPU EP's
 Casts run in the client: packing._half_weight_exclusions) and as it was packed before (`NAME-upcast`:
@@ -29,7 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import alternate_runs, answer_child, run_child, managed_daemon, memory_mib, save_results, summary
+from modelcache.bench.common import (alternate_runs, answer_child, managed_daemon, memory_mib, run_child, save_results,
+                                     summary)
 
 UPCAST_SUFFIX = "-upcast"
 MODES = ("ort", "attach", "attach-upcast", "fold-at-open")
@@ -52,10 +53,10 @@ def fold_at_open_session(name: str, repository: Path):
     arrays live as long as the returned session (attributes on it)."""
     import numpy as np
     import onnxruntime as ort
-    from ..client.connection import shared_client
-    from ..client.leases import shared_lease_client
-    from ..format import SKELETON_FILE, WEIGHTS_FILE, load_manifest
-    from ..session_options import attach_session_options, map_readonly
+    from modelcache.client.connection import shared_client
+    from modelcache.client.leases import shared_lease_client
+    from modelcache.format import SKELETON_FILE, WEIGHTS_FILE, load_manifest
+    from modelcache.session_options import attach_session_options, map_readonly
 
     lease_client = shared_lease_client(None) or shared_client()   # the path attach mode's open takes
     lease = lease_client.open(name, None, device="cpu")
@@ -117,8 +118,8 @@ def child_warm(name: str, src: str, repository: str, runs: int) -> dict:
 def half_weight_bytes(src: str, min_bytes: int = 0) -> int:
     """Bytes of the model's fp16/bf16 initializers of at least `min_bytes` each, every (sub)graph."""
     import onnx
-    from ..format import iter_graphs, tensor_nbytes
-    from ..packing import _HALF_TYPES
+    from modelcache.format import iter_graphs, tensor_nbytes
+    from modelcache.packing import _HALF_TYPES
     model = onnx.load(src, load_external_data=False)
     sizes = [tensor_nbytes(t) for g in iter_graphs(model.graph) for t in g.initializer if t.data_type in _HALF_TYPES]
     return sum(n for n in sizes if n >= min_bytes)
@@ -126,7 +127,7 @@ def half_weight_bytes(src: str, min_bytes: int = 0) -> int:
 
 def pack_both(src: str, repository: Path, name: str) -> None:
     """`name`: packed as `add` packs it; `name`-upcast: with ORT's fp16 -> fp32 weight fusion left on."""
-    from ..packing import pack
+    from modelcache.packing import pack
     pack(src, repository, name, 1)
     pack(src, repository, name + UPCAST_SUFFIX, 1, keep_half_weights=False)
 
@@ -134,8 +135,8 @@ def pack_both(src: str, repository: Path, name: str) -> None:
 def host_tier_bytes_with_gpu(repository: Path, name: str) -> int:
     """The segment bytes a fresh host tier would hold for the model with both variants (a GPU open
     promotes the GPU skeleton's weights through the host tier): the tier's own plan, nothing written."""
-    from ..format import load_manifest
-    from ..tiers.host import HostTier
+    from modelcache.format import load_manifest
+    from modelcache.tiers.host import HostTier
     with tempfile.TemporaryDirectory() as shm:
         model_dir = repository / name / "1"
         return HostTier(shm, 1 << 62).plan(name, model_dir, load_manifest(model_dir), ("cpu", "gpu")).segment_bytes
@@ -144,7 +145,7 @@ def host_tier_bytes_with_gpu(repository: Path, name: str) -> int:
 def measure(socket: str, paths: dict[str, str], runs: int, warm_runs: int, repository: Path) -> dict:
     import modelcache
     from modelcache import zoo
-    from ..packing import INLINE_MAX_BYTES
+    from modelcache.packing import INLINE_MAX_BYTES
     samples, warm, host = [], [], []
     for name, src in paths.items():
         holders = []
@@ -159,8 +160,8 @@ def measure(socket: str, paths: dict[str, str], runs: int, warm_runs: int, repos
                          "tensor_dtypes": sorted({t[1] for t in holder._lease.tensors})})
         for _ in range(runs):
             for mode in MODES:
-                samples.append(run_child("modelcache.bench.halfweights", socket, "open", mode, name, src, str(repository)))
-        warm.append(run_child("modelcache.bench.halfweights", socket, "warm", name, src, str(repository), str(warm_runs)))
+                samples.append(run_child(__file__, socket, "open", mode, name, src, str(repository)))
+        warm.append(run_child(__file__, socket, "warm", name, src, str(repository), str(warm_runs)))
         for holder in holders:
             holder.close()
         host.append({"model": name, "source_fp16_bytes": half_weight_bytes(src),
@@ -199,7 +200,7 @@ def report(results: dict, out=sys.stdout) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="modelcache bench halfweights", description=__doc__,
+    ap = argparse.ArgumentParser(prog="benchmarks/halfweights/run.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["resnet50-fp16"])
     ap.add_argument("--runs", type=int, default=5, help="fresh processes per mode and model (default 5)")
@@ -209,7 +210,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.child:
         return answer_child(args.child, child_open, child_warm)
-    from .. import zoo
+    from modelcache import zoo
     with tempfile.TemporaryDirectory(prefix="modelcache-bench-") as tmp:
         socket, repository = f"ipc://{tmp}/daemon.sock", Path(tmp) / "repo"
         paths = {}
@@ -221,7 +222,8 @@ def main(argv=None) -> int:
         with managed_daemon(socket, str(repository)):
             results = measure(socket, paths, args.runs, args.warm_runs, repository)
     report(results)
-    save_results(args.out, "halfweights", argv, results, report)
+    save_results(args.out, "halfweights", argv, results, report,
+                 command="PYTHONPATH=. python benchmarks/halfweights/run.py")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Simulator vs the real daemon: does a plan's simulated latency and throughput match serving it here?
 
-    modelcache bench placement_check [--models resnet50 alexnet] [--workers 1,1 2] [--stages 2 3]
+    PYTHONPATH=. python benchmarks/placement/check/run.py [--models resnet50 alexnet] [--workers 1,1 2] [--stages 2 3]
                                      [--requests 15] [--seconds 21] [--profile-s 3] [--rounds 3]
                                      [--max-other 0.1] [--retries 1] [--out benchmarks/placement/check]
 
@@ -33,7 +33,7 @@ load: the load average is printed beside each row.
 
 Other processes are measured, not guessed from the load average (which counts this benchmark's own
 daemon and lags a minute): each phase of a row (the profile, the solo requests, the load) records
-the cores other processes and the hypervisor (steal) took meanwhile (bench/cpuload.py). On 2 cores a
+the cores other processes and the hypervisor (steal) took meanwhile (cpuload.py here). On 2 cores a
 2-thread worker's every parallel op waits for a preempted thread, so a burst of someone else's work
 in one phase and not the other shows as a simulator error that is no error of the simulator. A row
 where any phase saw more than --max-other cores of that is measured again (up to --retries times),
@@ -50,14 +50,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import cpuload
-from .common import managed_daemon, save_results
+from benchmarks.placement.check import cpuload
+from modelcache.bench.common import managed_daemon, save_results
 
 OVERLOAD = 1.5
 
 
 def balanced_plan(table, system, stages: int) -> "Plan":
-    from ..placement.plan import Plan, Stage
+    from modelcache.placement.plan import Plan, Stage
     kind = system.workers[0].kind
     total = table.seconds(kind, 0, table.n, 1)
     bounds, at = [0], 0
@@ -74,8 +74,8 @@ def balanced_plan(table, system, stages: int) -> "Plan":
 def open_loop(client, name: str, arrivals: list, feeds: dict, drain_s: float = 60.0) -> list:
     """Send one request at each arrival time (s from now) whatever the answers do; returns per request
     (arrival, latency from its scheduled time or None, [run seconds per stage as the daemon timed them])."""
-    from .. import tensors
-    from ..client.stream import InferStream
+    from modelcache import tensors
+    from modelcache.client.stream import InferStream
 
     group_of = client.address[len("ipc://"):] if client.address.startswith("ipc://") else None
     wire, files = tensors.encode(feeds, group_of=group_of)
@@ -107,7 +107,7 @@ def as_served(table, plan, run_s: list):
     measured for it: the simulator's queueing model checked apart from the profile's stage times. Its
     wake_s is empty: the measured times hold whatever wake-ups the runs met."""
     import numpy as np
-    from ..placement.costs import CostTable
+    from modelcache.placement.costs import CostTable
 
     node_s = {k: np.diff(p, axis=1) for k, p in table.prefix_s.items()}
     for k, stage in enumerate(plan.stages):
@@ -130,12 +130,12 @@ def check_one(client, repo: Path, name: str, system, stages: int, args) -> dict:
     """One row: the model cut into `stages`, served, and simulated, in args.rounds interleaved rounds
     (a profile slice, solo requests, a load slice), so the profile and what it predicts sample the same
     stretch of this VM's time (its speed moves by ~20 % over tens of seconds with nothing else running)."""
-    from ..format import SKELETON_FILE
-    from ..placement.machine import cost_table, profiled_threads
-    from ..placement.plan import PlanCost
-    from ..placement.profile import PooledProfile, daemon_source
-    from ..placement.simulate import one_at_a_time, poisson_arrivals, simulate
-    from ..zoo import sample_inputs
+    from modelcache.format import SKELETON_FILE
+    from modelcache.placement.machine import cost_table, profiled_threads
+    from modelcache.placement.plan import PlanCost
+    from modelcache.placement.profile import PooledProfile, daemon_source
+    from modelcache.placement.simulate import one_at_a_time, poisson_arrivals, simulate
+    from modelcache.zoo import sample_inputs
 
     model_dir = repo / name / "1"
     feeds = sample_inputs(str(model_dir / "model.onnx"), batch=1)
@@ -320,11 +320,11 @@ def report(data: dict, f) -> None:
 
 
 def main(argv=None) -> int:
-    from .. import zoo
-    from ..client.connection import connect
-    from ..placement.machine import describe_machine
+    from modelcache import zoo
+    from modelcache.client.connection import connect
+    from modelcache.placement.machine import describe_machine
 
-    ap = argparse.ArgumentParser(prog="modelcache bench placement_check", description=__doc__,
+    ap = argparse.ArgumentParser(prog="benchmarks/placement/check/run.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["resnet50", "alexnet"])
     ap.add_argument("--workers", nargs="+", default=["1,1", "2"])
@@ -362,7 +362,8 @@ def main(argv=None) -> int:
     data = {"rows": rows, "cores": len(os.sched_getaffinity(0)), "load_average_at_start": load_at_start,
             "max_other": args.max_other, "retries": args.retries}
     report(data, sys.stdout)
-    save_results(args.out, "placement_check", argv, data, report)
+    save_results(args.out, "placement_check", argv, data, report,
+                 command="PYTHONPATH=. python benchmarks/placement/check/run.py")
     return 0
 
 

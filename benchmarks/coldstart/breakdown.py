@@ -1,6 +1,6 @@
 """Where an attach-mode open spends its time in a fresh process, step by step, per client path.
 
-    modelcache bench coldstart --breakdown [--models squeezenet1_1 alexnet] [--runs 15] [--out DIR]
+    PYTHONPATH=. python benchmarks/coldstart/breakdown.py [--models squeezenet1_1 alexnet] [--runs 15] [--out DIR]
 
 Each sample is a fresh process that imports numpy and onnxruntime (as a function would), then
 times each step of opening the model, read with perf_counter inside the process:
@@ -62,7 +62,13 @@ def child(path: str, name: str, tuned_dir: str) -> None:
 def measure(socket: str, names: list[str], tuned: dict, runs: int, log) -> list[dict]:
     import os
     import subprocess
-    env = {**os.environ, "MODELCACHE_SOCKET": socket}
+    from pathlib import Path
+
+    import modelcache
+    # The child runs as a script, so its sys.path starts here: it finds modelcache where this process did.
+    where = str(Path(modelcache.__file__).resolve().parents[1])
+    env = {**os.environ, "MODELCACHE_SOCKET": socket,
+           "PYTHONPATH": os.pathsep.join(filter(None, [where, os.environ.get("PYTHONPATH")]))}
     samples = []
     for r in range(runs):
         for name in names:
@@ -91,5 +97,49 @@ def report(samples: list[dict], out=sys.stdout) -> None:
               "fresh processes)", file=out)
 
 
-if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "child":
-    child(*sys.argv[2:5])
+def main(argv=None) -> int:
+    import argparse
+    import tempfile
+    from pathlib import Path
+
+    from modelcache.bench.coldstart import prepare_tuned
+    from modelcache.bench.common import compile_bytecode, ensure_models, managed_daemon
+    from modelcache.client.connection import connect
+
+    ap = argparse.ArgumentParser(prog="benchmarks/coldstart/breakdown.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["squeezenet1_1", "alexnet"])
+    ap.add_argument("--runs", type=int, default=15, help="fresh processes per path and model (default 15)")
+    ap.add_argument("--socket", help="use this running daemon (default: start a private one)")
+    ap.add_argument("--shm-dir", default="/dev/shm", help="where the daemon's host tier and ort-tuned's copy live")
+    ap.add_argument("--out", help="directory for breakdown.txt and breakdown.json")
+    args = ap.parse_args(argv)
+    log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    compile_bytecode()
+    with tempfile.TemporaryDirectory(prefix="modelcache-coldstart-") as tmp, \
+            tempfile.TemporaryDirectory(prefix="modelcache-coldstart-", dir=args.shm_dir) as shm:
+        socket = args.socket or f"ipc://{tmp}/daemon.sock"
+        with managed_daemon(socket, None if args.socket else f"{tmp}/repo", env={"MODELCACHE_SHM_DIR": args.shm_dir}):
+            ensure_models(socket, args.models, Path(tmp) / "zoo")
+            with connect(socket) as client:
+                tuned = {n: prepare_tuned(client, n, Path(shm)) for n in args.models}
+                for n in args.models:
+                    client.release(client.open(n).lease_id)   # resident: every path opens a host hit
+            samples = measure(socket, args.models, tuned, args.runs, log)
+    report(samples)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "breakdown.txt", "w") as f:
+            given = sys.argv[1:] if argv is None else list(argv)
+            print("$ PYTHONPATH=. python benchmarks/coldstart/breakdown.py " + " ".join(given), file=f)
+            report(samples, f)
+        (out / "breakdown.json").write_text(json.dumps(samples))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "child":
+        child(*sys.argv[2:5])
+    else:
+        sys.exit(main())

@@ -1,6 +1,6 @@
 """Where a served call's time goes: a profile of the serve path, for whoever works on its latency.
 
-    modelcache bench servepath [--calls 2000] [--profile] [--out DIR]
+    PYTHONPATH=. python benchmarks/servepath/run.py [--calls 2000] [--profile] [--out DIR]
 
 Runs a real daemon (one 1-thread worker group) and a lane client on tiny-cnn, back to back,
 and splits each call:
@@ -34,8 +34,8 @@ WARMUP = 300
 
 def run_daemon(socket: str, repository: str, out: str, profile: bool) -> None:
     """The daemon, with the lane's read handler timed (wall and thread CPU) and maybe profiled."""
-    from ..config import load
-    from ..daemon import lane, server
+    from modelcache.config import load
+    from modelcache.daemon import lane, server
 
     stamps: list[tuple[float, float]] = []
     profiler = None
@@ -70,15 +70,15 @@ def run_daemon(socket: str, repository: str, out: str, profile: bool) -> None:
 
 
 def measure(calls: int, profile: bool) -> dict:
-    from .. import zoo
-    from ..client.connection import connect
-    from .common import plain_session
+    from modelcache import zoo
+    from modelcache.client.connection import connect
+    from modelcache.bench.common import plain_session
 
     with tempfile.TemporaryDirectory(prefix="modelcache-servepath-") as tmp:
         src = os.path.join(tmp, "tiny-cnn.onnx")
         zoo.save(zoo.build("tiny-cnn"), src)
         socket, stamps_file = f"ipc://{tmp}/d.sock", os.path.join(tmp, "stamps.json")
-        cmd = [sys.executable, "-m", "modelcache.bench.servepath", "--daemon", socket, os.path.join(tmp, "repo"),
+        cmd = [sys.executable, __file__, "--daemon", socket, os.path.join(tmp, "repo"),
                stamps_file] + (["--profile"] if profile else [])
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
         try:
@@ -145,7 +145,7 @@ def report(res: dict, out=sys.stdout) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="modelcache bench servepath", description=__doc__,
+    ap = argparse.ArgumentParser(prog="benchmarks/servepath/run.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=2000, help="served calls measured, after a warm-up")
     ap.add_argument("--profile", action="store_true", help="also profile the daemon's handling (cProfile)")
@@ -155,10 +155,11 @@ def main(argv=None) -> int:
     if args.daemon:
         run_daemon(*args.daemon, profile=args.profile)
         return 0
-    from .common import save_results
+    from modelcache.bench.common import save_results
     res = measure(args.calls, args.profile)
     report(res)
-    save_results(args.out, "servepath", argv, res, report)
+    save_results(args.out, "servepath", argv, res, report,
+                 command="PYTHONPATH=. python benchmarks/servepath/run.py")
     return 0
 
 

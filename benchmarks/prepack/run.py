@@ -1,6 +1,6 @@
 """Prepack benchmark: a second client with the shared pre-packed MatMul weights vs without, side by side.
 
-    modelcache bench prepack [--models vit_b_16] [--runs 5] [--out benchmarks/prepack]
+    PYTHONPATH=. python benchmarks/prepack/run.py [--models vit_b_16] [--runs 5] [--out benchmarks/prepack]
 
 One daemon, one host tier; this process holds the model open (the first client). Fresh child
 processes then open it alternately with prepacked=True and prepacked=False (what every client did
@@ -23,7 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import alternate_runs, answer_child, ensure_models, managed_daemon, memory_mib, save_results, summary
+from modelcache.bench.common import (alternate_runs, answer_child, ensure_models, managed_daemon, memory_mib,
+                                     save_results, summary)
 
 MODES = ("prepacked", "unpacked")
 
@@ -61,8 +62,8 @@ def child_warm(name: str, src: str, runs: int) -> dict:
 
 
 def measure(socket: str, paths: dict[str, str], runs: int, warm_runs: int) -> dict:
-    from .open import measure as measure_open
-    return measure_open(socket, paths, runs, warm_runs, MODES, "modelcache.bench.prepack")
+    from modelcache.demo import measure as measure_open
+    return measure_open(socket, paths, runs, warm_runs, MODES, __file__)
 
 
 def _ratio(a: list[float], b: list[float]) -> str:
@@ -92,7 +93,7 @@ def report(results: dict, out=sys.stdout) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="modelcache bench prepack", description=__doc__,
+    ap = argparse.ArgumentParser(prog="benchmarks/prepack/run.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["vit_b_16"])
     ap.add_argument("--runs", type=int, default=5, help="fresh processes per mode and model (default 5)")
@@ -108,7 +109,8 @@ def main(argv=None) -> int:
             paths = ensure_models(socket, args.models, Path(tmp) / "zoo")
             results = measure(socket, paths, args.runs, args.warm_runs)
     report(results)
-    save_results(args.out, "prepack", argv, results, report)
+    save_results(args.out, "prepack", argv, results, report,
+                 command="PYTHONPATH=. python benchmarks/prepack/run.py")
     return 0
 
 
