@@ -1,0 +1,169 @@
+"""The package's layers import one way: every import in modelcache/ — function-local ones too — reaches
+its own layer or a lower one, and no two modules import each other (directly or round a loop). The
+package stands alone: it never imports the lab (benchmarks/) or the tests, and only the fronts that run
+benchmarks (the CLI, the demo) reach into modelcache.bench.
+
+The table is the README's ("The layers"), bottom to top. A module not in it fails the test: a new
+module gets a place on purpose, not by accident.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "modelcache"
+
+# Bottom to top; an entry names a module or a whole subpackage.
+LAYERS = [
+    ("foundation", ["errors", "format", "integrity", "storage", "tensors", "lane", "protocol", "cuda",
+                    "session_options", "reservations", "histogram", "calibration", "plotting"]),
+    ("settings", ["config", "address"]),
+    ("model tooling", ["packing", "prepack", "sources", "zoo"]),
+    ("tiers", ["tiers", "eviction", "scrub"]),
+    ("executor", ["executor"]),
+    ("daemon", ["daemon"]),
+    ("client", ["client"]),
+    ("fronts", ["placement", "http", "cluster", "bench", "demo"]),
+    ("command line", ["cli"]),
+]
+# Kept on purpose, each for a reason the README gives.
+ALLOWED = {
+    # address.py resolves the socket from the settings only when none is given: the attach path imports
+    # address without loading the settings machinery (~40 ms of a fresh process, README "Serve lane").
+    ("address", "config"),
+}
+# The client imports nothing of the daemon, the executor or the planner: a function process stays small.
+FORBIDDEN = {"client": {"daemon", "executor", "placement"}}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def package_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imported_names(name: str, path: Path, modules: dict) -> set[str]:
+    """Every module name `name` imports, anywhere in its body (function-local imports included); a name
+    imported from a package module counts as that module, or as the package's submodule of that name."""
+    is_package = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")[: len(name.split(".")) - (node.level - 1) - (0 if is_package else 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            found.update(f"{module}.{a.name}" if f"{module}.{a.name}" in modules else module for a in node.names)
+    return found
+
+
+def imports_of(name: str, path: Path, modules: dict) -> set[str]:
+    """Every package module `name` imports, anywhere in its body (function-local imports included)."""
+    found = set()
+    for target in imported_names(name, path, modules):
+        if target == "modelcache" or not target.startswith("modelcache."):
+            continue   # the package's facade (`from modelcache import __version__`) or another package
+        while target not in modules and "." in target:
+            target = target.rsplit(".", 1)[0]
+        if target != name:
+            found.add(target)
+    return found
+
+
+def top_part(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def layer_of(module: str) -> int:
+    part = top_part(module)
+    for i, (_, members) in enumerate(LAYERS):
+        if part in members:
+            return i
+    raise AssertionError(f"{module} has no layer: give it a place in tests/test_layers.py and the README's table")
+
+
+def graph() -> dict[str, set[str]]:
+    modules = package_modules()
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def test_every_import_reaches_its_own_layer_or_a_lower_one():
+    upward = []
+    for module, targets in graph().items():
+        if module == "modelcache":
+            continue   # the facade: its lazy __getattr__ hands out the client's names
+        for target in targets:
+            pair = (top_part(module), top_part(target))
+            if pair in ALLOWED:
+                continue
+            if layer_of(target) > layer_of(module):
+                upward.append(f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} "
+                              f"({LAYERS[layer_of(target)][0]})")
+            if top_part(target) in FORBIDDEN.get(top_part(module), ()):
+                upward.append(f"{module} imports {target}: the client imports nothing of the daemon's side")
+    assert not upward, "imports that run up a layer:\n" + "\n".join(sorted(upward))
+
+
+def test_no_import_loops():
+    edges = graph()
+    index, low, stack, on_stack, loops = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v):   # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if (top_part(v), top_part(w)) in ALLOWED:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                loops.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    assert not loops, f"import loops: {loops}"
+
+
+def test_the_checker_sees_function_local_imports(tmp_path):
+    """The walk is what makes the two tests above mean something: an import inside a function counts."""
+    modules = package_modules()
+    assert "modelcache.daemon.server" in imports_of("modelcache.cli", PACKAGE / "cli.py", modules)
+
+
+def test_the_package_never_imports_the_lab_or_the_tests():
+    modules = package_modules()
+    for name, path in modules.items():
+        bad = {n for n in imported_names(name, path, modules) if n.split(".")[0] in ("benchmarks", "tests", "conftest")}
+        assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def test_only_the_cli_and_the_demo_reach_into_bench():
+    for module, targets in graph().items():
+        if module in ("modelcache.cli", "modelcache.demo") or module.startswith("modelcache.bench"):
+            continue
+        bad = {t for t in targets if top_part(t) == "bench"}
+        assert not bad, f"{module} imports {sorted(bad)}: the product does not run on benchmark code"
