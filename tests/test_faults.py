@@ -28,6 +28,7 @@ from modelcache.bench.fuzz_messages import array_of
 from modelcache import integrity, tensors, zoo
 from modelcache.errors import CapacityError, DaemonUnavailable, InputError, PackError
 from modelcache.executor.workers import Worker
+from modelcache import lane
 from modelcache.lane import HEADER, frame
 from conftest import HERE, DaemonProcess, wait_until
 from test_daemon import raw_socket
@@ -474,15 +475,14 @@ def test_a_client_that_truncates_its_io_file_after_sending_it_costs_only_its_req
 
     def attack(k: int):
         with daemon.client(timeout_s=10) as c:
+            raw = lane.connect(c.address)
             for i in range(25):
                 wire, files = tensors.encode(big)
-                msg = P.Infer(req_id=0, client_id=c.client_id, name="cnn", inputs=wire)
-                with c._lock:                   # the client's own transport, one request at a time
-                    msg.req_id = next(c._ids)
-                    c._lane.send(*P.encode(msg), time.monotonic() + 10)
-                    time.sleep(0.0005 * (i % 4))
-                    os.truncate(files[0], 0)    # while the request waits for the worker, or runs
-                    reply = P.decode(c._lane.receive(time.monotonic() + 10))
+                msg = P.Infer(req_id=i + 1, client_id=c.client_id, name="cnn", inputs=wire)
+                raw.send(*P.encode(msg), time.monotonic() + 10)   # a lane of its own, one request at a time
+                time.sleep(0.0005 * (i % 4))
+                os.truncate(files[0], 0)        # while the request waits for the worker, or runs
+                reply = P.decode(raw.receive(time.monotonic() + 10))
                 os.unlink(files[0])
                 if isinstance(reply, P.InferReply):
                     out = tensors.decode(reply.outputs)[0]["logits"]
@@ -490,6 +490,7 @@ def test_a_client_that_truncates_its_io_file_after_sending_it_costs_only_its_req
                 else:
                     outcomes.append(reply.code + ("" if "bytes; the tensor needs" in reply.message
                                                   or "truncated" in reply.message else ": " + reply.message))
+            raw.close()
 
     threads = [threading.Thread(target=attack, args=(k,)) for k in range(4)]
     for t in threads:

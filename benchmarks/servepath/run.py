@@ -92,7 +92,8 @@ def measure(calls: int, profile: bool) -> dict:
                 for _ in range(WARMUP):
                     client.infer("tiny", feeds)
                     local.run(None, feeds)
-                lane, receive = client._lane, client._lane.receive
+                lane = client._lane.connect()   # the request core's current lane connection
+                receive = lane.receive_all
 
                 def timed_receive(deadline):
                     t = time.perf_counter()
@@ -101,7 +102,7 @@ def measure(calls: int, profile: bool) -> dict:
                     finally:
                         waiting.append(time.perf_counter() - t)
 
-                lane.receive = timed_receive
+                lane.receive_all = timed_receive
                 proc.send_signal(signal.SIGUSR1)
                 time.sleep(0.2)
                 waiting.clear()

@@ -22,6 +22,10 @@ whatever arrived within --window-ms), dynamic (Triton: up to N_opt as soon as th
 free), layer (LBCI's layer-to-layer: starts at once, absorbs newcomers at stage boundaries
 while every member's predicted finish stays within t_opt).
 
+--threads-vs-processes N instead: N threads of one process, each with its own serve session, against
+N processes of one session each, closed loop under dynamic batching, paired and alternated over
+--rounds; prints batches formed, mean batch size and req/s of each.
+
 Writes OUT/serve.csv, OUT/results.json, OUT/report.txt, and per model
 OUT/<model>-latency.png (latency vs throughput) and OUT/<model>-bars.png (mean latency per rate).
 """
@@ -219,6 +223,49 @@ def _run_in(tmp: Path, args) -> dict:
     return results
 
 
+def threads_vs_processes(args) -> dict:
+    """N threads of one process against N processes, each a closed loop of serve-mode runs, alternated."""
+    from ..client.connection import connect
+    n, rounds = args.threads_vs_processes, args.rounds
+    with tempfile.TemporaryDirectory(prefix="modelcache-bench-serve-") as tmp:
+        socket = f"ipc://{tmp}/serve.sock"
+        env = {"MODELCACHE_WORKERS": args.workers, "MODELCACHE_STATE_DIR": f"{tmp}/state",
+               "MODELCACHE_BATCHING": "dynamic"}
+        with managed_daemon(socket, f"{tmp}/repo", env=env):
+            ensure_models(socket, args.models[:1], Path(tmp) / "src")
+            rows = {"threads": [], "processes": []}
+            for r in range(rounds):
+                for shape in (("threads", "processes") if r % 2 == 0 else ("processes", "threads")):
+                    cfg = {"socket": socket, "model": args.models[0], "duration_s": args.duration,
+                           "start_at": time.time() + 1.5}
+                    processes = 1 if shape == "threads" else n
+                    with connect(socket) as c:
+                        before = c.stats().executor["batching"]
+                    procs = [subprocess.Popen([sys.executable, "-m", "modelcache.bench.serve_client",
+                                               json.dumps({**cfg, "threads": n if shape == "threads" else 1,
+                                                           "seed": k})], stdout=subprocess.PIPE, text=True)
+                             for k in range(processes)]
+                    requests = sum(json.loads(p.communicate(timeout=args.duration + 120)[0])["requests"]
+                                   for p in procs)
+                    with connect(socket) as c:
+                        after = c.stats().executor["batching"]
+                    batches = after["batches"] - before["batches"]
+                    samples = after["batches"] * (after["mean_batch"] or 0) - before["batches"] * (before["mean_batch"] or 0)
+                    row = {"round": r, "batches": batches, "mean_batch": samples / batches if batches else float("nan"),
+                           "rps": requests / args.duration, "requests": requests}
+                    rows[shape].append(row)
+                    print(f"  round {r} {n} {shape:9s}: {batches:5d} batches, mean batch {row['mean_batch']:5.2f}, "
+                          f"{row['rps']:7.1f} req/s", file=sys.stderr, flush=True)
+    summary = {shape: {"batches": statistics.median(x["batches"] for x in rs),
+                       "mean_batch": statistics.median(x["mean_batch"] for x in rs),
+                       "rps": statistics.median(x["rps"] for x in rs)} for shape, rs in rows.items()}
+    print(f"\n{args.models[0]}, dynamic batching, {n} threads of one process vs {n} processes, "
+          f"{rounds} rounds of {args.duration:g} s (median per round):")
+    for shape, m in summary.items():
+        print(f"  {n} {shape:9s}: {m['batches']:7.1f} batches  mean batch {m['mean_batch']:5.2f}  {m['rps']:7.1f} req/s")
+    return {"rows": rows, "summary": summary}
+
+
 def comparisons(model: dict) -> dict:
     """The issue's two targets, from one run: layer vs batch(m) mean latency at medium load,
     layer vs serial max sustainable rate."""
@@ -334,8 +381,16 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", default="auto", help="the daemon's worker groups")
     ap.add_argument("--work", help="directory for the daemon's repository and state (default: a temp dir)")
     ap.add_argument("--quick", action="store_true", help="a tiny model, short runs: checks the pipeline")
+    ap.add_argument("--threads-vs-processes", type=int, metavar="N",
+                    help="only compare N threads of one process with N processes (closed loop, dynamic batching)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of --threads-vs-processes, each shape once")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    if args.threads_vs_processes:
+        if args.quick:
+            args.models, args.duration = ["tiny-cnn"], 2.0
+        threads_vs_processes(args)
+        return 0
     if args.quick:
         args.models, args.duration, args.warmup, args.bisect_steps = ["tiny-cnn"], 1.5, 0.3, 1
         args.loads, args.batches, args.stages = [0.3, 1.5], [1, 4], 2

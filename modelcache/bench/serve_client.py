@@ -69,5 +69,37 @@ def run(cfg: dict) -> dict:
     return {"requests": [results[k] for k in sorted(results)], "late_sends": late}
 
 
+def closed_loop(cfg: dict) -> dict:
+    """cfg["threads"] threads, each with a serve session of its own, each running the model back to back
+    from cfg["start_at"] (wall clock) for cfg["duration_s"]: {"requests": answered within that span}."""
+    import threading
+
+    import numpy as np  # noqa: F401  (the sessions' outputs)
+
+    from .. import tensors
+    from ..client.session import InferenceSession
+
+    sessions = [InferenceSession(cfg["model"], mode="serve", socket=cfg["socket"]) for _ in range(cfg["threads"])]
+    feeds = tensors.random_feeds(sessions[0]._inputs, batch=1, seed=cfg.get("seed", 0))
+    sessions[0].run(None, feeds)
+    start = time.monotonic() + max(0.0, cfg["start_at"] - time.time())
+    end = start + cfg["duration_s"]
+    counts = [0] * len(sessions)
+
+    def loop(k: int) -> None:
+        time.sleep(max(0.0, start - time.monotonic()))
+        while time.monotonic() < end:
+            sessions[k].run(None, feeds)
+            counts[k] += 1
+
+    threads = [threading.Thread(target=loop, args=(k,)) for k in range(len(sessions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"requests": sum(counts)}
+
+
 if __name__ == "__main__":
-    print(json.dumps(run(json.loads(sys.argv[1]))))
+    cfg = json.loads(sys.argv[1])
+    print(json.dumps(closed_loop(cfg) if cfg.get("threads") else run(cfg)))

@@ -14,7 +14,9 @@ meanwhile fails at once with DaemonUnavailable, and a call the outage cut short 
 again once if the daemon is already back and the call is safe to repeat.
 
 `infer` goes over the daemon's serve lane when it has one (modelcache/lane.py): the same
-messages on a plain Unix socket, a few thread wake-ups shorter than ZeroMQ.
+messages on a plain Unix socket, a few thread wake-ups shorter than ZeroMQ. The lane is a
+request core (client/rpc.py) shared by every thread of the process without the client's lock:
+many serve requests in flight at once, so those of different threads can batch in the daemon.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import zmq
 import logging
 
 from .. import lane as _lane, protocol as P
+from .rpc import Channel, lane_connection
 from ..address import check_can_connect, check_listening
 from ..errors import (DaemonUnavailable, ModelCacheError, ProtocolError, RequestTimeout,
                       from_code)
@@ -64,7 +67,7 @@ class Client:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._sock = None
-        self._lane = None
+        self._lane: Channel | None = None   # serve requests, when the daemon has a lane
         self._closed = False
         self._broken = False              # the daemon went away: reconnect before the next call
         self._want_lane = lane            # False: infer goes over ZeroMQ too
@@ -114,7 +117,14 @@ class Client:
         if isinstance(reply, P.ErrorReply):
             raise from_code(reply.code, reply.message)
         self.client_id = reply.client_id
-        self._lane = _lane.connect(self.address) if self._want_lane else None
+        path = _lane.lane_path(self.address)
+        if self._lane is None and self._want_lane and path is not None and os.path.exists(path):
+            self._lane = Channel(self.address, lane_connection(path, self.address), self.timeout_s)
+        if self._lane is not None:
+            try:
+                self._lane.connect()     # now, as the hello: the first serve request pays no connect
+            except DaemonUnavailable:
+                pass                     # it tries again with that request
         return reply
 
     def _reconnect(self) -> None:
@@ -161,12 +171,13 @@ class Client:
                 gone = True
         return gone
 
-    def _call(self, msg, expect: tuple, timeout_s: float | None = None, use_lane: bool = False,
-              lane: _lane.LaneClient | None = None, fds: list = ()):
-        """Send one request and wait for its reply (or a typed error); over `lane` (with `fds`) when given."""
+    def _call(self, msg, expect: tuple, timeout_s: float | None = None, use_lane: bool = False):
+        """Send one request and wait for its reply (or a typed error)."""
         if self._closed:
             raise DaemonUnavailable("this modelcache connection is closed")
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if use_lane and self._lane is not None:
+            return self._call_lane(msg, expect, timeout_s)
         expect = (*expect, P.ErrorReply)
         with self._lock:
             if self._broken:
@@ -176,12 +187,7 @@ class Client:
                 msg.req_id = next(self._ids)
                 deadline = time.monotonic() + timeout_s
                 try:
-                    if lane is not None:
-                        reply = self._exchange_lane(msg, expect, deadline, lane, fds)
-                    elif use_lane and self._lane is not None:
-                        reply = self._exchange_lane(msg, expect, deadline, self._lane)
-                    else:
-                        reply = self._exchange_zmq(msg, expect, deadline)
+                    reply = self._exchange_zmq(msg, expect, deadline)
                 except DaemonUnavailable as lost:
                     self._broken = True
                     if retry or not isinstance(msg, RETRY_SAFE):
@@ -197,6 +203,27 @@ class Client:
         if reply is None:
             raise RequestTimeout(f"the modelcache daemon at {self.address} did not answer "
                                  f"{msg.KIND.decode()} within {timeout_s:g} s")
+        if isinstance(reply, P.ErrorReply):
+            raise from_code(reply.code, reply.message)
+        return reply
+
+    def _call_lane(self, msg, expect: tuple, timeout_s: float):
+        """A serve request over the lane, without the client's lock: the core matches the replies of
+        every thread's requests, and sends a request the outage cut short once more on a new lane."""
+        for retry in (False, True):
+            if self._broken:
+                with self._lock:
+                    if self._broken:
+                        self._reconnect()
+            msg.client_id = self.client_id
+            try:
+                reply = self._lane.exchange(msg, expect, timeout_s, retry_safe=isinstance(msg, RETRY_SAFE))
+            except DaemonUnavailable:
+                self._broken = True     # the ZeroMQ side is likely gone too: the heartbeat, or the next call, sees
+                raise
+            if retry or not _daemon_forgot_us(reply):
+                break
+            self._broken = True         # it restarted between our calls: hello again, then once more
         if isinstance(reply, P.ErrorReply):
             raise from_code(reply.code, reply.message)
         return reply
@@ -230,33 +257,10 @@ class Client:
                 return reply
             # else: a late answer to a request we gave up on
 
-    def _exchange_lane(self, msg, expect: tuple, deadline: float, lane: _lane.LaneClient, fds: list = ()):
-        """msg's reply over a lane; None at the deadline. A serve lane that fails is closed, and
-        later calls go over ZeroMQ."""
-        try:
-            lane.send(*P.encode(msg), deadline, fds)
-        except OSError:        # (a send timeout too: part of a frame may be out, the stream is unusable)
-            self._drop_lane(lane)
-            raise DaemonUnavailable(f"lost the serve lane to the modelcache daemon at {self.address} "
-                                    f"(it stopped, crashed or stalled)") from None
-        while True:
-            try:
-                reply = _reply_to(msg, P.decode(lane.receive(deadline)), expect)
-            except TimeoutError:
-                return None    # a late reply, whole or in part, is read and skipped by the next call
-            except OSError:
-                self._drop_lane(lane)
-                raise DaemonUnavailable(f"lost the connection to the modelcache daemon at {self.address} "
-                                        f"(it stopped or crashed)") from None
-            if reply is not None:
-                return reply
-
-    def _drop_lane(self, lane: _lane.LaneClient | None = None) -> None:
-        if lane is not None and lane is not self._lane:
-            lane.close()
-        elif self._lane is not None:
-            self._lane.close()
-            self._lane = None
+    def _drop_lane(self) -> None:
+        """Hang up the serve lane (its requests fail); the next serve request connects again."""
+        if self._lane is not None:
+            self._lane.drop()
 
     def _heartbeat_loop(self, interval_s: float) -> None:
         """Beat, and notice the daemon going away: then reconnect, with backoff, until it is back."""
@@ -401,9 +405,14 @@ class Client:
             if lane is None:
                 raise DaemonUnavailable(f"add needs the daemon's local lane socket ({self.address}.lane): a tcp:// "
                                         "daemon cannot take files; copy the model to its host and add it there")
-            return self._call(P.Add(req_id=0, path=os.path.abspath(path), name=name, version=version,
-                                    opt_level=opt_level, files=names, prepack=prepack), expect=(P.AddReply,),
-                              timeout_s=timeout_s or self._add_timeout_s, lane=lane, fds=fds)
+            # A connection of its own: the daemon takes descriptors only with a connection's first message.
+            once = Channel(self.address, lambda: lane, self.timeout_s)
+            reply = once.exchange(P.Add(req_id=0, path=os.path.abspath(path), name=name, version=version,
+                                        opt_level=opt_level, files=names, prepack=prepack), (P.AddReply,),
+                                  timeout_s=timeout_s or self._add_timeout_s, fds=fds)
+            if isinstance(reply, P.ErrorReply):
+                raise from_code(reply.code, reply.message)
+            return reply
         finally:
             close_all(fds)
             if lane is not None:
@@ -419,7 +428,8 @@ class Client:
         except Exception:
             pass  # the daemon will expire our leases anyway
         self._closed = True
-        self._drop_lane()
+        if self._lane is not None:
+            self._lane.close()
         self._heartbeat.join(timeout=2)
         with self._lock:
             self._close_sockets()
