@@ -18,6 +18,7 @@ from ..packing import pack_in_subprocess
 from ..storage import storage_errors
 from ..sources import check_regular_files, check_source_names, close_all
 from ..tiers.host import variant_tensors
+from ..tiers.base import Tier
 from .loaders import Loaders
 from .registry import ModelRecord, ModelState, Registry
 
@@ -25,10 +26,10 @@ log = logging.getLogger("modelcache.daemon")
 
 
 class HostCache:
-    def __init__(self, *, registry: Registry, host, policy, repository, remote, loaders: Loaders, settings, admins,
+    def __init__(self, *, registry: Registry, host: Tier, policy, repository, remote, loaders: Loaders, settings, admins,
                  counters: dict, jobs: dict, clock, reply, redispatch):
         self.registry = registry
-        self.host = host                  # tiers.host.HostTier
+        self.host = host                  # tiers.host.HostTier (the Tier contract, and its export)
         self.policy = policy              # eviction: it chooses, this frees
         self.repository = repository
         self.remote = remote              # tiers.remote.RemoteStore, or None

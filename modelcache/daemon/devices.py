@@ -17,6 +17,7 @@ import logging
 
 from ..cuda import DeviceError, normalize_uuid
 from ..errors import CapacityError, ModelCacheError
+from ..tiers.base import Tier
 from .cache import HostCache, choose_victims
 from .loaders import Loaders
 from .registry import DeviceResidency, ModelRecord, ModelState, Registry
@@ -35,7 +36,7 @@ class DeviceCache:
         self.counters = counters
         self.jobs = jobs
         self.clock = clock
-        self.tiers: dict = {}             # device UUID -> tiers.gpu.DeviceTier
+        self.tiers: dict[str, Tier] = {}  # device UUID -> tiers.gpu.DeviceTier
         self.policies: dict = {}          # device UUID -> its eviction policy
         # Called with (model key, device UUID) when a copy is freed: what was built over its addresses goes.
         self.forget: list = []
