@@ -26,8 +26,8 @@ log = logging.getLogger("modelcache.daemon")
 
 
 class HostCache:
-    def __init__(self, *, registry: Registry, host: Tier, policy, repository, remote, loaders: Loaders, settings, admins,
-                 counters: dict, jobs: dict, clock, reply, redispatch):
+    def __init__(self, *, registry: Registry, host: Tier, policy, repository, remote, loaders: Loaders, settings,
+                 admins, counters: dict, jobs: dict, clock, reply, redispatch):
         self.registry = registry
         self.host = host                  # tiers.host.HostTier (the Tier contract, and its export)
         self.policy = policy              # eviction: it chooses, this frees
