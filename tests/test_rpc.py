@@ -77,7 +77,8 @@ SAMPLES = 16
 def test_threads_of_one_client_batch_together_in_the_daemon(tmp_path, zoo_file):
     src = zoo_file("tiny-cnn")
     ref = ort.InferenceSession(src, providers=["CPUExecutionProvider"])
-    with batching_daemon(tmp_path, "dynamic", max_batch=256) as (d, c):
+    # The batcher waits up to 20 ms for company: requests in flight together cannot miss each other.
+    with batching_daemon(tmp_path, "dynamic", max_batch=256, max_queue_delay_ms=20) as (d, c):
         c.add(src, "cnn")
         c.infer("cnn", zoo.sample_inputs(src))
         batches, errors = [], []
