@@ -111,11 +111,9 @@ class ZmqConnection:
                     if self._monitor in events and self._daemon_gone():
                         self._gone = True
                     out = []
-                    while True:
-                        try:
+                    if self._sock in events:   # (EVENTS rather than catching zmq.Again: an exception costs us)
+                        while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                             out.append(self._sock.recv_multipart(zmq.NOBLOCK))
-                        except zmq.Again:
-                            break
                     if out:
                         return out
                     if self._gone:
