@@ -202,3 +202,42 @@ def test_a_caller_whose_answer_never_comes_times_out_while_others_are_answered(t
     channel.close()
     server.close()
     thread.join(5)
+
+
+def test_the_zeromq_connection_carries_many_threads_requests_at_once(tmp_path):
+    """A ZeroMQ socket is not thread-safe: senders hand their frames to the thread that reads for everyone."""
+    import zmq
+    from modelcache.client.connection import ZmqConnection
+    address = f"ipc://{tmp_path}/z.sock"
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(address)
+    threads_n = 8
+
+    def serve():      # answers only once every thread's request is in, last first
+        requests = [router.recv_multipart() for _ in range(threads_n)]
+        for identity, kind, body in reversed(requests):
+            req = P.decode([kind, body])
+            router.send_multipart([identity, *P.encode(P.ModelList(req_id=req.req_id, models=[{"asked": req.name}]))])
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    channel = Channel(address, lambda: ZmqConnection(ctx, address), timeout_s=10)
+    got = {}
+
+    def ask(k: int):
+        try:
+            got[k] = channel.call(P.Describe(req_id=0, name=f"m{k}"), (P.ModelList,)).models[0]["asked"]
+        except Exception as e:    # noqa: BLE001 (reported below)
+            got[k] = e
+
+    threads = [threading.Thread(target=ask, args=(k,)) for k in range(threads_n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    server.join(5)
+    channel.close()
+    router.close(linger=0)
+    assert got == {k: f"m{k}" for k in range(threads_n)}
