@@ -241,3 +241,31 @@ def test_the_zeromq_connection_carries_many_threads_requests_at_once(tmp_path):
     channel.close()
     router.close(linger=0)
     assert got == {k: f"m{k}" for k in range(threads_n)}
+
+
+def test_an_answer_followed_at_once_by_the_end_of_the_connection_is_an_answer(tmp_path):
+    """A daemon that answers, then stops (a graceful stop after a long add), did answer."""
+    path = str(tmp_path / "d.sock.lane")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+
+    def serve():
+        conn, _ = server.accept()
+        reader = lane.FrameReader()
+        while (message := reader.next()) is None:
+            reader.feed(conn.recv(65536))
+        req = P.decode(list(message))
+        time.sleep(0.2)    # the caller is in its poll by now: the answer and the end come in one read
+        conn.sendall(lane.frame(*P.encode(P.ModelList(req_id=req.req_id))))
+        conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    channel = Channel("ipc://x", lambda: lane.LaneClient(path), timeout_s=5)
+    assert isinstance(channel.call(P.ListModels(req_id=0), (P.ModelList,)), P.ModelList)
+    with pytest.raises(DaemonUnavailable):
+        channel.call(P.ListModels(req_id=0), (P.ModelList,))
+    channel.close()
+    server.close()
+    thread.join(5)
