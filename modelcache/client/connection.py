@@ -64,7 +64,6 @@ class ZmqConnection:
             check_can_connect(address[len("ipc://"):], address)
             check_listening(address[len("ipc://"):], address)
         self.address = address
-        self.opened_at = time.monotonic()
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(address)
@@ -143,6 +142,17 @@ class ZmqConnection:
                 gone = True
         return gone
 
+    def peer_gone(self) -> bool:
+        """Whether this connection's own monitor saw the daemon go; looked at only when no thread reads
+        it (one that does finds out by itself)."""
+        if not self._gone and self._owner.acquire(False):
+            try:
+                if not self._closing and self._daemon_gone():
+                    self._gone = True
+            finally:
+                self._owner.release()
+        return self._gone
+
     def _wake(self) -> None:
         try:
             os.write(self._wake_w, b"x")
@@ -185,7 +195,6 @@ class Client:
         self._lane: Channel | None = None   # serve requests, when the daemon has a lane
         self._closed = False
         self._broken = False              # the heartbeat saw the daemon go away: reconnect before the next call
-        self._broken_at = 0.0
         self._want_lane = lane            # False: infer goes over ZeroMQ too
         self._name = name or Path(os.sys.argv[0] or "python").name
         # Leases this client holds, by the id open() returned -> [id at the daemon now (None: lost), name,
@@ -251,18 +260,19 @@ class Client:
                 log.warning("modelcache: could not re-open %s after the daemon restarted: %s", name, reply.message)
         log.info("modelcache: reconnected to %s as %s, %d leases re-opened", self.address, self.client_id, relet)
 
-    def _reconnect(self, stale_before: float | None = None, blocking: bool = True) -> None:
-        """A new ZeroMQ connection (hello, leases) if the current one was opened before `stale_before`
-        (None: whatever its age). DaemonUnavailable while the daemon is away."""
+    def _reconnect(self, forgotten: bool = False, blocking: bool = True) -> None:
+        """A connection that works: a new one (hello, leases) if there is none, or the current one's own
+        monitor saw the daemon go, or (forgotten) the daemon does not know our client id. Never a new hello
+        on a connection that works: each makes a new client, whose leases would linger until they expire.
+        DaemonUnavailable while the daemon is away."""
         if not self._lock.acquire(blocking):
             return
         try:
             conn = self._zmq._conn
-            if conn is not None and (stale_before is None or conn.opened_at < stale_before):
+            if conn is not None and (forgotten or conn.peer_gone()):
                 self._zmq.drop()
             self._zmq.connect()
-            if stale_before is None or self._broken_at <= stale_before:
-                self._broken = False
+            self._broken = False
         finally:
             self._lock.release()
 
@@ -271,7 +281,7 @@ class Client:
         if self._closed:
             raise DaemonUnavailable("this modelcache connection is closed")
         if self._broken:
-            self._reconnect(self._broken_at)
+            self._reconnect()
         channel = self._lane if use_lane and self._lane is not None else self._zmq
         for retry in (False, True):
             sent_as = self.client_id
@@ -281,7 +291,7 @@ class Client:
                 break
             # It restarted between our calls (nothing of ours was done): hello again, once, then the call.
             if self.client_id == sent_as:
-                self._reconnect(time.monotonic())
+                self._reconnect(forgotten=True)
         if isinstance(reply, P.ErrorReply):
             raise from_code(reply.code, reply.message)
         return reply
@@ -306,12 +316,11 @@ class Client:
             while not self._heartbeat_stop.wait(backoff_s if self._broken else interval_s):
                 while monitor.poll(0):
                     if recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED:
-                        self._broken_at = time.monotonic()
                         self._broken = True
                 if self._broken:
                     try:
                         if not self._closed:   # never wait on a caller: one in a call reconnects by itself
-                            self._reconnect(self._broken_at, blocking=False)
+                            self._reconnect(blocking=False)
                     except ModelCacheError:
                         pass
                     backoff_s = RECONNECT_BACKOFF_S[0] if not self._broken else \
