@@ -202,8 +202,12 @@ class LaneClient:
             message = self._reader.next()
             if message is not None:
                 out.append(message)
-            elif not self._read(0):
-                return out
+                continue
+            try:
+                if not self._read(0):
+                    return out
+            except ConnectionError:
+                return out   # a daemon that answered, then stopped, did answer: the next call hears of the end
 
     def _read(self, timeout_ms: float) -> bool:
         """Feed the reader what the socket has within timeout_ms; False when nothing came."""

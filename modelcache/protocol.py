@@ -80,6 +80,59 @@ class Message:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items())})"
 
 
+# -- nested records ----------------------------------------------------------------------------
+
+# Bytes per element of the types a weight tensor may have (numpy's names): a placement's byte count
+# and alignment are checked against them; a type not listed here is checked for shape only.
+ITEM_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "uint64": 8, "int32": 4,
+              "uint32": 4, "int16": 2, "uint16": 2, "int8": 1, "uint8": 1, "bool": 1}
+
+
+class TensorPlacement(tuple):
+    """Where one weight tensor of an OpenReply lies. On the wire the positional row it always was,
+    [name, dtype, shape, index, offset, nbytes] (index: of the segment, host tier; of the IPC handle, GPU);
+    decoded into this, checked, so that no consumer re-validates it."""
+    __slots__ = ()
+    name = property(lambda self: self[0])
+    dtype = property(lambda self: self[1])
+    shape = property(lambda self: self[2])
+    index = property(lambda self: self[3])
+    offset = property(lambda self: self[4])
+    nbytes = property(lambda self: self[5])
+
+    @classmethod
+    def from_wire(cls, row, n_indices: int | None = None) -> "TensorPlacement":
+        """The checked record; ProtocolError says what is wrong. n_indices: how many segments or handles
+        the index may name."""
+        if isinstance(row, cls) and n_indices is None:
+            return row
+        if not isinstance(row, (list, tuple)) or len(row) != 6:
+            raise ProtocolError(f"malformed tensor placement {row!r:.120}: expected [name, dtype, shape, index, "
+                                "offset, nbytes]")
+        name, dtype, shape, index, offset, nbytes = row
+        elements = 1
+        try:   # (written out, not any(...): this runs for every tensor of every open)
+            if type(name) is not str or type(dtype) is not str or type(index) is not int or index < 0 \
+                    or type(offset) is not int or offset < 0 or type(nbytes) is not int or nbytes < 0:
+                raise TypeError
+            for d in shape:
+                if type(d) is not int or d < 0:
+                    raise TypeError
+                elements *= d
+        except TypeError:
+            raise ProtocolError(f"malformed tensor placement {row!r:.120}: expected [name, dtype, shape, index, "
+                                "offset, nbytes] with non-negative integers") from None
+        size = ITEM_BYTES.get(dtype)
+        if size is not None:
+            if elements * size != nbytes:
+                raise ProtocolError(f"tensor {name!r}: shape {list(shape)} of {dtype} is not {nbytes} bytes")
+            if offset % size:
+                raise ProtocolError(f"tensor {name!r}: offset {offset} is not aligned to its {dtype} elements")
+        if n_indices is not None and index >= n_indices:
+            raise ProtocolError(f"tensor {name!r}: handle index {index} out of range ({n_indices} handles)")
+        return cls(row)
+
+
 # -- handshake and liveness ------------------------------------------------------------
 
 class Hello(Message, kind="hello"):
@@ -129,7 +182,7 @@ class OpenReply(Message, kind="open_ok"):
     version: int
     skeleton_path: str                 # the weightless graph, in the host tier
     segments: list = []  # paths of the shared-memory segments clients map read-only
-    tensors: list = []   # [name, dtype, shape, segment index, offset, nbytes] each
+    tensors: list = []   # TensorPlacement each ([name, dtype, shape, segment index, offset, nbytes] on the wire)
     inputs: list = []    # [{name, dtype, shape}]
     outputs: list = []
     weights_bytes: int = 0
@@ -141,6 +194,11 @@ class OpenReply(Message, kind="open_ok"):
     # Host tier: the tensors whose pre-packed blobs the skeleton names (prepack.py). To share the blobs,
     # leave these out of add_initializer and build with prepacking on: ORT maps them from the skeleton.
     prepacked: list = []
+
+    def _check_decoded(self) -> None:
+        """Each tensor row a checked TensorPlacement, its index within the segments (host) or handles (GPU)."""
+        n_indices = len(self.ipc_handles) if self.device_uuid else len(self.segments)
+        self.tensors = [TensorPlacement.from_wire(row, n_indices) for row in self.tensors]
 
 
 class Close(Message, kind="close"):
@@ -392,6 +450,9 @@ def decode(frames: list[bytes], expect: tuple[type, ...] | None = None, max_item
             raise ProtocolError(f"{cls.KIND.decode()}: missing field {name!r}")
         else:
             attrs[name] = _fresh(default)
+    check = getattr(cls, "_check_decoded", None)
+    if check is not None:   # nested records: decoded into their types and checked here, once
+        check(msg)
     return msg  # fields it does not know are ignored: newer peers may add some
 
 

@@ -55,9 +55,7 @@ def main() -> int:
                 result = result.to_dict() if hasattr(result, "to_dict") else result
             elif kind == "raw":  # below _call, which would address the message to our own client id
                 msg = getattr(P, args[0])(req_id=0, **args[1])
-                with client._lock:
-                    msg.req_id = next(client._ids)
-                    reply = client._exchange_zmq(msg, (P.Ack, P.ErrorReply), time.monotonic() + 10)
+                reply = client._zmq.exchange(msg, (P.Ack,), 10)   # the request core, as msg is
                 if isinstance(reply, P.ErrorReply):
                     raise from_code(reply.code, reply.message)
                 result = reply.to_dict()

@@ -73,3 +73,38 @@ def test_tensors_roundtrip_read_only():
     for k, v in feeds.items():
         assert out[k].dtype == v.dtype and out[k].shape == v.shape and not out[k].flags.writeable
         np.testing.assert_array_equal(out[k], v)
+
+
+def _open_reply(tensors: list, **kw) -> list[bytes]:
+    return P.encode(P.OpenReply(req_id=1, lease_id="l1", name="m", version=1, skeleton_path="/s",
+                                segments=["/dev/shm/a"], tensors=tensors, **kw))
+
+
+def test_tensor_placements_decode_into_named_checked_records():
+    reply = P.decode(_open_reply([["w", "float32", [2, 3], 0, 4096, 24], ["b", "int64", [3], 0, 8192, 24]]))
+    w, b = reply.tensors
+    assert isinstance(w, P.TensorPlacement) and (w.name, w.dtype, w.shape, w.index, w.offset, w.nbytes) == \
+        ("w", "float32", [2, 3], 0, 4096, 24)
+    assert list(b) == ["b", "int64", [3], 0, 8192, 24]    # positional on the wire, as before
+
+
+@pytest.mark.parametrize("row, says", [
+    (["w", "float32", [2, 3], 0, 0], "malformed"),
+    (["w", "float32", [2, -3], 0, 0, 24], "non-negative"),
+    (["w", "float32", "23", 0, 0, 24], "non-negative"),
+    (["w", "float32", [2, 3], 0, 0, 25], "not 25 bytes"),
+    (["w", "float32", [2, 3], 0, 2, 24], "aligned"),
+    (["w", "float32", [2, 3], 1, 0, 24], "index 1 out of range"),   # one segment
+    ("w", "malformed"),
+])
+def test_a_malformed_tensor_placement_is_refused_when_the_open_reply_is_decoded(row, says):
+    with pytest.raises(ProtocolError, match=says):
+        P.decode(_open_reply([row]))
+
+
+def test_a_gpu_leases_placements_index_its_handles():
+    frames = _open_reply([["w", "float16", [4], 1, 0, 8]], device_uuid="GPU-x", ipc_kind="fake", ipc_handles=[b"a", b"b"])
+    assert P.decode(frames).tensors[0].index == 1
+    frames = _open_reply([["w", "float16", [4], 2, 0, 8]], device_uuid="GPU-x", ipc_kind="fake", ipc_handles=[b"a", b"b"])
+    with pytest.raises(ProtocolError, match="out of range"):
+        P.decode(frames)

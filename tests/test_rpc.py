@@ -77,7 +77,8 @@ SAMPLES = 16
 def test_threads_of_one_client_batch_together_in_the_daemon(tmp_path, zoo_file):
     src = zoo_file("tiny-cnn")
     ref = ort.InferenceSession(src, providers=["CPUExecutionProvider"])
-    with batching_daemon(tmp_path, "dynamic", max_batch=256) as (d, c):
+    # The batcher waits up to 20 ms for company: requests in flight together cannot miss each other.
+    with batching_daemon(tmp_path, "dynamic", max_batch=256, max_queue_delay_ms=20) as (d, c):
         c.add(src, "cnn")
         c.infer("cnn", zoo.sample_inputs(src))
         batches, errors = [], []
@@ -198,6 +199,73 @@ def test_a_caller_whose_answer_never_comes_times_out_while_others_are_answered(t
         assert isinstance(channel.call(P.ListModels(req_id=0), (P.ModelList,)), P.ModelList)
     t.join(5)
     assert isinstance(out.get("first"), RequestTimeout)
+    channel.close()
+    server.close()
+    thread.join(5)
+
+
+def test_the_zeromq_connection_carries_many_threads_requests_at_once(tmp_path):
+    """A ZeroMQ socket is not thread-safe: senders hand their frames to the thread that reads for everyone."""
+    import zmq
+    from modelcache.client.connection import ZmqConnection
+    address = f"ipc://{tmp_path}/z.sock"
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(address)
+    threads_n = 8
+
+    def serve():      # answers only once every thread's request is in, last first
+        requests = [router.recv_multipart() for _ in range(threads_n)]
+        for identity, kind, body in reversed(requests):
+            req = P.decode([kind, body])
+            router.send_multipart([identity, *P.encode(P.ModelList(req_id=req.req_id, models=[{"asked": req.name}]))])
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    channel = Channel(address, lambda: ZmqConnection(ctx, address), timeout_s=10)
+    got = {}
+
+    def ask(k: int):
+        try:
+            got[k] = channel.call(P.Describe(req_id=0, name=f"m{k}"), (P.ModelList,)).models[0]["asked"]
+        except Exception as e:    # noqa: BLE001 (reported below)
+            got[k] = e
+
+    threads = [threading.Thread(target=ask, args=(k,)) for k in range(threads_n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    server.join(5)
+    channel.close()
+    router.close(linger=0)
+    assert got == {k: f"m{k}" for k in range(threads_n)}
+
+
+def test_an_answer_followed_at_once_by_the_end_of_the_connection_is_an_answer(tmp_path):
+    """A daemon that answers, then stops (a graceful stop after a long add), did answer."""
+    path = str(tmp_path / "d.sock.lane")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+
+    def serve():
+        conn, _ = server.accept()
+        reader = lane.FrameReader()
+        while (message := reader.next()) is None:
+            reader.feed(conn.recv(65536))
+        req = P.decode(list(message))
+        time.sleep(0.2)    # the caller is in its poll by now: the answer and the end come in one read
+        conn.sendall(lane.frame(*P.encode(P.ModelList(req_id=req.req_id))))
+        conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    channel = Channel("ipc://x", lambda: lane.LaneClient(path), timeout_s=5)
+    assert isinstance(channel.call(P.ListModels(req_id=0), (P.ModelList,)), P.ModelList)
+    with pytest.raises(DaemonUnavailable):
+        channel.call(P.ListModels(req_id=0), (P.ModelList,))
     channel.close()
     server.close()
     thread.join(5)

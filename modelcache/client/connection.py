@@ -1,9 +1,13 @@
 """A connection to the daemon: the explicit API (open, close, list, add, stats) plus the heartbeat.
 
 Every call carries a request id and a timeout, so a dead or stuck daemon is a typed
-error, never a hang. A DEALER socket (not REQ) keeps the connection usable after a
-timeout; late replies to abandoned requests are recognised by id and dropped, whatever
-their kind.
+error, never a hang. Requests go through the request core (client/rpc.py) on two channels:
+ZeroMQ (a DEALER socket, not REQ, so the connection stays usable after a timeout) for
+hello, open and admin, and the daemon's serve lane for `infer` when it has one
+(modelcache/lane.py: the same messages on a plain Unix socket, a few thread wake-ups
+shorter than ZeroMQ). The core matches replies by id, so any number of threads may have
+calls in flight at once (their serve requests can batch together in the daemon), and late
+replies to abandoned requests are dropped, whatever their kind.
 
 A restarted daemon is found again without the caller's help: when the daemon goes away
 (a call's socket monitor, the heartbeat's, or an "unknown client" answer), the client
@@ -12,16 +16,11 @@ mappings never stopped working; the new lease keeps the daemon's eviction accoun
 right). The heartbeat thread retries with backoff while the daemon is away; a call made
 meanwhile fails at once with DaemonUnavailable, and a call the outage cut short is sent
 again once if the daemon is already back and the call is safe to repeat.
-
-`infer` goes over the daemon's serve lane when it has one (modelcache/lane.py): the same
-messages on a plain Unix socket, a few thread wake-ups shorter than ZeroMQ. The lane is a
-request core (client/rpc.py) shared by every thread of the process without the client's lock:
-many serve requests in flight at once, so those of different threads can batch in the daemon.
 """
 
 from __future__ import annotations
 
-import itertools
+import collections
 import os
 import threading
 import time
@@ -32,10 +31,9 @@ import zmq
 import logging
 
 from .. import lane as _lane, protocol as P
-from .rpc import Channel, lane_connection
 from ..address import check_can_connect, check_listening
-from ..errors import (DaemonUnavailable, ModelCacheError, ProtocolError, RequestTimeout,
-                      from_code)
+from ..errors import DaemonUnavailable, ModelCacheError, RequestTimeout, from_code
+from .rpc import Channel, lane_connection
 
 log = logging.getLogger("modelcache.client")
 # Calls a restarted daemon may safely see twice: the dead daemon's effects died with it.
@@ -54,6 +52,135 @@ def _settings(socket: str | None, timeout_s: float | None):
     return load(overrides=overrides)
 
 
+class ZmqConnection:
+    """A DEALER socket behind the request core's connection interface (send, receive_all, shutdown, close).
+
+    ZeroMQ sockets are not thread-safe: the thread reading for everyone (the core's leader) owns
+    the socket while it polls, and a sender that finds it owned queues its frames and wakes the
+    owner through a pipe, which sends them. A lone caller owns it at once: no extra hop."""
+
+    def __init__(self, ctx: zmq.Context, address: str):
+        if address.startswith("ipc://"):
+            check_can_connect(address[len("ipc://"):], address)
+            check_listening(address[len("ipc://"):], address)
+        self.address = address
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        # The monitor tells us when the daemon's end of the connection goes away (crash, stop).
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller = zmq.Poller()
+        for what in (self._sock, self._monitor, self._wake_r):
+            self._poller.register(what, zmq.POLLIN)
+        self._owner = threading.Lock()
+        self._outbox: collections.deque = collections.deque()
+        self._gone = False
+        self._closing = False
+        self._closed = False
+
+    def send(self, kind: bytes, body: bytes, deadline: float, fds=()) -> None:
+        if self._closing:
+            raise ConnectionError("this connection is closed")
+        self._outbox.append((kind, body))
+        if self._owner.acquire(False):
+            try:
+                self._flush()
+            finally:
+                self._owner.release()
+        else:
+            self._wake()
+
+    def receive_all(self, deadline: float) -> list:
+        """Every reply there is, waiting until the deadline for the first; [] then. ConnectionError when
+        the daemon's end went away with nothing left to read (a daemon that answered, then stopped, did answer)."""
+        with self._owner:
+            try:
+                while not self._closing:
+                    self._flush()
+                    remaining_ms = int((deadline - time.monotonic()) * 1000)
+                    events = dict(self._poller.poll(0 if self._gone else max(0, remaining_ms)))
+                    if self._wake_r in events:
+                        try:
+                            os.read(self._wake_r, 4096)
+                        except BlockingIOError:
+                            pass
+                    if self._monitor in events and self._daemon_gone():
+                        self._gone = True
+                    out = []
+                    if self._sock in events:   # (EVENTS rather than catching zmq.Again: an exception costs us)
+                        while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                            out.append(self._sock.recv_multipart(zmq.NOBLOCK))
+                    if out:
+                        return out
+                    if self._gone:
+                        raise ConnectionError("the daemon went away")
+                    if remaining_ms <= 0:
+                        return []
+                raise ConnectionError("this connection is closed")
+            except zmq.ZMQError as e:
+                raise ConnectionError(str(e)) from None
+            finally:
+                if self._closing:
+                    self._close_now()
+
+    def _flush(self) -> None:
+        """(The owner.) Send what other threads queued."""
+        try:
+            while self._outbox:
+                self._sock.send_multipart(self._outbox.popleft())
+        except zmq.ZMQError as e:
+            raise ConnectionError(str(e)) from None
+
+    def _daemon_gone(self) -> bool:
+        from zmq.utils.monitor import recv_monitor_message
+        gone = False
+        while self._monitor.poll(0):
+            if recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                gone = True
+        return gone
+
+    def peer_gone(self) -> bool:
+        """Whether this connection's own monitor saw the daemon go; looked at only when no thread reads
+        it (one that does finds out by itself)."""
+        if not self._gone and self._owner.acquire(False):
+            try:
+                if not self._closing and self._daemon_gone():
+                    self._gone = True
+            finally:
+                self._owner.release()
+        return self._gone
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass   # a wake-up is pending already (or the pipe is closed: so is the connection)
+
+    def shutdown(self) -> None:
+        self._closing = True
+        self._wake()
+
+    def close(self) -> None:
+        """Closed by the owner if one polls it now (a socket is closed by the thread that holds it)."""
+        self._closing = True
+        self._wake()
+        with self._owner:   # an owner wakes at once, sees _closing and lets go
+            self._close_now()
+
+    def _close_now(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)   # with it go requests queued for the dead daemon: no strays later
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+
 class Client:
     def __init__(self, socket: str | None = None, timeout_s: float | None = None, name: str = "",
                  lane: bool = True):
@@ -64,24 +191,21 @@ class Client:
         self.timeout_s = settings.request_timeout_s
         self._add_timeout_s = settings.add_timeout_s
         self._ctx = zmq.Context.instance()
-        self._lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._sock = None
+        self._lock = threading.Lock()     # one reconnect at a time (calls do not take it)
         self._lane: Channel | None = None   # serve requests, when the daemon has a lane
         self._closed = False
-        self._broken = False              # the daemon went away: reconnect before the next call
+        self._broken = False              # the heartbeat saw the daemon go away: reconnect before the next call
         self._want_lane = lane            # False: infer goes over ZeroMQ too
         self._name = name or Path(os.sys.argv[0] or "python").name
         # Leases this client holds, by the id open() returned -> [id at the daemon now (None: lost), name,
         # version, device]: a reconnect re-opens them, and release() maps the first id to the current one.
         self._held: dict[str, list] = {}
-        self._connect()
-        with self._lock:
-            try:
-                hello = self._hello(self.timeout_s)
-            except BaseException:
-                self._close_sockets()
-                raise
+        self._hello: P.HelloReply | None = None
+        self.client_id = ""
+        self._zmq = Channel(self.address, lambda: ZmqConnection(self._ctx, self.address), self.timeout_s,
+                            on_connect=self._say_hello)
+        self._zmq.connect()
+        hello = self._hello
         self.daemon_version = hello.daemon_version
         self._heartbeat_stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(hello.heartbeat_interval_s,),
@@ -94,29 +218,23 @@ class Client:
         """Whether serve-mode calls go over the serve lane (else ZeroMQ; see modelcache/lane.py)."""
         return self._lane is not None
 
-    def _connect(self) -> None:
-        if self.address.startswith("ipc://"):
-            check_can_connect(self.address[len("ipc://"):], self.address)
-            check_listening(self.address[len("ipc://"):], self.address)
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(self.address)
-        # The monitor tells us when the daemon's end of the connection goes away (crash, stop).
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._poller = zmq.Poller()  # one for every call (used under the lock): building one cost each call
-        self._poller.register(self._sock, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
-
-    def _hello(self, timeout_s: float) -> P.HelloReply:
-        """Introduce ourselves on the current connection (under the lock)."""
-        msg = P.Hello(req_id=next(self._ids), protocol_version=P.PROTOCOL_VERSION, pid=os.getpid(),
-                      client_name=self._name)
-        reply = self._exchange_zmq(msg, (P.HelloReply, P.ErrorReply), time.monotonic() + timeout_s)
-        if reply is None:
-            raise RequestTimeout(f"the modelcache daemon at {self.address} did not answer hello within {timeout_s:g} s")
+    def _say_hello(self, conn) -> None:
+        """On each new ZeroMQ connection, before any other call uses it: hello, and after the first, the
+        held leases again. DaemonUnavailable when a restarted daemon is not back (yet)."""
+        first = self._hello is None
+        timeout_s = self.timeout_s if first else min(self.timeout_s, HELLO_TIMEOUT_S)
+        msg = P.Hello(req_id=0, protocol_version=P.PROTOCOL_VERSION, pid=os.getpid(), client_name=self._name)
+        try:
+            reply = self._zmq.exchange(msg, (P.HelloReply,), timeout_s, conn=conn)
+        except RequestTimeout:
+            if first:
+                raise RequestTimeout(f"the modelcache daemon at {self.address} did not answer hello within "
+                                     f"{timeout_s:g} s") from None
+            raise DaemonUnavailable(f"the modelcache daemon at {self.address} is not back yet") from None
         if isinstance(reply, P.ErrorReply):
             raise from_code(reply.code, reply.message)
         self.client_id = reply.client_id
+        self._hello = reply
         path = _lane.lane_path(self.address)
         if self._lane is None and self._want_lane and path is not None and os.path.exists(path):
             self._lane = Channel(self.address, lane_connection(path, self.address), self.timeout_s)
@@ -125,105 +243,55 @@ class Client:
                 self._lane.connect()     # now, as the hello: the first serve request pays no connect
             except DaemonUnavailable:
                 pass                     # it tries again with that request
-        return reply
-
-    def _reconnect(self) -> None:
-        """Under the lock: a new connection, hello, and the held leases again. DaemonUnavailable when the
-        daemon is not back (yet); then `_broken` stays set and the heartbeat keeps trying."""
-        self._broken = True
-        self._drop_lane()
-        self._close_sockets()
-        self._connect()      # DaemonUnavailable while there is no socket file
-        try:
-            self._hello(min(self.timeout_s, HELLO_TIMEOUT_S))
-        except RequestTimeout:
-            raise DaemonUnavailable(f"the modelcache daemon at {self.address} is not back yet") from None
-        self._broken = False
+        if first:
+            return
         relet = 0
-        for first_id, held in list(self._held.items()):
+        for held in list(self._held.values()):
             if held[0] is None:
                 continue
             _, name, version, device = held
-            reply = self._exchange_zmq(P.Open(req_id=next(self._ids), client_id=self.client_id, name=name,
-                                              version=version, device=device),
-                                       (P.OpenReply, P.ErrorReply), time.monotonic() + self.timeout_s)
+            reply = self._zmq.exchange(P.Open(req_id=0, client_id=self.client_id, name=name, version=version,
+                                              device=device), (P.OpenReply,), conn=conn)
             if isinstance(reply, P.OpenReply):
                 held[0] = reply.lease_id
                 relet += 1
             else:   # the session keeps running on its mapping; only the daemon's accounting misses it
                 held[0] = None
-                log.warning("modelcache: could not re-open %s after the daemon restarted: %s", name,
-                            reply.message if reply is not None else "no answer")
+                log.warning("modelcache: could not re-open %s after the daemon restarted: %s", name, reply.message)
         log.info("modelcache: reconnected to %s as %s, %d leases re-opened", self.address, self.client_id, relet)
 
-    def _close_sockets(self) -> None:
-        if self._sock is not None:
-            self._sock.disable_monitor()
-            self._monitor.close(linger=0)
-            self._sock.close(linger=0)   # with it go requests queued for the dead daemon: no strays later
-            self._sock = None
-
-    def _daemon_gone(self) -> bool:
-        from zmq.utils.monitor import recv_monitor_message
-        gone = False
-        while self._monitor.poll(0):
-            if recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED:
-                gone = True
-        return gone
+    def _reconnect(self, forgotten: bool = False, blocking: bool = True) -> None:
+        """A connection that works: a new one (hello, leases) if there is none, or the current one's own
+        monitor saw the daemon go, or (forgotten) the daemon does not know our client id. Never a new hello
+        on a connection that works: each makes a new client, whose leases would linger until they expire.
+        DaemonUnavailable while the daemon is away."""
+        if not self._lock.acquire(blocking):
+            return
+        try:
+            conn = self._zmq._conn
+            if conn is not None and (forgotten or conn.peer_gone()):
+                self._zmq.drop()
+            self._zmq.connect()
+            self._broken = False
+        finally:
+            self._lock.release()
 
     def _call(self, msg, expect: tuple, timeout_s: float | None = None, use_lane: bool = False):
-        """Send one request and wait for its reply (or a typed error)."""
+        """Send one request and wait for its reply (or a typed error); serve requests over the lane."""
         if self._closed:
             raise DaemonUnavailable("this modelcache connection is closed")
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        if use_lane and self._lane is not None:
-            return self._call_lane(msg, expect, timeout_s)
-        expect = (*expect, P.ErrorReply)
-        with self._lock:
-            if self._broken:
-                self._reconnect()
-            for retry in (False, True):
-                self._address_to_current(msg)
-                msg.req_id = next(self._ids)
-                deadline = time.monotonic() + timeout_s
-                try:
-                    reply = self._exchange_zmq(msg, expect, deadline)
-                except DaemonUnavailable as lost:
-                    self._broken = True
-                    if retry or not isinstance(msg, RETRY_SAFE):
-                        raise
-                    try:
-                        self._reconnect()     # back already (a quick restart)? then this call goes through
-                    except ModelCacheError:
-                        raise lost from None
-                    continue
-                if retry or not _daemon_forgot_us(reply):
-                    break
-                self._reconnect()             # it restarted between our calls: nothing of ours was done
-        if reply is None:
-            raise RequestTimeout(f"the modelcache daemon at {self.address} did not answer "
-                                 f"{msg.KIND.decode()} within {timeout_s:g} s")
-        if isinstance(reply, P.ErrorReply):
-            raise from_code(reply.code, reply.message)
-        return reply
-
-    def _call_lane(self, msg, expect: tuple, timeout_s: float):
-        """A serve request over the lane, without the client's lock: the core matches the replies of
-        every thread's requests, and sends a request the outage cut short once more on a new lane."""
+        if self._broken:
+            self._reconnect()
+        channel = self._lane if use_lane and self._lane is not None else self._zmq
         for retry in (False, True):
-            if self._broken:
-                with self._lock:
-                    if self._broken:
-                        self._reconnect()
-            msg.client_id = self.client_id
-            try:
-                reply = self._lane.exchange(msg, expect, timeout_s, retry_safe=isinstance(msg, RETRY_SAFE))
-            except DaemonUnavailable:
-                self._broken = True     # the ZeroMQ side is likely gone too: the heartbeat, or the next call, sees
-                raise
+            sent_as = self.client_id
+            reply = channel.exchange(msg, expect, timeout_s, retry_safe=isinstance(msg, RETRY_SAFE),
+                                     prepare=self._address_to_current)
             if retry or not _daemon_forgot_us(reply):
                 break
-            self._broken = True         # it restarted between our calls: hello again, then once more
+            # It restarted between our calls (nothing of ours was done): hello again, once, then the call.
+            if self.client_id == sent_as:
+                self._reconnect(forgotten=True)
         if isinstance(reply, P.ErrorReply):
             raise from_code(reply.code, reply.message)
         return reply
@@ -234,33 +302,6 @@ class Client:
             msg.client_id = self.client_id
         if isinstance(msg, P.Close) and msg.lease_id in self._held:
             msg.lease_id = self._held[msg.lease_id][0] or msg.lease_id
-
-    def _exchange_zmq(self, msg, expect: tuple, deadline: float):
-        """msg's reply over ZeroMQ; None at the deadline."""
-        self._sock.send_multipart(P.encode(msg))
-        poller = self._poller
-        gone = False
-        while True:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0:
-                return None
-            events = dict(poller.poll(0 if gone else remaining_ms))
-            if self._monitor in events and self._daemon_gone():
-                gone = True
-            if self._sock not in events:
-                if gone:  # and no answer waiting: a daemon that answered, then stopped, did answer
-                    raise DaemonUnavailable(f"lost the connection to the modelcache daemon at "
-                                            f"{self.address} (it stopped or crashed)")
-                continue
-            reply = _reply_to(msg, P.decode(self._sock.recv_multipart()), expect)
-            if reply is not None:
-                return reply
-            # else: a late answer to a request we gave up on
-
-    def _drop_lane(self) -> None:
-        """Hang up the serve lane (its requests fail); the next serve request connects again."""
-        if self._lane is not None:
-            self._lane.drop()
 
     def _heartbeat_loop(self, interval_s: float) -> None:
         """Beat, and notice the daemon going away: then reconnect, with backoff, until it is back."""
@@ -277,15 +318,11 @@ class Client:
                     if recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED:
                         self._broken = True
                 if self._broken:
-                    # Never wait on a caller: one in a call reconnects by itself.
-                    if self._lock.acquire(blocking=False):
-                        try:
-                            if self._broken and not self._closed:
-                                self._reconnect()
-                        except ModelCacheError:
-                            pass
-                        finally:
-                            self._lock.release()
+                    try:
+                        if not self._closed:   # never wait on a caller: one in a call reconnects by itself
+                            self._reconnect(blocking=False)
+                    except ModelCacheError:
+                        pass
                     backoff_s = RECONNECT_BACKOFF_S[0] if not self._broken else \
                         min(backoff_s * 2, RECONNECT_BACKOFF_S[1])
                     if self._broken:
@@ -431,25 +468,13 @@ class Client:
         if self._lane is not None:
             self._lane.close()
         self._heartbeat.join(timeout=2)
-        with self._lock:
-            self._close_sockets()
+        self._zmq.close()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _reply_to(msg, reply, expect: tuple):
-    """`reply` if it answers `msg`; None for a stray (a late answer to an abandoned request, of any
-    kind: it must never break the call that reads it); ProtocolError for a wrong answer to msg."""
-    if getattr(reply, "req_id", None) != msg.req_id:
-        return None
-    if not isinstance(reply, expect):
-        raise ProtocolError(f"unexpected message {reply.KIND.decode()!r}; expected one of "
-                            f"{', '.join(c.KIND.decode() for c in expect)}")
-    return reply
 
 
 def _daemon_forgot_us(reply) -> bool:

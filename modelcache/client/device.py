@@ -15,13 +15,13 @@ Nothing here imports numpy, onnxruntime or cupy at module import time (client st
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 
 from ..cuda import (DLPACK_DTYPES, KDL_CPU, KDL_CUDA, DeviceError, cuda_runtime, dlpack_value, fake_index, map_fake,
                     unmap_fake)
 from ..errors import ProtocolError
+from ..protocol import TensorPlacement
 
 __all__ = [
     "HandleCache", "handle_cache", "DeviceWeights", "attach_weights", "requested_device", "cuda_device_id",
@@ -217,23 +217,13 @@ class DeviceWeights:
 
 
 def _check_tensor(row, n_handles: int) -> tuple:
-    try:
-        name, dtype, shape, index, offset, nbytes = row
-        shape = [int(d) for d in shape]
-        index, offset, nbytes = int(index), int(offset), int(nbytes)
-    except (TypeError, ValueError) as e:
-        raise ProtocolError(f"malformed device tensor entry {row!r}: {e}") from e
-    if dtype not in DLPACK_DTYPES:
-        raise ProtocolError(f"tensor {name!r}: dtype {dtype!r} cannot be mapped from a device "
+    """A placement as the protocol checks it (an OpenReply's rows come checked), and mappable from a device."""
+    if not isinstance(row, TensorPlacement):
+        row = TensorPlacement.from_wire(row, n_handles)
+    if row.dtype not in DLPACK_DTYPES:
+        raise ProtocolError(f"tensor {row.name!r}: dtype {row.dtype!r} cannot be mapped from a device "
                             f"(supported: {', '.join(DLPACK_DTYPES)})")
-    _, bits = DLPACK_DTYPES[dtype]
-    if any(d < 0 for d in shape) or math.prod(shape) * bits // 8 != nbytes:
-        raise ProtocolError(f"tensor {name!r}: shape {shape} of {dtype} is not {nbytes} bytes")
-    if not 0 <= index < n_handles:
-        raise ProtocolError(f"tensor {name!r}: handle index {index} out of range ({n_handles} handles)")
-    if offset < 0 or offset % (bits // 8):
-        raise ProtocolError(f"tensor {name!r}: offset {offset} is not aligned to its {dtype} elements")
-    return name, dtype, shape, index, offset, nbytes
+    return row
 
 
 def attach_weights(so, kind: str, device_uuid: str, handles: list, tensors: list) -> DeviceWeights:

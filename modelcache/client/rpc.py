@@ -71,6 +71,7 @@ class Channel:
         self._pending: dict[int, _Waiter] = {}
         self._conn = None
         self._reading = False                # a caller is reading the socket for everyone
+        self._reading_conn = None            # ... this connection: the reader closes it, once lost
         self._closed = False
         self._watching = False
 
@@ -88,22 +89,32 @@ class Channel:
         return reply
 
     def exchange(self, msg, expect: tuple, timeout_s: float | None = None, retry_safe: bool = False,
-                 conn=None, fds=()):
+                 conn=None, fds=(), prepare=None):
         """msg's reply (an ErrorReply too, for the caller to judge); DaemonUnavailable, RequestTimeout.
         On a lost connection a retry_safe request is sent once more on a new one. conn: send on this
-        connection only (on_connect's requests, before the connection is anyone else's)."""
+        connection only (on_connect's requests, before the connection is anyone else's). prepare(msg):
+        called before each send, after any reconnect (to address the message to the ids of now)."""
         if self._closed:
             raise DaemonUnavailable("this modelcache connection is closed")
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        lost = None
         for retry in (False, True):
-            current = conn or self._conn or self.connect()
+            try:
+                current = conn or self._conn or self.connect()
+            except ModelCacheError:
+                if lost is not None:   # not back (yet): the caller hears of the loss, which came first
+                    raise lost from None
+                raise
+            if prepare is not None:
+                prepare(msg)
             deadline = time.monotonic() + timeout_s
             try:
                 reply = self._round_trip(current, msg, expect, deadline, fds)
                 break
-            except DaemonUnavailable:
+            except DaemonUnavailable as e:
                 if retry or not retry_safe or conn is not None or self._closed:
                     raise
+                lost = e
         if reply is None:
             raise RequestTimeout(f"the modelcache daemon at {self.address} did not answer "
                                  f"{msg.KIND.decode()} within {timeout_s:g} s")
@@ -205,6 +216,7 @@ class Channel:
                 lead = not self._reading and not self._reader_thread
                 if lead:
                     self._reading = True
+                    self._reading_conn = waiter.conn
                 else:
                     waiter.parked = True
             if lead:
@@ -223,23 +235,32 @@ class Channel:
                 if waiter.done:
                     return
             if not woken and time.monotonic() >= deadline:
+                self._hand_over(release=False)   # in case the turn to read came to us as we gave up
                 return
 
     def _lead(self, waiter: _Waiter, deadline: float) -> None:
         conn = waiter.conn
-        while not waiter.done and time.monotonic() < deadline:
-            try:
-                messages = conn.receive_all(deadline)
-            except (OSError, ValueError, LaneError):   # (ValueError: our end closed under us)
-                self._lost(conn)
-                return
-            for frames in messages:
-                self._dispatch(conn, frames)
+        try:
+            while not waiter.done and time.monotonic() < deadline:
+                try:
+                    messages = conn.receive_all(deadline)
+                except (OSError, ValueError, LaneError):   # (ValueError: our end closed under us)
+                    self._lost(conn)
+                    return
+                for frames in messages:
+                    self._dispatch(conn, frames)
+        finally:
+            if getattr(conn, "lost", False):
+                conn.close()     # here, by its reader: closed under a poll, its number could be reused
 
-    def _hand_over(self) -> None:
-        """The reader stops: wake one parked caller to read next."""
+    def _hand_over(self, release: bool = True) -> None:
+        """The reader stops (release), or a caller gives up: if no one reads, wake one parked caller to."""
         with self._state:
-            self._reading = False
+            if release:
+                self._reading = False
+                self._reading_conn = None
+            elif self._reading:
+                return
             for w in self._pending.values():
                 if w.parked and not w.done and w.callback is None:
                     self._wake(w)
@@ -277,6 +298,7 @@ class Channel:
                 messages = conn.receive_all(time.monotonic() + READER_WAIT_S)
             except (OSError, ValueError, LaneError):
                 self._lost(conn)
+                conn.close()
                 return
             for frames in messages:
                 self._dispatch(conn, frames)
@@ -289,6 +311,8 @@ class Channel:
                 self._conn = None
             first = not getattr(conn, "lost", False)
             conn.lost = True
+            # Closed now only if no thread polls it; else by that reader, once it sees the shutdown.
+            close_now = not self._reader_thread and self._reading_conn is not conn
             for req_id, w in list(self._pending.items()):
                 if w.conn is conn and not w.done:
                     w.error = error or DaemonUnavailable(f"lost the connection to the modelcache daemon at "
@@ -300,7 +324,8 @@ class Channel:
                         del self._pending[req_id]
                         callbacks.append(w)
         conn.shutdown()     # wakes a thread that polls it (a close alone does not)
-        conn.close()
+        if close_now:
+            conn.close()
         for w in callbacks:
             w.callback(None, w.error)
         if first and self._on_lost is not None:
