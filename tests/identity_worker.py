@@ -24,6 +24,8 @@ def become(uid: int, gid: int, groups: list[int]) -> None:
     import grp  # noqa: F401  (the client names the socket's group in its permission error)
     import onnx  # noqa: F401  (add parses the model to find its external data)
     import zmq.utils.monitor  # noqa: F401
+    import modelcache.client.connection  # noqa: F401  (the client itself: connect runs after the switch,
+    import modelcache.config  # noqa: F401             and reads the settings then)
     import modelcache.packing  # noqa: F401
     import modelcache.sources  # noqa: F401
     os.setgroups(groups)
