@@ -92,6 +92,7 @@ def profile_predict(profile: dict | None, stage: int, batch: int) -> float | Non
 
 PROFILE_MAX_BATCHES = 64     # measured batch sizes in one profile (calibrate measures a handful)
 PROFILE_MAX_N_OPT = 4096
+PROFILE_MAX_STAGES = 64      # as many as a partition may have (executor/partition.py's MAX_STAGES)
 _PROFILE_FIELDS = {"kind", "batches", "stage_s", "ratios", "g", "t_opt_ms", "n_opt", "request_s"}
 
 
@@ -100,10 +101,10 @@ def _number(x) -> bool:
     return type(x) in (int, float) and math.isfinite(x)
 
 
-def check_profile(profile: dict, stages: int) -> None:
-    """Refuse anything but a profile such as calibration_profile makes, for these stages: every field's
-    type, shape and range (ValueError says which). A profile is stored with the model and read for
-    every serve request, so one that passes here must never fail there."""
+def check_profile(profile: dict, stages: int | None = None) -> None:
+    """Refuse anything but a profile such as calibration_profile makes, for these stages (None: as many as
+    its rows time): every field's type, shape and range (ValueError says which). A profile is stored with
+    the model and read for every serve request, so one that passes here must never fail there."""
     hint = "make one with `modelcache calibrate`"
     if not isinstance(profile, dict):
         raise ValueError(f"not a batching profile (a map of its fields); {hint}")
@@ -123,6 +124,10 @@ def check_profile(profile: dict, stages: int) -> None:
     rows = profile["stage_s"]
     if not isinstance(rows, list) or len(rows) != len(batches) or not all(isinstance(r, list) for r in rows):
         raise ValueError("the profile's stage_s must have one row of stage times per batch size")
+    if stages is None:
+        stages = len(rows[0])
+        if not 1 <= stages <= PROFILE_MAX_STAGES or any(len(r) != stages for r in rows):
+            raise ValueError(f"the profile's stage_s rows must each time the same 1 to {PROFILE_MAX_STAGES} stages")
     if any(len(r) != stages for r in rows):
         raise ValueError(f"the profile times {len(rows[0])} stages; the model has {stages}: "
                          "calibrate again after partitioning")

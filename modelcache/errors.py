@@ -27,6 +27,13 @@ class ProtocolError(ModelCacheError):
     code = "protocol"
 
 
+class RecordError(ProtocolError):
+    """A nested record of a request (a batching profile, a placement plan) is not what its type says: the
+    caller's input, refused as the message is decoded, so the caller sees an InputError."""
+
+    code = "input"
+
+
 class ModelNotFound(ModelCacheError):
     """No model (or no such version of it) in the repository."""
 

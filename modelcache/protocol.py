@@ -12,7 +12,8 @@ from typing import Any, Optional  # noqa: F401  (named in the string annotations
 
 import msgpack
 
-from .errors import ProtocolError
+from .calibration import check_profile
+from .errors import ProtocolError, RecordError
 
 PROTOCOL_VERSION = 1
 
@@ -131,6 +132,86 @@ class TensorPlacement(tuple):
         if n_indices is not None and index >= n_indices:
             raise ProtocolError(f"tensor {name!r}: handle index {index} out of range ({n_indices} handles)")
         return cls(row)
+
+
+class BatchingProfile(dict):
+    """A model's batching calibration (calibration.py makes it, `modelcache calibrate` sends it), decoded and
+    checked in full: every field's type, shape and range. Whether its stage count is the model's is for the
+    daemon, which knows the model."""
+
+    @classmethod
+    def from_wire(cls, value) -> "BatchingProfile":
+        try:
+            check_profile(value)
+        except ValueError as e:
+            raise RecordError(str(e)) from None
+        return cls(value)
+
+    @property
+    def stages(self) -> int:
+        return len(self["stage_s"][0])
+
+
+class PlacementPlan(dict):
+    """A placement plan (`modelcache place`, placement/plan.py's to_json), decoded and checked: stages that are
+    contiguous node ranges, worker names that are strings. Whether it fits the model's graph and the daemon's
+    workers is for the daemon."""
+
+    @classmethod
+    def from_wire(cls, value) -> "PlacementPlan":
+        if not isinstance(value, dict):
+            raise RecordError("a placement plan is a map, as `modelcache place` writes it")
+        nodes, stages = value.get("nodes"), value.get("stages")
+        if type(nodes) is not int or nodes < 1:
+            raise RecordError("the plan's nodes must be the model's node count, a whole number >= 1")
+        if not isinstance(stages, list) or not 1 <= len(stages) <= nodes:
+            raise RecordError(f"the plan's stages must be a list of 1 to {nodes} stages")
+        if not isinstance(value.get("model", ""), str):
+            raise RecordError("the plan's model must be a name")
+        end = 0
+        for k, stage in enumerate(stages):
+            if not isinstance(stage, dict):
+                raise RecordError(f"the plan's stage {k} is not a map")
+            start, stop = stage.get("start"), stage.get("end")
+            if type(start) is not int or type(stop) is not int or start != end or not start < stop <= nodes:
+                raise RecordError(f"the plan's stage {k}: start and end must continue the node ranges "
+                                  f"(start {end}, start < end <= {nodes})")
+            end = stop
+            names = stage.get("worker_names", [])
+            if not isinstance(names, list) or not all(type(n) is str for n in names):
+                raise RecordError(f"the plan's stage {k}: worker_names must be a list of worker names")
+            for key in ("first_node", "last_node"):
+                if type(stage.get(key, "")) is not str:
+                    raise RecordError(f"the plan's stage {k}: {key} must be a node name")
+        return cls(value)
+
+
+def _ms(value) -> bool:
+    return type(value) in (int, float) and value >= 0
+
+
+class StageTiming(dict):
+    """One stage of a served request: {stage, worker, kind, batch, wait_ms, run_ms, inline, predicted_ms}."""
+
+    @classmethod
+    def from_wire(cls, value) -> "StageTiming":
+        if not isinstance(value, dict) or type(value.get("stage")) is not int or not _ms(value.get("wait_ms")) \
+                or not _ms(value.get("run_ms")):
+            raise ProtocolError(f"malformed stage timing {value!r:.120}: expected stage, wait_ms and run_ms")
+        return cls(value)
+
+
+class Timings(dict):
+    """Where a served request's time went: queue_ms, total_ms and a StageTiming per stage run."""
+
+    @classmethod
+    def from_wire(cls, value) -> "Timings":
+        if not isinstance(value, dict) or not isinstance(value.get("stages", []), list) \
+                or any(k in value and not _ms(value[k]) for k in ("queue_ms", "total_ms")):
+            raise ProtocolError(f"malformed timings {value!r:.120}: expected queue_ms, total_ms and stages")
+        timings = cls(value)
+        timings["stages"] = [StageTiming.from_wire(s) for s in value.get("stages", [])]
+        return timings
 
 
 # -- handshake and liveness ------------------------------------------------------------
@@ -295,7 +376,10 @@ class SetBatching(Message, kind="set_batching"):
     req_id: int
     name: str
     version: Optional[int] = None
-    profile: dict = {}
+    profile: dict = {}                 # a BatchingProfile once decoded
+
+    def _check_decoded(self) -> None:
+        self.profile = BatchingProfile.from_wire(self.profile)
 
 
 class Partition(Message, kind="partition"):
@@ -305,7 +389,12 @@ class Partition(Message, kind="partition"):
     version: Optional[int] = None
     stages: Optional[int] = None
     tail_fraction: Optional[float] = None
-    plan: Optional[dict] = None        # a placement plan (`modelcache place`): its cuts and worker sets
+    plan: Optional[dict] = None        # a placement plan (`modelcache place`): its cuts and worker sets;
+                                       # a PlacementPlan once decoded
+
+    def _check_decoded(self) -> None:
+        if self.plan is not None:
+            self.plan = PlacementPlan.from_wire(self.plan)
 
 
 # A Profile's bounds: the daemon refuses more runs or a longer min_s, and its worker starts no profiled run
@@ -353,7 +442,10 @@ class Infer(Message, kind="infer"):
 class InferReply(Message, kind="infer_ok"):
     req_id: int
     outputs: list                      # tensors, inline
-    timings: dict = {}                 # queue_ms, total_ms, stages: [{stage, worker, kind, wait_ms, run_ms}]
+    timings: dict = {}                 # a Timings once decoded: queue_ms, total_ms, a StageTiming per stage
+
+    def _check_decoded(self) -> None:
+        self.timings = Timings.from_wire(self.timings)
 
 
 class Stats(Message, kind="stats"):

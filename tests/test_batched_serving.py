@@ -104,7 +104,7 @@ def test_calibration_is_stored_with_the_model_and_cleared_by_a_new_partition(tmp
         assert stored["batches"] == [1, 2, 8] and stored["t_opt_ms"] == 500 and stored["n_opt"] >= 8
         assert stored == json.loads(json.dumps(profile))
         with pytest.raises(InputError, match="calibrate again after partitioning"):
-            c.set_batching("cnn", {**profile, "stage_s": [[0.1]] * 3})
+            c.set_batching("cnn", {**profile, "stage_s": [[0.1]] * 3, "ratios": [[1.0]] * 3})   # one stage
         c.partition("cnn", stages=1)
         manifest = json.loads((d.repository / "cnn" / "1" / "manifest.json").read_text())
         assert manifest["batching"] == {}

@@ -349,6 +349,19 @@ BAD_PROFILES = {
 }
 
 
+def test_a_malformed_plan_is_an_input_error_and_the_daemon_goes_on(daemon, zoo_file):
+    """A plan whose stages are not node ranges used to reach the engine as a free dict (an internal error)."""
+    src = zoo_file("tiny-cnn")
+    feeds = zoo.sample_inputs(src)
+    with daemon.client() as c:
+        c.add(src, "cnn")
+        for plan in ({"nodes": 3, "stages": "x"}, {"nodes": 3, "stages": [{"start": 0, "end": 3, "worker_names": 7}]}):
+            with pytest.raises(InputError, match="the plan's"):
+                c.partition("cnn", plan=plan)
+        assert c.describe("cnn").stages == []
+        np.testing.assert_allclose(c.infer("cnn", feeds)[0]["logits"], reference(src, feeds)[0], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("what", list(BAD_PROFILES))
 def test_a_profile_is_validated_in_full_before_it_is_stored(daemon, zoo_file, what):
     change, says = BAD_PROFILES[what]

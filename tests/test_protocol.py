@@ -108,3 +108,66 @@ def test_a_gpu_leases_placements_index_its_handles():
     frames = _open_reply([["w", "float16", [4], 2, 0, 8]], device_uuid="GPU-x", ipc_kind="fake", ipc_handles=[b"a", b"b"])
     with pytest.raises(ProtocolError, match="out of range"):
         P.decode(frames)
+
+
+# -- batching profiles, placement plans and timings: decoded into their records, checked once -----------
+
+PROFILE = {"kind": "cpu2", "batches": [1, 4], "stage_s": [[0.001, 0.002], [0.003, 0.004]],
+           "ratios": [[1.0, 1.0], [1.0, 1.0]], "g": [0.001, 0.0007, 2.0, 2.0], "t_opt_ms": 50.0, "n_opt": 4}
+PLAN = {"format": 1, "model": "cnn@1", "nodes": 5,
+        "stages": [{"start": 0, "end": 2, "worker_names": ["cpu-0"], "first_node": "a", "last_node": "b"},
+                   {"start": 2, "end": 5, "worker_names": ["cpu-1"], "first_node": "c", "last_node": "e"}]}
+
+
+def roundtrip(msg):
+    return P.decode(P.encode(msg))
+
+
+def test_a_batching_profile_decodes_into_a_checked_record_with_its_stage_count():
+    msg = roundtrip(P.SetBatching(req_id=1, name="m", profile=PROFILE))
+    assert isinstance(msg.profile, P.BatchingProfile) and msg.profile == PROFILE and msg.profile.stages == 2
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"n_opt": 0}, "n_opt"),
+    ({"stage_s": [[0.001], [0.003, 0.004]]}, "stage_s"),
+    ({"stage_s": [[0.0] * 65, [0.0] * 65]}, "1 to 64 stages"),
+    ({"extra": 1}, "unknown field"),
+])
+def test_a_malformed_profile_is_the_callers_input_error(change, says):
+    from modelcache.errors import InputError, from_code
+    with pytest.raises(ProtocolError, match=says) as e:
+        roundtrip(P.SetBatching(req_id=1, name="m", profile={**PROFILE, **change}))
+    assert isinstance(from_code(e.value.code, str(e.value)), InputError)   # what the client raises
+
+
+def test_a_placement_plan_decodes_into_a_checked_record():
+    msg = roundtrip(P.Partition(req_id=1, name="m", plan=PLAN))
+    assert isinstance(msg.plan, P.PlacementPlan) and msg.plan == PLAN
+    assert roundtrip(P.Partition(req_id=1, name="m", stages=2)).plan is None
+
+
+@pytest.mark.parametrize("plan, says", [
+    ({**PLAN, "nodes": "5"}, "nodes"),
+    ({**PLAN, "stages": "all"}, "list of 1 to 5 stages"),
+    ({**PLAN, "stages": [7]}, "stage 0 is not a map"),
+    ({**PLAN, "stages": [{"start": 0, "end": 2}, {"start": 3, "end": 5}]}, "stage 1: start and end"),
+    ({**PLAN, "stages": [{"start": 0, "end": 9}]}, "stage 0: start and end"),
+    ({**PLAN, "stages": [{"start": 0, "end": 5, "worker_names": "cpu-0"}]}, "worker_names"),
+    ({**PLAN, "stages": [{"start": 0, "end": 5, "last_node": 3}]}, "last_node"),
+])
+def test_a_malformed_plan_is_refused_as_it_is_decoded(plan, says):
+    with pytest.raises(ProtocolError, match=says) as e:
+        roundtrip(P.Partition(req_id=1, name="m", plan=plan))
+    assert e.value.code == "input"
+
+
+def test_timings_decode_into_records_and_malformed_ones_are_protocol_errors():
+    stage = {"stage": 0, "worker": 1, "kind": "cpu1", "batch": 1, "wait_ms": 0.1, "run_ms": 2.0, "inline": False,
+             "predicted_ms": None}
+    msg = roundtrip(P.InferReply(req_id=1, outputs=[], timings={"queue_ms": 0.1, "total_ms": 2.5, "stages": [stage]}))
+    assert isinstance(msg.timings, P.Timings) and isinstance(msg.timings["stages"][0], P.StageTiming)
+    assert msg.timings["stages"][0]["run_ms"] == 2.0 and msg.timings["total_ms"] == 2.5
+    for bad in ({"stages": "x"}, {"total_ms": -1}, {"stages": [{"stage": "0", "wait_ms": 0, "run_ms": 0}]}):
+        with pytest.raises(ProtocolError, match="timing"):
+            roundtrip(P.InferReply(req_id=1, outputs=[], timings=bad))
