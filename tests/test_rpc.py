@@ -3,7 +3,6 @@ each answered to its own caller, and reconnects after the daemon goes away."""
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
@@ -47,18 +46,15 @@ def fake_daemon(path: str, answer_after: int):
     return thread
 
 
-def test_requests_of_many_threads_are_in_flight_at_once_and_each_gets_its_own_answer(tmp_path):
-    path = str(tmp_path / "d.sock.lane")
-    threads_n = 8
-    server = fake_daemon(path, answer_after=threads_n)
-    channel = Channel("ipc://" + path[:-len(".lane")], lambda: lane.LaneClient(path), timeout_s=10)
+def ask_from_threads(channel: Channel, threads_n: int) -> dict:
+    """Thread k asks for model "mk" at once with the others; k -> the name its answer names, or its error
+    (the fake daemons answer each request with the name it asked for)."""
     got: dict[int, object] = {}
 
     def ask(k: int):
-        msg = P.Describe(req_id=0, name=f"m{k}")     # (the fake answers each with the name it was asked)
         try:
-            got[k] = channel.call(msg, (P.ModelList,)).models[0]["asked"]
-        except Exception as e:    # noqa: BLE001 (reported below)
+            got[k] = channel.call(P.Describe(req_id=0, name=f"m{k}"), (P.ModelList,)).models[0]["asked"]
+        except Exception as e:    # noqa: BLE001 (reported by the caller's assert)
             got[k] = e
 
     threads = [threading.Thread(target=ask, args=(k,)) for k in range(threads_n)]
@@ -66,6 +62,15 @@ def test_requests_of_many_threads_are_in_flight_at_once_and_each_gets_its_own_an
         t.start()
     for t in threads:
         t.join(20)
+    return got
+
+
+def test_requests_of_many_threads_are_in_flight_at_once_and_each_gets_its_own_answer(tmp_path):
+    path = str(tmp_path / "d.sock.lane")
+    threads_n = 8
+    server = fake_daemon(path, answer_after=threads_n)
+    channel = Channel("ipc://" + path[:-len(".lane")], lambda: lane.LaneClient(path), timeout_s=10)
+    got = ask_from_threads(channel, threads_n)
     channel.close()
     server.join(5)
     assert got == {k: f"m{k}" for k in range(threads_n)}
@@ -224,19 +229,7 @@ def test_the_zeromq_connection_carries_many_threads_requests_at_once(tmp_path):
     server = threading.Thread(target=serve, daemon=True)
     server.start()
     channel = Channel(address, lambda: ZmqConnection(ctx, address), timeout_s=10)
-    got = {}
-
-    def ask(k: int):
-        try:
-            got[k] = channel.call(P.Describe(req_id=0, name=f"m{k}"), (P.ModelList,)).models[0]["asked"]
-        except Exception as e:    # noqa: BLE001 (reported below)
-            got[k] = e
-
-    threads = [threading.Thread(target=ask, args=(k,)) for k in range(threads_n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
+    got = ask_from_threads(channel, threads_n)
     server.join(5)
     channel.close()
     router.close(linger=0)

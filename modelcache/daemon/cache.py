@@ -41,7 +41,8 @@ class HostCache:
         self.clock = clock
         self.reply = reply                # (ident, message): answer a request later
         self.redispatch = redispatch      # (ident, request): run a request again (after its fetch)
-        # The GPU tier, once the daemon built it (None without one): evicting from host demotes it first.
+        # The GPU cache (daemon/devices.py), set by whoever builds this one, with or without devices:
+        # a model reaches a GPU through the host tier, and evicting from host demotes its GPU copies first.
         self.gpu = None
         # Called with a model's key when its host copy is freed or replaced: what was built over it goes.
         self.forget: list = []
@@ -57,7 +58,7 @@ class HostCache:
 
     def host_variants(self, model: ModelRecord) -> tuple:
         """What a host promotion copies: the CPU weights, and the GPU ones when there is a GPU tier."""
-        return ("cpu", "gpu") if self.gpu is not None and self.gpu.tiers and model.manifest.gpu_tensors else ("cpu",)
+        return ("cpu", "gpu") if self.gpu.tiers and model.manifest.gpu_tensors else ("cpu",)
 
     def when_resident(self, model: ModelRecord, then) -> bool:
         """Call then(error, hit) once `model` is resident: now on a hit (returns True), else after the one load."""
@@ -83,7 +84,7 @@ class HostCache:
         if msg.tier != "host":
             if msg.tier.partition(":")[0] != "gpu":
                 raise ModelCacheError(f"unknown tier {msg.tier!r}: use 'host', 'gpu' or 'gpu:<UUID or index>'")
-            device = self._gpu().tier_named(msg.tier)
+            device = self.gpu.tier_named(msg.tier)
         model = self.resolve_or_fetch(ident, msg)
         if model is None:
             return None
@@ -193,8 +194,7 @@ class HostCache:
         if msg.tier != "host":
             if msg.tier.partition(":")[0] != "gpu":
                 raise ModelCacheError(f"unknown tier {msg.tier!r}: use 'host', 'gpu' or 'gpu:<UUID or index>'")
-            if self.gpu is not None:
-                self.gpu.evict_named(model, msg.tier)
+            self.gpu.evict_named(model, msg.tier)
             return P.Ack(req_id=msg.req_id)
         model.check_freeable()
         if model.state is ModelState.RESIDENT:
@@ -344,12 +344,6 @@ class HostCache:
                 return self.host.write(plan)
 
         self.loaders.run(write, done)
-
-    def _gpu(self):
-        """The GPU tier a request names, or the error a daemon without one gives."""
-        if self.gpu is None:
-            raise ModelCacheError("this daemon has no GPU tier")
-        return self.gpu
 
     def _unreadable_version(self, name: str, version: int | None) -> str:
         """Why the repository could not register `name` at `version` (any version when None), or ""."""

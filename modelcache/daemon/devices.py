@@ -196,9 +196,7 @@ class DeviceCache:
             res = model.devices.get(uuid)
             if res is None:
                 continue
-            if res.state is ModelState.LOADING:
-                raise CapacityError(f"{model.key} is being copied to GPU {uuid}; evict it once it is there")
-            if res.leases:
+            if res.leases:   # (a copy still loading: evict_from_device refuses it, as the record says)
                 serving = self.serve_holds(model.key)
                 why = (f" ({serving} of them serve-mode GPU workers', which let go once the model had no request "
                        f"for serve_idle_s = {self.settings.serve_idle_s:g} s)") if serving else ""

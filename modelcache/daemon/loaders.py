@@ -57,7 +57,7 @@ class Loaders:
 
     def settle(self) -> None:
         """Wait for every task started so far and apply what it returned (the tasks' completions may start
-        more: those are waited for too). For a stop, and for tests that step the daemon's parts by hand."""
+        more: those are waited for too). For tests that step the daemon's parts by hand."""
         while True:
             running = [f for f, _ in self.pending if not f.done()]
             if not running and self.completions.empty():

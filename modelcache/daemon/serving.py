@@ -290,12 +290,10 @@ class Serving:
         like a client's GPU lease, it holds the model and that copy (on the owner loop, from the engine)."""
         name, _, version = key.rpartition("@")
         model = self.registry.models[(name, int(version))]
-        for _ in range(abs(delta)):
-            if delta > 0:
-                model.hold(uuid)
-            else:
-                model.let_go(uuid)
-        if delta < 0:
+        if delta > 0:
+            model.hold(uuid)
+        else:
+            model.let_go(uuid)
             self.cache.after_release(model, uuid)
 
     def _serve_specs(self, model: ModelRecord) -> tuple[list, list, bool]:
