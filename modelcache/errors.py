@@ -52,6 +52,13 @@ class InputError(ModelCacheError, ValueError):
     code = "input"
 
 
+class RunError(ModelCacheError):
+    """Serve mode: a stage of the model failed while running, and not because of the request's data
+    (that is an InputError): the model or the runtime is at fault, so the same request fails again."""
+
+    code = "run"
+
+
 class CapacityError(ModelCacheError):
     """A tier is full and nothing in it may be evicted."""
 
@@ -89,7 +96,7 @@ class PermissionDenied(ModelCacheError, PermissionError):
 
 
 ERRORS_BY_CODE = {cls.code: cls for cls in (ModelCacheError, DaemonUnavailable, RequestTimeout, ProtocolError,
-                                            ModelNotFound, PackError, InputError, CapacityError, LeaseError,
+                                            ModelNotFound, PackError, InputError, RunError, CapacityError, LeaseError,
                                             StorageError, RemoteError, IntegrityError, PermissionDenied)}
 
 

@@ -443,6 +443,7 @@ class InferReply(Message, kind="infer_ok"):
     req_id: int
     outputs: list                      # tensors, inline
     timings: dict = {}                 # a Timings once decoded: queue_ms, total_ms, a StageTiming per stage
+    version: Optional[int] = None      # the version that ran (an unversioned request gets the latest)
 
     def _check_decoded(self) -> None:
         self.timings = Timings.from_wire(self.timings)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from modelcache.config import Settings
-from modelcache.errors import RequestTimeout
+from modelcache.errors import RequestTimeout, RunError
 from modelcache.executor.engine import Engine, ServeRequest
 from modelcache.executor.scheduler import WorkerState
 
@@ -160,6 +160,10 @@ def test_express_one_group_one_stage_idle_is_answered_within_submit_with_the_sam
 
     h.submit(5, 1, stages=ONE_STAGE, x=np.array(["not a number"]))   # a failed run: its error, and on
     assert "stage 0 failed" in str(h.answers[5][2]) and h.engine.failed == 1 and not h.engine.requests
+    assert isinstance(h.answers[5][2], RunError)   # not ORT's INVALID_ARGUMENT: not the caller's data
+    [(key, stats)] = h.engine.describe()["models"].items()   # per model, for the HTTP statistics extension
+    assert (stats["success"], stats["samples"], stats["failed"], stats["executions"]) == (4, 5, 1, 4)   # (request 3 had 2 rows)
+    assert stats["idle_s"] == 0.0 and stats["run_s"] > 0
 
     h.engine.settings.batching = "batch"
     h.engine.settings_changed()

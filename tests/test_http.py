@@ -283,3 +283,182 @@ def test_daemon_gone_is_503_and_not_ready(tmp_path, zoo_file):
     finally:
         assert front.stop() == 0, front.log_path.read_text()
         d.kill()
+
+
+def _infer_body(name: str, datatype: str, shape: list, data: list, **more) -> bytes:
+    inputs = [{"name": name, "datatype": datatype, "shape": shape, "data": data}]
+    inputs += [{"name": k, "datatype": dt, "shape": sh, "data": v} for k, (dt, sh, v) in more.items()]
+    return json.dumps({"inputs": inputs}).encode()
+
+
+def test_json_values_their_datatype_cannot_hold_are_400(served):
+    """Before: INT64 [1.7, 2.2, 3.9] ran as 1, 2, 3. Now the front names the input, datatype and value."""
+    d, front, files = served
+    mask = ("BOOL", [1, 3], [True, True, True])
+    cases = [(_infer_body("ids", "INT64", [1, 3], [1.7, 2.2, 3.9], mask=mask), "'ids': INT64", "1.7"),
+             (_infer_body("ids", "INT64", [1, 3], [1, 2, 3], mask=("BOOL", [1, 3], [True, 1, False])),
+              "'mask': BOOL", "element 1 is 1"),
+             (_infer_body("ids", "INT64", [1, 3], [1, 2, 2 ** 63], mask=mask), "'ids': INT64", str(2 ** 63)),
+             (_infer_body("ids", "INT64", [1, 3], [1, 2, "3"], mask=mask), "'ids': INT64", '"3"'),
+             (_infer_body("ids", "INT64", [1, 3], [1, 2], mask=mask), "'ids'", "2 elements for shape [1, 3]")]
+    for body, what, value in cases:
+        status, _, payload = front.request("POST", "/v2/models/embed/infer", body)
+        message = json.loads(payload)["error"]
+        assert status == 400 and what in message and value in message, (status, message)
+    status, _, payload = front.request("POST", "/v2/models/embed/infer",   # integral floats are integers
+                                       _infer_body("ids", "INT64", [1, 3], [1.0, 2, 3], mask=mask))
+    assert status == 200, payload
+
+
+def test_data_the_model_refuses_as_it_runs_is_the_callers_error(served, tmp_path):
+    """An id past the embedding table's 100 rows passes every declared check and fails in ORT's Gather
+    (INVALID_ARGUMENT): a 400 over HTTP and an InputError in Python serve mode, where it was a 500 and a bare
+    ModelCacheError. A run that fails for another reason (a Reshape the model cannot do: ORT's FAIL) is a
+    RunError, a 500. ORT's own coloured log line of the failure stays out of the daemon's log."""
+    from modelcache.errors import InputError, ModelCacheError, RunError
+    from onnx import TensorProto, helper, save
+
+    d, front, files = served
+    ids = np.array([[3, 150, 7]], np.int64)
+    mask = np.ones((1, 3), bool)
+    c = tritonhttp.InferenceServerClient(front.hostport)
+    inputs = []
+    for name, value, dt in (("ids", ids, "INT64"), ("mask", mask, "BOOL")):
+        i = tritonhttp.InferInput(name, list(value.shape), dt)
+        i.set_data_from_numpy(value)
+        inputs.append(i)
+    with pytest.raises(InferenceServerException) as e:
+        c.infer("embed", inputs)
+    assert int(e.value.status()) == 400
+    assert "embed@1 refused the input" in e.value.message() and "Gather" in e.value.message()
+    assert "idx=150" in e.value.message() and "[ONNXRuntimeError]" not in e.value.message()
+
+    reshape = helper.make_graph(   # x of any length, as rows of 3: a length of 4 cannot be
+        [helper.make_node("Reshape", ["x", "shape"], ["y"])], "rows3",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 3])],
+        [helper.make_tensor("shape", TensorProto.INT64, [2], [-1, 3])])
+    path = tmp_path / "rows3.onnx"
+    save(helper.make_model(reshape, opset_imports=[helper.make_opsetid("", 13)]), str(path))
+    with d.client() as mc:
+        mc.add(str(path), "rows3")
+        with pytest.raises(InputError, match="embed@1 refused the input"):
+            mc.infer("embed", {"ids": ids, "mask": mask})
+        with pytest.raises(RunError, match="rows3@1: stage 0 failed: Reshape node") as e:
+            mc.infer("rows3", {"x": np.zeros(4, np.float32)})
+        assert not isinstance(e.value, InputError) and isinstance(e.value, ModelCacheError)
+        out, _ = mc.infer("rows3", {"x": np.arange(6, dtype=np.float32)})
+        assert out["y"].shape == (2, 3)
+    status, _, payload = front.request("POST", "/v2/models/rows3/infer",
+                                       _infer_body("x", "FP32", [4], [0.0, 1.0, 2.0, 3.0]))
+    assert status == 500 and "stage 0 failed" in json.loads(payload)["error"]
+    log = d.log_path.read_bytes()
+    assert b"\x1b[" not in log and b"indices element out of data bounds" not in log, log[-2000:]
+
+
+def test_a_body_declared_over_the_limit_is_refused_at_once(served):
+    """Content-Length 16 GiB with 12 bytes sent: a 413 naming max_message_size before any body is read
+    (it waited 5 s for the rest, then timed out)."""
+    d, front, files = served
+    host, port = front.hostport.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        t0 = time.monotonic()
+        s.sendall(b"POST /v2/models/cnn/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 17179869184\r\n\r\n{\"inputs\": [")
+        s.settimeout(1.0)
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+        took_s = time.monotonic() - t0
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413") and took_s < 1.0, (answer, took_s)
+    assert "max_message_size" in json.loads(body)["error"] and "17179869184" in json.loads(body)["error"]
+    assert front.request("GET", "/v2/health/live")[0] == 200   # and the front goes on
+
+
+def test_unloaded_model_is_not_ready_until_loaded_again(served):
+    d, front, files = served
+    c = tritonhttp.InferenceServerClient(front.hostport)
+    x = np.zeros((1, 3, 32, 32), np.float32)
+    inp = tritonhttp.InferInput("input", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    c.unload_model("cnn")
+    assert not c.is_model_ready("cnn") and not c.is_model_ready("cnn", "1") and c.is_model_ready("embed")
+    status, _, payload = front.request("GET", "/v2/models/cnn/ready")
+    assert status == 400 and "load" in json.loads(payload)["error"]
+    index = {m["name"]: m for m in c.get_model_repository_index()}
+    assert (index["cnn"]["state"], index["cnn"]["reason"]) == ("UNAVAILABLE", "unloaded")
+    assert index["embed"]["state"] == "READY"
+    with pytest.raises(InferenceServerException) as e:
+        c.infer("cnn", [inp])
+    assert int(e.value.status()) == 400 and "unloaded" in e.value.message()
+    with d.client() as mc:   # it did not come back into memory behind the front's back
+        assert {m["name"]: m for m in mc.list()}["cnn"]["tier"] == "disk"
+    c.load_model("cnn")
+    assert c.is_model_ready("cnn") and c.infer("cnn", [inp]).as_numpy("logits").shape == (1, 10)
+
+
+def test_model_configuration_through_tritonclient(served):
+    d, front, files = served
+    c = tritonhttp.InferenceServerClient(front.hostport)
+    cfg = c.get_model_config("cnn")
+    assert (cfg["name"], cfg["platform"], cfg["backend"], cfg["max_batch_size"]) == \
+        ("cnn", "onnxruntime_onnx", "onnxruntime", 0)
+    assert [(i["name"], i["data_type"], i["dims"]) for i in cfg["input"]] == [("input", "TYPE_FP32", [-1, 3, 32, 32])]
+    assert [(o["name"], o["data_type"], o["dims"]) for o in cfg["output"]] == [("logits", "TYPE_FP32", [-1, 10])]
+    assert c.get_model_config("cnn", "1") == cfg
+    embed = c.get_model_config("embed")
+    assert {i["name"]: i["data_type"] for i in embed["input"]} == {"ids": "TYPE_INT64", "mask": "TYPE_BOOL"}
+    for args in (("nope",), ("cnn", "9")):
+        with pytest.raises(InferenceServerException) as e:
+            c.get_model_config(*args)
+        assert int(e.value.status()) == 404
+    assert {"model_configuration", "statistics"} <= set(c.get_server_metadata()["extensions"])
+
+
+def test_statistics_through_tritonclient(served):
+    """Counts and summed times from the daemon's engine; the unversioned infer reply says which version ran."""
+    d, front, files = served
+    c = tritonhttp.InferenceServerClient(front.hostport)
+    [before] = c.get_inference_statistics("cnn")["model_stats"]
+    assert (before["name"], before["version"], before["inference_count"], before["last_inference"]) == \
+        ("cnn", "1", 0, 0)
+    t0_ms = time.time() * 1e3
+    for rows in (1, 2, 1):
+        x = np.zeros((rows, 3, 32, 32), np.float32)
+        inp = tritonhttp.InferInput("input", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        assert c.infer("cnn", [inp]).get_response()["model_version"] == "1"
+    status, _, _ = front.request("POST", "/v2/models/embed/infer", _infer_body(
+        "ids", "INT64", [1, 2], [1, 500], mask=("BOOL", [1, 2], [True, True])))
+    assert status == 400
+    t1_ms = time.time() * 1e3
+    [cnn] = c.get_inference_statistics("cnn")["model_stats"]
+    s = cnn["inference_stats"]
+    assert s["success"]["count"] == 3 and s["fail"]["count"] == 0 and cnn["inference_count"] == 4
+    assert 1 <= cnn["execution_count"] <= 3
+    assert 0 < s["compute_infer"]["ns"] <= s["success"]["ns"] and s["queue"]["ns"] <= s["success"]["ns"]
+    assert t0_ms - 5 <= cnn["last_inference"] <= t1_ms + 5
+    [one] = c.get_inference_statistics("cnn", "1")["model_stats"]
+    assert one["inference_stats"] == s and abs(one["last_inference"] - cnn["last_inference"]) <= 2
+    every = {m["name"]: m for m in c.get_inference_statistics()["model_stats"]}
+    assert set(every) == {"cnn", "embed"} and every["embed"]["inference_stats"]["fail"]["count"] == 1
+    assert every["embed"]["inference_stats"]["success"]["count"] == 0
+    for args in (("nope",), ("cnn", "9")):
+        with pytest.raises(InferenceServerException) as e:
+            c.get_inference_statistics(*args)
+        assert int(e.value.status()) == 404
+
+
+def test_unversioned_infer_reports_the_version_that_ran(served):
+    d, front, files = served
+    with d.client() as mc:
+        mc.add(files["cnn"], "cnn")   # version 2
+    x = np.zeros((1, 3, 32, 32), np.float32)
+    body = _infer_body("input", "FP32", [1, 3, 32, 32], x.ravel().tolist())
+    for path, version in (("/v2/models/cnn/infer", "2"), ("/v2/models/cnn/versions/1/infer", "1")):
+        status, _, payload = front.request("POST", path, body)
+        assert status == 200 and json.loads(payload)["model_version"] == version, payload

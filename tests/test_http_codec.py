@@ -80,3 +80,71 @@ def test_metadata_names_and_free_dims():
                                   {"name": "m", "dtype": "bool", "shape": []}])
     assert meta == [{"name": "ids", "datatype": "INT64", "shape": [-1, -1, 16]},
                     {"name": "m", "datatype": "BOOL", "shape": []}]
+
+
+def json_input(datatype: str, data: list, shape: list | None = None) -> bytes:
+    return json.dumps({"inputs": [{"name": "x", "shape": shape or [len(data)], "datatype": datatype,
+                                   "data": data}]}).encode()
+
+
+@pytest.mark.parametrize("datatype, data, why", [
+    ("INT64", [1.7, 2.2, 3.9], "INT64 data must be integers; element 0 is 1.7"),
+    ("INT32", [1, 2.5], "INT32 data must be integers; element 1 is 2.5"),
+    ("INT8", [1, 128], r"INT8 data must be within \[-128, 127\]; element 1 is 128"),
+    ("INT16", [-40000], r"INT16 data must be within \[-32768, 32767\]; element 0 is -40000"),
+    ("INT64", [2 ** 63], "element 0 is 9223372036854775808"),
+    ("INT64", [True], "INT64 data must be numbers; element 0 is true"),
+    ("UINT8", [300], r"UINT8 data must be within \[0, 255\]; element 0 is 300"),
+    ("UINT16", [0, -1], r"UINT16 data must be within \[0, 65535\]; element 1 is -1"),
+    ("UINT32", [0.5], "UINT32 data must be integers; element 0 is 0.5"),
+    ("UINT64", [-1], r"UINT64 data must be within \[0, 18446744073709551615\]; element 0 is -1"),
+    ("FP16", [1.0, 70000.0], "FP16 data must be within"),
+    ("FP32", [1e39], "FP32 data must be within"),
+    ("FP64", [1, None], "FP64 data must be numbers; element 1 is null"),
+    ("FP32", [False], "FP32 data must be numbers; element 0 is false"),
+    ("BOOL", [True, 1], "BOOL data must be true or false; element 1 is 1"),
+    ("BOOL", ["true"], 'BOOL data must be true or false; element 0 is "true"'),
+    ("BYTES", ["a", 3], "BYTES data must be strings; element 1 is 3"),
+    ("INT64", [[1, 2], [3]], r"3 elements for shape \[2, 2\]"),
+])
+def test_json_data_that_its_datatype_cannot_hold_is_refused(datatype, data, why):
+    """numpy would convert each of these (1.7 -> 1, 300 -> 44 as uint8, -1 -> 2**64-1); the codec refuses them."""
+    shape = [2, 2] if isinstance(data[0], list) else None
+    with pytest.raises(InputError, match=why) as e:
+        codec.decode_request(json_input(datatype, data, shape), None)
+    assert str(e.value).startswith("input 'x': ")
+
+
+@pytest.mark.parametrize("datatype, data, dtype", [
+    ("INT64", [1.0, -2, 2 ** 62], np.int64), ("UINT64", [2 ** 64 - 1], np.uint64), ("UINT8", [0, 255], np.uint8),
+    ("INT8", [-128, 127], np.int8), ("FP16", [65504.0, -1], np.float16), ("FP32", [1, 2.5], np.float32),
+    ("FP64", [float("inf")], np.float64), ("BOOL", [True, False], np.bool_), ("BYTES", ["a", ""], object),
+])
+def test_json_data_within_its_datatype_decodes_exactly(datatype, data, dtype):
+    arr = codec.decode_request(json_input(datatype, data), None).feeds["x"]
+    assert arr.dtype == np.dtype(dtype) and arr.tolist() == data
+
+
+def test_binary_bool_bytes_other_than_0_or_1_are_refused():
+    body, n = binary_body({"inputs": [{"name": "m", "shape": [3], "datatype": "BOOL",
+                                       "parameters": {"binary_data_size": 3}}]}, bytes([1, 0, 2]))
+    with pytest.raises(InputError, match="BOOL binary data must be bytes 0 or 1; element 2 is 2"):
+        codec.decode_request(body, n)
+
+
+def test_model_config_and_stats_entries():
+    cfg = codec.model_config("m", [{"name": "s", "dtype": "object", "shape": ["n"]},
+                                   {"name": "h", "dtype": "float16", "shape": [2, None]}],
+                             [{"name": "seq", "dtype": "seq(tensor(float))", "shape": []}])
+    assert [(i["name"], i["data_type"], i["dims"]) for i in cfg["input"]] == [("s", "TYPE_STRING", [-1]),
+                                                                              ("h", "TYPE_FP16", [2, -1])]
+    assert cfg["output"][0]["data_type"] == "TYPE_INVALID" and cfg["max_batch_size"] == 0
+    idle = codec.model_stat("m", 3, None, now_ms=5000.0)
+    assert (idle["version"], idle["last_inference"], idle["inference_stats"]["success"]) == \
+        ("3", 0, {"count": 0, "ns": 0})
+    used = codec.model_stat("m", 3, {"success": 2, "success_s": 0.5, "samples": 5, "queue_s": 0.1, "run_s": 0.3,
+                                     "failed": 1, "failed_s": 0.01, "executions": 1, "idle_s": 2.0}, now_ms=5000.0)
+    s = used["inference_stats"]
+    assert (used["last_inference"], used["inference_count"], used["execution_count"]) == (3000, 5, 1)
+    assert s["success"] == {"count": 2, "ns": 500_000_000} and s["fail"] == {"count": 1, "ns": 10_000_000}
+    assert s["queue"]["ns"] == 100_000_000 and s["compute_infer"]["ns"] == 300_000_000

@@ -200,7 +200,8 @@ class Serving:
                 if error is not None:
                     self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
                 else:
-                    self.reply(ident, P.InferReply(req_id=msg.req_id, outputs=wire, timings=timings))
+                    self.reply(ident, P.InferReply(req_id=msg.req_id, outputs=wire, timings=timings,
+                                                   version=model.version))
             finally:
                 maps.clear()  # the input mappings go with the request
                 for uuid in held_devices:   # (first: the model's release may evict it, its GPU copies first)

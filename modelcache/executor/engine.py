@@ -36,19 +36,18 @@ from pathlib import Path
 
 import numpy as np
 
-from ..histogram import Histogram
-from ..errors import InputError, ModelCacheError, RequestTimeout
+from ..errors import InputError, RequestTimeout
 from ..calibration import profile_predict, request_overhead
 from ..config import parse_policy_spec
 from .batching import LayerToLayer, Pending, make_batcher
 from .perfmodel import PerfModels
 from .scheduler import Task, make_scheduler
+from .stats import ModelServeStats
 from .workers import (DeviceValue, GpuWorker, StageJob, Worker, WorkerCall, WorkerUnavailable, discover_gpus,
-                      parse_groups, to_host)
+                      parse_groups, stage_error, to_host)
 
 log = logging.getLogger("modelcache.executor")
 
-INFER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 DEFAULT_MAX_BATCH = 8     # without a setting or a calibrated N_opt
 POLICY_LOOKAHEAD = 256    # queued requests a batching policy sees (FIFO head)
 
@@ -160,7 +159,7 @@ class Engine:
         self.layer_joins = 0
         self.latencies_ms: deque = deque(maxlen=1000)
         self.last_used: dict[str, float] = {}   # model key -> when a request last touched it
-        self.latency_by_model: dict = {}          # model key -> Histogram of request latency (s), for metrics
+        self.model_stats: dict[str, ModelServeStats] = {}   # model key -> its requests' counts and times
         # device_lease(model key, device UUID, +1 or -1): take or give back a lease on the model's copy on
         # that device (the daemon's), for as long as a GPU worker may hold sessions over it.
         self.device_lease = device_lease or (lambda key, uuid, delta: None)
@@ -338,10 +337,11 @@ class Engine:
         self.batches_formed += 1
         self.batched_samples += req.samples
         if error is not None:
-            self._finish(req, None, self._stage_error(job, error))
+            self._finish(req, None, stage_error(job.model_key, job.stage, error))
             return True
         req.timings["stages"].append(self._stage_entry(job, worker, req.samples, inline=True))
         outputs = job.result["outputs"]
+        self._stats(req.model_key).executions += 1
         self._finish(req, {n: outputs[n] for n in req.output_names or spec["outputs"]}, None)
         self._record_stage(job, worker, req.samples)   # after the answer, which does not need it
         return True
@@ -546,7 +546,7 @@ class Engine:
             if isinstance(error, WorkerUnavailable) and self._disable(job.worker_id, error):
                 self._run_stage(batch)      # the same stage again, on a worker that can run it
             elif error is not None:
-                self._fail(batch, self._stage_error(job, error))
+                self._fail(batch, stage_error(job.model_key, job.stage, error))
             else:
                 self._advance(batch, job, inline)
         self._form_batches()
@@ -558,11 +558,6 @@ class Engine:
             self.placeable = [w.state for w in self.workers if w.state.worker_id not in self.disabled]
             log.warning("worker %d takes no more stages: %s", worker_id, error)
         return bool(self.placeable)
-
-    @staticmethod
-    def _stage_error(job: StageJob, error: Exception) -> ModelCacheError:
-        return error if isinstance(error, ModelCacheError) else \
-            ModelCacheError(f"stage {job.stage} failed: {str(error)[:500]}")
 
     def _record_stage(self, job: StageJob, worker, samples: int) -> None:
         """Calibrate the performance model with a finished stage (and check the prediction it had)."""
@@ -634,6 +629,7 @@ class Engine:
 
     def _complete(self, batch: Batch) -> None:
         self._end(batch)
+        self._stats(batch.first.model_key).executions += 1
         at = 0
         for m in batch.members:
             names = m.output_names or m.stages[-1]["outputs"]
@@ -644,7 +640,7 @@ class Engine:
             at += m.samples
             self._finish(m, outputs, None)
 
-    def _fail(self, batch: Batch, error: ModelCacheError) -> None:
+    def _fail(self, batch: Batch, error: Exception) -> None:
         self._end(batch)
         for m in batch.members:
             self._finish(m, None, error)
@@ -658,20 +654,29 @@ class Engine:
 
     def _finish(self, req: ServeRequest, outputs: dict | None, error) -> None:
         self.requests.pop(req.request_id, None)
-        total_ms = (self.clock() - req.arrival) * 1e3
+        now = self.clock()
+        total_ms = (now - req.arrival) * 1e3
         req.timings["total_ms"] = total_ms
         req.timings["queue_ms"] = sum(s["wait_ms"] for s in req.timings["stages"])
         if error is None:
             req.finish(outputs, req.timings, None)   # the answer first: the counters can wait
             self.served += 1
             self.latencies_ms.append(total_ms)
-            hist = self.latency_by_model.get(req.model_key)
-            if hist is None:
-                hist = self.latency_by_model[req.model_key] = Histogram(INFER_BUCKETS_S)
-            hist.observe(total_ms / 1e3)
         else:
             self.failed += 1
             req.finish(None, req.timings, error)
+        self._stats(req.model_key).finished(now, req.samples, req.timings, error is None)
+
+    def _stats(self, model_key: str) -> ModelServeStats:
+        stats = self.model_stats.get(model_key)
+        if stats is None:
+            stats = self.model_stats[model_key] = ModelServeStats()
+        return stats
+
+    @property
+    def latency_by_model(self) -> dict:
+        """model key -> Histogram of its successful requests' latency (s), for metrics."""
+        return {key: s.latency for key, s in self.model_stats.items()}
 
     def describe(self) -> dict:
         lat = sorted(self.latencies_ms)
@@ -687,4 +692,5 @@ class Engine:
                 "queued": sum(len(q) for q in self.queues.values()),
                 "latency_ms_p50": statistics.median(lat) if lat else None,
                 "latency_ms_p99": lat[int(0.99 * (len(lat) - 1))] if lat else None,
-                "perf_models": self.perf.summary()}
+                "perf_models": self.perf.summary(),
+                "models": {key: s.describe(self.clock()) for key, s in self.model_stats.items()}}

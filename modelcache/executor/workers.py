@@ -21,14 +21,44 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import re
 import threading
 import time
 from dataclasses import dataclass, field
 
-from ..errors import ModelCacheError
+from ..errors import InputError, ModelCacheError, RunError
 from .scheduler import WorkerState
 
 log = logging.getLogger("modelcache.executor")
+
+# ORT's severity levels: 0 verbose ... 3 error, 4 fatal. Its logger writes a failed run's error to stderr (in
+# ANSI colours) as well as raising it; the error reaches the caller as ours, so the daemon's log keeps only that.
+ORT_LOG_FATAL_ONLY = 4
+_ORT_ERRORS_MODULE = "onnxruntime.capi.onnxruntime_pybind11_state"
+_ORT_PREFIX = re.compile(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ")
+_ORT_NODE = re.compile(r"Non-zero status code returned while running (\S+) node\. Name:'([^']*)' Status Message: ")
+
+
+def stage_error(model_key: str, stage: int, error: Exception) -> ModelCacheError:
+    """The typed error of a failed stage run. ORT says whose fault by its status: INVALID_ARGUMENT is the
+    request's data (an index out of a Gather's range, a dtype) -> InputError, which the caller can fix; any
+    other failure (FAIL, RUNTIME_EXCEPTION, a Python error here) -> RunError: the same request fails again."""
+    if isinstance(error, ModelCacheError):
+        return error
+    text = str(error)[:500]
+    if type(error).__module__ == _ORT_ERRORS_MODULE:
+        detail = _ORT_NODE.sub(lambda m: f"{m[1]} node {m[2]!r}: " if m[2] else f"{m[1]} node: ",
+                               _ORT_PREFIX.sub("", text))
+        if type(error).__name__ == "InvalidArgument":
+            return InputError(f"{model_key} refused the input (stage {stage}): {detail}")
+        return RunError(f"{model_key}: stage {stage} failed: {detail}")
+    return RunError(f"{model_key}: stage {stage} failed: {type(error).__name__}: {text}")
+
+
+def quiet_session_options(so):
+    """A stage session's options: ORT logs nothing below fatal (see ORT_LOG_FATAL_ONLY)."""
+    so.log_severity_level = ORT_LOG_FATAL_ONLY
+    return so
 
 
 def parse_groups(spec: str, cpus: list[int] | None = None) -> list[list[int]]:
@@ -280,7 +310,7 @@ class Worker:
             import onnxruntime as ort
             from ..session_options import attach_session_options, bind_weights
 
-            so = attach_session_options(spinning=False)
+            so = quiet_session_options(attach_session_options(spinning=False))
             so.intra_op_num_threads = max(1, len(self.cores))
             maps, values = bind_weights(so, job.segments, job.tensors)
             sess = ort.InferenceSession(job.skeleton, so, providers=self._providers())
@@ -305,7 +335,7 @@ class Worker:
         from ..session_options import bind_weights
 
         with tempfile.TemporaryDirectory(prefix="modelcache-profile-") as tmp:
-            so = profiling_options(max(1, len(self.cores)), tmp)
+            so = quiet_session_options(profiling_options(max(1, len(self.cores)), tmp))
             maps, values = bind_weights(so, segments, tensors)   # held until the session is gone
             sess = ort.InferenceSession(skeleton, so, providers=["CPUExecutionProvider"])
             try:
@@ -380,7 +410,7 @@ class GpuWorker(Worker):
                 preload()   # the CUDA and cuDNN libraries ORT's CUDA provider needs (shared/GPU.md)
             self._preloaded = True
         device_type, device_id = (KDL_CPU, 0) if self.fake else (KDL_CUDA, self.device.index)
-        so = attach_session_options(spinning=False)
+        so = quiet_session_options(attach_session_options(spinning=False))
         so.intra_op_num_threads = 1
         values = []
         for name, dtype, shape, address, nbytes in job.device["tensors"]:

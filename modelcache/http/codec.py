@@ -44,6 +44,51 @@ def tensor_metadata(entries: list[dict]) -> list[dict]:
             for e in entries]
 
 
+def model_config(name: str, inputs: list[dict], outputs: list[dict]) -> dict:
+    """Triton's model configuration (its config.pbtxt as JSON) of a model, as tritonclient's get_model_config
+    reads it. max_batch_size 0: dims are the model's whole shapes (a free first dim is -1) and a request is
+    batched whole, since no request is refused for its batch size; the daemon still batches requests together."""
+    def entry(e: dict) -> dict:
+        return {"name": e["name"], "data_type": _triton_type(e["dtype"]), "dims": v2_shape(e["shape"] or []),
+                "is_shape_tensor": False}
+
+    return {"name": name, "platform": "onnxruntime_onnx", "backend": "onnxruntime",
+            "version_policy": {"all": {}}, "max_batch_size": 0,
+            "input": [{**entry(e), "format": "FORMAT_NONE", "optional": False} for e in inputs],
+            "output": [entry(e) for e in outputs]}
+
+
+def _triton_type(numpy_name: str) -> str:
+    """Triton's DataType enum name: TYPE_ and the v2 name, BYTES being TYPE_STRING; TYPE_INVALID where v2
+    has none (a sequence or a map)."""
+    v2 = V2_BY_NUMPY.get(numpy_name)
+    return "TYPE_INVALID" if v2 is None else "TYPE_STRING" if v2 == "BYTES" else f"TYPE_{v2}"
+
+
+def model_stat(name: str, version: int, served: dict | None, now_ms: float) -> dict:
+    """One version's entry of Triton's statistics extension from the engine's counters (executor/stats.py;
+    None: no request yet). The daemon does not time input and output conversion apart from the run, so
+    compute_input and compute_output have their counts and 0 ns; no per-batch-size stats (batch_stats)."""
+    s = served or {}
+    ok = s.get("success", 0)
+
+    def stat(count: int, seconds: float) -> dict:
+        return {"count": count, "ns": int(seconds * 1e9)}
+
+    idle_s = s.get("idle_s")
+    return {"name": name, "version": str(version),
+            "last_inference": 0 if idle_s is None else int(now_ms - idle_s * 1e3),
+            "inference_count": s.get("samples", 0), "execution_count": s.get("executions", 0),
+            "inference_stats": {"success": stat(ok, s.get("success_s", 0.0)),
+                                "fail": stat(s.get("failed", 0), s.get("failed_s", 0.0)),
+                                "queue": stat(ok, s.get("queue_s", 0.0)),
+                                "compute_input": stat(ok, 0.0),
+                                "compute_infer": stat(ok, s.get("run_s", 0.0)),
+                                "compute_output": stat(ok, 0.0),
+                                "cache_hit": stat(0, 0.0), "cache_miss": stat(0, 0.0)},
+            "batch_stats": []}
+
+
 class InferRequest:
     """A decoded v2 infer request: feeds, the outputs asked for, and how each is to come back."""
 
@@ -147,29 +192,69 @@ def _decode_input(entry, binary: memoryview, offset: int) -> tuple[str, np.ndarr
         if size != count * dtype.itemsize:
             raise InputError(f"input {name!r}: {size} bytes for {count} {datatype} elements "
                              f"({count * dtype.itemsize} bytes)")
-        return name, np.frombuffer(raw, dtype=dtype).reshape(shape), size
+        arr = np.frombuffer(raw, dtype=dtype)
+        if dtype.kind == "b":   # a bool byte other than 0 or 1 is no value numpy or ORT defines
+            as_bytes = np.frombuffer(raw, dtype=np.uint8)
+            _first(name, datatype, as_bytes, as_bytes > 1, "binary data must be bytes 0 or 1")
+        return name, arr.reshape(shape), size
     data = entry.get("data")
     if not isinstance(data, list):
         raise InputError(f"input {name!r} needs \"data\" (a list) or a binary_data_size parameter")
-    flat = _flatten(data) if data and isinstance(data[0], list) else data
+    flat = _flatten(data) if list in set(map(type, data)) else data
     if len(flat) != count:
-        raise InputError(f"input {name!r}: {len(flat)} elements for shape {shape}")
+        raise InputError(f"input {name!r}: {len(flat)} elements for shape {shape} ({count} elements)")
+    return name, _json_array(name, datatype, dtype, flat).reshape(shape), 0
+
+
+def _json_array(name: str, datatype: str, dtype: np.dtype, flat: list) -> np.ndarray:
+    """A JSON `data` list as `dtype`, refusing what the datatype cannot hold exactly rather than converting it
+    (numpy would truncate 1.7 to an INT64 1 and wrap 300 to a UINT8 44): the error names the first bad value."""
+    kinds = set(map(type, flat))
     if dtype.kind == "O":
-        if not all(isinstance(v, str) for v in flat):
-            raise InputError(f"input {name!r}: BYTES data must be strings")
-        arr = np.empty(count, dtype=object)
+        _only(name, datatype, flat, kinds, (str,), "strings")
+        arr = np.empty(len(flat), dtype=object)
         arr[:] = flat
-        return name, arr.reshape(shape), 0
+        return arr
+    if dtype.kind == "b":
+        _only(name, datatype, flat, kinds, (bool,), "true or false")
+        return np.array(flat, dtype=dtype)
+    _only(name, datatype, flat, kinds, (int, float), "numbers")   # (bool is not an int here: its own type)
+    if dtype.kind in "iu":
+        if float in kinds:
+            f = np.asarray(flat, dtype=np.float64)
+            _first(name, datatype, flat, ~(np.isfinite(f) & (f == np.trunc(f))), "data must be integers")
+        info = np.iinfo(dtype)
+        if flat and (min(flat) < info.min or max(flat) > info.max):
+            _first(name, datatype, flat, [not info.min <= v <= info.max for v in flat],
+                   f"data must be within [{info.min}, {info.max}]")
+        return np.array(flat, dtype=dtype)
     try:
-        if dtype.kind == "b":
-            if not all(isinstance(v, bool) for v in flat):
-                raise TypeError("BOOL data must be true or false")
-        elif not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in flat):
-            raise TypeError(f"{datatype} data must be numbers")
-        arr = np.array(flat, dtype=dtype)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise InputError(f"input {name!r}: {e}") from None
-    return name, arr.reshape(shape), 0
+        wide = np.asarray(flat, dtype=np.float64)
+    except OverflowError:   # an integer past float64's range
+        _first(name, datatype, flat, [isinstance(v, int) and abs(v) > 2 ** 1023 for v in flat], "data is out of range")
+    with np.errstate(over="ignore"):
+        arr = wide.astype(dtype)
+    _first(name, datatype, flat, np.isinf(arr) & ~np.isinf(wide), f"data must be within +-{np.finfo(dtype).max}")
+    return arr
+
+
+def _only(name: str, datatype: str, flat: list, kinds: set, allowed: tuple, what: str) -> None:
+    if not kinds.issubset(allowed):
+        _first(name, datatype, flat, [type(v) not in allowed for v in flat], f"data must be {what}")
+
+
+def _first(name: str, datatype: str, values, bad, why: str) -> None:
+    """InputError naming the first of `values` that `bad` (a mask: a list or an array) marks, if any."""
+    if isinstance(bad, np.ndarray):
+        marked = np.flatnonzero(bad)
+        k = int(marked[0]) if marked.size else None
+    else:
+        k = next((i for i, b in enumerate(bad) if b), None)
+    if k is None:
+        return
+    v = values[k].item() if isinstance(values, np.ndarray) else values[k]
+    shown = json.dumps(v) if isinstance(v, (bool, int, float, str, type(None))) else type(v).__name__
+    raise InputError(f"input {name!r}: {datatype} {why}; element {k} is {shown[:40]}")
 
 
 def _flatten(data: list) -> list:
@@ -229,7 +314,7 @@ def encode_response(model: str, version: int | None, request_id, outputs: dict, 
             entry["data"] = a.ravel().tolist()
         entries.append(entry)
     doc = {"model_name": model, "outputs": entries}
-    if version is not None:   # (the reply does not say which version served an unversioned request)
+    if version is not None:   # the version that ran
         doc["model_version"] = str(version)
     if request_id is not None:
         doc["id"] = request_id

@@ -13,7 +13,7 @@ import signal
 from aiohttp import web
 
 from .link import DaemonLink
-from .routes import LINK, SETTINGS, add_routes, v2_errors
+from .routes import LINK, SETTINGS, UNLOADED, add_routes, v2_errors
 
 log = logging.getLogger("modelcache.http")
 SHUTDOWN_TIMEOUT_S = 8.0
@@ -22,6 +22,7 @@ SHUTDOWN_TIMEOUT_S = 8.0
 def build_app(settings) -> web.Application:
     app = web.Application(middlewares=[v2_errors], client_max_size=settings.max_message_bytes())
     app[SETTINGS] = settings
+    app[UNLOADED] = set()
     add_routes(app)
 
     async def link_ctx(app):

@@ -1,0 +1,43 @@
+"""Per-model serve-mode counters the engine keeps as requests finish: what `stats` reports per model and
+the HTTP front's statistics extension serves (counts, summed seconds, the latency histogram)."""
+
+from __future__ import annotations
+
+from ..histogram import Histogram
+
+INFER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class ModelServeStats:
+    """One model version's requests since the daemon started. Times are the engine's (`timings`): a
+    request's total, its queue wait (summed over stages) and its stages' run time."""
+
+    __slots__ = ("latency", "samples", "queue_s", "run_s", "failed", "failed_s", "executions", "last_at")
+
+    def __init__(self):
+        self.latency = Histogram(INFER_BUCKETS_S)   # successful requests: their count, summed seconds, buckets
+        self.samples = 0          # rows of successful requests (Triton's inference_count)
+        self.queue_s = 0.0        # successful requests' waits for a worker
+        self.run_s = 0.0          # successful requests' stage runs (a batch's run counts for each member)
+        self.failed = 0
+        self.failed_s = 0.0
+        self.executions = 0       # batches that ran to the end (one per request without batching)
+        self.last_at = None       # engine clock of the last answer, success or failure
+
+    def finished(self, now: float, samples: int, timings: dict, ok: bool) -> None:
+        self.last_at = now
+        total_s = timings["total_ms"] / 1e3
+        if not ok:
+            self.failed += 1
+            self.failed_s += total_s
+            return
+        self.latency.observe(total_s)
+        self.samples += samples
+        self.queue_s += timings["queue_ms"] / 1e3
+        self.run_s += sum(s["run_ms"] for s in timings["stages"]) / 1e3
+
+    def describe(self, now: float) -> dict:
+        return {"success": self.latency.n, "success_s": self.latency.total, "samples": self.samples,
+                "queue_s": self.queue_s, "run_s": self.run_s, "failed": self.failed, "failed_s": self.failed_s,
+                "executions": self.executions,
+                "idle_s": None if self.last_at is None else max(0.0, now - self.last_at)}
