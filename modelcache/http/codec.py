@@ -46,8 +46,8 @@ def tensor_metadata(entries: list[dict]) -> list[dict]:
 
 def model_config(name: str, inputs: list[dict], outputs: list[dict]) -> dict:
     """Triton's model configuration (its config.pbtxt as JSON) of a model, as tritonclient's get_model_config
-    reads it. max_batch_size 0: dims are the model's whole shapes (a free first dim is -1) and a request is
-    batched whole, since no request is refused for its batch size; the daemon still batches requests together."""
+    reads it. max_batch_size 0 with dims the model's whole shapes (a free first dim is -1): no request is
+    refused for its number of rows, which a max_batch_size would promise; the daemon still batches requests."""
     def entry(e: dict) -> dict:
         return {"name": e["name"], "data_type": _triton_type(e["dtype"]), "dims": v2_shape(e["shape"] or []),
                 "is_shape_tensor": False}

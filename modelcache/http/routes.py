@@ -32,12 +32,13 @@ STATUS_BY_CODE = {"not_found": 404, "input": 400, "protocol": 400, "permission":
 LINK = web.AppKey("link", DaemonLink)
 SETTINGS = web.AppKey("settings", object)
 UNLOADED = web.AppKey("unloaded", set)   # names this front unloaded: not ready until loaded again
+MAX_BODY = web.AppKey("max_body", int)   # max_message_size in bytes, as aiohttp's client_max_size
 
 
 def too_large(limit: int, size: int | None = None) -> web.Response:
     said = f"declares {size} bytes" if size is not None else "is larger"
-    return error(413, f"the request body {said}; the limit is {limit} bytes (max_message_size): send big tensors "
-                      "in binary, or raise max_message_size")
+    return error(413, f"the request body {said}; the limit is {limit} bytes (max_message_size): send less, "
+                      "or raise max_message_size")
 
 
 def error(status: int, message: str) -> web.Response:
@@ -50,7 +51,7 @@ async def v2_errors(request: web.Request, handler):
 
     A body declared over the limit is refused before it is read: aiohttp enforces client_max_size only
     as the body arrives, so a client that declared 16 GiB and sent less would wait for the rest."""
-    limit = request.app[SETTINGS].max_message_bytes()
+    limit = request.app[MAX_BODY]
     if request.content_length is not None and request.content_length > limit:
         response = too_large(limit, request.content_length)
         response.force_close()   # the unread body is not drained: the connection goes

@@ -13,15 +13,17 @@ import signal
 from aiohttp import web
 
 from .link import DaemonLink
-from .routes import LINK, SETTINGS, UNLOADED, add_routes, v2_errors
+from .routes import LINK, MAX_BODY, SETTINGS, UNLOADED, add_routes, v2_errors
 
 log = logging.getLogger("modelcache.http")
 SHUTDOWN_TIMEOUT_S = 8.0
 
 
 def build_app(settings) -> web.Application:
-    app = web.Application(middlewares=[v2_errors], client_max_size=settings.max_message_bytes())
+    max_body = settings.max_message_bytes()
+    app = web.Application(middlewares=[v2_errors], client_max_size=max_body)
     app[SETTINGS] = settings
+    app[MAX_BODY] = max_body
     app[UNLOADED] = set()
     add_routes(app)
 
