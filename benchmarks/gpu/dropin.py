@@ -73,7 +73,18 @@ def compare(a, b) -> dict:
             "bit_identical": bool(np.array_equal(a, b))}
 
 
-def measure(models: list[str], rounds: int, work: str, log, device: str = "cuda") -> dict:
+def summarize(mine: list[dict], outputs: dict) -> dict:
+    import numpy as np
+    med = {m: {k: float(np.median([s[k] for s in mine if s["mode"] == m]))
+               for k in ("open_ms", "first_run_ms", "ready_ms", "first_ms")} for m in MODES}
+    return {"median": med, "providers": sorted({s["provider"] for s in mine}),
+            "vs_ort_cuda": compare(outputs["modelcache"], outputs["ort-cuda"]),
+            "vs_ort_cuda_basic": compare(outputs["modelcache"], outputs["ort-cuda-basic"])}
+
+
+def measure(models: list[str], rounds: int, work: str, log, device: str = "cuda", save=lambda data: None) -> dict:
+    """Model by model (each added, put on the GPU, then `rounds` x the three modes), handing the figures so far
+    to `save` after each: a step cut short by its time limit keeps the models it finished."""
     import numpy as np
     from modelcache import zoo
     from modelcache.bench.coldstart_cuda import DAEMON_ENV, preflight
@@ -84,37 +95,31 @@ def measure(models: list[str], rounds: int, work: str, log, device: str = "cuda"
         preflight()
     socket = f"ipc://{work}/daemon.sock"
     env = {**os.environ, "MODELCACHE_SOCKET": socket}
-    samples, outputs = [], {}
+    data = {"device": device, "rounds": rounds, "models": {}, "samples": []}
     with managed_daemon(socket, f"{work}/repo", env=DAEMON_ENV, log_path=f"{work}/daemon.log"):
-        paths = ensure_models(socket, models, Path(work) / "zoo")
-        with connect(socket) as client:
-            if device == "cuda":
-                if not any(t["tier"] == "gpu" for t in client.stats().tiers):
-                    raise RuntimeError("the daemon has no GPU tier (is cupy importable by it, and gpus not 'none'?)")
-                for name in models:
-                    client.load(name, tier="gpu")
         for name in models:
-            np.savez(f"{work}/{name}.inputs.npz", **zoo.sample_inputs(paths[name]))
-        for r in range(rounds):
-            for name in models:
+            src = ensure_models(socket, [name], Path(work) / "zoo")[name]
+            if device == "cuda":
+                with connect(socket) as client:
+                    if not any(t["tier"] == "gpu" for t in client.stats().tiers):
+                        raise RuntimeError("the daemon has no GPU tier (is cupy importable by it, and gpus not "
+                                           "'none'?)")
+                    client.load(name, tier="gpu")
+            inputs = f"{work}/{name}.inputs.npz"
+            np.savez(inputs, **zoo.sample_inputs(src))
+            mine, outputs = [], {}
+            for r in range(rounds):
                 for mode in MODES:
                     out = f"{work}/{name}.{mode}.npy"
-                    s = spawn(mode, name, paths[name], f"{work}/{name}.inputs.npz", out, env, device)
-                    s["round"] = r
-                    samples.append(s)
-                    outputs[(name, mode)] = np.load(out)
+                    mine.append({**spawn(mode, name, src, inputs, out, env, device), "round": r})
+                    outputs[mode] = np.load(out)
                 log(f"round {r + 1}/{rounds} {name}: " + ", ".join(
                     f"{s['mode']} open {s['open_ms']:.0f} ms first run {s['first_run_ms']:.0f} ms"
-                    for s in samples if s["round"] == r and s["model"] == name))
-    results = {}
-    for name in models:
-        mine = [s for s in samples if s["model"] == name]
-        med = {m: {k: float(np.median([s[k] for s in mine if s["mode"] == m]))
-                   for k in ("open_ms", "first_run_ms", "ready_ms", "first_ms")} for m in MODES}
-        results[name] = {"median": med, "providers": sorted({s["provider"] for s in mine}),
-                         "vs_ort_cuda": compare(outputs[(name, "modelcache")], outputs[(name, "ort-cuda")]),
-                         "vs_ort_cuda_basic": compare(outputs[(name, "modelcache")], outputs[(name, "ort-cuda-basic")])}
-    return {"device": device, "rounds": rounds, "models": results, "samples": samples}
+                    for s in mine if s["round"] == r))
+            data["samples"] += mine
+            data["models"][name] = summarize(mine, outputs)
+            save(data)
+    return data
 
 
 def main(argv=None) -> int:
@@ -132,10 +137,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="JSON file for the figures and samples")
     args = ap.parse_args(argv)
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+
+    def save(data: dict) -> None:
+        with open(args.out + ".tmp", "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(args.out + ".tmp", args.out)
+
     with tempfile.TemporaryDirectory(prefix="modelcache-dropin-") as work:
-        data = measure(args.models, args.rounds, work, log, args.device)
-    with open(args.out, "w") as f:
-        json.dump(data, f, indent=1)
+        data = measure(args.models, args.rounds, work, log, args.device, save)
     for name, r in data["models"].items():
         print(f"{name}: providers {r['providers']}; vs ort-cuda {r['vs_ort_cuda']}; "
               f"vs ort-cuda-basic {r['vs_ort_cuda_basic']}; medians {json.dumps(r['median'])}")

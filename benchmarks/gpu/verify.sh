@@ -19,6 +19,7 @@
 # /var/tmp/modelcache-gpukit), which lasts while the machine stays warm (30 s after a call). The installed
 # packages are a pip --target folder first on PYTHONPATH, the repository before it (no venv: a venv made from
 # the image's python3, itself a venv, would not see the image's cupy, numpy and CUDA libraries).
+# MODELCACHE_GPUKIT_KIT names where the carried call folders arrive (default: .gpukit in the repository).
 set -u
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -64,27 +65,32 @@ print(next((p for p in nvidia.__path__ if os.path.isdir(os.path.join(p, "cudnn")
 }
 
 step_probe() {
+    x rm -f "$STATE/device.json"   # each step's output goes first: a run cut short must not report an older one
     x "$PY" "$HERE/probe.py" --out "$STATE/device.json"
 }
 
 step_dropin() {
+    x rm -f "$STATE/dropin.json"
     # shellcheck disable=SC2086
     x "$PY" "$HERE/dropin.py" --models $MODELS_DROPIN --rounds 3 --out "$STATE/dropin.json"
 }
 
 step_tests() {
     local files
+    x rm -f "$STATE/junit-gpu.xml"
     files=$(cd "$REPO" && grep -l 'pytest.mark.gpu' tests/test_*.py | tr '\n' ' ')
     # shellcheck disable=SC2086
     (cd "$REPO" && x "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml="$STATE/junit-gpu.xml" $files)
 }
 
 step_bench-vgg16() {
+    x rm -rf "$STATE/bench/vgg16"
     x "$PY" -m modelcache.cli bench coldstart --device cuda --models vgg16 --runs 5 --clients 1 2 4 8 \
         --out "$STATE/bench/vgg16"
 }
 
 step_bench-rest() {
+    x rm -rf "$STATE/bench/rest"
     x "$PY" -m modelcache.cli bench coldstart --device cuda --models resnet50 vit_b_16 --runs 5 --clients 0 \
         --out "$STATE/bench/rest"
 }
