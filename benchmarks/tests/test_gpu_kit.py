@@ -257,6 +257,14 @@ def test_what_the_report_does_not_hold_is_not_measured_and_says_by_what():
     assert empty["gpu-marked tests"]["source"] == "not measured by pytest -m gpu (not run)"
 
 
+def test_a_promotion_with_no_copy_rate_is_not_measured_rather_than_failed():
+    r = hand_built_report()
+    for p in r["bench"]["rest"]["promotion"]:
+        p["copy_gb_s"] = 0.0
+    row = by_figure(targets.evaluate(r))["resnet50: host->GPU promotion / pinned host->device bandwidth, same run"]
+    assert row["verdict"] == "not measured" and "promotion_bytes_per_s" in row["source"]
+
+
 def test_skipped_gpu_tests_do_not_count_as_passing():
     r = hand_built_report()
     r["tests"] = {"passed": 3, "failed": 0, "errors": 0, "skipped": 1, "failures": [], "skips": ["x: no CUDA"]}
