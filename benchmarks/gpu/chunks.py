@@ -106,7 +106,8 @@ def _manifests(kit_dir: Path) -> dict:
 
 
 def stage(kit_dir: Path, state: Path) -> dict:
-    """Check each part that came in kit_dir against the manifest and copy it to STATE/parts/KIT; returns
+    """Check each part that came in kit_dir against the manifest and copy it to STATE/parts/KIT (over a copy
+    staged before: carrying a part again mends a bad one); returns
     {"kit", "calls", "have": [call numbers complete], "missing": [...]}; a part whose sha256 differs is a
     KitError naming it."""
     manifest = _manifests(kit_dir)
@@ -116,7 +117,7 @@ def stage(kit_dir: Path, state: Path) -> dict:
     for entry in manifest["files"].values():
         for p in entry["parts"]:
             src = kit_dir / f"call{p['call']}" / p["name"]
-            if not src.exists() or (parts / p["name"]).exists():
+            if not src.exists():   # carried by another call
                 continue
             _check(src, p, f"carried part {src}")
             tmp = parts / (p["name"] + ".tmp")
