@@ -134,8 +134,11 @@ def main(argv=None) -> int:
     text = describe(seq, manifest["calls"])
     (KIT / "RUNS.md").write_text(text + "\n")
     total = sum(e["size"] for e in manifest["files"].values())
-    print(f"kit {manifest['kit']}: {len(wheels)} wheels, {total / 2**20:.1f} MiB, in {manifest['calls']} calls of at "
-          f"most {budget / 2**20:.1f} MiB each (working tree {tree / 2**20:.1f} MiB travels with each call)\n")
+    per_call = [sum(p["size"] for e in manifest["files"].values() for p in e["parts"] if p["call"] == n)
+                for n in range(1, manifest["calls"] + 1)]
+    print(f"kit {manifest['kit']}: {len(wheels)} wheels, {total / 2**20:.1f} MiB, in {manifest['calls']} calls of "
+          f"{max(per_call) / 2**20:.1f} MiB at most (room: {budget / 2**20:.1f} MiB beside the working tree's "
+          f"{tree / 2**20:.1f} MiB that travels with each call)\n")
     print(text)
     return 0
 
