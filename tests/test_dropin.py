@@ -7,6 +7,7 @@ real daemon and plain ONNX Runtime side by side.
 from __future__ import annotations
 
 import inspect
+import threading
 
 import numpy as np
 import onnxruntime as ort
@@ -23,10 +24,10 @@ X = np.random.default_rng(0).standard_normal((1, 3, 32, 32)).astype(np.float32)
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """(client, {name: source path}) with tiny-cnn as "cnn", tiny-embed as "embed", tiny-ir3 as "ir3"."""
+    """(client, {name: source path}) with tiny-cnn as "cnn", tiny-embed as "embed", tiny-if as "if"..."""
     root = tmp_path_factory.mktemp("dropin")
     paths = {}
-    for name, zoo_name in (("cnn", "tiny-cnn"), ("embed", "tiny-embed"), ("ir3", "tiny-ir3")):
+    for name, zoo_name in (("cnn", "tiny-cnn"), ("embed", "tiny-embed"), ("if", "tiny-if"), ("ir3", "tiny-ir3")):
         paths[name] = str(root / f"{zoo_name}.onnx")
         zoo.save(zoo.build(zoo_name), paths[name])
     with daemon_with_models(root, paths) as (_, c):
@@ -64,6 +65,19 @@ def test_sess_options_positional_copied_and_left_untouched(models):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_profiling_as_in_onnxruntime(models, tmp_path):
+    c, _ = models
+    so = ort.SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp_path / "profile")
+    s = modelcache.InferenceSession("cnn", so, client=c)
+    s.run(None, {"input": X})
+    assert s.get_profiling_start_time_ns() > 0
+    written = s.end_profiling()
+    s.close()
+    assert written.startswith(str(tmp_path / "profile")) and '"name"' in open(written).read()
+
+
 def test_provider_options_as_onnxruntime_takes_them(models):
     c, paths = models
     with modelcache.InferenceSession("cnn", None, ["CPUExecutionProvider"], [{}], client=c) as s:
@@ -88,6 +102,12 @@ def test_lists_are_converted_to_the_declared_dtype_as_onnxruntime_does(models, m
             s.run(None, {"input": X.astype(np.float64)})
         with pytest.raises(InputError, match="cannot make a float32 tensor of that list"):
             s.run(None, {"input": [["a"]]})
+    x = np.ones((2, 64), np.float32)
+    with modelcache.InferenceSession("if", client=c, mode=mode) as s:   # a Python scalar for a 0-d bool input
+        with pytest.raises(RuntimeError, match="Unable to handle object of type <class 'bool'>"):
+            plain(paths["if"]).run(None, {"x": x, "flag": True})
+        np.testing.assert_allclose(s.run(None, {"x": x, "flag": True})[0],
+                                   plain(paths["if"]).run(None, {"x": x, "flag": np.array(True)})[0], rtol=1e-5)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -96,7 +116,7 @@ def test_a_path_or_bytes_say_how_to_add_the_model(models, mode):
     with pytest.raises(ModelNotFound, match=r"opens models by name: add it first with `modelcache add .*tiny-cnn.onnx "
                                             r"--name NAME`"):
         modelcache.InferenceSession(paths["cnn"], client=c, mode=mode)
-    with pytest.raises(ModelNotFound, match=r"^no model named 'ghost'; known models: cnn, embed, ir3$"):
+    with pytest.raises(ModelNotFound, match=r"^no model named 'ghost'; known models: cnn, embed, if, ir3$"):
         modelcache.InferenceSession("ghost", client=c, mode=mode)   # a plain name: no hint
     with pytest.raises(TypeError, match="not from serialized bytes"):
         modelcache.InferenceSession(b"\x08\x03", client=c, mode=mode)
@@ -131,6 +151,11 @@ def test_attach_sessions_are_onnxruntime_sessions_underneath(models):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
         assert (s.get_modelmeta().producer_name, s.get_modelmeta().graph_name) == \
             (ref.get_modelmeta().producer_name, ref.get_modelmeta().graph_name)
+        done = threading.Event()
+        results = []
+        s.run_async(None, {"input": X}, lambda out, data, err: (results.append((out, err)), done.set()), None)
+        assert done.wait(30) and results[0][1] == ""
+        np.testing.assert_allclose(results[0][0][0], want, rtol=1e-5, atol=1e-5)
         with pytest.raises(NotImplementedError, match=r"set_providers\(\) is not supported: .*open a new"):
             s.set_providers(["CPUExecutionProvider"])
         assert not hasattr(s, "no_such_method")
