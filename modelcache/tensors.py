@@ -246,6 +246,9 @@ def read_io_file(path, name: str, nbytes: int):
     return data
 
 
+_PYTHON_VALUES = (list, tuple, bool, int, float, str, bytes)   # what a feed converts to an input's dtype
+
+
 class FeedCheck:
     """A model's declared inputs ({name, dtype, shape}), compiled once; check(feeds) runs per request.
 
@@ -299,11 +302,11 @@ class FeedCheck:
     def _as_array(self, name: str, value, dtype):
         """A feed that is not a numpy array, as ORT takes it: a list (or a Python scalar, which ORT
         refuses) becomes an array of the input's declared dtype, numbers converted as numpy converts
-        them (ORT does the same for a list: [1, 2] feeds a float32 input); a numpy scalar keeps its dtype,
-        which is then checked like an array's."""
+        them (ORT does the same for a list: [1, 2] feeds a float32 input); anything else with a dtype
+        of its own (a numpy scalar, an array-like) keeps it, to be checked like an array's."""
         import numpy as np
 
-        if isinstance(value, np.generic):
+        if not isinstance(value, _PYTHON_VALUES):
             return np.asarray(value)
         try:
             return np.asarray(value, dtype=str if dtype.kind == "O" else dtype)
