@@ -219,17 +219,18 @@ def source_inputs(model: onnx.ModelProto) -> set[str]:
     return {vi.name for vi in model.graph.input if vi.name not in init_names}
 
 
-def drop_inputs_without_values(model: onnx.ModelProto, source_inputs: set[str]) -> onnx.ModelProto:
-    """Remove from the main graph's inputs those that were initializers in the source and that ORT's
-    optimizer removed; returns `model`, changed in place.
+def drop_inputs_without_values(model: onnx.ModelProto, fed: set[str]) -> onnx.ModelProto:
+    """Remove from the main graph's inputs those not `fed` (the source's: `source_inputs`) whose
+    initializer ORT's optimizer removed; returns `model`, changed in place.
 
     Why: in an IR 3 model every initializer is also a graph input, and ORT's optimized copy keeps an
     input whose initializer a rewrite dropped (measured, ORT 1.32: ConstantSharing keeps one of each set
     of equal int64 shape tensors, e.g. ShuffleNet's OC2_DUMMY_*, and removes the others' initializers,
-    not their inputs). Reloaded, those inputs have no default and every run asked for them."""
+    not their inputs; the nodes read the one kept). Reloaded, those inputs had no default and every run
+    asked for them."""
     graph = model.graph
     values = {t.name for t in graph.initializer}
-    keep = [vi for vi in graph.input if vi.name in source_inputs or vi.name in values]
+    keep = [vi for vi in graph.input if vi.name in fed or vi.name in values]
     if len(keep) != len(graph.input):
         del graph.input[:]
         graph.input.extend(keep)
@@ -237,10 +238,10 @@ def drop_inputs_without_values(model: onnx.ModelProto, source_inputs: set[str]) 
 
 
 def _externalize(optimized: Path, blob_path: Path, progress: Progress | None,
-                 source_inputs: set[str]) -> tuple[onnx.ModelProto, list[TensorEntry], int]:
+                 fed: set[str]) -> tuple[onnx.ModelProto, list[TensorEntry], int]:
     """Move every large initializer of every (sub)graph into one page-aligned blob (inputs: see
     drop_inputs_without_values)."""
-    model = drop_inputs_without_values(onnx.load(str(optimized), load_external_data=False), source_inputs)
+    model = drop_inputs_without_values(onnx.load(str(optimized), load_external_data=False), fed)
     candidates = []
     for graph in iter_graphs(model.graph):
         for t in graph.initializer:
@@ -457,6 +458,7 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
         if checker_says:
             log.warning("%s: the ONNX checker says %s; ONNX Runtime builds it, so it is added", src, checker_says)
         exclusions = _half_weight_exclusions(source_model, keep_half_weights)
+        fed = source_inputs(source_model)
         while True:  # at opt_level, or lower where ORT's optimized graph does not load back
             if opt_level == SOURCE_LEVEL:
                 optimized, gpu_level = Path(src), "disable"
@@ -467,11 +469,10 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
                                     doing)
             # One progress scale over both passes; the GPU pass's bytes are an upper bound (most dedupe).
             cpu_progress = (lambda done, total: progress(done, total + gpu.shared_bytes)) if progress else None
-            skeleton, tensors, weights_bytes = _externalize(optimized, tmp / WEIGHTS_FILE, cpu_progress,
-                                                            source_inputs(source_model))
+            skeleton, tensors, weights_bytes = _externalize(optimized, tmp / WEIGHTS_FILE, cpu_progress, fed)
             onnx.save_model(skeleton, str(tmp / SKELETON_FILE))
             try:
-                _check_loads(tmp, source_inputs(source_model))
+                _check_loads(tmp, fed)
                 break
             except PackError as e:
                 lower = _LOWER_LEVEL.get(opt_level)
@@ -482,7 +483,6 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
                 opt_level = lower
         gpu_tensors, weights_bytes = _write_gpu_skeleton(gpu, tmp, tensors, weights_bytes, progress)
         shutil.rmtree(work)
-        fed = source_inputs(source_model)
         manifest = Manifest(
             name=name, version=version,
             inputs=_io_entries(v for v in source_model.graph.input if v.name in fed),

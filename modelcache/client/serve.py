@@ -59,7 +59,7 @@ class ServeSession:
         return [NodeArg(o["name"], o["shape"], ORT_TYPES.get(o["dtype"], o["dtype"])) for o in self._outputs]
 
     def get_overridable_initializers(self):
-        """None: the daemon runs the stored weights, and refuses a feed that names one."""
+        """Empty: the daemon runs the stored weights, and refuses a feed that names one."""
         return []
 
     def __getattr__(self, name: str):
