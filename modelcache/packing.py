@@ -213,9 +213,35 @@ def _point_external(t: TensorProto, location: str, offset: int, nbytes: int) -> 
         t.external_data.add(key=k, value=v)
 
 
-def _externalize(optimized: Path, blob_path: Path, progress: Progress | None) -> tuple[onnx.ModelProto, list[TensorEntry], int]:
-    """Move every large initializer of every (sub)graph into one page-aligned blob."""
-    model = onnx.load(str(optimized), load_external_data=False)
+def source_inputs(model: onnx.ModelProto) -> set[str]:
+    """The names of the graph inputs a caller must feed: those without an initializer (a default)."""
+    init_names = {t.name for t in model.graph.initializer}
+    return {vi.name for vi in model.graph.input if vi.name not in init_names}
+
+
+def drop_inputs_without_values(model: onnx.ModelProto, fed: set[str]) -> onnx.ModelProto:
+    """Remove from the main graph's inputs those not `fed` (the source's: `source_inputs`) whose
+    initializer ORT's optimizer removed; returns `model`, changed in place.
+
+    Why: in an IR 3 model every initializer is also a graph input, and ORT's optimized copy keeps an
+    input whose initializer a rewrite dropped (measured, ORT 1.32: ConstantSharing keeps one of each set
+    of equal int64 shape tensors, e.g. ShuffleNet's OC2_DUMMY_*, and removes the others' initializers,
+    not their inputs; the nodes read the one kept). Reloaded, those inputs had no default and every run
+    asked for them."""
+    graph = model.graph
+    values = {t.name for t in graph.initializer}
+    keep = [vi for vi in graph.input if vi.name in fed or vi.name in values]
+    if len(keep) != len(graph.input):
+        del graph.input[:]
+        graph.input.extend(keep)
+    return model
+
+
+def _externalize(optimized: Path, blob_path: Path, progress: Progress | None,
+                 fed: set[str]) -> tuple[onnx.ModelProto, list[TensorEntry], int]:
+    """Move every large initializer of every (sub)graph into one page-aligned blob (inputs: see
+    drop_inputs_without_values)."""
+    model = drop_inputs_without_values(onnx.load(str(optimized), load_external_data=False), fed)
     candidates = []
     for graph in iter_graphs(model.graph):
         for t in graph.initializer:
@@ -302,7 +328,8 @@ def _choose_gpu_graph(src: str, source: onnx.ModelProto, work: Path, opt_level: 
         else:
             (work / "gpu").mkdir()
             optimized = optimize(src, work / "gpu", GPU_OPT_LEVEL, doing)
-        model = onnx.load(str(optimized), load_external_data=False)
+        model = drop_inputs_without_values(onnx.load(str(optimized), load_external_data=False),
+                                           source_inputs(source))
         base_dir, level = optimized.parent, GPU_OPT_LEVEL
         if _cpu_only_rewrites(source, model) is not None:
             model = None
@@ -431,6 +458,7 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
         if checker_says:
             log.warning("%s: the ONNX checker says %s; ONNX Runtime builds it, so it is added", src, checker_says)
         exclusions = _half_weight_exclusions(source_model, keep_half_weights)
+        fed = source_inputs(source_model)
         while True:  # at opt_level, or lower where ORT's optimized graph does not load back
             if opt_level == SOURCE_LEVEL:
                 optimized, gpu_level = Path(src), "disable"
@@ -441,10 +469,10 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
                                     doing)
             # One progress scale over both passes; the GPU pass's bytes are an upper bound (most dedupe).
             cpu_progress = (lambda done, total: progress(done, total + gpu.shared_bytes)) if progress else None
-            skeleton, tensors, weights_bytes = _externalize(optimized, tmp / WEIGHTS_FILE, cpu_progress)
+            skeleton, tensors, weights_bytes = _externalize(optimized, tmp / WEIGHTS_FILE, cpu_progress, fed)
             onnx.save_model(skeleton, str(tmp / SKELETON_FILE))
             try:
-                _check_loads(tmp)
+                _check_loads(tmp, fed)
                 break
             except PackError as e:
                 lower = _LOWER_LEVEL.get(opt_level)
@@ -455,10 +483,9 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
                 opt_level = lower
         gpu_tensors, weights_bytes = _write_gpu_skeleton(gpu, tmp, tensors, weights_bytes, progress)
         shutil.rmtree(work)
-        init_names = {t.name for t in source_model.graph.initializer}
         manifest = Manifest(
             name=name, version=version,
-            inputs=_io_entries(v for v in source_model.graph.input if v.name not in init_names),
+            inputs=_io_entries(v for v in source_model.graph.input if v.name in fed),
             outputs=_io_entries(source_model.graph.output),
             tensors=tensors, weights_bytes=weights_bytes, source_sha256=_sha256_file(src),
             ort_version=ort.__version__, opt_level=opt_level, created_unix=time.time(),
@@ -489,16 +516,25 @@ def _fresh_dir(path: Path) -> Path:
     return path
 
 
-def _check_loads(model_dir: Path) -> None:
-    """The packed skeleton builds with optimizers off, the way clients will build it."""
+def _check_loads(model_dir: Path, fed: set[str]) -> None:
+    """The packed skeleton builds with optimizers off, the way clients will build it, and asks for
+    the inputs the source model does (`fed`), no more."""
     from .session_options import attach_session_options
     import onnxruntime as ort
 
     try:
-        ort.InferenceSession(str(model_dir / SKELETON_FILE), attach_session_options(),
-                             providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(str(model_dir / SKELETON_FILE), attach_session_options(),
+                                    providers=["CPUExecutionProvider"])
     except Exception as e:
         raise PackError(f"packed model does not load in ONNX Runtime: {str(e).strip()[:500]}") from None
+    _check_asks_for(sess, fed, "packed model")
+
+
+def _check_asks_for(sess, fed: set[str], what: str) -> None:
+    """PackError unless the ORT session `sess` takes exactly the inputs `fed` (by name)."""
+    extra = sorted(i.name for i in sess.get_inputs() if i.name not in fed)
+    if extra:
+        raise PackError(f"{what} asks for inputs the source model gives values to: {extra[:5]}")
 
 
 def check_gpu_skeleton(model_dir: Path, manifest: Manifest) -> None:
@@ -521,9 +557,10 @@ def check_gpu_skeleton(model_dir: Path, manifest: Manifest) -> None:
         # ORT keeps raw pointers into the mappings: they must outlive the session (both die on return).
         maps, values = bind_weights(so, [str(model_dir / WEIGHTS_FILE)],
                                     [[t.name, t.dtype, t.shape, 0, t.offset, t.nbytes] for t in manifest.gpu_tensors])
-        ort.InferenceSession(str(model_dir / GPU_SKELETON_FILE), so, providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(str(model_dir / GPU_SKELETON_FILE), so, providers=["CPUExecutionProvider"])
     except Exception as e:
         raise PackError(f"packed GPU skeleton does not load in ONNX Runtime: {str(e).strip()[:500]}") from None
+    _check_asks_for(sess, {i.name for i in manifest.inputs}, "packed GPU skeleton")
 
 
 def _gpu_stub_mismatches(skeleton: onnx.ModelProto, gpu_tensors: list[TensorEntry]) -> list[str]:

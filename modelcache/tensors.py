@@ -246,6 +246,9 @@ def read_io_file(path, name: str, nbytes: int):
     return data
 
 
+_PYTHON_VALUES = (list, tuple, bool, int, float, str, bytes)   # what a feed converts to an input's dtype
+
+
 class FeedCheck:
     """A model's declared inputs ({name, dtype, shape}), compiled once; check(feeds) runs per request.
 
@@ -286,7 +289,7 @@ class FeedCheck:
                 out[name] = value
                 continue
             if not isinstance(value, np.ndarray):
-                value = np.asarray(value)
+                value = self._as_array(name, value, dtype)
             if (value.dtype is not dtype and value.dtype != dtype   # (numpy's builtin dtypes are singletons)
                     and not (dtype.kind == "O" and value.dtype.kind in "US")):  # ORT takes str arrays for strings
                 raise InputError(f"{self.model}: input {name!r} must be {dtype.name}, got {value.dtype}")
@@ -295,6 +298,21 @@ class FeedCheck:
                 raise InputError(f"{self.model}: input {name!r} must have shape {shape}, got {list(dims)}")
             out[name] = value
         return out
+
+    def _as_array(self, name: str, value, dtype):
+        """A feed that is not a numpy array, as ORT takes it: a list (or a Python scalar, which ORT
+        refuses) becomes an array of the input's declared dtype, numbers converted as numpy converts
+        them (ORT does the same for a list: [1, 2] feeds a float32 input); anything else with a dtype
+        of its own (a numpy scalar, an array-like) keeps it, to be checked like an array's."""
+        import numpy as np
+
+        if not isinstance(value, _PYTHON_VALUES):
+            return np.asarray(value)
+        try:
+            return np.asarray(value, dtype=str if dtype.kind == "O" else dtype)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise InputError(f"{self.model}: input {name!r}: cannot make a {dtype.name} tensor of that "
+                             f"{type(value).__name__} ({e}); pass a numpy array") from None
 
 
 def _numpy_dtype(name: str):

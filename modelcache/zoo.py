@@ -330,6 +330,28 @@ def tiny_embed(seed: int = 0) -> onnx.ModelProto:
                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 64])])
 
 
+def tiny_ir3(seed: int = 0) -> onnx.ModelProto:
+    """The old model zoo's IR 3 shape (ShuffleNet, converted from Caffe2): every initializer also a graph
+    input, channel shuffles through Reshapes whose int64 shapes (OC2_DUMMY_*) repeat from block to block."""
+    g = GraphBuilder("tiny_ir3", seed)
+    x, channels = "gpu_0/data_0", 3
+    for cout in (16, 32, 32):
+        x = g.conv(x, channels, cout, 3, pad=1)
+        for shape in ([1, 2, cout // 2, 16, 16], [1, cout, 16, 16]):   # shuffle two groups of channels
+            if len(shape) == 4:
+                x = g.node("Transpose", [x], perm=[0, 2, 1, 3, 4])
+            x = g.node("Reshape", [x, g.const("OC2_DUMMY", np.array(shape, np.int64))])
+        channels = cout
+    x = g.node("Reshape", [g.node("GlobalAveragePool", [x]), g.const("OC2_DUMMY", np.array([1, channels], np.int64))])
+    fc_w = g.param("fc_w", (channels, 100), fan_in=channels)
+    g.nodes.append(helper.make_node("MatMul", [x, fc_w], ["gpu_0/softmax_1"]))
+    model = g.build([helper.make_tensor_value_info("gpu_0/data_0", TensorProto.FLOAT, [1, 3, 16, 16])]
+                    + [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in g.initializers],
+                    [helper.make_tensor_value_info("gpu_0/softmax_1", TensorProto.FLOAT, [1, 100])], opset=7)
+    model.ir_version = 3
+    return model
+
+
 def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
     """The same graph in fp16 throughout: weights, inputs, outputs, value infos and Casts to float.
 
@@ -399,6 +421,7 @@ ZOO: dict[str, ZooEntry] = {
     "tiny-if": ZooEntry(tiny_if, None, "If with initializers in both branches (tests)"),
     "tiny-fp16": ZooEntry(tiny_fp16, None, "fp16 MLP (tests)"),
     "tiny-embed": ZooEntry(tiny_embed, None, "int64 ids, bool mask, int8 weights (tests)"),
+    "tiny-ir3": ZooEntry(tiny_ir3, None, "IR 3, initializers as inputs, repeated int64 Reshape shapes (tests)"),
 }
 ALIASES = {"squeezenet": "squeezenet1_1", "vit": "vit_b_16", "vit-b-16": "vit_b_16"}
 

@@ -16,7 +16,7 @@ import pytest
 from modelcache import zoo
 
 HERE = Path(__file__).parent
-TINY = ["tiny-cnn", "tiny-vit", "tiny-if", "tiny-fp16", "tiny-embed"]
+TINY = ["tiny-cnn", "tiny-vit", "tiny-if", "tiny-fp16", "tiny-embed", "tiny-ir3"]
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,15 @@ from dataclasses import dataclass
 from ..errors import InputError
 from ..tensors import ORT_TYPES, FeedCheck
 from .connection import Client, shared_client
+from .dropin import ORT_SESSION_METHODS, hint_if_a_file, model_name, model_version, refusal
+
+# What a serve session cannot answer for itself, beyond having no ORT session.
+_WHY_NOT_IN_SERVE_MODE = {
+    "get_providers": "the daemon chooses a worker, CPU or GPU, for each request (last_timings['stages'] names "
+                     "the ones that ran the last one); ",
+    "get_modelmeta": "the daemon's description of a model holds its inputs and outputs, not its metadata; ",
+}
+
 
 @dataclass(frozen=True)
 class NodeArg:
@@ -21,10 +30,12 @@ class NodeArg:
 
 
 class ServeSession:
-    def __init__(self, name: str, version: int | None = None, *, client: Client | None = None,
+    def __init__(self, path_or_name, *, version: int | None = None, client: Client | None = None,
                  socket: str | None = None, deadline_ms: float | None = None):
+        name, version = model_name(path_or_name), model_version(version)
         self._client = client or shared_client(socket)
-        info = self._client.describe(name, version)
+        with hint_if_a_file(path_or_name):
+            info = self._client.describe(name, version)
         self.model_name, self.model_version = info.name, info.version
         self._inputs, self._outputs, self.stages = info.inputs, info.outputs, info.stages
         self._feed_check = FeedCheck(self.model_name, self._inputs)
@@ -46,6 +57,17 @@ class ServeSession:
 
     def get_outputs(self):
         return [NodeArg(o["name"], o["shape"], ORT_TYPES.get(o["dtype"], o["dtype"])) for o in self._outputs]
+
+    def get_overridable_initializers(self):
+        """Empty: the daemon runs the stored weights, and refuses a feed that names one."""
+        return []
+
+    def __getattr__(self, name: str):
+        """The rest of onnxruntime.InferenceSession's methods need an ORT session in this process."""
+        if name in ORT_SESSION_METHODS:
+            return refusal(name, _WHY_NOT_IN_SERVE_MODE.get(name, "") + "in serve mode the daemon runs the model and "
+                           "this process has no ORT session; open the model with mode='attach' for it")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def close(self) -> None:
         self._closed = True

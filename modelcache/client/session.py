@@ -20,35 +20,52 @@ from typing import TYPE_CHECKING
 from ..errors import InputError, ModelCacheError
 from ..tensors import NUMPY_TYPES, FeedCheck
 from ..session_options import attach_session_options, bind_weights
+from .caller_options import copy_of
+from .dropin import (ORT_SESSION_METHODS, hint_if_a_file, model_name, model_version, refusal,
+                     refuse_in_serve_mode, without_ort_kwargs)
+
+# ORT's methods that re-create the session: over weights leased for one device, refused.
+_REBUILDS = ("it re-creates the session on other execution providers, and the weights are leased for the device "
+             "this one was opened on: open a new modelcache.InferenceSession with those providers")
+_REFUSED_IN_ATTACH_MODE = {"set_providers": _REBUILDS, "enable_fallback": _REBUILDS}
 
 if TYPE_CHECKING:   # connection.py imports pyzmq: a drop-in session on the lane never needs it (client/leases.py)
     from .connection import Client, OpenedModel
 
 
 class InferenceSession:
-    """Same `run`, `get_inputs`, `get_outputs` as `onnxruntime.InferenceSession`; opened by model name.
+    """`onnxruntime.InferenceSession`'s signature, `run`, `get_inputs`, `get_outputs` and the rest of its
+    surface (README, "Differences from onnxruntime.InferenceSession"), over a model opened by name.
 
     mode="attach" (default): ORT runs in this process over the daemon's shared weights.
     mode="serve": the daemon runs the model; this process never imports onnxruntime.
-    prepacked: share the model's pre-packed MatMul weights where it has them (default: MODELCACHE_PREPACKED,
-    on): warm runs as fast as plain ORT's, at the cost of ORT packing each weight once at session start.
+    version: the model's version (default: the newest). prepacked: share the model's pre-packed MatMul
+    weights where it has them (default: MODELCACHE_PREPACKED, on): warm runs as fast as plain ORT's, at
+    the cost of ORT packing each weight once at session start.
     """
 
-    def __new__(cls, name: str, version: int | None = None, sess_options=None, providers=None, *,
-                client: Client | None = None, socket: str | None = None, mode: str = "attach", **kw):
+    def __new__(cls, path_or_name, sess_options=None, providers=None, provider_options=None, *,
+                version: int | None = None, client: Client | None = None, socket: str | None = None,
+                mode: str = "attach", **kwargs):
         if mode == "serve":
             from .serve import ServeSession
-            kw.pop("prepacked", None)   # the daemon's sessions: not the caller's choice
-            return ServeSession(name, version, client=client, socket=socket, **kw)
+            refuse_in_serve_mode(sess_options=sess_options, providers=providers, provider_options=provider_options)
+            kwargs.pop("prepacked", None)   # the daemon's sessions: not the caller's choice
+            return ServeSession(path_or_name, version=version, client=client, socket=socket,
+                                **without_ort_kwargs(kwargs, {"deadline_ms"}))
         if mode != "attach":
             raise ValueError(f"mode must be 'attach' or 'serve', not {mode!r}")
         return super().__new__(cls)
 
-    def __init__(self, name: str, version: int | None = None, sess_options=None, providers=None, *,
-                 client: Client | None = None, socket: str | None = None, mode: str = "attach",
-                 prepacked: bool | None = None):
+    def __init__(self, path_or_name, sess_options=None, providers=None, provider_options=None, *,
+                 version: int | None = None, client: Client | None = None, socket: str | None = None,
+                 mode: str = "attach", prepacked: bool | None = None, **kwargs):
         import onnxruntime as ort
 
+        without_ort_kwargs(kwargs, set())
+        name, version = model_name(path_or_name), model_version(version)
+        providers = _with_provider_options(providers, provider_options)
+        so = copy_of(sess_options)   # (the caller's stays untouched: client/caller_options.py)
         self._client = client
         self._lease: OpenedModel | None = None
         self._released = False
@@ -59,11 +76,12 @@ class InferenceSession:
         self.prepacked = False          # whether this session shares the model's pre-packed MatMul weights
         self._trim_after_run = False
         device = _device_for(providers, ort)
-        self._lease = self._open(name, version, device or "cpu", socket)
+        with hint_if_a_file(path_or_name):
+            self._lease = self._open(name, version, device or "cpu", socket)
         try:
             # Shared pre-packed MatMul weights: faster warm runs, a slower session start (prepack.py).
             self.prepacked = bool(self._lease.prepacked) and not self._lease.device_uuid and _want_prepacked(prepacked)
-            so = attach_session_options(sess_options, prepacked=self.prepacked)
+            so = attach_session_options(so, prepacked=self.prepacked)
             # ORT keeps raw pointers into these mappings: they must outlive the session.
             if self._lease.device_uuid:
                 from .device import attach_weights, cuda_first
@@ -90,6 +108,7 @@ class InferenceSession:
             overridable = [{"name": i.name, "dtype": NUMPY_TYPES[i.type], "shape": i.shape}
                            for i in self._sess.get_overridable_initializers() if i.type in NUMPY_TYPES]
             self._feed_check = FeedCheck(self._lease.name, self._lease.inputs, overridable)
+            _check_asks_for_the_model_inputs(self._sess, self._lease)
         except BaseException:
             self.close()
             raise
@@ -119,20 +138,17 @@ class InferenceSession:
             _release_freed_heap()
         return outputs
 
-    def get_inputs(self):
-        return self._sess.get_inputs()
-
-    def get_outputs(self):
-        return self._sess.get_outputs()
-
-    def get_overridable_initializers(self):
-        return self._sess.get_overridable_initializers()
-
-    def get_modelmeta(self):
-        return self._sess.get_modelmeta()
-
-    def get_providers(self):
-        return self._sess.get_providers()
+    def __getattr__(self, name: str):
+        """The rest of onnxruntime.InferenceSession's methods (io_binding, run_with_ort_values,
+        get_session_options...): the inner session's, for it is a real ORT session over the shared weights."""
+        if name in ORT_SESSION_METHODS:
+            if name in _REFUSED_IN_ATTACH_MODE:
+                return refusal(name, _REFUSED_IN_ATTACH_MODE[name])
+            sess = self.__dict__.get("_sess")
+            if sess is None:
+                raise InputError("this session is closed")
+            return getattr(sess, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def model_name(self) -> str:
@@ -241,3 +257,25 @@ def _device_for(providers, ort) -> str | None:
         return None
     from .device import requested_device
     return requested_device(providers)
+
+
+def _with_provider_options(providers, provider_options):
+    """ORT's two ways of giving provider options, as one list of names and (name, options) pairs."""
+    if provider_options is None:
+        return providers
+    if providers is None or len(providers) != len(provider_options):
+        raise ValueError("'providers' and 'provider_options' should be the same length if both are given")
+    if any(not isinstance(p, str) for p in providers):
+        raise ValueError("give provider options either in 'providers' as (name, options) pairs or in "
+                         "'provider_options', not both")
+    return [(p, dict(o)) for p, o in zip(providers, provider_options)]
+
+
+def _check_asks_for_the_model_inputs(sess, lease) -> None:
+    """A model packed before packing dropped the inputs ORT's optimizer left without values (IR 3
+    models: packing.drop_inputs_without_values) asks for them at every run: say how to fix it, once."""
+    extra = sorted({i.name for i in sess.get_inputs()} - {i["name"] for i in lease.inputs})
+    if extra:
+        raise ModelCacheError(f"{lease.name}@{lease.version} was packed by an older modelcache, and its packed "
+                              f"graph asks for inputs the model gives values to ({', '.join(extra[:5])}): add the "
+                              f"model again (`modelcache add FILE --name {lease.name}`)")
