@@ -58,13 +58,13 @@ def check_address(address: str) -> str:
     raise ValueError(f"is not a daemon address: write {ADDRESS_FORMS}")
 
 
-def client_address(address: str, name: str = "socket") -> str:
-    """check_address for an address a caller handed in (`name`: where it came from): a ConfigError naming
-    the address and the accepted forms."""
+def client_address(address: str, where: str = "") -> str:
+    """check_address for an address a caller handed in: a ConfigError naming it, where it came from (as
+    config.load names a setting's source), and the accepted forms."""
     try:
         return check_address(address)
     except ValueError as e:
-        raise ConfigError(f"{name} {address!r} {e}") from None
+        raise ConfigError(f"{where or f'argument socket={address!r}'}: socket {e}") from None
 
 
 def default_config_file(env=None) -> Path | None:
@@ -86,7 +86,7 @@ def client_settings(socket: str | None = None, timeout_s: float | None = None) -
     change either value, so the settings loader is skipped; otherwise it decides (and validates)."""
     if default_config_file() is None and not os.environ.get("MODELCACHE_REQUEST_TIMEOUT_S"):
         env = os.environ.get("MODELCACHE_SOCKET")
-        address = client_address(socket) if socket else client_address(env, "MODELCACHE_SOCKET") if env else \
+        address = client_address(socket) if socket else client_address(env, f"MODELCACHE_SOCKET={env}") if env else \
             default_socket()
         return address, DEFAULT_REQUEST_TIMEOUT_S if timeout_s is None else timeout_s
     # The one upward import of this layer, lazy on purpose: config builds its defaults from this module,

@@ -58,11 +58,6 @@ def cmd_http(args) -> int:
         raise ModelCacheError(f"the HTTP front needs the [http] extra (pip install 'modelcache[http]'): {e}") from None
     settings = _settings(args)
     _setup_logging(settings.log_level)
-    if args.listen_fd is None and settings.socket.startswith("ipc://"):
-        # A front with no daemon behind it would answer every request 503: refuse to start instead (the
-        # daemon's own front, --listen-fd, starts once the daemon listens). Once up, it rides out restarts.
-        check_can_connect(settings.socket[len("ipc://"):], settings.socket)
-        check_listening(settings.socket[len("ipc://"):], settings.socket)
     host = args.host or settings.http_host
     port = args.port if args.port is not None else (settings.http_port or 8000)
     # Bound here, before serving: a port we cannot have is one line naming where it was asked for. The
@@ -70,6 +65,11 @@ def cmd_http(args) -> int:
     sock = socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else \
         listen_tcp(host, port, f"--port {port}" if args.port is not None else
                    f"http_port {port}" if settings.http_port else f"the default port {port}")
+    if args.listen_fd is None and settings.socket.startswith("ipc://"):
+        # A front with no daemon behind it would answer every request 503: refuse to start instead (the
+        # daemon's own front, --listen-fd, starts once the daemon listens). Once up, it rides out restarts.
+        check_can_connect(settings.socket[len("ipc://"):], settings.socket)
+        check_listening(settings.socket[len("ipc://"):], settings.socket)
 
     def ready(url):
         print(f"READY {url}", flush=True)   # as the daemon's: tests and scripts wait on it
@@ -358,9 +358,6 @@ def cmd_zoo(args) -> int:
             params = f"{entry.published_params / 1e6:.2f}M params" if entry.published_params else "test model"
             print(f"{name:<15} {params:<16} {entry.summary}")
         return 0
-    if zoo.ALIASES.get(args.name, args.name) not in zoo.ZOO:
-        raise ModelCacheError(f"no zoo model {args.name!r}" + _did_you_mean(args.name, [*zoo.ZOO, *zoo.ALIASES]) +
-                              "; `modelcache zoo --list` lists them")
     model = zoo.build(args.name, seed=args.seed)
     out = args.output or f"{args.name}.onnx"
     zoo.save(model, out)
@@ -394,12 +391,6 @@ BENCHMARKS = {
 def cmd_bench(args) -> int:
     import importlib
     return importlib.import_module(f"modelcache.bench.{args.which}").main(args.rest)
-
-
-def _did_you_mean(name: str, known) -> str:
-    import difflib
-    close = difflib.get_close_matches(name, list(known), n=3)
-    return f" (did you mean {' or '.join(close)}?)" if close else ""
 
 
 class _Parser(argparse.ArgumentParser):
