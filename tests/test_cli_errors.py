@@ -81,6 +81,9 @@ CASES = [
     ("daemon metrics port 99999", ["daemon", "--metrics-port", "99999"], {}, "--metrics-port: 99999 is out of range"),
     ("daemon http port busy", ["daemon"], {"MODELCACHE_HTTP_PORT": "{port}"}, "http_port {port}: cannot listen on 127.0.0.1:{port}"),
     ("daemon http port 99999", ["daemon"], {"MODELCACHE_HTTP_PORT": "99999"}, "MODELCACHE_HTTP_PORT=99999: http_port must be >= 0 and <= 65535"),
+    # (a failure after the host tier was made: the start is undone, shm_dir is left empty)
+    ("daemon tcp socket busy", ["daemon"], {"MODELCACHE_SOCKET": "tcp://127.0.0.1:{port}"},
+     "socket tcp://127.0.0.1:{port}: cannot listen there: Address already in use"),
     ("daemon socket garbage", ["daemon"], {"MODELCACHE_SOCKET": "garbage"}, "MODELCACHE_SOCKET=garbage: socket is not a daemon address"),
     ("daemon loader threads 0", ["daemon"], {"MODELCACHE_LOADER_THREADS": "0"}, "MODELCACHE_LOADER_THREADS=0: loader_threads must be >= 1"),
     ("daemon repository is a file", ["daemon"], {"MODELCACHE_REPOSITORY": "{file}"}, "repository must be a directory: {file} is a file"),
@@ -197,6 +200,23 @@ def test_the_node_actor_finds_the_daemon_where_the_daemon_listens(tmp_path):
     assert daemon_address(env) == f"ipc://{tmp_path}/from-env.sock"              # environment beats the file
     settings = {"socket": f"ipc://{tmp_path}/given.sock"}
     assert daemon_address({**env, **daemon_env(settings)}) == f"ipc://{tmp_path}/given.sock"   # `up --socket`
+
+
+def test_cluster_up_adopts_the_daemon_on_modelcache_socket(tmp_path, monkeypatch):
+    """The bug itself, on a real one-node Ray cluster: a daemon runs on MODELCACHE_SOCKET, and `up` adopts it
+    (it started a second daemon, which found the socket taken: 'did not get ready')."""
+    pytest.importorskip("ray.serve")
+    from conftest import DaemonProcess
+    from modelcache.cluster import local, rayserve
+    d = DaemonProcess(tmp_path).start()
+    try:
+        monkeypatch.setenv("MODELCACHE_SOCKET", d.socket)   # the raylet inherits it, and from it the actor
+        monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))   # (no user's config file)
+        with local.ray_cluster(1):
+            [info] = rayserve.start_daemons({})
+            assert (info["address"], info["owned"]) == (d.socket, False)
+    finally:
+        assert d.stop() == 0
 
 
 def main() -> int:

@@ -174,7 +174,11 @@ class Daemon:
         # A longer frame disconnects its sender before libzmq allocates it (big tensors go through shm files).
         self.router.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes())
         self.router_events = self.router.get_monitor_socket(zmq.EVENT_ACCEPTED)
-        self._bind_router()
+        try:
+            self._bind_router()
+        except zmq.ZMQError as e:   # a tcp:// port in use, an address not this machine's
+            raise ConfigError(f"socket {addr}: cannot listen there: {e}; choose another address, or stop what "
+                              "holds it") from None
         self.wake_rx = self.ctx.socket(zmq.PULL)
         self.wake_rx.bind(WAKE_ADDR)
         self.engine.start()
