@@ -404,16 +404,11 @@ class _Parser(argparse.ArgumentParser):
 def _number_arg(kind=int, low=None, high=None, above=None):
     """An argparse type: a number within its range, refused with the range (a version is >= 1, a port <= 65535)."""
     def parse(text: str):
+        from .config import number
         try:
-            x = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole number' if kind is int else 'number'}") \
-                from None
-        if (low is not None and x < low) or (high is not None and x > high) or (above is not None and x <= above):
-            bounds = [f"> {above}" if above is not None else f">= {low}" if low is not None else "",
-                      f"<= {high}" if high is not None else ""]
-            raise argparse.ArgumentTypeError(f"{text} is out of range: must be {' and '.join(b for b in bounds if b)}")
-        return x
+            return number(kind, low, high, above)(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{text} {e}") from None
     parse.__name__ = kind.__name__   # (what argparse calls the type in its own messages)
     return parse
 

@@ -165,8 +165,9 @@ def parse_fake_gpus(spec: str) -> tuple[int, int]:
 # string) and returns it as Settings holds it, or raises ValueError with what it must be. load() adds
 # the setting's name and where the value came from. Every field of Settings has one (a test checks).
 
-def _number(kind, low=None, high=None, above=None):
-    """int or float within [low, high] (or > above); TOML booleans are not numbers."""
+def number(kind, low=None, high=None, above=None):
+    """A rule: int or float within [low, high] (or > above); TOML booleans are not numbers. (The CLI's
+    numeric flags use it too.)"""
     def rule(value):
         if isinstance(value, bool):
             raise ValueError("must be a number, not a boolean")
@@ -241,7 +242,7 @@ def _capacity(of: str | None):
             if of is None:
                 raise ValueError("must be a size in bytes, e.g. 8G, at least 1M")
             try:
-                _number(float, above=0, high=100)(text[:-1])
+                number(float, above=0, high=100)(text[:-1])
             except ValueError:
                 raise ValueError(f"must be more than 0% and at most 100% of {of}") from None
             return text
@@ -258,30 +259,19 @@ def _capacity(of: str | None):
     return rule
 
 
-def _group_sizes(value) -> str:
-    """workers: "auto", or threads per CPU group as "1,1" (a TOML list [1, 1] too)."""
-    if isinstance(value, list):
-        value = ",".join(str(v) for v in value)
-    text = str(value).strip().lower()
-    if text == "auto":
-        return text
-    parts = text.split(",")
-    if not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
-        raise ValueError("must be 'auto' or threads per group, each >= 1: '2', '1,1' or [1, 1]")
-    return ",".join(str(int(p)) for p in parts)
-
-
-def _gpu_indices(value) -> str:
-    """gpus: "auto", "none", or device indices "0,1" (a TOML list [0, 1] too)."""
-    if isinstance(value, list):
-        value = ",".join(str(v) for v in value)
-    text = str(value).strip().lower()
-    if text in ("auto", "none", "off", ""):
-        return text
-    parts = text.split(",")
-    if not all(p.strip().isdigit() for p in parts):
-        raise ValueError("must be 'auto', 'none' or device indices: '0', '0,1' or [0, 1]")
-    return ",".join(str(int(p)) for p in parts)
+def _int_list(words: tuple, low: int, form: str):
+    """One of `words`, or whole numbers >= low separated by commas (a TOML list too): workers, gpus."""
+    def rule(value):
+        if isinstance(value, list):
+            value = ",".join(str(v) for v in value)
+        text = str(value).strip().lower()
+        if text in words:
+            return text
+        parts = text.split(",")
+        if not all(p.strip().isdigit() and int(p) >= low for p in parts):
+            raise ValueError(f"must be {form}")
+        return ",".join(str(int(p)) for p in parts)
+    return rule
 
 
 def _address(value) -> str:
@@ -322,9 +312,9 @@ def _message_size(value) -> str:
     return text
 
 
-_port = _number(int, 0, 65535)
-_positive = _number(float, above=0)
-_non_negative = _number(float, low=0)
+_port = number(int, 0, 65535)
+_positive = number(float, above=0)
+_non_negative = number(float, low=0)
 
 RULES = {
     "socket": _address, "repository": _directory(False), "shm_dir": _directory(True),
@@ -332,12 +322,14 @@ RULES = {
     "fake_gpus": _fake_gpus, "remote": _remote, "eviction_policy": _choice(*EVICTION_POLICIES),
     "log_level": _choice(*LOG_LEVELS), "heartbeat_interval_s": _positive, "lease_timeout_s": _positive,
     "request_timeout_s": _positive, "add_timeout_s": _positive, "opt_level": _choice(*OPT_LEVELS),
-    "prepack": _bool, "loader_threads": _number(int, 1, 1024), "workers": _group_sizes, "gpus": _gpu_indices,
+    "prepack": _bool, "loader_threads": number(int, 1, 1024),
+    "workers": _int_list(("auto",), 1, "'auto' or threads per group, each >= 1: '2', '1,1' or [1, 1]"),
+    "gpus": _int_list(("auto", "none", "off", ""), 0, "'auto', 'none' or device indices: '0', '0,1' or [0, 1]"),
     "scheduler": _choice(*SCHEDULERS), "serve_idle_s": _positive, "batching": _batching,
-    "max_batch": _number(int, 0), "t_opt_ms": _non_negative, "batch_window_ms": _non_negative,
+    "max_batch": number(int, 0), "t_opt_ms": _non_negative, "batch_window_ms": _non_negative,
     "max_queue_delay_ms": _non_negative, "inline_run_ms": _non_negative, "state_dir": _directory(False),
     "metrics_port": _port, "metrics_host": _nonempty, "http_port": _port, "http_host": _nonempty,
-    "max_message_size": _message_size, "max_clients": _number(int, 1), "keep_host_tier": _bool,
+    "max_message_size": _message_size, "max_clients": number(int, 1), "keep_host_tier": _bool,
     "verify_promotion": _bool, "admin_group": _text,
 }
 
