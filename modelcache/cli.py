@@ -20,12 +20,6 @@ def _setup_logging(level: str) -> None:
 
 
 FLAG_SETTINGS = ("socket", "repository", "log_level", "host_capacity", "metrics_port")
-# The settings each kind of command reads (set_defaults(uses=...)); the others keep their defaults unread, so
-# that a daemon-only setting that is wrong in the shared config file never breaks a command that asks the daemon.
-ASKS_DAEMON = ("socket", "request_timeout_s", "add_timeout_s")   # = config.CLIENT_SETTINGS (not imported: speed)
-HTTP_SETTINGS = ASKS_DAEMON + ("log_level", "http_host", "http_port", "max_message_size")
-ADD_SETTINGS = ASKS_DAEMON + ("repository", "opt_level", "prepack")
-PLACE_SETTINGS = ASKS_DAEMON + ("repository", "workers", "gpus")
 
 
 def _settings(args):
@@ -429,6 +423,12 @@ class _DaemonsRepository(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .config import CLIENT_SETTINGS
+    # The settings each kind of command reads (set_defaults(uses=...)); the others keep their defaults unread, so
+    # that a daemon-only setting that is wrong in the config file never breaks a command that asks the daemon.
+    http_settings = CLIENT_SETTINGS + ("log_level", "http_host", "http_port", "max_message_size")
+    add_settings = CLIENT_SETTINGS + ("repository", "opt_level", "prepack")
+    place_settings = CLIENT_SETTINGS + ("repository", "workers", "gpus")
     p = _Parser(
         prog="modelcache",
         description="A resident ONNX model cache. Run `modelcache daemon`, add models once with "
@@ -448,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = _Parser(add_help=False, parents=[asks])
     common.add_argument("--repository", help="packed models directory (default: $MODELCACHE_REPOSITORY)")
     asks.add_argument("--repository", action=_DaemonsRepository, help=argparse.SUPPRESS)
-    asks.set_defaults(uses=ASKS_DAEMON)
+    asks.set_defaults(uses=CLIENT_SETTINGS)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("daemon", parents=[common], help="run the daemon in the foreground",
@@ -474,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--port", type=_port_arg, help="port (default: http_port if set, else 8000; 0 picks a free one)")
     h.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     h.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)   # the daemon's bound port (http_front.py)
-    h.set_defaults(func=cmd_http, uses=HTTP_SETTINGS)
+    h.set_defaults(func=cmd_http, uses=http_settings)
 
     a = sub.add_parser("add", parents=[common], help="validate, optimize and pack an .onnx file",
                        description="Validate an .onnx file (onnx checker, ONNX Runtime builds it), optimize "
@@ -489,7 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "warm runs as fast as plain ORT, opens ~0.3 s slower, twice the host tier); "
                         "default: the prepack setting (off)")
     a.add_argument("--require-daemon", action="store_true", help="fail instead of packing offline")
-    a.set_defaults(func=cmd_add, uses=ADD_SETTINGS)
+    a.set_defaults(func=cmd_add, uses=add_settings)
 
     ls = sub.add_parser("ls", parents=[asks], help="list models: version, bytes, tier, refcount, last use")
     ls.set_defaults(func=cmd_ls)
@@ -539,7 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "when one answers with such workers, else here (auto, the default)")
     pl.add_argument("--describe", action="store_true", help="write this machine's system description")
     pl.add_argument("--workers", help="with --describe: CPU groups as the daemon's `workers` setting ('1,1', '2')")
-    pl.set_defaults(func=cmd_place, uses=PLACE_SETTINGS)
+    pl.set_defaults(func=cmd_place, uses=place_settings)
     cb = sub.add_parser("calibrate", parents=[asks], help="time a model's stages per batch size for batching",
                         description="Serve the model at each batch size, one request at a time, on the daemon's "
                                     "workers; fit LBCI's g(b) and derive N_opt: the largest batch that pays (per-"
