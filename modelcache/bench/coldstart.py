@@ -156,7 +156,8 @@ def plot(samples: list[dict], memory: list[dict], out_dir: Path) -> list[str]:
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
     ax.set_ylabel("speedup over plain ORT (end to end)")
     ax.set_title("Cold start of a fresh process: exec to first result")
-    ax.legend()
+    if modes:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(out_dir / "speedup.png", dpi=120)
     written.append("speedup.png")
