@@ -356,7 +356,10 @@ def load(config_file: str | Path | None = None, overrides: dict | None = None, e
         for key, value in data.items():
             key = key.replace("-", "_")
             if key not in known:
-                raise ConfigError(f"config file {path}: unknown setting {key!r}; known: {', '.join(sorted(known))}")
+                import difflib
+                close = difflib.get_close_matches(key, known, n=1)
+                raise ConfigError(f"config file {path}: unknown setting {key!r}; " +
+                                  (f"did you mean {close[0]}?" if close else f"known: {', '.join(sorted(known))}"))
             given[key] = (value, f"{key} = {value!r} in {path}")
     for key in known:
         var = f"MODELCACHE_{key.upper()}"

@@ -71,7 +71,7 @@ CASES = [
     ("--socket without a port", ["ls", "--socket", "tcp://localhost"], {}, "is not a daemon address"),
     ("config file missing", ["ls"], {"MODELCACHE_CONFIG": "{tmp}/missing.toml"}, "missing.toml does not exist"),
     ("config file not TOML", ["ls"], {"config": "socket = \n"}, "is not valid TOML"),
-    ("config file unknown key", ["ls"], {"config": "sockett = 1\n"}, "unknown setting 'sockett'"),
+    ("config file unknown key", ["ls"], {"config": "sockett = 1\n"}, "unknown setting 'sockett'; did you mean socket?"),
     ("config file workers list of words", ["daemon"], {"config": 'workers = ["1", "x"]\n'},
      "workers must be 'auto' or threads per group"),
     ("http port 99999", ["http", "--port", "99999"], {}, "--port: 99999 must be >= 0 and <= 65535"),

@@ -177,8 +177,8 @@ class Daemon:
         try:
             self._bind_router()
         except zmq.ZMQError as e:   # a tcp:// port in use, an address not this machine's
-            raise ConfigError(f"socket {addr}: cannot listen there: {e}; choose another address, or stop what "
-                              "holds it") from None
+            raise ConfigError(f"socket {addr}: cannot listen there: {e.strerror}; choose another address, or stop "
+                              "what holds it") from None
         self.wake_rx = self.ctx.socket(zmq.PULL)
         self.wake_rx.bind(WAKE_ADDR)
         self.engine.start()
