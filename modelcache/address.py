@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import DaemonUnavailable, PermissionDenied
+from .errors import ConfigError, DaemonUnavailable, PermissionDenied
 
 DEFAULT_REQUEST_TIMEOUT_S = 30.0
 SOCKET_NAME = "daemon.sock"
@@ -36,11 +36,45 @@ def default_socket() -> str:
     return f"ipc://{default_runtime_dir() / SOCKET_NAME}"
 
 
-def default_config_file() -> Path | None:
-    if os.environ.get("MODELCACHE_CONFIG"):
-        return Path(os.environ["MODELCACHE_CONFIG"])
+ADDRESS_FORMS = "ipc://PATH (or an absolute PATH), or tcp://HOST:PORT"
+
+
+def check_address(address: str) -> str:
+    """A daemon address as ZeroMQ takes it, or ValueError saying which forms are accepted.
+
+    A bare absolute path means ipc://PATH: it is what a user who sees the socket file types, and it
+    cannot mean anything else. libzmq's own refusal ("Invalid argument") names neither the address nor
+    the forms, and came only after the daemon had created its host tier."""
+    text = str(address).strip()
+    if text.startswith("/"):
+        text = "ipc://" + text
+    scheme, sep, rest = text.partition("://")
+    if scheme == "ipc" and sep and rest.startswith("/") and len(rest) > 1:
+        return text
+    if scheme == "tcp" and sep:
+        host, colon, port = rest.rpartition(":")
+        if colon and host and port.isdigit() and 0 < int(port) < 65536:
+            return text
+    raise ValueError(f"is not a daemon address: write {ADDRESS_FORMS}")
+
+
+def client_address(address: str, where: str = "") -> str:
+    """check_address for an address a caller handed in: a ConfigError naming it, where it came from (as
+    config.load names a setting's source), and the accepted forms."""
+    try:
+        return check_address(address)
+    except ValueError as e:
+        raise ConfigError(f"{where or f'argument socket={address!r}'}: socket {e}") from None
+
+
+def default_config_file(env=None) -> Path | None:
+    """The settings file: $MODELCACHE_CONFIG, else the first of the user's and (as root) the system's that exists.
+    `env`: the environment to read (a daemon's, as a Ray actor starting one computes it)."""
+    env = os.environ if env is None else env
+    if env.get("MODELCACHE_CONFIG"):
+        return Path(env["MODELCACHE_CONFIG"])
     candidates = [Path("/etc/modelcache/modelcache.toml")] if is_root() else []
-    xdg = os.environ.get("XDG_CONFIG_HOME")
+    xdg = env.get("XDG_CONFIG_HOME")
     candidates.append((Path(xdg) if xdg else Path.home() / ".config") / "modelcache" / "modelcache.toml")
     return next((p for p in candidates if p.is_file()), None)
 
@@ -51,12 +85,15 @@ def client_settings(socket: str | None = None, timeout_s: float | None = None) -
     Without a config file and with no timeout in the environment, nothing but MODELCACHE_SOCKET can
     change either value, so the settings loader is skipped; otherwise it decides (and validates)."""
     if default_config_file() is None and not os.environ.get("MODELCACHE_REQUEST_TIMEOUT_S"):
-        return (socket or os.environ.get("MODELCACHE_SOCKET") or default_socket(),
-                DEFAULT_REQUEST_TIMEOUT_S if timeout_s is None else timeout_s)
+        env = os.environ.get("MODELCACHE_SOCKET")
+        address = client_address(socket) if socket else client_address(env, f"MODELCACHE_SOCKET={env}") if env else \
+            default_socket()
+        return address, DEFAULT_REQUEST_TIMEOUT_S if timeout_s is None else timeout_s
     # The one upward import of this layer, lazy on purpose: config builds its defaults from this module,
     # and a client pays for the loader only when a file or the environment may change the answer.
-    from .config import load
-    settings = load(overrides={"socket": socket, "request_timeout_s": timeout_s})
+    from .config import CLIENT_SETTINGS, load
+    settings = load(overrides={"socket": socket, "request_timeout_s": timeout_s}, only=CLIENT_SETTINGS,
+                overrides_are="arguments")
     return settings.socket, settings.request_timeout_s
 
 
@@ -107,3 +144,35 @@ def _group_name(gid: int) -> str:
         return grp.getgrgid(gid).gr_name
     except KeyError:
         return str(gid)
+
+
+def listen_tcp(host: str, port: int, setting: str):
+    """A listening TCP socket on host:port, or a ConfigError naming `setting` (the flag or setting that
+    asked for the port) and what to do. The daemon binds its HTTP ports itself, before it creates its host
+    tier, so a port it cannot have fails its start with one line and leaves nothing behind."""
+    import socket
+
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, OverflowError) as e:
+        raise ConfigError(f"{setting}: cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # (TIME_WAIT of a previous run is no reason)
+        sock.bind(sockaddr)
+        sock.listen(1024)
+    except OSError as e:
+        sock.close()
+        raise bind_error(e, host, port, setting) from None
+    return sock
+
+
+def bind_error(e: OSError, host: str, port: int, setting: str) -> ConfigError:
+    """A refused bind as one line: the setting, the address, the reason, and what to do."""
+    import errno
+
+    hint = {errno.EADDRINUSE: "another process holds it: choose another port, or stop that process",
+            errno.EACCES: "ports below 1024 need root (or CAP_NET_BIND_SERVICE): choose one above 1023",
+            errno.EADDRNOTAVAIL: "no interface of this machine has that address"}.get(e.errno)
+    return ConfigError(f"{setting}: cannot listen on {host}:{port}: {e.strerror or e}" + (f"; {hint}" if hint else ""))

@@ -24,7 +24,8 @@ FLAG_SETTINGS = ("socket", "repository", "log_level", "host_capacity", "metrics_
 
 def _settings(args):
     from .config import load
-    return load(getattr(args, "config", None), {k: getattr(args, k, None) for k in FLAG_SETTINGS})
+    return load(getattr(args, "config", None), {k: getattr(args, k, None) for k in FLAG_SETTINGS},
+                only=getattr(args, "uses", None))
 
 
 def cmd_daemon(args) -> int:
@@ -42,21 +43,32 @@ def cmd_daemon(args) -> int:
 
 
 def cmd_http(args) -> int:
+    import socket
+
+    from .address import check_can_connect, check_listening, listen_tcp
     try:
         from .http.server import run
     except ImportError as e:   # aiohttp is the [http] extra
-        print(f"modelcache: the HTTP front needs the [http] extra (pip install 'modelcache[http]'): {e}",
-              file=sys.stderr)
-        return 1
+        raise ModelCacheError(f"the HTTP front needs the [http] extra (pip install 'modelcache[http]'): {e}") from None
     settings = _settings(args)
     _setup_logging(settings.log_level)
     host = args.host or settings.http_host
     port = args.port if args.port is not None else (settings.http_port or 8000)
+    # Bound here, before serving: a port we cannot have is one line naming where it was asked for. The
+    # daemon binds its front's port itself and hands it over (--listen-fd; see daemon/http_front.py).
+    sock = socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else \
+        listen_tcp(host, port, f"--port {port}" if args.port is not None else
+                   f"http_port {port}" if settings.http_port else f"the default port {port}")
+    if args.listen_fd is None and settings.socket.startswith("ipc://"):
+        # A front with no daemon behind it would answer every request 503: refuse to start instead (the
+        # daemon's own front, --listen-fd, starts once the daemon listens). Once up, it rides out restarts.
+        check_can_connect(settings.socket[len("ipc://"):], settings.socket)
+        check_listening(settings.socket[len("ipc://"):], settings.socket)
 
     def ready(url):
         print(f"READY {url}", flush=True)   # as the daemon's: tests and scripts wait on it
 
-    run(settings, host, port, on_ready=ready)
+    run(settings, host, port, on_ready=ready, sock=sock)
     return 0
 
 
@@ -375,19 +387,68 @@ def cmd_bench(args) -> int:
     return importlib.import_module(f"modelcache.bench.{args.which}").main(args.rest)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as the one line every other failure is: the command, what was wrong, where help is."""
+
+    def error(self, message):
+        where = self.prog.partition(" ")[2]
+        self.exit(2, f"modelcache: {where + ': ' if where else ''}{message} (`{self.prog} --help` for usage)\n")
+
+
+def _number_arg(kind=int, low=None, high=None, above=None):
+    """An argparse type: a number within its range, refused with the range (a version is >= 1, a port <= 65535)."""
+    def parse(text: str):
+        from .config import number
+        try:
+            return number(kind, low, high, above)(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{text} {e}") from None
+    parse.__name__ = kind.__name__   # (what argparse calls the type in its own messages)
+    return parse
+
+
+_version_arg = _number_arg(int, low=1)
+_port_arg = _number_arg(int, low=0, high=65535)
+_count_arg = _number_arg(int, low=1)
+
+
+class _DaemonsRepository(argparse.Action):
+    """--repository on a command that asks the daemon: the daemon reads its own repository, so taking the
+    flag and ignoring it would mislead; say where it is set instead."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error("--repository: this command asks the running daemon, whose repository is set where the "
+                     "daemon starts (`modelcache daemon --repository DIR`, or MODELCACHE_REPOSITORY in its "
+                     "environment or config file)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from .config import CLIENT_SETTINGS
+    # The settings each kind of command reads (set_defaults(uses=...)); the others keep their defaults unread, so
+    # that a daemon-only setting that is wrong in the config file never breaks a command that asks the daemon.
+    http_settings = CLIENT_SETTINGS + ("log_level", "http_host", "http_port", "max_message_size")
+    add_settings = CLIENT_SETTINGS + ("repository", "opt_level", "prepack")
+    place_settings = CLIENT_SETTINGS + ("repository", "workers", "gpus")
+    p = _Parser(
         prog="modelcache",
         description="A resident ONNX model cache. Run `modelcache daemon`, add models once with "
                     "`modelcache add`, then open them by name from any process with "
                     "modelcache.InferenceSession(name): the weights are mapped from shared memory.")
     p.add_argument("--version", action="version", version=f"modelcache {__version__}")
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--socket", help="daemon address (default: $MODELCACHE_SOCKET, else "
-                                         "ipc://$XDG_RUNTIME_DIR/modelcache/daemon.sock)")
-    common.add_argument("--config", help="TOML settings file (default: $MODELCACHE_CONFIG, "
-                                         "~/.config/modelcache/modelcache.toml, /etc/modelcache/modelcache.toml as root)")
+    debug_help = "on a failure, print the traceback too (also with log level debug)"
+    p.add_argument("--debug", action="store_true", help=debug_help)
+    # Options every command that reads settings takes. `asks` (the commands that ask a running daemon) refuses
+    # --repository with where to set it; `common` (the commands that read the repository themselves) takes it.
+    asks = _Parser(add_help=False)
+    asks.add_argument("--socket", help="daemon address: ipc://PATH (or an absolute PATH), or tcp://HOST:PORT "
+                                       "(default: $MODELCACHE_SOCKET, else ipc://$XDG_RUNTIME_DIR/modelcache/daemon.sock)")
+    asks.add_argument("--config", help="TOML settings file (default: $MODELCACHE_CONFIG, "
+                                       "~/.config/modelcache/modelcache.toml, /etc/modelcache/modelcache.toml as root)")
+    asks.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
+    common = _Parser(add_help=False, parents=[asks])
     common.add_argument("--repository", help="packed models directory (default: $MODELCACHE_REPOSITORY)")
+    asks.add_argument("--repository", action=_DaemonsRepository, help=argparse.SUPPRESS)
+    asks.set_defaults(uses=CLIENT_SETTINGS)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("daemon", parents=[common], help="run the daemon in the foreground",
@@ -399,19 +460,21 @@ def build_parser() -> argparse.ArgumentParser:
                                    "lease_timeout_s, host_capacity, and the batching settings).")
     d.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     d.add_argument("--host-capacity", help="host-tier size: bytes (8G, 512M) or percent of RAM (50%%)")
-    d.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: off, the default)")
-    d.set_defaults(func=cmd_daemon)
+    d.add_argument("--metrics-port", type=_port_arg,
+                   help="serve Prometheus metrics on this port (0: off, the default)")
+    d.set_defaults(func=cmd_daemon, uses=None)
 
-    h = sub.add_parser("http", parents=[common], help="serve the Open Inference Protocol (KServe v2 REST) "
+    h = sub.add_parser("http", parents=[asks], help="serve the Open Inference Protocol (KServe v2 REST) "
                                                       "in front of the daemon",
                        description="HTTP/REST v2 endpoints (health, metadata, infer with JSON or binary "
                                    "tensors, the model-repository extension) for Triton and KServe clients; "
                                    "requests go to the daemon's serve mode over its lane. Prints 'READY <url>' "
                                    "once listening; SIGTERM stops it after in-flight requests.")
     h.add_argument("--host", help="address to listen on (default: http_host, 127.0.0.1)")
-    h.add_argument("--port", type=int, help="port (default: http_port if set, else 8000; 0 picks a free one)")
+    h.add_argument("--port", type=_port_arg, help="port (default: http_port if set, else 8000; 0 picks a free one)")
     h.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    h.set_defaults(func=cmd_http)
+    h.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)   # the daemon's bound port (http_front.py)
+    h.set_defaults(func=cmd_http, uses=http_settings)
 
     a = sub.add_parser("add", parents=[common], help="validate, optimize and pack an .onnx file",
                        description="Validate an .onnx file (onnx checker, ONNX Runtime builds it), optimize "
@@ -419,37 +482,38 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the daemon when one runs, else writes the repository directly.")
     a.add_argument("file")
     a.add_argument("--name", required=True)
-    a.add_argument("--version", type=int, help="default: one more than the newest version")
+    a.add_argument("--version", type=_version_arg, help="default: one more than the newest version")
     a.add_argument("--opt-level", choices=["disable", "basic", "extended", "all"])
     a.add_argument("--prepack", action=argparse.BooleanOptionalAction, default=None,
                    help="also store MLAS-prepacked MatMul weights that every client shares (MatMul-heavy models: "
                         "warm runs as fast as plain ORT, opens ~0.3 s slower, twice the host tier); "
                         "default: the prepack setting (off)")
     a.add_argument("--require-daemon", action="store_true", help="fail instead of packing offline")
-    a.set_defaults(func=cmd_add)
+    a.set_defaults(func=cmd_add, uses=add_settings)
 
-    ls = sub.add_parser("ls", parents=[common], help="list models: version, bytes, tier, refcount, last use")
+    ls = sub.add_parser("ls", parents=[asks], help="list models: version, bytes, tier, refcount, last use")
     ls.set_defaults(func=cmd_ls)
-    ld = sub.add_parser("load", parents=[common], help="prefetch a model into the host tier or a GPU "
+    ld = sub.add_parser("load", parents=[asks], help="prefetch a model into the host tier or a GPU "
                                                        "(from disk or remote)")
     ld.add_argument("name")
-    ld.add_argument("--version", type=int)
+    ld.add_argument("--version", type=_version_arg)
     ld.add_argument("--tier", default="host", type=_tier_arg,
                     help="host (default), gpu (the first GPU), or gpu:UUID / gpu:INDEX")
     ld.set_defaults(func=cmd_load)
     for verb, text in (("pin", "never evict this model"), ("unpin", "let the eviction policy evict it again")):
-        pn = sub.add_parser(verb, parents=[common], help=text)
+        pn = sub.add_parser(verb, parents=[asks], help=text)
         pn.add_argument("name")
-        pn.add_argument("--version", type=int)
+        pn.add_argument("--version", type=_version_arg)
         pn.set_defaults(func=cmd_pin)
-    pt = sub.add_parser("partition", parents=[common], help="split a model into stages for serve mode",
+    pt = sub.add_parser("partition", parents=[asks], help="split a model into stages for serve mode",
                         description="Cut a model where exactly one tensor crosses, balancing the compute ORT's "
                                     "profiler measures per node; the split is checked against the whole model.")
     pt.add_argument("name")
-    pt.add_argument("--version", type=int)
+    pt.add_argument("--version", type=_version_arg)
     how = pt.add_mutually_exclusive_group(required=True)
-    how.add_argument("--stages", type=int, help="K stages of about equal compute (1 removes a partition)")
-    how.add_argument("--tail-fraction", type=float, help="two stages, the second with this share of compute")
+    how.add_argument("--stages", type=_count_arg, help="K stages of about equal compute (1 removes a partition)")
+    how.add_argument("--tail-fraction", type=_number_arg(float, above=0, high=0.99),
+                     help="two stages, the second with this share of compute")
     how.add_argument("--plan", help="a plan from `modelcache place` (searched on this machine's --describe): "
                                     "its stages, each served on its worker set (dmda picks within it)")
     pt.set_defaults(func=cmd_partition)
@@ -460,11 +524,12 @@ def build_parser() -> argparse.ArgumentParser:
                                     "greedy by speed, with the simulator's figures; write the plan as JSON. "
                                     "--describe writes this machine's system description.")
     pl.add_argument("name", nargs="?")
-    pl.add_argument("--version", type=int)
+    pl.add_argument("--version", type=_version_arg)
     pl.add_argument("--system", help="system description (TOML); see examples/systems/")
     pl.add_argument("--objective", choices=["latency", "throughput"], default="latency")
-    pl.add_argument("--time-budget", type=float, default=60.0, help="seconds the search may take (default 60)")
-    pl.add_argument("--batch", type=int, default=1, help="samples per request, split across a stage's workers")
+    pl.add_argument("--time-budget", type=_number_arg(float, above=0), default=60.0,
+                    help="seconds the search may take (default 60)")
+    pl.add_argument("--batch", type=_count_arg, default=1, help="samples per request, split across a stage's workers")
     pl.add_argument("--seed", type=int, default=0)
     pl.add_argument("-o", "--output", help="plan file (default NAME.plan.json); with --describe, the TOML file")
     pl.add_argument("--plots", help="directory for a Gantt chart and plan-vs-baselines bars (PNG)")
@@ -474,8 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "when one answers with such workers, else here (auto, the default)")
     pl.add_argument("--describe", action="store_true", help="write this machine's system description")
     pl.add_argument("--workers", help="with --describe: CPU groups as the daemon's `workers` setting ('1,1', '2')")
-    pl.set_defaults(func=cmd_place)
-    cb = sub.add_parser("calibrate", parents=[common], help="time a model's stages per batch size for batching",
+    pl.set_defaults(func=cmd_place, uses=place_settings)
+    cb = sub.add_parser("calibrate", parents=[asks], help="time a model's stages per batch size for batching",
                         description="Serve the model at each batch size, one request at a time, on the daemon's "
                                     "workers; fit LBCI's g(b) and derive N_opt: the largest batch that pays (per-"
                                     "sample time >= 10% below batch 1) and takes at most t_opt/2 (a request may "
@@ -483,36 +548,37 @@ def build_parser() -> argparse.ArgumentParser:
                                     "model; layer-to-layer batching predicts from it, and max_batch=0 means N_opt. "
                                     "Partition first: the table is per stage.")
     cb.add_argument("name")
-    cb.add_argument("--version", type=int)
-    cb.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="batch sizes to time")
-    cb.add_argument("--runs", type=int, default=5, help="timed requests per batch size (median kept)")
-    cb.add_argument("--t-opt-ms", type=float, help="latency bound; default 5x a batch-1 request's round trip")
+    cb.add_argument("--version", type=_version_arg)
+    cb.add_argument("--batches", type=_count_arg, nargs="+", default=[1, 2, 4, 8, 16], help="batch sizes to time")
+    cb.add_argument("--runs", type=_count_arg, default=5, help="timed requests per batch size (median kept)")
+    cb.add_argument("--t-opt-ms", type=_number_arg(float, above=0),
+                    help="latency bound; default 5x a batch-1 request's round trip")
     cb.set_defaults(func=cmd_calibrate)
-    rm = sub.add_parser("rm", parents=[common], help="delete a model version from the repository")
+    rm = sub.add_parser("rm", parents=[asks], help="delete a model version from the repository")
     rm.add_argument("name")
-    rm.add_argument("--version", type=int, required=True)
+    rm.add_argument("--version", type=_version_arg, required=True)
     rm.set_defaults(func=cmd_rm)
     ve = sub.add_parser("verify", parents=[common], help="check every stored file against its checksums",
                         description="Scrub the repository (read directly: the daemon may be down): check every "
                                     "file of every version, or of NAME, against the checksums written at add time. "
                                     "Exit status 1 when anything is damaged.")
     ve.add_argument("name", nargs="?")
-    ve.set_defaults(func=cmd_verify)
+    ve.set_defaults(func=cmd_verify, uses=("repository",))
     pb = sub.add_parser("publish", help="write index.json for a directory of packed models: a remote store",
                         description="Make a directory laid out like a repository (NAME/VERSION/...) usable as "
                                     "a remote store: writes index.json with every file's size and sha256.")
     pb.add_argument("directory")
     pb.set_defaults(func=cmd_publish)
-    ev = sub.add_parser("evict", parents=[common], help="drop a model from memory (it stays on disk), or "
+    ev = sub.add_parser("evict", parents=[asks], help="drop a model from memory (it stays on disk), or "
                                                         "demote it from the GPUs (--tier gpu)")
     ev.add_argument("name")
-    ev.add_argument("--version", type=int)
+    ev.add_argument("--version", type=_version_arg)
     ev.add_argument("--tier", default="host", type=_tier_arg,
                     help="host (default: every copy in memory), gpu (every GPU), or gpu:UUID / gpu:INDEX")
     ev.set_defaults(func=cmd_evict)
-    sta = sub.add_parser("status", parents=[common], help="one screen: version, uptime, tiers, models, clients")
+    sta = sub.add_parser("status", parents=[asks], help="one screen: version, uptime, tiers, models, clients")
     sta.set_defaults(func=cmd_status)
-    st = sub.add_parser("stats", parents=[common], help="the daemon's counters, clients, tiers and jobs (JSON)")
+    st = sub.add_parser("stats", parents=[asks], help="the daemon's counters, clients, tiers and jobs (JSON)")
     st.set_defaults(func=cmd_stats)
 
     z = sub.add_parser("zoo", help="build a reference architecture as ONNX with seeded random weights")
@@ -546,19 +612,42 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)   # (a usage error exits 2 here, with one line: see _Parser)
     try:
-        return args.func(args) or 0
-    except ModelCacheError as e:
-        print(f"modelcache: {e}", file=sys.stderr)
-        return 1
-    except (FileNotFoundError, PermissionError) as e:  # a file the user named (e.g. `add`) and cannot open
-        if e.filename is None:
-            raise
-        print(f"modelcache: {e}", file=sys.stderr)
+        code = args.func(args) or 0
+        sys.stdout.flush()   # here, not at exit: a reader that went away (`| head`) shows as BrokenPipeError
+        return code
+    except BrokenPipeError:
+        # The reader of our output is gone, which is not our failure: say nothing. Python's docs' recipe:
+        # point stdout at devnull, or the interpreter's own flush at exit fails (and prints) again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        return fail(e, debug=_debugging(args))
+
+
+def _debugging(args) -> bool:
+    return getattr(args, "debug", False) or getattr(args, "log_level", None) == "debug" or \
+        os.environ.get("MODELCACHE_LOG_LEVEL", "").strip().lower() == "debug"
+
+
+def fail(e: BaseException, debug: bool = False) -> int:
+    """The one place a command's failure becomes what the user reads: one `modelcache: ...` line on stderr
+    (the traceback too with --debug), and the exit status 1. Errors we raise on purpose and files the user
+    named say what they say; anything else is our bug, and says so."""
+    if debug:
+        import traceback
+        traceback.print_exception(e)
+    if isinstance(e, ModelCacheError):
+        text = str(e)
+    elif isinstance(e, OSError) and e.filename is not None:   # a file the user named, and cannot be read
+        text = f"{e.filename}: {e.strerror or e}" + (f" (and {e.filename2})" if e.filename2 else "")
+    else:
+        text = f"internal error: {type(e).__name__}: {e}" + ("" if debug else " (run with --debug for the traceback)")
+    print("modelcache: " + "; ".join(line.strip() for line in text.splitlines() if line.strip()), file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

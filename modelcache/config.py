@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from .address import DEFAULT_REQUEST_TIMEOUT_S, default_config_file, default_socket, is_root
-from .errors import ModelCacheError
+from .address import DEFAULT_REQUEST_TIMEOUT_S, check_address, default_config_file, default_socket, is_root
+from .errors import ConfigError
 
-
-class ConfigError(ModelCacheError):
-    code = "config"
+__all__ = ["ConfigError", "Settings", "load", "parse_size", "parse_policy_spec", "parse_fake_gpus"]
 
 
 def default_state_dir() -> Path:
@@ -87,28 +86,43 @@ class Settings:
 
 
 def _ram_bytes() -> int:
-    import psutil
-    return psutil.virtual_memory().total
+    # sysconf, not psutil: validating host_capacity at every load should not import psutil
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+MIN_CAPACITY = 1 << 20     # a tier smaller than this holds no model: a typo ("10K" for "10G"), not a choice
 
 
 def parse_size(text: str | int, total: int | None = None) -> int:
-    """'8G', '512M', '1.5GiB', '1000000', or '40%' (of `total`) -> bytes."""
-    if isinstance(text, int):
+    """'8G', '512M', '1.5GiB', '1000000', or '40%' (of `total`) -> bytes (never negative)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ConfigError(f"size {text}: must not be negative")
         return text
     s = str(text).strip().upper().removesuffix("IB").removesuffix("B")
     try:
         if s.endswith("%"):
             if total is None:
                 raise ValueError("percent needs a total")
-            return int(float(s[:-1]) / 100 * total)
-        mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(s[-1:], 1)
-        return int(float(s[:-1] if mult != 1 else s) * mult)
+            value = float(s[:-1]) / 100 * total
+        else:
+            mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(s[-1:], 1)
+            value = float(s[:-1] if mult != 1 else s) * mult
+        if not math.isfinite(value) or value < 0:
+            raise ValueError("not a size")
+        return int(value)
     except ValueError:
         raise ConfigError(f"cannot read {text!r} as a size: write bytes, e.g. 8G, 512M, or a percentage like 40%") from None
 
 
 # The executor's batching policies (executor/batching.py), as the `batching` setting names them.
 BATCHING_POLICIES = ("serial", "batch", "dynamic", "layer")
+# Named here, below the modules that implement them (layers: settings sit under tiers and executor);
+# tests/test_config.py checks these against eviction.POLICIES and scheduler.SCHEDULERS.
+EVICTION_POLICIES = ("lru", "lfu", "fifo", "gdsf", "never", "eager")
+SCHEDULERS = ("eager", "round-robin", "dmda")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+OPT_LEVELS = ("disable", "basic", "extended", "all")
 
 
 def parse_policy_spec(spec: str) -> dict[str, str]:
@@ -146,56 +160,229 @@ def parse_fake_gpus(spec: str) -> tuple[int, int]:
     return n, total
 
 
-def _coerce(name: str, typ, value):
+# -- reading and checking each setting ----------------------------------------------------
+# A rule takes the value as the file, the environment or a flag gave it (TOML: already typed; else a
+# string) and returns it as Settings holds it, or raises ValueError with what it must be. load() adds
+# the setting's name and where the value came from. Every field of Settings has one (a test checks).
+
+def number(kind, low=None, high=None, above=None):
+    """A rule: int or float within [low, high] (or > above); TOML booleans are not numbers. (The CLI's
+    numeric flags use it too.)"""
+    def rule(value):
+        if isinstance(value, bool):
+            raise ValueError("must be a number, not a boolean")
+        try:
+            x = kind(value) if kind is float or not isinstance(value, float) else _whole(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"is not a {'whole number' if kind is int else 'number'}") from None
+        if kind is float and not math.isfinite(x):
+            raise ValueError("must be a finite number")
+        if (low is not None and x < low) or (high is not None and x > high) or (above is not None and x <= above):
+            bounds = [f"> {above}" if above is not None else f">= {low}" if low is not None else "",
+                      f"<= {high}" if high is not None else ""]
+            raise ValueError(f"must be {' and '.join(b for b in bounds if b)}")
+        return x
+    return rule
+
+
+def _whole(x: float) -> int:
+    if not x.is_integer():
+        raise ValueError(x)
+    return int(x)
+
+
+def _bool(value) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("is not a boolean: write true/false, yes/no, on/off or 1/0")
+
+
+def _choice(*choices):
+    def rule(value):
+        text = str(value).strip().lower()
+        if text not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
+        return text
+    return rule
+
+
+def _text(value) -> str:
+    if not isinstance(value, str):
+        raise ValueError("must be a string")
+    return value
+
+
+def _nonempty(value) -> str:
+    if not _text(value).strip():
+        raise ValueError("must not be empty")
+    return value.strip()
+
+
+def _directory(must_exist: bool):
+    def rule(value):
+        path = Path(_text(value)).expanduser()
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"must be a directory: {path} is a file")
+        if must_exist and not path.is_dir():
+            raise ValueError(f"must be an existing directory: {path} does not exist")
+        return str(path) if value else ""
+    return rule
+
+
+def _capacity(of: str | None):
+    """A tier's size: bytes or (with `of`) a percentage of it; at least MIN_CAPACITY, at most all of it."""
+    def rule(value):
+        text = str(value).strip()
+        if text.endswith("%"):
+            if of is None:
+                raise ValueError("must be a size in bytes, e.g. 8G, at least 1M")
+            try:
+                number(float, above=0, high=100)(text[:-1])
+            except ValueError:
+                raise ValueError(f"must be more than 0% and at most 100% of {of}") from None
+            return text
+        try:
+            n = parse_size(text)
+        except ConfigError:
+            raise ValueError("must be a positive size in bytes, e.g. 8G, 512M (at least 1M)" +
+                             (f", or a percentage of {of} such as 50%" if of else "")) from None
+        if n < MIN_CAPACITY:
+            raise ValueError(f"must be at least 1M: {n} bytes holds no model")
+        if of == "RAM" and n > _ram_bytes():
+            raise ValueError(f"must be at most this machine's RAM ({_ram_bytes() / 2**30:.1f} GiB, or 100%)")
+        return text
+    return rule
+
+
+def _int_list(words: tuple, low: int, form: str):
+    """One of `words`, or whole numbers >= low separated by commas (a TOML list too): workers, gpus."""
+    def rule(value):
+        if isinstance(value, list):
+            value = ",".join(str(v) for v in value)
+        text = str(value).strip().lower()
+        if text in words:
+            return text
+        parts = text.split(",")
+        if not all(p.strip().isdigit() and int(p) >= low for p in parts):
+            raise ValueError(f"must be {form}")
+        return ",".join(str(int(p)) for p in parts)
+    return rule
+
+
+def _address(value) -> str:
+    return check_address(_text(value)) if value else ""
+
+
+def _fake_gpus(value) -> str:
     try:
-        if typ in (float, "float"):
-            return float(value)
-        if typ in (int, "int"):
-            return int(value)
-        if typ in (bool, "bool"):
-            if isinstance(value, bool):
-                return value
-            return str(value).lower() in ("1", "true", "yes", "on")
-        return str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"setting {name}: {value!r} is not a valid {getattr(typ, '__name__', typ)}") from None
+        parse_fake_gpus(value)
+    except ConfigError:
+        raise ValueError("must be a size such as 1G, or count x size such as 2x256M, or none") from None
+    return str(value)
 
 
-def load(config_file: str | Path | None = None, overrides: dict | None = None, env=None) -> Settings:
-    """Settings from all four layers. `overrides` are flags; None values mean 'not given'."""
+def _remote(value) -> str:
+    text = _text(value).strip()
+    if text and text.partition("://")[0] not in ("file", "http", "https"):
+        raise ValueError("must be a store URL: file:///DIR, http://HOST/DIR or https://HOST/DIR")
+    return text
+
+
+def _batching(value) -> str:
+    try:
+        parse_policy_spec(_text(value))
+    except ValueError as e:
+        raise ValueError(str(e).partition(": ")[2]) from None   # (names the policies, without batching=... again)
+    return value
+
+
+def _message_size(value) -> str:
+    text = str(value)
+    try:
+        n = parse_size(text)
+    except ConfigError:
+        raise ValueError("must be a size in bytes, e.g. 64M") from None
+    if n < 1 << 16:
+        raise ValueError("must be at least 64K, or no request fits")
+    return text
+
+
+_port = number(int, 0, 65535)
+_positive = number(float, above=0)
+_non_negative = number(float, low=0)
+
+RULES = {
+    "socket": _address, "repository": _directory(False), "shm_dir": _directory(True),
+    "host_capacity": _capacity("RAM"), "gpu_capacity": _capacity("the device's memory"),
+    "fake_gpus": _fake_gpus, "remote": _remote, "eviction_policy": _choice(*EVICTION_POLICIES),
+    "log_level": _choice(*LOG_LEVELS), "heartbeat_interval_s": _positive, "lease_timeout_s": _positive,
+    "request_timeout_s": _positive, "add_timeout_s": _positive, "opt_level": _choice(*OPT_LEVELS),
+    "prepack": _bool, "loader_threads": number(int, 1, 1024),
+    "workers": _int_list(("auto",), 1, "'auto' or threads per group, each >= 1: '2', '1,1' or [1, 1]"),
+    "gpus": _int_list(("auto", "none", "off", ""), 0, "'auto', 'none' or device indices: '0', '0,1' or [0, 1]"),
+    "scheduler": _choice(*SCHEDULERS), "serve_idle_s": _positive, "batching": _batching,
+    "max_batch": number(int, 0), "t_opt_ms": _non_negative, "batch_window_ms": _non_negative,
+    "max_queue_delay_ms": _non_negative, "inline_run_ms": _non_negative, "state_dir": _directory(False),
+    "metrics_port": _port, "metrics_host": _nonempty, "http_port": _port, "http_host": _nonempty,
+    "max_message_size": _message_size, "max_clients": number(int, 1), "keep_host_tier": _bool,
+    "verify_promotion": _bool, "admin_group": _text,
+}
+
+# What a client of the daemon reads (the library's connect, and the CLI's commands that ask the daemon): a
+# daemon-only setting that is wrong in the shared config file must not break them (see load's `only`).
+CLIENT_SETTINGS = ("socket", "request_timeout_s", "add_timeout_s")
+
+
+def load(config_file: str | Path | None = None, overrides: dict | None = None, env=None,
+         only=None, overrides_are="flags") -> Settings:
+    """Settings from all four layers, each value checked. `overrides` are flags (or, overrides_are="arguments",
+    a library call's arguments: errors name them so); None values mean 'not given'.
+
+    `only`: the settings this caller uses; the others keep their defaults, unread and unchecked, so a
+    daemon-only setting the client commands never use cannot break them. None: all of them (the daemon)."""
     env = os.environ if env is None else env
-    known = {f.name: f.type for f in fields(Settings)}
-    values: dict = {}
-    path = Path(config_file) if config_file else default_config_file()
+    known = {f.name for f in fields(Settings)}
+    wanted = known if only is None else set(only)
+    given: dict = {}                       # setting -> (value, where it came from, for the error)
+    path = Path(config_file) if config_file else default_config_file(env)
     if path is not None:
         data = read_toml(path, "config file", ConfigError)
         data = data.get("modelcache", data)  # accept a [modelcache] table or top-level keys
         for key, value in data.items():
             key = key.replace("-", "_")
             if key not in known:
-                raise ConfigError(f"config file {path}: unknown setting {key!r}; known: {', '.join(known)}")
-            values[key] = _coerce(key, known[key], value)
-    for key, typ in known.items():
+                import difflib
+                close = difflib.get_close_matches(key, known, n=1)
+                raise ConfigError(f"config file {path}: unknown setting {key!r}; " +
+                                  (f"did you mean {close[0]}?" if close else f"known: {', '.join(sorted(known))}"))
+            given[key] = (value, f"{key} = {value!r} in {path}")
+    for key in known:
         var = f"MODELCACHE_{key.upper()}"
-        if var in env and env[var] != "":
-            values[key] = _coerce(var, typ, env[var])
+        if env.get(var, "") != "":
+            given[key] = (env[var], f"{var}={env[var]}")
     for key, value in (overrides or {}).items():
         if value is not None:
             if key not in known:
                 raise ConfigError(f"unknown setting {key!r}")
-            values[key] = _coerce(key, known[key], value)
+            given[key] = (value, f"--{key.replace('_', '-')} {value}" if overrides_are == "flags" else
+                          f"argument {key}={value!r}")
+    values = {}
+    for key, (value, where) in given.items():
+        if key in wanted:
+            try:
+                values[key] = RULES[key](value)
+            except ValueError as e:
+                raise ConfigError(f"{where}: {key} {e}") from None
     settings = Settings(**values)
-    if settings.opt_level not in ("disable", "basic", "extended", "all"):
-        raise ConfigError(f"opt_level {settings.opt_level!r}: choose disable, basic, extended or all")
-    try:
-        parse_policy_spec(settings.batching)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    parse_size(settings.host_capacity, total=1)  # fail early on a bad size, without asking psutil for RAM
-    parse_size(settings.gpu_capacity, total=1)
-    parse_fake_gpus(settings.fake_gpus)
-    if settings.max_message_bytes() < 1 << 16:
-        raise ConfigError(f"max_message_size {settings.max_message_size!r}: at least 64K, or no request fits")
+    if {"lease_timeout_s", "heartbeat_interval_s"} <= wanted and \
+            settings.lease_timeout_s <= settings.heartbeat_interval_s:
+        raise ConfigError(f"lease_timeout_s {settings.lease_timeout_s:g} must be longer than heartbeat_interval_s "
+                          f"{settings.heartbeat_interval_s:g}, or every client loses its leases between two pings")
     return settings
 
 

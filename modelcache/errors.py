@@ -15,6 +15,12 @@ class DaemonUnavailable(ModelCacheError):
     code = "daemon_unavailable"
 
 
+class ConfigError(ModelCacheError):
+    """A setting (file, environment, flag or argument) that cannot be meant: the message names it and its range."""
+
+    code = "config"
+
+
 class RequestTimeout(ModelCacheError):
     """The daemon did not answer within the request timeout."""
 

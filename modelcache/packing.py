@@ -102,7 +102,7 @@ def validate(src: str) -> str | None:
     checker rejects (IR 3 files whose initializers are not graph inputs, outputs with no shape), and
     what ORT builds, modelcache adds; `optimize` refuses what ORT cannot build, quoting this."""
     if not os.path.isfile(src):
-        raise PackError(f"{src}: no such file")
+        raise PackError(f"{src}: {'a directory, not an .onnx file' if os.path.isdir(src) else 'no such file'}")
     try:
         onnx.checker.check_model(src)  # by path: works for models over 2 GB with external data
     except Exception as e:  # checker raises ValidationError, protobuf DecodeError, OSError...

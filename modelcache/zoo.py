@@ -17,6 +17,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .errors import ModelCacheError
+
 OPSET = 17
 
 
@@ -430,10 +432,19 @@ def names() -> list[str]:
     return list(ZOO)
 
 
+class UnknownZooModel(ModelCacheError, KeyError):
+    """A name not in the zoo: a KeyError to code that looks names up, one clear line to the CLI."""
+
+    __str__ = Exception.__str__   # (KeyError's would quote the message)
+
+
 def build(name: str, seed: int = 0) -> onnx.ModelProto:
     key = ALIASES.get(name, name)
     if key not in ZOO:
-        raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(ZOO)}")
+        import difflib
+        close = difflib.get_close_matches(name, [*ZOO, *ALIASES], n=3)
+        raise UnknownZooModel(f"no zoo model {name!r}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
+                              + "; `modelcache zoo --list` lists them")
     return ZOO[key].build(seed)
 
 

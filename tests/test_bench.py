@@ -208,3 +208,20 @@ def test_http_bench_compares_the_v2_front_with_the_lane(tmp_path):
     tp = results["throughput"]["tiny-cnn"]
     assert tp["lane"]["requests"] > 0 and tp["http-binary"]["requests"] > 0
     assert set(tp["http-binary"]["cpu_us_per_request"]) == {"front", "daemon"}
+
+
+@pytest.mark.parametrize("modes", [["ort", "attach-hit", "serve", "ideal"], ["attach-hit", "serve"], ["serve"]])
+def test_coldstart_report_and_plot_any_subset_of_modes(tmp_path, modes):
+    """`--modes ort attach-hit serve ideal` ran the whole benchmark, then failed on KeyError: 'ort-tuned'."""
+    import io
+
+    from modelcache.bench.coldstart import plot, report
+    samples = [{"model": "m", "mode": mode, "run": r, "total_ms": 10.0 + r + i, "interpreter_ms": 1.0,
+                "imports_ms": 2.0, "session_ms": 3.0, "first_run_ms": 4.0}
+               for r in range(3) for i, mode in enumerate(modes)]
+    out = io.StringIO()
+    report(samples, [], out)
+    text = out.getvalue()
+    assert all(f"m              {mode:<12}" in text for mode in modes)
+    assert ("faster than ort" in text) == ("ort" in modes and "attach-hit" in modes)
+    plot(samples, [], tmp_path)

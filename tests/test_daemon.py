@@ -333,7 +333,7 @@ def test_cli_errors_and_help(tmp_path):
     assert r.returncode == 1 and "no modelcache daemon" in r.stderr and "Traceback" not in r.stderr
     r = subprocess.run([sys.executable, "-m", "modelcache.cli", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "daemon" in r.stdout and "add" in r.stdout
-    for setting, says in (("MODELCACHE_GPUS", "no CUDA device 7"), ("MODELCACHE_WORKERS", "thread counts per group")):
+    for setting, says in (("MODELCACHE_GPUS", "no CUDA device 7"), ("MODELCACHE_WORKERS", "threads per group")):
         bad = {**env, "MODELCACHE_REPOSITORY": str(tmp_path / "repo"), setting: "7" if "GPUS" in setting else "0"}
         r = subprocess.run([sys.executable, "-m", "modelcache.cli", "daemon"], env=bad, capture_output=True,
                            text=True, timeout=60)

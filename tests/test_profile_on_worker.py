@@ -108,11 +108,12 @@ def test_place_profiles_on_the_daemons_workers_and_says_so(two_workers, tmp_path
 def test_a_profile_or_request_of_a_model_the_tier_cannot_hold_is_refused_and_holds_nothing(tmp_path, zoo_file):
     """No room to load the model: the error is the answer, and the model is not left "in use"."""
     from modelcache.errors import CapacityError
-    d = DaemonProcess(tmp_path, {"MODELCACHE_WORKERS": "1", "MODELCACHE_HOST_CAPACITY": "1K"}).start()
+    # (1M: the smallest host tier the settings take; squeezenet1_1's 4.7 MiB of weights do not fit)
+    d = DaemonProcess(tmp_path, {"MODELCACHE_WORKERS": "1", "MODELCACHE_HOST_CAPACITY": "1M"}).start()
     try:
         with d.client() as c:
-            c.add(zoo_file("tiny-vit"), "tv")
-            feeds = sample_inputs(zoo_file("tiny-vit"), batch=1)
+            c.add(zoo_file("squeezenet1_1"), "tv")
+            feeds = sample_inputs(zoo_file("squeezenet1_1"), batch=1)
             with pytest.raises(CapacityError, match="raise host_capacity"):
                 c.profile("tv", feeds, min_s=0)
             with pytest.raises(CapacityError, match="raise host_capacity"):

@@ -66,9 +66,12 @@ def test_reload_applies_live_settings(tmp_path):
     conf.write_text("lease_timeout_s = 4.0\n")
     d = DaemonProcess(tmp_path, {"MODELCACHE_CONFIG": str(conf)}).start()
     try:
-        conf.write_text("lease_timeout_s = 1.5\nlog_level = \"debug\"\n")
+        conf.write_text("lease_timeout_s = 1.5\nlog_level = \"debug\"\neviction_policy = \"lfu\"\n")
         d.proc.send_signal(signal.SIGHUP)
-        wait_until(lambda: "reloaded settings: lease_timeout_s=1.5" in d.log_path.read_text(), what="reload")
+        wait_until(lambda: "reloaded settings: lease_timeout_s applied" in d.log_path.read_text(), what="reload")
+        log = d.log_path.read_text()
+        assert "reload: lease_timeout_s 4.0 -> 1.5" in log                     # every change is said, old -> new
+        assert "reload: eviction_policy 'lru' -> 'lfu' needs a restart of the daemon; keeping 'lru'" in log
         conf.write_text("lease_timeout_s = 'soon'\n")  # a bad file: keep the old settings, stay up
         d.proc.send_signal(signal.SIGHUP)
         wait_until(lambda: "reload failed, keeping the old settings" in d.log_path.read_text(), what="bad reload")

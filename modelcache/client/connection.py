@@ -47,9 +47,10 @@ OpenedModel = P.OpenReply
 
 
 def _settings(socket: str | None, timeout_s: float | None):
-    from ..config import load
+    from ..config import CLIENT_SETTINGS, load
     overrides = {"socket": socket, "request_timeout_s": timeout_s}
-    return load(overrides=overrides)
+    return load(overrides=overrides, only=CLIENT_SETTINGS,
+                overrides_are="arguments")   # (a daemon-only setting never breaks a client)
 
 
 class ZmqConnection:

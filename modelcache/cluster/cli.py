@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
-import sys
+import socket
+
+from ..errors import ModelCacheError
 
 DAEMON_FLAGS = ("socket", "repository", "remote", "host_capacity", "workers")
 
@@ -40,10 +42,8 @@ def cmd_cluster(args) -> int:
         import ray
         from . import rayserve
     except ImportError as e:
-        print(f"modelcache: the cluster mode needs the [ray] extra (pip install 'modelcache[ray]'): {e}",
-              file=sys.stderr)
-        return 1
-    ray.init(address=args.address, log_to_driver=False, logging_level="warning")
+        raise ModelCacheError(f"the cluster mode needs the [ray] extra (pip install 'modelcache[ray]'): {e}") from None
+    connect_ray(ray, args.address)
     try:
         if args.verb == "up":
             settings = {k: getattr(args, k) for k in DAEMON_FLAGS if getattr(args, k)}
@@ -65,9 +65,37 @@ def cmd_cluster(args) -> int:
             from ray import serve
             serve.delete(rayserve.APP_NAME)
             print(f"app deleted; {rayserve.stop_daemons()} daemon actors stopped")
+    except ray.exceptions.RayError as e:   # an actor's failure: its own error, as one line
+        raise ModelCacheError(_ray_failure(e)) from None
     finally:
         ray.shutdown()
     return 0
+
+
+def connect_ray(ray, address: str) -> None:
+    """ray.init, or one line saying there is no cluster there and how to get one. An explicit HOST:PORT is
+    tried first with a plain connect: Ray itself retries an unreachable address for a minute or more."""
+    fix = "start one with `ray start --head`, or pass --address HEAD:6379"
+    if address not in ("auto", "local") and "://" not in address:
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host or "127.0.0.1", int(port)), timeout=3).close()
+        except (OSError, ValueError) as e:
+            reason = "not HOST:PORT" if isinstance(e, ValueError) else e.strerror or str(e) or "timed out"
+            raise ModelCacheError(f"no Ray cluster at {address} ({reason}): {fix}") from None
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level="warning")
+    except ConnectionError:
+        raise ModelCacheError(f"no Ray cluster at {address}: {fix}") from None
+
+
+def _ray_failure(e) -> str:
+    """What went wrong on the cluster: the cause's own message (ours are one line), else Ray's last line."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, ModelCacheError):
+        return str(cause)
+    lines = [line.strip() for line in str(cause or e).splitlines() if line.strip()]
+    return f"on the Ray cluster: {lines[-1] if lines else type(e).__name__}"
 
 
 def _status_line(row: dict) -> str:

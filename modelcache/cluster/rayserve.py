@@ -60,10 +60,13 @@ class NodeDaemon:
     """The modelcache daemon of the node this actor is pinned to."""
 
     def __init__(self, settings: dict, log_path: str = ""):
-        from ..config import Settings
         self.node_id = ray.get_runtime_context().get_node_id()
         self.settings = {k: str(v) for k, v in settings.items()}
-        self.address = Settings(socket=self.settings.get("socket", "")).socket
+        self.env = daemon_env(self.settings)
+        # The socket the daemon we would start listens on, hence where the node's own daemon (the systemd
+        # unit's, or one started by hand) answers: the built-in default alone missed one whose socket a
+        # config file or MODELCACHE_SOCKET set, and the daemon started beside it collided with it.
+        self.address = daemon_address(self.env)
         self.log_path = log_path or os.path.join(_ray_logs_dir(), f"modelcache-daemon-{self.node_id[:12]}.log")
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
@@ -78,16 +81,17 @@ class NodeDaemon:
                 raise self._start_error
 
     def _start(self, timeout_s: float = 60.0) -> None:
-        env = {**os.environ, **{f"MODELCACHE_{k.upper()}": v for k, v in self.settings.items()}}
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "modelcache.cli", "daemon"], env=env,
+            self.proc = subprocess.Popen([sys.executable, "-m", "modelcache.cli", "daemon"], env=self.env,
                                          stdout=subprocess.PIPE, stderr=log, preexec_fn=_stop_with_parent)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and self.proc.poll() is None:
             if select.select([self.proc.stdout], [], [], 0.5)[0]:
                 if self.proc.stdout.readline().startswith(b"READY"):
                     return
-        raise RuntimeError(f"the modelcache daemon on node {self.node_id} did not get ready; its log: {self.log_path}")
+        why = _last_line(self.log_path) if self.proc.poll() is not None else f"not ready after {timeout_s:.0f} s"
+        raise ModelCacheError(f"the modelcache daemon on node {self.node_id[:12]} did not start: {why} "
+                              f"(its log: {self.log_path})")
 
     def _supervise(self, started: threading.Event) -> None:
         """Start our daemon, and restart it when it dies (it re-adopts the host tier a crash leaves), as the
@@ -133,6 +137,28 @@ class NodeDaemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def daemon_env(settings: dict) -> dict:
+    """The environment a node's daemon starts in: the actor's own, with `settings` as MODELCACHE_* variables."""
+    return {**os.environ, **{f"MODELCACHE_{k.upper()}": str(v) for k, v in settings.items()}}
+
+
+def daemon_address(env: dict) -> str:
+    """The socket a daemon started in `env` listens on, resolved by its settings' layers: its config file
+    ($MODELCACHE_CONFIG or the default one), then its environment."""
+    from ..config import load
+    return load(env=env, only=("socket",)).socket
+
+
+def _last_line(path: str) -> str:
+    """A stopped daemon's last log line: its one-line `modelcache: ...` error."""
+    try:
+        with open(path, "rb") as f:
+            lines = f.read()[-4096:].decode(errors="replace").strip().splitlines()
+    except OSError:
+        return "it exited"
+    return lines[-1] if lines else "it exited without a word"
 
 
 def _ray_logs_dir() -> str:

@@ -14,6 +14,7 @@ set flags.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -36,6 +37,7 @@ from ..lane import lane_path
 from .cache import HostCache
 from .devices import DeviceCache
 from .fds import FdBudget, raise_fd_limit
+from ..address import bind_error
 from .identity import Admins, Peer, credentials_from_peer_address
 from .lane import LaneConnection, LaneServer, check_socket_file
 from ..histogram import Histogram
@@ -137,14 +139,29 @@ class Daemon:
         if addr.startswith("ipc://"):  # first: a daemon that refuses to start leaves nothing behind
             path = Path(addr[len("ipc://"):])
             path.parent.mkdir(parents=True, exist_ok=True)
-            self.socket_lock = SocketLock(path)
-            self.socket_lock.acquire()
-            if os.path.lexists(path):
-                check_socket_file(path)
-                self._refuse_if_live(addr)
-                path.unlink()
-            if self.lane is not None:
-                check_socket_file(Path(self.lane.path))
+            lock = SocketLock(path)
+            lock.acquire()
+            try:
+                if os.path.lexists(path):
+                    check_socket_file(path)
+                    self._refuse_if_live(addr)
+                    path.unlink()
+                if self.lane is not None:
+                    check_socket_file(Path(self.lane.path))
+            except BaseException:
+                lock.release()
+                raise
+            self.socket_lock = lock   # from here the socket files are ours to remove (see _remove_socket_file)
+        # The HTTP ports next, before the host tier exists: a port we cannot have is a one-line refusal.
+        if self.settings.metrics_port:
+            try:
+                self.metrics = MetricsServer(self.settings.metrics_host, self.settings.metrics_port)
+            except OSError as e:
+                raise bind_error(e, self.settings.metrics_host, self.settings.metrics_port,
+                                 f"metrics_port {self.settings.metrics_port}") from None
+        if self.settings.http_port:
+            from .http_front import HttpFront
+            self.http_front = HttpFront(self.settings.socket, self.settings.http_host, self.settings.http_port)
         for model_dir, manifest in self.repository.scan():
             self.registry.add_model(model_dir, manifest)
         adoption = adopt_resident_models(self.cache)   # warm restart: a dead daemon's host tier, checked
@@ -157,18 +174,18 @@ class Daemon:
         # A longer frame disconnects its sender before libzmq allocates it (big tensors go through shm files).
         self.router.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes())
         self.router_events = self.router.get_monitor_socket(zmq.EVENT_ACCEPTED)
-        self._bind_router()
+        try:
+            self._bind_router()
+        except zmq.ZMQError as e:   # a tcp:// port in use, an address not this machine's
+            raise ConfigError(f"socket {addr}: cannot listen there: {e.strerror}; choose another address, or stop "
+                              "what holds it") from None
         self.wake_rx = self.ctx.socket(zmq.PULL)
         self.wake_rx.bind(WAKE_ADDR)
         self.engine.start()
-        if self.settings.metrics_port:
-            self.metrics = MetricsServer(self.settings.metrics_host, self.settings.metrics_port)
+        if self.metrics is not None:
             self.metrics.start()
             self.publish_metrics()
             log.info("metrics on http://%s:%d/metrics", self.settings.metrics_host, self.metrics.port)
-        if self.settings.http_port:
-            from .http_front import HttpFront
-            self.http_front = HttpFront(self.settings.socket, self.settings.http_host, self.settings.http_port)
         log.info("modelcache %s ready on %s: %d models in %s, host tier %s (%d MiB)", __version__, addr,
                  len(self.registry.models), self.repository.root, self.host.root,
                  self.host.capacity_bytes >> 20)
@@ -225,14 +242,21 @@ class Daemon:
         try:
             new = self.reload_settings() if self.reload_settings else self.settings
             changed = []
-            for name in self.LIVE_SETTINGS:
-                if getattr(new, name) != getattr(self.settings, name):
-                    setattr(self.settings, name, getattr(new, name))
-                    changed.append(f"{name}={getattr(new, name)}")
+            for name in (f.name for f in dataclasses.fields(Settings)):
+                old, value = getattr(self.settings, name), getattr(new, name)
+                if value == old:
+                    continue
+                if name in self.LIVE_SETTINGS:
+                    setattr(self.settings, name, value)
+                    changed.append(name)
+                    log.info("reload: %s %r -> %r", name, old, value)
+                else:   # said, not dropped: the user changed it and expects to see it take effect
+                    log.warning("reload: %s %r -> %r needs a restart of the daemon; keeping %r until then",
+                                name, old, value, old)
             logging.getLogger("modelcache").setLevel(self.settings.log_level.upper())
             self.host.capacity_bytes = self.settings.host_capacity_bytes()
             self.engine.settings_changed()
-            log.info("reloaded settings: %s", ", ".join(changed) or "nothing changed")
+            log.info("reloaded settings: %s", ", ".join(changed) + " applied" if changed else "nothing changed live")
         except ModelCacheError as e:
             log.error("reload failed, keeping the old settings: %s", e)
         self.notifier.ready(self.status_line())
@@ -253,7 +277,11 @@ class Daemon:
                                     self.engine.describe(), self.engine.latency_by_model))
 
     def serve_forever(self, on_ready=None) -> None:
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self._abort_start()
+            raise
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.wake_rx, zmq.POLLIN)
@@ -354,7 +382,24 @@ class Daemon:
         self.host.stop(keep=self.settings.keep_host_tier)  # kept: the next daemon here re-adopts it
         self.notifier.close()
 
+    def _abort_start(self) -> None:
+        """A start that failed part way (a port, a device, a full /dev/shm): undo what it did, so that nothing
+        is left behind: no socket file, no host tier, no listening port, no thread keeping the process up."""
+        for close in (lambda: self.http_front and self.http_front.close(),
+                      lambda: self.metrics and self.metrics.httpd.server_close(),
+                      lambda: self.router_events is not None and self.router_events.close(linger=0),
+                      lambda: self.router is not None and self.router.close(linger=0),
+                      lambda: self.wake_rx is not None and self.wake_rx.close(linger=0),
+                      self.loaders.shutdown, self._remove_socket_file, self.gpu.stop,
+                      lambda: self.host.stop(keep=self.settings.keep_host_tier), self.notifier.close):
+            try:
+                close()
+            except Exception:   # each step on its own: the start's own error is the one to report
+                log.debug("while undoing a failed start", exc_info=True)
+
     def _remove_socket_file(self) -> None:
+        if self.socket_lock is None:   # not ours: a refused start must not remove the running daemon's socket
+            return
         addr = self.settings.socket
         if addr.startswith("ipc://"):
             Path(addr[len("ipc://"):]).unlink(missing_ok=True)

@@ -36,14 +36,15 @@ def build_app(settings) -> web.Application:
     return app
 
 
-async def serve(settings, host: str, port: int, on_ready=None) -> None:
-    """Serve until SIGTERM or SIGINT; `on_ready(url)` once the port accepts connections."""
+async def serve(settings, host: str, port: int, on_ready=None, sock=None) -> None:
+    """Serve until SIGTERM or SIGINT; `on_ready(url)` once the port accepts connections. `sock`: a listening
+    socket to serve on instead of binding host:port (the CLI and the daemon bind it first: see listen_tcp)."""
     # shutdown_timeout: in-flight requests get this long at a stop (the daemon's own drain allows 60 s,
     # but a front under systemd must exit within the unit's stop time too)
     runner = web.AppRunner(build_app(settings), access_log=None, handle_signals=False,
                            shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()
     bound = runner.addresses[0]
     url = f"http://{'[' + bound[0] + ']' if ':' in bound[0] else bound[0]}:{bound[1]}"
@@ -61,5 +62,5 @@ async def serve(settings, host: str, port: int, on_ready=None) -> None:
     log.info("HTTP front stopped")
 
 
-def run(settings, host: str, port: int, on_ready=None) -> None:
-    asyncio.run(serve(settings, host, port, on_ready))
+def run(settings, host: str, port: int, on_ready=None, sock=None) -> None:
+    asyncio.run(serve(settings, host, port, on_ready, sock))
