@@ -192,14 +192,20 @@ def test_under_pressure_capacity_is_never_exceeded():
 def test_the_front_and_the_comparison_at_equal_memory_and_equal_cold_starts():
     front = frontier([(10, 0.5), (20, 0.2), (15, 0.6), (40, 0.1)])
     assert front == [(10, 0.5), (20, 0.2), (40, 0.1)]
-    assert interpolate(front, 30, 0) == pytest.approx(0.15) and interpolate(front, 0.35, 1) == pytest.approx(15)
-    assert interpolate(front, 50, 0) is None
+    # straight on log-log axes: halfway (geometrically) in memory-time is halfway in cold fraction
+    assert interpolate(front, 20 * 2**0.5, 0) == pytest.approx(0.2 / 2**0.5)
+    assert interpolate(front, 0.2 / 2**0.5, 1) == pytest.approx(20 * 2**0.5)
+    assert interpolate(front, 50, 0) is None and interpolate(front, 0.05, 1) is None
     rows = [{"policy": "lru", "capacity_gib": 1, "gib_s": 20, "cold_fraction": 0.2},
-            {"policy": "gdsf", "capacity_gib": 2, "gib_s": 40, "cold_fraction": 0.1},
-            {"policy": "hybrid", "capacity_gib": 1, "gib_s": 30, "cold_fraction": 0.05}]
-    [c] = compare(rows)
-    assert c["cold_ratio"] == pytest.approx(0.05 / 0.15) and c["mem_ratio"] is None
-    assert not c["worse_than_lru_on_both"]
+            {"policy": "gdsf", "capacity_gib": 1, "gib_s": 21, "cold_fraction": 0.15},
+            {"policy": "lru", "capacity_gib": 2, "gib_s": 40, "cold_fraction": 0.1},
+            {"policy": "hybrid", "capacity_gib": 1, "gib_s": 30, "cold_fraction": 0.05},
+            {"policy": "hybrid", "capacity_gib": 2, "gib_s": 45, "cold_fraction": 0.12}]
+    good, bad = compare(rows)
+    assert good["cold_ratio"] == pytest.approx(0.05 / interpolate(frontier([(20, .2), (21, .15), (40, .1)]), 30, 0))
+    assert good["mem_ratio"] is None                           # fewer cold starts than any baseline point
+    assert (good["same_capacity_best"], good["same_capacity_cold_ratio"]) == ("gdsf", pytest.approx(0.05 / 0.15))
+    assert not good["worse_than_lru_on_both"] and bad["worse_than_lru_on_both"]
 
 
 def test_the_sweep_runs_end_to_end_on_a_tiny_trace(tmp_path, capsys):
@@ -208,5 +214,5 @@ def test_the_sweep_runs_end_to_end_on_a_tiny_trace(tmp_path, capsys):
     assert {r["policy"] for r in out["rows"]} == {"lru", "keepalive", "gdsf", "hybrid"} and len(out["rows"]) == 8
     assert read_counts(tmp_path / "trace.csv")                       # the trace it ran, in the Azure format
     printed = capsys.readouterr().out
-    assert "cold %" in printed and printed.count("|    hybrid |") == 2
+    assert "cold %" in printed and printed.count("|    hybrid |") == 2 and printed.startswith("python -m modelcache.faas.sweep --functions 12")
     assert "hybrid at" in printed
