@@ -201,3 +201,12 @@ def test_idle_time_histogram_edges_percentiles_and_cv():
     for _ in range(10):
         one.add(125)
     assert one.cv() == pytest.approx(math.sqrt(239))      # one sharp peak: the highest CV there is
+
+
+def test_replanning_does_not_grow_the_timer_heap_without_bound():
+    p = Hybrid()
+    for i in range(10_000):                       # one busy model, a call a second: each call replans
+        call(p, "a", float(i))
+    assert len(p._heap) <= 2 * len(p._pending) + 65
+    assert p.windows("a") == (0, MIN)                        # idle times of a second: head 0, tail a minute
+    assert step(p, 1e9) == [(9_999 + 1.1 * MIN, "unload", "a")]   # only the last plan's deadline fires

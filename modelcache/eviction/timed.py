@@ -40,7 +40,7 @@ class TimedPolicy(EvictionPolicy):
         self.prewarm_at: dict[str, float] = {}
         self.keep_after_prewarm: dict[str, float] = {}   # the unload time once the pre-warm has happened
         self._heap: list[tuple[float, int, str, str]] = []
-        self._pending: dict[tuple[str, str], int] = {}   # (kind, key) -> the one heap entry that stands
+        self._pending: dict[tuple[str, str], tuple[float, int]] = {}   # (kind, key) -> (t, seq) of its live entry
         self._seq = 0
 
     # -- what a subclass decides -------------------------------------------------------------
@@ -98,10 +98,18 @@ class TimedPolicy(EvictionPolicy):
 
     # -- timers ------------------------------------------------------------------------------
     def _push(self, t: float, kind: str, key: str) -> None:
-        """Set `key`'s `kind` timer to `t`; an earlier entry for it is dropped lazily (`_pending`)."""
+        """Set `key`'s `kind` timer to `t`; an earlier entry for it is dropped lazily (`_pending`), and the
+        heap is rebuilt when dropped entries outnumber live ones (every call replans: a busy model would
+        otherwise leave one entry per call until its old deadline came round)."""
         self._seq += 1
-        self._pending[(kind, key)] = self._seq
+        self._pending[(kind, key)] = (t, self._seq)
         heapq.heappush(self._heap, (t, self._seq, kind, key))
+        if len(self._heap) > 2 * len(self._pending) + 64:
+            self._heap = [(t, seq, kind, key) for (kind, key), (t, seq) in self._pending.items()]
+            heapq.heapify(self._heap)
+
+    def _live(self, seq: int, kind: str, key: str) -> bool:
+        return self._pending.get((kind, key), (None, None))[1] == seq
 
     def _schedule_unload(self, key: str, t: float) -> None:
         self.unload_at[key] = t
@@ -110,7 +118,7 @@ class TimedPolicy(EvictionPolicy):
     def next_deadline(self):
         while self._heap:
             t, seq, kind, key = self._heap[0]
-            if self._pending.get((kind, key)) == seq:
+            if self._live(seq, kind, key):
                 return t
             heapq.heappop(self._heap)   # superseded by a later plan
         return None
@@ -120,7 +128,7 @@ class TimedPolicy(EvictionPolicy):
         actions = []
         while self._heap and self._heap[0][0] <= now:
             t, seq, kind, key = heapq.heappop(self._heap)
-            if self._pending.get((kind, key)) != seq:
+            if not self._live(seq, kind, key):
                 continue
             del self._pending[(kind, key)]
             if kind == "prewarm":
