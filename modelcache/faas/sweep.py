@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hours", type=float, default=6.0, help="synthetic: trace length")
     ap.add_argument("--minutes", default="", help="a CSV's window, FIRST:STOP in its minute numbers")
     ap.add_argument("--seed", type=int, default=0, help="the trace, the models' draw, the spread in a minute")
-    ap.add_argument("--policies", default="lru,keepalive,gdsf,hybrid")
+    ap.add_argument("--policies", default="lru,keepalive,gdsf,hybrid", help="comma-separated eviction policies")
     ap.add_argument("--capacities", default="0.02,0.05,0.1,0.2,0.3,0.5,1.0",
                     help="host-tier capacities as fractions of all the trace's models together")
     ap.add_argument("--compress", type=float, default=1.0,
