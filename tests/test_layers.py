@@ -21,6 +21,7 @@ LAYERS = [
     ("settings", ["config", "address"]),
     ("model tooling", ["packing", "prepack", "sources", "zoo"]),
     ("tiers", ["tiers", "eviction", "scrub"]),
+    ("trace replay", ["faas"]),
     ("executor", ["executor"]),
     ("daemon", ["daemon"]),
     ("client", ["client"]),

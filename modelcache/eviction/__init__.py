@@ -6,61 +6,16 @@ No clocks, sockets or files here: tests step them by hand.
 
 A model the cache must not evict (in use, loading, pinned) is simply not among the
 candidates it passes to `choose_victims`.
+
+Timed policies (`keepalive`, `hybrid`: timed.py, hybrid.py) also keep deadlines: the tier asks
+`next_deadline()`, and when it passes, `due(now)` says which models to unload or pre-warm.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass
-class Entry:
-    size: int
-    created: float
-    last_access: float
-    accesses: int = 0
-    priority: float = 0.0   # GreedyDual-Size-Frequency's H
-
-
-class EvictionPolicy:
-    """Base: bookkeeping shared by all policies; subclasses say how victims are ordered."""
-
-    name = "base"
-    evict_on_release = False   # eager: free a model as soon as its last client closes it
-
-    def __init__(self):
-        self.entries: dict[str, Entry] = {}
-
-    # -- what the cache tells the policy ----------------------------------------------
-    def created(self, key: str, size: int, now: float) -> None:
-        self.entries[key] = Entry(size=size, created=now, last_access=now)
-
-    def accessed(self, key: str, now: float) -> None:
-        e = self.entries.get(key)
-        if e is not None:
-            e.accesses += 1
-            e.last_access = now
-
-    def released(self, key: str, now: float) -> None:
-        """The last lease on `key` closed."""
-
-    def removed(self, key: str) -> None:
-        self.entries.pop(key, None)
-
-    # -- the decision --------------------------------------------------------------------
-    def order(self, keys: list[str]) -> list[str]:
-        """Candidates, first victim first."""
-        raise NotImplementedError
-
-    def choose_victims(self, bytes_needed: int, candidates: dict[str, int]) -> list[str]:
-        """Victims, in order, whose sizes (as given) add up to at least `bytes_needed`; [] if they cannot."""
-        chosen, freed = [], 0
-        for key in self.order([k for k in candidates if k in self.entries]):
-            if freed >= bytes_needed:
-                break
-            chosen.append(key)
-            freed += candidates[key]
-        return chosen if freed >= bytes_needed else []
+from .base import Action, Entry, EvictionPolicy
+from .hybrid import Hybrid
+from .timed import KeepAlive, TimedPolicy
 
 
 class LRU(EvictionPolicy):
@@ -136,14 +91,18 @@ class Eager(LRU):
     evict_on_release = True
 
 
-POLICIES = {cls.name: cls for cls in (LRU, LFU, FIFO, GDSF, Never, Eager)}
+POLICIES = {cls.name: cls for cls in (LRU, LFU, FIFO, GDSF, Never, Eager, KeepAlive, Hybrid)}
 
 
-def make_policy(name: str) -> EvictionPolicy:
+def make_policy(name: str, time_scale: float = 1.0) -> EvictionPolicy:
+    """The policy called `name`; a timed one's windows (minutes of a trace) are multiplied by `time_scale`
+    (1/60 when a replay compresses an hour into a minute)."""
     try:
-        return POLICIES[name]()
+        cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+    return cls(time_scale=time_scale) if cls.timed else cls()
 
 
-__all__ = ["EvictionPolicy", "LRU", "LFU", "FIFO", "GDSF", "Never", "Eager", "POLICIES", "make_policy"]
+__all__ = ["Action", "Entry", "EvictionPolicy", "TimedPolicy", "LRU", "LFU", "FIFO", "GDSF", "Never", "Eager",
+           "KeepAlive", "Hybrid", "POLICIES", "make_policy"]

@@ -1,0 +1,155 @@
+"""The hybrid histogram policy of "Serverless in the Wild" (Shahrad et al., ATC'20), for model weights:
+per model, a histogram of idle times between calls predicts the next one.
+
+After each call, when the histogram is representative (enough idle times, most of them within its range,
+and one clear pattern: the coefficient of variation of its bin counts above a threshold), the model is
+pre-warmed at the head of the distribution (5th percentile) less a margin and kept until its tail (99th
+percentile) plus a margin; with a head of zero it simply stays until the tail. When it is not, the model
+gets the platforms' fixed keep-alive. The paper sends out-of-range patterns to a time-series forecast
+(ARIMA); here they get the fixed keep-alive too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .timed import MINUTE_S, TimedPolicy
+
+
+@dataclass
+class IdleTimes:
+    """Idle times between calls in bins of `unit_s`; those beyond the last bin counted apart."""
+    bins: int
+    unit_s: float
+    counts: list[int] = field(default_factory=list)
+    out_of_bounds: int = 0
+
+    in_bounds: int = 0
+    squares: int = 0      # sum of the squared counts: the CV in O(1) after each call
+
+    def __post_init__(self):
+        self.counts = self.counts or [0] * self.bins
+
+    def add(self, idle_s: float) -> None:
+        b = int(idle_s // self.unit_s)
+        if b < self.bins:
+            self.squares += 2 * self.counts[b] + 1
+            self.counts[b] += 1
+            self.in_bounds += 1
+        else:
+            self.out_of_bounds += 1
+
+    def cv(self) -> float:
+        """Coefficient of variation of the bin counts: high for one sharp peak, zero for a flat spread."""
+        if self.in_bounds == 0:
+            return 0.0
+        mean = self.in_bounds / self.bins
+        return math.sqrt(max(0.0, self.squares / self.bins - mean * mean)) / mean
+
+    def percentile_s(self, pct: float, upper: bool) -> float:
+        """The bin holding the `pct`th percentile, as its lower edge (a head: never late) or its upper
+        edge (a tail: never early), in seconds."""
+        target = pct / 100 * self.in_bounds
+        seen = 0
+        for b, c in enumerate(self.counts):
+            seen += c
+            if c and seen >= target:
+                return (b + 1 if upper else b) * self.unit_s
+        return self.bins * self.unit_s
+
+
+class Hybrid(TimedPolicy):
+    """Keep-alive and pre-warm windows learned per model from its idle times (module docstring).
+
+    Parameters in trace minutes, scaled by `time_scale`: bins of `unit_minutes` up to `range_minutes`
+    (the paper's 1 minute and 4 hours), head and tail percentiles (5, 99), `margin` (10 %, the paper's),
+    representative when at least `min_samples` idle times, at most `max_out_of_bounds` of them beyond
+    the range and the CV above `cv_threshold`; otherwise `fallback_minutes` of fixed keep-alive.
+    """
+
+    name = "hybrid"
+
+    def __init__(self, time_scale: float = 1.0, *, unit_minutes: float = 1.0, range_minutes: float = 240.0,
+                 head_pct: float = 5.0, tail_pct: float = 99.0, margin: float = 0.10, min_samples: int = 5,
+                 max_out_of_bounds: float = 0.5, cv_threshold: float = 2.0, fallback_minutes: float = 10.0):
+        super().__init__(time_scale)
+        self.unit_s = unit_minutes * MINUTE_S * time_scale
+        self.bins = max(1, round(range_minutes / unit_minutes))
+        self.head_pct, self.tail_pct, self.margin = head_pct, tail_pct, margin
+        self.min_samples, self.max_out_of_bounds, self.cv_threshold = min_samples, max_out_of_bounds, cv_threshold
+        self.fallback_s = fallback_minutes * MINUTE_S * time_scale
+        self.idle: dict[str, IdleTimes] = {}
+        self._windows: dict[str, tuple[float, float] | None] = {}   # as of the last call
+        self._sampled: dict[str, float] = {}   # when each model's last idle time was recorded
+        self._first_call: dict[str, float] = {}
+        self._calls: dict[str, int] = {}
+
+    def observe_call(self, key, now):
+        """Record the idle time since the previous call, at most one a bin's width while calls come closer
+        together than that: the paper's histograms come from per-minute counts, where a busy minute is one
+        observation, so a burst of a thousand calls must not drown the one long idle time after it."""
+        self._first_call.setdefault(key, now)
+        self._calls[key] = self._calls.get(key, 0) + 1
+        previous = self.last_call.get(key)
+        if previous is not None and (now - previous >= self.unit_s
+                                     or now - self._sampled.get(key, -math.inf) >= self.unit_s):
+            self.idle.setdefault(key, IdleTimes(self.bins, self.unit_s)).add(now - previous)
+            self._sampled[key] = now
+        self._windows[key] = self._learn(key)
+
+    def representative(self, key: str) -> bool:
+        h = self.idle.get(key)
+        if h is None or h.in_bounds < self.min_samples:
+            return False
+        if h.out_of_bounds > self.max_out_of_bounds * (h.in_bounds + h.out_of_bounds):
+            return False
+        return h.cv() > self.cv_threshold
+
+    def windows(self, key: str) -> tuple[float, float] | None:
+        """(head, tail) of `key`'s idle times in seconds, as of its last call; None while not representative."""
+        return self._windows.get(key)
+
+    def _learn(self, key: str) -> tuple[float, float] | None:
+        if not self.representative(key):
+            return None
+        h = self.idle[key]
+        return h.percentile_s(self.head_pct, upper=False), h.percentile_s(self.tail_pct, upper=True)
+
+    def plan(self, key, now):
+        w = self.windows(key)
+        if w is None:
+            return None, self.fallback_s
+        head, tail = w
+        return (head * (1 - self.margin) if head > 0 else None), tail * (1 + self.margin)
+
+    def idle_keep_s(self):
+        return self.fallback_s
+
+    def predicted_next_call(self, key):
+        w, last = self.windows(key), self.last_call.get(key)
+        return None if w is None or last is None else last + w[0]
+
+    def time_to_next_call(self, key):
+        """Before the head: until the head. Then, until the keep-alive window ends: as long as it has been
+        idle (LRU's guess), but no later than the window's end, where the call is expected. Otherwise
+        (past the window, no pattern yet): its mean time between calls, or as long as it has been idle if
+        that is longer (its rate has dropped)."""
+        age, last = super().time_to_next_call(key), self.last_call.get(key)
+        if last is None:
+            return age
+        w = self.windows(key)
+        if w is not None:
+            head_at, keep_until = last + w[0], last + w[1] * (1 + self.margin)
+            if self.now < head_at:
+                return head_at - self.now
+            if self.now < keep_until:
+                return min(keep_until - self.now, age)
+        n = self._calls[key]
+        return max(age, (last - self._first_call[key]) / (n - 1)) if n >= 2 else age
+
+    def order(self, keys):
+        """The most bytes held longest first: expected time to the next call x size (Belady's order made
+        size-aware, as GDSF weighs size: FaasCache's point that keep-alive is caching)."""
+        return sorted(keys, key=lambda k: (-self.time_to_next_call(k) * self.entries[k].size,
+                                           self.entries[k].last_access, k))

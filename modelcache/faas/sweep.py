@@ -1,0 +1,177 @@
+"""Sweep policies x host-tier capacities over a FaaS trace with the discrete-event replay; print the
+table, compare `hybrid` with the best baseline, plot cold starts against memory-time (one line per
+policy, one point per capacity).
+
+    python -m modelcache.faas.sweep --trace synthetic --functions 200 --hours 6 --out DIR
+    python -m modelcache.faas.sweep --trace invocations.csv --minutes 540:900 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from ..eviction import make_policy
+from .simulate import GIB, Costs, replay
+from .synthetic import generate
+from .trace import assign_models, invocations, read_counts, write_counts, zoo_catalogue
+
+BASELINES = ("lru", "keepalive", "gdsf")
+COLUMNS = [("policy", "policy", "{}"), ("capacity_gib", "cap GiB", "{:.2f}"), ("cold_fraction", "cold %", "{:.3%}"),
+           ("disk_misses", "cold", "{}"), ("host_hits", "warm", "{}"), ("gib_s", "GiB*s", "{:.0f}"),
+           ("ttfr_p50_ms", "ttfr p50 ms", "{:.1f}"), ("ttfr_p99_ms", "ttfr p99 ms", "{:.1f}"),
+           ("promotions", "promotions", "{}"), ("prewarms", "prewarms", "{}"), ("wasted_prewarms", "wasted", "{}"),
+           ("evictions", "evictions", "{}"), ("unloads", "unloads", "{}"), ("unserved", "unserved", "{}")]
+
+
+def table(rows: list[dict]) -> str:
+    cells = [[title for _, title, _ in COLUMNS]] + [[fmt.format(r[k]) for k, _, fmt in COLUMNS] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    lines = ["| " + " | ".join(c.rjust(w) for c, w in zip(line, widths)) + " |" for line in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The Pareto front of (memory-time, cold fraction) points: each point uses more memory-time than the
+    one before and has fewer cold starts."""
+    front = []
+    for x, y in sorted(points):
+        if not front or y < front[-1][1]:
+            front.append((x, y))
+    return front
+
+
+def interpolate(front: list[tuple[float, float]], x: float, axis: int) -> float | None:
+    """On the front, straight between its points on log-log axes (as the figure draws it): the cold
+    fraction at memory-time x (axis 0), or the memory-time at cold fraction x (axis 1); None outside the
+    front's span (or where a cold fraction is 0, which has no logarithm)."""
+    if x <= 0 or any(v <= 0 for p in front for v in p):
+        return None
+    for a, b in zip(front, front[1:]):
+        lo, hi = sorted((a[axis], b[axis]))
+        if lo <= x <= hi:
+            f = 0.0 if hi == lo else math.log(x / a[axis]) / math.log(b[axis] / a[axis])
+            return a[1 - axis] * (b[1 - axis] / a[1 - axis]) ** f
+    if len(front) == 1 and front[0][axis] == x:
+        return front[0][1 - axis]
+    return None
+
+
+def compare(rows: list[dict], policy: str = "hybrid") -> list[dict]:
+    """For each of `policy`'s points: the best baseline's cold fraction at the same memory-time and the
+    best baseline's memory-time at the same cold fraction (on the baselines' Pareto front, between its
+    points as `interpolate` says); the best baseline at the same capacity (under pressure every policy
+    fills the tier, so that is equal memory-time measured, not interpolated); and whether LRU at the same
+    capacity beats it on both."""
+    base = frontier([(r["gib_s"], r["cold_fraction"]) for r in rows if r["policy"] in BASELINES])
+    out = []
+    for r in (r for r in rows if r["policy"] == policy):
+        cold_at_mem = interpolate(base, r["gib_s"], 0)
+        mem_at_cold = interpolate(base, r["cold_fraction"], 1)
+        same = [b for b in rows if b["policy"] in BASELINES and b["capacity_gib"] == r["capacity_gib"]]
+        best = min(same, key=lambda b: (b["cold_fraction"], b["gib_s"]), default=None)
+        lru = next((b for b in same if b["policy"] == "lru"), None)
+        out.append({"capacity_gib": r["capacity_gib"], "gib_s": r["gib_s"], "cold_fraction": r["cold_fraction"],
+                    "baseline_cold_at_equal_mem": cold_at_mem,
+                    "cold_ratio": None if not cold_at_mem else r["cold_fraction"] / cold_at_mem,
+                    "baseline_mem_at_equal_cold": mem_at_cold,
+                    "mem_ratio": None if not mem_at_cold else r["gib_s"] / mem_at_cold,
+                    "same_capacity_best": best and best["policy"],
+                    "same_capacity_cold_ratio": best and best["cold_fraction"] and r["cold_fraction"] / best["cold_fraction"],
+                    "same_capacity_mem_ratio": best and r["gib_s"] / best["gib_s"],
+                    "worse_than_lru_on_both": bool(lru and lru["cold_fraction"] < r["cold_fraction"]
+                                                   and lru["gib_s"] < r["gib_s"])})
+    return out
+
+
+def plot(rows: list[dict], path: Path, title: str) -> bool:
+    from ..plotting import pyplot
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        pts = sorted((r["gib_s"], 100 * r["cold_fraction"]) for r in rows if r["policy"] == policy)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.xaxis.set_minor_formatter(plt.NullFormatter())   # (the minor labels overlap)
+    ax.set_xlabel("memory-time in the host tier (GiB x s)")
+    ax.set_ylabel("cold starts (% of calls)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m modelcache.faas.sweep", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", default="synthetic", help="'synthetic' or an Azure Functions invocation-count CSV")
+    ap.add_argument("--functions", type=int, default=200, help="synthetic: how many functions")
+    ap.add_argument("--hours", type=float, default=6.0, help="synthetic: trace length")
+    ap.add_argument("--minutes", default="", help="a CSV's window, FIRST:STOP in its minute numbers")
+    ap.add_argument("--seed", type=int, default=0, help="the trace, the models' draw, the spread in a minute")
+    ap.add_argument("--policies", default="lru,keepalive,gdsf,hybrid", help="comma-separated eviction policies")
+    ap.add_argument("--capacities", default="0.02,0.05,0.1,0.2,0.3,0.5,1.0",
+                    help="host-tier capacities as fractions of all the trace's models together")
+    ap.add_argument("--compress", type=float, default=1.0,
+                    help="divide trace time by this (the policies' windows scale with it)")
+    ap.add_argument("--out", default="", help="folder for trace.csv, results.json, pareto.png")
+    args = ap.parse_args(argv)
+    print("python -m modelcache.faas.sweep " + " ".join(sys.argv[1:] if argv is None else argv))
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+
+    if args.trace == "synthetic":
+        functions = generate(args.functions, args.hours, args.seed)
+        path = (out or Path(".")) / "trace.csv" if out else None
+        if path:   # the run reads back what it wrote: the reader the real trace goes through
+            write_counts(path, functions)
+            functions = read_counts(path)
+        label = f"synthetic, {args.functions} functions, {args.hours:g} h, seed {args.seed}"
+    else:
+        functions = read_counts(args.trace)
+        label = f"{Path(args.trace).name}, {len(functions)} functions"
+    window = tuple(int(x) for x in args.minutes.split(":")) if args.minutes else None
+    models = assign_models(functions, zoo_catalogue(), args.seed)
+    sizes = dict(models.values())
+    calls = invocations(functions, models, args.seed, args.compress, window)
+    total = sum(sizes.values())
+    print(f"{label}: {len(calls)} calls, {len(sizes)} models, {total / GIB:.1f} GiB together", flush=True)
+
+    rows = []
+    for frac in (float(x) for x in args.capacities.split(",")):
+        for name in args.policies.split(","):
+            t0 = time.perf_counter()
+            r = replay(make_policy(name, time_scale=1 / args.compress), int(total * frac), calls, sizes, Costs())
+            rows.append(r.row())
+            print(f"  {name} at {frac:g} of the models ({r.capacity_bytes / GIB:.2f} GiB): "
+                  f"cold {r.cold_fraction:.3%}, {r.gib_s:.0f} GiB*s ({time.perf_counter() - t0:.1f} s)",
+                  file=sys.stderr, flush=True)
+    print(table(rows))
+    comparison = compare(rows) if "hybrid" in args.policies.split(",") else []
+    for c in comparison:
+        ratio = lambda v: "n/a" if v is None else f"{v:.2f}x"   # noqa: E731   (n/a: outside the baselines' span)
+        print(f"hybrid at {c['capacity_gib']:.2f} GiB: on the baselines' front, cold starts {ratio(c['cold_ratio'])} "
+              f"at equal memory-time, memory-time {ratio(c['mem_ratio'])} at equal cold starts; at the same "
+              f"capacity vs {c['same_capacity_best']}: cold {ratio(c['same_capacity_cold_ratio'])}, memory-time "
+              f"{ratio(c['same_capacity_mem_ratio'])}{'; WORSE than LRU on both' if c['worse_than_lru_on_both'] else ''}")
+    if out:
+        (out / "results.json").write_text(json.dumps({"trace": label, "args": vars(args), "costs": vars(Costs()),
+                                                      "rows": rows, "hybrid_vs_baselines": comparison}, indent=1))
+        if plot(rows, out / "pareto.png", label):
+            print(f"figure: {out / 'pareto.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""The timed policies (`keepalive`, `hybrid`), stepped by hand with an injected clock: the deadlines they
+set after each call, the actions `due` gives, and the order they evict in under pressure."""
+
+import math
+
+import pytest
+
+from modelcache.eviction import LRU, Action, Hybrid, KeepAlive, make_policy
+from modelcache.eviction.hybrid import IdleTimes
+
+MIN = 60.0
+
+
+def call(policy, key, t, size=10, run_s=0.5):
+    """One call as the daemon reports it: loaded if need be, leased, let go `run_s` later."""
+    if key not in policy.entries:
+        policy.created(key, size, t)
+    policy.accessed(key, t)
+    policy.released(key, t + run_s)
+
+
+def step(policy, until):
+    """Drive the timers as the daemon would, up to `until`: every action with the time it came due;
+    an unload is carried out (the model is idle), a pre-warm loads the model at once."""
+    got = []
+    while (t := policy.next_deadline()) is not None and t <= until:
+        for a in policy.due(t):
+            got.append((t, a.kind, a.key))
+            if a.kind == "unload":
+                policy.removed(a.key)
+            else:
+                policy.created(a.key, 10, t)
+    return got
+
+
+def test_a_never_seen_model_has_no_timer():
+    p = Hybrid()
+    assert p.next_deadline() is None and p.due(1e9) == []
+    assert p.keep_alive_until("m") is None and p.predicted_next_call("m") is None
+
+
+def test_policies_without_timers_answer_nothing_ever():
+    p = LRU()
+    p.created("a", 10, 0)
+    p.accessed("a", 1)
+    assert p.next_deadline() is None and p.due(1e9) == [] and p.keep_alive_until("a") is None
+    assert p.prewarm_victims("b", 5, {"a": 10}) == []
+
+
+def test_keepalive_unloads_ten_minutes_after_the_last_call():
+    p = KeepAlive()
+    call(p, "a", 0)
+    assert p.keep_alive_until("a") == 10 * MIN
+    call(p, "a", 5 * MIN)                 # a second call moves the window
+    assert p.due(10 * MIN) == []
+    assert p.keep_alive_until("a") == 15 * MIN
+    assert step(p, 1e9) == [(15 * MIN, "unload", "a")]
+    assert p.next_deadline() is None      # gone: nothing left to do
+
+
+def test_a_one_off_call_gets_the_fixed_keep_alive_then_goes():
+    p = Hybrid()
+    call(p, "a", 100)
+    assert p.predicted_next_call("a") is None          # one call teaches nothing
+    assert step(p, 1e9) == [(100 + 10 * MIN, "unload", "a")]
+
+
+def test_a_model_in_use_is_never_unloaded_its_window_ends_at_release():
+    p = KeepAlive()
+    p.created("a", 10, 0)
+    p.accessed("a", 0)                    # leased, and held for 15 minutes
+    assert p.due(10 * MIN) == []          # its window ended while in use: nothing
+    p.released("a", 15 * MIN)
+    assert p.due(15 * MIN) == [Action("unload", "a")]
+
+
+def test_time_scale_compresses_the_windows():
+    p = make_policy("keepalive", time_scale=1 / 60)
+    call(p, "a", 0)
+    assert p.keep_alive_until("a") == pytest.approx(10.0)    # ten minutes of trace in ten seconds
+    h = make_policy("hybrid", time_scale=1 / 60)
+    assert h.unit_s == pytest.approx(1.0) and h.fallback_s == pytest.approx(10.0)
+
+
+def periodic(p, every_s, n, t0=0.0):
+    for i in range(n):
+        call(p, "a", t0 + i * every_s)
+    return t0 + (n - 1) * every_s
+
+
+def test_periodic_calls_learn_to_unload_in_between_and_prewarm_just_before():
+    p = Hybrid()
+    last = periodic(p, 5 * MIN + 10, 6)   # 5 idle times in bin 5 (5-6 minutes): representative
+    assert p.representative("a")
+    assert p.windows("a") == (5 * MIN, 6 * MIN)            # head and tail, bin edges
+    assert p.predicted_next_call("a") == last + 5 * MIN
+    got = step(p, last + 20 * MIN)
+    assert got == [(last + 0.5, "unload", "a"),            # idle after the call: goes at release
+                   (last + 4.5 * MIN, "prewarm", "a"),     # head less 10 %
+                   (last + 6.6 * MIN, "unload", "a")]      # tail plus 10 %, no call came
+    assert p.keep_alive_until("a") is None                 # not resident
+
+
+def test_a_call_cancels_the_pending_prewarm_and_plans_again():
+    p = Hybrid()
+    last = periodic(p, 5 * MIN + 10, 6)
+    step(p, last + 1)                                      # unloaded after the call
+    call(p, "a", last + 2 * MIN)                           # early: a cold start, and a new plan
+    head, _ = p.windows("a")
+    assert head == 2 * MIN                                 # the early idle time is now the head
+    got = step(p, last + 7 * MIN)
+    assert (last + 4.5 * MIN, "prewarm", "a") not in got   # the old plan's pre-warm never fires
+    assert got[:2] == [(last + 2 * MIN + 0.5, "unload", "a"), (last + 2 * MIN + 0.9 * head, "prewarm", "a")]
+
+
+def test_a_prewarm_for_a_model_still_resident_loads_nothing_but_keeps_it():
+    p = Hybrid()
+    last = periodic(p, 5 * MIN + 10, 6)
+    p.created("a", 10, last)               # (still resident: the tier has not acted on the unload)
+    p.accessed("a", last + 1)              # held across its pre-warm time
+    assert p.due(last + 1 + 4.5 * MIN) == []                  # nothing to load, nor to unload (in use)
+    p.released("a", last + 5 * MIN)
+    assert p.due(last + 5 * MIN) == []                        # the pre-warm's window has begun: it stays
+    assert p.keep_alive_until("a") == last + 1 + 6.6 * MIN
+
+
+def test_bursts_with_long_gaps_keep_the_model_across_the_gap():
+    """Bursts of calls 10 s apart for two minutes, then 30 minutes idle: the burst's calls count one
+    idle time a minute (as the paper's per-minute counts do), so the 30-minute gaps reach the tail."""
+    p, k = Hybrid(), KeepAlive()
+    t = 0.0
+    for _ in range(5):
+        for i in range(12):
+            call(p, "a", t + 10 * i)
+            call(k, "a", t + 10 * i)
+        t += 110 + 30 * MIN
+        step(p, t - 1)
+        step(k, t - 1)
+    assert p.representative("a")
+    head, tail = p.windows("a")
+    assert head == 0 and tail >= 30 * MIN
+    assert "a" in p.entries and "a" not in k.entries     # hybrid kept it over the gap; keep-alive let it go
+
+
+def test_spread_out_idle_times_are_not_representative():
+    """Idle times over 120 of the 240 minutes, evenly: CV 1. (With fewer idle times than bins even an
+    even spread has a high CV: n in n bins gives sqrt(240/n - 1), over 2 below 48 distinct minutes.)"""
+    p = Hybrid()
+    t = 0.0
+    for i in range(240):
+        t += (i % 120 + 0.5) * MIN
+        call(p, "a", t)
+    assert p.idle["a"].cv() == pytest.approx(1.0, abs=0.02) and not p.representative("a")
+    assert p.keep_alive_until("a") == t + 10 * MIN       # the fixed keep-alive
+
+
+def test_mostly_out_of_range_idle_times_are_not_representative():
+    p = Hybrid()
+    periodic(p, 5 * 60 * MIN, 8)          # every 5 hours: beyond the 4-hour range
+    assert p.idle["a"].out_of_bounds == 7 and not p.representative("a")
+
+
+def test_too_few_idle_times_are_not_representative():
+    p = Hybrid()
+    periodic(p, 5 * MIN + 10, 5)          # 4 idle times < min_samples
+    assert not p.representative("a") and p.predicted_next_call("a") is None
+
+
+def test_under_pressure_the_furthest_expected_call_and_the_most_bytes_go_first():
+    p = Hybrid()
+    last = periodic(p, 30 * MIN + 10, 7)                   # next call expected 30 minutes after `last`
+    call(p, "b", last - 60, size=10)                       # one call a minute ago
+    call(p, "c", last - 600, size=10)                      # one call ten minutes ago
+    p.created("a", 10, last + 1)
+    p.due(last + 60)                                       # (tell the policy the time)
+    # a: ~29 minutes to its expected call; c: idle 11 min; b: idle 2 min
+    assert p.order(["a", "b", "c"]) == ["a", "c", "b"]
+    call(p, "big", last + 55, size=1000)                   # idle one second, but 100x the bytes
+    p.due(last + 60)
+    assert p.order(["big", "b"])[0] == "big"
+
+
+def test_a_prewarm_displaces_only_models_expected_later():
+    p = Hybrid()
+    last = periodic(p, 5 * MIN + 10, 6)                    # a: expected 5 minutes after `last`
+    step(p, last + 1)                                      # a unloaded
+    call(p, "hot", last + 4 * MIN, size=10)                # called just before a's pre-warm
+    call(p, "cold", last - 60 * MIN, size=10)              # idle an hour
+    p.due(last + 4.5 * MIN - 1)
+    assert p.prewarm_victims("a", 10, {"hot": 10, "cold": 10}) == ["cold"]
+    assert p.prewarm_victims("a", 20, {"hot": 10, "cold": 10}) == []
+
+
+def test_idle_time_histogram_edges_percentiles_and_cv():
+    h = IdleTimes(bins=240, unit_s=60)
+    for s in (0, 59.9, 60, 300, 14400):
+        h.add(s)
+    assert h.counts[0] == 2 and h.counts[1] == 1 and h.counts[5] == 1 and h.out_of_bounds == 1
+    assert h.percentile_s(5, upper=False) == 0 and h.percentile_s(99, upper=True) == 6 * 60
+    one = IdleTimes(bins=240, unit_s=60)
+    for _ in range(10):
+        one.add(125)
+    assert one.cv() == pytest.approx(math.sqrt(239))      # one sharp peak: the highest CV there is
+
+
+def test_replanning_does_not_grow_the_timer_heap_without_bound():
+    p = Hybrid()
+    for i in range(10_000):                       # one busy model, a call a second: each call replans
+        call(p, "a", float(i))
+    assert len(p._heap) <= 2 * len(p._pending) + 65
+    assert p.windows("a") == (0, MIN)                        # idle times of a second: head 0, tail a minute
+    assert step(p, 1e9) == [(9_999 + 1.1 * MIN, "unload", "a")]   # only the last plan's deadline fires
