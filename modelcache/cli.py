@@ -184,10 +184,25 @@ def cmd_calibrate(args) -> int:
 def cmd_evict(args) -> int:
     from .client.connection import connect
     with connect(_settings(args).socket) as c:
-        c.evict(args.name, args.version, tier=args.tier)
-    print(f"evicted {args.name} from the host tier (and every GPU)" if args.tier == "host" else
-          f"demoted {args.name} from the GPU tier ({args.tier}); it stays in the host tier")
+        done = c.evict(args.name, args.version, tier=args.tier)
+    print(evict_line(done) if done is not None else f"{args.name}: evict ({args.tier}) done")
     return 0
+
+
+def _tiers_text(tiers: list) -> str:
+    return " and ".join("the host tier" if t == "host" else f"GPU {t.partition(':')[2]}" for t in tiers)
+
+
+def evict_line(r) -> str:
+    """What an evict did, from the daemon's EvictReply: the version, where it was, where it is now."""
+    key = f"{r.name}@{r.version}"
+    now = f"it stays in {_tiers_text(r.after)}" if r.after else "it is on disk only now"
+    if not r.before:
+        return f"{key} was not in memory (on disk only): nothing to evict"
+    gone = [t for t in r.before if t not in r.after]
+    if not gone:
+        return f"{key} was not on any GPU: nothing to demote; {now}"
+    return f"evicted {key} from {_tiers_text(gone)} ({_human(r.freed_bytes)} freed); {now}"
 
 
 def cmd_status(args) -> int:

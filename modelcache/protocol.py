@@ -324,6 +324,17 @@ class Evict(Message, kind="evict"):
                                        # demotes it from the GPU(s) and keeps it in the host tier
 
 
+class EvictReply(Message, kind="evict_ok"):
+    """What an evict did to the version it resolved to: the memory tiers that held it before and after
+    ("host", "gpu:<UUID>" each; none: on disk only). An older daemon answers Ack instead."""
+    req_id: int
+    name: str
+    version: int
+    before: list = []
+    after: list = []
+    freed_bytes: int = 0
+
+
 class ListModels(Message, kind="list"):
     req_id: int
 

@@ -349,10 +349,19 @@ def test_evict_frees_host_memory_and_next_open_is_a_miss(daemon, client, zoo_fil
     s.close()
     host_dir = daemon.shm_dir / "cnn@1.onnx"   # the resident skeleton
     assert host_dir.exists() and list(daemon.shm_dir.glob("seg-*.bin"))
-    r = subprocess.run([sys.executable, "-m", "modelcache.cli", "evict", "cnn"], env=daemon.env,
-                       capture_output=True, text=True)
+    def evict(*args):
+        return subprocess.run([sys.executable, "-m", "modelcache.cli", "evict", "cnn", *args], env=daemon.env,
+                              capture_output=True, text=True)
+
+    r = evict("--tier", "gpu")                  # this daemon has none: said so, nothing done
+    assert r.returncode == 1 and "this daemon has no GPU tier" in r.stderr and r.stdout == "", r
+    assert host_dir.exists()
+    r = evict()                                 # what was done, to which version, and where it is now
     assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("evicted cnn@1 from the host tier (") and "it is on disk only now" in r.stdout
     assert not host_dir.exists() and not list(daemon.shm_dir.glob("seg-*.bin"))
+    r = evict()                                 # again: it was not in memory, and the line says so
+    assert r.returncode == 0 and r.stdout.strip() == "cnn@1 was not in memory (on disk only): nothing to evict"
     st = client.stats()
     assert st.models[0]["tier"] == "disk" and st.tiers[0]["used_bytes"] == 0 and st.counters["evictions"] == 1
     with modelcache.InferenceSession("cnn", client=client) as again:

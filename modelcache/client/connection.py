@@ -417,10 +417,12 @@ class Client:
         """Store a batching calibration with the model (see modelcache.client.calibrate)."""
         self._call(P.SetBatching(req_id=0, name=name, version=version, profile=profile), expect=(P.Ack,))
 
-    def evict(self, name: str, version: int | None = None, tier: str = "host") -> None:
+    def evict(self, name: str, version: int | None = None, tier: str = "host") -> P.EvictReply | None:
         """Free the model's memory now; it stays on disk. tier="gpu" (or "gpu:<UUID or index>") demotes it
-        from the GPU(s) only. Refused (CapacityError) while in use there."""
-        self._call(P.Evict(req_id=0, name=name, version=version, tier=tier), expect=(P.Ack,))
+        from the GPU(s) only. Refused (CapacityError) while in use there. Returns what was done (the version,
+        the tiers holding it before and after), or None from a daemon older than that reply."""
+        reply = self._call(P.Evict(req_id=0, name=name, version=version, tier=tier), expect=(P.EvictReply, P.Ack))
+        return reply if isinstance(reply, P.EvictReply) else None
 
     def list(self) -> list[dict]:
         return self._call(P.ListModels(req_id=0), expect=(P.ModelList,)).models

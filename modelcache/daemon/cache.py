@@ -191,29 +191,31 @@ class HostCache:
     def on_Evict(self, ident, msg: P.Evict):
         model = self.registry.resolve(msg.name, msg.version)
         self.admins.check_model_owner(ident, model, "evict")
+        before, freed = model.copies, 0
         if msg.tier != "host":
             if msg.tier.partition(":")[0] != "gpu":
                 raise ModelCacheError(f"unknown tier {msg.tier!r}: use 'host', 'gpu' or 'gpu:<UUID or index>'")
-            self.gpu.evict_named(model, msg.tier)
-            return P.Ack(req_id=msg.req_id)
-        model.check_freeable()
-        if model.state is ModelState.RESIDENT:
-            self.evict(model)
-        return P.Ack(req_id=msg.req_id)
+            freed = self.gpu.evict_named(model, msg.tier)
+        else:
+            model.check_freeable()
+            if model.state is ModelState.RESIDENT:
+                freed = self.evict(model)
+        return P.EvictReply(req_id=msg.req_id, name=model.name, version=model.version, before=before,
+                            after=model.copies, freed_bytes=freed)
 
-    def evict(self, model: ModelRecord) -> None:
+    def evict(self, model: ModelRecord) -> int:
         """Free a resident, unreferenced model from memory, its GPU copies first (the tiers are inclusive;
-        clients' old host mappings stay valid)."""
+        clients' old host mappings stay valid). Returns the bytes freed, in every tier."""
         model.check_freeable()
-        for uuid in list(model.devices):
-            self.gpu.evict_from_device(model, uuid)
+        freed = sum(self.gpu.evict_from_device(model, uuid) for uuid in list(model.devices))
         model.evicted()                 # (raises, freeing nothing, if anything still holds it)
-        freed = self.host.free_model(model.key)
+        host_freed = self.host.free_model(model.key)
         self.policy.removed(model.key)
         for forget in self.forget:
             forget(model.key)
         self.counters["evictions"] += 1
-        log.info("model evicted: %s from host, %.1f MiB freed", model.key, freed / 2**20)
+        log.info("model evicted: %s from host, %.1f MiB freed", model.key, host_freed / 2**20)
+        return freed + host_freed
 
     def make_room(self, bytes_over: int, loading: str) -> bool:
         """Evict unreferenced, unpinned resident models, as the policy chooses, until `bytes_over` is freed.
@@ -303,11 +305,12 @@ class HostCache:
         plan = self.host.plan(model.key, model.disk_dir, model.manifest, self.host_variants(model))  # reserves
         over = self.host.used_bytes - self.host.capacity_bytes
         if over > 0 and not self.make_room(over, loading=model.key):
+            used = self.host.used_bytes - plan.segment_bytes   # (read before abort gives the reservation back)
             self.host.abort(plan)
-            raise CapacityError(
-                f"{model.key} needs {plan.segment_bytes >> 20} MiB in the host tier "
-                f"({self.host.capacity_bytes >> 20} MiB, {(self.host.used_bytes - plan.segment_bytes) >> 20} MiB "
-                f"used) and no unused, unpinned model can make room; close sessions, unpin, or raise host_capacity")
+            kept = {m.key: m.why_kept() for m in self.registry.models.values()
+                    if m is not model and m.state is not ModelState.ON_DISK}
+            raise capacity_refusal(model.key, plan.segment_bytes, "the host tier", self.host.capacity_bytes, used,
+                                   kept, "host_capacity")
         model.start_load()
         self.jobs[f"load:{model.key}"] = {"kind": "load", "model": model.key, "bytes_total": plan.segment_bytes}
 
@@ -390,6 +393,29 @@ class HostCache:
                 wake(error)
 
         self.loaders.run(work, done)
+
+
+def size_text(n: int) -> str:
+    """Bytes as a message shows them: MiB, or KiB below one."""
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.0f} KiB"
+
+
+def capacity_refusal(key: str, needs: int, where: str, capacity: int, used: int, kept: dict,
+                     setting: str) -> CapacityError:
+    """The capacity error of every tier, from the tier's own accounting (`used`: its bytes without this
+    model's reservation): a model larger than the whole tier only needs the setting raised; otherwise
+    it names what holds the tier and why (`kept`: key -> ModelRecord.why_kept), and what would free it."""
+    if needs > capacity:
+        return CapacityError(f"{key} needs {size_text(needs)} in {where}, more than the whole tier ({setting} = "
+                             f"{size_text(capacity)}): the model alone does not fit; raise {setting}")
+    held = [(k, reasons) for k, reasons in sorted(kept.items()) if reasons]
+    advice = list(dict.fromkeys(todo for _, reasons in held for _, todo in reasons))
+    holders = ", ".join(f"{k} ({', '.join(why for why, _ in reasons)})" for k, reasons in held)
+    return CapacityError(f"{key} needs {size_text(needs)} in {where} ({size_text(capacity)}, {size_text(used)} used), and "
+                         + (f"the models there cannot be evicted now: {holders}" if held else
+                            "evicting the unused models there would not free enough (they share memory with "
+                            "models in use)")
+                         + f"; {', '.join(advice + [f'or raise {setting}'])}")
 
 
 def choose_victims(policy, candidates: dict, bytes_freed_by, bytes_over: int) -> list | None:

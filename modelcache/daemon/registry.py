@@ -20,6 +20,15 @@ from ..errors import CapacityError, LeaseError, ModelNotFound
 from ..format import Manifest
 
 
+def plural(n: int, noun: str, nouns: str = "") -> str:
+    """'1 session', '2 sessions': a count that reads right in a message."""
+    return f"{n} {noun}" if n == 1 else f"{n} {nouns or noun + 's'}"
+
+
+# What to do about each reason a copy is kept in its tier: capacity errors end with these.
+CLOSE_SESSIONS, UNPIN, WAIT = "close sessions", "unpin", "wait for the load to finish"
+
+
 class ModelState(enum.Enum):
     ON_DISK = "on_disk"      # only in the repository
     LOADING = "loading"      # a loader thread is copying it into the host tier
@@ -50,12 +59,19 @@ class DeviceResidency:
     def freeable(self) -> bool:
         return self.state is ModelState.RESIDENT and self.leases == 0
 
+    def why_kept(self, pinned: bool) -> list:
+        """[(reason, what to do)] that keep this copy on its GPU when room is needed; [] when none does."""
+        if self.state is ModelState.LOADING:
+            return [("being copied there", WAIT)]
+        return ([(f"in use by {plural(self.leases, 'GPU session')}", CLOSE_SESSIONS)] if self.leases else []) + \
+            ([("pinned", UNPIN)] if pinned else [])
+
     def check_freeable(self, key: str) -> None:
         """Raise unless this copy may be freed now: device memory a lease maps is never freed."""
         if self.state is ModelState.LOADING:
             raise CapacityError(f"{key} is being copied to GPU {self.device}; evict it once it is there")
         if self.leases:
-            raise CapacityError(f"{key} is in use by {self.leases} GPU sessions on {self.device}; "
+            raise CapacityError(f"{key} is in use by {plural(self.leases, 'GPU session')} on {self.device}; "
                                 f"it cannot be evicted from that GPU")
 
 
@@ -97,6 +113,12 @@ class ModelRecord:
         if any(r.state is ModelState.RESIDENT for r in self.devices.values()):
             return "gpu"
         return "host" if self.state is ModelState.RESIDENT else "disk"
+
+    @property
+    def copies(self) -> list:
+        """The memory tiers holding a resident copy: "host", then "gpu:<UUID>" each ([]: on disk only)."""
+        return (["host"] if self.state is ModelState.RESIDENT else []) + \
+            [f"gpu:{r.device}" for r in self.devices.values() if r.state is ModelState.RESIDENT]
 
     @property
     def busy_on_device(self) -> bool:
@@ -157,10 +179,19 @@ class ModelRecord:
         return self.state is ModelState.RESIDENT and self.refcount == 0 and not self.pinned \
             and not self.busy_on_device
 
+    def why_kept(self) -> list:
+        """[(reason, what to do)] that keep the host copy when room is needed; [] when it may be evicted."""
+        if self.state is ModelState.LOADING:
+            return [("loading", WAIT)]
+        reasons = [(f"in use by {plural(self.refcount, 'session')}", CLOSE_SESSIONS)] if self.refcount else []
+        if self.busy_on_device and not self.refcount:     # (a GPU lease counts in refcount too)
+            reasons.append(("being copied to a GPU", WAIT))
+        return reasons + ([("pinned", UNPIN)] if self.pinned else [])
+
     def check_freeable(self) -> None:
         """Raise unless the host copy may be freed now (an explicit evict or remove; pins do not count)."""
         if self.refcount > 0:
-            raise CapacityError(f"{self.key} is in use by {self.refcount} sessions; it cannot be evicted")
+            raise CapacityError(f"{self.key} is in use by {plural(self.refcount, 'session')}; it cannot be evicted")
         if self.state is ModelState.LOADING or self.busy_on_device:
             raise CapacityError(f"{self.key} is loading; evict it once it is resident")
 
