@@ -20,6 +20,7 @@ again once if the daemon is already back and the call is safe to repeat.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import os
 import threading
@@ -500,4 +501,13 @@ def shared_client(socket: str | None = None) -> Client:
     with _shared_lock:
         if _shared is None or _shared._closed or (socket and _shared.address != socket):
             _shared = Client(socket)
+            atexit.register(_leave_at_exit, _shared, os.getpid())
         return _shared
+
+
+def _leave_at_exit(client: Client, pid: int) -> None:
+    """A process that exits with its drop-in sessions closed says goodbye: the daemon counts it as gone, not
+    lost (`clients_lost` is for processes that died or fell silent). Not from a forked child, nor to a daemon
+    the heartbeat already saw go (a goodbye would wait for it)."""
+    if os.getpid() == pid and not client._closed and not client._broken:
+        client.close()
