@@ -60,6 +60,11 @@ def cmd_http(args) -> int:
     return 0
 
 
+def _count(n: int, noun: str) -> str:
+    from .daemon.registry import plural
+    return plural(n, noun)
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -126,16 +131,29 @@ def cmd_rm(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .scrub import DAMAGED, verify_repository
-    root = _settings(args).repository_path
-    reports = verify_repository(root, args.name)
-    if not reports:
-        print(f"no {'version of ' + args.name if args.name else 'model'} in {root}", file=sys.stderr)
-        return 2
-    for r in reports:
-        print(r.line(), flush=True)
-    damaged = sum(r.status == DAMAGED for r in reports)
-    print(f"{len(reports)} versions checked in {root}: " + (f"{damaged} DAMAGED" if damaged else "no damage"))
+    """With a daemon running, the daemon scrubs (and serves again what it finds intact); else read here."""
+    from .client.connection import connect
+    from .errors import DaemonUnavailable, ModelNotFound
+    from .scrub import DAMAGED, VersionReport, nothing_to_verify, verify_repository
+    settings = _settings(args)
+    try:
+        client = connect(settings.socket)
+    except DaemonUnavailable:
+        client = None
+    if client is not None:
+        with client:
+            reply = client.verify(args.name)
+        root, reports = reply.root, [(VersionReport.from_wire(r), r["cleared"]) for r in reply.reports]
+    else:
+        root = settings.repository_path
+        reports = [(r, False) for r in verify_repository(root, args.name)]
+        if not reports:
+            raise ModelNotFound(nothing_to_verify(root, args.name))
+    for r, cleared in reports:
+        print(r.line() + ("  (was marked corrupt: served again)" if cleared else ""), flush=True)
+    damaged = sum(r.status == DAMAGED for r, _ in reports)
+    print(f"{_count(len(reports), 'version')} checked in {root}: " +
+          (f"{damaged} DAMAGED" if damaged else "no damage"))
     return 1 if damaged else 0
 
 
@@ -254,7 +272,8 @@ def format_status(st) -> str:
     print_models(st.models, out)
     corrupt = [m for m in st.models if m.get("corrupt")]
     if corrupt:
-        print(f"\n{len(corrupt)} corrupt versions (not served; `modelcache verify` checks the repository):", file=out)
+        print(f"\n{_count(len(corrupt), 'corrupt version')} (not served; after repairing a file, "
+              f"`modelcache verify NAME` re-checks it and serves it again):", file=out)
         for m in corrupt:
             print(f"  {m['corrupt']}", file=out)
     print(f"\n{len(st.clients)} clients", file=out)

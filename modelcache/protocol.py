@@ -335,6 +335,19 @@ class EvictReply(Message, kind="evict_ok"):
     freed_bytes: int = 0
 
 
+class Verify(Message, kind="verify"):
+    """Scrub the daemon's repository (every version of `name`, or of every model) against the checksums
+    written at add time. A version found intact is served again if it was marked corrupt."""
+    req_id: int
+    name: Optional[str] = None
+
+
+class VerifyReply(Message, kind="verify_ok"):
+    req_id: int
+    root: str                          # the repository scrubbed
+    reports: list = []                 # per version: {key, status, problems, bytes_checked, seconds, cleared}
+
+
 class ListModels(Message, kind="list"):
     req_id: int
 

@@ -425,6 +425,11 @@ class Client:
         reply = self._call(P.Evict(req_id=0, name=name, version=version, tier=tier), expect=(P.EvictReply, P.Ack))
         return reply if isinstance(reply, P.EvictReply) else None
 
+    def verify(self, name: str | None = None) -> P.VerifyReply:
+        """The daemon scrubs its repository (every version of `name`, or all) against the checksums of add
+        time; a version marked corrupt whose files are intact again is served again (report["cleared"])."""
+        return self._call(P.Verify(req_id=0, name=name), expect=(P.VerifyReply,), timeout_s=self._add_timeout_s)
+
     def list(self) -> list[dict]:
         return self._call(P.ListModels(req_id=0), expect=(P.ModelList,)).models
 

@@ -15,6 +15,7 @@ import time
 from .. import protocol as P
 from ..errors import CapacityError, IntegrityError, ModelCacheError, ModelNotFound, PackError, RemoteError
 from ..packing import pack_in_subprocess
+from ..scrub import DAMAGED, nothing_to_verify, verify_version
 from ..storage import storage_errors
 from ..sources import check_regular_files, check_source_names, close_all
 from ..tiers.host import variant_tensors
@@ -54,7 +55,7 @@ class HostCache:
 
     def handlers(self) -> dict:
         return {P.Load: self.on_Load, P.Remove: self.on_Remove, P.Pin: self.on_Pin, P.Evict: self.on_Evict,
-                P.Add: self.on_Add}
+                P.Add: self.on_Add, P.Verify: self.on_Verify}
 
     def host_variants(self, model: ModelRecord) -> tuple:
         """What a host promotion copies: the CPU weights, and the GPU ones when there is a GPU tier."""
@@ -66,7 +67,7 @@ class HostCache:
             then(None, True)
             return True
         if model.damage and self.remote is None:  # (through `then`: a serve request's hold is released there)
-            then(IntegrityError(f"{model.damage}; no remote store is configured to fetch it again"), False)
+            then(corrupt_refusal(model), False)
             return False
         model.wait_for_load(lambda err: then(err, False))
         if model.damage and model.state is ModelState.ON_DISK:  # a fetch that failed before: try again
@@ -178,6 +179,37 @@ class HostCache:
         model.pinned = msg.pinned
         log.info("model %s: %s", "pinned" if msg.pinned else "unpinned", model.key)
         return P.Ack(req_id=msg.req_id)
+
+    def on_Verify(self, ident, msg: P.Verify):
+        """Scrub the versions this daemon knows (of `name`, or all) on a loader thread, and serve again
+        each one marked corrupt whose files are now intact: the way back after repairing a file."""
+        unreadable = [(n, v) for n, v in self.repository.unreadable if msg.name in (None, n)]
+        models = [m for m in self.registry.models.values() if msg.name in (None, m.name)]
+        if msg.name is not None and not models and not unreadable:
+            raise ModelNotFound(nothing_to_verify(self.repository.root, msg.name))
+        targets = sorted([(m.key, m.disk_dir) for m in models] +
+                         [(f"{n}@{v}", self.repository.model_dir(n, v)) for n, v in unreadable])
+
+        def work():
+            return [verify_version(disk_dir, key) for key, disk_dir in targets]
+
+        def done(reports, error):
+            if error is not None:
+                self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=getattr(error, "code", "internal"),
+                                               message=f"verify: {error}"))
+                return
+            by_key = {m.key: m for m in models}
+            out = []
+            for r in reports:
+                model = by_key.get(r.key)
+                cleared = model is not None and r.status != DAMAGED and model.found_intact()
+                if cleared:
+                    log.info("model %s: its files are intact again (verify); served again", r.key)
+                out.append(r.to_wire(cleared))
+            self.reply(ident, P.VerifyReply(req_id=msg.req_id, root=str(self.repository.root), reports=out))
+
+        self.loaders.run(work, done)
+        return None
 
     def after_release(self, model: ModelRecord, device: str | None = None) -> None:
         """A lease or a request let go of the model: tell the policies, and free it if they say so now."""
@@ -328,6 +360,8 @@ class HostCache:
                             model.wait_for_load(wake)
                         self._refetch_damaged(model)
                         return
+                    if self.remote is None:
+                        error = corrupt_refusal(model)
             else:
                 self.host.commit(plan)
                 waiters = model.finish_load(ok=True)
@@ -393,6 +427,12 @@ class HostCache:
                 wake(error)
 
         self.loaders.run(work, done)
+
+
+def corrupt_refusal(model: ModelRecord) -> IntegrityError:
+    """Why a version marked corrupt is not served, and the way back (with no remote store to fetch it from)."""
+    return IntegrityError(f"{model.damage}; no remote store is configured to fetch it again: repair or replace "
+                          f"the file, then run `modelcache verify {model.name}` to re-check it")
 
 
 def size_text(n: int) -> str:

@@ -166,6 +166,12 @@ class ModelRecord:
         """A stored file failed its checksum: not served until a fresh copy replaces it."""
         self.damage = why
 
+    def found_intact(self) -> bool:
+        """A scrub of its stored files found them intact (repaired, or put back): served again.
+        Returns whether it had been marked corrupt."""
+        was_marked, self.damage = bool(self.damage), ""
+        return was_marked
+
     def replaced(self, disk_dir: Path, manifest: Manifest) -> None:
         """The remote store's fresh copy replaced a damaged one (LOADING -> ON_DISK, to be promoted)."""
         self.disk_dir, self.manifest = disk_dir, manifest
