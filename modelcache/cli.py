@@ -81,13 +81,17 @@ def _ago(ts: float) -> str:
 
 
 def print_models(models: list[dict], out=sys.stdout) -> None:
+    """HOST and GPU: what each tier charges for the model, by its own accounting (HOST, for a model not in
+    the host tier: what loading it takes there); DISK: its stored weights, every variant."""
     if not models:
         print("no models; add one with `modelcache add FILE.onnx --name NAME`", file=out)
         return
-    print(f"{'NAME':<20} {'VER':>4} {'BYTES':>10} {'TIER':<5} {'STATE':<9} {'REFS':>4} {'HITS':>5} {'PIN':<3} "
-          f"LAST USE", file=out)
+    print(f"{'NAME':<20} {'VER':>4} {'HOST':>10} {'GPU':>10} {'DISK':>10} {'TIER':<6} {'STATE':<9} {'REFS':>4} "
+          f"{'HITS':>5} {'PIN':<3} LAST USE", file=out)
     for m in models:
-        print(f"{m['name']:<20} {m['version']:>4} {_human(m['bytes']):>10} {m['tier']:<5} {m['state']:<9} "
+        host, gpu = m.get("host_bytes", m["bytes"]), m.get("gpu_bytes", 0)
+        print(f"{m['name']:<20} {m['version']:>4} {_human(host) if host else '-':>10} "
+              f"{_human(gpu) if gpu else '-':>10} {_human(m['bytes']):>10} {m['tier']:<6} {m['state']:<9} "
               f"{m['refcount']:>4} {m['hits']:>5} {'yes' if m.get('pinned') else '':<3} {_ago(m['last_use'])}",
               file=out)
 
@@ -95,8 +99,29 @@ def print_models(models: list[dict], out=sys.stdout) -> None:
 def cmd_ls(args) -> int:
     from .client.connection import connect
     with connect(_settings(args).socket) as c:
-        print_models(c.list())
+        listing = c.listing()
+    print_models(listing.models + _remote_models(listing.remote, listing.models))
     return 0
+
+
+def _remote_models(url: str, local: list[dict]) -> list[dict]:
+    """The remote store's versions the daemon does not have yet (tier "remote": fetched on first open),
+    read here from its index so that listing never waits on the network in the daemon."""
+    if not url:
+        return []
+    from .errors import RemoteError
+    from .format import WEIGHTS_FILE
+    from .tiers.remote import RemoteStore
+    try:
+        index = RemoteStore(url, timeout_s=10).index()
+    except RemoteError as e:
+        print(f"modelcache: not listing the remote store's models (fetched on first open): {e}", file=sys.stderr)
+        return []
+    have = {(m["name"], m["version"]) for m in local}
+    return [{"name": e["name"], "version": e["version"], "bytes": e["files"].get(WEIGHTS_FILE, {}).get("bytes", 0),
+             "host_bytes": 0, "gpu_bytes": 0, "tier": "remote", "state": "remote", "refcount": 0, "hits": 0,
+             "pinned": False, "last_use": 0.0}
+            for e in sorted(index, key=lambda e: (e["name"], e["version"])) if (e["name"], e["version"]) not in have]
 
 
 def _tier_arg(text: str) -> str:

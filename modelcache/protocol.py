@@ -355,6 +355,7 @@ class ListModels(Message, kind="list"):
 class ModelList(Message, kind="list_ok"):
     req_id: int
     models: list = []   # dicts, see daemon.registry.ModelRecord.describe
+    remote: str = ""    # the remote store's URL, whose models are fetched on first open ("": none)
 
 
 class Add(Message, kind="add"):

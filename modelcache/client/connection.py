@@ -431,7 +431,11 @@ class Client:
         return self._call(P.Verify(req_id=0, name=name), expect=(P.VerifyReply,), timeout_s=self._add_timeout_s)
 
     def list(self) -> list[dict]:
-        return self._call(P.ListModels(req_id=0), expect=(P.ModelList,)).models
+        return self.listing().models
+
+    def listing(self) -> P.ModelList:
+        """The daemon's models, and the remote store it fetches others from on first open (`remote`)."""
+        return self._call(P.ListModels(req_id=0), expect=(P.ModelList,))
 
     def stats(self) -> P.StatsReply:
         return self._call(P.Stats(req_id=0), expect=(P.StatsReply,))

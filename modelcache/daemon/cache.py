@@ -14,6 +14,7 @@ import time
 
 from .. import protocol as P
 from ..errors import CapacityError, IntegrityError, ModelCacheError, ModelNotFound, PackError, RemoteError
+from ..format import PREPACKED_FILE
 from ..packing import pack_in_subprocess
 from ..scrub import DAMAGED, nothing_to_verify, verify_version
 from ..storage import storage_errors
@@ -60,6 +61,18 @@ class HostCache:
     def host_variants(self, model: ModelRecord) -> tuple:
         """What a host promotion copies: the CPU weights, and the GPU ones when there is a GPU tier."""
         return ("cpu", "gpu") if self.gpu.tiers and model.manifest.gpu_tensors else ("cpu",)
+
+    def describe(self, model: ModelRecord) -> dict:
+        """A model as listings show it, with each tier's charge for it from that tier's own accounting."""
+        if model.state is ModelState.RESIDENT:
+            host_bytes = self.host.model_bytes(model.key)
+        else:   # what a promotion would place: its distinct tensors of the variants copied, and pre-packed blobs
+            distinct = {t.sha256: t.nbytes for v in self.host_variants(model)
+                        for t in variant_tensors(model.manifest, v)}
+            host_bytes = sum(distinct.values()) + model.manifest.files.get(PREPACKED_FILE, {}).get("bytes", 0)
+        gpu_bytes = sum(self.gpu.tiers[uuid].model_bytes(model.key) for uuid, r in model.devices.items()
+                        if r.state is ModelState.RESIDENT)
+        return model.describe(host_bytes, gpu_bytes)
 
     def when_resident(self, model: ModelRecord, then) -> bool:
         """Call then(error, hit) once `model` is resident: now on a hit (returns True), else after the one load."""

@@ -229,8 +229,11 @@ class ModelRecord:
         self.devices[device].check_freeable(self.key)
         del self.devices[device]
 
-    def describe(self) -> dict:
+    def describe(self, host_bytes: int = 0, gpu_bytes: int = 0) -> dict:
+        """For listings. bytes: the stored weights (every variant); host_bytes, gpu_bytes: each tier's own
+        charge for it (the host tier's: what a promotion places when it is not resident; GPU: 0 when on none)."""
         return {"name": self.name, "version": self.version, "bytes": self.manifest.weights_bytes,
+                "host_bytes": host_bytes, "gpu_bytes": gpu_bytes,
                 "tier": self.tier, "state": "corrupt" if self.damage else self.state.value, "refcount": self.refcount,
                 "hits": self.hits, "misses": self.misses, "last_use": self.last_use, "pinned": self.pinned,
                 "tensors": len(self.manifest.tensors), "opt_level": self.manifest.opt_level,
@@ -240,7 +243,8 @@ class ModelRecord:
 
 def describe_unreadable(name: str, version: int, why: str) -> dict:
     """A version on disk whose manifest cannot be used, shaped like ModelRecord.describe for listings."""
-    return {"name": name, "version": version, "bytes": 0, "tier": "disk", "state": "corrupt", "refcount": 0,
+    return {"name": name, "version": version, "bytes": 0, "host_bytes": 0, "gpu_bytes": 0, "tier": "disk",
+            "state": "corrupt", "refcount": 0,
             "hits": 0, "misses": 0, "last_use": 0.0, "pinned": False, "tensors": 0, "opt_level": "",
             "gpu": [], "corrupt": why}
 

@@ -425,10 +425,11 @@ class Daemon:
 
     # -- handlers of the daemon's own: listings and stats -------------------------------
     def on_ListModels(self, ident, msg: P.ListModels):
-        return P.ModelList(req_id=msg.req_id, models=self._describe_models())
+        return P.ModelList(req_id=msg.req_id, models=self._describe_models(),
+                           remote=self.remote.url if self.remote is not None else "")
 
     def _describe_models(self) -> list[dict]:
-        return [m.describe() for _, m in sorted(self.registry.models.items())] + \
+        return [self.cache.describe(m) for _, m in sorted(self.registry.models.items())] + \
             [describe_unreadable(n, v, why) for (n, v), why in sorted(self.repository.unreadable.items())]
 
     def on_Stats(self, ident, msg: P.Stats):
