@@ -60,9 +60,9 @@ def cmd_http(args) -> int:
     return 0
 
 
-def _count(n: int, noun: str) -> str:
+def _count(n: int, noun: str, nouns: str = "") -> str:
     from .daemon.registry import plural
-    return plural(n, noun)
+    return plural(n, noun, nouns)
 
 
 def _human(n: float) -> str:
@@ -183,10 +183,15 @@ def cmd_verify(args) -> int:
 
 
 def cmd_publish(args) -> int:
+    from pathlib import Path
+    from .format import MANIFEST_FILE
     from .tiers.remote import publish
+    if not list(Path(args.directory).glob(f"*/*/{MANIFEST_FILE}")):   # (an empty index would serve nothing)
+        raise ModelCacheError(f"{args.directory} is not a repository: no NAME/VERSION/{MANIFEST_FILE} under it; "
+                              f"publish the repository directory (MODELCACHE_REPOSITORY), or a copy of it")
     index = publish(args.directory)
-    print(f"wrote {args.directory}/index.json: {len(index['models'])} model versions; serve the directory "
-          f"(e.g. python -m http.server) and point MODELCACHE_REMOTE at it")
+    print(f"wrote {args.directory}/index.json: {_count(len(index['models']), 'model version')}; serve the "
+          f"directory (e.g. python -m http.server) and point MODELCACHE_REMOTE at it")
     return 0
 
 
@@ -267,7 +272,8 @@ def format_status(st) -> str:
           f"evictions {c.get('evictions', 0)}  clients lost {c.get('clients_lost', 0)}  "
           f"bad messages {c.get('bad_messages', 0)}", file=out)
     if any(t["tier"] == "gpu" for t in st.tiers):
-        print(f"gpu: {c.get('gpu_promotions', 0)} promotions, {c.get('gpu_evictions', 0)} demotions", file=out)
+        print(f"gpu: {_count(c.get('gpu_promotions', 0), 'promotion')}, {_count(c.get('gpu_evictions', 0), 'demotion')}",
+              file=out)
     ex = st.executor or {}
     if ex:
         b = ex.get("batching", {})
@@ -281,8 +287,9 @@ def format_status(st) -> str:
               + ("" if ex.get("lane_connections") is None else f"; {ex['lane_connections']} on the serve lane"),
               file=out)
         mean = b.get("mean_batch")
-        print(f"batching: {policies}; {b.get('batches', 0)} batches" + (f", mean {mean:.2f}" if mean else "")
-              + f", {b.get('layer_joins', 0)} layer joins", file=out)
+        print(f"batching: {policies}; {_count(b.get('batches', 0), 'batch', 'batches')}"
+              + (f", mean {mean:.2f} requests" if mean else "")
+              + f", {_count(b.get('layer_joins', 0), 'layer join')}", file=out)
     print("\nTIER   USED / CAPACITY          PATH", file=out)
     for t in st.tiers:
         cap = _human(t["capacity_bytes"]) if t["capacity_bytes"] else "unbounded"
@@ -301,7 +308,7 @@ def format_status(st) -> str:
               f"`modelcache verify NAME` re-checks it and serves it again):", file=out)
         for m in corrupt:
             print(f"  {m['corrupt']}", file=out)
-    print(f"\n{len(st.clients)} clients", file=out)
+    print(f"\n{_count(len(st.clients), 'client')}", file=out)
     for cl in st.clients:
         print(f"  pid {cl['pid']:<8} {cl['name'][:24]:<24} leases {cl['leases']:<3} idle {cl['idle_s']:.1f}s", file=out)
     for j in st.jobs:
@@ -314,7 +321,9 @@ def cmd_stats(args) -> int:
     import json
     from .client.connection import connect
     with connect(_settings(args).socket) as c:
-        print(json.dumps(c.stats().to_dict(), indent=1))
+        stats = c.stats().to_dict()
+    stats.pop("req_id")                 # the wire's, not the daemon's
+    print(json.dumps(stats, indent=1))
     return 0
 
 

@@ -322,11 +322,13 @@ class Evict(Message, kind="evict"):
     version: Optional[int] = None
     tier: str = "host"                 # "host" frees every copy in memory; "gpu" / "gpu:<UUID or index>"
                                        # demotes it from the GPU(s) and keeps it in the host tier
+    outcome: bool = False              # answer with an EvictReply (what was done) rather than Ack: older
+                                       # clients expect Ack, older daemons ignore the field and send it
 
 
 class EvictReply(Message, kind="evict_ok"):
-    """What an evict did to the version it resolved to: the memory tiers that held it before and after
-    ("host", "gpu:<UUID>" each; none: on disk only). An older daemon answers Ack instead."""
+    """What an evict (with outcome=True) did to the version it resolved to: the memory tiers that held it
+    before and after ("host", "gpu:<UUID>" each; none: on disk only). An older daemon answers Ack instead."""
     req_id: int
     name: str
     version: int
@@ -462,6 +464,7 @@ class Infer(Message, kind="infer"):
     version: Optional[int] = None
     output_names: Optional[list] = None
     deadline_ms: Optional[float] = None  # give up (with an error) if not done this long after arrival
+    client_name: str = ""              # as Open's: names a lane connection's client (client_id "") in `status`
 
 
 class InferReply(Message, kind="infer_ok"):

@@ -235,7 +235,7 @@ def test_an_evict_reply_says_which_version_and_where_it_was_and_is(parts, tmp_pa
     me = Peer(b"me", (os.getuid(), os.getgid(), 1))
 
     def evict(tier):
-        return parts.cache.on_Evict(me, P.Evict(req_id=7, name="m", tier=tier))
+        return parts.cache.on_Evict(me, P.Evict(req_id=7, name="m", tier=tier, outcome=True))
 
     r = evict("gpu")
     assert (r.name, r.version, r.before, r.after) == ("m", 1, ["host", f"gpu:{parts.uuid}"], ["host"])
@@ -246,3 +246,5 @@ def test_an_evict_reply_says_which_version_and_where_it_was_and_is(parts, tmp_pa
     assert (r.before, r.after) == (["host"], []) and r.freed_bytes > 0
     r = evict("host")
     assert (r.before, r.after, r.freed_bytes) == ([], [], 0)
+    # A client that predates the reply (the HTTP front's unload, say) asks for no outcome and gets its Ack.
+    assert parts.cache.on_Evict(me, P.Evict(req_id=8, name="m")) == P.Ack(req_id=8)

@@ -422,7 +422,8 @@ class Client:
         """Free the model's memory now; it stays on disk. tier="gpu" (or "gpu:<UUID or index>") demotes it
         from the GPU(s) only. Refused (CapacityError) while in use there. Returns what was done (the version,
         the tiers holding it before and after), or None from a daemon older than that reply."""
-        reply = self._call(P.Evict(req_id=0, name=name, version=version, tier=tier), expect=(P.EvictReply, P.Ack))
+        reply = self._call(P.Evict(req_id=0, name=name, version=version, tier=tier, outcome=True),
+                           expect=(P.EvictReply, P.Ack))
         return reply if isinstance(reply, P.EvictReply) else None
 
     def verify(self, name: str | None = None) -> P.VerifyReply:

@@ -245,6 +245,8 @@ class HostCache:
             model.check_freeable()
             if model.state is ModelState.RESIDENT:
                 freed = self.evict(model)
+        if not msg.outcome:
+            return P.Ack(req_id=msg.req_id)
         return P.EvictReply(req_id=msg.req_id, name=model.name, version=model.version, before=before,
                             after=model.copies, freed_bytes=freed)
 

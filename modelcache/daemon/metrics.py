@@ -80,8 +80,9 @@ def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, 
         metric("modelcache_inference_in_flight", "gauge", "Serve-mode requests in flight.",
                [f"modelcache_inference_in_flight {executor['in_flight']}"])
     lines = []
-    for key, hist in sorted((infer_latency or {}).items()):
-        lines += hist.lines("modelcache_inference_latency_seconds", f'model="{_esc(key)}"')
+    for key, hist in sorted((infer_latency or {}).items()):   # key: "name@version", labelled as elsewhere
+        name, _, version = key.rpartition("@")
+        lines += hist.lines("modelcache_inference_latency_seconds", f'model="{_esc(name)}",version="{version}"')
     metric("modelcache_inference_latency_seconds", "histogram", "Serve-mode request latency per model.", lines)
     return "\n".join(out) + "\n"
 

@@ -171,7 +171,7 @@ class Serving:
         return None
 
     def on_Infer(self, ident, msg: P.Infer):
-        self.touch(msg.client_id, ident)
+        self.touch(msg.client_id, ident, msg.client_name)
         if msg.deadline_ms is not None and not 0 <= msg.deadline_ms < float("inf"):   # (NaN fails this too)
             raise InputError(f"deadline_ms {msg.deadline_ms}: give a positive number of milliseconds "
                              "(0 or none: no deadline)")
