@@ -134,16 +134,35 @@ def cmd_load(args) -> int:
     from .client.connection import connect
     t0 = time.perf_counter()
     with connect(_settings(args).socket) as c:
-        c.load(args.name, args.version, args.tier)
-    print(f"{args.name} is resident in the {args.tier} tier ({time.perf_counter() - t0:.2f} s)")
+        done = c.load(args.name, args.version, args.tier)
+    seconds = time.perf_counter() - t0
+    if done is None:    # a daemon older than the outcome reply
+        print(f"{args.name} is resident in the {args.tier} tier ({seconds:.2f} s)")
+        return 0
+    key, added = f"{done.name}@{done.version}", [t for t in done.after if t not in done.before]
+    print(f"{key} was already in {_tiers_text(done.before)}" if not added else
+          f"loaded {key} into {_tiers_text(added)} in {seconds:.2f} s"
+          + (f" (it was in {_tiers_text(done.before)})" if done.before else " (from disk)"))
     return 0
 
 
 def cmd_pin(args) -> int:
     from .client.connection import connect
+    pin = args.cmd == "pin"
     with connect(_settings(args).socket) as c:
-        c.pin(args.name, args.version, pinned=args.cmd == "pin")
-    print(f"{args.name}: {'pinned (never evicted)' if args.cmd == 'pin' else 'unpinned'}")
+        done = c.pin(args.name, args.version, pinned=pin)
+    if done is None:
+        print(f"{args.name}: {'pinned' if pin else 'unpinned'}")
+        return 0
+    key = f"{done.name}@{done.version}"
+    where = f"it is in {_tiers_text(done.after)}" if done.after else "it is on disk only"
+    if done.was_pinned == pin:
+        print(f"{key} was already {'pinned' if pin else 'not pinned'}; {where}")
+    elif pin:
+        print(f"pinned {key}: the eviction policy will not evict it to make room (`modelcache evict` still can); "
+              f"{where}")
+    else:
+        print(f"unpinned {key}: the eviction policy may evict it again; {where}")
     return 0
 
 
@@ -242,7 +261,7 @@ def _tiers_text(tiers: list) -> str:
 
 
 def evict_line(r) -> str:
-    """What an evict did, from the daemon's EvictReply: the version, where it was, where it is now."""
+    """What an evict did, from the daemon's ModelOutcome: the version, where it was, where it is now."""
     key = f"{r.name}@{r.version}"
     now = f"it stays in {_tiers_text(r.after)}" if r.after else "it is on disk only now"
     if not r.before:

@@ -292,20 +292,25 @@ class Ack(Message, kind="ok"):
     req_id: int
 
 
+# Load, Pin and Evict answer Ack, or with outcome=True a ModelOutcome that says what was done: older
+# clients expect Ack, and older daemons ignore the field and send it.
+
 class Load(Message, kind="load"):
     """Prefetch a model into a tier without opening it; answered once it is resident there."""
     req_id: int
     name: str
     version: Optional[int] = None
     tier: str = "host"                 # "host", or "gpu" / "gpu:<UUID or index>" (through the host tier)
+    outcome: bool = False
 
 
 class Pin(Message, kind="pin"):
-    """Pin (never evict) or unpin a model."""
+    """Pin (the eviction policy never chooses it) or unpin a model."""
     req_id: int
     name: str
     version: Optional[int] = None
     pinned: bool = True
+    outcome: bool = False
 
 
 class Remove(Message, kind="remove"):
@@ -322,19 +327,20 @@ class Evict(Message, kind="evict"):
     version: Optional[int] = None
     tier: str = "host"                 # "host" frees every copy in memory; "gpu" / "gpu:<UUID or index>"
                                        # demotes it from the GPU(s) and keeps it in the host tier
-    outcome: bool = False              # answer with an EvictReply (what was done) rather than Ack: older
-                                       # clients expect Ack, older daemons ignore the field and send it
+    outcome: bool = False
 
 
-class EvictReply(Message, kind="evict_ok"):
-    """What an evict (with outcome=True) did to the version it resolved to: the memory tiers that held it
-    before and after ("host", "gpu:<UUID>" each; none: on disk only). An older daemon answers Ack instead."""
+class ModelOutcome(Message, kind="outcome"):
+    """What a load, pin or evict (with outcome=True) did to the version it resolved to: the memory tiers
+    holding it before and after ("host", "gpu:<UUID>" each; none: on disk only), and whether it is pinned."""
     req_id: int
     name: str
     version: int
     before: list = []
     after: list = []
     freed_bytes: int = 0
+    pinned: bool = False
+    was_pinned: bool = False
 
 
 class Verify(Message, kind="verify"):

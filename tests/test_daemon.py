@@ -402,6 +402,25 @@ def test_evict_frees_host_memory_and_next_open_is_a_miss(daemon, client, zoo_fil
         assert not again.was_cache_hit
 
 
+def test_load_and_pin_say_what_they_did_to_which_version(daemon, client, zoo_file):
+    client.add(zoo_file("tiny-cnn"), "cnn")
+    client.add(zoo_file("tiny-cnn"), "cnn")
+
+    def cli(*args):
+        r = subprocess.run([sys.executable, "-m", "modelcache.cli", *args], env=daemon.env, capture_output=True,
+                           text=True)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+
+    assert cli("load", "cnn").startswith("loaded cnn@2 into the host tier in ")         # the version resolved
+    assert cli("load", "cnn", "--version", "2") == "cnn@2 was already in the host tier"
+    assert cli("pin", "cnn", "--version", "1").startswith("pinned cnn@1: the eviction policy will not evict it")
+    assert cli("pin", "cnn", "--version", "1") == "cnn@1 was already pinned; it is on disk only"
+    assert cli("unpin", "cnn") == "cnn@2 was already not pinned; it is in the host tier"
+    assert cli("unpin", "cnn", "--version", "1") == \
+        "unpinned cnn@1: the eviction policy may evict it again; it is on disk only"
+
+
 def test_a_model_that_crashes_the_packer_costs_only_the_packer(zoo_file, tmp_path):
     # Stand-in for ORT crashing on a hostile file: a packing process that dies by SIGSEGV.
     # The daemon's packing process is `python -m modelcache.packing`; sitecustomize makes it crash.

@@ -353,15 +353,18 @@ class Client:
         self._call(P.Close(req_id=0, client_id=self.client_id, lease_id=lease_id), expect=(P.Ack,))
         self._held.pop(lease_id, None)
 
-    def load(self, name: str, version: int | None = None, tier: str = "host", timeout_s: float | None = None) -> None:
+    def load(self, name: str, version: int | None = None, tier: str = "host",
+             timeout_s: float | None = None) -> P.ModelOutcome | None:
         """Prefetch a model into a tier: "host", "gpu" or "gpu:<UUID or index>" (fetching it from the remote store
-        and promoting it through the host tier as need be); returns once resident."""
-        self._call(P.Load(req_id=0, name=name, version=version, tier=tier), expect=(P.Ack,),
-                   timeout_s=timeout_s or self._add_timeout_s)
+        and promoting it through the host tier as need be); returns once resident, with what was done."""
+        return _outcome(self._call(P.Load(req_id=0, name=name, version=version, tier=tier, outcome=True),
+                                   expect=(P.ModelOutcome, P.Ack), timeout_s=timeout_s or self._add_timeout_s))
 
-    def pin(self, name: str, version: int | None = None, pinned: bool = True) -> None:
-        """A pinned model is never evicted (unpin with pinned=False)."""
-        self._call(P.Pin(req_id=0, name=name, version=version, pinned=pinned), expect=(P.Ack,))
+    def pin(self, name: str, version: int | None = None, pinned: bool = True) -> P.ModelOutcome | None:
+        """The eviction policy never chooses a pinned model to make room (an explicit evict still frees it);
+        unpin with pinned=False. Returns what was done."""
+        return _outcome(self._call(P.Pin(req_id=0, name=name, version=version, pinned=pinned, outcome=True),
+                                   expect=(P.ModelOutcome, P.Ack)))
 
     def remove(self, name: str, version: int) -> None:
         """Delete a model version from the repository; refused while it is in use."""
@@ -418,13 +421,12 @@ class Client:
         """Store a batching calibration with the model (see modelcache.client.calibrate)."""
         self._call(P.SetBatching(req_id=0, name=name, version=version, profile=profile), expect=(P.Ack,))
 
-    def evict(self, name: str, version: int | None = None, tier: str = "host") -> P.EvictReply | None:
+    def evict(self, name: str, version: int | None = None, tier: str = "host") -> P.ModelOutcome | None:
         """Free the model's memory now; it stays on disk. tier="gpu" (or "gpu:<UUID or index>") demotes it
         from the GPU(s) only. Refused (CapacityError) while in use there. Returns what was done (the version,
         the tiers holding it before and after), or None from a daemon older than that reply."""
-        reply = self._call(P.Evict(req_id=0, name=name, version=version, tier=tier, outcome=True),
-                           expect=(P.EvictReply, P.Ack))
-        return reply if isinstance(reply, P.EvictReply) else None
+        return _outcome(self._call(P.Evict(req_id=0, name=name, version=version, tier=tier, outcome=True),
+                                   expect=(P.ModelOutcome, P.Ack)))
 
     def verify(self, name: str | None = None) -> P.VerifyReply:
         """The daemon scrubs its repository (every version of `name`, or all) against the checksums of add
@@ -488,6 +490,11 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _outcome(reply) -> P.ModelOutcome | None:
+    """What a load, pin or evict did, or None from a daemon older than ModelOutcome (it answers Ack)."""
+    return reply if isinstance(reply, P.ModelOutcome) else None
 
 
 def _daemon_forgot_us(reply) -> bool:

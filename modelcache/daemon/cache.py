@@ -103,9 +103,10 @@ class HostCache:
         if model is None:
             return None
         self.admins.check_model_owner(ident, model, "load")
+        before = model.copies
 
         def answer(error, hit):
-            reply = P.Ack(req_id=msg.req_id) if error is None else \
+            reply = outcome(msg, model, before) if error is None else \
                 P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error))
             self.reply(ident, reply)
 
@@ -189,9 +190,9 @@ class HostCache:
     def on_Pin(self, ident, msg: P.Pin):
         model = self.registry.resolve(msg.name, msg.version)
         self.admins.check_model_owner(ident, model, "pin" if msg.pinned else "unpin")
-        model.pinned = msg.pinned
+        was_pinned, model.pinned = model.pinned, msg.pinned
         log.info("model %s: %s", "pinned" if msg.pinned else "unpinned", model.key)
-        return P.Ack(req_id=msg.req_id)
+        return outcome(msg, model, model.copies, was_pinned=was_pinned)
 
     def on_Verify(self, ident, msg: P.Verify):
         """Scrub the versions this daemon knows (of `name`, or all) on a loader thread, and serve again
@@ -245,10 +246,7 @@ class HostCache:
             model.check_freeable()
             if model.state is ModelState.RESIDENT:
                 freed = self.evict(model)
-        if not msg.outcome:
-            return P.Ack(req_id=msg.req_id)
-        return P.EvictReply(req_id=msg.req_id, name=model.name, version=model.version, before=before,
-                            after=model.copies, freed_bytes=freed)
+        return outcome(msg, model, before, freed_bytes=freed)
 
     def evict(self, model: ModelRecord) -> int:
         """Free a resident, unreferenced model from memory, its GPU copies first (the tiers are inclusive;
@@ -442,6 +440,14 @@ class HostCache:
                 wake(error)
 
         self.loaders.run(work, done)
+
+
+def outcome(msg, model: ModelRecord, before: list, **fields):
+    """The answer to a load, pin or evict: Ack, or what was done when the request asks (older clients do not)."""
+    if not msg.outcome:
+        return P.Ack(req_id=msg.req_id)
+    return P.ModelOutcome(req_id=msg.req_id, name=model.name, version=model.version, before=before,
+                          after=model.copies, pinned=model.pinned, **fields)
 
 
 def corrupt_refusal(model: ModelRecord) -> IntegrityError:
