@@ -314,7 +314,7 @@ def format_status(st) -> str:
         cap = _human(t["capacity_bytes"]) if t["capacity_bytes"] else "unbounded"
         pct = f" ({100 * t['used_bytes'] / t['capacity_bytes']:.0f}%)" if t["capacity_bytes"] else ""
         if t["tier"] == "gpu":  # where: the device; and which models GPU clients hold there
-            leased = ", ".join(f"{k} ({n} leases)" for k, n in t.get("leased", {}).items())
+            leased = ", ".join(f"{k} ({_count(n, 'lease')})" for k, n in t.get("leased", {}).items())
             where = f"GPU {t['index']} {t['name']} {t['device']}" + (f"; held: {leased}" if leased else "")
         else:
             where = t["path"]

@@ -42,7 +42,7 @@ from ..histogram import Histogram
 from .loaders import Loaders
 from .metrics import MetricsServer, render
 from .notify import Notifier
-from .registry import ModelState, Registry, describe_unreadable
+from .registry import ModelState, Registry, describe_unreadable, plural
 from .restart import SocketLock, adopt_resident_models, settle_adopted
 from .serving import Serving, serve_gpu_devices
 from .sessions import Sessions
@@ -241,7 +241,8 @@ class Daemon:
         resident = sum(1 for m in self.registry.models.values() if m.state is ModelState.RESIDENT)
         gpus = "".join(f", GPU {t.device.index} {t.used_bytes >> 20}/{t.capacity_bytes >> 20} MiB"
                        for t in self.gpu.tiers.values())
-        return (f"{len(self.registry.models)} models ({resident} resident), {len(self.registry.clients)} clients, "
+        return (f"{plural(len(self.registry.models), 'model')} ({resident} resident), "
+                f"{plural(len(self.registry.clients), 'client')}, "
                 f"host {self.host.used_bytes >> 20}/{self.host.capacity_bytes >> 20} MiB{gpus}")
 
     def publish_metrics(self) -> None:
