@@ -269,7 +269,8 @@ def evict_line(r) -> str:
     gone = [t for t in r.before if t not in r.after]
     if not gone:
         return f"{key} was not on any GPU: nothing to demote; {now}"
-    return f"evicted {key} from {_tiers_text(gone)} ({_human(r.freed_bytes)} freed); {now}"
+    verb = "demoted" if "host" in r.after else "evicted"     # (from the GPUs to the host tier it stays in)
+    return f"{verb} {key} from {_tiers_text(gone)} ({_human(r.freed_bytes)} freed); {now}"
 
 
 def cmd_status(args) -> int:

@@ -330,7 +330,7 @@ class Evict(Message, kind="evict"):
     outcome: bool = False
 
 
-class ModelOutcome(Message, kind="outcome"):
+class ModelOutcome(Message, kind="outcome_ok"):
     """What a load, pin or evict (with outcome=True) did to the version it resolved to: the memory tiers
     holding it before and after ("host", "gpu:<UUID>" each; none: on disk only), and whether it is pinned."""
     req_id: int

@@ -251,7 +251,7 @@ def test_cli_load_pin_unpin_rm(tmp_path, vits):
             return r.stdout
         with d.client() as c:
             c.add(vits["vit0"], "vit0")
-            assert "resident in the host tier" in cli("load", "vit0")
+            assert cli("load", "vit0").startswith("loaded vit0@1 into the host tier in ")
             assert c.list()[0]["tier"] == "host"
             cli("pin", "vit0")
             row = next(line for line in cli("ls").splitlines() if line.startswith("vit0"))

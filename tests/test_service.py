@@ -153,7 +153,8 @@ def test_status_is_one_readable_screen(daemon, client, zoo_file):
     assert serve.startswith("serve: 1 served, 0 failed") and " over cpu" in serve   # the worker kinds
     assert any(line.startswith("batching: *=serial; 1 batch, mean 1.00 requests, 0 layer joins") for line in lines), \
         lines
-    r = subprocess.run([sys.executable, "-m", "modelcache.cli", "stats"], env=daemon.env, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "modelcache.cli", "stats"], env=daemon.env, capture_output=True,
+                       text=True)
     stats = json.loads(r.stdout)
     assert "req_id" not in stats and stats["pid"] == daemon.pid       # the wire's id is not the daemon's state
 

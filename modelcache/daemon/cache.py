@@ -472,7 +472,8 @@ def capacity_refusal(key: str, needs: int, where: str, capacity: int, used: int,
     held = [(k, reasons) for k, reasons in sorted(kept.items()) if reasons]
     advice = list(dict.fromkeys(todo for _, reasons in held for _, todo in reasons))
     holders = ", ".join(f"{k} ({', '.join(why for why, _ in reasons)})" for k, reasons in held)
-    return CapacityError(f"{key} needs {size_text(needs)} in {where} ({size_text(capacity)}, {size_text(used)} used), and "
+    return CapacityError(f"{key} needs {size_text(needs)} in {where} ({size_text(capacity)}, "
+                         f"{size_text(used)} used), and "
                          + (f"the models there cannot be evicted now: {holders}" if held else
                             "evicting the unused models there would not free enough (they share memory with "
                             "models in use)")
