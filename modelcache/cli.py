@@ -72,6 +72,11 @@ def cmd_http(args) -> int:
     return 0
 
 
+def _count(n: int, noun: str, nouns: str = "") -> str:
+    from .daemon.registry import plural
+    return plural(n, noun, nouns)
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -88,13 +93,17 @@ def _ago(ts: float) -> str:
 
 
 def print_models(models: list[dict], out=sys.stdout) -> None:
+    """HOST and GPU: what each tier charges for the model, by its own accounting (HOST, for a model not in
+    the host tier: what loading it takes there); DISK: its stored weights, every variant."""
     if not models:
         print("no models; add one with `modelcache add FILE.onnx --name NAME`", file=out)
         return
-    print(f"{'NAME':<20} {'VER':>4} {'BYTES':>10} {'TIER':<5} {'STATE':<9} {'REFS':>4} {'HITS':>5} {'PIN':<3} "
-          f"LAST USE", file=out)
+    print(f"{'NAME':<20} {'VER':>4} {'HOST':>10} {'GPU':>10} {'DISK':>10} {'TIER':<6} {'STATE':<9} {'REFS':>4} "
+          f"{'HITS':>5} {'PIN':<3} LAST USE", file=out)
     for m in models:
-        print(f"{m['name']:<20} {m['version']:>4} {_human(m['bytes']):>10} {m['tier']:<5} {m['state']:<9} "
+        host, gpu = m.get("host_bytes", m["bytes"]), m.get("gpu_bytes", 0)
+        print(f"{m['name']:<20} {m['version']:>4} {_human(host) if host else '-':>10} "
+              f"{_human(gpu) if gpu else '-':>10} {_human(m['bytes']):>10} {m['tier']:<6} {m['state']:<9} "
               f"{m['refcount']:>4} {m['hits']:>5} {'yes' if m.get('pinned') else '':<3} {_ago(m['last_use'])}",
               file=out)
 
@@ -102,8 +111,29 @@ def print_models(models: list[dict], out=sys.stdout) -> None:
 def cmd_ls(args) -> int:
     from .client.connection import connect
     with connect(_settings(args).socket) as c:
-        print_models(c.list())
+        listing = c.listing()
+    print_models(listing.models + _remote_models(listing.remote, listing.models))
     return 0
+
+
+def _remote_models(url: str, local: list[dict]) -> list[dict]:
+    """The remote store's versions the daemon does not have yet (tier "remote": fetched on first open),
+    read here from its index so that listing never waits on the network in the daemon."""
+    if not url:
+        return []
+    from .errors import RemoteError
+    from .format import WEIGHTS_FILE
+    from .tiers.remote import RemoteStore
+    try:
+        index = RemoteStore(url, timeout_s=10).index()
+    except RemoteError as e:
+        print(f"modelcache: not listing the remote store's models (fetched on first open): {e}", file=sys.stderr)
+        return []
+    have = {(m["name"], m["version"]) for m in local}
+    return [{"name": e["name"], "version": e["version"], "bytes": e["files"].get(WEIGHTS_FILE, {}).get("bytes", 0),
+             "host_bytes": 0, "gpu_bytes": 0, "tier": "remote", "state": "remote", "refcount": 0, "hits": 0,
+             "pinned": False, "last_use": 0.0}
+            for e in sorted(index, key=lambda e: (e["name"], e["version"])) if (e["name"], e["version"]) not in have]
 
 
 def _tier_arg(text: str) -> str:
@@ -116,16 +146,35 @@ def cmd_load(args) -> int:
     from .client.connection import connect
     t0 = time.perf_counter()
     with connect(_settings(args).socket) as c:
-        c.load(args.name, args.version, args.tier)
-    print(f"{args.name} is resident in the {args.tier} tier ({time.perf_counter() - t0:.2f} s)")
+        done = c.load(args.name, args.version, args.tier)
+    seconds = time.perf_counter() - t0
+    if done is None:    # a daemon older than the outcome reply
+        print(f"{args.name} is resident in the {args.tier} tier ({seconds:.2f} s)")
+        return 0
+    key, added = f"{done.name}@{done.version}", [t for t in done.after if t not in done.before]
+    print(f"{key} was already in {_tiers_text(done.before)}" if not added else
+          f"loaded {key} into {_tiers_text(added)} in {seconds:.2f} s"
+          + (f" (it was in {_tiers_text(done.before)})" if done.before else " (from disk)"))
     return 0
 
 
 def cmd_pin(args) -> int:
     from .client.connection import connect
+    pin = args.cmd == "pin"
     with connect(_settings(args).socket) as c:
-        c.pin(args.name, args.version, pinned=args.cmd == "pin")
-    print(f"{args.name}: {'pinned (never evicted)' if args.cmd == 'pin' else 'unpinned'}")
+        done = c.pin(args.name, args.version, pinned=pin)
+    if done is None:
+        print(f"{args.name}: {'pinned' if pin else 'unpinned'}")
+        return 0
+    key = f"{done.name}@{done.version}"
+    where = f"it is in {_tiers_text(done.after)}" if done.after else "it is on disk only"
+    if done.was_pinned == pin:
+        print(f"{key} was already {'pinned' if pin else 'not pinned'}; {where}")
+    elif pin:
+        print(f"pinned {key}: the eviction policy will not evict it to make room (`modelcache evict` still can); "
+              f"{where}")
+    else:
+        print(f"unpinned {key}: the eviction policy may evict it again; {where}")
     return 0
 
 
@@ -138,24 +187,42 @@ def cmd_rm(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .scrub import DAMAGED, verify_repository
-    root = _settings(args).repository_path
-    reports = verify_repository(root, args.name)
-    if not reports:
-        print(f"no {'version of ' + args.name if args.name else 'model'} in {root}", file=sys.stderr)
-        return 2
-    for r in reports:
-        print(r.line(), flush=True)
-    damaged = sum(r.status == DAMAGED for r in reports)
-    print(f"{len(reports)} versions checked in {root}: " + (f"{damaged} DAMAGED" if damaged else "no damage"))
+    """With a daemon running, the daemon scrubs (and serves again what it finds intact); else read here."""
+    from .client.connection import connect
+    from .errors import DaemonUnavailable, ModelNotFound
+    from .scrub import DAMAGED, VersionReport, nothing_to_verify, verify_repository
+    settings = _settings(args)
+    try:
+        client = connect(settings.socket)
+    except DaemonUnavailable:
+        client = None
+    if client is not None:
+        with client:
+            reply = client.verify(args.name)
+        root, reports = reply.root, [(VersionReport.from_wire(r), r["cleared"]) for r in reply.reports]
+    else:
+        root = settings.repository_path
+        reports = [(r, False) for r in verify_repository(root, args.name)]
+        if not reports:
+            raise ModelNotFound(nothing_to_verify(root, args.name))
+    for r, cleared in reports:
+        print(r.line() + ("  (was marked corrupt: served again)" if cleared else ""), flush=True)
+    damaged = sum(r.status == DAMAGED for r, _ in reports)
+    print(f"{_count(len(reports), 'version')} checked in {root}: " +
+          (f"{damaged} DAMAGED" if damaged else "no damage"))
     return 1 if damaged else 0
 
 
 def cmd_publish(args) -> int:
+    from pathlib import Path
+    from .format import MANIFEST_FILE
     from .tiers.remote import publish
+    if not list(Path(args.directory).glob(f"*/*/{MANIFEST_FILE}")):   # (an empty index would serve nothing)
+        raise ModelCacheError(f"{args.directory} is not a repository: no NAME/VERSION/{MANIFEST_FILE} under it; "
+                              f"publish the repository directory (MODELCACHE_REPOSITORY), or a copy of it")
     index = publish(args.directory)
-    print(f"wrote {args.directory}/index.json: {len(index['models'])} model versions; serve the directory "
-          f"(e.g. python -m http.server) and point MODELCACHE_REMOTE at it")
+    print(f"wrote {args.directory}/index.json: {_count(len(index['models']), 'model version')}; serve the "
+          f"directory (e.g. python -m http.server) and point MODELCACHE_REMOTE at it")
     return 0
 
 
@@ -196,10 +263,26 @@ def cmd_calibrate(args) -> int:
 def cmd_evict(args) -> int:
     from .client.connection import connect
     with connect(_settings(args).socket) as c:
-        c.evict(args.name, args.version, tier=args.tier)
-    print(f"evicted {args.name} from the host tier (and every GPU)" if args.tier == "host" else
-          f"demoted {args.name} from the GPU tier ({args.tier}); it stays in the host tier")
+        done = c.evict(args.name, args.version, tier=args.tier)
+    print(evict_line(done) if done is not None else f"{args.name}: evict ({args.tier}) done")
     return 0
+
+
+def _tiers_text(tiers: list) -> str:
+    return " and ".join("the host tier" if t == "host" else f"GPU {t.partition(':')[2]}" for t in tiers)
+
+
+def evict_line(r) -> str:
+    """What an evict did, from the daemon's ModelOutcome: the version, where it was, where it is now."""
+    key = f"{r.name}@{r.version}"
+    now = f"it stays in {_tiers_text(r.after)}" if r.after else "it is on disk only now"
+    if not r.before:
+        return f"{key} was not in memory (on disk only): nothing to evict"
+    gone = [t for t in r.before if t not in r.after]
+    if not gone:
+        return f"{key} was not on any GPU: nothing to demote; {now}"
+    verb = "demoted" if "host" in r.after else "evicted"     # (from the GPUs to the host tier it stays in)
+    return f"{verb} {key} from {_tiers_text(gone)} ({_human(r.freed_bytes)} freed); {now}"
 
 
 def cmd_status(args) -> int:
@@ -221,7 +304,8 @@ def format_status(st) -> str:
           f"evictions {c.get('evictions', 0)}  clients lost {c.get('clients_lost', 0)}  "
           f"bad messages {c.get('bad_messages', 0)}", file=out)
     if any(t["tier"] == "gpu" for t in st.tiers):
-        print(f"gpu: {c.get('gpu_promotions', 0)} promotions, {c.get('gpu_evictions', 0)} demotions", file=out)
+        print(f"gpu: {_count(c.get('gpu_promotions', 0), 'promotion')}, {_count(c.get('gpu_evictions', 0), 'demotion')}",
+              file=out)
     ex = st.executor or {}
     if ex:
         b = ex.get("batching", {})
@@ -235,14 +319,15 @@ def format_status(st) -> str:
               + ("" if ex.get("lane_connections") is None else f"; {ex['lane_connections']} on the serve lane"),
               file=out)
         mean = b.get("mean_batch")
-        print(f"batching: {policies}; {b.get('batches', 0)} batches" + (f", mean {mean:.2f}" if mean else "")
-              + f", {b.get('layer_joins', 0)} layer joins", file=out)
+        print(f"batching: {policies}; {_count(b.get('batches', 0), 'batch', 'batches')}"
+              + (f", mean {mean:.2f} requests" if mean else "")
+              + f", {_count(b.get('layer_joins', 0), 'layer join')}", file=out)
     print("\nTIER   USED / CAPACITY          PATH", file=out)
     for t in st.tiers:
         cap = _human(t["capacity_bytes"]) if t["capacity_bytes"] else "unbounded"
         pct = f" ({100 * t['used_bytes'] / t['capacity_bytes']:.0f}%)" if t["capacity_bytes"] else ""
         if t["tier"] == "gpu":  # where: the device; and which models GPU clients hold there
-            leased = ", ".join(f"{k} ({n} leases)" for k, n in t.get("leased", {}).items())
+            leased = ", ".join(f"{k} ({_count(n, 'lease')})" for k, n in t.get("leased", {}).items())
             where = f"GPU {t['index']} {t['name']} {t['device']}" + (f"; held: {leased}" if leased else "")
         else:
             where = t["path"]
@@ -251,10 +336,11 @@ def format_status(st) -> str:
     print_models(st.models, out)
     corrupt = [m for m in st.models if m.get("corrupt")]
     if corrupt:
-        print(f"\n{len(corrupt)} corrupt versions (not served; `modelcache verify` checks the repository):", file=out)
+        print(f"\n{_count(len(corrupt), 'corrupt version')} (not served; after repairing a file, "
+              f"`modelcache verify NAME` re-checks it and serves it again):", file=out)
         for m in corrupt:
             print(f"  {m['corrupt']}", file=out)
-    print(f"\n{len(st.clients)} clients", file=out)
+    print(f"\n{_count(len(st.clients), 'client')}", file=out)
     for cl in st.clients:
         print(f"  pid {cl['pid']:<8} {cl['name'][:24]:<24} leases {cl['leases']:<3} idle {cl['idle_s']:.1f}s", file=out)
     for j in st.jobs:
@@ -267,7 +353,9 @@ def cmd_stats(args) -> int:
     import json
     from .client.connection import connect
     with connect(_settings(args).socket) as c:
-        print(json.dumps(c.stats().to_dict(), indent=1))
+        stats = c.stats().to_dict()
+    stats.pop("req_id")                 # the wire's, not the daemon's
+    print(json.dumps(stats, indent=1))
     return 0
 
 

@@ -292,20 +292,25 @@ class Ack(Message, kind="ok"):
     req_id: int
 
 
+# Load, Pin and Evict answer Ack, or with outcome=True a ModelOutcome that says what was done: older
+# clients expect Ack, and older daemons ignore the field and send it.
+
 class Load(Message, kind="load"):
     """Prefetch a model into a tier without opening it; answered once it is resident there."""
     req_id: int
     name: str
     version: Optional[int] = None
     tier: str = "host"                 # "host", or "gpu" / "gpu:<UUID or index>" (through the host tier)
+    outcome: bool = False
 
 
 class Pin(Message, kind="pin"):
-    """Pin (never evict) or unpin a model."""
+    """Pin (the eviction policy never chooses it) or unpin a model."""
     req_id: int
     name: str
     version: Optional[int] = None
     pinned: bool = True
+    outcome: bool = False
 
 
 class Remove(Message, kind="remove"):
@@ -322,6 +327,33 @@ class Evict(Message, kind="evict"):
     version: Optional[int] = None
     tier: str = "host"                 # "host" frees every copy in memory; "gpu" / "gpu:<UUID or index>"
                                        # demotes it from the GPU(s) and keeps it in the host tier
+    outcome: bool = False
+
+
+class ModelOutcome(Message, kind="outcome_ok"):
+    """What a load, pin or evict (with outcome=True) did to the version it resolved to: the memory tiers
+    holding it before and after ("host", "gpu:<UUID>" each; none: on disk only), and whether it is pinned."""
+    req_id: int
+    name: str
+    version: int
+    before: list = []
+    after: list = []
+    freed_bytes: int = 0
+    pinned: bool = False
+    was_pinned: bool = False
+
+
+class Verify(Message, kind="verify"):
+    """Scrub the daemon's repository (every version of `name`, or of every model) against the checksums
+    written at add time. A version found intact is served again if it was marked corrupt."""
+    req_id: int
+    name: Optional[str] = None
+
+
+class VerifyReply(Message, kind="verify_ok"):
+    req_id: int
+    root: str                          # the repository scrubbed
+    reports: list = []                 # per version: {key, status, problems, bytes_checked, seconds, cleared}
 
 
 class ListModels(Message, kind="list"):
@@ -331,6 +363,7 @@ class ListModels(Message, kind="list"):
 class ModelList(Message, kind="list_ok"):
     req_id: int
     models: list = []   # dicts, see daemon.registry.ModelRecord.describe
+    remote: str = ""    # the remote store's URL, whose models are fetched on first open ("": none)
 
 
 class Add(Message, kind="add"):
@@ -437,6 +470,7 @@ class Infer(Message, kind="infer"):
     version: Optional[int] = None
     output_names: Optional[list] = None
     deadline_ms: Optional[float] = None  # give up (with an error) if not done this long after arrival
+    client_name: str = ""              # as Open's: names a lane connection's client (client_id "") in `status`
 
 
 class InferReply(Message, kind="infer_ok"):

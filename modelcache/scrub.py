@@ -1,10 +1,10 @@
 """`modelcache verify`: check every stored file of every version in a repository against its checksums.
 
-It reads the repository directly, so it works with the daemon down. It does not tell a
-running daemon what it finds: the daemon checks every byte it promotes from disk, so a
-damaged file can never reach a client through it, and a copy already resident was checked
-when it was copied (the damage is found, and the version marked corrupt, at its next
-promotion). A scrub is for the operator: find damage early, and know which files.
+With the daemon down it reads the repository directly. With a daemon running, the daemon scrubs
+(the `verify` request, daemon/cache.py) so that what it finds counts: a version marked corrupt whose
+files are found intact again (repaired, or put back) is served again. The daemon also checks every
+byte it promotes from disk, so a damaged file never reaches a client. A scrub is for the operator:
+find damage early, know which files, and clear a mark after a repair.
 """
 
 from __future__ import annotations
@@ -38,8 +38,25 @@ class VersionReport:
         return head + f" {self.bytes_checked / 2**20:.1f} MiB in {self.seconds:.2f} s{note}"
 
 
+    def to_wire(self, cleared: bool = False) -> dict:
+        """As a VerifyReply carries it; `cleared`: the daemon served it again after this check."""
+        return {"key": self.key, "status": self.status, "problems": self.problems,
+                "bytes_checked": self.bytes_checked, "seconds": self.seconds, "cleared": cleared}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "VersionReport":
+        return cls(d["key"], d["status"], list(d["problems"]), d["bytes_checked"], d["seconds"])
+
+
 def verify_repository(root: Path, name: str | None = None) -> list[VersionReport]:
     return [verify_version(d, f"{n}@{v}") for n, v, d in version_dirs(root, name)]
+
+
+def nothing_to_verify(root: Path, name: str | None) -> str:
+    """The one line for a scrub that found no version: what was asked, and what the repository has."""
+    names = sorted({n for n, _, _ in version_dirs(root)})
+    has = f"it has {', '.join(names)}" if names else "it is empty"
+    return f"no model named {name!r} in {root}; {has}" if name else f"no model in {root}: {has}"
 
 
 def verify_version(model_dir: Path, key: str) -> VersionReport:

@@ -87,7 +87,9 @@ def test_full_of_pinned_models_is_a_clear_capacity_error(tmp_path, vits):
             c.load("vit1")
             c.pin("vit0")
             s1 = modelcache.InferenceSession("vit1", client=c)     # in use: not a victim either
-            with pytest.raises(CapacityError, match="no unused, unpinned model can make room"):
+            with pytest.raises(CapacityError, match=r"the models there cannot be evicted now: vit0@1 \(pinned\), "
+                                                    r"vit1@1 \(in use by 1 session\); unpin, close sessions, "
+                                                    r"or raise host_capacity$"):
                 c.open("vit2")
             models = {m["name"]: m for m in c.list()}
             assert models["vit0"]["tier"] == "host" and models["vit1"]["tier"] == "host"  # nothing disturbed
@@ -110,7 +112,9 @@ def test_model_bigger_than_the_tier_is_refused(tmp_path, vits):
     try:
         with d.client() as c:
             c.add(vits["vit0"], "vit0")
-            with pytest.raises(CapacityError, match="raise host_capacity"):
+            with pytest.raises(CapacityError, match=r"vit0@1 needs [\d.]+ [KM]iB in the host tier, more than the whole "
+                                                    r"tier \(host_capacity = [\d.]+ [KM]iB\): the model alone does not "
+                                                    r"fit; raise host_capacity$"):
                 modelcache.InferenceSession("vit0", client=c)
             assert c.stats().tiers[0]["used_bytes"] == 0
     finally:
@@ -247,7 +251,7 @@ def test_cli_load_pin_unpin_rm(tmp_path, vits):
             return r.stdout
         with d.client() as c:
             c.add(vits["vit0"], "vit0")
-            assert "resident in the host tier" in cli("load", "vit0")
+            assert cli("load", "vit0").startswith("loaded vit0@1 into the host tier in ")
             assert c.list()[0]["tier"] == "host"
             cli("pin", "vit0")
             row = next(line for line in cli("ls").splitlines() if line.startswith("vit0"))

@@ -19,7 +19,7 @@ import modelcache
 from modelcache import protocol as P
 from modelcache import zoo
 from modelcache.errors import DaemonUnavailable, InputError, LeaseError, ModelNotFound, PackError
-from conftest import HERE, TINY, DaemonProcess, run_client, wait_until
+from conftest import HERE, TINY, DaemonProcess, run_client, stop_cleanly, wait_until
 
 FULL_ZOO = ["squeezenet1_1", "resnet50", "googlenet", "alexnet", "vit_b_16", "vgg16"]
 
@@ -77,6 +77,40 @@ def test_open_hit_miss_refcount_and_ls(daemon, client, zoo_file):
     assert {m["version"]: m for m in client.list()}[2]["refcount"] == 0
     r = subprocess.run([sys.executable, "-m", "modelcache.cli", "ls"], env=daemon.env, capture_output=True, text=True)
     assert r.returncode == 0 and "host" in r.stdout and "m" in r.stdout
+
+
+def test_ls_shows_each_tiers_own_charge_not_the_stored_variants(daemon, client, zoo_file):
+    """BYTES counted the CPU and GPU weights both, while a daemon without a GPU tier holds only the CPU ones:
+    users sized host_capacity from it. HOST is the host tier's charge (before loading, what loading takes)."""
+    client.add(zoo_file("tiny-cnn"), "m")
+    before = client.list()[0]
+    client.load("m")
+    after = client.list()[0]
+    used = client.stats().tiers[0]["used_bytes"]
+    assert after["host_bytes"] == used and after["gpu_bytes"] == 0     # the tier's own figure
+    assert before["host_bytes"] <= used <= before["host_bytes"] + 64 * 1024      # (up to the tensors' alignment)
+    assert after["bytes"] > used                                       # the stored file: both variants
+    r = subprocess.run([sys.executable, "-m", "modelcache.cli", "ls"], env=daemon.env, capture_output=True, text=True)
+    header, row = r.stdout.splitlines()
+    assert header.split()[:7] == ["NAME", "VER", "HOST", "GPU", "DISK", "TIER", "STATE"], header
+    assert row.split()[2:8] == [*f"{used / 1024:.1f} KiB".split(), "-", *f"{after['bytes'] / 1024:.1f} KiB".split(),
+                                "host"], row
+
+
+def test_ls_lists_the_remote_stores_models(tmp_path, zoo_file):
+    from modelcache.packing import pack
+    from modelcache.tiers.remote import publish
+    store = tmp_path / "store"
+    pack(zoo_file("tiny-cnn"), store, "far", 3)
+    publish(store)
+    d = DaemonProcess(tmp_path, {"MODELCACHE_REMOTE": store.as_uri()}).start()
+    try:
+        r = subprocess.run([sys.executable, "-m", "modelcache.cli", "ls"], env=d.env, capture_output=True, text=True)
+        assert r.returncode == 0 and "no models" not in r.stdout, r.stdout + r.stderr
+        row = r.stdout.splitlines()[1].split()
+        assert (row[0], row[1], row[2], row[3], row[6], row[7]) == ("far", "3", "-", "-", "remote", "remote"), r.stdout
+    finally:
+        stop_cleanly(d)
 
 
 def test_session_surface_matches_onnxruntime(daemon, client, zoo_file):
@@ -349,14 +383,42 @@ def test_evict_frees_host_memory_and_next_open_is_a_miss(daemon, client, zoo_fil
     s.close()
     host_dir = daemon.shm_dir / "cnn@1.onnx"   # the resident skeleton
     assert host_dir.exists() and list(daemon.shm_dir.glob("seg-*.bin"))
-    r = subprocess.run([sys.executable, "-m", "modelcache.cli", "evict", "cnn"], env=daemon.env,
-                       capture_output=True, text=True)
+    def evict(*args):
+        return subprocess.run([sys.executable, "-m", "modelcache.cli", "evict", "cnn", *args], env=daemon.env,
+                              capture_output=True, text=True)
+
+    r = evict("--tier", "gpu")                  # this daemon has none: said so, nothing done
+    assert r.returncode == 1 and "this daemon has no GPU tier" in r.stderr and r.stdout == "", r
+    assert host_dir.exists()
+    r = evict()                                 # what was done, to which version, and where it is now
     assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("evicted cnn@1 from the host tier (") and "it is on disk only now" in r.stdout
     assert not host_dir.exists() and not list(daemon.shm_dir.glob("seg-*.bin"))
+    r = evict()                                 # again: it was not in memory, and the line says so
+    assert r.returncode == 0 and r.stdout.strip() == "cnn@1 was not in memory (on disk only): nothing to evict"
     st = client.stats()
     assert st.models[0]["tier"] == "disk" and st.tiers[0]["used_bytes"] == 0 and st.counters["evictions"] == 1
     with modelcache.InferenceSession("cnn", client=client) as again:
         assert not again.was_cache_hit
+
+
+def test_load_and_pin_say_what_they_did_to_which_version(daemon, client, zoo_file):
+    client.add(zoo_file("tiny-cnn"), "cnn")
+    client.add(zoo_file("tiny-cnn"), "cnn")
+
+    def cli(*args):
+        r = subprocess.run([sys.executable, "-m", "modelcache.cli", *args], env=daemon.env, capture_output=True,
+                           text=True)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+
+    assert cli("load", "cnn").startswith("loaded cnn@2 into the host tier in ")         # the version resolved
+    assert cli("load", "cnn", "--version", "2") == "cnn@2 was already in the host tier"
+    assert cli("pin", "cnn", "--version", "1").startswith("pinned cnn@1: the eviction policy will not evict it")
+    assert cli("pin", "cnn", "--version", "1") == "cnn@1 was already pinned; it is on disk only"
+    assert cli("unpin", "cnn") == "cnn@2 was already not pinned; it is in the host tier"
+    assert cli("unpin", "cnn", "--version", "1") == \
+        "unpinned cnn@1: the eviction policy may evict it again; it is on disk only"
 
 
 def test_a_model_that_crashes_the_packer_costs_only_the_packer(zoo_file, tmp_path):

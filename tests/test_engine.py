@@ -437,3 +437,14 @@ def test_two_stage_requests_keep_the_crossing_tensor_on_the_gpu_that_made_it():
     worker.run_next()
     (gpu if gpu.jobs else cpu).run_next()
     assert answers[1][1] is None and answers[1][0]["y"][0, 0] == 4
+
+
+def test_the_mean_batch_counts_requests_not_their_samples():
+    """`status` said "mean 3.58" under serial, where every batch is one request: it divided samples."""
+    h = Harness("serial")
+    for tag, rows in enumerate((3, 5, 1, 4), 1):   # multi-sample requests, one per batch
+        h.submit(tag, rows)
+    while h.worker.jobs:
+        h.worker.run_next()
+    batching = h.engine.describe()["batching"]
+    assert batching["batches"] == 4 and batching["mean_batch"] == 1.0 and batching["mean_batch_samples"] == 13 / 4

@@ -81,13 +81,13 @@ def test_gpu_leases_block_eviction_and_status_shows_them(gpu_daemon, zoo_file):
         tier = gpu_tier(st)
         assert tier["leased"] == {"cnn@1": 1} and tier["used_bytes"] > 0
         assert model_info(c, "cnn")["gpu"] == [{"device": "fake-0", "state": "resident", "leases": 1}]
-        with pytest.raises(CapacityError, match="GPU sessions"):
+        with pytest.raises(CapacityError, match="in use by 1 GPU session on"):
             c.evict("cnn", tier="gpu")
         with pytest.raises(CapacityError, match="in use"):
             c.evict("cnn")
         out = subprocess.run([sys.executable, "-m", "modelcache.cli", "status"], env=gpu_daemon.env,
                              capture_output=True, text=True, timeout=60)
-        assert "GPU 0 fake-gpu fake-0; held: cnn@1 (1 leases)" in out.stdout, out.stdout + out.stderr
+        assert "GPU 0 fake-gpu fake-0; held: cnn@1 (1 lease)" in out.stdout, out.stdout + out.stderr
         sess.close()
         c.evict("cnn", tier="gpu")                  # demoted: the host copy stays
         info = model_info(c, "cnn")
@@ -199,11 +199,12 @@ def test_cli_load_and_evict_gpu_tier(gpu_daemon, zoo_file):
                               capture_output=True, text=True, timeout=120)
     assert cli("add", zoo_file("tiny-cnn"), "--name", "cnn").returncode == 0
     out = cli("load", "cnn", "--tier", "gpu:0")
-    assert out.returncode == 0 and "resident in the gpu:0 tier" in out.stdout, out.stderr
+    assert out.returncode == 0 and out.stdout.startswith("loaded cnn@1 into the host tier and GPU "), out.stderr
     out = cli("load", "cnn", "--tier", "gpu:7")
     assert out.returncode != 0 and "no GPU '7'" in out.stderr
     out = cli("evict", "cnn", "--tier", "gpu")
-    assert out.returncode == 0 and "demoted" in out.stdout, out.stderr
+    assert out.returncode == 0 and out.stdout.startswith("demoted cnn@1 from GPU ") and \
+        out.stdout.rstrip().endswith("; it stays in the host tier"), out.stdout + out.stderr
     assert cli("evict", "cnn", "--tier", "disk").returncode == 2      # argparse: not a tier
 
 

@@ -55,8 +55,10 @@ def reference(src: str, feeds: dict):
     return ort.InferenceSession(src, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
 
 
-def verify(tmp_path, *args) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MODELCACHE_CONFIG": "", "MODELCACHE_REPOSITORY": str(tmp_path / "repo")}
+def verify(tmp_path, *args, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`modelcache verify` with no daemon (it reads the repository), or through the daemon of `env`."""
+    env = env or {**os.environ, "MODELCACHE_CONFIG": "", "MODELCACHE_REPOSITORY": str(tmp_path / "repo"),
+                  "MODELCACHE_SOCKET": f"ipc://{tmp_path}/no-daemon.sock"}
     return subprocess.run([sys.executable, "-m", "modelcache.cli", "verify", *args], env=env,
                           capture_output=True, text=True, timeout=120)
 
@@ -98,7 +100,7 @@ def test_flipped_weight_byte_detected_at_promotion(tmp_path, packed, zoo_file):
             assert c.stats().counters["corrupt_detected"] == 1
         status = subprocess.run([sys.executable, "-m", "modelcache.cli", "status"], capture_output=True, text=True,
                                 env={**d.env}, timeout=60)
-        assert status.returncode == 0 and "1 corrupt versions" in status.stdout, status.stdout + status.stderr
+        assert status.returncode == 0 and "1 corrupt version (" in status.stdout, status.stdout + status.stderr
         assert f"{NAME}@1: weights.bin is damaged" in status.stdout
 
         def scrape():
@@ -279,7 +281,40 @@ def test_verify_reports_each_version(tmp_path, packed, zoo_file):
     flip_byte(packed / "model.onnx", 100)
     r = verify(tmp_path, "other")          # only NAME's versions are checked when a name is given
     assert r.returncode == 0, r.stdout
-    assert verify(tmp_path, "nosuch").returncode == 2
+    r = verify(tmp_path, "nosuch")         # one line on stderr that names what there is
+    assert (r.returncode, r.stdout) == (1, "") and \
+        r.stderr == f"modelcache: no model named 'nosuch' in {tmp_path / 'repo'}; it has cnn, other\n", r.stderr
+
+
+def test_a_repaired_file_is_served_again_after_verify(tmp_path, packed, zoo_file):
+    """The corrupt mark has a way back that the refusal names: repair the file, `modelcache verify NAME`
+    (the daemon re-checks it), and the version is served again, with no restart and no re-add."""
+    src = zoo_file("tiny-cnn")
+    feeds = zoo.sample_inputs(src)
+    tensor = manifest_of(packed)["tensors"][-1]
+    offset = tensor["offset"] + tensor["nbytes"] // 2
+    d = DaemonProcess(tmp_path).start()
+    try:
+        flip_byte(packed / "weights.bin", offset)
+        message = assert_refused(d, feeds, "weights.bin")
+        assert message.endswith(f"repair or replace the file, then run `modelcache verify {NAME}` to re-check it")
+        r = verify(tmp_path, NAME, env=d.env)
+        assert r.returncode == 1 and "DAMAGED" in r.stdout and "served again" not in r.stdout, r.stdout + r.stderr
+        flip_byte(packed / "weights.bin", offset)                 # repaired: the mark alone still refuses it
+        assert_refused(d, feeds, "weights.bin")
+        r = verify(tmp_path, NAME, env=d.env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"{NAME}@1" in r.stdout and "(was marked corrupt: served again)" in r.stdout
+        assert r.stdout.rstrip().endswith("1 version checked in " + str(d.repository) + ": no damage")
+        with d.client() as c:
+            with modelcache.InferenceSession(NAME, client=c) as s:
+                np.testing.assert_allclose(s.run(None, feeds)[0], reference(src, feeds), rtol=1e-4, atol=1e-5)
+            assert {m["name"]: m["state"] for m in c.list()} == {NAME: "resident"}
+        r = verify(tmp_path, "nosuch", env=d.env)
+        assert (r.returncode, r.stdout) == (1, "") and r.stderr.count("\n") == 1 and \
+            f"no model named 'nosuch' in {d.repository}; it has {NAME}" in r.stderr, r.stderr
+    finally:
+        stop_cleanly(d)
 
 
 # -- pure parts -----------------------------------------------------------------------------

@@ -8,8 +8,12 @@ caches call before they free anything).
 
 from __future__ import annotations
 
+import os
+import re
+
 import pytest
 
+from modelcache.daemon.cache import size_text
 from modelcache.daemon.registry import ModelState
 from modelcache.errors import CapacityError, IntegrityError
 from modelcache.format import WEIGHTS_FILE
@@ -75,9 +79,9 @@ def test_a_leased_gpu_copy_is_never_freed(parts, tmp_path):
     client = parts.registry.new_client(1, "c", parts.clock())
     lease = parts.registry.grant(client, model, 0.0, parts.uuid)
     frees = counting(parts.tier, "free_model")
-    with pytest.raises(CapacityError, match="in use by 1 GPU sessions"):
+    with pytest.raises(CapacityError, match="in use by 1 GPU session on"):
         parts.gpu.evict_named(model, "gpu")
-    with pytest.raises(CapacityError, match="in use by 1 sessions"):
+    with pytest.raises(CapacityError, match="in use by 1 session;"):
         parts.cache.evict(model)
     with pytest.raises(CapacityError):
         model.device_evicted(parts.uuid)
@@ -147,9 +151,16 @@ def test_room_is_made_from_the_least_recently_used_unheld_model(tmp_path):
         a.pinned = True
         c.hold()                               # nothing left to evict: pinned, or held
         answers = []
-        with pytest.raises(CapacityError):
+        used = parts.host.used_bytes
+        with pytest.raises(CapacityError) as refused:
             parts.cache.when_resident(b, lambda error, hit: answers.append(error))
         assert b.state is ModelState.ON_DISK and b.waiters == [] and answers == []
+        # The tier's own figures (used: before this model's reservation), who holds it and why, what to do.
+        assert str(refused.value) == (
+            f"b@1 needs {size_text(size)} in the host tier ({size_text(parts.host.capacity_bytes)}, "
+            f"{size_text(used)} used), and the models there cannot be evicted now: a@1 (pinned), "
+            f"c@1 (in use by 1 session); unpin, close sessions, or raise host_capacity")
+        assert parts.host.used_bytes == used
         c.let_go()
     finally:
         parts.stop()
@@ -171,3 +182,69 @@ def test_the_eager_policy_frees_a_model_on_its_last_release(tmp_path):
         assert model.state is ModelState.ON_DISK and parts.host.used_bytes == 0
     finally:
         parts.stop()
+
+
+# -- what a refusal says: computed from what happened -------------------------------------------------
+
+def test_a_model_larger_than_the_whole_tier_is_told_to_raise_the_setting_alone(tmp_path):
+    parts = Parts(tmp_path)
+    try:
+        model = parts.add(tmp_path, "tiny-cnn", "m")
+        parts.host.capacity_bytes = 4096
+        with pytest.raises(CapacityError) as refused:
+            parts.cache.when_resident(model, lambda error, hit: None)
+        said = str(refused.value)
+        assert "more than the whole tier (host_capacity = 4 KiB): the model alone does not fit; " \
+               "raise host_capacity" in said and "close sessions" not in said and "unpin" not in said
+        resident_gpu = parts.add(tmp_path, "tiny-cnn", "g", seed=1)
+        parts.host.capacity_bytes = 1 << 30
+        parts.tier.capacity_bytes = 4096
+        answers = []
+        parts.gpu.when_on_device(resident_gpu, parts.tier, lambda error, hit: answers.append(str(error)))
+        parts.loaders.settle()
+        assert len(answers) == 1 and re.fullmatch(
+            r"g@1 needs [\d.]+ KiB in the GPU tier of GPU 0, more than the whole tier \(gpu_capacity = 4 KiB\): "
+            r"the model alone does not fit; raise gpu_capacity", answers[0]), answers
+    finally:
+        parts.stop()
+
+
+def test_a_gpu_full_of_leased_copies_names_them(parts, tmp_path):
+    a, b = (parts.add(tmp_path, "tiny-cnn", n, seed) for seed, n in enumerate("ab"))
+    on_device(parts, a)
+    parts.tier.capacity_bytes = parts.tier.used_bytes + parts.tier.used_bytes // 2    # room for one copy
+    client = parts.registry.new_client(1, "c", parts.clock())
+    parts.registry.grant(client, a, 0.0, parts.uuid)
+    resident(parts, b)
+    used = parts.tier.used_bytes
+    answers = []
+    parts.gpu.when_on_device(b, parts.tier, lambda error, hit: answers.append(error))
+    parts.loaders.settle()
+    assert len(answers) == 1 and isinstance(answers[0], CapacityError)
+    assert str(answers[0]).endswith(f"({size_text(parts.tier.capacity_bytes)}, {size_text(used)} used), "
+                                    "and the models there cannot be evicted now: a@1 (in use by 1 GPU session); "
+                                    "close sessions, or raise gpu_capacity")
+    assert parts.tier.used_bytes == used and b.devices == {}
+
+
+def test_an_evict_reply_says_which_version_and_where_it_was_and_is(parts, tmp_path):
+    from modelcache import protocol as P
+    from modelcache.daemon.identity import Peer
+    model = parts.add(tmp_path, "tiny-cnn", "m")
+    on_device(parts, model)
+    me = Peer(b"me", (os.getuid(), os.getgid(), 1))
+
+    def evict(tier):
+        return parts.cache.on_Evict(me, P.Evict(req_id=7, name="m", tier=tier, outcome=True))
+
+    r = evict("gpu")
+    assert (r.name, r.version, r.before, r.after) == ("m", 1, ["host", f"gpu:{parts.uuid}"], ["host"])
+    assert r.freed_bytes > 0 and r.req_id == 7
+    r = evict("gpu")                           # not on a GPU any more: nothing done, and the reply says so
+    assert (r.before, r.after, r.freed_bytes) == (["host"], ["host"], 0)
+    r = evict("host")
+    assert (r.before, r.after) == (["host"], []) and r.freed_bytes > 0
+    r = evict("host")
+    assert (r.before, r.after, r.freed_bytes) == ([], [], 0)
+    # A client that predates the reply (the HTTP front's unload, say) asks for no outcome and gets its Ack.
+    assert parts.cache.on_Evict(me, P.Evict(req_id=8, name="m")) == P.Ack(req_id=8)

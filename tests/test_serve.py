@@ -88,6 +88,29 @@ def test_serve_session_surface_and_timings(serving, zoo_file):
             assert [st["inline"] for st in s.last_timings["stages"]] == [True, True]
 
 
+def test_a_process_that_closed_its_serve_session_is_gone_not_lost(serving, zoo_file):
+    """`clients_lost` is an alert: a process that closed its session and exited said goodbye, so only a
+    client that died (or fell silent) counts."""
+    from conftest import wait_until
+    src = zoo_file("tiny-cnn")
+    script = ("import modelcache\nfrom modelcache import zoo\n"
+              "with modelcache.InferenceSession('cnn', mode='serve') as s:\n"
+              f"    s.run(None, zoo.sample_inputs({src!r}, batch=1))\n")
+    with serving.client() as c:
+        c.add(src, "cnn")
+        r = subprocess.run([sys.executable, "-c", script], env={**os.environ, "MODELCACHE_SOCKET": serving.socket},
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert [cl["client_id"] for cl in c.stats().clients] == [c.client_id]   # gone at once: said goodbye
+        killed = subprocess.Popen([sys.executable, "-c", script + "import os, signal\n"
+                                   "os.kill(os.getpid(), signal.SIGKILL)\n"],
+                                  env={**os.environ, "MODELCACHE_SOCKET": serving.socket})
+        assert killed.wait(120) == -9
+        wait_until(lambda: len(c.stats().clients) == 1, timeout_s=15, what="the sweep to drop the killed client")
+        assert c.stats().counters["clients_lost"] == 1                 # the killed one alone
+    assert serving.log_path.read_text().count("client lost") == 1
+
+
 def test_large_inputs_travel_through_shared_memory(serving, zoo_file):
     src = zoo_file("tiny-cnn")
     with serving.client() as c:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -16,7 +18,7 @@ import pytest
 
 import modelcache
 from modelcache import zoo
-from conftest import DaemonProcess, wait_until
+from conftest import DaemonProcess, stop_cleanly, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -125,7 +127,9 @@ def test_metrics_scrape(tmp_path, zoo_file):
             c.infer("cnn", zoo.sample_inputs(zoo_file("tiny-cnn")))
             m = wait_until(lambda: (lambda m: m if m.get('modelcache_inference_requests_total{result="ok"}') == 1
                                     else None)(scrape()), what="a snapshot with the inference")
-            assert m['modelcache_inference_latency_seconds_count{model="cnn@1"}'] == 1
+            # labelled as every other per-model metric: model and version apart
+            assert m['modelcache_inference_latency_seconds_count{model="cnn",version="1"}'] == 1
+            assert m['modelcache_model_resident_bytes{model="cnn",version="1"}'] == host_bytes
             assert any(k.startswith("modelcache_worker_queue_length{worker=") for k in m)
             s1.close()
             s2.close()
@@ -146,10 +150,46 @@ def test_status_is_one_readable_screen(daemon, client, zoo_file):
     assert any(line.startswith("host ") and str(daemon.shm_dir) in line for line in lines)
     row = next(line for line in lines if line.startswith("cnn "))
     assert row.split()[:2] == ["cnn", "1"] and "host" in row and "resident" in row
-    assert any("clients" in line for line in lines)
+    clients = next(line for line in lines if re.fullmatch(r"\d+ clients?", line))
+    assert clients in ("1 client", *(f"{n} clients" for n in range(2, 9))), clients    # counts read right
     serve = next(line for line in lines if line.startswith("serve: "))
     assert serve.startswith("serve: 1 served, 0 failed") and " over cpu" in serve   # the worker kinds
-    assert any(line.startswith("batching: *=serial; 1 batches") for line in lines)
+    assert any(line.startswith("batching: *=serial; 1 batch, mean 1.00 requests, 0 layer joins") for line in lines), \
+        lines
+    r = subprocess.run([sys.executable, "-m", "modelcache.cli", "stats"], env=daemon.env, capture_output=True,
+                       text=True)
+    stats = json.loads(r.stdout)
+    assert "req_id" not in stats and stats["pid"] == daemon.pid       # the wire's id is not the daemon's state
+
+
+def test_status_names_the_http_fronts_client(tmp_path, zoo_file):
+    """The HTTP front's lane connection is a client of the daemon: `status` names it, not a blank."""
+    pytest.importorskip("aiohttp")
+    from test_http import HttpFront
+    d = DaemonProcess(tmp_path).start()
+    front = None
+    try:
+        with d.client() as c:
+            c.add(zoo_file("tiny-cnn"), "cnn")
+            front = HttpFront(d)
+            status, _, _ = front.request("POST", "/v2/models/cnn/infer", body=json.dumps(
+                {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 3, 32, 32], "data": [0.5] * 3072}]}))
+            assert status == 200
+            names = [cl["name"] for cl in c.stats().clients]
+        assert "http-front" in names and "" not in names, names
+    finally:
+        rc = front.stop() if front is not None else 0
+        stop_cleanly(d)
+        assert rc == 0
+
+
+def test_publish_refuses_a_folder_that_is_not_a_repository(tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("x")
+    r = subprocess.run([sys.executable, "-m", "modelcache.cli", "publish", str(tmp_path)], capture_output=True,
+                       text=True)
+    assert r.returncode == 1 and r.stdout == "" and r.stderr.startswith(f"modelcache: {tmp_path} is not a repository")
+    assert not (tmp_path / "index.json").exists()
 
 
 def test_graceful_stop_finishes_inflight_work_and_keeps_mappings(tmp_path, zoo_file):

@@ -23,10 +23,13 @@ from ..lane import HEADER, frame
 REQUESTS = [cls for cls in P.MESSAGES.values() if not cls.KIND.endswith(b"_ok") and cls.KIND not in (b"ok", b"error")]
 REPLIES = [cls for cls in P.MESSAGES.values() if cls not in REQUESTS]
 # What a request is answered with when it is accepted (anything else must be an ErrorReply).
-REPLY_TO = {b"hello": b"hello_ok", b"bye": b"ok", b"open": b"open_ok", b"close": b"ok", b"load": b"ok",
-            b"pin": b"ok", b"remove": b"ok", b"evict": b"ok", b"list": b"list_ok", b"add": b"add_ok",
-            b"describe": b"describe_ok", b"set_batching": b"ok", b"partition": b"describe_ok",
-            b"infer": b"infer_ok", b"stats": b"stats_ok", b"profile": b"profile_ok"}
+# (load, pin and evict: Ack, or a ModelOutcome when the request asks for one)
+REPLY_TO = {b"hello": (b"hello_ok",), b"bye": (b"ok",), b"open": (b"open_ok",), b"close": (b"ok",),
+            b"load": (b"ok", b"outcome_ok"), b"pin": (b"ok", b"outcome_ok"), b"remove": (b"ok",),
+            b"evict": (b"ok", b"outcome_ok"), b"list": (b"list_ok",), b"add": (b"add_ok",),
+            b"describe": (b"describe_ok",), b"set_batching": (b"ok",),
+            b"partition": (b"describe_ok",), b"infer": (b"infer_ok",), b"stats": (b"stats_ok",),
+            b"profile": (b"profile_ok",), b"verify": (b"verify_ok",)}
 # Kinds that mutate the repository: they never name the target's model, which the fuzz needs intact
 # for the deeper paths (a `remove` of it would turn every later infer into "not found").
 DESTRUCTIVE = (b"remove",)

@@ -20,6 +20,7 @@ again once if the daemon is already back and the call is safe to repeat.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import os
 import threading
@@ -353,15 +354,18 @@ class Client:
         self._call(P.Close(req_id=0, client_id=self.client_id, lease_id=lease_id), expect=(P.Ack,))
         self._held.pop(lease_id, None)
 
-    def load(self, name: str, version: int | None = None, tier: str = "host", timeout_s: float | None = None) -> None:
+    def load(self, name: str, version: int | None = None, tier: str = "host",
+             timeout_s: float | None = None) -> P.ModelOutcome | None:
         """Prefetch a model into a tier: "host", "gpu" or "gpu:<UUID or index>" (fetching it from the remote store
-        and promoting it through the host tier as need be); returns once resident."""
-        self._call(P.Load(req_id=0, name=name, version=version, tier=tier), expect=(P.Ack,),
-                   timeout_s=timeout_s or self._add_timeout_s)
+        and promoting it through the host tier as need be); returns once resident, with what was done."""
+        return _outcome(self._call(P.Load(req_id=0, name=name, version=version, tier=tier, outcome=True),
+                                   expect=(P.ModelOutcome, P.Ack), timeout_s=timeout_s or self._add_timeout_s))
 
-    def pin(self, name: str, version: int | None = None, pinned: bool = True) -> None:
-        """A pinned model is never evicted (unpin with pinned=False)."""
-        self._call(P.Pin(req_id=0, name=name, version=version, pinned=pinned), expect=(P.Ack,))
+    def pin(self, name: str, version: int | None = None, pinned: bool = True) -> P.ModelOutcome | None:
+        """The eviction policy never chooses a pinned model to make room (an explicit evict still frees it);
+        unpin with pinned=False. Returns what was done."""
+        return _outcome(self._call(P.Pin(req_id=0, name=name, version=version, pinned=pinned, outcome=True),
+                                   expect=(P.ModelOutcome, P.Ack)))
 
     def remove(self, name: str, version: int) -> None:
         """Delete a model version from the repository; refused while it is in use."""
@@ -418,13 +422,24 @@ class Client:
         """Store a batching calibration with the model (see modelcache.client.calibrate)."""
         self._call(P.SetBatching(req_id=0, name=name, version=version, profile=profile), expect=(P.Ack,))
 
-    def evict(self, name: str, version: int | None = None, tier: str = "host") -> None:
+    def evict(self, name: str, version: int | None = None, tier: str = "host") -> P.ModelOutcome | None:
         """Free the model's memory now; it stays on disk. tier="gpu" (or "gpu:<UUID or index>") demotes it
-        from the GPU(s) only. Refused (CapacityError) while in use there."""
-        self._call(P.Evict(req_id=0, name=name, version=version, tier=tier), expect=(P.Ack,))
+        from the GPU(s) only. Refused (CapacityError) while in use there. Returns what was done (the version,
+        the tiers holding it before and after), or None from a daemon older than that reply."""
+        return _outcome(self._call(P.Evict(req_id=0, name=name, version=version, tier=tier, outcome=True),
+                                   expect=(P.ModelOutcome, P.Ack)))
+
+    def verify(self, name: str | None = None) -> P.VerifyReply:
+        """The daemon scrubs its repository (every version of `name`, or all) against the checksums of add
+        time; a version marked corrupt whose files are intact again is served again (report["cleared"])."""
+        return self._call(P.Verify(req_id=0, name=name), expect=(P.VerifyReply,), timeout_s=self._add_timeout_s)
 
     def list(self) -> list[dict]:
-        return self._call(P.ListModels(req_id=0), expect=(P.ModelList,)).models
+        return self.listing().models
+
+    def listing(self) -> P.ModelList:
+        """The daemon's models, and the remote store it fetches others from on first open (`remote`)."""
+        return self._call(P.ListModels(req_id=0), expect=(P.ModelList,))
 
     def stats(self) -> P.StatsReply:
         return self._call(P.Stats(req_id=0), expect=(P.StatsReply,))
@@ -478,6 +493,11 @@ class Client:
         self.close()
 
 
+def _outcome(reply) -> P.ModelOutcome | None:
+    """What a load, pin or evict did, or None from a daemon older than ModelOutcome (it answers Ack)."""
+    return reply if isinstance(reply, P.ModelOutcome) else None
+
+
 def _daemon_forgot_us(reply) -> bool:
     """A daemon that restarted between our calls answers "unknown client" and did nothing else."""
     return isinstance(reply, P.ErrorReply) and reply.code == "lease" and reply.message.startswith("unknown client")
@@ -499,4 +519,13 @@ def shared_client(socket: str | None = None) -> Client:
     with _shared_lock:
         if _shared is None or _shared._closed or (socket and _shared.address != socket):
             _shared = Client(socket)
+            atexit.register(_leave_at_exit, _shared, os.getpid())
         return _shared
+
+
+def _leave_at_exit(client: Client, pid: int) -> None:
+    """A process that exits with its drop-in sessions closed says goodbye: the daemon counts it as gone, not
+    lost (`clients_lost` is for processes that died or fell silent). Not from a forked child, nor to a daemon
+    the heartbeat already saw go (a goodbye would wait for it)."""
+    if os.getpid() == pid and not client._closed and not client._broken:
+        client.close()

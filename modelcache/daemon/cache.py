@@ -14,7 +14,9 @@ import time
 
 from .. import protocol as P
 from ..errors import CapacityError, IntegrityError, ModelCacheError, ModelNotFound, PackError, RemoteError
+from ..format import PREPACKED_FILE
 from ..packing import pack_in_subprocess
+from ..scrub import DAMAGED, nothing_to_verify, verify_version
 from ..storage import storage_errors
 from ..sources import check_regular_files, check_source_names, close_all
 from ..tiers.host import variant_tensors
@@ -54,11 +56,23 @@ class HostCache:
 
     def handlers(self) -> dict:
         return {P.Load: self.on_Load, P.Remove: self.on_Remove, P.Pin: self.on_Pin, P.Evict: self.on_Evict,
-                P.Add: self.on_Add}
+                P.Add: self.on_Add, P.Verify: self.on_Verify}
 
     def host_variants(self, model: ModelRecord) -> tuple:
         """What a host promotion copies: the CPU weights, and the GPU ones when there is a GPU tier."""
         return ("cpu", "gpu") if self.gpu.tiers and model.manifest.gpu_tensors else ("cpu",)
+
+    def describe(self, model: ModelRecord) -> dict:
+        """A model as listings show it, with each tier's charge for it from that tier's own accounting."""
+        if model.state is ModelState.RESIDENT:
+            host_bytes = self.host.model_bytes(model.key)
+        else:   # what a promotion would place: its distinct tensors of the variants copied, and pre-packed blobs
+            distinct = {t.sha256: t.nbytes for v in self.host_variants(model)
+                        for t in variant_tensors(model.manifest, v)}
+            host_bytes = sum(distinct.values()) + model.manifest.files.get(PREPACKED_FILE, {}).get("bytes", 0)
+        gpu_bytes = sum(self.gpu.tiers[uuid].model_bytes(model.key) for uuid, r in model.devices.items()
+                        if r.state is ModelState.RESIDENT)
+        return model.describe(host_bytes, gpu_bytes)
 
     def when_resident(self, model: ModelRecord, then) -> bool:
         """Call then(error, hit) once `model` is resident: now on a hit (returns True), else after the one load."""
@@ -66,7 +80,7 @@ class HostCache:
             then(None, True)
             return True
         if model.damage and self.remote is None:  # (through `then`: a serve request's hold is released there)
-            then(IntegrityError(f"{model.damage}; no remote store is configured to fetch it again"), False)
+            then(corrupt_refusal(model), False)
             return False
         model.wait_for_load(lambda err: then(err, False))
         if model.damage and model.state is ModelState.ON_DISK:  # a fetch that failed before: try again
@@ -89,9 +103,10 @@ class HostCache:
         if model is None:
             return None
         self.admins.check_model_owner(ident, model, "load")
+        before = model.copies
 
         def answer(error, hit):
-            reply = P.Ack(req_id=msg.req_id) if error is None else \
+            reply = outcome(msg, model, before) if error is None else \
                 P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error))
             self.reply(ident, reply)
 
@@ -175,9 +190,40 @@ class HostCache:
     def on_Pin(self, ident, msg: P.Pin):
         model = self.registry.resolve(msg.name, msg.version)
         self.admins.check_model_owner(ident, model, "pin" if msg.pinned else "unpin")
-        model.pinned = msg.pinned
+        was_pinned, model.pinned = model.pinned, msg.pinned
         log.info("model %s: %s", "pinned" if msg.pinned else "unpinned", model.key)
-        return P.Ack(req_id=msg.req_id)
+        return outcome(msg, model, model.copies, was_pinned=was_pinned)
+
+    def on_Verify(self, ident, msg: P.Verify):
+        """Scrub the versions this daemon knows (of `name`, or all) on a loader thread, and serve again
+        each one marked corrupt whose files are now intact: the way back after repairing a file."""
+        unreadable = [(n, v) for n, v in self.repository.unreadable if msg.name in (None, n)]
+        models = [m for m in self.registry.models.values() if msg.name in (None, m.name)]
+        if msg.name is not None and not models and not unreadable:
+            raise ModelNotFound(nothing_to_verify(self.repository.root, msg.name))
+        targets = sorted([(m.key, m.disk_dir) for m in models] +
+                         [(f"{n}@{v}", self.repository.model_dir(n, v)) for n, v in unreadable])
+
+        def work():
+            return [verify_version(disk_dir, key) for key, disk_dir in targets]
+
+        def done(reports, error):
+            if error is not None:
+                self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=getattr(error, "code", "internal"),
+                                               message=f"verify: {error}"))
+                return
+            by_key = {m.key: m for m in models}
+            out = []
+            for r in reports:
+                model = by_key.get(r.key)
+                cleared = model is not None and r.status != DAMAGED and model.found_intact()
+                if cleared:
+                    log.info("model %s: its files are intact again (verify); served again", r.key)
+                out.append(r.to_wire(cleared))
+            self.reply(ident, P.VerifyReply(req_id=msg.req_id, root=str(self.repository.root), reports=out))
+
+        self.loaders.run(work, done)
+        return None
 
     def after_release(self, model: ModelRecord, device: str | None = None) -> None:
         """A lease or a request let go of the model: tell the policies, and free it if they say so now."""
@@ -191,29 +237,30 @@ class HostCache:
     def on_Evict(self, ident, msg: P.Evict):
         model = self.registry.resolve(msg.name, msg.version)
         self.admins.check_model_owner(ident, model, "evict")
+        before, freed = model.copies, 0
         if msg.tier != "host":
             if msg.tier.partition(":")[0] != "gpu":
                 raise ModelCacheError(f"unknown tier {msg.tier!r}: use 'host', 'gpu' or 'gpu:<UUID or index>'")
-            self.gpu.evict_named(model, msg.tier)
-            return P.Ack(req_id=msg.req_id)
-        model.check_freeable()
-        if model.state is ModelState.RESIDENT:
-            self.evict(model)
-        return P.Ack(req_id=msg.req_id)
+            freed = self.gpu.evict_named(model, msg.tier)
+        else:
+            model.check_freeable()
+            if model.state is ModelState.RESIDENT:
+                freed = self.evict(model)
+        return outcome(msg, model, before, freed_bytes=freed)
 
-    def evict(self, model: ModelRecord) -> None:
+    def evict(self, model: ModelRecord) -> int:
         """Free a resident, unreferenced model from memory, its GPU copies first (the tiers are inclusive;
-        clients' old host mappings stay valid)."""
+        clients' old host mappings stay valid). Returns the bytes freed, in every tier."""
         model.check_freeable()
-        for uuid in list(model.devices):
-            self.gpu.evict_from_device(model, uuid)
+        freed = sum(self.gpu.evict_from_device(model, uuid) for uuid in list(model.devices))
         model.evicted()                 # (raises, freeing nothing, if anything still holds it)
-        freed = self.host.free_model(model.key)
+        host_freed = self.host.free_model(model.key)
         self.policy.removed(model.key)
         for forget in self.forget:
             forget(model.key)
         self.counters["evictions"] += 1
-        log.info("model evicted: %s from host, %.1f MiB freed", model.key, freed / 2**20)
+        log.info("model evicted: %s from host, %.1f MiB freed", model.key, host_freed / 2**20)
+        return freed + host_freed
 
     def make_room(self, bytes_over: int, loading: str) -> bool:
         """Evict unreferenced, unpinned resident models, as the policy chooses, until `bytes_over` is freed.
@@ -303,11 +350,12 @@ class HostCache:
         plan = self.host.plan(model.key, model.disk_dir, model.manifest, self.host_variants(model))  # reserves
         over = self.host.used_bytes - self.host.capacity_bytes
         if over > 0 and not self.make_room(over, loading=model.key):
+            used = self.host.used_bytes - plan.segment_bytes   # (read before abort gives the reservation back)
             self.host.abort(plan)
-            raise CapacityError(
-                f"{model.key} needs {plan.segment_bytes >> 20} MiB in the host tier "
-                f"({self.host.capacity_bytes >> 20} MiB, {(self.host.used_bytes - plan.segment_bytes) >> 20} MiB "
-                f"used) and no unused, unpinned model can make room; close sessions, unpin, or raise host_capacity")
+            kept = {m.key: m.why_kept() for m in self.registry.models.values()
+                    if m is not model and m.state is not ModelState.ON_DISK}
+            raise capacity_refusal(model.key, plan.segment_bytes, "the host tier", self.host.capacity_bytes, used,
+                                   kept, "host_capacity")
         model.start_load()
         self.jobs[f"load:{model.key}"] = {"kind": "load", "model": model.key, "bytes_total": plan.segment_bytes}
 
@@ -325,6 +373,8 @@ class HostCache:
                             model.wait_for_load(wake)
                         self._refetch_damaged(model)
                         return
+                    if self.remote is None:
+                        error = corrupt_refusal(model)
             else:
                 self.host.commit(plan)
                 waiters = model.finish_load(ok=True)
@@ -390,6 +440,44 @@ class HostCache:
                 wake(error)
 
         self.loaders.run(work, done)
+
+
+def outcome(msg, model: ModelRecord, before: list, **fields):
+    """The answer to a load, pin or evict: Ack, or what was done when the request asks (older clients do not)."""
+    if not msg.outcome:
+        return P.Ack(req_id=msg.req_id)
+    return P.ModelOutcome(req_id=msg.req_id, name=model.name, version=model.version, before=before,
+                          after=model.copies, pinned=model.pinned, **fields)
+
+
+def corrupt_refusal(model: ModelRecord) -> IntegrityError:
+    """Why a version marked corrupt is not served, and the way back (with no remote store to fetch it from)."""
+    return IntegrityError(f"{model.damage}; no remote store is configured to fetch it again: repair or replace "
+                          f"the file, then run `modelcache verify {model.name}` to re-check it")
+
+
+def size_text(n: int) -> str:
+    """Bytes as a message shows them: MiB, or KiB below one."""
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.0f} KiB"
+
+
+def capacity_refusal(key: str, needs: int, where: str, capacity: int, used: int, kept: dict,
+                     setting: str) -> CapacityError:
+    """The capacity error of every tier, from the tier's own accounting (`used`: its bytes without this
+    model's reservation): a model larger than the whole tier only needs the setting raised; otherwise
+    it names what holds the tier and why (`kept`: key -> ModelRecord.why_kept), and what would free it."""
+    if needs > capacity:
+        return CapacityError(f"{key} needs {size_text(needs)} in {where}, more than the whole tier ({setting} = "
+                             f"{size_text(capacity)}): the model alone does not fit; raise {setting}")
+    held = [(k, reasons) for k, reasons in sorted(kept.items()) if reasons]
+    advice = list(dict.fromkeys(todo for _, reasons in held for _, todo in reasons))
+    holders = ", ".join(f"{k} ({', '.join(why for why, _ in reasons)})" for k, reasons in held)
+    return CapacityError(f"{key} needs {size_text(needs)} in {where} ({size_text(capacity)}, "
+                         f"{size_text(used)} used), and "
+                         + (f"the models there cannot be evicted now: {holders}" if held else
+                            "evicting the unused models there would not free enough (they share memory with "
+                            "models in use)")
+                         + f"; {', '.join(advice + [f'or raise {setting}'])}")
 
 
 def choose_victims(policy, candidates: dict, bytes_freed_by, bytes_over: int) -> list | None:

@@ -18,9 +18,9 @@ import logging
 from ..cuda import DeviceError, normalize_uuid
 from ..errors import CapacityError, ModelCacheError
 from ..tiers.base import Tier
-from .cache import HostCache, choose_victims
+from .cache import HostCache, capacity_refusal, choose_victims
 from .loaders import Loaders
-from .registry import DeviceResidency, ModelRecord, ModelState, Registry
+from .registry import DeviceResidency, ModelRecord, ModelState, Registry, plural
 
 log = logging.getLogger("modelcache.daemon")
 
@@ -135,12 +135,12 @@ class DeviceCache:
         plan = tier.plan(model.key, model.manifest.gpu_tensors, self.host.file_locations(model.key, "gpu"))
         over = tier.used_bytes - tier.capacity_bytes
         if over > 0 and not self._make_room(tier, over, loading=model.key):
+            used = tier.used_bytes - plan.arena_bytes   # (read before abort gives the reservation back)
             tier.abort(plan)
-            raise CapacityError(
-                f"{model.key} needs {plan.arena_bytes >> 20} MiB on GPU {tier.device.index} "
-                f"({tier.capacity_bytes >> 20} MiB, {(tier.used_bytes - plan.arena_bytes) >> 20} MiB used) "
-                f"and no model without GPU sessions can make room; close GPU sessions, unpin, "
-                f"or raise gpu_capacity")
+            kept = {m.key: m.devices[uuid].why_kept(m.pinned) for m in self.registry.models.values()
+                    if m is not model and uuid in m.devices}
+            raise capacity_refusal(model.key, plan.arena_bytes, f"the GPU tier of GPU {tier.device.index}",
+                                   tier.capacity_bytes, used, kept, "gpu_capacity")
         res = model.start_device_load(uuid)
         job_key = f"gpu-load:{model.key}:{uuid}"
         self.jobs[job_key] = {"kind": "gpu-load", "model": model.key, "device": uuid,
@@ -167,8 +167,8 @@ class DeviceCache:
         return res
 
     # -- eviction ------------------------------------------------------------------------
-    def evict_from_device(self, model: ModelRecord, uuid: str) -> None:
-        """Demote: free the model's copy on one GPU (it has no leases); the host copy stays."""
+    def evict_from_device(self, model: ModelRecord, uuid: str) -> int:
+        """Demote: free the model's copy on one GPU (it has no leases); the host copy stays. Returns bytes freed."""
         model.device_evicted(uuid)      # (raises, freeing nothing, while a lease maps it)
         freed = self.tiers[uuid].free_model(model.key)
         for forget in self.forget:      # its addresses are gone
@@ -176,6 +176,7 @@ class DeviceCache:
         self.policies[uuid].removed(model.key)
         self.counters["gpu_evictions"] += 1
         log.info("model demoted: %s from GPU %s to host, %.1f MiB freed", model.key, uuid, freed / 2**20)
+        return freed
 
     def _make_room(self, tier, bytes_over: int, loading: str) -> bool:
         """Demote unleased, unpinned models from this device, as its policy chooses, until `bytes_over` is free."""
@@ -189,9 +190,12 @@ class DeviceCache:
             self.evict_from_device(by_key[key], uuid)
         return True
 
-    def evict_named(self, model: ModelRecord, spec: str | None) -> None:
-        """`evict --tier gpu[:X]`: demote from the named GPU, or from all of them."""
-        uuids = list(model.devices) if spec in (None, "gpu", "cuda") else [self.tier_named(spec).device.uuid]
+    def evict_named(self, model: ModelRecord, spec: str | None) -> int:
+        """`evict --tier gpu[:X]`: demote from the named GPU, or from all of them; returns bytes freed.
+        A daemon without a GPU tier refuses (tier_named says so) rather than report a demotion."""
+        named = self.tier_named("gpu" if spec is None else spec)
+        uuids = list(model.devices) if spec in (None, "gpu", "cuda") else [named.device.uuid]
+        freed = 0
         for uuid in uuids:
             res = model.devices.get(uuid)
             if res is None:
@@ -200,9 +204,10 @@ class DeviceCache:
                 serving = self.serve_holds(model.key)
                 why = (f" ({serving} of them serve-mode GPU workers', which let go once the model had no request "
                        f"for serve_idle_s = {self.settings.serve_idle_s:g} s)") if serving else ""
-                raise CapacityError(f"{model.key} is in use by {res.leases} GPU sessions on {uuid}{why}; "
+                raise CapacityError(f"{model.key} is in use by {plural(res.leases, 'GPU session')} on {uuid}{why}; "
                                     f"it cannot be evicted from that GPU")
-            self.evict_from_device(model, uuid)
+            freed += self.evict_from_device(model, uuid)
+        return freed
 
     def after_release(self, model: ModelRecord, uuid: str) -> None:
         """A lease on the copy on `uuid` ended: tell its policy, and demote it if the policy says so now."""

@@ -51,9 +51,9 @@ def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, 
     metric("modelcache_model_refcount", "gauge", "Open leases per model.",
            [f'modelcache_model_refcount{{model="{_esc(m["name"])}",version="{m["version"]}"}} {m["refcount"]}'
             for m in models])
-    metric("modelcache_model_resident_bytes", "gauge", "Weights bytes of each model in the host tier.",
+    metric("modelcache_model_resident_bytes", "gauge", "Bytes the host tier holds for each model (its own accounting).",
            [f'modelcache_model_resident_bytes{{model="{_esc(m["name"])}",version="{m["version"]}"}} '
-            f'{m["bytes"] if m["tier"] != "disk" else 0}' for m in models])
+            f'{m["host_bytes"] if m["tier"] != "disk" else 0}' for m in models])
     metric("modelcache_model_gpu_leases", "gauge", "GPU leases per model and device (0: resident, unleased).",
            [f'modelcache_model_gpu_leases{{model="{_esc(m["name"])}",version="{m["version"]}",'
             f'device="{_esc(g["device"])}"}} {g["leases"]}' for m in models for g in m.get("gpu", ())
@@ -80,8 +80,9 @@ def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, 
         metric("modelcache_inference_in_flight", "gauge", "Serve-mode requests in flight.",
                [f"modelcache_inference_in_flight {executor['in_flight']}"])
     lines = []
-    for key, hist in sorted((infer_latency or {}).items()):
-        lines += hist.lines("modelcache_inference_latency_seconds", f'model="{_esc(key)}"')
+    for key, hist in sorted((infer_latency or {}).items()):   # key: "name@version", labelled as elsewhere
+        name, _, version = key.rpartition("@")
+        lines += hist.lines("modelcache_inference_latency_seconds", f'model="{_esc(name)}",version="{version}"')
     metric("modelcache_inference_latency_seconds", "histogram", "Serve-mode request latency per model.", lines)
     return "\n".join(out) + "\n"
 

@@ -20,6 +20,15 @@ from ..errors import CapacityError, LeaseError, ModelNotFound
 from ..format import Manifest
 
 
+def plural(n: int, noun: str, nouns: str = "") -> str:
+    """'1 session', '2 sessions': a count that reads right in a message."""
+    return f"{n} {noun}" if n == 1 else f"{n} {nouns or noun + 's'}"
+
+
+# What to do about each reason a copy is kept in its tier: capacity errors end with these.
+CLOSE_SESSIONS, UNPIN, WAIT = "close sessions", "unpin", "wait for the load to finish"
+
+
 class ModelState(enum.Enum):
     ON_DISK = "on_disk"      # only in the repository
     LOADING = "loading"      # a loader thread is copying it into the host tier
@@ -50,12 +59,19 @@ class DeviceResidency:
     def freeable(self) -> bool:
         return self.state is ModelState.RESIDENT and self.leases == 0
 
+    def why_kept(self, pinned: bool) -> list:
+        """[(reason, what to do)] that keep this copy on its GPU when room is needed; [] when none does."""
+        if self.state is ModelState.LOADING:
+            return [("being copied there", WAIT)]
+        return ([(f"in use by {plural(self.leases, 'GPU session')}", CLOSE_SESSIONS)] if self.leases else []) + \
+            ([("pinned", UNPIN)] if pinned else [])
+
     def check_freeable(self, key: str) -> None:
         """Raise unless this copy may be freed now: device memory a lease maps is never freed."""
         if self.state is ModelState.LOADING:
             raise CapacityError(f"{key} is being copied to GPU {self.device}; evict it once it is there")
         if self.leases:
-            raise CapacityError(f"{key} is in use by {self.leases} GPU sessions on {self.device}; "
+            raise CapacityError(f"{key} is in use by {plural(self.leases, 'GPU session')} on {self.device}; "
                                 f"it cannot be evicted from that GPU")
 
 
@@ -97,6 +113,12 @@ class ModelRecord:
         if any(r.state is ModelState.RESIDENT for r in self.devices.values()):
             return "gpu"
         return "host" if self.state is ModelState.RESIDENT else "disk"
+
+    @property
+    def copies(self) -> list:
+        """The memory tiers holding a resident copy: "host", then "gpu:<UUID>" each ([]: on disk only)."""
+        return (["host"] if self.state is ModelState.RESIDENT else []) + \
+            [f"gpu:{r.device}" for r in self.devices.values() if r.state is ModelState.RESIDENT]
 
     @property
     def busy_on_device(self) -> bool:
@@ -144,6 +166,12 @@ class ModelRecord:
         """A stored file failed its checksum: not served until a fresh copy replaces it."""
         self.damage = why
 
+    def found_intact(self) -> bool:
+        """A scrub of its stored files found them intact (repaired, or put back): served again.
+        Returns whether it had been marked corrupt."""
+        was_marked, self.damage = bool(self.damage), ""
+        return was_marked
+
     def replaced(self, disk_dir: Path, manifest: Manifest) -> None:
         """The remote store's fresh copy replaced a damaged one (LOADING -> ON_DISK, to be promoted)."""
         self.disk_dir, self.manifest = disk_dir, manifest
@@ -157,10 +185,19 @@ class ModelRecord:
         return self.state is ModelState.RESIDENT and self.refcount == 0 and not self.pinned \
             and not self.busy_on_device
 
+    def why_kept(self) -> list:
+        """[(reason, what to do)] that keep the host copy when room is needed; [] when it may be evicted."""
+        if self.state is ModelState.LOADING:
+            return [("loading", WAIT)]
+        reasons = [(f"in use by {plural(self.refcount, 'session')}", CLOSE_SESSIONS)] if self.refcount else []
+        if self.busy_on_device and not self.refcount:     # (a GPU lease counts in refcount too)
+            reasons.append(("being copied to a GPU", WAIT))
+        return reasons + ([("pinned", UNPIN)] if self.pinned else [])
+
     def check_freeable(self) -> None:
         """Raise unless the host copy may be freed now (an explicit evict or remove; pins do not count)."""
         if self.refcount > 0:
-            raise CapacityError(f"{self.key} is in use by {self.refcount} sessions; it cannot be evicted")
+            raise CapacityError(f"{self.key} is in use by {plural(self.refcount, 'session')}; it cannot be evicted")
         if self.state is ModelState.LOADING or self.busy_on_device:
             raise CapacityError(f"{self.key} is loading; evict it once it is resident")
 
@@ -192,8 +229,11 @@ class ModelRecord:
         self.devices[device].check_freeable(self.key)
         del self.devices[device]
 
-    def describe(self) -> dict:
+    def describe(self, host_bytes: int = 0, gpu_bytes: int = 0) -> dict:
+        """For listings. bytes: the stored weights (every variant); host_bytes, gpu_bytes: each tier's own
+        charge for it (the host tier's: what a promotion places when it is not resident; GPU: 0 when on none)."""
         return {"name": self.name, "version": self.version, "bytes": self.manifest.weights_bytes,
+                "host_bytes": host_bytes, "gpu_bytes": gpu_bytes,
                 "tier": self.tier, "state": "corrupt" if self.damage else self.state.value, "refcount": self.refcount,
                 "hits": self.hits, "misses": self.misses, "last_use": self.last_use, "pinned": self.pinned,
                 "tensors": len(self.manifest.tensors), "opt_level": self.manifest.opt_level,
@@ -203,7 +243,8 @@ class ModelRecord:
 
 def describe_unreadable(name: str, version: int, why: str) -> dict:
     """A version on disk whose manifest cannot be used, shaped like ModelRecord.describe for listings."""
-    return {"name": name, "version": version, "bytes": 0, "tier": "disk", "state": "corrupt", "refcount": 0,
+    return {"name": name, "version": version, "bytes": 0, "host_bytes": 0, "gpu_bytes": 0, "tier": "disk",
+            "state": "corrupt", "refcount": 0,
             "hits": 0, "misses": 0, "last_use": 0.0, "pinned": False, "tensors": 0, "opt_level": "",
             "gpu": [], "corrupt": why}
 

@@ -44,7 +44,7 @@ from ..histogram import Histogram
 from .loaders import Loaders
 from .metrics import MetricsServer, render
 from .notify import Notifier
-from .registry import ModelState, Registry, describe_unreadable
+from .registry import ModelState, Registry, describe_unreadable, plural
 from .restart import SocketLock, adopt_resident_models, settle_adopted
 from .serving import Serving, serve_gpu_devices
 from .sessions import Sessions
@@ -265,7 +265,8 @@ class Daemon:
         resident = sum(1 for m in self.registry.models.values() if m.state is ModelState.RESIDENT)
         gpus = "".join(f", GPU {t.device.index} {t.used_bytes >> 20}/{t.capacity_bytes >> 20} MiB"
                        for t in self.gpu.tiers.values())
-        return (f"{len(self.registry.models)} models ({resident} resident), {len(self.registry.clients)} clients, "
+        return (f"{plural(len(self.registry.models), 'model')} ({resident} resident), "
+                f"{plural(len(self.registry.clients), 'client')}, "
                 f"host {self.host.used_bytes >> 20}/{self.host.capacity_bytes >> 20} MiB{gpus}")
 
     def publish_metrics(self) -> None:
@@ -470,10 +471,11 @@ class Daemon:
 
     # -- handlers of the daemon's own: listings and stats -------------------------------
     def on_ListModels(self, ident, msg: P.ListModels):
-        return P.ModelList(req_id=msg.req_id, models=self._describe_models())
+        return P.ModelList(req_id=msg.req_id, models=self._describe_models(),
+                           remote=self.remote.url if self.remote is not None else "")
 
     def _describe_models(self) -> list[dict]:
-        return [m.describe() for _, m in sorted(self.registry.models.items())] + \
+        return [self.cache.describe(m) for _, m in sorted(self.registry.models.items())] + \
             [describe_unreadable(n, v, why) for (n, v), why in sorted(self.repository.unreadable.items())]
 
     def on_Stats(self, ident, msg: P.Stats):

@@ -19,7 +19,7 @@ from ..executor.engine import ServeRequest
 from ..executor.workers import select_gpus
 from .cache import HostCache
 from .devices import DeviceCache
-from .registry import ModelRecord, ModelState, Registry
+from .registry import ModelRecord, ModelState, Registry, plural
 
 log = logging.getLogger("modelcache.daemon")
 
@@ -77,7 +77,9 @@ class Serving:
         # A serve-mode GPU worker's hold does not count: its sessions are dropped with the old stages (below),
         # and the device copy they run over is the same for any partition.
         if model.refcount > self.serve_holds(model.key) or model.state is ModelState.LOADING:
-            raise CapacityError(f"{model.key} is in use; partition it when no session or request holds it")
+            what = "it is loading" if model.state is ModelState.LOADING else \
+                f"{plural(model.refcount, 'session or request', 'sessions or requests')} hold it"
+            raise CapacityError(f"{model.key} is in use ({what}); partition it when no session or request holds it")
 
         def done(result, error):
             if error is None:
@@ -86,7 +88,7 @@ class Serving:
                 model.manifest.batching = {}            # calibrated for the old stages
                 model.manifest.files = result.get("files", model.manifest.files)  # the stage files' checksums
                 self.forget_model(model.key)  # old stage sessions are stale
-                log.info("model partitioned: %s into %d stages", model.key, max(1, len(result["stages"])))
+                log.info("model partitioned: %s into %s", model.key, plural(max(1, len(result["stages"])), "stage"))
                 self.reply(ident, P.DescribeReply(req_id=msg.req_id, name=model.name, version=model.version,
                                                    stages=result["stages"]))
             else:
@@ -171,7 +173,7 @@ class Serving:
         return None
 
     def on_Infer(self, ident, msg: P.Infer):
-        self.touch(msg.client_id, ident)
+        self.touch(msg.client_id, ident, msg.client_name)
         if msg.deadline_ms is not None and not 0 <= msg.deadline_ms < float("inf"):   # (NaN fails this too)
             raise InputError(f"deadline_ms {msg.deadline_ms}: give a positive number of milliseconds "
                              "(0 or none: no deadline)")

@@ -19,7 +19,7 @@ from .cache import HostCache
 from .devices import DeviceCache
 from .identity import check_client_owner
 from .lane import LaneConnection
-from .registry import ModelRecord, Registry
+from .registry import ModelRecord, Registry, plural
 
 log = logging.getLogger("modelcache.daemon")
 PID_MAX = 1 << 22          # Linux's PID_MAX_LIMIT: no pid_max setting goes higher
@@ -66,7 +66,7 @@ class Sessions:
         if len(name) > MAX_CLIENT_NAME:
             raise ProtocolError(f"client_name is {len(name)} characters; at most {MAX_CLIENT_NAME}")
         if len(self.registry.clients) >= self.settings.max_clients:
-            raise CapacityError(f"the modelcache daemon serves {len(self.registry.clients)} clients, its "
+            raise CapacityError(f"the modelcache daemon serves {plural(len(self.registry.clients), 'client')}, its "
                                 f"max_clients; try again later, or raise max_clients")
         # The kernel's pid, not the message's: the sweep drops a client whose process is gone. A tcp:// client
         # has none (0: the heartbeat alone decides).
@@ -90,8 +90,8 @@ class Sessions:
         released = self._drop(client.client_id)
         if released:   # left holding leases: it exited (or died) without closing its sessions
             self.counters["clients_lost"] += 1
-            log.info("client gone: %s (pid %d), its connection closed holding %d leases; released them",
-                     client.client_id, client.pid, len(released))
+            log.info("client gone: %s (pid %d), its connection closed holding %s; released them",
+                     client.client_id, client.pid, plural(len(released), "lease"))
 
     # -- handlers: each returns a reply, or None when it will reply later ---------------
     def on_Hello(self, ident, msg: P.Hello):
@@ -187,8 +187,9 @@ class Sessions:
                     released = self._drop(client.client_id)
                     self.counters["clients_lost"] += 1
                     files = tensors.remove_io_files_of(client.pid) if dead else 0
-                    log.info("client lost: %s (pid %d, %s), released %d leases, removed %d I/O files", client.client_id,
-                             client.pid, "process gone" if dead else "no heartbeat", len(released), files)
+                    log.info("client lost: %s (pid %d, %s), released %s, removed %s", client.client_id, client.pid,
+                             "process gone without goodbye" if dead else "no heartbeat",
+                             plural(len(released), "lease"), plural(files, "I/O file"))
             except Exception:  # one client's record must not stop the sweep, or the owner loop with it
                 log.error("sweep failed on client %s: %s", client.client_id, traceback.format_exc())
 

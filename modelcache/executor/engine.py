@@ -156,6 +156,7 @@ class Engine:
         self.failed = 0
         self.batches_formed = 0
         self.batched_samples = 0
+        self.batched_requests = 0     # the mean batch size is requests per batch (a request may carry many samples)
         self.layer_joins = 0
         self.latencies_ms: deque = deque(maxlen=1000)
         self.last_used: dict[str, float] = {}   # model key -> when a request last touched it
@@ -336,6 +337,7 @@ class Engine:
             self.outstanding[0] -= 1
         self.batches_formed += 1
         self.batched_samples += req.samples
+        self.batched_requests += 1
         if error is not None:
             self._finish(req, None, stage_error(job.model_key, job.stage, error))
             return True
@@ -441,6 +443,7 @@ class Engine:
         self.batches[batch.batch_id] = batch
         self.batches_formed += 1
         self.batched_samples += batch.samples
+        self.batched_requests += len(batch.members)
         return self._run_stage(batch)
 
     def _run_stage(self, batch: Batch) -> bool:
@@ -624,7 +627,7 @@ class Engine:
         self.batches.pop(catch_up.batch_id, None)
         main.data = concat([main.data, {k: catch_up.data[k] for k in main.data}])
         main.members += catch_up.members
-        self.batches_formed -= 1      # counted once: it is part of the main batch now
+        self.batches_formed -= 1      # counted once: it is part of the main batch now (its requests too)
         self.batched_samples -= catch_up.samples
 
     def _complete(self, batch: Batch) -> None:
@@ -682,7 +685,9 @@ class Engine:
         lat = sorted(self.latencies_ms)
         return {"scheduler": self.scheduler.name,
                 "batching": {"policies": self.policies, "batches": self.batches_formed,
-                             "mean_batch": self.batched_samples / self.batches_formed if self.batches_formed else None,
+                             "mean_batch": self.batched_requests / self.batches_formed if self.batches_formed else None,
+                             "mean_batch_samples": self.batched_samples / self.batches_formed
+                             if self.batches_formed else None,
                              "layer_joins": self.layer_joins},
                 "workers": [{"id": w.state.worker_id, "name": getattr(w, "name", None), "kind": w.state.kind,
                              "cores": w.cores, "device": w.state.memory_node, "queued": self.outstanding[i],

@@ -39,6 +39,8 @@ class DaemonLink:
         def answered(reply, error):   # on the core's reader thread
             loop.call_soon_threadsafe(_settle, fut, reply, error)
 
+        if getattr(msg, "client_name", None) == "":   # (an Infer's) names this front's client in `status`
+            msg.client_name = "http-front"
         inputs = getattr(msg, "inputs", None)
         big = isinstance(inputs, list) and sum(len(t.get("data", b"")) for t in inputs if isinstance(t, dict)) \
             > BIG_REQUEST_BYTES
