@@ -187,15 +187,18 @@ def cmd_rm(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    """With a daemon running, the daemon scrubs (and serves again what it finds intact); else read here."""
+    """With a daemon running, the daemon scrubs (and serves again what it finds intact); else, or for a
+    --repository named on the command line, read here."""
     from .client.connection import connect
     from .errors import DaemonUnavailable, ModelNotFound
     from .scrub import DAMAGED, VersionReport, nothing_to_verify, verify_repository
     settings = _settings(args)
-    try:
-        client = connect(settings.socket)
-    except DaemonUnavailable:
-        client = None
+    client = None
+    if not args.repository:
+        try:
+            client = connect(settings.socket)
+        except DaemonUnavailable:
+            pass
     if client is not None:
         with client:
             reply = client.verify(args.name)
@@ -647,11 +650,13 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("--version", type=_version_arg, required=True)
     rm.set_defaults(func=cmd_rm)
     ve = sub.add_parser("verify", parents=[common], help="check every stored file against its checksums",
-                        description="Scrub the repository (read directly: the daemon may be down): check every "
-                                    "file of every version, or of NAME, against the checksums written at add time. "
+                        description="Check every file of every version, or of NAME, against the checksums written "
+                                    "at add time. With a daemon running, the daemon scrubs its repository and serves "
+                                    "again a version it had marked corrupt and now finds intact (after you repaired "
+                                    "the file); with none, or with --repository, the repository is read here. "
                                     "Exit status 1 when anything is damaged.")
     ve.add_argument("name", nargs="?")
-    ve.set_defaults(func=cmd_verify, uses=("repository",))
+    ve.set_defaults(func=cmd_verify, uses=CLIENT_SETTINGS + ("repository",))
     pb = sub.add_parser("publish", help="write index.json for a directory of packed models: a remote store",
                         description="Make a directory laid out like a repository (NAME/VERSION/...) usable as "
                                     "a remote store: writes index.json with every file's size and sha256.")
@@ -717,8 +722,9 @@ def main(argv=None) -> int:
 
 
 def _debugging(args) -> bool:
-    return getattr(args, "debug", False) or getattr(args, "log_level", None) == "debug" or \
-        os.environ.get("MODELCACHE_LOG_LEVEL", "").strip().lower() == "debug"
+    # The command line asks for tracebacks, not MODELCACHE_LOG_LEVEL: that one is often set for a daemon's log
+    # in an environment the CLI shares, and its user still wants one-line errors.
+    return getattr(args, "debug", False) or getattr(args, "log_level", None) == "debug"
 
 
 def fail(e: BaseException, debug: bool = False) -> int:

@@ -90,7 +90,8 @@ def _ram_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-MIN_CAPACITY = 1 << 20     # a tier smaller than this holds no model: a typo ("10K" for "10G"), not a choice
+MIN_CAPACITY = 64 << 10    # smaller holds no model worth caching: a typo ("10K" for "10G"), not a choice
+                           # (the test models of the zoo are 50-100 KiB: tests cut tiers this fine)
 
 
 def parse_size(text: str | int, total: int | None = None) -> int:
@@ -240,7 +241,7 @@ def _capacity(of: str | None):
         text = str(value).strip()
         if text.endswith("%"):
             if of is None:
-                raise ValueError("must be a size in bytes, e.g. 8G, at least 1M")
+                raise ValueError("must be a size in bytes, e.g. 8G, at least 64K")
             try:
                 number(float, above=0, high=100)(text[:-1])
             except ValueError:
@@ -249,10 +250,10 @@ def _capacity(of: str | None):
         try:
             n = parse_size(text)
         except ConfigError:
-            raise ValueError("must be a positive size in bytes, e.g. 8G, 512M (at least 1M)" +
+            raise ValueError("must be a positive size in bytes, e.g. 8G, 512M (at least 64K)" +
                              (f", or a percentage of {of} such as 50%" if of else "")) from None
         if n < MIN_CAPACITY:
-            raise ValueError(f"must be at least 1M: {n} bytes holds no model")
+            raise ValueError(f"must be at least 64K: {n} bytes holds no model")
         if of == "RAM" and n > _ram_bytes():
             raise ValueError(f"must be at most this machine's RAM ({_ram_bytes() / 2**30:.1f} GiB, or 100%)")
         return text

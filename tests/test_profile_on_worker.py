@@ -108,7 +108,7 @@ def test_place_profiles_on_the_daemons_workers_and_says_so(two_workers, tmp_path
 def test_a_profile_or_request_of_a_model_the_tier_cannot_hold_is_refused_and_holds_nothing(tmp_path, zoo_file):
     """No room to load the model: the error is the answer, and the model is not left "in use"."""
     from modelcache.errors import CapacityError
-    # (1M: the smallest host tier the settings take; squeezenet1_1's 4.7 MiB of weights do not fit)
+    # (1M: a tier far below the model's size; squeezenet1_1's 4.7 MiB of weights do not fit)
     d = DaemonProcess(tmp_path, {"MODELCACHE_WORKERS": "1", "MODELCACHE_HOST_CAPACITY": "1M"}).start()
     try:
         with d.client() as c:
