@@ -66,6 +66,7 @@ CASES = [
     ("calibrate runs 0", ["calibrate", "m", "--runs", "0"], {}, "--runs: 0 must be"),
     ("place missing system", ["place", "m", "--system", "{tmp}/missing.toml"], {}, "missing.toml does not exist"),
     ("place batch 0", ["place", "m", "--batch", "0"], {}, "--batch: 0 must be"),
+    ("place without a name", ["place"], {}, "give NAME and --system FILE"),
     ("socket garbage", ["ls"], {"MODELCACHE_SOCKET": "garbage"},
      "MODELCACHE_SOCKET=garbage: socket is not a daemon address: write ipc://PATH (or an absolute PATH), or tcp://HOST:PORT"),
     ("--socket without a port", ["ls", "--socket", "tcp://localhost"], {}, "is not a daemon address"),

@@ -385,6 +385,10 @@ def test_unloaded_model_is_not_ready_until_loaded_again(served):
     x = np.zeros((1, 3, 32, 32), np.float32)
     inp = tritonhttp.InferInput("input", list(x.shape), "FP32")
     inp.set_data_from_numpy(x)
+    with d.client() as mc:   # a second version, and both in memory: unload must take both out
+        mc.add(files["cnn"], "cnn")
+        mc.load("cnn", version=1)
+        mc.load("cnn", version=2)
     c.unload_model("cnn")
     assert not c.is_model_ready("cnn") and not c.is_model_ready("cnn", "1") and c.is_model_ready("embed")
     status, _, payload = front.request("GET", "/v2/models/cnn/ready")
@@ -395,8 +399,8 @@ def test_unloaded_model_is_not_ready_until_loaded_again(served):
     with pytest.raises(InferenceServerException) as e:
         c.infer("cnn", [inp])
     assert int(e.value.status()) == 400 and "unloaded" in e.value.message()
-    with d.client() as mc:   # it did not come back into memory behind the front's back
-        assert {m["name"]: m for m in mc.list()}["cnn"]["tier"] == "disk"
+    with d.client() as mc:   # no version of it stayed, or came back, in memory behind the front's back
+        assert {m["version"]: m["tier"] for m in mc.list() if m["name"] == "cnn"} == {1: "disk", 2: "disk"}
     c.load_model("cnn")
     assert c.is_model_ready("cnn") and c.infer("cnn", [inp]).as_numpy("logits").shape == (1, 10)
 

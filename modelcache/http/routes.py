@@ -203,7 +203,13 @@ async def repository_load(request: web.Request) -> web.Response:
 async def repository_unload(request: web.Request) -> web.Response:
     await _json_body(request)   # (unload_dependents: there are none)
     name = request.match_info["name"]
-    await request.app[LINK].call(P.Evict(req_id=0, name=name), (P.Ack,))
+    link = request.app[LINK]
+    # Every version in memory goes: an Evict without a version names only the latest, and a model
+    # the front calls unloaded must not keep an older version resident.
+    listing = await link.call(P.ListModels(req_id=0), (P.ModelList,))
+    resident = [m["version"] for m in listing.models if m["name"] == name and m["tier"] != "disk"]
+    for version in resident or [None]:   # none resident: still one Evict, so an unknown name is a 404
+        await link.call(P.Evict(req_id=0, name=name, version=version), (P.Ack,))
     request.app[UNLOADED].add(name)
     return web.Response()
 

@@ -7,7 +7,7 @@ import math
 import sys
 from pathlib import Path
 
-from ..errors import ModelNotFound
+from ..errors import InputError, ModelNotFound
 from .plan import Plan
 from .search import Placement, place
 from .simulate import poisson_arrivals, simulate
@@ -136,7 +136,7 @@ def run(args, settings) -> int:
             print(text, end="")
         return 0
     if not args.name or not args.system:
-        raise SystemExit("modelcache place: give NAME and --system FILE (or --describe)")
+        raise InputError("place: give NAME and --system FILE (or --describe to write this machine's system file)")
     system = load_system(args.system)
     directory, version = model_dir(settings.repository_path, args.name, args.version)
     profiles, wake_s, measured_on = daemon_profiles(args, settings, directory, version, system)
