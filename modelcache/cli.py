@@ -10,6 +10,7 @@ import time
 
 from . import __version__
 from .errors import ModelCacheError, PermissionDenied
+from .usage import Parser
 
 
 def _setup_logging(level: str) -> None:
@@ -478,14 +479,6 @@ def cmd_bench(args) -> int:
     return importlib.import_module(f"modelcache.bench.{args.which}").main(args.rest)
 
 
-class _Parser(argparse.ArgumentParser):
-    """Usage errors as the one line every other failure is: the command, what was wrong, where help is."""
-
-    def error(self, message):
-        where = self.prog.partition(" ")[2]
-        self.exit(2, f"modelcache: {where + ': ' if where else ''}{message} (`{self.prog} --help` for usage)\n")
-
-
 def _number_arg(kind=int, low=None, high=None, above=None):
     """An argparse type: a number within its range, refused with the range (a version is >= 1, a port <= 65535)."""
     def parse(text: str):
@@ -520,7 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
     http_settings = CLIENT_SETTINGS + ("log_level", "http_host", "http_port", "max_message_size")
     add_settings = CLIENT_SETTINGS + ("repository", "opt_level", "prepack")
     place_settings = CLIENT_SETTINGS + ("repository", "workers", "gpus")
-    p = _Parser(
+    p = Parser(
         prog="modelcache",
         description="A resident ONNX model cache. Run `modelcache daemon`, add models once with "
                     "`modelcache add`, then open them by name from any process with "
@@ -530,13 +523,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help=debug_help)
     # Options every command that reads settings takes. `asks` (the commands that ask a running daemon) refuses
     # --repository with where to set it; `common` (the commands that read the repository themselves) takes it.
-    asks = _Parser(add_help=False)
+    asks = Parser(add_help=False)
     asks.add_argument("--socket", help="daemon address: ipc://PATH (or an absolute PATH), or tcp://HOST:PORT "
                                        "(default: $MODELCACHE_SOCKET, else ipc://$XDG_RUNTIME_DIR/modelcache/daemon.sock)")
     asks.add_argument("--config", help="TOML settings file (default: $MODELCACHE_CONFIG, "
                                        "~/.config/modelcache/modelcache.toml, /etc/modelcache/modelcache.toml as root)")
     asks.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
-    common = _Parser(add_help=False, parents=[asks])
+    common = Parser(add_help=False, parents=[asks])
     common.add_argument("--repository", help="packed models directory (default: $MODELCACHE_REPOSITORY)")
     asks.add_argument("--repository", action=_DaemonsRepository, help=argparse.SUPPRESS)
     asks.set_defaults(uses=CLIENT_SETTINGS)
@@ -705,7 +698,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)   # (a usage error exits 2 here, with one line: see _Parser)
+    args = build_parser().parse_args(argv)   # (a usage error exits 2 here, with one line: see usage.Parser)
     try:
         code = args.func(args) or 0
         sys.stdout.flush()   # here, not at exit: a reader that went away (`| head`) shows as BrokenPipeError

@@ -103,6 +103,8 @@ CASES = [
     ("daemon shm dir missing", ["daemon"], {"MODELCACHE_SHM_DIR": "{tmp}/missing"}, "shm_dir must be an existing directory"),
     ("verify repository is a file", ["verify"], {"MODELCACHE_REPOSITORY": "{file}"}, "repository must be a directory"),
     ("bench unknown", ["bench", "nosuch"], {}, "argument which: invalid choice: 'nosuch'"),
+    ("bench unknown option", ["bench", "coldstart", "--nosuch"], {}, "bench coldstart: unrecognized arguments: --nosuch"),
+    ("bench bad value", ["bench", "soak", "--minutes", "x"], {}, "bench soak: argument --minutes: invalid float value"),
     ("cluster status, no Ray", ["cluster", "status"], {}, "no Ray cluster at auto: start one with `ray start --head`"),
     ("cluster up, no Ray", ["cluster", "up"], {}, "no Ray cluster at auto"),
     ("cluster down, no Ray", ["cluster", "down"], {}, "no Ray cluster at auto"),

@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "modelcache"
 # Bottom to top; an entry names a module or a whole subpackage.
 LAYERS = [
     ("foundation", ["errors", "format", "integrity", "storage", "tensors", "lane", "protocol", "cuda",
-                    "session_options", "reservations", "histogram", "calibration", "plotting"]),
+                    "session_options", "reservations", "histogram", "calibration", "plotting", "usage"]),
     ("settings", ["config", "address"]),
     ("model tooling", ["packing", "prepack", "sources", "zoo"]),
     ("tiers", ["tiers", "eviction", "scrub"]),

@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from .common import save_results, summary
+from ..usage import Parser
 
 MODES = {  # mode -> (router, multiplexed)
     "locality": ("locality", True),
@@ -243,7 +244,7 @@ def report(data: dict, f=sys.stdout) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="modelcache bench cluster", description=__doc__,
+    ap = Parser(prog="modelcache bench cluster", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", type=int, default=12, help="embedding models, 8 to 48 MB (at least 12)")
     ap.add_argument("--requests", type=int, default=600, help="requests in the trace, warm-up included")

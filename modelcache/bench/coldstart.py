@@ -27,6 +27,7 @@ from pathlib import Path
 from ..plotting import pyplot
 from .common import compile_bytecode, ensure_models, managed_daemon, save_results, summary
 from .fresh import holding, sample, spawn
+from ..usage import Parser
 
 MODES = ["ort", "ort-tuned", "attach-hit", "attach-miss", "serve", "ideal"]
 CHILD = str(Path(__file__).with_name("coldstart_child.py"))
@@ -178,7 +179,7 @@ def plot(samples: list[dict], memory: list[dict], out_dir: Path) -> list[str]:
 
 
 def main(argv=None) -> int:
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = Parser(add_help=False)
     pre.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     known, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
     if known.device == "cuda":
@@ -189,7 +190,7 @@ def main(argv=None) -> int:
         except ModelCacheError as e:   # no CUDA device here: say what is missing, not a traceback
             print(f"modelcache: {e}", file=sys.stderr)
             return 1
-    ap = argparse.ArgumentParser(prog="modelcache bench coldstart", description=__doc__,
+    ap = Parser(prog="modelcache bench coldstart", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: the GPU modes (ort-cuda, host-attach, gpu-attach-hit/miss, serve, ideal); "

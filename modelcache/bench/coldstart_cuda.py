@@ -35,6 +35,7 @@ from ..errors import ModelCacheError
 from ..plotting import pyplot
 from .common import ensure_models, managed_daemon, save_results, summary
 from .fresh import holding, sample as sample_child, spawn as spawn_child
+from ..usage import Parser
 
 MODES = ["ort-cuda", "host-attach", "gpu-attach-hit", "gpu-attach-miss", "serve", "ideal"]
 CHILD = str(Path(__file__).with_name("coldstart_cuda_child.py"))
@@ -341,7 +342,7 @@ def plot(data: dict, out_dir: Path) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="modelcache bench coldstart --device cuda", description=__doc__,
+    ap = Parser(prog="modelcache bench coldstart --device cuda", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", help=f"zoo models (default: {' '.join(DEFAULT_MODELS)})")
     ap.add_argument("--runs", type=int, help="fresh processes per mode and model (default 5; 3 with --quick)")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from ..usage import Parser
 
 KINDS = ("node", "simple", "pytorch-converted", "pytorch-operator")
 
@@ -167,7 +168,7 @@ def main(argv: list[str]) -> int:
     from .common import managed_daemon
     from ..client.connection import connect
 
-    ap = argparse.ArgumentParser(prog="modelcache bench conformance", description=__doc__,
+    ap = Parser(prog="modelcache bench conformance", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"corpus parts, comma-separated (default: all of {KINDS})")
     ap.add_argument("--sample", type=int, default=None, help="a seeded random sample of this many cases (default: all)")

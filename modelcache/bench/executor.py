@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from .common import managed_daemon, plain_session, save_results
+from ..usage import Parser
 
 
 def _daemon_env(**settings):
@@ -269,7 +270,7 @@ def report(res: dict, out=sys.stdout) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="modelcache bench executor", description=__doc__,
+    ap = Parser(prog="modelcache bench executor", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--clients", type=int, default=4)

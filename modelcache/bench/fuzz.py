@@ -26,6 +26,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from ..usage import Parser
 
 MiB = 1 << 20
 SENTINEL_BASE = 2**62   # request ids of the fuzzer's own "list" markers; the fuzz never sends these
@@ -400,7 +401,7 @@ def passed(r: dict) -> bool:
 
 def main(argv=None) -> int:
     from .common import save_results
-    ap = argparse.ArgumentParser(prog="modelcache bench fuzz", description=__doc__,
+    ap = Parser(prog="modelcache bench fuzz", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--messages", type=int, default=40000,
                     help="malformed messages in all, both sockets (default 40000)")

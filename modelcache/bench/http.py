@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from ..usage import Parser
 
 MODES = ("lane", "http-binary", "http-json", "tritonclient", "http-floor")
 # Triton's own published HTTP figure, for scale (see report()).
@@ -225,7 +226,7 @@ def report(res: dict, out=sys.stdout) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="modelcache bench http", description=__doc__,
+    ap = Parser(prog="modelcache bench http", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-cnn", help="the tiny model (zoo name; one FP32 input)")
     ap.add_argument("--big", default="resnet50", help="the big model (zoo name; one FP32 input)")

@@ -15,10 +15,11 @@ from pathlib import Path
 
 from ..demo import measure, report
 from .common import compile_bytecode, ensure_models, managed_daemon, save_results
+from ..usage import Parser
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="modelcache bench open", description=__doc__,
+    ap = Parser(prog="modelcache bench open", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["vgg16", "resnet50"])
     ap.add_argument("--runs", type=int, default=5, help="fresh processes per mode and model (default 5)")

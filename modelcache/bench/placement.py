@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from .common import save_results
+from ..usage import Parser
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "systems"
 DEFAULT_SYSTEMS = [str(EXAMPLES / "mars-8acc.toml"), str(EXAMPLES / "cpu-two-gpus.toml")]
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
     from ..placement.search import place
     from ..placement.system import load_system
 
-    ap = argparse.ArgumentParser(prog="modelcache bench placement", description=__doc__,
+    ap = Parser(prog="modelcache bench placement", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
     ap.add_argument("--systems", nargs="+", default=DEFAULT_SYSTEMS)

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from .common import summary
+from ..usage import Parser
 
 # A client process: open a drop-in session, say so, wait; on a line from us run once and report.
 HOLDER = """
@@ -52,7 +53,7 @@ def _start(env: dict, log) -> subprocess.Popen:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="modelcache bench restart", description=__doc__,
+    ap = Parser(prog="modelcache bench restart", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="resnet50")
     ap.add_argument("--clients", type=int, default=3)

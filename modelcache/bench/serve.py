@@ -44,6 +44,7 @@ from pathlib import Path
 
 from ..plotting import pyplot
 from .common import ensure_models, managed_daemon, save_results
+from ..usage import Parser
 
 POLICIES = ("serial", "batch", "dynamic", "layer")
 
@@ -361,7 +362,7 @@ def plot(res: dict, out_dir: Path) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="modelcache bench serve", description=__doc__,
+    ap = Parser(prog="modelcache bench serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["alexnet", "resnet50"])
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)

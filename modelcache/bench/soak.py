@@ -33,6 +33,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from ..usage import Parser
 
 MiB = 1 << 20
 EXPLAINED = {"CapacityError"}
@@ -368,7 +369,7 @@ def main(argv=None) -> int:
         role, socket, refs, seconds, seed, interval, attach_runs, stick = argv[1:9]
         return worker(role, socket, refs, float(seconds), int(seed), float(interval), int(attach_runs), int(stick))
     from .common import save_results
-    ap = argparse.ArgumentParser(prog="modelcache bench soak", description=__doc__,
+    ap = Parser(prog="modelcache bench soak", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=5.0, help="how long the clients run (default 5)")
     ap.add_argument("--clients", type=int, default=8,

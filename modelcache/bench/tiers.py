@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from .common import managed_daemon, save_results, summary
+from ..usage import Parser
 
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):
@@ -46,7 +47,7 @@ def _timed(fn) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="modelcache bench tiers", description=__doc__,
+    ap = Parser(prog="modelcache bench tiers", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="resnet50", help="model for open latency (default resnet50)")
     ap.add_argument("--big", default="vgg16", help="model for promotion throughput (default vgg16)")
