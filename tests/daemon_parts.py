@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from modelcache import zoo
 from modelcache.config import Settings
-from modelcache.daemon.cache import HostCache
+from modelcache.daemon.cache import HostCache, policy_for
 from modelcache.daemon.devices import DeviceCache
 from modelcache.daemon.identity import Admins
 from modelcache.daemon.loaders import Loaders
 from modelcache.daemon.registry import Registry
-from modelcache.eviction import make_policy
 from modelcache.packing import pack
 from modelcache.tiers.disk import Repository
 from modelcache.tiers.host import HostTier
@@ -29,10 +28,11 @@ class FakeClock:
 class Parts:
     """The host cache and the GPU cache as the daemon wires them, over `tmp_path`."""
 
-    def __init__(self, tmp_path, policy: str = "lru", host_capacity: str = "256M", fake_gpus: str = "1x64M"):
+    def __init__(self, tmp_path, policy: str = "lru", host_capacity: str = "256M", fake_gpus: str = "1x64M",
+                 **settings):
         self.settings = Settings(socket=f"ipc://{tmp_path}/d.sock", repository=str(tmp_path / "repo"),
                                  shm_dir=str(tmp_path / "shm"), host_capacity=host_capacity, fake_gpus=fake_gpus,
-                                 eviction_policy=policy, workers="1", gpus="auto")
+                                 eviction_policy=policy, workers="1", gpus="auto", **settings)
         (tmp_path / "shm").mkdir(parents=True, exist_ok=True)
         self.clock = FakeClock()
         self.registry = Registry()
@@ -40,12 +40,14 @@ class Parts:
         self.host = HostTier(self.settings.shm_dir, self.settings.host_capacity_bytes(), owner=self.settings.socket)
         self.loaders = Loaders(1)
         self.counters = {k: 0 for k in ("promotions", "evictions", "gpu_promotions", "gpu_evictions",
-                                        "corrupt_detected", "fetched", "refetched", "adds")}
+                                        "corrupt_detected", "fetched", "refetched", "adds", "unloads", "prewarms",
+                                        "gpu_unloads", "gpu_prewarms")}
         self.replies: list = []
-        self.cache = HostCache(registry=self.registry, host=self.host, policy=make_policy(policy),
+        self.cache = HostCache(registry=self.registry, host=self.host, policy=policy_for(self.settings),
                                repository=self.repository, remote=None, loaders=self.loaders, settings=self.settings,
                                admins=Admins(""), counters=self.counters, jobs={}, clock=self.clock,
-                               reply=lambda ident, msg: self.replies.append(msg), redispatch=None)
+                               reply=lambda ident, msg: self.replies.append(msg), redispatch=None,
+                               wall=lambda: self.clock() + 1e9)
         self.gpu = self.cache.gpu = DeviceCache(registry=self.registry, cache=self.cache, loaders=self.loaders,
                                                 settings=self.settings, counters=self.counters, jobs={},
                                                 clock=self.clock)
