@@ -10,6 +10,8 @@ from modelcache.daemon.devices import DeviceCache
 from modelcache.daemon.identity import Admins
 from modelcache.daemon.loaders import Loaders
 from modelcache.daemon.registry import Registry
+from modelcache.daemon.sessions import Sessions
+from modelcache.histogram import Histogram
 from modelcache.packing import pack
 from modelcache.tiers.disk import Repository
 from modelcache.tiers.host import HostTier
@@ -35,22 +37,26 @@ class Parts:
                                  eviction_policy=policy, workers="1", gpus="auto", **settings)
         (tmp_path / "shm").mkdir(parents=True, exist_ok=True)
         self.clock = FakeClock()
+        self.wall = lambda: self.clock() + 1e9     # wall time runs with the fake clock
         self.registry = Registry()
         self.repository = Repository(self.settings.repository_path)
         self.host = HostTier(self.settings.shm_dir, self.settings.host_capacity_bytes(), owner=self.settings.socket)
         self.loaders = Loaders(1)
         self.counters = {k: 0 for k in ("promotions", "evictions", "gpu_promotions", "gpu_evictions",
                                         "corrupt_detected", "fetched", "refetched", "adds", "unloads", "prewarms",
-                                        "gpu_unloads", "gpu_prewarms")}
+                                        "gpu_unloads", "gpu_prewarms", "opens", "hits", "misses", "closes")}
         self.replies: list = []
         self.cache = HostCache(registry=self.registry, host=self.host, policy=policy_for(self.settings),
                                repository=self.repository, remote=None, loaders=self.loaders, settings=self.settings,
                                admins=Admins(""), counters=self.counters, jobs={}, clock=self.clock,
-                               reply=lambda ident, msg: self.replies.append(msg), redispatch=None,
-                               wall=lambda: self.clock() + 1e9)
+                               reply=lambda ident, msg: self.replies.append(msg), redispatch=None, wall=self.wall)
         self.gpu = self.cache.gpu = DeviceCache(registry=self.registry, cache=self.cache, loaders=self.loaders,
                                                 settings=self.settings, counters=self.counters, jobs={},
                                                 clock=self.clock)
+        # Opens and closes as the daemon takes them (a client here is the registry's, with no credentials).
+        self.sessions = Sessions(registry=self.registry, cache=self.cache, gpu=self.gpu, settings=self.settings,
+                                 counters=self.counters, clock=self.clock, wall=self.wall,
+                                 reply=lambda ident, msg: self.replies.append(msg), open_latency=Histogram())
         self.host.start()
         self.gpu.start()
         self.tier = next(iter(self.gpu.tiers.values()))
