@@ -78,24 +78,27 @@ def test_oversubscribed_working_set_never_fails_and_never_overflows(tmp_path, vi
 
 
 def test_full_of_pinned_models_is_a_clear_capacity_error(tmp_path, vits):
-    d = start(tmp_path, host_capacity=int(2.5 * SEGMENT_BYTES))
+    d = start(tmp_path, host_capacity="1M")              # three of them (the least a tier may be)
     try:
-        with d.client() as c:
-            for n in ("vit0", "vit1", "vit2"):
+        with d.client(timeout_s=3) as c:
+            for n in ("vit0", "vit1", "vit2", "vit3"):
                 c.add(vits[n], n)
-            c.load("vit0")
-            c.load("vit1")
+            for n in ("vit0", "vit1", "vit2"):
+                c.load(n)
             c.pin("vit0")
+            c.pin("vit2")
             s1 = modelcache.InferenceSession("vit1", client=c)     # in use: not a victim either
-            with pytest.raises(CapacityError, match=r"the models there cannot be evicted now: vit0@1 \(pinned\), "
-                                                    r"vit1@1 \(in use by 1 session\); unpin, close sessions, "
-                                                    r"or raise host_capacity$"):
-                c.open("vit2")
+            # The open waits for room until just before the client gives up (its timeout), then says why.
+            with pytest.raises(CapacityError, match=r"^waited 2\.\d s for room, until the request's deadline: vit3@1 "
+                                                    r".*the models there cannot be evicted now: vit0@1 \(pinned\), "
+                                                    r"vit1@1 \(in use by 1 session\), vit2@1 \(pinned\); unpin, close "
+                                                    r"sessions, or raise host_capacity$"):
+                c.open("vit3")
             models = {m["name"]: m for m in c.list()}
             assert models["vit0"]["tier"] == "host" and models["vit1"]["tier"] == "host"  # nothing disturbed
-            assert models["vit2"]["tier"] == "disk"
+            assert models["vit3"]["tier"] == "disk" and models["vit3"]["state"] == "on_disk"
             s1.close()
-            with modelcache.InferenceSession("vit2", client=c):       # vit1 is now free to go
+            with modelcache.InferenceSession("vit3", client=c):       # vit1 is now free to go
                 pass
             models = {m["name"]: m for m in c.list()}
             assert models["vit1"]["tier"] == "disk" and models["vit0"]["pinned"]
