@@ -20,6 +20,7 @@ from ..executor.workers import select_gpus
 from .cache import HostCache
 from .devices import DeviceCache
 from .registry import ModelRecord, ModelState, Registry, plural
+from .room import deadline_of
 
 log = logging.getLogger("modelcache.daemon")
 
