@@ -85,8 +85,10 @@ class HostCache:
         kept = self.policy.keep_alive_until(model.key)
         out = model.describe(host_bytes, gpu_bytes, why=model.why_resident(kept is not None and kept > now),
                              keep_alive_until=as_wall(kept), next_call=as_wall(self.policy.predicted_next_call(model.key)))
-        for copy in out["gpu"]:
-            copy["keep_alive_until"] = as_wall(self.gpu.policies[copy["device"]].keep_alive_until(model.key))
+        for copy in out["gpu"]:   # (only under a timed policy: the copy's record is otherwise as it was)
+            until = self.gpu.policies[copy["device"]].keep_alive_until(model.key)
+            if until is not None:
+                copy["keep_alive_until"] = as_wall(until)
         return out
 
     def promotion_bytes(self, model: ModelRecord) -> int:
