@@ -127,16 +127,15 @@ def print_keep_alive(models: list[dict], out=sys.stdout) -> None:
     if not timed:
         return
     print("\nKEEP-ALIVE", file=out)
+
+    def at(ts: float) -> str:
+        return f"{time.strftime('%H:%M:%S', time.localtime(ts))} (in {_in(ts)})"
     for m in timed:
-        parts = []
-        if m.get("keep_alive_until"):
-            parts.append(f"host: kept until {time.strftime('%H:%M:%S', time.localtime(m['keep_alive_until']))} "
-                         f"(in {_in(m['keep_alive_until'])})")
-        parts += [f"GPU {g['device']}: kept until {time.strftime('%H:%M:%S', time.localtime(g['keep_alive_until']))} "
-                  f"(in {_in(g['keep_alive_until'])})" for g in m.get("gpu", ()) if g.get("keep_alive_until")]
+        parts = [f"host: kept until {at(m['keep_alive_until'])}"] if m.get("keep_alive_until") else []
+        parts += [f"GPU {g['device']}: kept until {at(g['keep_alive_until'])}" for g in m.get("gpu", ())
+                  if g.get("keep_alive_until")]
         if m.get("next_call"):
-            parts.append(f"next call expected {time.strftime('%H:%M:%S', time.localtime(m['next_call']))} "
-                         f"(in {_in(m['next_call'])})")
+            parts.append(f"next call expected {at(m['next_call'])}")
         print(f"  {m['name']}@{m['version']}: {'; '.join(parts)}", file=out)
 
 

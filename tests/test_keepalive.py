@@ -309,3 +309,61 @@ def test_a_real_daemon_unloads_an_idle_model_and_makes_an_open_wait_for_room(tmp
         stop_cleanly(d)
     finally:
         d.kill()
+
+
+def test_a_prewarm_never_jumps_a_request_waiting_for_room(make, tmp_path):
+    size = one_model_bytes(tmp_path)
+    parts = make(policy="hybrid", keep_alive_s=60, host_capacity=str(size + size // 2))   # room for one
+    parts.add(tmp_path, "tiny-cnn", "p")
+    parts.add(tmp_path, "tiny-cnn", "h", seed=1)
+    w = parts.add(tmp_path, "tiny-cnn", "w", seed=2)
+    client = parts.registry.new_client(1, "c", parts.clock())
+    for i in range(7):                                # p learns a 10-minute period
+        close(parts, client, call(parts, client, "p"))
+        tick(parts, 0 if i == 6 else 600)
+    holder = call(parts, client, "h")
+    assert call(parts, client, "w", deadline_ms=3.6e6) is None and w.state is ModelState.WAITING   # an hour
+    prewarms = parts.counters["prewarms"]
+    tick(parts, 540)                                  # p's pre-warm is due while w waits: it does not go first
+    assert parts.counters["prewarms"] == prewarms and parts.registry.by_key("p@1").state is ModelState.ON_DISK
+    close(parts, client, holder)                      # room: the waiting request's model, not the pre-warm
+    parts.loaders.settle()
+    assert w.state is ModelState.RESIDENT and parts.replies[-1].name == "w"
+
+
+def test_more_capacity_serves_the_requests_waiting_for_room(make, tmp_path):
+    """A reload that raises host_capacity calls admit() (server.py), as here."""
+    size = one_model_bytes(tmp_path)
+    parts = make(host_capacity=str(size + size // 2))
+    parts.add(tmp_path, "tiny-cnn", "a")
+    b = parts.add(tmp_path, "tiny-cnn", "b", seed=1)
+    client = parts.registry.new_client(1, "c", parts.clock())
+    call(parts, client, "a")
+    assert call(parts, client, "b") is None
+    parts.host.capacity_bytes = 3 * size
+    parts.cache.admit()
+    parts.loaders.settle()
+    assert b.state is ModelState.RESIDENT and parts.replies[-1].name == "b"
+
+
+def test_status_and_metrics_show_the_keep_alive_window_and_the_next_call():
+    import io
+    import time
+
+    from modelcache.cli import print_keep_alive, print_models
+    from modelcache.daemon.metrics import render
+    from modelcache.histogram import Histogram
+
+    now = time.time()
+    models = [{"name": "m", "version": 1, "bytes": 1 << 20, "host_bytes": 1 << 20, "gpu_bytes": 0, "tier": "host",
+               "state": "resident", "refcount": 0, "hits": 3, "pinned": False, "last_use": now, "gpu": [],
+               "why": "kept alive", "keep_alive_until": now + 300, "next_call": now + 900}]
+    out = io.StringIO()
+    print_models(models, out)
+    print_keep_alive(models, out)
+    text = out.getvalue()
+    assert text.splitlines()[0].endswith(" WHY") and text.splitlines()[1].endswith("kept alive (5m left)")
+    assert "m@1: host: kept until " in text and "(in 5m); next call expected " in text and "(in 15m)" in text
+    metrics = render({}, [], models, 0, 1.0, Histogram(), ["resident"])
+    assert f'modelcache_model_keep_alive_until_timestamp_seconds{{model="m",version="1"}} {now + 300:.3f}' in metrics
+    assert f'modelcache_model_next_call_timestamp_seconds{{model="m",version="1"}} {now + 900:.3f}' in metrics
