@@ -346,6 +346,20 @@ def test_more_capacity_serves_the_requests_waiting_for_room(make, tmp_path):
     assert b.state is ModelState.RESIDENT and parts.replies[-1].name == "b"
 
 
+def test_a_stopping_daemon_answers_the_requests_waiting_for_room(make, tmp_path):
+    size = one_model_bytes(tmp_path)
+    parts = make(host_capacity=str(size + size // 2))
+    parts.add(tmp_path, "tiny-cnn", "a")
+    b = parts.add(tmp_path, "tiny-cnn", "b", seed=1)
+    client = parts.registry.new_client(1, "c", parts.clock())
+    call(parts, client, "a")
+    assert call(parts, client, "b") is None
+    parts.cache.stop_waiting()
+    said = parts.replies[-1]
+    assert isinstance(said, P.ErrorReply) and said.code == "daemon_unavailable" and "b@1 waited for room" in said.message
+    assert b.state is ModelState.ON_DISK and not parts.cache.room
+
+
 def test_status_and_metrics_show_the_keep_alive_window_and_the_next_call():
     import io
     import time

@@ -13,7 +13,7 @@ import logging
 import time
 
 from .. import protocol as P
-from ..errors import CapacityError, IntegrityError, ModelCacheError, ModelNotFound, PackError, RemoteError
+from ..errors import CapacityError, DaemonUnavailable, IntegrityError, ModelCacheError, ModelNotFound, PackError, RemoteError
 from ..eviction import make_policy
 from ..format import PREPACKED_FILE
 from ..packing import pack_in_subprocess
@@ -162,6 +162,14 @@ class HostCache:
                         wake(error)
         finally:
             self._admitting = False
+
+    def stop_waiting(self) -> None:
+        """The daemon is stopping: answer every request still waiting for room, rather than leave it to time out."""
+        for model in list(self.room.models):
+            self.room.admitted(model)
+            for wake in model.leave_room_queue():
+                wake(DaemonUnavailable(f"the modelcache daemon stopped while {model.key} waited for room in the host "
+                                       "tier; ask again once it is back"))
 
     def room_refusal(self, model: ModelRecord, waited_s: float) -> CapacityError:
         """A request's deadline passed while it waited for room: how long, and what held the tier then."""

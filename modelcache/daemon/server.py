@@ -358,6 +358,7 @@ class Daemon:
             self.http_front.terminate()
         log.info("stopping: %d clients, %d leases, %d jobs in flight", len(self.registry.clients),
                  len(self.registry.leases), len(self.jobs))
+        self.cache.stop_waiting()
         deadline = self.clock() + 60
         while self.engine.requests and self.clock() < deadline:  # in-flight inferences finish first
             if self.wake_rx.poll(10):
