@@ -36,8 +36,8 @@ class Settings:
     fake_gpus: str = ""               # simulated GPUs in shared memory, for tests and development: "2x256M"
     remote: str = ""                  # read-only model store (file:// or http(s)://), fetched on a miss
     eviction_policy: str = "lru"      # lru, lfu, fifo, gdsf, never, eager, keepalive, hybrid (read at start)
-    keep_alive_s: float = 600.0       # keepalive: an idle model goes this long after its last call; hybrid: its fallback
-    policy_time_scale: float = 1.0    # keepalive and hybrid: every window x this (a replay compressing an hour into a minute: 1/60)
+    keep_alive_s: float = 600.0       # keepalive: an idle model goes this long after its last call; hybrid: fallback
+    policy_time_scale: float = 1.0    # keepalive, hybrid: every window x this (a replay of an hour in a minute: 1/60)
     log_level: str = "info"
     heartbeat_interval_s: float = 1.0  # clients ping this often ...
     lease_timeout_s: float = 4.0       # ... and lose their references after this long without a ping

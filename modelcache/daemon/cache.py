@@ -13,7 +13,8 @@ import logging
 import time
 
 from .. import protocol as P
-from ..errors import CapacityError, DaemonUnavailable, IntegrityError, ModelCacheError, ModelNotFound, PackError, RemoteError
+from ..errors import (CapacityError, DaemonUnavailable, IntegrityError, ModelCacheError, ModelNotFound, PackError,
+                      RemoteError)
 from ..eviction import make_policy
 from ..format import PREPACKED_FILE
 from ..packing import pack_in_subprocess
@@ -82,9 +83,9 @@ class HostCache:
 
         def as_wall(t):
             return None if t is None else wall + (t - now)
-        kept = self.policy.keep_alive_until(model.key)
+        kept, call = self.policy.keep_alive_until(model.key), self.policy.predicted_next_call(model.key)
         out = model.describe(host_bytes, gpu_bytes, why=model.why_resident(kept is not None and kept > now),
-                             keep_alive_until=as_wall(kept), next_call=as_wall(self.policy.predicted_next_call(model.key)))
+                             keep_alive_until=as_wall(kept), next_call=as_wall(call))
         for copy in out["gpu"]:   # (only under a timed policy: the copy's record is otherwise as it was)
             until = self.gpu.policies[copy["device"]].keep_alive_until(model.key)
             if until is not None:

@@ -308,7 +308,8 @@ class Daemon:
                     self.notifier.watchdog()  # only while the owner loop turns: a stuck loop gets restarted
                     next_watchdog = self.clock() + self.notifier.watchdog_interval_s
                 # A batching window ends; a keep-alive, a pre-warm or a request's wait for room is due (cache.py).
-                wake_at = min(next_sweep, self.engine.next_wakeup() or next_sweep, self.cache.next_timer() or next_sweep)
+                wake_at = min(next_sweep, self.engine.next_wakeup() or next_sweep,
+                              self.cache.next_timer() or next_sweep)
                 timeout_ms = max(0, int((wake_at - self.clock()) * 1000 + 0.999))
                 events = dict(poller.poll(min(timeout_ms, 250)))
                 turn_at = self.turn_at = self.clock()

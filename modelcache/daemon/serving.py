@@ -254,7 +254,8 @@ class Serving:
             for tier in waiting:
                 uuid = tier.device.uuid
                 try:
-                    self.gpu.when_on_device(model, tier, lambda error, _hit, uuid=uuid: on_device(error, uuid), deadline)
+                    self.gpu.when_on_device(model, tier, lambda error, _hit, uuid=uuid: on_device(error, uuid),
+                                            deadline)
                 except ModelCacheError as e:
                     on_device(e, uuid)
 
