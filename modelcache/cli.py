@@ -93,20 +93,51 @@ def _ago(ts: float) -> str:
     return f"{s:.0f}s ago" if s < 120 else f"{s / 60:.0f}m ago" if s < 7200 else f"{s / 3600:.1f}h ago"
 
 
+def _in(ts: float) -> str:
+    """How long until a time to come, as a person reads it: '42s', '9m', '1.5h' ('0s': now or past)."""
+    s = max(0.0, ts - time.time())
+    return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.1f}h"
+
+
 def print_models(models: list[dict], out=sys.stdout) -> None:
     """HOST and GPU: what each tier charges for the model, by its own accounting (HOST, for a model not in
-    the host tier: what loading it takes there); DISK: its stored weights, every variant."""
+    the host tier: what loading it takes there); DISK: its stored weights, every variant. WHY: why it is in
+    the host tier (in use, pinned, pre-warmed, kept alive: its keep-alive window is open, cached: it stays
+    until room is needed) or on its way there (loading, waiting for room); empty from an older daemon."""
     if not models:
         print("no models; add one with `modelcache add FILE.onnx --name NAME`", file=out)
         return
     print(f"{'NAME':<20} {'VER':>4} {'HOST':>10} {'GPU':>10} {'DISK':>10} {'TIER':<6} {'STATE':<9} {'REFS':>4} "
-          f"{'HITS':>5} {'PIN':<3} LAST USE", file=out)
+          f"{'HITS':>5} {'PIN':<3} {'LAST USE':<10} WHY", file=out)
     for m in models:
         host, gpu = m.get("host_bytes", m["bytes"]), m.get("gpu_bytes", 0)
+        why = m.get("why") or ""
+        if m.get("keep_alive_until") and "kept alive" in why:
+            why += f" ({_in(m['keep_alive_until'])} left)"
         print(f"{m['name']:<20} {m['version']:>4} {_human(host) if host else '-':>10} "
               f"{_human(gpu) if gpu else '-':>10} {_human(m['bytes']):>10} {m['tier']:<6} {m['state']:<9} "
-              f"{m['refcount']:>4} {m['hits']:>5} {'yes' if m.get('pinned') else '':<3} {_ago(m['last_use'])}",
-              file=out)
+              f"{m['refcount']:>4} {m['hits']:>5} {'yes' if m.get('pinned') else '':<3} {_ago(m['last_use']):<10} "
+              f"{why}".rstrip(), file=out)
+
+
+def print_keep_alive(models: list[dict], out=sys.stdout) -> None:
+    """The timed policies' view (eviction_policy keepalive or hybrid): per model, until when it is kept while
+    idle, and when its next call is expected (hybrid, once its calls show a pattern)."""
+    timed = [m for m in models if m.get("keep_alive_until") or m.get("next_call")
+             or any(g.get("keep_alive_until") for g in m.get("gpu", ()))]
+    if not timed:
+        return
+    print("\nKEEP-ALIVE", file=out)
+
+    def at(ts: float) -> str:
+        return f"{time.strftime('%H:%M:%S', time.localtime(ts))} (in {_in(ts)})"
+    for m in timed:
+        parts = [f"host: kept until {at(m['keep_alive_until'])}"] if m.get("keep_alive_until") else []
+        parts += [f"GPU {g['device']}: kept until {at(g['keep_alive_until'])}" for g in m.get("gpu", ())
+                  if g.get("keep_alive_until")]
+        if m.get("next_call"):
+            parts.append(f"next call expected {at(m['next_call'])}")
+        print(f"  {m['name']}@{m['version']}: {'; '.join(parts)}", file=out)
 
 
 def cmd_ls(args) -> int:
@@ -305,7 +336,8 @@ def format_status(st) -> str:
           f"{int(up % 60):02d}s  {st.socket}", file=out)
     c = st.counters
     print(f"opens {c.get('opens', 0)} (hits {c.get('hits', 0)}, misses {c.get('misses', 0)})  "
-          f"evictions {c.get('evictions', 0)}  clients lost {c.get('clients_lost', 0)}  "
+          f"evictions {c.get('evictions', 0)}  unloads {c.get('unloads', 0)}  pre-warms {c.get('prewarms', 0)}  "
+          f"clients lost {c.get('clients_lost', 0)}  "
           f"bad messages {c.get('bad_messages', 0)}", file=out)
     if any(t["tier"] == "gpu" for t in st.tiers):
         print(f"gpu: {_count(c.get('gpu_promotions', 0), 'promotion')}, {_count(c.get('gpu_evictions', 0), 'demotion')}",
@@ -338,6 +370,7 @@ def format_status(st) -> str:
         print(f"{t['tier']:<6} {_human(t['used_bytes']) + ' / ' + cap + pct:<24} {where}", file=out)
     print(file=out)
     print_models(st.models, out)
+    print_keep_alive(st.models, out)
     corrupt = [m for m in st.models if m.get("corrupt")]
     if corrupt:
         print(f"\n{_count(len(corrupt), 'corrupt version')} (not served; after repairing a file, "

@@ -35,7 +35,9 @@ class Settings:
     gpu_capacity: str = "50%"         # per GPU: bytes, or percent of the device's memory
     fake_gpus: str = ""               # simulated GPUs in shared memory, for tests and development: "2x256M"
     remote: str = ""                  # read-only model store (file:// or http(s)://), fetched on a miss
-    eviction_policy: str = "lru"      # lru, lfu, fifo, gdsf, never, eager (read at start)
+    eviction_policy: str = "lru"      # lru, lfu, fifo, gdsf, never, eager, keepalive, hybrid (read at start)
+    keep_alive_s: float = 600.0       # keepalive: an idle model goes this long after its last call; hybrid: fallback
+    policy_time_scale: float = 1.0    # keepalive, hybrid: every window x this (a replay of an hour in a minute: 1/60)
     log_level: str = "info"
     heartbeat_interval_s: float = 1.0  # clients ping this often ...
     lease_timeout_s: float = 4.0       # ... and lose their references after this long without a ping
@@ -120,7 +122,7 @@ def parse_size(text: str | int, total: int | None = None) -> int:
 BATCHING_POLICIES = ("serial", "batch", "dynamic", "layer")
 # Named here, below the modules that implement them (layers: settings sit under tiers and executor);
 # tests/test_config.py checks these against eviction.POLICIES and scheduler.SCHEDULERS.
-EVICTION_POLICIES = ("lru", "lfu", "fifo", "gdsf", "never", "eager")
+EVICTION_POLICIES = ("lru", "lfu", "fifo", "gdsf", "never", "eager", "keepalive", "hybrid")
 SCHEDULERS = ("eager", "round-robin", "dmda")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 OPT_LEVELS = ("disable", "basic", "extended", "all")
@@ -321,6 +323,7 @@ RULES = {
     "socket": _address, "repository": _directory(False), "shm_dir": _directory(True),
     "host_capacity": _capacity("RAM"), "gpu_capacity": _capacity("the device's memory"),
     "fake_gpus": _fake_gpus, "remote": _remote, "eviction_policy": _choice(*EVICTION_POLICIES),
+    "keep_alive_s": _positive, "policy_time_scale": _positive,
     "log_level": _choice(*LOG_LEVELS), "heartbeat_interval_s": _positive, "lease_timeout_s": _positive,
     "request_timeout_s": _positive, "add_timeout_s": _positive, "opt_level": _choice(*OPT_LEVELS),
     "prepack": _bool, "loader_threads": number(int, 1, 1024),

@@ -254,6 +254,9 @@ class Open(Message, kind="open"):
     version: Optional[int] = None
     device: str = "cpu"                # "cpu", or "cuda" / "cuda:<UUID>" for the model's copy on a GPU
     client_name: str = ""
+    # How long the client waits for the answer: while the tier is full of models in use, the open waits for
+    # room this long, then fails with CapacityError (None: the daemon's request_timeout_s).
+    deadline_ms: Optional[float] = None
 
 
 class OpenReply(Message, kind="open_ok"):

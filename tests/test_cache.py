@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import onnx
@@ -78,24 +79,27 @@ def test_oversubscribed_working_set_never_fails_and_never_overflows(tmp_path, vi
 
 
 def test_full_of_pinned_models_is_a_clear_capacity_error(tmp_path, vits):
-    d = start(tmp_path, host_capacity=int(2.5 * SEGMENT_BYTES))
+    d = start(tmp_path, host_capacity="1M")              # three of them (the least a tier may be)
     try:
-        with d.client() as c:
-            for n in ("vit0", "vit1", "vit2"):
+        with d.client(timeout_s=3) as c:
+            for n in ("vit0", "vit1", "vit2", "vit3"):
                 c.add(vits[n], n)
-            c.load("vit0")
-            c.load("vit1")
+            for n in ("vit0", "vit1", "vit2"):
+                c.load(n)
             c.pin("vit0")
+            c.pin("vit2")
             s1 = modelcache.InferenceSession("vit1", client=c)     # in use: not a victim either
-            with pytest.raises(CapacityError, match=r"the models there cannot be evicted now: vit0@1 \(pinned\), "
-                                                    r"vit1@1 \(in use by 1 session\); unpin, close sessions, "
-                                                    r"or raise host_capacity$"):
-                c.open("vit2")
+            # The open waits for room until just before the client gives up (its timeout), then says why.
+            with pytest.raises(CapacityError, match=r"^waited 2\.\d s for room, until the request's deadline: vit3@1 "
+                                                    r".*the models there cannot be evicted now: vit0@1 \(pinned\), "
+                                                    r"vit1@1 \(in use by 1 session\), vit2@1 \(pinned\); unpin, close "
+                                                    r"sessions, or raise host_capacity$"):
+                c.open("vit3")
             models = {m["name"]: m for m in c.list()}
             assert models["vit0"]["tier"] == "host" and models["vit1"]["tier"] == "host"  # nothing disturbed
-            assert models["vit2"]["tier"] == "disk"
+            assert models["vit3"]["tier"] == "disk" and models["vit3"]["state"] == "on_disk"
             s1.close()
-            with modelcache.InferenceSession("vit2", client=c):       # vit1 is now free to go
+            with modelcache.InferenceSession("vit3", client=c):       # vit1 is now free to go
                 pass
             models = {m["name"]: m for m in c.list()}
             assert models["vit1"]["tier"] == "disk" and models["vit0"]["pinned"]
@@ -108,14 +112,18 @@ def test_full_of_pinned_models_is_a_clear_capacity_error(tmp_path, vits):
 
 
 def test_model_bigger_than_the_tier_is_refused(tmp_path, vits):
-    d = start(tmp_path, host_capacity=SEGMENT_BYTES // 2)
+    d = start(tmp_path, host_capacity="1M")              # the least a tier may be; squeezenet needs ~4.7 MiB
+    big = tmp_path / "big.onnx"
+    onnx.save(zoo.build("squeezenet1_1"), str(big))
     try:
         with d.client() as c:
-            c.add(vits["vit0"], "vit0")
-            with pytest.raises(CapacityError, match=r"vit0@1 needs [\d.]+ [KM]iB in the host tier, more than the whole "
+            c.add(str(big), "big")
+            t0 = time.monotonic()
+            with pytest.raises(CapacityError, match=r"^big@1 needs [\d.]+ [KM]iB in the host tier, more than the whole "
                                                     r"tier \(host_capacity = [\d.]+ [KM]iB\): the model alone does not "
                                                     r"fit; raise host_capacity$"):
-                modelcache.InferenceSession("vit0", client=c)
+                modelcache.InferenceSession("big", client=c)
+            assert time.monotonic() - t0 < 5        # at once: it does not wait for room that cannot come
             assert c.stats().tiers[0]["used_bytes"] == 0
     finally:
         stop(d)

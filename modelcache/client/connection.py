@@ -34,7 +34,7 @@ import logging
 from .. import lane as _lane, protocol as P
 from ..address import check_can_connect, check_listening
 from ..errors import DaemonUnavailable, ModelCacheError, RequestTimeout, from_code
-from .rpc import Channel, lane_connection
+from .rpc import Channel, answer_within_ms, lane_connection
 
 log = logging.getLogger("modelcache.client")
 # Calls a restarted daemon may safely see twice: the dead daemon's effects died with it.
@@ -341,8 +341,8 @@ class Client:
     # -- API ---------------------------------------------------------------------------
     def open(self, name: str, version: int | None = None, device: str = "cpu") -> OpenedModel:
         """Lease a model: device "cpu" (the host tier) or "cuda" / "cuda:<UUID>" (a GPU copy, by IPC handle)."""
-        lease = self._call(P.Open(req_id=0, client_id=self.client_id, name=name, version=version, device=device),
-                           expect=(P.OpenReply,))
+        lease = self._call(P.Open(req_id=0, client_id=self.client_id, name=name, version=version, device=device,
+                                  deadline_ms=answer_within_ms(self.timeout_s)), expect=(P.OpenReply,))
         self._held[lease.lease_id] = [lease.lease_id, lease.name, lease.version, device]
         return lease
 

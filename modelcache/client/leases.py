@@ -28,7 +28,7 @@ from .. import protocol as P
 from ..address import client_settings
 from ..errors import from_code
 from ..lane import lane_path
-from .rpc import Channel, lane_connection
+from .rpc import Channel, answer_within_ms, lane_connection
 
 class NoLaneOpen(Exception):
     """The daemon does not take an open without a hello (it predates client/leases.py): use the full client."""
@@ -56,7 +56,8 @@ class LeaseClient:
     # -- API (what InferenceSession needs of a client) -------------------------------------
     def open(self, name: str, version: int | None = None, device: str = "cpu") -> P.OpenReply:
         lease = self._call(P.Open(req_id=0, client_id="", name=name, version=version, device=device,
-                                  client_name=self._name), (P.OpenReply,))
+                                  client_name=self._name, deadline_ms=answer_within_ms(self.timeout_s)),
+                           (P.OpenReply,))
         self._held[lease.lease_id] = [lease.lease_id, lease.name, lease.version, device]
         self._channel.watch()   # from the first lease: a process that holds none needs no watch
         return lease

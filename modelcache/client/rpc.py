@@ -34,6 +34,13 @@ READER_WAIT_S = 3600.0               # a reader thread's wait for the next messa
 _PEER_GONE = getattr(select, "POLLRDHUP", 0x2000) | select.POLLHUP | select.POLLERR
 
 
+
+def answer_within_ms(timeout_s: float) -> float:
+    """The deadline_ms a request waiting in the daemon (an open, for room) carries: the client's timeout less a
+    margin, so that the daemon's answer (CapacityError, saying what held the tier) arrives before the client
+    gives up with a bare RequestTimeout."""
+    return 1000 * (timeout_s - min(1.0, timeout_s / 10))
+
 class _Waiter:
     """One request in flight: where its reply goes. A blocking caller parks on `lock` (held from birth);
     a callback caller is called from whichever thread reads its reply."""

@@ -13,7 +13,9 @@ import logging
 import time
 
 from .. import protocol as P
-from ..errors import CapacityError, IntegrityError, ModelCacheError, ModelNotFound, PackError, RemoteError
+from ..errors import (CapacityError, DaemonUnavailable, IntegrityError, ModelCacheError, ModelNotFound, PackError,
+                      RemoteError)
+from ..eviction import make_policy
 from ..format import PREPACKED_FILE
 from ..packing import pack_in_subprocess
 from ..scrub import DAMAGED, nothing_to_verify, verify_version
@@ -23,13 +25,14 @@ from ..tiers.host import variant_tensors
 from ..tiers.base import Tier
 from .loaders import Loaders
 from .registry import ModelRecord, ModelState, Registry
+from .room import RoomQueue
 
 log = logging.getLogger("modelcache.daemon")
 
 
 class HostCache:
     def __init__(self, *, registry: Registry, host: Tier, policy, repository, remote, loaders: Loaders, settings,
-                 admins, counters: dict, jobs: dict, clock, reply, redispatch):
+                 admins, counters: dict, jobs: dict, clock, reply, redispatch, wall=time.time):
         self.registry = registry
         self.host = host                  # tiers.host.HostTier (the Tier contract, and its export)
         self.policy = policy              # eviction: it chooses, this frees
@@ -41,6 +44,7 @@ class HostCache:
         self.counters = counters
         self.jobs = jobs                  # in-flight packs, fetches and loads, for stats
         self.clock = clock
+        self.wall = wall                  # wall time: when a keep-alive ends, as `ls` and `status` show it
         self.reply = reply                # (ident, message): answer a request later
         self.redispatch = redispatch      # (ident, request): run a request again (after its fetch)
         # The GPU cache (daemon/devices.py), set by whoever builds this one, with or without devices:
@@ -53,6 +57,11 @@ class HostCache:
         # Packing subprocesses, so an immediate stop can kill them. Loader threads add and remove
         # entries (single set operations, atomic under the GIL); only the signal handler reads it.
         self.packers: set = set()
+        # Requests waiting for room while the tier is full of models in use (room.py), and whether admit()
+        # is running (a waiter it wakes may release a hold, which asks for admission again).
+        self.room = RoomQueue()
+        self._admitting = self._admit_again = False
+        self.needs: dict = {}   # key -> bytes its last promotion that found no room would have placed
 
     def handlers(self) -> dict:
         return {P.Load: self.on_Load, P.Remove: self.on_Remove, P.Pin: self.on_Pin, P.Evict: self.on_Evict,
@@ -64,34 +73,158 @@ class HostCache:
 
     def describe(self, model: ModelRecord) -> dict:
         """A model as listings show it, with each tier's charge for it from that tier's own accounting."""
-        if model.state is ModelState.RESIDENT:
-            host_bytes = self.host.model_bytes(model.key)
-        else:   # what a promotion would place: its distinct tensors of the variants copied, and pre-packed blobs
-            distinct = {t.sha256: t.nbytes for v in self.host_variants(model)
-                        for t in variant_tensors(model.manifest, v)}
-            host_bytes = sum(distinct.values()) + model.manifest.files.get(PREPACKED_FILE, {}).get("bytes", 0)
+        host_bytes = self.host.model_bytes(model.key) if model.state is ModelState.RESIDENT else \
+            self.promotion_bytes(model)
         gpu_bytes = sum(self.gpu.tiers[uuid].model_bytes(model.key) for uuid, r in model.devices.items()
                         if r.state is ModelState.RESIDENT)
-        return model.describe(host_bytes, gpu_bytes)
+        # The timed policies' view (eviction/timed.py), in wall time: until when an idle model is kept, and
+        # when its next call is expected (None: no timer, or no prediction).
+        now, wall = self.clock(), self.wall()
 
-    def when_resident(self, model: ModelRecord, then) -> bool:
-        """Call then(error, hit) once `model` is resident: now on a hit (returns True), else after the one load."""
+        def as_wall(t):
+            return None if t is None else wall + (t - now)
+        kept, call = self.policy.keep_alive_until(model.key), self.policy.predicted_next_call(model.key)
+        out = model.describe(host_bytes, gpu_bytes, why=model.why_resident(kept is not None and kept > now),
+                             keep_alive_until=as_wall(kept), next_call=as_wall(call))
+        for copy in out["gpu"]:   # (only under a timed policy: the copy's record is otherwise as it was)
+            until = self.gpu.policies[copy["device"]].keep_alive_until(model.key)
+            if until is not None:
+                copy["keep_alive_until"] = as_wall(until)
+        return out
+
+    def promotion_bytes(self, model: ModelRecord) -> int:
+        """About what a promotion would place, before planning it: its distinct tensors of the variants copied,
+        and pre-packed blobs (less what it shares with resident models, more the tensors' alignment)."""
+        distinct = {t.sha256: t.nbytes for v in self.host_variants(model) for t in variant_tensors(model.manifest, v)}
+        return sum(distinct.values()) + model.manifest.files.get(PREPACKED_FILE, {}).get("bytes", 0)
+
+    def when_resident(self, model: ModelRecord, then, deadline: float | None = None) -> bool:
+        """Call then(error, hit) once `model` is resident: now on a hit (returns True), else after the one load.
+        With the tier full of models in use, the request waits for room until `deadline` (clock time; None:
+        request_timeout_s from now); a model larger than the whole tier raises CapacityError at once."""
         if model.state is ModelState.RESIDENT:
             then(None, True)
             return True
         if model.damage and self.remote is None:  # (through `then`: a serve request's hold is released there)
             then(corrupt_refusal(model), False)
             return False
-        model.wait_for_load(lambda err: then(err, False))
+
+        def wake(err):
+            then(err, False)
+        model.wait_for_load(wake)
         if model.damage and model.state is ModelState.ON_DISK:  # a fetch that failed before: try again
             self._refetch_damaged(model)
-        elif model.state is ModelState.ON_DISK:  # the first miss starts the load; later ones wait on it
+        elif model.state in (ModelState.ON_DISK, ModelState.WAITING):  # the first miss starts the load
             try:
-                self.start_promotion(model)
+                self._promote_or_wait(model, wake, deadline)
             except ModelCacheError:
                 model.waiters.clear()   # (this caller gets the error raised; no load is in flight)
                 raise
         return False
+
+    def _promote_or_wait(self, model: ModelRecord, wake, deadline: float | None) -> None:
+        """Start the model's promotion if there is room and no request waits for room before it; else queue
+        `wake` for room (room.py), in arrival order."""
+        queued = bool(self.room)
+        if model.state is ModelState.ON_DISK:
+            if not queued and self.start_promotion(model):
+                return
+            if queued and self.promotion_bytes(model) > self.host.capacity_bytes:   # it would wait for nothing
+                raise capacity_refusal(model.key, self.promotion_bytes(model), "the host tier",
+                                       self.host.capacity_bytes, 0, {}, "host_capacity")
+        now = self.clock()
+        self.room.add(model, wake, now + self.settings.request_timeout_s if deadline is None else deadline, now)
+        log.debug("%s waits for room in the host tier (%d models queued)", model.key, len(self.room.models))
+        if queued:
+            self.admit()
+
+    def admit(self) -> None:
+        """Room may have appeared (a release, an eviction, more capacity): start the promotions waiting for it,
+        the oldest first, while room can be made for the oldest; nothing passes a request that waits."""
+        if self._admitting:
+            self._admit_again = True
+            return
+        self._admitting = True
+        try:
+            while self.room:
+                model, error = self.room.models[0], None
+                self._admit_again = False
+                try:
+                    started = self.start_promotion(model)
+                except ModelCacheError as e:   # (it cannot be promoted at all: its waiters hear why)
+                    started, error = True, e
+                if not started:
+                    if self._admit_again:
+                        continue
+                    return
+                self.room.admitted(model)
+                if error is not None:
+                    for wake in model.leave_room_queue():
+                        wake(error)
+        finally:
+            self._admitting = False
+
+    def stop_waiting(self) -> None:
+        """The daemon is stopping: answer every request still waiting for room, rather than leave it to time out."""
+        for model in list(self.room.models):
+            self.room.admitted(model)
+            for wake in model.leave_room_queue():
+                wake(DaemonUnavailable(f"the modelcache daemon stopped while {model.key} waited for room in the host "
+                                       "tier; ask again once it is back"))
+
+    def room_refusal(self, model: ModelRecord, waited_s: float) -> CapacityError:
+        """A request's deadline passed while it waited for room: how long, and what held the tier then."""
+        kept = {m.key: m.why_kept() for m in self.registry.models.values()
+                if m is not model and m.state in (ModelState.LOADING, ModelState.RESIDENT)}
+        needs = self.needs.get(model.key) or self.promotion_bytes(model)
+        error = capacity_refusal(model.key, needs, "the host tier", self.host.capacity_bytes,
+                                 self.host.used_bytes, kept, "host_capacity")
+        return CapacityError(f"waited {waited_s:.1f} s for room, until the request's deadline: {error}")
+
+    # -- timers: the policy's keep-alive and pre-warm deadlines, and the deadlines of requests waiting for room --
+    def next_timer(self) -> float | None:
+        """When on_timer next has something to do (clock time); None: nothing pending, in any tier."""
+        times = [t for t in (self.policy.next_deadline(), self.room.next_deadline(), self.gpu.next_timer())
+                 if t is not None]
+        return min(times, default=None)
+
+    def on_timer(self, now: float) -> None:
+        """Run what is due by `now` (the owner loop calls this every turn; nothing due costs a heap peek)."""
+        for model, wake, waited_s in self.room.expired(now):
+            wake(self.room_refusal(model, waited_s))
+        for action in self.policy.due(now):
+            model = self.registry.by_key(action.key)
+            if model is None:
+                continue
+            if action.kind == "unload":
+                if model.evictable:   # (in use: the policy asks again after its release; pinned: never)
+                    self.evict(model, counter="unloads")
+                    self.admit()
+            elif action.kind == "prewarm":
+                self._prewarm(model)
+        self.gpu.on_timer(now)
+
+    def _prewarm(self, model: ModelRecord) -> None:
+        """Promote `model` before its expected call, if it is on disk, no request waits for room, and it fits;
+        room only from what the policy's prewarm_victims offers. Otherwise the pre-warm is dropped."""
+        if model.state is not ModelState.ON_DISK or model.damage or self.room:
+            return
+        try:
+            if self.start_promotion(model, prewarm=True):
+                self.counters["prewarms"] += 1
+                log.info("pre-warming %s disk -> host: its next call is expected soon", model.key)
+        except ModelCacheError as e:
+            log.info("pre-warm of %s dropped: %s", model.key, e)
+
+    def _prewarm_room(self, model: ModelRecord, bytes_over: int) -> bool:
+        """Free `bytes_over` for a pre-warm, only from the models its policy offers ([]: none, the pre-warm waits)."""
+        by_key = {m.key: m for m in self.registry.models.values() if m.evictable and m.key != model.key}
+        victims = self.policy.prewarm_victims(model.key, bytes_over, {k: self.host.bytes_freed_by([k]) for k in by_key})
+        if not victims or self.host.bytes_freed_by(victims) < bytes_over:
+            return False
+        for key in victims:
+            self.evict(by_key[key])
+        return True
 
     def on_Load(self, ident, msg: P.Load):
         device = None
@@ -182,6 +315,7 @@ class HostCache:
             raise CapacityError(f"{model.key} is in use or loading; it cannot be removed now") from None
         if model.state is ModelState.RESIDENT:
             self.evict(model)
+            self.admit()
         self.registry.remove_model(model)
         self.repository.remove(model.name, model.version)
         log.info("model removed: %s", model.key)
@@ -192,6 +326,8 @@ class HostCache:
         self.admins.check_model_owner(ident, model, "pin" if msg.pinned else "unpin")
         was_pinned, model.pinned = model.pinned, msg.pinned
         log.info("model %s: %s", "pinned" if msg.pinned else "unpinned", model.key)
+        if was_pinned and not msg.pinned:
+            self.admit()    # it may make room for a request waiting
         return outcome(msg, model, model.copies, was_pinned=was_pinned)
 
     def on_Verify(self, ident, msg: P.Verify):
@@ -233,6 +369,8 @@ class HostCache:
             self.policy.released(model.key, self.clock())
             if self.policy.evict_on_release and model.evictable:
                 self.evict(model)
+            if self.room:
+                self.admit()
 
     def on_Evict(self, ident, msg: P.Evict):
         model = self.registry.resolve(msg.name, msg.version)
@@ -246,11 +384,13 @@ class HostCache:
             model.check_freeable()
             if model.state is ModelState.RESIDENT:
                 freed = self.evict(model)
+                self.admit()
         return outcome(msg, model, before, freed_bytes=freed)
 
-    def evict(self, model: ModelRecord) -> int:
+    def evict(self, model: ModelRecord, counter: str = "evictions") -> int:
         """Free a resident, unreferenced model from memory, its GPU copies first (the tiers are inclusive;
-        clients' old host mappings stay valid). Returns the bytes freed, in every tier."""
+        clients' old host mappings stay valid). Returns the bytes freed, in every tier. `counter`: "evictions"
+        (room was needed, or asked for), or "unloads" (its keep-alive ended)."""
         model.check_freeable()
         freed = sum(self.gpu.evict_from_device(model, uuid) for uuid in list(model.devices))
         model.evicted()                 # (raises, freeing nothing, if anything still holds it)
@@ -258,8 +398,9 @@ class HostCache:
         self.policy.removed(model.key)
         for forget in self.forget:
             forget(model.key)
-        self.counters["evictions"] += 1
-        log.info("model evicted: %s from host, %.1f MiB freed", model.key, host_freed / 2**20)
+        self.counters[counter] += 1
+        log.info("model %s: %s from host, %.1f MiB freed%s", "unloaded" if counter == "unloads" else "evicted",
+                 model.key, host_freed / 2**20, ", idle past its keep-alive" if counter == "unloads" else "")
         return freed + host_freed
 
     def make_room(self, bytes_over: int, loading: str) -> bool:
@@ -345,18 +486,21 @@ class HostCache:
         self.loaders.run(work, done)
         return None
 
-    def start_promotion(self, model: ModelRecord) -> None:
-        """Plan the model's place in the host tier, make room if needed, and copy it on a loader thread."""
+    def start_promotion(self, model: ModelRecord, prewarm: bool = False) -> bool:
+        """Plan the model's place in the host tier, make room if needed, and copy it on a loader thread.
+        False: no room now (nothing reserved; the caller queues the request, or drops the pre-warm, whose room
+        comes only from `prewarm_victims`); CapacityError: the model alone exceeds the tier."""
         plan = self.host.plan(model.key, model.disk_dir, model.manifest, self.host_variants(model))  # reserves
         over = self.host.used_bytes - self.host.capacity_bytes
-        if over > 0 and not self.make_room(over, loading=model.key):
-            used = self.host.used_bytes - plan.segment_bytes   # (read before abort gives the reservation back)
+        if over > 0 and not (self._prewarm_room(model, over) if prewarm else self.make_room(over, loading=model.key)):
             self.host.abort(plan)
-            kept = {m.key: m.why_kept() for m in self.registry.models.values()
-                    if m is not model and m.state is not ModelState.ON_DISK}
-            raise capacity_refusal(model.key, plan.segment_bytes, "the host tier", self.host.capacity_bytes, used,
-                                   kept, "host_capacity")
-        model.start_load()
+            if plan.segment_bytes > self.host.capacity_bytes:
+                raise capacity_refusal(model.key, plan.segment_bytes, "the host tier", self.host.capacity_bytes, 0,
+                                       {}, "host_capacity")
+            self.needs[model.key] = plan.segment_bytes   # (for the refusal, should its request's deadline pass)
+            return False
+        self.needs.pop(model.key, None)
+        model.start_load(prewarm)
         self.jobs[f"load:{model.key}"] = {"kind": "load", "model": model.key, "bytes_total": plan.segment_bytes}
 
         def done(seconds, error):
@@ -365,6 +509,7 @@ class HostCache:
                 self.host.abort(plan)
                 waiters = model.finish_load(ok=False)
                 log.error("promotion of %s failed: %s", model.key, error)
+                self.admit()    # its reservation is free again
                 if isinstance(error, IntegrityError):
                     self.counters["corrupt_detected"] += 1
                     model.mark_corrupt(str(error))
@@ -394,6 +539,7 @@ class HostCache:
                 return self.host.write(plan)
 
         self.loaders.run(write, done)
+        return True
 
     def _unreadable_version(self, name: str, version: int | None) -> str:
         """Why the repository could not register `name` at `version` (any version when None), or ""."""
@@ -429,8 +575,11 @@ class HostCache:
                     forget(model.key)
                 self.counters["refetched"] += 1
                 log.info("model fetched again: %s from %s in %.2f s", model.key, self.remote.url, seconds)
-                try:
-                    self.start_promotion(model)
+                try:   # (its waiters' own deadlines are not kept across a fetch: request_timeout_s from now)
+                    if not self.start_promotion(model):
+                        now = self.clock()
+                        for wake in model.waiters:
+                            self.room.add(model, wake, now + self.settings.request_timeout_s, now)
                     return
                 except ModelCacheError as e:
                     error = e
@@ -440,6 +589,13 @@ class HostCache:
                 wake(error)
 
         self.loaders.run(work, done)
+
+
+def policy_for(settings):
+    """A tier's eviction policy as the settings name it: `eviction_policy`, and for the timed ones
+    (keepalive, hybrid) `keep_alive_s` and `policy_time_scale`."""
+    return make_policy(settings.eviction_policy, time_scale=settings.policy_time_scale,
+                       keep_alive_s=settings.keep_alive_s)
 
 
 def outcome(msg, model: ModelRecord, before: list, **fields):

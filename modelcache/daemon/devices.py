@@ -18,7 +18,7 @@ import logging
 from ..cuda import DeviceError, normalize_uuid
 from ..errors import CapacityError, ModelCacheError
 from ..tiers.base import Tier
-from .cache import HostCache, capacity_refusal, choose_victims
+from .cache import HostCache, capacity_refusal, choose_victims, policy_for
 from .loaders import Loaders
 from .registry import DeviceResidency, ModelRecord, ModelState, Registry, plural
 
@@ -47,7 +47,6 @@ class DeviceCache:
     def start(self) -> None:
         """One DeviceTier per GPU this daemon may use (`gpus`), or per simulated one (`fake_gpus`)."""
         from ..config import parse_size
-        from ..eviction import make_policy
         from ..tiers import gpu
 
         if self.settings.fake_gpus:
@@ -61,7 +60,7 @@ class DeviceCache:
         for device in devices:
             capacity = parse_size(self.settings.gpu_capacity, total=device.total_bytes)
             self.tiers[device.uuid] = gpu.DeviceTier(allocator(device), capacity)
-            self.policies[device.uuid] = make_policy(self.settings.eviction_policy)
+            self.policies[device.uuid] = policy_for(self.settings)
             log.info("GPU tier on device %d (%s, %s): %d MiB", device.index, device.name, device.uuid,
                      self.tiers[device.uuid].capacity_bytes >> 20)
 
@@ -96,9 +95,10 @@ class DeviceCache:
         raise ModelCacheError(f"no GPU {which!r} in this daemon's GPU tier; it has {known}")
 
     # -- promotion -----------------------------------------------------------------------
-    def when_on_device(self, model: ModelRecord, tier, then) -> bool:
+    def when_on_device(self, model: ModelRecord, tier, then, deadline: float | None = None) -> bool:
         """Call then(error, hit) once `model` is on `tier`'s device: now on a hit (returns True), else
-        after the one promotion (host first, when it is only on disk)."""
+        after the one promotion (host first, when it is only on disk: waiting for room there until
+        `deadline`, HostCache.when_resident)."""
         uuid = tier.device.uuid
         if not model.manifest.gpu_tensors:
             raise ModelCacheError(f"{model.key} was packed without a GPU variant (by an older modelcache); "
@@ -124,19 +124,22 @@ class DeviceCache:
             else:
                 res.waiters.append(lambda err: then(err, False))
 
-        self.cache.when_resident(model, on_host)
+        self.cache.when_resident(model, on_host, deadline)
         return False
 
-    def _start_promotion(self, model: ModelRecord, tier) -> DeviceResidency:
-        """Plan the model's place on the device, make room if needed, and copy it on a loader thread."""
+    def _start_promotion(self, model: ModelRecord, tier, prewarm: bool = False) -> DeviceResidency | None:
+        """Plan the model's place on the device, make room if needed, and copy it on a loader thread.
+        A pre-warm makes room only from what its policy's prewarm_victims offers: None when that is not enough."""
         uuid = tier.device.uuid
         if not self.host.has_variant(model.key, "gpu"):
             raise ModelCacheError(f"{model.key}: its GPU weights are not in the host tier")
         plan = tier.plan(model.key, model.manifest.gpu_tensors, self.host.file_locations(model.key, "gpu"))
         over = tier.used_bytes - tier.capacity_bytes
-        if over > 0 and not self._make_room(tier, over, loading=model.key):
+        if over > 0 and not self._make_room(tier, over, loading=model.key, prewarm=prewarm):
             used = tier.used_bytes - plan.arena_bytes   # (read before abort gives the reservation back)
             tier.abort(plan)
+            if prewarm:
+                return None
             kept = {m.key: m.devices[uuid].why_kept(m.pinned) for m in self.registry.models.values()
                     if m is not model and uuid in m.devices}
             raise capacity_refusal(model.key, plan.arena_bytes, f"the GPU tier of GPU {tier.device.index}",
@@ -167,23 +170,31 @@ class DeviceCache:
         return res
 
     # -- eviction ------------------------------------------------------------------------
-    def evict_from_device(self, model: ModelRecord, uuid: str) -> int:
-        """Demote: free the model's copy on one GPU (it has no leases); the host copy stays. Returns bytes freed."""
+    def evict_from_device(self, model: ModelRecord, uuid: str, counter: str = "gpu_evictions") -> int:
+        """Demote: free the model's copy on one GPU (it has no leases); the host copy stays. Returns bytes freed.
+        `counter`: "gpu_evictions", or "gpu_unloads" (its keep-alive on that GPU ended)."""
         model.device_evicted(uuid)      # (raises, freeing nothing, while a lease maps it)
         freed = self.tiers[uuid].free_model(model.key)
         for forget in self.forget:      # its addresses are gone
             forget(model.key, uuid)
         self.policies[uuid].removed(model.key)
-        self.counters["gpu_evictions"] += 1
-        log.info("model demoted: %s from GPU %s to host, %.1f MiB freed", model.key, uuid, freed / 2**20)
+        self.counters[counter] += 1
+        log.info("model demoted: %s from GPU %s to host, %.1f MiB freed%s", model.key, uuid, freed / 2**20,
+                 ", idle past its keep-alive" if counter == "gpu_unloads" else "")
         return freed
 
-    def _make_room(self, tier, bytes_over: int, loading: str) -> bool:
-        """Demote unleased, unpinned models from this device, as its policy chooses, until `bytes_over` is free."""
+    def _make_room(self, tier, bytes_over: int, loading: str, prewarm: bool = False) -> bool:
+        """Demote unleased, unpinned models from this device, as its policy chooses, until `bytes_over` is free
+        (for a pre-warm, only those its policy's prewarm_victims offers)."""
         uuid = tier.device.uuid
         by_key = {m.key: m for m in self.registry.models.values()
                   if (r := m.devices.get(uuid)) is not None and r.freeable and not m.pinned and m.key != loading}
-        victims = choose_victims(self.policies[uuid], by_key, tier.bytes_freed_by, bytes_over)
+        if prewarm:
+            victims = self.policies[uuid].prewarm_victims(loading, bytes_over,
+                                                          {k: tier.bytes_freed_by([k]) for k in by_key})
+            victims = victims if victims and tier.bytes_freed_by(victims) >= bytes_over else None
+        else:
+            victims = choose_victims(self.policies[uuid], by_key, tier.bytes_freed_by, bytes_over)
         if victims is None:
             return False
         for key in victims:
@@ -217,6 +228,31 @@ class DeviceCache:
             policy.released(model.key, self.clock())
             if policy.evict_on_release and not model.pinned:
                 self.evict_from_device(model, uuid)
+
+    # -- timers: each GPU's policy ("unload" demotes to the host tier, "prewarm" promotes host -> GPU) ----------
+    def next_timer(self) -> float | None:
+        return min((t for p in self.policies.values() if (t := p.next_deadline()) is not None), default=None)
+
+    def on_timer(self, now: float) -> None:
+        for uuid, policy in self.policies.items():
+            for action in policy.due(now):
+                model = self.registry.by_key(action.key)
+                res = model.devices.get(uuid) if model is not None else None
+                if action.kind == "unload":
+                    if res is not None and res.freeable and not model.pinned:
+                        self.evict_from_device(model, uuid, counter="gpu_unloads")
+                elif model is not None and res is None and model.state is ModelState.RESIDENT \
+                        and model.manifest.gpu_tensors:
+                    self._prewarm(model, self.tiers[uuid])
+
+    def _prewarm(self, model: ModelRecord, tier) -> None:
+        """host -> GPU before the expected call, if it fits (room only from prewarm_victims); else dropped."""
+        try:
+            if self._start_promotion(model, tier, prewarm=True) is not None:
+                self.counters["gpu_prewarms"] += 1
+                log.info("pre-warming %s host -> GPU %d: its next call is expected soon", model.key, tier.device.index)
+        except ModelCacheError as e:
+            log.info("pre-warm of %s to GPU %d dropped: %s", model.key, tier.device.index, e)
 
     # -- what clients and operators see ----------------------------------------------------
     def open_fields(self, model: ModelRecord, tier) -> dict:

@@ -58,6 +58,13 @@ def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, 
            [f'modelcache_model_gpu_leases{{model="{_esc(m["name"])}",version="{m["version"]}",'
             f'device="{_esc(g["device"])}"}} {g["leases"]}' for m in models for g in m.get("gpu", ())
             if g["state"] == "resident"])
+    for key, help_ in (("keep_alive_until", "When each model's keep-alive ends (Unix time; keepalive and hybrid "
+                                            "policies): idle past it, it is unloaded."),
+                       ("next_call", "When each model's next call is expected (Unix time; the hybrid policy, once "
+                                     "the model's calls show a pattern).")):
+        metric(f"modelcache_model_{key}_timestamp_seconds", "gauge", help_,
+               [f'modelcache_model_{key}_timestamp_seconds{{model="{_esc(m["name"])}",version="{m["version"]}"}} '
+                f'{m[key]:.3f}' for m in models if m.get(key)])
     for key, help_ in (("opens", "Open requests."), ("hits", "Opens served from the host tier."),
                        ("misses", "Opens that had to promote from disk."), ("evictions", "Models evicted."),
                        ("gpu_promotions", "Copies of models onto a GPU."),
@@ -66,7 +73,11 @@ def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, 
                        ("adds", "Models added."), ("bad_messages", "Malformed requests refused."),
                        ("corrupt_detected", "Promotions refused because a stored file failed its checksum."),
                        ("refetched", "Damaged versions fetched again from the remote store."),
-                       ("fetched", "Versions fetched from the remote store on a miss.")):
+                       ("fetched", "Versions fetched from the remote store on a miss."),
+                       ("unloads", "Idle models unloaded from the host tier when their keep-alive ended."),
+                       ("prewarms", "Models pre-warmed disk -> host before their expected call."),
+                       ("gpu_unloads", "Idle GPU copies demoted when their keep-alive ended."),
+                       ("gpu_prewarms", "Models pre-warmed host -> GPU before their expected call.")):
         metric(f"modelcache_{key}_total", "counter", help_, [f"modelcache_{key}_total {counters.get(key, 0)}"])
     metric("modelcache_open_latency_seconds", "histogram", "Time from an open request to its reply.",
            open_latency.lines("modelcache_open_latency_seconds"))

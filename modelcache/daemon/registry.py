@@ -31,6 +31,7 @@ CLOSE_SESSIONS, UNPIN, WAIT = "close sessions", "unpin", "wait for the load to f
 
 class ModelState(enum.Enum):
     ON_DISK = "on_disk"      # only in the repository
+    WAITING = "waiting"      # requests want it in the host tier, which is full of models in use: queued for room
     LOADING = "loading"      # a loader thread is copying it into the host tier
     RESIDENT = "resident"    # in shared memory; clients may map it
 
@@ -93,6 +94,7 @@ class ModelRecord:
     # Why a stored file of this version failed its checksum ("" while none has): it is not served.
     damage: str = ""
     refetched: bool = False  # fetched again after damage, not yet promoted: damage now is the store's own
+    prewarmed: bool = False  # loaded by its policy's pre-warm, and no request has held it since
     key: str = field(init=False)  # "name@version": asked several times per request, so made once
 
     def __post_init__(self):
@@ -131,6 +133,7 @@ class ModelRecord:
         if device is not None:
             self.devices[device].acquire()
         self.refcount += 1
+        self.prewarmed = False
 
     def let_go(self, device: str | None = None) -> None:
         if self.refcount <= 0:
@@ -148,17 +151,36 @@ class ModelRecord:
         """`wake(error)` runs once the load in flight ends: one load, however many wait."""
         self.waiters.append(wake)
 
-    def start_load(self) -> None:
-        """ON_DISK -> LOADING: a promotion (or a fetch of a damaged version) is on its way."""
-        if self.state is not ModelState.ON_DISK:
+    def start_load(self, prewarm: bool = False) -> None:
+        """ON_DISK or WAITING -> LOADING: a promotion (or a fetch of a damaged version) is on its way;
+        `prewarm`: its policy's, which no request asked for (yet)."""
+        if self.state not in (ModelState.ON_DISK, ModelState.WAITING):
             raise AssertionError(f"{self.key}: a load started while {self.state.value}")
         self.state = ModelState.LOADING
+        self.prewarmed = prewarm and not self.waiters
+
+    def queue_for_room(self) -> None:
+        """ON_DISK -> WAITING: its waiters wait for room in the host tier (HostCache's room queue)."""
+        if self.state is not ModelState.ON_DISK:
+            raise AssertionError(f"{self.key}: queued for room while {self.state.value}")
+        self.state = ModelState.WAITING
+
+    def leave_room_queue(self) -> list:
+        """WAITING -> ON_DISK: no request waits for room for it any more (the last one gave up, or it was
+        refused); returns the waiters to wake, no longer waiting."""
+        if self.state is not ModelState.WAITING:
+            raise AssertionError(f"{self.key}: left the room queue while {self.state.value}")
+        self.state = ModelState.ON_DISK
+        waiters, self.waiters = self.waiters, []
+        return waiters
 
     def finish_load(self, ok: bool) -> list:
         """LOADING -> RESIDENT (ok) or ON_DISK; returns the waiters to wake, no longer waiting."""
         self.state = ModelState.RESIDENT if ok else ModelState.ON_DISK
         if ok:
             self.refetched = False
+        else:
+            self.prewarmed = False
         waiters, self.waiters = self.waiters, []
         return waiters
 
@@ -198,6 +220,9 @@ class ModelRecord:
         """Raise unless the host copy may be freed now (an explicit evict or remove; pins do not count)."""
         if self.refcount > 0:
             raise CapacityError(f"{self.key} is in use by {plural(self.refcount, 'session')}; it cannot be evicted")
+        if self.state is ModelState.WAITING:
+            raise CapacityError(f"{self.key} is waiting for room in the host tier (requests wait for it); "
+                                "evict it once it is resident")
         if self.state is ModelState.LOADING or self.busy_on_device:
             raise CapacityError(f"{self.key} is loading; evict it once it is resident")
 
@@ -207,6 +232,20 @@ class ModelRecord:
         if self.state is not ModelState.RESIDENT or self.devices:
             raise AssertionError(f"{self.key} freed while {self.state.value} with GPU copies {list(self.devices)}")
         self.state = ModelState.ON_DISK
+        self.prewarmed = False
+
+    def why_resident(self, kept_alive: bool) -> str:
+        """Why the host copy is there, for `ls`: in use, pinned, pre-warmed, kept alive (its policy's window
+        is open: `kept_alive`), or just cached (it stays until room is needed); "" when not resident."""
+        if self.state is ModelState.LOADING:
+            return "loading"
+        if self.state is ModelState.WAITING:
+            return f"waiting for room ({plural(len(self.waiters), 'request')})"
+        if self.state is not ModelState.RESIDENT:
+            return ""
+        reasons = (["in use"] if self.refcount else []) + (["pinned"] if self.pinned else []) + \
+            (["pre-warmed"] if self.prewarmed else []) + (["kept alive"] if kept_alive and not self.refcount else [])
+        return ", ".join(reasons) or "cached"
 
     def start_device_load(self, device: str) -> DeviceResidency:
         if device in self.devices or self.state is not ModelState.RESIDENT:
@@ -229,16 +268,17 @@ class ModelRecord:
         self.devices[device].check_freeable(self.key)
         del self.devices[device]
 
-    def describe(self, host_bytes: int = 0, gpu_bytes: int = 0) -> dict:
+    def describe(self, host_bytes: int = 0, gpu_bytes: int = 0, **policy_view) -> dict:
         """For listings. bytes: the stored weights (every variant); host_bytes, gpu_bytes: each tier's own
-        charge for it (the host tier's: what a promotion places when it is not resident; GPU: 0 when on none)."""
+        charge for it (the host tier's: what a promotion places when it is not resident; GPU: 0 when on none).
+        policy_view: why, keep_alive_until, next_call (HostCache.describe), added at the end."""
         return {"name": self.name, "version": self.version, "bytes": self.manifest.weights_bytes,
                 "host_bytes": host_bytes, "gpu_bytes": gpu_bytes,
                 "tier": self.tier, "state": "corrupt" if self.damage else self.state.value, "refcount": self.refcount,
                 "hits": self.hits, "misses": self.misses, "last_use": self.last_use, "pinned": self.pinned,
                 "tensors": len(self.manifest.tensors), "opt_level": self.manifest.opt_level,
                 "gpu": [{"device": r.device, "state": r.state.value, "leases": r.leases}
-                        for r in self.devices.values()], "corrupt": self.damage}
+                        for r in self.devices.values()], "corrupt": self.damage, **policy_view}
 
 
 def describe_unreadable(name: str, version: int, why: str) -> dict:
@@ -246,7 +286,7 @@ def describe_unreadable(name: str, version: int, why: str) -> dict:
     return {"name": name, "version": version, "bytes": 0, "host_bytes": 0, "gpu_bytes": 0, "tier": "disk",
             "state": "corrupt", "refcount": 0,
             "hits": 0, "misses": 0, "last_use": 0.0, "pinned": False, "tensors": 0, "opt_level": "",
-            "gpu": [], "corrupt": why}
+            "gpu": [], "corrupt": why, "why": "", "keep_alive_until": None, "next_call": None}
 
 
 @dataclass
@@ -291,6 +331,11 @@ class Registry:
         versions.remove(rec.version)
         if not versions:
             del self._versions[rec.name]
+
+    def by_key(self, key: str) -> ModelRecord | None:
+        """The model whose key ("name@version") a policy or the engine names; None if it is gone."""
+        name, _, version = key.rpartition("@")
+        return self.models.get((name, int(version))) if version.isdigit() else None
 
     def versions(self, name: str) -> list[int]:
         return list(self._versions.get(name, ()))

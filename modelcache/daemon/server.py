@@ -28,13 +28,12 @@ import zmq
 from .. import __version__, protocol as P
 from ..config import ConfigError, Settings
 from ..executor.engine import Engine
-from ..eviction import make_policy
 from ..errors import ModelCacheError, ProtocolError
 from ..tiers.disk import Repository
 from ..tiers.host import HostTier
 from ..tiers.remote import RemoteStore
 from ..lane import lane_path
-from .cache import HostCache
+from .cache import HostCache, policy_for
 from .devices import DeviceCache
 from .fds import FdBudget, raise_fd_limit
 from ..address import bind_error
@@ -79,10 +78,11 @@ class Daemon:
         self.counters = {"opens": 0, "hits": 0, "misses": 0, "closes": 0, "adds": 0,
                          "clients_lost": 0, "bad_messages": 0, "promotions": 0, "evictions": 0,
                          "gpu_promotions": 0, "gpu_evictions": 0, "adopted": 0, "corrupt_detected": 0,
-                         "refetched": 0, "fetched": 0}
+                         "refetched": 0, "fetched": 0, "unloads": 0, "prewarms": 0, "gpu_unloads": 0,
+                         "gpu_prewarms": 0}
         self.open_latency = Histogram()
         try:
-            policy = make_policy(settings.eviction_policy)
+            policy = policy_for(settings)
             self.admins = Admins(settings.admin_group)
             # (the engine's GPU workers hold device copies through serving, built below)
             self.engine = Engine(settings, Path(settings.state_dir) / "perfmodels.json", self.loaders.post, clock,
@@ -93,7 +93,7 @@ class Daemon:
         self.cache = HostCache(registry=self.registry, host=self.host, policy=policy, repository=self.repository,
                                remote=self.remote, loaders=self.loaders, settings=settings, admins=self.admins,
                                counters=self.counters, jobs=self.jobs, clock=clock, reply=self._reply,
-                               redispatch=self._dispatch)
+                               redispatch=self._dispatch, wall=wall)
         self.gpu = self.cache.gpu = DeviceCache(
             registry=self.registry, cache=self.cache, loaders=self.loaders, settings=settings,
             counters=self.counters, jobs=self.jobs, clock=clock,
@@ -255,6 +255,7 @@ class Daemon:
                                 name, old, value, old)
             logging.getLogger("modelcache").setLevel(self.settings.log_level.upper())
             self.host.capacity_bytes = self.settings.host_capacity_bytes()
+            self.cache.admit()   # more room: requests waiting for it go now
             self.engine.settings_changed()
             log.info("reloaded settings: %s", ", ".join(changed) + " applied" if changed else "nothing changed live")
         except ModelCacheError as e:
@@ -306,7 +307,9 @@ class Daemon:
                 if self.notifier.watchdog_interval_s and self.clock() >= next_watchdog:
                     self.notifier.watchdog()  # only while the owner loop turns: a stuck loop gets restarted
                     next_watchdog = self.clock() + self.notifier.watchdog_interval_s
-                wake_at = min(next_sweep, self.engine.next_wakeup() or next_sweep)  # a batching window ends
+                # A batching window ends; a keep-alive, a pre-warm or a request's wait for room is due (cache.py).
+                wake_at = min(next_sweep, self.engine.next_wakeup() or next_sweep,
+                              self.cache.next_timer() or next_sweep)
                 timeout_ms = max(0, int((wake_at - self.clock()) * 1000 + 0.999))
                 events = dict(poller.poll(min(timeout_ms, 250)))
                 turn_at = self.turn_at = self.clock()
@@ -335,6 +338,7 @@ class Daemon:
                     if type(key) is int:   # a raw file descriptor: the lane's
                         self.lane.on_ready(key, ready, self._handle)
                 self.engine.on_timer(self.clock())
+                self.cache.on_timer(self.clock())
                 if self.clock() >= next_sweep:
                     self._check_fds()
                     self.sweep_clients()
@@ -355,6 +359,7 @@ class Daemon:
             self.http_front.terminate()
         log.info("stopping: %d clients, %d leases, %d jobs in flight", len(self.registry.clients),
                  len(self.registry.leases), len(self.jobs))
+        self.cache.stop_waiting()
         deadline = self.clock() + 60
         while self.engine.requests and self.clock() < deadline:  # in-flight inferences finish first
             if self.wake_rx.poll(10):

@@ -20,6 +20,7 @@ from ..executor.workers import select_gpus
 from .cache import HostCache
 from .devices import DeviceCache
 from .registry import ModelRecord, ModelState, Registry, plural
+from .room import deadline_of
 
 log = logging.getLogger("modelcache.daemon")
 
@@ -174,13 +175,12 @@ class Serving:
 
     def on_Infer(self, ident, msg: P.Infer):
         self.touch(msg.client_id, ident, msg.client_name)
-        if msg.deadline_ms is not None and not 0 <= msg.deadline_ms < float("inf"):   # (NaN fails this too)
-            raise InputError(f"deadline_ms {msg.deadline_ms}: give a positive number of milliseconds "
-                             "(0 or none: no deadline)")
+        deadline_of(0.0, msg.deadline_ms)   # checked before anything is fetched
         model = self.cache.resolve_or_fetch(ident, msg)
         if model is None:
             return None
         arrival = self.clock()
+        deadline = deadline_of(arrival, msg.deadline_ms)
         feeds, maps = tensors.decode(msg.inputs)
         model.feed_check.check(feeds)
         if msg.output_names:
@@ -225,9 +225,12 @@ class Serving:
                         devices[uuid] = stages
             first = next(iter(feeds.values()), None)
             samples = first.shape[0] if getattr(first, "ndim", 0) else 1   # (a sequence or None: 1)
+            now = self.clock()   # a serve request is a call, as an open is: the timed policies count it
+            for uuid in devices:
+                self.gpu.policies[uuid].accessed(model.key, now)
+            self.cache.policy.accessed(model.key, now)
             self.engine.submit(ServeRequest(model.key, specs, segments, dict(feeds), msg.output_names, arrival,
-                                            arrival + msg.deadline_ms / 1e3 if msg.deadline_ms else None,
-                                            finish, samples=samples, batchable=batchable,
+                                            deadline, finish, samples=samples, batchable=batchable,
                                             profile=model.manifest.batching or None, devices=devices))
 
         def start(error, hit):
@@ -251,12 +254,13 @@ class Serving:
             for tier in waiting:
                 uuid = tier.device.uuid
                 try:
-                    self.gpu.when_on_device(model, tier, lambda error, _hit, uuid=uuid: on_device(error, uuid))
+                    self.gpu.when_on_device(model, tier, lambda error, _hit, uuid=uuid: on_device(error, uuid),
+                                            deadline)
                 except ModelCacheError as e:
                     on_device(e, uuid)
 
         try:
-            self.cache.when_resident(model, start)
+            self.cache.when_resident(model, start, deadline)
         except ModelCacheError as e:   # no room to load it, say: the answer, and the request's hold released
             finish(None, {}, e)
         return None

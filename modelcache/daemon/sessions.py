@@ -20,6 +20,7 @@ from .devices import DeviceCache
 from .identity import check_client_owner
 from .lane import LaneConnection
 from .registry import ModelRecord, Registry, plural
+from .room import deadline_of
 
 log = logging.getLogger("modelcache.daemon")
 PID_MAX = 1 << 22          # Linux's PID_MAX_LIMIT: no pid_max setting goes higher
@@ -121,6 +122,7 @@ class Sessions:
 
     def on_Open(self, ident, msg: P.Open):
         client = self.touch(msg.client_id, ident, msg.client_name)
+        deadline = deadline_of(self.clock(), msg.deadline_ms)   # (a fetch re-runs this: its time counts too)
         tier = None if msg.device == "cpu" else self.gpu.tier_named(msg.device)
         model = self.cache.resolve_or_fetch(ident, msg)
         if model is None:
@@ -144,9 +146,9 @@ class Sessions:
             self.reply(ident, self._open_reply(msg.req_id, lease.lease_id, model, hit, tier))
 
         if tier is None:
-            hit = self.cache.when_resident(model, answer)
+            hit = self.cache.when_resident(model, answer, deadline)
         else:
-            hit = self.gpu.when_on_device(model, tier, answer)
+            hit = self.gpu.when_on_device(model, tier, answer, deadline)
         model.hits += hit
         model.misses += not hit
         self.counters["hits" if hit else "misses"] += 1

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from .base import Action, Entry, EvictionPolicy
 from .hybrid import Hybrid
-from .timed import KeepAlive, TimedPolicy
+from .timed import MINUTE_S, KeepAlive, TimedPolicy
 
 
 class LRU(EvictionPolicy):
@@ -94,14 +94,18 @@ class Eager(LRU):
 POLICIES = {cls.name: cls for cls in (LRU, LFU, FIFO, GDSF, Never, Eager, KeepAlive, Hybrid)}
 
 
-def make_policy(name: str, time_scale: float = 1.0) -> EvictionPolicy:
+def make_policy(name: str, time_scale: float = 1.0, keep_alive_s: float | None = None) -> EvictionPolicy:
     """The policy called `name`; a timed one's windows (minutes of a trace) are multiplied by `time_scale`
-    (1/60 when a replay compresses an hour into a minute)."""
+    (1/60 when a replay compresses an hour into a minute), and its fixed keep-alive (keepalive's window,
+    hybrid's fallback) is `keep_alive_s` before scaling (None: the class's default, 10 minutes)."""
     try:
         cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(POLICIES)}") from None
-    return cls(time_scale=time_scale) if cls.timed else cls()
+    if not cls.timed:
+        return cls()
+    options = {} if keep_alive_s is None else {cls.keep_alive_param: keep_alive_s / MINUTE_S}
+    return cls(time_scale=time_scale, **options)
 
 
 __all__ = ["Action", "Entry", "EvictionPolicy", "TimedPolicy", "LRU", "LFU", "FIFO", "GDSF", "Never", "Eager",

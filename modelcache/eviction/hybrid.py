@@ -69,6 +69,7 @@ class Hybrid(TimedPolicy):
     """
 
     name = "hybrid"
+    keep_alive_param = "fallback_minutes"   # what make_policy's keep_alive_s sets
 
     def __init__(self, time_scale: float = 1.0, *, unit_minutes: float = 1.0, range_minutes: float = 240.0,
                  head_pct: float = 5.0, tail_pct: float = 99.0, margin: float = 0.10, min_samples: int = 5,

@@ -166,6 +166,7 @@ class KeepAlive(TimedPolicy):
     last call; never pre-warm; under pressure, those past their window first, then least recent."""
 
     name = "keepalive"
+    keep_alive_param = "keep_minutes"   # what make_policy's keep_alive_s sets
 
     def __init__(self, time_scale: float = 1.0, keep_minutes: float = 10.0):
         super().__init__(time_scale)

@@ -1,0 +1,383 @@
+"""The daemon's timers and its room queue, in process (issue 29): the keep-alive and pre-warm deadlines of
+the timed policies (`keepalive`, `hybrid`, eviction/timed.py) as the owner loop runs them
+(HostCache.next_timer / on_timer), and requests that wait for room in a full tier instead of failing.
+
+The daemon's parts are built by hand over a real host tier, a simulated GPU and real packed models
+(tests/daemon_parts.py); opens and closes go through Sessions as the daemon takes them; the clock is
+stepped by hand. The real daemon's side is in test_daemon.py (test_keepalive_unloads_an_idle_model...).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from modelcache import protocol as P
+from modelcache.daemon.registry import ModelState
+from modelcache.errors import CapacityError
+
+from daemon_parts import Parts, resident
+
+IDENT = object()    # who asks: replies go to parts.replies whatever it is
+
+
+def call(parts: Parts, client, name: str, deadline_ms: float | None = None, device: str = "cpu"):
+    """An open as the daemon takes it, its loads landed: its reply, or None while it waits."""
+    before = len(parts.replies)
+    parts.sessions.on_Open(IDENT, P.Open(req_id=1, client_id=client.client_id, name=name, device=device,
+                                         deadline_ms=deadline_ms))
+    parts.loaders.settle()
+    return parts.replies[before] if len(parts.replies) > before else None
+
+
+def close(parts: Parts, client, reply: P.OpenReply) -> None:
+    parts.sessions.on_Close(IDENT, P.Close(req_id=2, client_id=client.client_id, lease_id=reply.lease_id))
+
+
+def tick(parts: Parts, seconds: float) -> None:
+    """Time passes; the owner loop runs what is due, and the loads that starts land."""
+    parts.clock.now += seconds
+    parts.cache.on_timer(parts.clock())
+    parts.loaders.settle()
+
+
+def one_model_bytes(tmp_path) -> int:
+    probe = Parts(tmp_path / "probe")
+    try:
+        model = probe.add(tmp_path / "probe", "tiny-cnn", "x")
+        resident(probe, model)
+        return probe.host.model_bytes(model.key)
+    finally:
+        probe.stop()
+
+
+@pytest.fixture
+def make(tmp_path):
+    made = []
+
+    def build(**kw):
+        parts = Parts(tmp_path, **kw)
+        made.append(parts)
+        return parts
+    yield build
+    for parts in made:
+        parts.stop()
+
+
+# -- keep-alive -----------------------------------------------------------------------------------
+
+def test_keepalive_unloads_an_idle_model_when_its_window_ends_and_never_while_in_use(make, tmp_path):
+    parts = make(policy="keepalive", keep_alive_s=60)
+    model = parts.add(tmp_path, "tiny-cnn", "m")
+    client = parts.registry.new_client(1, "c", parts.clock())
+    lease = call(parts, client, "m")
+    assert isinstance(lease, P.OpenReply) and model.state is ModelState.RESIDENT
+    tick(parts, 600)                                  # long past the window, but in use
+    assert model.state is ModelState.RESIDENT and parts.cache.describe(model)["why"] == "in use"
+    close(parts, client, lease)                       # its window ended while it was in use: it goes now
+    assert parts.cache.next_timer() <= parts.clock()
+    tick(parts, 0)
+    assert model.state is ModelState.ON_DISK and parts.counters["unloads"] == 1 and parts.host.used_bytes == 0
+
+    lease = call(parts, client, "m")
+    opened_at = parts.clock()
+    close(parts, client, lease)
+    view = parts.cache.describe(model)
+    assert view["why"] == "kept alive" and view["keep_alive_until"] == parts.wall() + 60
+    assert parts.cache.next_timer() == opened_at + 60
+    tick(parts, 59.9)
+    assert model.state is ModelState.RESIDENT
+    tick(parts, 0.1)
+    assert model.state is ModelState.ON_DISK and parts.counters["unloads"] == 2
+    assert parts.cache.describe(model)["why"] == "" and parts.cache.next_timer() is None
+
+
+def test_a_call_cancels_the_pending_unload(make, tmp_path):
+    parts = make(policy="keepalive", keep_alive_s=60)
+    model = parts.add(tmp_path, "tiny-cnn", "m")
+    client = parts.registry.new_client(1, "c", parts.clock())
+    close(parts, client, call(parts, client, "m"))
+    tick(parts, 50)
+    close(parts, client, call(parts, client, "m"))    # a call 50 s in: kept until 60 s after it
+    tick(parts, 11)                                   # the first window's end has passed
+    assert model.state is ModelState.RESIDENT
+    tick(parts, 49)
+    assert model.state is ModelState.ON_DISK
+
+
+def test_a_serve_request_counts_as_a_call(make, tmp_path):
+    """Serving.on_Infer tells the policies of a request as Sessions does of an open (here: what it calls)."""
+    parts = make(policy="keepalive", keep_alive_s=60)
+    model = parts.add(tmp_path, "tiny-cnn", "m")
+    resident(parts, model)          # created without a call: the fallback keep-alive, from its load
+    assert parts.cache.describe(model)["keep_alive_until"] == parts.wall() + 60
+    tick(parts, 30)
+    parts.cache.policy.accessed(model.key, parts.clock())
+    model.hold()
+    model.let_go()
+    parts.cache.after_release(model)
+    tick(parts, 59)
+    assert model.state is ModelState.RESIDENT
+    tick(parts, 1)
+    assert model.state is ModelState.ON_DISK
+
+
+def test_a_pinned_model_is_never_unloaded(make, tmp_path):
+    parts = make(policy="keepalive", keep_alive_s=60)
+    model = parts.add(tmp_path, "tiny-cnn", "m")
+    client = parts.registry.new_client(1, "c", parts.clock())
+    close(parts, client, call(parts, client, "m"))
+    model.pinned = True
+    tick(parts, 3600)
+    assert model.state is ModelState.RESIDENT and parts.counters["unloads"] == 0
+    assert parts.cache.describe(model)["why"] == "pinned"
+
+
+def test_a_gpu_copy_is_demoted_when_its_window_ends(make, tmp_path):
+    parts = make(policy="keepalive", keep_alive_s=60)
+    model = parts.add(tmp_path, "tiny-cnn", "m")
+    client = parts.registry.new_client(1, "c", parts.clock())
+    lease = call(parts, client, "m", device="cuda")
+    assert isinstance(lease, P.OpenReply) and model.tier == "gpu"
+    tick(parts, 120)
+    assert model.tier == "gpu"                        # leased: kept
+    close(parts, client, lease)
+    tick(parts, 0)
+    assert model.devices == {} and model.state is ModelState.ON_DISK and parts.tier.used_bytes == 0
+
+
+# -- hybrid: pre-warm before a periodic call, unload after the tail ------------------------------------
+
+def test_hybrid_prewarms_before_a_periodic_call_and_unloads_after_the_tail(make, tmp_path):
+    parts = make(policy="hybrid", keep_alive_s=60)
+    model = parts.add(tmp_path, "tiny-cnn", "m")
+    client = parts.registry.new_client(1, "c", parts.clock())
+    for _ in range(6):             # five idle times of 10 minutes: a representative histogram
+        close(parts, client, call(parts, client, "m"))
+        tick(parts, 600)
+    # Learned: head 600 s (pre-warm at 540 s, 10 % early), tail 660 s (kept until 726 s). Between calls the
+    # model goes as soon as the call is over.
+    lease = call(parts, client, "m")
+    assert lease.hit is False and parts.cache.policy.windows(model.key) == (600.0, 660.0)
+    called_at = parts.clock()
+    close(parts, client, lease)
+    tick(parts, 0)
+    assert model.state is ModelState.ON_DISK
+    view = parts.cache.describe(model)
+    assert view["next_call"] == parts.wall() + 600 and view["keep_alive_until"] is None
+    tick(parts, 539)
+    assert model.state is ModelState.ON_DISK
+    tick(parts, 1)                                    # 540 s: pre-warmed, disk -> host
+    assert model.state is ModelState.RESIDENT and parts.counters["prewarms"] == 1
+    assert parts.cache.describe(model)["why"] == "pre-warmed, kept alive"
+    tick(parts, 60)
+    lease = call(parts, client, "m")                  # the call finds it warm
+    assert lease.hit is True and parts.clock() == called_at + 600
+    assert parts.cache.describe(model)["why"] == "in use"
+    close(parts, client, lease)
+    tick(parts, 0)
+    tick(parts, 540)                                  # pre-warmed again; this time no call comes
+    assert model.state is ModelState.RESIDENT
+    tick(parts, 185.9)
+    assert model.state is ModelState.RESIDENT
+    tick(parts, 0.2)                                  # 726 s: past the tail (+10 %), unloaded
+    assert model.state is ModelState.ON_DISK and parts.counters["unloads"] >= 1
+
+
+def test_a_prewarm_never_exceeds_capacity_nor_displaces_a_model_in_use(make, tmp_path):
+    size = one_model_bytes(tmp_path)
+    parts = make(policy="hybrid", keep_alive_s=60, host_capacity=str(size + size // 2))   # room for one
+    periodic, busy = parts.add(tmp_path, "tiny-cnn", "p"), parts.add(tmp_path, "tiny-cnn", "b", seed=1)
+    client = parts.registry.new_client(1, "c", parts.clock())
+    for _ in range(7):
+        close(parts, client, call(parts, client, "p"))
+        tick(parts, 0)
+        if _ < 6:
+            tick(parts, 600)
+    prewarms = parts.counters["prewarms"]             # (between its calls p was pre-warmed: the tier was free)
+    holder = call(parts, client, "b")                 # the only slot, in use when p's pre-warm comes due
+    assert busy.state is ModelState.RESIDENT and periodic.state is ModelState.ON_DISK
+    tick(parts, 540)
+    assert periodic.state is ModelState.ON_DISK and busy.state is ModelState.RESIDENT   # dropped
+    assert parts.counters["prewarms"] == prewarms and parts.host.used_bytes <= parts.host.capacity_bytes
+    close(parts, client, holder)
+
+
+# -- oversubscription: waiting for room ------------------------------------------------------------------
+
+def test_requests_for_a_full_tier_wait_and_are_served_in_arrival_order(make, tmp_path):
+    size = one_model_bytes(tmp_path)
+    parts = make(host_capacity=str(size + size // 2))                   # room for one
+    a, b, c = (parts.add(tmp_path, "tiny-cnn", n, seed) for seed, n in enumerate("abc"))
+    first, second, third = (parts.registry.new_client(i, n, parts.clock()) for i, n in enumerate("xyz"))
+    lease_a = call(parts, first, "a")
+    assert call(parts, second, "b") is None and call(parts, third, "c") is None       # both wait
+    assert (b.state, c.state) == (ModelState.WAITING, ModelState.WAITING)
+    assert parts.cache.describe(b)["why"] == "waiting for room (1 request)"
+    close(parts, first, lease_a)                      # room: the first to come goes first
+    parts.loaders.settle()
+    assert a.state is ModelState.ON_DISK and b.state is ModelState.RESIDENT and c.state is ModelState.WAITING
+    lease_b = parts.replies[-1]
+    assert isinstance(lease_b, P.OpenReply) and lease_b.name == "b"
+    close(parts, second, lease_b)
+    parts.loaders.settle()
+    assert isinstance(parts.replies[-1], P.OpenReply) and parts.replies[-1].name == "c"
+    assert c.state is ModelState.RESIDENT and parts.host.used_bytes <= parts.host.capacity_bytes
+
+
+def test_a_waiter_whose_deadline_passes_is_told_what_held_the_tier(make, tmp_path):
+    size = one_model_bytes(tmp_path)
+    parts = make(host_capacity=str(size + size // 2))
+    parts.add(tmp_path, "tiny-cnn", "a")
+    b = parts.add(tmp_path, "tiny-cnn", "b", seed=1)
+    holder, waiter = parts.registry.new_client(1, "x", parts.clock()), parts.registry.new_client(2, "y", parts.clock())
+    call(parts, holder, "a")
+    assert call(parts, waiter, "b", deadline_ms=2000) is None
+    assert parts.cache.next_timer() == parts.clock() + 2
+    tick(parts, 1.9)
+    assert b.state is ModelState.WAITING
+    tick(parts, 0.1)
+    refusal = parts.replies[-1]
+    assert isinstance(refusal, P.ErrorReply) and refusal.code == "capacity"
+    assert refusal.message.startswith("waited 2.0 s for room, until the request's deadline: b@1 needs ")
+    assert "a@1 (in use by 1 session); close sessions, or raise host_capacity" in refusal.message
+    assert b.state is ModelState.ON_DISK and b.waiters == [] and not parts.cache.room
+
+
+def test_a_model_larger_than_the_tier_is_refused_at_once_even_behind_a_queue(make, tmp_path):
+    size = one_model_bytes(tmp_path)
+    parts = make(host_capacity=str(size + size // 2))
+    parts.add(tmp_path, "tiny-cnn", "a")
+    parts.add(tmp_path, "tiny-cnn", "b", seed=1)
+    big = parts.add(tmp_path, "tiny-vit", "big")     # 15x tiny-cnn's weights
+    client = parts.registry.new_client(1, "x", parts.clock())
+    with pytest.raises(CapacityError, match="the model alone does not fit; raise host_capacity"):
+        call(parts, client, "big")                    # nothing waits: planned, and refused
+    call(parts, client, "a")
+    assert call(parts, client, "b") is None           # b waits for room
+    with pytest.raises(CapacityError, match="the model alone does not fit; raise host_capacity"):
+        call(parts, client, "big")                    # behind b: still refused at once, not queued
+    assert big.state is ModelState.ON_DISK and big.waiters == [] and list(parts.cache.room.models) == [
+        parts.registry.by_key("b@1")]
+
+
+# -- the real daemon ---------------------------------------------------------------------------------------
+
+def test_a_real_daemon_unloads_an_idle_model_and_makes_an_open_wait_for_room(tmp_path):
+    """eviction_policy=keepalive with a short keep_alive_s: `ls` says why a model is there, then it is gone;
+    with the host tier's one slot held by a client, another client's open waits, and succeeds when it closes."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    from modelcache import zoo
+    from conftest import DaemonProcess, stop_cleanly, wait_until
+
+    for name, seed in (("a", 0), ("b", 1)):   # ~4.7 MiB each, nothing shared: one fits in 6M, two do not
+        zoo.save(zoo.build("squeezenet1_1", seed), str(tmp_path / f"{name}.onnx"))
+    d = DaemonProcess(tmp_path, {"MODELCACHE_EVICTION_POLICY": "keepalive", "MODELCACHE_KEEP_ALIVE_S": "1.5",
+                                 "MODELCACHE_HOST_CAPACITY": "6M"}).start()
+    try:
+        def ls() -> str:
+            return subprocess.run([sys.executable, "-m", "modelcache.cli", "ls"], env={**os.environ,
+                                  "MODELCACHE_SOCKET": d.socket, "MODELCACHE_CONFIG": ""}, capture_output=True,
+                                  text=True, timeout=60, check=True).stdout
+
+        def state(c, name) -> str:
+            return next(m["state"] for m in c.listing().models if m["name"] == name)
+
+        with d.client() as holder, d.client() as waiter:
+            holder.add(str(tmp_path / "a.onnx"), "a")
+            holder.add(str(tmp_path / "b.onnx"), "b")
+            holder.release(holder.open("a").lease_id)
+            row = next(line for line in ls().splitlines() if line.startswith("a "))
+            assert " resident " in row and row.endswith(" left)") and "kept alive (" in row, row
+            wait_until(lambda: state(holder, "a") == "on_disk", 30, "a unloaded after its keep-alive")
+            assert "WHY" in ls().splitlines()[0]
+
+            lease = holder.open("a")                          # the only slot, held
+            got = []
+            t = threading.Thread(target=lambda: got.append(waiter.open("b")))
+            t.start()
+            wait_until(lambda: state(holder, "b") == "waiting", 30, "b's open waiting for room")
+            assert got == [] and "waiting for room (1 request)" in ls()
+            holder.release(lease.lease_id)                    # room: b's open goes on
+            t.join(30)
+            assert len(got) == 1 and got[0].name == "b" and got[0].hit is False
+            assert state(holder, "a") == "on_disk"
+            waiter.release(got[0].lease_id)
+        stop_cleanly(d)
+    finally:
+        d.kill()
+
+
+def test_a_prewarm_never_jumps_a_request_waiting_for_room(make, tmp_path):
+    size = one_model_bytes(tmp_path)
+    parts = make(policy="hybrid", keep_alive_s=60, host_capacity=str(size + size // 2))   # room for one
+    parts.add(tmp_path, "tiny-cnn", "p")
+    parts.add(tmp_path, "tiny-cnn", "h", seed=1)
+    w = parts.add(tmp_path, "tiny-cnn", "w", seed=2)
+    client = parts.registry.new_client(1, "c", parts.clock())
+    for i in range(7):                                # p learns a 10-minute period
+        close(parts, client, call(parts, client, "p"))
+        tick(parts, 0 if i == 6 else 600)
+    holder = call(parts, client, "h")
+    assert call(parts, client, "w", deadline_ms=3.6e6) is None and w.state is ModelState.WAITING   # an hour
+    prewarms = parts.counters["prewarms"]
+    tick(parts, 540)                                  # p's pre-warm is due while w waits: it does not go first
+    assert parts.counters["prewarms"] == prewarms and parts.registry.by_key("p@1").state is ModelState.ON_DISK
+    close(parts, client, holder)                      # room: the waiting request's model, not the pre-warm
+    parts.loaders.settle()
+    assert w.state is ModelState.RESIDENT and parts.replies[-1].name == "w"
+
+
+def test_more_capacity_serves_the_requests_waiting_for_room(make, tmp_path):
+    """A reload that raises host_capacity calls admit() (server.py), as here."""
+    size = one_model_bytes(tmp_path)
+    parts = make(host_capacity=str(size + size // 2))
+    parts.add(tmp_path, "tiny-cnn", "a")
+    b = parts.add(tmp_path, "tiny-cnn", "b", seed=1)
+    client = parts.registry.new_client(1, "c", parts.clock())
+    call(parts, client, "a")
+    assert call(parts, client, "b") is None
+    parts.host.capacity_bytes = 3 * size
+    parts.cache.admit()
+    parts.loaders.settle()
+    assert b.state is ModelState.RESIDENT and parts.replies[-1].name == "b"
+
+
+def test_a_stopping_daemon_answers_the_requests_waiting_for_room(make, tmp_path):
+    size = one_model_bytes(tmp_path)
+    parts = make(host_capacity=str(size + size // 2))
+    parts.add(tmp_path, "tiny-cnn", "a")
+    b = parts.add(tmp_path, "tiny-cnn", "b", seed=1)
+    client = parts.registry.new_client(1, "c", parts.clock())
+    call(parts, client, "a")
+    assert call(parts, client, "b") is None
+    parts.cache.stop_waiting()
+    said = parts.replies[-1]
+    assert isinstance(said, P.ErrorReply) and said.code == "daemon_unavailable" and "b@1 waited for room" in said.message
+    assert b.state is ModelState.ON_DISK and not parts.cache.room
+
+
+def test_status_and_metrics_show_the_keep_alive_window_and_the_next_call():
+    import io
+    import time
+
+    from modelcache.cli import print_keep_alive, print_models
+    from modelcache.daemon.metrics import render
+    from modelcache.histogram import Histogram
+
+    now = time.time()
+    models = [{"name": "m", "version": 1, "bytes": 1 << 20, "host_bytes": 1 << 20, "gpu_bytes": 0, "tier": "host",
+               "state": "resident", "refcount": 0, "hits": 3, "pinned": False, "last_use": now, "gpu": [],
+               "why": "kept alive", "keep_alive_until": now + 300, "next_call": now + 900}]
+    out = io.StringIO()
+    print_models(models, out)
+    print_keep_alive(models, out)
+    text = out.getvalue()
+    assert text.splitlines()[0].endswith(" WHY") and text.splitlines()[1].endswith("kept alive (5m left)")
+    assert "m@1: host: kept until " in text and "(in 5m); next call expected " in text and "(in 15m)" in text
+    metrics = render({}, [], models, 0, 1.0, Histogram(), ["resident"])
+    assert f'modelcache_model_keep_alive_until_timestamp_seconds{{model="m",version="1"}} {now + 300:.3f}' in metrics
+    assert f'modelcache_model_next_call_timestamp_seconds{{model="m",version="1"}} {now + 900:.3f}' in metrics
