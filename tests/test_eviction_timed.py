@@ -180,6 +180,34 @@ def test_under_pressure_the_furthest_expected_call_and_the_most_bytes_go_first()
     assert p.order(["big", "b"])[0] == "big"
 
 
+def test_a_prewarmed_model_whose_call_is_due_is_not_taken_for_a_long_idle_one():
+    """After its pre-warm a periodic model has been idle most of its period; its call is minutes away
+    (the histogram's mean idle time still to come), so under pressure a model idle for less time but
+    with no pattern goes first. (Ordered by how long it had been idle, capped at the window's end, the
+    pre-warmed model went first and its call was a cold start.)"""
+    p = Hybrid()
+    last = periodic(p, 30 * MIN + 10, 7)                   # idle times in bin 30: head 30, tail 31 minutes
+    step(p, last + 28 * MIN)                               # unloaded, then pre-warmed at 27 minutes
+    assert "a" in p.entries and p.predicted_next_call("a") == last + 30 * MIN
+    call(p, "c", last + 23 * MIN)                          # one call, five minutes ago
+    p.due(last + 28 * MIN)
+    assert p.time_to_next_call("a") == pytest.approx(2.5 * MIN)   # bin 30's middle, less the 28 minutes
+    assert p.order(["a", "c"]) == ["c", "a"]
+    assert step(p, last + 40 * MIN) == [(last + 33 * MIN, "unload", "c"),          # its fixed keep-alive
+                                        (last + 31 * 1.1 * MIN, "unload", "a")]    # no call: the tail
+
+
+def test_mean_idle_time_still_to_come():
+    h = IdleTimes(bins=240, unit_s=60)
+    for s in (30, 330, 330, 14400):                        # bins 0, 5, 5 and one beyond the range
+        h.add(s)
+    assert h.mean_residual_s(0) == pytest.approx((30 + 330 + 330 + 14400) / 4)
+    assert h.mean_residual_s(300) == pytest.approx((30 + 30 + 14100) / 3)   # bin 0 is over
+    assert h.mean_residual_s(14500) == 0                    # only the out-of-range one: at least the range
+    empty = IdleTimes(bins=240, unit_s=60)
+    assert empty.mean_residual_s(0) is None
+
+
 def test_a_prewarm_displaces_only_models_expected_later():
     p = Hybrid()
     last = periodic(p, 5 * MIN + 10, 6)                    # a: expected 5 minutes after `last`

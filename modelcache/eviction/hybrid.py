@@ -58,6 +58,20 @@ class IdleTimes:
                 return (b + 1 if upper else b) * self.unit_s
         return self.bins * self.unit_s
 
+    def mean_residual_s(self, age_s: float) -> float | None:
+        """The expected idle time still to come once `age_s` has passed without a call: the mean of
+        (idle - age) over the recorded idle times longer than `age_s`, each at its bin's middle (no earlier
+        than `age_s`), those beyond the range at its end (a lower bound); None when none is longer."""
+        total = weight = 0.0
+        for b, c in enumerate(self.counts):
+            if c and (b + 1) * self.unit_s > age_s:
+                total += c * max(0.0, (b + 0.5) * self.unit_s - age_s)
+                weight += c
+        if self.out_of_bounds:
+            total += self.out_of_bounds * max(0.0, self.bins * self.unit_s - age_s)
+            weight += self.out_of_bounds
+        return total / weight if weight else None
+
 
 class Hybrid(TimedPolicy):
     """Keep-alive and pre-warm windows learned per model from its idle times (module docstring).
@@ -132,18 +146,27 @@ class Hybrid(TimedPolicy):
         return None if w is None or last is None else last + w[0]
 
     def time_to_next_call(self, key):
-        """Before the head: until the head. Then, until the keep-alive window ends: as long as it has been
-        idle (LRU's guess), but no later than the window's end, where the call is expected. Otherwise
-        (past the window, no pattern yet): its mean time between calls, or as long as it has been idle if
-        that is longer (its rate has dropped)."""
+        """Before the pre-warm: until the head. From the pre-warm to the window's end, for a model whose
+        head is not zero (unloaded between calls, then pre-warmed): the histogram's mean idle time still to
+        come, given how long it has been idle. Its call is due: ordered by how long it had been idle, a
+        pre-warmed timer looked like a long-idle model and was evicted before its call (the commonest cold
+        start of timers under pressure, benchmarks/faas/README.md). For a model kept from its call (head
+        zero) until the window ends: as long as it has been idle (LRU's guess; one-minute bins are too
+        coarse for the seconds between a busy model's calls: the residual there was worse at 5-20 %), but
+        no later than the window's end. Otherwise (past the window, no pattern yet): its mean time between
+        calls, or as long as it has been idle if that is longer (its rate has dropped)."""
         age, last = super().time_to_next_call(key), self.last_call.get(key)
         if last is None:
             return age
         w = self.windows(key)
         if w is not None:
-            head_at, keep_until = last + w[0], last + w[1] * (1 + self.margin)
-            if self.now < head_at:
-                return head_at - self.now
+            head, keep_until = w[0], last + w[1] * (1 + self.margin)
+            if self.now < last + head * (1 - self.margin):
+                return last + head - self.now
+            if head > 0 and self.now < keep_until:
+                residual = self.idle[key].mean_residual_s(age)
+                if residual is not None:
+                    return residual
             if self.now < keep_until:
                 return min(keep_until - self.now, age)
         n = self._calls[key]
