@@ -8,7 +8,7 @@ import pytest
 
 from modelcache.eviction import make_policy
 from modelcache.faas.simulate import Costs, replay
-from modelcache.faas.sweep import compare, frontier, interpolate, main
+from modelcache.faas.sweep import compare, frontier, interpolate, main, verdict, verdict_line
 from modelcache.faas.synthetic import generate
 from modelcache.faas.trace import (FunctionCounts, Invocation, assign_models, invocations, read_counts,
                                    write_counts, zoo_catalogue)
@@ -206,6 +206,12 @@ def test_the_front_and_the_comparison_at_equal_memory_and_equal_cold_starts():
     assert good["mem_ratio"] is None                           # fewer cold starts than any baseline point
     assert (good["same_capacity_best"], good["same_capacity_cold_ratio"]) == ("gdsf", pytest.approx(0.05 / 0.15))
     assert not good["worse_than_lru_on_both"] and bad["worse_than_lru_on_both"]
+    v = verdict([good, bad])
+    assert v["cold_ratio"]["best"] == good["cold_ratio"] and v["cold_ratio"]["met_at_gib"] == [1]   # ~0.27x
+    assert v["mem_ratio"]["best"] == bad["mem_ratio"] > 1 and v["mem_ratio"]["met_at_gib"] == []   # good: none
+    assert v["worse_than_lru_on_both_at_gib"] == [2]
+    line = verdict_line(v)
+    assert "best 1.50x (at 2.00 GiB), met nowhere" in line and line.endswith("worse than LRU on both: 2.00 GiB")
 
 
 def test_the_sweep_runs_end_to_end_on_a_tiny_trace(tmp_path, capsys):
@@ -215,4 +221,5 @@ def test_the_sweep_runs_end_to_end_on_a_tiny_trace(tmp_path, capsys):
     assert read_counts(tmp_path / "trace.csv")                       # the trace it ran, in the Azure format
     printed = capsys.readouterr().out
     assert "cold %" in printed and printed.count("|    hybrid |") == 2 and printed.startswith("python -m modelcache.faas.sweep --functions 12")
-    assert "hybrid at" in printed
+    assert "hybrid at" in printed and "targets (issue #29): cold starts at equal memory-time <= 0.5x" in printed
+    assert set(out["targets"]) == {"cold_ratio", "mem_ratio", "worse_than_lru_on_both_at_gib"}

@@ -89,6 +89,37 @@ def compare(rows: list[dict], policy: str = "hybrid") -> list[dict]:
     return out
 
 
+# Issue #29's targets for hybrid against the baselines' front.
+COLD_TARGET, MEM_TARGET = 0.5, 0.7
+
+
+def verdict(comparison: list[dict]) -> dict:
+    """The targets, over hybrid's points: the lowest cold-start ratio at equal memory-time and the lowest
+    memory-time ratio at equal cold starts (each with its capacity), whether a point meets each target
+    (<= 0.5x, <= 0.7x), and whether any point is worse than LRU on both axes."""
+    out = {}
+    for key, target in (("cold_ratio", COLD_TARGET), ("mem_ratio", MEM_TARGET)):
+        measured = [c for c in comparison if c[key] is not None]
+        best = min(measured, key=lambda c: c[key], default=None)
+        out[key] = {"best": best and best[key], "at_capacity_gib": best and best["capacity_gib"], "target": target,
+                    "met_at_gib": [c["capacity_gib"] for c in measured if c[key] <= target]}
+    out["worse_than_lru_on_both_at_gib"] = [c["capacity_gib"] for c in comparison if c["worse_than_lru_on_both"]]
+    return out
+
+
+def verdict_line(v: dict) -> str:
+    def one(key, what):
+        r = v[key]
+        if r["best"] is None:
+            return f"{what}: no point on the baselines' span"
+        met = ", ".join(f"{g:.2f}" for g in r["met_at_gib"])
+        return (f"{what} <= {r['target']}x: best {r['best']:.2f}x (at {r['at_capacity_gib']:.2f} GiB), "
+                + (f"met at {met} GiB" if met else "met nowhere"))
+    lru = ", ".join(f"{g:.2f} GiB" for g in v["worse_than_lru_on_both_at_gib"]) or "nowhere"
+    return (f"targets (issue #29): {one('cold_ratio', 'cold starts at equal memory-time')}; "
+            f"{one('mem_ratio', 'memory-time at equal cold starts')}; worse than LRU on both: {lru}")
+
+
 def plot(rows: list[dict], path: Path, title: str) -> bool:
     from ..plotting import pyplot
     plt = pyplot()
@@ -165,9 +196,13 @@ def main(argv=None) -> int:
               f"at equal memory-time, memory-time {ratio(c['mem_ratio'])} at equal cold starts; at the same "
               f"capacity vs {c['same_capacity_best']}: cold {ratio(c['same_capacity_cold_ratio'])}, memory-time "
               f"{ratio(c['same_capacity_mem_ratio'])}{'; WORSE than LRU on both' if c['worse_than_lru_on_both'] else ''}")
+    targets = verdict(comparison) if comparison else None
+    if targets:
+        print(verdict_line(targets))
     if out:
         (out / "results.json").write_text(json.dumps({"trace": label, "args": vars(args), "costs": vars(Costs()),
-                                                      "rows": rows, "hybrid_vs_baselines": comparison}, indent=1))
+                                                      "rows": rows, "hybrid_vs_baselines": comparison,
+                                                      "targets": targets}, indent=1))
         if plot(rows, out / "pareto.png", label):
             print(f"figure: {out / 'pareto.png'}")
     return 0
