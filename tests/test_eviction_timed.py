@@ -106,11 +106,27 @@ def test_a_call_cancels_the_pending_prewarm_and_plans_again():
     last = periodic(p, 5 * MIN + 10, 6)
     step(p, last + 1)                                      # unloaded after the call
     call(p, "a", last + 2 * MIN)                           # early: a cold start, and a new plan
-    head, _ = p.windows("a")
-    assert head == 2 * MIN                                 # the early idle time is now the head
-    got = step(p, last + 7 * MIN)
+    assert p.windows("a") == (2 * MIN, 6 * MIN)            # the early idle time is now the head
+    got = step(p, last + 9 * MIN)
     assert (last + 4.5 * MIN, "prewarm", "a") not in got   # the old plan's pre-warm never fires
-    assert got[:2] == [(last + 2 * MIN + 0.5, "unload", "a"), (last + 2 * MIN + 0.9 * head, "prewarm", "a")]
+    # head and tail four bins apart: no longer a timer's pattern, so kept from the call until the tail
+    assert got == [(last + 2 * MIN + 6.6 * MIN, "unload", "a")]
+
+
+def test_spread_idle_times_keep_the_model_from_the_call_instead_of_prewarming():
+    """Idle times of 3 to 9 minutes (bursty calls): the 5th percentile is the least of them, and the next
+    may well come sooner, so the model is kept from its call to the tail rather than unloaded and
+    pre-warmed at the head (which would save 3 of ~6 minutes for a cold start whenever a call is early)."""
+    p = Hybrid()
+    t = 0.0
+    for i in range(12):
+        call(p, "a", t)
+        t += (3 + i % 7) * MIN + 10
+    call(p, "a", t)
+    assert p.representative("a") and p.windows("a") == (3 * MIN, 10 * MIN)
+    assert not p.prewarms(p.windows("a"))
+    assert p.predicted_next_call("a") == t + 3 * MIN
+    assert step(p, t + 20 * MIN) == [(t + 11 * MIN, "unload", "a")]   # tail plus 10 %, nothing in between
 
 
 def test_a_prewarm_for_a_model_still_resident_loads_nothing_but_keeps_it():
@@ -178,6 +194,21 @@ def test_under_pressure_the_furthest_expected_call_and_the_most_bytes_go_first()
     call(p, "big", last + 55, size=1000)                   # idle one second, but 100x the bytes
     p.due(last + 60)
     assert p.order(["big", "b"])[0] == "big"
+
+
+def test_under_pressure_a_model_called_less_often_goes_before_one_idle_longer_but_busier():
+    """Both kept from their calls (head 0): "a" called every 40 s, last 10 s ago; "b" every second, last
+    20 s ago. b's next call is any second, a's some 30 s off: a goes first (LRU's order said b)."""
+    p = Hybrid()
+    for i in range(30):
+        call(p, "a", 40.0 * i)
+    t = 40.0 * 29 + 10
+    for i in range(400):
+        call(p, "b", t - 20 - 399 + i)
+    p.due(t)
+    assert p.windows("a")[0] == p.windows("b")[0] == 0
+    assert p.time_to_next_call("a") == pytest.approx(40) and p.time_to_next_call("b") == pytest.approx(20)
+    assert p.order(["a", "b"]) == ["a", "b"]
 
 
 def test_a_prewarmed_model_whose_call_is_due_is_not_taken_for_a_long_idle_one():
