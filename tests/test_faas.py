@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 
 from modelcache.eviction import make_policy
+from modelcache.faas.attribute import AttributedReplay, function_classes, report
 from modelcache.faas.simulate import Costs, replay
 from modelcache.faas.sweep import compare, frontier, interpolate, main, verdict, verdict_line
 from modelcache.faas.synthetic import generate
@@ -186,6 +187,36 @@ def test_under_pressure_capacity_is_never_exceeded():
         r = replay(make_policy(name), 200, trace, sizes, COSTS)
         assert r.peak_bytes <= 200 and r.unserved == 0
         assert r.host_hits + r.disk_misses == r.calls == len(trace)
+
+
+def test_each_cold_start_is_attributed_to_why_its_model_was_not_resident():
+    """Keep-alive 10 min, room for one model: A's first call, a warm call 30 s later, B's first call
+    (A goes), A again (evicted), A 20 minutes later (unloaded after its window)."""
+    spec = calls((0.0, "A"), (30.0, "A"), (60.0, "B"), (100.0, "A"), (1300.0, "A"))
+    r = AttributedReplay(make_policy("keepalive"), 100, {"A": 60, "B": 60}, {"A": "timer"}, COSTS)
+    res = r.run(spec)
+    assert r.cold == {("timer", "first call"): 1, ("other", "first call"): 1, ("timer", "evicted"): 1,
+                      ("timer", "unloaded after its window"): 1}
+    assert sum(r.cold.values()) == res.disk_misses == 4
+    # idle until freed, from the later of the last call's arrival and the load: B from its load (60.5) to
+    # its eviction (100); A from its load (100.5) to its unload 10 minutes after its lease (700.5); A from
+    # its call (30) to its eviction (60)
+    assert r.idle_gib_s[("other", "evicted")] == pytest.approx(60 * 39.5 / 2**30)
+    assert r.idle_gib_s[("timer", "unloaded after its window")] == pytest.approx(60 * 600 / 2**30)
+    assert r.idle_gib_s[("timer", "evicted")] == pytest.approx(60 * 30 / 2**30)
+    # kept until a warm call: A from its load (0.5) to the call at 30
+    assert r.kept_calls == {("timer", "< 1 min"): 1}
+    assert r.kept_gib_s[("timer", "< 1 min")] == pytest.approx(60 * 29.5 / 2**30)
+    assert "timer  unloaded after its window" in report(r)
+
+
+def test_functions_are_timers_rare_or_other():
+    rows = [FunctionCounts("o", "a", f, trig, 1, (0,) * 60)
+            for f, trig in (("t", "timer"), ("r", "http"), ("b", "http"))]
+    models = {r.id: (f"m-{r.function}", 1) for r in rows}
+    spec = [Invocation(float(i), "a/t", "m-t") for i in range(50)] + [Invocation(1.0, "a/r", "m-r")] * 6 \
+        + [Invocation(2.0, "a/b", "m-b")] * 7
+    assert function_classes(rows, models, spec, hours=6) == {"m-t": "timer", "m-r": "rare", "m-b": "other"}
 
 
 # -- the sweep -----------------------------------------------------------------------------------------

@@ -6,8 +6,9 @@ and one clear pattern: the coefficient of variation of its bin counts above a th
 kept until its tail (99th percentile) plus a margin; when the idle times are also concentrated (head, the
 5th percentile, and tail within two bins: a timer, whose per-minute counts put its idle times within a
 minute either side of its period), it is unloaded after the call and pre-warmed at the head less a margin
-instead. When the histogram is not representative, the model gets the platforms' fixed keep-alive. The paper sends out-of-range patterns to a time-series forecast
-(ARIMA); here they get the fixed keep-alive too.
+instead. When the histogram is not representative, the model gets the platforms' fixed keep-alive. The
+paper sends out-of-range patterns to a time-series forecast (ARIMA); here they get the fixed keep-alive
+too.
 """
 
 from __future__ import annotations

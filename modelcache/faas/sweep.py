@@ -143,31 +143,27 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
     return True
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m modelcache.faas.sweep", description=__doc__.split("\n\n")[0])
+def trace_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options that say which trace to replay and how (shared with `attribute`)."""
     ap.add_argument("--trace", default="synthetic", help="'synthetic' or an Azure Functions invocation-count CSV")
     ap.add_argument("--functions", type=int, default=200, help="synthetic: how many functions")
     ap.add_argument("--hours", type=float, default=6.0, help="synthetic: trace length")
     ap.add_argument("--minutes", default="", help="a CSV's window, FIRST:STOP in its minute numbers")
     ap.add_argument("--seed", type=int, default=0, help="the trace, the models' draw, the spread in a minute")
-    ap.add_argument("--policies", default="lru,keepalive,gdsf,hybrid", help="comma-separated eviction policies")
     ap.add_argument("--capacities", default="0.02,0.05,0.1,0.2,0.3,0.5,1.0",
                     help="host-tier capacities as fractions of all the trace's models together")
     ap.add_argument("--compress", type=float, default=1.0,
                     help="divide trace time by this (the policies' windows scale with it)")
-    ap.add_argument("--out", default="", help="folder for trace.csv, results.json, pareto.png")
-    args = ap.parse_args(argv)
-    print("python -m modelcache.faas.sweep " + " ".join(sys.argv[1:] if argv is None else argv))
-    out = Path(args.out) if args.out else None
-    if out:
-        out.mkdir(parents=True, exist_ok=True)
 
+
+def load_trace(args, out: Path | None):
+    """(label, functions, models, sizes, calls) for the trace `args` name; a synthetic trace is written
+    to `out`/trace.csv and read back (the reader the real trace goes through)."""
     if args.trace == "synthetic":
         functions = generate(args.functions, args.hours, args.seed)
-        path = (out or Path(".")) / "trace.csv" if out else None
-        if path:   # the run reads back what it wrote: the reader the real trace goes through
-            write_counts(path, functions)
-            functions = read_counts(path)
+        if out:
+            write_counts(out / "trace.csv", functions)
+            functions = read_counts(out / "trace.csv")
         label = f"synthetic, {args.functions} functions, {args.hours:g} h, seed {args.seed}"
     else:
         functions = read_counts(args.trace)
@@ -176,8 +172,22 @@ def main(argv=None) -> int:
     models = assign_models(functions, zoo_catalogue(), args.seed)
     sizes = dict(models.values())
     calls = invocations(functions, models, args.seed, args.compress, window)
+    print(f"{label}: {len(calls)} calls, {len(sizes)} models, {sum(sizes.values()) / GIB:.1f} GiB together", flush=True)
+    return label, functions, models, sizes, calls
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m modelcache.faas.sweep", description=__doc__.split("\n\n")[0])
+    trace_arguments(ap)
+    ap.add_argument("--policies", default="lru,keepalive,gdsf,hybrid", help="comma-separated eviction policies")
+    ap.add_argument("--out", default="", help="folder for trace.csv, results.json, pareto.png")
+    args = ap.parse_args(argv)
+    print("python -m modelcache.faas.sweep " + " ".join(sys.argv[1:] if argv is None else argv))
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    label, _, _, sizes, calls = load_trace(args, out)
     total = sum(sizes.values())
-    print(f"{label}: {len(calls)} calls, {len(sizes)} models, {total / GIB:.1f} GiB together", flush=True)
 
     rows = []
     for frac in (float(x) for x in args.capacities.split(",")):
