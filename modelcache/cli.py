@@ -504,6 +504,7 @@ BENCHMARKS = {
     "soak": "many clients, churn and eviction against one daemon for minutes: memory and latency slopes",
     "restart": "SIGKILL the daemon under clients holding sessions: the new daemon's first open, warm vs cold",
     "cluster": "locality-aware vs Ray Serve's default routing on a local 3-node Ray cluster (Zipf/Poisson)",
+    "faas": "replay a FaaS trace (Azure Functions format) per eviction policy and capacity; the simulator beside it",
 }
 
 

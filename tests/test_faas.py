@@ -254,3 +254,21 @@ def test_the_sweep_runs_end_to_end_on_a_tiny_trace(tmp_path, capsys):
     assert "cold %" in printed and printed.count("|    hybrid |") == 2 and printed.startswith("python -m modelcache.faas.sweep --functions 12")
     assert "hybrid at" in printed and "targets (issue #29): cold starts at equal memory-time <= 0.5x" in printed
     assert set(out["targets"]) == {"cold_ratio", "mem_ratio", "worse_than_lru_on_both_at_gib"}
+
+
+def test_the_sweep_takes_measured_costs_from_a_file(tmp_path, capsys):
+    slow = Costs(open_host_s=0.5, run_s={}, default_run_s=1.0)        # every call at least 1.5 s
+    (tmp_path / "costs.json").write_text(json.dumps(vars(slow)))
+    args = ["--functions", "6", "--hours", "0.2", "--policies", "lru", "--capacities", "1", "--out", str(tmp_path)]
+    assert main([*args, "--costs", str(tmp_path / "costs.json")]) == 0
+    out = json.loads((tmp_path / "results.json").read_text())
+    assert out["costs"]["open_host_s"] == 0.5 and out["rows"][0]["ttfr_p50_ms"] >= 1500
+
+
+def test_a_costs_file_that_is_not_costs_is_one_clear_error(tmp_path, capsys):
+    (tmp_path / "costs.json").write_text(json.dumps({"open_host": 1}))
+    with pytest.raises(SystemExit) as e:
+        main(["--functions", "2", "--hours", "0.1", "--costs", str(tmp_path / "costs.json")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "cannot read simulator costs" in err and "open_host" in err and "costs.json" in err

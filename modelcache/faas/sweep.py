@@ -4,6 +4,7 @@ policy, one point per capacity).
 
     python -m modelcache.faas.sweep --trace synthetic --functions 200 --hours 6 --out DIR
     python -m modelcache.faas.sweep --trace invocations.csv --minutes 540:900 --out DIR
+    python -m modelcache.faas.sweep ... --costs costs.json     costs measured by `modelcache bench faas`
 """
 
 from __future__ import annotations
@@ -28,12 +29,23 @@ COLUMNS = [("policy", "policy", "{}"), ("capacity_gib", "cap GiB", "{:.2f}"), ("
            ("evictions", "evictions", "{}"), ("unloads", "unloads", "{}"), ("unserved", "unserved", "{}")]
 
 
-def table(rows: list[dict]) -> str:
-    cells = [[title for _, title, _ in COLUMNS]] + [[fmt.format(r[k]) for k, _, fmt in COLUMNS] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+def table(rows: list[dict], columns=COLUMNS) -> str:
+    """A Markdown table of `rows`: `columns` are (key, title, format) each."""
+    cells = [[title for _, title, _ in columns]] + [[fmt.format(r[k]) for k, _, fmt in columns] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
     lines = ["| " + " | ".join(c.rjust(w) for c, w in zip(line, widths)) + " |" for line in cells]
     lines.insert(1, "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
     return "\n".join(lines)
+
+
+def load_costs(path: str | Path) -> Costs:
+    """Costs from a JSON object of Costs' fields (what `modelcache bench faas` writes as costs.json)."""
+    try:
+        data = json.loads(Path(path).read_text())
+        return Costs(**data)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"{path}: cannot read simulator costs ({e}); expected a JSON object with "
+                         f"{', '.join(vars(Costs()))}, as `modelcache bench faas --out DIR` writes in DIR/costs.json") from None
 
 
 def frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -156,9 +168,9 @@ def trace_arguments(ap: argparse.ArgumentParser) -> None:
                     help="divide trace time by this (the policies' windows scale with it)")
 
 
-def load_trace(args, out: Path | None):
-    """(label, functions, models, sizes, calls) for the trace `args` name; a synthetic trace is written
-    to `out`/trace.csv and read back (the reader the real trace goes through)."""
+def read_trace(args, out: Path | None):
+    """(label, functions) of the trace `args` name; a synthetic trace is written to `out`/trace.csv and
+    read back (the reader the real trace goes through)."""
     if args.trace == "synthetic":
         functions = generate(args.functions, args.hours, args.seed)
         if out:
@@ -168,6 +180,12 @@ def load_trace(args, out: Path | None):
     else:
         functions = read_counts(args.trace)
         label = f"{Path(args.trace).name}, {len(functions)} functions"
+    return label, functions
+
+
+def load_trace(args, out: Path | None):
+    """(label, functions, models, sizes, calls) for the trace `args` name, models from the zoo's catalogue."""
+    label, functions = read_trace(args, out)
     window = tuple(int(x) for x in args.minutes.split(":")) if args.minutes else None
     models = assign_models(functions, zoo_catalogue(), args.seed)
     sizes = dict(models.values())
@@ -180,8 +198,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m modelcache.faas.sweep", description=__doc__.split("\n\n")[0])
     trace_arguments(ap)
     ap.add_argument("--policies", default="lru,keepalive,gdsf,hybrid", help="comma-separated eviction policies")
+    ap.add_argument("--costs", default="", help="a JSON file of the simulator's costs (Costs' fields), e.g. "
+                    "the costs.json `modelcache bench faas` measures on the real daemon; default: the README's figures")
     ap.add_argument("--out", default="", help="folder for trace.csv, results.json, pareto.png")
     args = ap.parse_args(argv)
+    try:
+        costs = load_costs(args.costs) if args.costs else Costs()
+    except ValueError as e:
+        ap.error(str(e))
     print("python -m modelcache.faas.sweep " + " ".join(sys.argv[1:] if argv is None else argv))
     out = Path(args.out) if args.out else None
     if out:
@@ -193,7 +217,7 @@ def main(argv=None) -> int:
     for frac in (float(x) for x in args.capacities.split(",")):
         for name in args.policies.split(","):
             t0 = time.perf_counter()
-            r = replay(make_policy(name, time_scale=1 / args.compress), int(total * frac), calls, sizes, Costs())
+            r = replay(make_policy(name, time_scale=1 / args.compress), int(total * frac), calls, sizes, costs)
             rows.append(r.row())
             print(f"  {name} at {frac:g} of the models ({r.capacity_bytes / GIB:.2f} GiB): "
                   f"cold {r.cold_fraction:.3%}, {r.gib_s:.0f} GiB*s ({time.perf_counter() - t0:.1f} s)",
@@ -210,7 +234,7 @@ def main(argv=None) -> int:
     if targets:
         print(verdict_line(targets))
     if out:
-        (out / "results.json").write_text(json.dumps({"trace": label, "args": vars(args), "costs": vars(Costs()),
+        (out / "results.json").write_text(json.dumps({"trace": label, "args": vars(args), "costs": vars(costs),
                                                       "rows": rows, "hybrid_vs_baselines": comparison,
                                                       "targets": targets}, indent=1))
         if plot(rows, out / "pareto.png", label):

@@ -1,0 +1,48 @@
+"""`modelcache bench faas` on a tiny trace: the real daemon, a fresh process per call, the counts add up,
+and the simulator replays the same calls with the costs measured on the same daemon."""
+
+import json
+import subprocess
+import sys
+
+from modelcache.bench.faas import daemon_env, fit_line
+from modelcache.config import EVICTION_POLICIES
+from modelcache.faas.sweep import load_costs
+from modelcache.faas.trace import read_counts
+
+
+def test_a_tiny_trace_replays_against_the_real_daemon(tmp_path):
+    out = tmp_path / "faas"
+    r = subprocess.run([sys.executable, "-m", "modelcache.cli", "bench", "faas", "--functions", "4", "--hours", "0.1",
+                        "--compress", "40", "--models", "squeezenet1_1,tiny-cnn", "--capacities", "0.4",
+                        "--policies", "lru", "--cost-runs", "1", "--max-procs", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads((out / "results.json").read_text())
+    calls = sum(sum(f.counts) for f in read_counts(out / "trace.csv"))      # the trace it wrote, read back
+    (row,) = data["rows"]
+    assert row["calls"] == data["calls"] == calls > 0
+    assert row["host_hits"] + row["disk_misses"] + row["remote_misses"] + row["failed"] == calls
+    assert row["failed"] == 0 and row["remote_misses"] == 0                 # every model fits; no remote store
+    assert row["disk_misses"] >= 1 and row["promotions"] >= 1               # nothing is resident at the start
+    assert row["gib_s"] > 0 and row["open_run_p99_ms"] >= row["open_run_p50_ms"] > 0
+    assert row["ttfr_p50_ms"] > row["open_run_p50_ms"]                      # a process starts before it opens
+    (sim,) = data["simulated"]
+    assert sim["calls"] == calls and sim["policy"] == "lru"
+    assert data["agreement"][0]["cold_real"] == row["cold_fraction"]
+    costs = load_costs(out / "costs.json")                                  # what sweep.py --costs reads
+    assert costs.open_host_s > 0 and set(costs.run_s) == {"squeezenet1_1", "tiny-cnn"}
+    assert "real vs simulated" in r.stdout and "|    lru |" in r.stdout
+    assert (out / "pareto.png").stat().st_size > 1000
+
+
+def test_the_daemon_runs_the_policy_at_the_capacity_asked():
+    env = daemon_env("gdsf", 5 << 20, 60)
+    assert env["MODELCACHE_EVICTION_POLICY"] == "gdsf" and env["MODELCACHE_HOST_CAPACITY"] == str(5 << 20)
+    assert "gdsf" in EVICTION_POLICIES
+
+
+def test_promotion_costs_fit_a_line_through_the_sizes():
+    assert fit_line([(100, 0.002), (300, 0.004)]) == (0.001, 1e-5)
+    a, b = fit_line([(100, 0.003)])                      # one size: all of it per byte
+    assert (a, b) == (0.0, 3e-5)
