@@ -97,34 +97,39 @@ def add_copies(client, models: dict[str, tuple[str, int]], work: Path, log) -> d
     return charge
 
 
-def measure_costs(client, socket: str, sizes: dict[str, int], runs: int, log) -> Costs:
-    """The simulator's costs on this daemon, per architecture (its first copy): a fresh process's open on
-    a hit and its first run (medians of `runs`); the open request's extra time on a disk miss, fitted
-    against the size as fixed + bytes x seconds-per-byte."""
+def measure_costs(client, socket: str, sizes: dict[str, int], runs: int, mode: str, log) -> Costs:
+    """The simulator's costs on this daemon, per architecture (its first copy): a call on a hit as the
+    replay makes it (attach: a fresh process's open and first run; serve: the request, all of it run time),
+    medians of `runs`; the open request's extra time on a disk miss, fitted against the size as
+    fixed + bytes x seconds-per-byte (the promotion)."""
     first = {}
     for key in sorted(sizes):
         first.setdefault(key.split("#")[0], key)
+    serve = _ServeClients(socket) if mode == "serve" else None
     opens, run_s, misses = [], {}, []
-    for arch, key in first.items():
-        name, child_runs, hit_ms, miss_ms = daemon_name(key), [], [], []
-        for _ in range(runs):
-            client.evict(name)
-            t = time.perf_counter()
-            client.release(client.open(name).lease_id)
-            miss_ms.append((time.perf_counter() - t) * 1e3)
-            t = time.perf_counter()
-            client.release(client.open(name).lease_id)
-            hit_ms.append((time.perf_counter() - t) * 1e3)
-            out, err = (p := spawn("attach", name, "", "", socket, child=CHILD)).communicate(timeout=300)
-            if p.returncode != 0:
-                raise RuntimeError(f"the cost measurement's function process failed: {err.strip()[-1500:]}")
-            child_runs.append(json.loads(out.strip().splitlines()[-1]))
-        opens += [s["session_ms"] / 1e3 for s in child_runs]
-        run_s[arch] = statistics.median(s["first_run_ms"] for s in child_runs) / 1e3
-        misses.append((sizes[key], (statistics.median(miss_ms) - statistics.median(hit_ms)) / 1e3))
-        log(f"costs of {arch}: open on a hit {statistics.median(s['session_ms'] for s in child_runs):.1f} ms, "
-            f"first run {run_s[arch] * 1e3:.1f} ms, a disk miss adds {misses[-1][1] * 1e3:.1f} ms "
-            f"for {sizes[key] / 2**20:.1f} MiB")
+    try:
+        for arch, key in first.items():
+            name, hits, hit_ms, miss_ms = daemon_name(key), [], [], []
+            for _ in range(runs):
+                client.evict(name)
+                t = time.perf_counter()
+                client.release(client.open(name).lease_id)
+                miss_ms.append((time.perf_counter() - t) * 1e3)
+                t = time.perf_counter()
+                client.release(client.open(name).lease_id)
+                hit_ms.append((time.perf_counter() - t) * 1e3)
+                r = serve.call(name) if serve else _attach_call(socket, name)
+                if "error" in r:
+                    raise RuntimeError(f"measuring the costs of {name}: {r['error']}")
+                hits.append((r["open_ms"], r["open_run_ms"] - r["open_ms"]))
+            opens += [o / 1e3 for o, _ in hits]
+            run_s[arch] = statistics.median(r for _, r in hits) / 1e3
+            misses.append((sizes[key], (statistics.median(miss_ms) - statistics.median(hit_ms)) / 1e3))
+            log(f"costs of {arch}: open on a hit {statistics.median(o for o, _ in hits):.1f} ms, run "
+                f"{run_s[arch] * 1e3:.1f} ms, a disk miss adds {misses[-1][1] * 1e3:.1f} ms for {sizes[key] / 2**20:.1f} MiB")
+    finally:
+        if serve:
+            serve.close()
     fixed, per_byte = fit_line(misses)
     return Costs(open_host_s=statistics.median(opens), open_disk_s=fixed, promote_s_per_byte=per_byte,
                  run_s=run_s, default_run_s=statistics.median(run_s.values()))
@@ -184,7 +189,8 @@ def _attach_call(socket: str, name: str) -> dict:
     if proc.returncode != 0:
         return {"error": (err.strip().splitlines() or ["exit status %d" % proc.returncode])[-1]}
     s = json.loads(out.strip().splitlines()[-1])
-    return {"hit": s["hit"], "total_ms": s["total_ms"], "open_run_ms": s["session_ms"] + s["first_run_ms"]}
+    return {"hit": s["hit"], "total_ms": s["total_ms"], "open_ms": s["session_ms"],
+            "open_run_ms": s["session_ms"] + s["first_run_ms"]}
 
 
 class _ServeClients:
@@ -212,7 +218,7 @@ class _ServeClients:
         except Exception as e:   # the call's failure is its result (a refusal, say), not the replay's
             return {"error": f"{type(e).__name__}: {e}"}
         ms = (time.perf_counter() - t) * 1e3
-        return {"hit": None, "total_ms": ms, "open_run_ms": ms}
+        return {"hit": None, "total_ms": ms, "open_ms": 0.0, "open_run_ms": ms}   # (a request opens nothing)
 
     def close(self) -> None:
         for c in self.clients:
@@ -315,8 +321,8 @@ def report(data: dict, out=sys.stdout) -> None:
           f"{data['args']['compress']:g}x; {data['models']} models, {data['total_bytes'] / 2**20:.1f} MiB together; "
           f"mode {data['args']['mode']}, at most {data['args']['max_procs']} in flight", file=out)
     c = data["costs"]
-    print(f"measured costs: open on a host hit {c['open_host_s'] * 1e3:.1f} ms, a miss adds "
-          f"{c['open_disk_s'] * 1e3:.2f} ms + {c['promote_s_per_byte'] * 1e9:.3f} s/GB, first run "
+    print(f"costs ({data['args']['costs'] or 'measured'}): open on a host hit {c['open_host_s'] * 1e3:.1f} ms, a miss adds "
+          f"{c['open_disk_s'] * 1e3:.2f} ms + {c['promote_s_per_byte'] * 1e9:.3f} s/GB, run "
           + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in c["run_s"].items()), file=out)
     print("\nreal replay (open+run: the function's open and first run; ttfr: from the call's due time to its first "
           "result, process start and lateness included; late: calls the in-flight cap started late):", file=out)
@@ -384,7 +390,7 @@ def main(argv=None) -> int:
             log(f"adding {len({m for m, _ in models.values()})} models ...")
             sizes = add_copies(c, models, Path(tmp) / "zoo", log)
             if costs is None:
-                costs = measure_costs(c, socket, sizes, args.cost_runs, log)
+                costs = measure_costs(c, socket, sizes, args.cost_runs, args.mode, log)
         if out:
             (out / "costs.json").write_text(json.dumps(vars(costs), indent=1))
         sizes = {k: sizes[k] for k in {inv.model for inv in calls}}   # the models of the window replayed
