@@ -15,7 +15,7 @@ def test_a_tiny_trace_replays_against_the_real_daemon(tmp_path):
     out = tmp_path / "faas"
     r = subprocess.run([sys.executable, "-m", "modelcache.cli", "bench", "faas", "--functions", "4", "--hours", "0.1",
                         "--compress", "40", "--models", "squeezenet1_1,tiny-cnn", "--capacities", "0.4",
-                        "--policies", "lru", "--cost-runs", "1", "--max-procs", "2", "--out", str(out)],
+                        "--policies", "lru", "--cost-runs", "1", "--max-procs", "1", "--out", str(out)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
@@ -23,6 +23,7 @@ def test_a_tiny_trace_replays_against_the_real_daemon(tmp_path):
     (row,) = data["rows"]
     assert row["calls"] == data["calls"] == calls > 0
     assert row["host_hits"] + row["disk_misses"] + row["remote_misses"] + row["failed"] == calls
+    # one call at a time: no call finds the tier full of models in use (the daemon refuses it until it waits for room)
     assert row["failed"] == 0 and row["remote_misses"] == 0                 # every model fits; no remote store
     assert row["disk_misses"] >= 1 and row["promotions"] >= 1               # nothing is resident at the start
     assert row["gib_s"] > 0 and row["open_run_p99_ms"] >= row["open_run_p50_ms"] > 0
@@ -46,3 +47,10 @@ def test_promotion_costs_fit_a_line_through_the_sizes():
     assert fit_line([(100, 0.002), (300, 0.004)]) == (0.001, 1e-5)
     a, b = fit_line([(100, 0.003)])                      # one size: all of it per byte
     assert (a, b) == (0.0, 3e-5)
+
+
+def test_a_policy_the_daemon_does_not_run_is_one_line_before_anything_starts():
+    r = subprocess.run([sys.executable, "-m", "modelcache.cli", "bench", "faas", "--policies", "lru,nope",
+                        "--functions", "2", "--hours", "0.1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "not nope" in r.stderr and "lru" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr

@@ -35,6 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..errors import InputError
 from ..faas.simulate import GIB, Costs, replay
 from ..faas.sweep import load_costs, plot, read_trace, table
 from ..faas.trace import assign_models, invocations
@@ -159,9 +160,16 @@ class TierSampler(threading.Thread):
         self.byte_s: dict[str, float] = {}
         self.peak: dict[str, int] = {}
         self.samples = 0
+        self.error: Exception | None = None
         self.stop = threading.Event()
 
     def run(self) -> None:
+        try:
+            self._sample()
+        except Exception as e:   # reported by the replay: memory-time from a sampler that stopped is wrong
+            self.error = e
+
+    def _sample(self) -> None:
         from ..client.connection import connect
         with connect(self.socket) as c:
             last, used = time.monotonic(), {}
@@ -239,7 +247,10 @@ def replay_real(socket: str, calls, mode: str, max_procs: int, sample_s: float) 
 
     def one(inv, due: float) -> None:
         late_s = max(0.0, time.monotonic() - due)
-        r = serve.call(daemon_name(inv.model)) if serve else _attach_call(socket, daemon_name(inv.model))
+        try:
+            r = serve.call(daemon_name(inv.model)) if serve else _attach_call(socket, daemon_name(inv.model))
+        except Exception as e:   # (a pool thread's exception would vanish with its future: the call counts as failed)
+            r = {"error": f"{type(e).__name__}: {e}"}
         r.update(function=inv.function, model=inv.model, t=inv.t, late_ms=late_s * 1e3)
         if "total_ms" in r:   # from the call's due time: what the caller waited, the cap's delay included
             r["ttfr_ms"] = r["late_ms"] + r["total_ms"]
@@ -258,6 +269,8 @@ def replay_real(socket: str, calls, mode: str, max_procs: int, sample_s: float) 
         if serve:
             serve.close()
     wall_s = time.monotonic() - t0
+    if sampler.error is not None:
+        raise RuntimeError(f"sampling the tiers' use from `stats` failed, so memory-time is unknown: {sampler.error}")
     with connect(socket) as c:
         after = c.stats().counters
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
@@ -361,8 +374,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-simulate", action="store_true", help="skip the simulator's replay and the agreement")
     ap.add_argument("--out", help="results.json, report.txt, costs.json, trace.csv and pareto.png here")
     args = ap.parse_args(argv)
+    # Wrong arguments: one line (InputError: the CLI's one-line failure), before any daemon starts.
     if args.compress <= 0 or args.max_procs < 1 or args.sample_s <= 0:
-        ap.error("--compress and --sample-s must be positive and --max-procs at least 1")
+        raise InputError("bench faas: --compress and --sample-s must be positive and --max-procs at least 1")
     log = lambda s: print(s, file=sys.stderr, flush=True)   # noqa: E731
     out = Path(args.out) if args.out else None
     if out:
@@ -371,13 +385,17 @@ def main(argv=None) -> int:
         label, functions = read_trace(args, out)
         costs = load_costs(args.costs) if args.costs else None
     except ValueError as e:
-        ap.error(str(e))
+        raise InputError(f"bench faas: {e}") from None
     window = tuple(int(x) for x in args.minutes.split(":")) if args.minutes else None
     models = assign_models(functions, [(m.strip(), 0) for m in args.models.split(",") if m.strip()], args.seed)
     calls = invocations(functions, models, args.seed, args.compress, window)
     if not calls:
-        ap.error("the trace has no calls in the window replayed: choose more functions, hours or another window")
+        raise InputError("bench faas: the trace has no calls in the window replayed: choose more functions, hours or another window")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    from ..config import EVICTION_POLICIES   # what the daemon's eviction_policy setting accepts
+    if not policies or set(policies) - set(EVICTION_POLICIES):
+        raise InputError(f"bench faas: --policies {args.policies}: the daemon runs {', '.join(EVICTION_POLICIES)}; "
+                 f"not {', '.join(sorted(set(policies) - set(EVICTION_POLICIES))) or 'an empty list'}")
     fractions = [float(x) for x in args.capacities.split(",")]
     compile_bytecode()
 
