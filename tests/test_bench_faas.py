@@ -30,7 +30,8 @@ def test_a_tiny_trace_replays_against_the_real_daemon(tmp_path):
     assert row["ttfr_p50_ms"] > row["open_run_p50_ms"]                      # a process starts before it opens
     (sim,) = data["simulated"]
     assert sim["calls"] == calls and sim["policy"] == "lru"
-    assert data["agreement"][0]["cold_real"] == row["cold_fraction"]
+    assert data["agreement"][0]["cold_real"] == row["cold_fraction"] and len(data["agreement_as_started"]) == 1
+    assert len((out / "calls.csv").read_text().splitlines()) == calls + 1         # a row per call, and the header
     costs = load_costs(out / "costs.json")                                  # what sweep.py --costs reads
     assert costs.open_host_s > 0 and set(costs.run_s) == {"squeezenet1_1", "tiny-cnn"}
     assert "real vs simulated" in r.stdout and "|    lru |" in r.stdout

@@ -38,7 +38,7 @@ from pathlib import Path
 from ..errors import InputError
 from ..faas.simulate import GIB, Costs, replay
 from ..faas.sweep import load_costs, plot, read_trace, table
-from ..faas.trace import assign_models, invocations
+from ..faas.trace import Invocation, assign_models, invocations
 from .common import compile_bytecode, managed_daemon, save_results
 from .fresh import spawn
 
@@ -348,6 +348,20 @@ def report(data: dict, out=sys.stdout) -> None:
         print("\nreal vs simulated with the measured costs (same calls; p50/p99: open+run real, time to first "
               "result simulated):", file=out)
         print(table(data["agreement"], AGREE_COLUMNS), file=out)
+        print("\nthe same, simulated at the times the calls really started (the replay's lateness taken out):",
+              file=out)
+        print(table(data["agreement_as_started"], AGREE_COLUMNS), file=out)
+
+
+def write_calls(path: Path, records: list[dict]) -> None:
+    """Every call of every replay, one CSV row each (the function is its model's copy: not repeated)."""
+    import csv
+    fields = ["policy", "capacity_gib", "t", "model", "late_ms", "hit", "open_run_ms", "ttfr_ms", "error"]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fields, extrasaction="ignore")
+        w.writeheader()
+        for r in sorted(records, key=lambda r: (r["policy"], r["capacity_gib"], r["t"])):
+            w.writerow({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})
 
 
 def main(argv=None) -> int:
@@ -413,7 +427,7 @@ def main(argv=None) -> int:
             (out / "costs.json").write_text(json.dumps(vars(costs), indent=1))
         sizes = {k: sizes[k] for k in {inv.model for inv in calls}}   # the models of the window replayed
         total = sum(sizes.values())
-        rows, sims = [], []
+        rows, sims, sims_started, records = [], [], [], []
         for i, frac in enumerate(fractions):
             # Below the largest model its calls are refused; below MIN_CAPACITY the daemon refuses to start.
             capacity = max(int(total * frac), max(sizes.values()), MIN_CAPACITY)
@@ -425,14 +439,21 @@ def main(argv=None) -> int:
                 rows.append(summarize(policy, capacity, run, args.mode, args.late_ms))
                 log(f"  cold {rows[-1]['cold_fraction']:.1%}, {rows[-1]['gib_s']:.2f} GiB*s, "
                     f"{rows[-1]['late']} late, {rows[-1]['failed']} failed, {rows[-1]['wall_s']:.0f} s")
-                if not args.no_simulate:
-                    sim = replay(make_policy(policy, time_scale=1 / args.compress), capacity, calls, sizes, costs)
-                    sims.append({**sim.row(), "gib_s": sim.gib_s})   # (row() rounds to 0.1 GiB*s)
+                records += [{"policy": policy, "capacity_gib": rows[-1]["capacity_gib"], **r} for r in run["records"]]
+                if not args.no_simulate:   # on the trace's times, and on the times the calls really started
+                    started = sorted(Invocation(r["t"] + r["late_ms"] / 1e3, r["function"], r["model"])
+                                     for r in run["records"])
+                    for out_list, these in ((sims, calls), (sims_started, started)):
+                        sim = replay(make_policy(policy, time_scale=1 / args.compress), capacity, these, sizes, costs)
+                        out_list.append({**sim.row(), "gib_s": sim.gib_s})   # (row() rounds to 0.1 GiB*s)
     data = {"trace": label, "args": vars(args), "calls": len(calls), "trace_s": calls[-1].t * args.compress,
             "models": len(sizes), "total_bytes": total, "costs": vars(costs), "rows": rows, "simulated": sims,
-            "agreement": [agreement(r, s) for r, s in zip(rows, sims)]}
+            "agreement": [agreement(r, s) for r, s in zip(rows, sims)],
+            "agreement_as_started": [agreement(r, s) for r, s in zip(rows, sims_started)]}
     report(data)
     save_results(args.out, "faas", argv, data, report)
+    if out:
+        write_calls(out / "calls.csv", records)
     if out and plot(rows, out / "pareto.png", f"real replay: {label}, compressed {args.compress:g}x"):
         print(f"figure: {out / 'pareto.png'}")
     return 0
