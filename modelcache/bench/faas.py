@@ -39,6 +39,7 @@ from ..errors import InputError
 from ..faas.simulate import GIB, Costs, replay
 from ..faas.sweep import load_costs, plot, read_trace, table
 from ..faas.trace import Invocation, assign_models, invocations
+from ..usage import Parser
 from .common import compile_bytecode, managed_daemon, save_results
 from .fresh import spawn
 
@@ -365,7 +366,7 @@ def write_calls(path: Path, records: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="modelcache bench faas", description=__doc__,
+    ap = Parser(prog="modelcache bench faas", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default="synthetic", help="'synthetic' or an Azure Functions invocation-count CSV")
     ap.add_argument("--functions", type=int, default=20, help="synthetic: how many functions (default 20)")
