@@ -13,5 +13,6 @@ class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors are `modelcache: COMMAND: what was wrong (where help is)`."""
 
     def error(self, message):
-        where = self.prog.partition(" ")[2]
+        first, _, rest = self.prog.partition(" ")
+        where = rest if first == "modelcache" else self.prog   # `modelcache bench soak`: "bench soak"
         self.exit(2, f"modelcache: {where + ': ' if where else ''}{message} (`{self.prog} --help` for usage)\n")

@@ -367,7 +367,7 @@ def write_calls(path: Path, records: list[dict]) -> None:
 
 def main(argv=None) -> int:
     ap = Parser(prog="modelcache bench faas", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default="synthetic", help="'synthetic' or an Azure Functions invocation-count CSV")
     ap.add_argument("--functions", type=int, default=20, help="synthetic: how many functions (default 20)")
     ap.add_argument("--hours", type=float, default=0.5, help="synthetic: trace length (default 0.5)")

@@ -16,7 +16,6 @@ call, by the length of that gap (what keeping it bought). Functions are "timer" 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections import Counter
 
@@ -24,6 +23,7 @@ from ..eviction import make_policy
 from .simulate import GIB, LOADING, RESIDENT, WAITING, Costs, Replay
 from .sweep import load_trace, trace_arguments
 from .trace import FunctionCounts
+from ..usage import Parser
 
 
 def function_classes(functions: list[FunctionCounts], models: dict[str, tuple[str, int]], calls: list,
@@ -99,7 +99,7 @@ def report(r: AttributedReplay) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m modelcache.faas.attribute", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="python -m modelcache.faas.attribute", description=__doc__.split("\n\n")[0])
     trace_arguments(ap)
     ap.add_argument("--policy", default="hybrid", help="the eviction policy to replay")
     args = ap.parse_args(argv)

@@ -20,6 +20,7 @@ from ..eviction import make_policy
 from .simulate import GIB, Costs, replay
 from .synthetic import generate
 from .trace import assign_models, invocations, read_counts, write_counts, zoo_catalogue
+from ..usage import Parser
 
 BASELINES = ("lru", "keepalive", "gdsf")
 COLUMNS = [("policy", "policy", "{}"), ("capacity_gib", "cap GiB", "{:.2f}"), ("cold_fraction", "cold %", "{:.3%}"),
@@ -195,7 +196,7 @@ def load_trace(args, out: Path | None):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m modelcache.faas.sweep", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="python -m modelcache.faas.sweep", description=__doc__.split("\n\n")[0])
     trace_arguments(ap)
     ap.add_argument("--policies", default="lru,keepalive,gdsf,hybrid", help="comma-separated eviction policies")
     ap.add_argument("--costs", default="", help="a JSON file of the simulator's costs (Costs' fields), e.g. "
