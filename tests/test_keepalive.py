@@ -331,8 +331,8 @@ def test_a_prewarm_never_jumps_a_request_waiting_for_room(make, tmp_path):
     assert w.state is ModelState.RESIDENT and parts.replies[-1].name == "w"
 
 
-def test_more_capacity_serves_the_requests_waiting_for_room(make, tmp_path):
-    """A reload that raises host_capacity calls admit() (server.py), as here."""
+def b_waits_behind_a(make, tmp_path):
+    """A tier with room for one model: a is in use, b's open waits for room. Returns (parts, b, one model's size)."""
     size = one_model_bytes(tmp_path)
     parts = make(host_capacity=str(size + size // 2))
     parts.add(tmp_path, "tiny-cnn", "a")
@@ -340,6 +340,12 @@ def test_more_capacity_serves_the_requests_waiting_for_room(make, tmp_path):
     client = parts.registry.new_client(1, "c", parts.clock())
     call(parts, client, "a")
     assert call(parts, client, "b") is None
+    return parts, b, size
+
+
+def test_more_capacity_serves_the_requests_waiting_for_room(make, tmp_path):
+    """A reload that raises host_capacity calls admit() (server.py), as here."""
+    parts, b, size = b_waits_behind_a(make, tmp_path)
     parts.host.capacity_bytes = 3 * size
     parts.cache.admit()
     parts.loaders.settle()
@@ -347,13 +353,7 @@ def test_more_capacity_serves_the_requests_waiting_for_room(make, tmp_path):
 
 
 def test_a_stopping_daemon_answers_the_requests_waiting_for_room(make, tmp_path):
-    size = one_model_bytes(tmp_path)
-    parts = make(host_capacity=str(size + size // 2))
-    parts.add(tmp_path, "tiny-cnn", "a")
-    b = parts.add(tmp_path, "tiny-cnn", "b", seed=1)
-    client = parts.registry.new_client(1, "c", parts.clock())
-    call(parts, client, "a")
-    assert call(parts, client, "b") is None
+    parts, b, _ = b_waits_behind_a(make, tmp_path)
     parts.cache.stop_waiting()
     said = parts.replies[-1]
     assert isinstance(said, P.ErrorReply) and said.code == "daemon_unavailable" and "b@1 waited for room" in said.message
