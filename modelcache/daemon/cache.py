@@ -129,9 +129,10 @@ class HostCache:
         if model.state is ModelState.ON_DISK:
             if not queued and self.start_promotion(model):
                 return
-            if queued and self.promotion_bytes(model) > self.host.capacity_bytes:   # it would wait for nothing
-                raise capacity_refusal(model.key, self.promotion_bytes(model), "the host tier",
-                                       self.host.capacity_bytes, 0, {}, "host_capacity")
+            needs = self.promotion_bytes(model) if queued else 0
+            if needs > self.host.capacity_bytes:   # behind a queue: it would wait for nothing
+                raise capacity_refusal(model.key, needs, "the host tier", self.host.capacity_bytes, 0, {},
+                                       "host_capacity")
         now = self.clock()
         self.room.add(model, wake, now + self.settings.request_timeout_s if deadline is None else deadline, now)
         log.debug("%s waits for room in the host tier (%d models queued)", model.key, len(self.room.models))
@@ -215,16 +216,6 @@ class HostCache:
                 log.info("pre-warming %s disk -> host: its next call is expected soon", model.key)
         except ModelCacheError as e:
             log.info("pre-warm of %s dropped: %s", model.key, e)
-
-    def _prewarm_room(self, model: ModelRecord, bytes_over: int) -> bool:
-        """Free `bytes_over` for a pre-warm, only from the models its policy offers ([]: none, the pre-warm waits)."""
-        by_key = {m.key: m for m in self.registry.models.values() if m.evictable and m.key != model.key}
-        victims = self.policy.prewarm_victims(model.key, bytes_over, {k: self.host.bytes_freed_by([k]) for k in by_key})
-        if not victims or self.host.bytes_freed_by(victims) < bytes_over:
-            return False
-        for key in victims:
-            self.evict(by_key[key])
-        return True
 
     def on_Load(self, ident, msg: P.Load):
         device = None
@@ -403,15 +394,17 @@ class HostCache:
                  model.key, host_freed / 2**20, ", idle past its keep-alive" if counter == "unloads" else "")
         return freed + host_freed
 
-    def make_room(self, bytes_over: int, loading: str) -> bool:
-        """Evict unreferenced, unpinned resident models, as the policy chooses, until `bytes_over` is freed.
+    def make_room(self, bytes_over: int, loading: str, prewarm: bool = False) -> bool:
+        """Evict unreferenced, unpinned resident models, as the policy chooses, until `bytes_over` is freed
+        (for a pre-warm, only those its policy's prewarm_victims offers).
 
         Nothing is evicted unless the whole need can be met. Shared segments free only when
         all their users go, so when the policy's per-model choice falls short we walk its
         order and count what a growing prefix frees together.
         """
         by_key = {m.key: m for m in self.registry.models.values() if m.evictable and m.key != loading}
-        victims = choose_victims(self.policy, by_key, self.host.bytes_freed_by, bytes_over)
+        victims = choose_victims(self.policy, by_key, self.host.bytes_freed_by, bytes_over,
+                                 prewarm_of=loading if prewarm else None)
         if victims is None:
             return False
         for key in victims:
@@ -492,7 +485,7 @@ class HostCache:
         comes only from `prewarm_victims`); CapacityError: the model alone exceeds the tier."""
         plan = self.host.plan(model.key, model.disk_dir, model.manifest, self.host_variants(model))  # reserves
         over = self.host.used_bytes - self.host.capacity_bytes
-        if over > 0 and not (self._prewarm_room(model, over) if prewarm else self.make_room(over, loading=model.key)):
+        if over > 0 and not self.make_room(over, loading=model.key, prewarm=prewarm):
             self.host.abort(plan)
             if plan.segment_bytes > self.host.capacity_bytes:
                 raise capacity_refusal(model.key, plan.segment_bytes, "the host tier", self.host.capacity_bytes, 0,
@@ -636,13 +629,19 @@ def capacity_refusal(key: str, needs: int, where: str, capacity: int, used: int,
                          + f"; {', '.join(advice + [f'or raise {setting}'])}")
 
 
-def choose_victims(policy, candidates: dict, bytes_freed_by, bytes_over: int) -> list | None:
+def choose_victims(policy, candidates: dict, bytes_freed_by, bytes_over: int,
+                   prewarm_of: str | None = None) -> list | None:
     """The keys to evict from one tier to free `bytes_over`, or None when all candidates together fall short.
+    For a pre-warm of `prewarm_of`, only the victims the policy's prewarm_victims offers (demand comes first).
 
     Shared segments free only when all their users go, so when the policy's per-model choice
     falls short we walk its order and count what a growing prefix frees together."""
-    victims = policy.choose_victims(bytes_over, {k: bytes_freed_by([k]) for k in candidates})
-    if not victims:
+    sizes = {k: bytes_freed_by([k]) for k in candidates}
+    if prewarm_of is not None:
+        victims = policy.prewarm_victims(prewarm_of, bytes_over, sizes)
+    else:
+        victims = policy.choose_victims(bytes_over, sizes)
+    if not victims and prewarm_of is None:
         prefix = []
         for key in policy.order(list(candidates)):
             prefix.append(key)

@@ -189,12 +189,8 @@ class DeviceCache:
         uuid = tier.device.uuid
         by_key = {m.key: m for m in self.registry.models.values()
                   if (r := m.devices.get(uuid)) is not None and r.freeable and not m.pinned and m.key != loading}
-        if prewarm:
-            victims = self.policies[uuid].prewarm_victims(loading, bytes_over,
-                                                          {k: tier.bytes_freed_by([k]) for k in by_key})
-            victims = victims if victims and tier.bytes_freed_by(victims) >= bytes_over else None
-        else:
-            victims = choose_victims(self.policies[uuid], by_key, tier.bytes_freed_by, bytes_over)
+        victims = choose_victims(self.policies[uuid], by_key, tier.bytes_freed_by, bytes_over,
+                                 prewarm_of=loading if prewarm else None)
         if victims is None:
             return False
         for key in victims:
