@@ -27,7 +27,6 @@ import json
 import os
 import select
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
