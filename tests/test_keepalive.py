@@ -15,7 +15,7 @@ from modelcache import protocol as P
 from modelcache.daemon.registry import ModelState
 from modelcache.errors import CapacityError
 
-from daemon_parts import Parts, resident
+from daemon_parts import Parts, on_device, resident
 
 IDENT = object()    # who asks: replies go to parts.replies whatever it is
 
@@ -358,6 +358,107 @@ def test_a_stopping_daemon_answers_the_requests_waiting_for_room(make, tmp_path)
     said = parts.replies[-1]
     assert isinstance(said, P.ErrorReply) and said.code == "daemon_unavailable" and "b@1 waited for room" in said.message
     assert b.state is ModelState.ON_DISK and not parts.cache.room
+
+
+# -- oversubscription on a GPU: waiting for room on the device ------------------------------------------
+
+def gpu_room_for_one(make, tmp_path, names: str = "abc"):
+    """A GPU tier with room for one tiny-cnn copy (the host tier has room for all), the first model opened on
+    it by a client. Returns (parts, the models, that client, its lease)."""
+    parts = make()
+    models = [parts.add(tmp_path, "tiny-cnn", n, seed) for seed, n in enumerate(names)]
+    holder = parts.registry.new_client(1, "holder", parts.clock())
+    lease = call(parts, holder, names[0], device="cuda")
+    assert isinstance(lease, P.OpenReply) and models[0].tier == "gpu"
+    parts.tier.capacity_bytes = parts.tier.used_bytes + parts.tier.used_bytes // 2
+    return parts, models, holder, lease
+
+
+def test_gpu_opens_for_a_full_device_wait_and_are_served_in_arrival_order(make, tmp_path):
+    parts, (a, b, c), holder, lease_a = gpu_room_for_one(make, tmp_path)
+    second, third = (parts.registry.new_client(i, n, parts.clock()) for i, n in ((2, "y"), (3, "z")))
+    assert call(parts, second, "b", device="cuda") is None and call(parts, third, "c", device="cuda") is None
+    assert [m.devices[parts.uuid].state for m in (b, c)] == [ModelState.WAITING, ModelState.WAITING]
+    assert list(parts.gpu.rooms[parts.uuid].models) == [b.devices[parts.uuid], c.devices[parts.uuid]]
+    assert parts.cache.describe(b)["why"].endswith("waiting for room on GPU 0 (1 request)")
+    assert b.state is ModelState.RESIDENT and not b.evictable       # its host copy stays for the promotion
+    close(parts, holder, lease_a)                     # room: the first to come goes first, a is demoted
+    parts.loaders.settle()
+    assert a.devices == {} and b.tier == "gpu" and c.devices[parts.uuid].state is ModelState.WAITING
+    lease_b = parts.replies[-1]
+    assert isinstance(lease_b, P.OpenReply) and lease_b.name == "b" and lease_b.device_uuid == parts.uuid
+    close(parts, second, lease_b)
+    parts.loaders.settle()
+    assert isinstance(parts.replies[-1], P.OpenReply) and parts.replies[-1].name == "c"
+    assert c.tier == "gpu" and b.devices == {} and parts.tier.used_bytes <= parts.tier.capacity_bytes
+    assert not parts.gpu.rooms[parts.uuid] and parts.counters["gpu_promotions"] == 3
+
+
+def test_a_gpu_waiter_whose_deadline_passes_is_told_what_held_the_device(make, tmp_path):
+    parts, (a, b), holder, _ = gpu_room_for_one(make, tmp_path, "ab")
+    waiter = parts.registry.new_client(2, "y", parts.clock())
+    assert call(parts, waiter, "b", deadline_ms=2000, device="cuda") is None
+    assert parts.cache.next_timer() == parts.clock() + 2
+    tick(parts, 1.9)
+    assert b.devices[parts.uuid].state is ModelState.WAITING
+    tick(parts, 0.1)
+    refusal = parts.replies[-1]
+    assert isinstance(refusal, P.ErrorReply) and refusal.code == "capacity"
+    assert refusal.message.startswith("waited 2.0 s for room, until the request's deadline: b@1 needs ")
+    assert "in the GPU tier of GPU 0" in refusal.message
+    assert "a@1 (in use by 1 GPU session); close sessions, or raise gpu_capacity" in refusal.message
+    assert b.devices == {} and b.evictable and not parts.gpu.rooms[parts.uuid] and parts.cache.next_timer() is None
+    # A serve request does not wait for a GPU (the CPU serves it): refused at once, nothing queued.
+    answers = []
+    parts.gpu.when_on_device(b, parts.tier, lambda error, hit: answers.append(error), wait=False)
+    assert len(answers) == 1 and "a@1 (in use by 1 GPU session)" in str(answers[0]) and b.devices == {}
+
+
+def test_a_model_larger_than_the_device_is_refused_at_once_even_behind_a_queue(make, tmp_path):
+    parts, (a, b), holder, _ = gpu_room_for_one(make, tmp_path, "ab")
+    big = parts.add(tmp_path, "tiny-vit", "big")     # 15x tiny-cnn's weights
+    client = parts.registry.new_client(2, "y", parts.clock())
+    refused = call(parts, client, "big", device="cuda")   # nothing waits: planned, and refused
+    assert isinstance(refused, P.ErrorReply) and refused.message.endswith(
+        "the model alone does not fit; raise gpu_capacity")
+    assert call(parts, client, "b", device="cuda") is None          # b waits for room
+    refused = call(parts, client, "big", device="cuda")             # behind b: still refused at once
+    assert isinstance(refused, P.ErrorReply) and refused.message.endswith(
+        "the model alone does not fit; raise gpu_capacity")
+    assert big.devices == {} and list(parts.gpu.rooms[parts.uuid].models) == [b.devices[parts.uuid]]
+
+
+def test_a_stopping_daemon_answers_the_requests_waiting_for_room_on_a_gpu(make, tmp_path):
+    parts, (a, b), holder, _ = gpu_room_for_one(make, tmp_path, "ab")
+    assert call(parts, parts.registry.new_client(2, "y", parts.clock()), "b", device="cuda") is None
+    parts.cache.stop_waiting()
+    said = parts.replies[-1]
+    assert isinstance(said, P.ErrorReply) and said.code == "daemon_unavailable"
+    assert "b@1 waited for room on GPU 0" in said.message
+    assert b.devices == {} and not parts.gpu.rooms[parts.uuid]
+
+
+def test_a_gpu_prewarm_never_jumps_a_request_waiting_for_room(make, tmp_path):
+    """a is held on the device and b, as large, waits for room there; p (much smaller) would fit in what is
+    left: its pre-warm does not take that while b waits, and does once b is served."""
+    parts = make()
+    parts.add(tmp_path, "squeezenet1_1", "a")        # (~4.7 MiB each, no tensor shared: b never fits beside a)
+    b, p = parts.add(tmp_path, "squeezenet1_1", "b", seed=1), parts.add(tmp_path, "tiny-cnn", "p")
+    on_device(parts, p)
+    small = parts.tier.used_bytes
+    parts.gpu.evict_from_device(p, parts.uuid)        # (its host copy stays)
+    holder, waiter = parts.registry.new_client(1, "x", parts.clock()), parts.registry.new_client(2, "y", parts.clock())
+    lease_a = call(parts, holder, "a", device="cuda")
+    parts.tier.capacity_bytes = parts.tier.used_bytes + small + small // 2   # room for a and p, not a and b
+    assert call(parts, waiter, "b", device="cuda") is None
+    parts.gpu._prewarm(p, parts.tier)                 # as its policy's timer would
+    assert p.devices == {} and parts.counters["gpu_prewarms"] == 0
+    close(parts, holder, lease_a)
+    parts.loaders.settle()
+    assert b.tier == "gpu" and parts.replies[-1].name == "b"
+    parts.gpu._prewarm(p, parts.tier)                 # nothing waits now: it goes, in the room left beside b
+    parts.loaders.settle()
+    assert p.tier == "gpu" and parts.counters["gpu_prewarms"] == 1
 
 
 def test_status_and_metrics_show_the_keep_alive_window_and_the_next_call():

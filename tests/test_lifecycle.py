@@ -222,9 +222,14 @@ def test_a_gpu_full_of_leased_copies_names_them(parts, tmp_path):
     resident(parts, b)
     used = parts.tier.used_bytes
     answers = []
-    parts.gpu.when_on_device(b, parts.tier, lambda error, hit: answers.append(error))
+    # No room: the request waits for it (tests/test_keepalive.py), here until its deadline passes.
+    parts.gpu.when_on_device(b, parts.tier, lambda error, hit: answers.append(error), deadline=parts.clock() + 3)
     parts.loaders.settle()
+    assert answers == [] and b.devices[parts.uuid].state is ModelState.WAITING
+    parts.clock.now += 3
+    parts.cache.on_timer(parts.clock())
     assert len(answers) == 1 and isinstance(answers[0], CapacityError)
+    assert str(answers[0]).startswith("waited 3.0 s for room, until the request's deadline: b@1 needs ")
     assert str(answers[0]).endswith(f"({size_text(parts.tier.capacity_bytes)}, {size_text(used)} used), "
                                     "and the models there cannot be evicted now: a@1 (in use by 1 GPU session); "
                                     "close sessions, or raise gpu_capacity")

@@ -57,10 +57,8 @@ class HostCache:
         # Packing subprocesses, so an immediate stop can kill them. Loader threads add and remove
         # entries (single set operations, atomic under the GIL); only the signal handler reads it.
         self.packers: set = set()
-        # Requests waiting for room while the tier is full of models in use (room.py), and whether admit()
-        # is running (a waiter it wakes may release a hold, which asks for admission again).
+        # Requests waiting for room while the tier is full of models in use (room.py).
         self.room = RoomQueue()
-        self._admitting = self._admit_again = False
         self.needs: dict = {}   # key -> bytes its last promotion that found no room would have placed
 
     def handlers(self) -> dict:
@@ -84,8 +82,8 @@ class HostCache:
         def as_wall(t):
             return None if t is None else wall + (t - now)
         kept, call = self.policy.keep_alive_until(model.key), self.policy.predicted_next_call(model.key)
-        out = model.describe(host_bytes, gpu_bytes, why=model.why_resident(kept is not None and kept > now),
-                             keep_alive_until=as_wall(kept), next_call=as_wall(call))
+        why = ", ".join(filter(None, (model.why_resident(kept is not None and kept > now), self.gpu.waiting_text(model))))
+        out = model.describe(host_bytes, gpu_bytes, why=why, keep_alive_until=as_wall(kept), next_call=as_wall(call))
         for copy in out["gpu"]:   # (only under a timed policy: the copy's record is otherwise as it was)
             until = self.gpu.policies[copy["device"]].keep_alive_until(model.key)
             if until is not None:
@@ -133,6 +131,7 @@ class HostCache:
             if needs > self.host.capacity_bytes:   # behind a queue: it would wait for nothing
                 raise capacity_refusal(model.key, needs, "the host tier", self.host.capacity_bytes, 0, {},
                                        "host_capacity")
+            model.queue_for_room()
         now = self.clock()
         self.room.add(model, wake, now + self.settings.request_timeout_s if deadline is None else deadline, now)
         log.debug("%s waits for room in the host tier (%d models queued)", model.key, len(self.room.models))
@@ -140,38 +139,16 @@ class HostCache:
             self.admit()
 
     def admit(self) -> None:
-        """Room may have appeared (a release, an eviction, more capacity): start the promotions waiting for it,
-        the oldest first, while room can be made for the oldest; nothing passes a request that waits."""
-        if self._admitting:
-            self._admit_again = True
-            return
-        self._admitting = True
-        try:
-            while self.room:
-                model, error = self.room.models[0], None
-                self._admit_again = False
-                try:
-                    started = self.start_promotion(model)
-                except ModelCacheError as e:   # (it cannot be promoted at all: its waiters hear why)
-                    started, error = True, e
-                if not started:
-                    if self._admit_again:
-                        continue
-                    return
-                self.room.admitted(model)
-                if error is not None:
-                    for wake in model.leave_room_queue():
-                        wake(error)
-        finally:
-            self._admitting = False
+        """Room may have appeared (a release, an eviction, more capacity, an unpin): start the promotions waiting
+        for it, the oldest first (room.py); then the GPUs' queues, as an eviction or unpin may free room there."""
+        self.room.admit(self.start_promotion)
+        self.gpu.admit()
 
     def stop_waiting(self) -> None:
         """The daemon is stopping: answer every request still waiting for room, rather than leave it to time out."""
-        for model in list(self.room.models):
-            self.room.admitted(model)
-            for wake in model.leave_room_queue():
-                wake(DaemonUnavailable(f"the modelcache daemon stopped while {model.key} waited for room in the host "
-                                       "tier; ask again once it is back"))
+        self.room.stop(lambda model: DaemonUnavailable(f"the modelcache daemon stopped while {model.key} waited for "
+                                                       "room in the host tier; ask again once it is back"))
+        self.gpu.stop_waiting()
 
     def room_refusal(self, model: ModelRecord, waited_s: float) -> CapacityError:
         """A request's deadline passed while it waited for room: how long, and what held the tier then."""
@@ -570,6 +547,7 @@ class HostCache:
                 log.info("model fetched again: %s from %s in %.2f s", model.key, self.remote.url, seconds)
                 try:   # (its waiters' own deadlines are not kept across a fetch: request_timeout_s from now)
                     if not self.start_promotion(model):
+                        model.queue_for_room()
                         now = self.clock()
                         for wake in model.waiters:
                             self.room.add(model, wake, now + self.settings.request_timeout_s, now)

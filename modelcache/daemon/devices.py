@@ -8,7 +8,9 @@ The tiers are inclusive: a model on a GPU is in the host tier too (promotion rea
 there, a restarted daemon can promote it again from there, and a GPU lease holds the host
 copy like any lease). Evicting from a GPU demotes: the host copy stays. A device copy that a
 client maps is never freed: freeing it would reclaim nothing while the client lives (CUDA keeps
-imported memory alive, shared/GPU.md), so only unleased copies are eviction candidates.
+imported memory alive, shared/GPU.md), so only unleased copies are eviction candidates. When every
+copy on a device is leased or pinned, an open waits for room there (one RoomQueue per device, room.py),
+as it does in the host tier.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from __future__ import annotations
 import logging
 
 from ..cuda import DeviceError, normalize_uuid
-from ..errors import CapacityError, ModelCacheError
+from ..errors import CapacityError, DaemonUnavailable, ModelCacheError
 from ..tiers.base import Tier
 from .cache import HostCache, capacity_refusal, choose_victims, policy_for
 from .loaders import Loaders
 from .registry import DeviceResidency, ModelRecord, ModelState, Registry, plural
+from .room import RoomQueue
 
 log = logging.getLogger("modelcache.daemon")
 
@@ -38,6 +41,8 @@ class DeviceCache:
         self.clock = clock
         self.tiers: dict[str, Tier] = {}  # device UUID -> tiers.gpu.DeviceTier
         self.policies: dict = {}          # device UUID -> its eviction policy
+        self.rooms: dict = {}             # device UUID -> its RoomQueue: requests waiting for room there
+        self.needs: dict = {}             # (key, UUID) -> bytes its last promotion that found no room would place
         # Called with (model key, device UUID) when a copy is freed: what was built over its addresses goes.
         self.forget: list = []
         # key -> how many serve-mode GPU workers hold the model (said when they keep it from being evicted)
@@ -61,6 +66,7 @@ class DeviceCache:
             capacity = parse_size(self.settings.gpu_capacity, total=device.total_bytes)
             self.tiers[device.uuid] = gpu.DeviceTier(allocator(device), capacity)
             self.policies[device.uuid] = policy_for(self.settings)
+            self.rooms[device.uuid] = RoomQueue()
             log.info("GPU tier on device %d (%s, %s): %d MiB", device.index, device.name, device.uuid,
                      self.tiers[device.uuid].capacity_bytes >> 20)
 
@@ -95,10 +101,11 @@ class DeviceCache:
         raise ModelCacheError(f"no GPU {which!r} in this daemon's GPU tier; it has {known}")
 
     # -- promotion -----------------------------------------------------------------------
-    def when_on_device(self, model: ModelRecord, tier, then, deadline: float | None = None) -> bool:
+    def when_on_device(self, model: ModelRecord, tier, then, deadline: float | None = None, wait: bool = True) -> bool:
         """Call then(error, hit) once `model` is on `tier`'s device: now on a hit (returns True), else
-        after the one promotion (host first, when it is only on disk: waiting for room there until
-        `deadline`, HostCache.when_resident)."""
+        after the one promotion (host first, when it is only on disk). With a tier full of models in use,
+        the request waits for room, in each tier, until `deadline` (None: request_timeout_s from now);
+        `wait=False`: on the device it is refused at once instead (a serve request, which the CPU serves)."""
         uuid = tier.device.uuid
         if not model.manifest.gpu_tensors:
             raise ModelCacheError(f"{model.key} was packed without a GPU variant (by an older modelcache); "
@@ -113,37 +120,99 @@ class DeviceCache:
                 then(error, False)
                 return
             res = model.devices.get(uuid)
-            if res is None:
+            if res is not None and res.state is ModelState.RESIDENT:
+                then(None, False)
+            elif res is not None and res.state is ModelState.LOADING:
+                res.waiters.append(lambda err: then(err, False))
+            else:
                 try:
-                    res = self._start_promotion(model, tier)
+                    self._promote_or_wait(model, tier, lambda err: then(err, False), deadline, wait)
                 except ModelCacheError as e:
                     then(e, False)
-                    return
-            if res.state is ModelState.RESIDENT:
-                then(None, False)
-            else:
-                res.waiters.append(lambda err: then(err, False))
 
         self.cache.when_resident(model, on_host, deadline)
         return False
 
-    def _start_promotion(self, model: ModelRecord, tier, prewarm: bool = False) -> DeviceResidency | None:
-        """Plan the model's place on the device, make room if needed, and copy it on a loader thread.
-        A pre-warm makes room only from what its policy's prewarm_victims offers: None when that is not enough."""
-        uuid = tier.device.uuid
+    def _promote_or_wait(self, model: ModelRecord, tier, wake, deadline: float | None, wait: bool) -> None:
+        """Start the promotion to `tier` if there is room and no request waits for room there before it; else
+        queue `wake` for room on the device, in arrival order (as HostCache._promote_or_wait does)."""
+        uuid, room = tier.device.uuid, self.rooms[tier.device.uuid]
+        res, queued = model.devices.get(uuid), bool(self.rooms[tier.device.uuid])
+        if res is None:
+            if not queued and (res := self._start_promotion(model, tier)) is not None:
+                res.waiters.append(wake)
+                return
+            needs = self.needs.get((model.key, uuid)) or self._arena_bytes(model, tier)
+            if needs > tier.capacity_bytes or not wait:   # too large, it would wait for nothing; or told not to
+                raise self._refusal(model, tier, needs)
+            res = model.queue_for_device_room(uuid)
+        elif not wait:
+            raise self._refusal(model, tier, self.needs.get((model.key, uuid)) or self._arena_bytes(model, tier))
+        res.waiters.append(wake)
+        now = self.clock()
+        room.add(res, wake, now + self.settings.request_timeout_s if deadline is None else deadline, now)
+        log.debug("%s waits for room on GPU %d (%d models queued)", model.key, tier.device.index, len(room.models))
+        if queued:
+            self.admit(uuid)
+
+    def _arena_bytes(self, model: ModelRecord, tier) -> int:
+        """What the model's copy would place on `tier` now: planned (less what it shares there), and given back."""
         if not self.host.has_variant(model.key, "gpu"):
             raise ModelCacheError(f"{model.key}: its GPU weights are not in the host tier")
         plan = tier.plan(model.key, model.manifest.gpu_tensors, self.host.file_locations(model.key, "gpu"))
+        tier.abort(plan)
+        return plan.arena_bytes
+
+    def _refusal(self, model: ModelRecord, tier, needs: int) -> CapacityError:
+        """No room on the device for the model: what holds it, and why (or: it alone exceeds the tier)."""
+        uuid = tier.device.uuid
+        kept = {m.key: m.devices[uuid].why_kept(m.pinned) for m in self.registry.models.values()
+                if m is not model and uuid in m.devices}
+        return capacity_refusal(model.key, needs, f"the GPU tier of GPU {tier.device.index}", tier.capacity_bytes,
+                                tier.used_bytes, kept, "gpu_capacity")
+
+    def _room_refusal(self, model: ModelRecord, tier, waited_s: float) -> CapacityError:
+        """A request's deadline passed while it waited for room on the device: how long, and what held it then."""
+        needs = self.needs.get((model.key, tier.device.uuid)) or self._arena_bytes(model, tier)
+        return CapacityError(f"waited {waited_s:.1f} s for room, until the request's deadline: "
+                             f"{self._refusal(model, tier, needs)}")
+
+    def admit(self, uuid: str | None = None) -> None:
+        """Room may have appeared on the device `uuid` (None: any): start the promotions waiting for it there, the
+        oldest first (room.py)."""
+        for u in [uuid] if uuid is not None else list(self.rooms):
+            tier = self.tiers[u]
+            self.rooms[u].admit(lambda res: self._start_promotion(res.model, tier) is not None)
+
+    def stop_waiting(self) -> None:
+        """The daemon is stopping: answer every request still waiting for room on a GPU."""
+        for uuid, room in self.rooms.items():
+            index = self.tiers[uuid].device.index
+            room.stop(lambda res: DaemonUnavailable(f"the modelcache daemon stopped while {res.model.key} waited for "
+                                                    f"room on GPU {index}; ask again once it is back"))
+
+    def waiting_text(self, model: ModelRecord) -> str:
+        """For `ls` (WHY): the GPUs where requests wait for room for the model; "" when none does."""
+        return ", ".join(f"waiting for room on GPU {self.tiers[r.device].device.index} "
+                         f"({plural(len(r.waiters), 'request')})"
+                         for r in model.devices.values() if r.state is ModelState.WAITING)
+
+    def _start_promotion(self, model: ModelRecord, tier, prewarm: bool = False) -> DeviceResidency | None:
+        """Plan the model's place on the device, make room if needed, and copy it on a loader thread.
+        None: no room now (nothing reserved; the caller queues the request, or drops the pre-warm, whose room
+        comes only from its policy's prewarm_victims); CapacityError: the model alone exceeds the tier."""
+        if not self.host.has_variant(model.key, "gpu"):
+            raise ModelCacheError(f"{model.key}: its GPU weights are not in the host tier")
+        uuid = tier.device.uuid
+        plan = tier.plan(model.key, model.manifest.gpu_tensors, self.host.file_locations(model.key, "gpu"))
         over = tier.used_bytes - tier.capacity_bytes
         if over > 0 and not self._make_room(tier, over, loading=model.key, prewarm=prewarm):
-            used = tier.used_bytes - plan.arena_bytes   # (read before abort gives the reservation back)
             tier.abort(plan)
-            if prewarm:
-                return None
-            kept = {m.key: m.devices[uuid].why_kept(m.pinned) for m in self.registry.models.values()
-                    if m is not model and uuid in m.devices}
-            raise capacity_refusal(model.key, plan.arena_bytes, f"the GPU tier of GPU {tier.device.index}",
-                                   tier.capacity_bytes, used, kept, "gpu_capacity")
+            if plan.arena_bytes > tier.capacity_bytes:
+                raise self._refusal(model, tier, plan.arena_bytes)
+            self.needs[(model.key, uuid)] = plan.arena_bytes   # (for the refusal, should a deadline pass)
+            return None
+        self.needs.pop((model.key, uuid), None)
         res = model.start_device_load(uuid)
         job_key = f"gpu-load:{model.key}:{uuid}"
         self.jobs[job_key] = {"kind": "gpu-load", "model": model.key, "device": uuid,
@@ -165,6 +234,8 @@ class DeviceCache:
                          tier.device.index, plan.arena_bytes / 2**20, seconds, rate)
             for wake in waiters:
                 wake(error)
+            # Room may have appeared: a failed copy's, a copy no one leased (demotable), the host copy it kept.
+            self.cache.admit()
 
         self.loaders.run(lambda: tier.write(plan), done)
         return res
@@ -205,7 +276,7 @@ class DeviceCache:
         freed = 0
         for uuid in uuids:
             res = model.devices.get(uuid)
-            if res is None:
+            if res is None or res.state is ModelState.WAITING:   # (no copy there yet)
                 continue
             if res.leases:   # (a copy still loading: evict_from_device refuses it, as the record says)
                 serving = self.serve_holds(model.key)
@@ -214,6 +285,7 @@ class DeviceCache:
                 raise CapacityError(f"{model.key} is in use by {plural(res.leases, 'GPU session')} on {uuid}{why}; "
                                     f"it cannot be evicted from that GPU")
             freed += self.evict_from_device(model, uuid)
+            self.admit(uuid)
         return freed
 
     def after_release(self, model: ModelRecord, uuid: str) -> None:
@@ -224,12 +296,23 @@ class DeviceCache:
             policy.released(model.key, self.clock())
             if policy.evict_on_release and not model.pinned:
                 self.evict_from_device(model, uuid)
+        if self.rooms[uuid]:
+            self.admit(uuid)    # the released copy may be demoted for a request waiting for room
 
-    # -- timers: each GPU's policy ("unload" demotes to the host tier, "prewarm" promotes host -> GPU) ----------
+    # -- timers: each GPU's policy ("unload" demotes to the host tier, "prewarm" promotes host -> GPU), and the
+    # -- deadlines of requests waiting for room on a GPU
     def next_timer(self) -> float | None:
-        return min((t for p in self.policies.values() if (t := p.next_deadline()) is not None), default=None)
+        return min((t for q in (*self.policies.values(), *self.rooms.values()) if (t := q.next_deadline()) is not None),
+                   default=None)
 
     def on_timer(self, now: float) -> None:
+        gave_up = False
+        for uuid, room in self.rooms.items():
+            for res, wake, waited_s in room.expired(now):
+                wake(self._room_refusal(res.model, self.tiers[uuid], waited_s))
+                gave_up = True
+        if gave_up:
+            self.cache.admit()   # a model none waits for on a GPU any more: its host copy is evictable again
         for uuid, policy in self.policies.items():
             for action in policy.due(now):
                 model = self.registry.by_key(action.key)
@@ -237,12 +320,16 @@ class DeviceCache:
                 if action.kind == "unload":
                     if res is not None and res.freeable and not model.pinned:
                         self.evict_from_device(model, uuid, counter="gpu_unloads")
+                        self.admit(uuid)
                 elif model is not None and res is None and model.state is ModelState.RESIDENT \
                         and model.manifest.gpu_tensors:
                     self._prewarm(model, self.tiers[uuid])
 
     def _prewarm(self, model: ModelRecord, tier) -> None:
-        """host -> GPU before the expected call, if it fits (room only from prewarm_victims); else dropped."""
+        """host -> GPU before the expected call, if it fits (room only from prewarm_victims) and no request waits for
+        room there; else dropped."""
+        if self.rooms[tier.device.uuid]:
+            return
         try:
             if self._start_promotion(model, tier, prewarm=True) is not None:
                 self.counters["gpu_prewarms"] += 1
@@ -261,7 +348,8 @@ class DeviceCache:
     def describe(self) -> list[dict]:
         out = []
         for uuid, tier in sorted(self.tiers.items(), key=lambda kv: kv[1].device.index):
-            held = [m for m in self.registry.models.values() if uuid in m.devices]
+            held = [m for m in self.registry.models.values()
+                    if uuid in m.devices and m.devices[uuid].state is not ModelState.WAITING]
             out.append({"tier": "gpu", "device": uuid, "index": tier.device.index, "name": tier.device.name,
                         "kind": tier.allocator.kind, "used_bytes": tier.used_bytes,
                         "capacity_bytes": tier.capacity_bytes,

@@ -31,7 +31,7 @@ CLOSE_SESSIONS, UNPIN, WAIT = "close sessions", "unpin", "wait for the load to f
 
 class ModelState(enum.Enum):
     ON_DISK = "on_disk"      # only in the repository
-    WAITING = "waiting"      # requests want it in the host tier, which is full of models in use: queued for room
+    WAITING = "waiting"      # requests want it in a tier full of models in use: queued for room (room.py)
     LOADING = "loading"      # a loader thread is copying it into the host tier
     RESIDENT = "resident"    # in shared memory; clients may map it
 
@@ -42,11 +42,23 @@ class DeviceResidency:
 
     `leases` counts GPU leases: clients that map this copy by IPC. Memory they map is not
     reclaimed by freeing it (measured, shared/GPU.md), so only a copy with no leases is evicted.
+    WAITING: no copy yet; requests wait for room on the device (its RoomQueue), and its host copy stays.
     """
     device: str                      # the device's UUID
-    state: "ModelState"              # LOADING or RESIDENT
+    state: "ModelState"              # WAITING, LOADING or RESIDENT
     leases: int = 0
-    waiters: list = field(default_factory=list)   # callbacks(error) waiting on the one promotion
+    waiters: list = field(default_factory=list)   # callbacks(error) waiting for room, then on the one promotion
+    model: "ModelRecord" = field(default=None, repr=False, compare=False)   # whose copy (its `devices` holds this)
+
+    def leave_room_queue(self) -> list:
+        """WAITING -> gone: no request waits for room on this GPU for the model any more (the last one gave up,
+        or it was refused); returns the waiters to wake, no longer waiting."""
+        if self.state is not ModelState.WAITING:
+            raise AssertionError(f"{self.model.key}: left the room queue of {self.device} while {self.state.value}")
+        self.state = ModelState.ON_DISK   # (not on this device: a deadline still queued for it sees it left)
+        del self.model.devices[self.device]
+        waiters, self.waiters = self.waiters, []
+        return waiters
 
     def acquire(self) -> None:
         self.leases += 1
@@ -62,6 +74,8 @@ class DeviceResidency:
 
     def why_kept(self, pinned: bool) -> list:
         """[(reason, what to do)] that keep this copy on its GPU when room is needed; [] when none does."""
+        if self.state is ModelState.WAITING:
+            return []                 # (no copy: it holds no room)
         if self.state is ModelState.LOADING:
             return [("being copied there", WAIT)]
         return ([(f"in use by {plural(self.leases, 'GPU session')}", CLOSE_SESSIONS)] if self.leases else []) + \
@@ -69,6 +83,9 @@ class DeviceResidency:
 
     def check_freeable(self, key: str) -> None:
         """Raise unless this copy may be freed now: device memory a lease maps is never freed."""
+        if self.state is ModelState.WAITING:
+            raise CapacityError(f"{key} is waiting for room on GPU {self.device} (requests wait for it); "
+                                "there is no copy there to evict yet")
         if self.state is ModelState.LOADING:
             raise CapacityError(f"{key} is being copied to GPU {self.device}; evict it once it is there")
         if self.leases:
@@ -124,8 +141,9 @@ class ModelRecord:
 
     @property
     def busy_on_device(self) -> bool:
-        """A device copy is loading (it reads the host copy) or leased: the host copy must stay."""
-        return any(r.state is ModelState.LOADING or r.leases for r in self.devices.values())
+        """A device copy is loading (it reads the host copy), waiting for room (it will) or leased: the host
+        copy must stay."""
+        return any(r.state is not ModelState.RESIDENT or r.leases for r in self.devices.values())
 
     # -- lifecycle: the only code that changes state, refcount, waiters and damage ---------
     def hold(self, device: str | None = None) -> None:
@@ -213,7 +231,8 @@ class ModelRecord:
             return [("loading", WAIT)]
         reasons = [(f"in use by {plural(self.refcount, 'session')}", CLOSE_SESSIONS)] if self.refcount else []
         if self.busy_on_device and not self.refcount:     # (a GPU lease counts in refcount too)
-            reasons.append(("being copied to a GPU", WAIT))
+            waiting = any(r.state is ModelState.WAITING for r in self.devices.values())
+            reasons.append(("waiting for room on a GPU" if waiting else "being copied to a GPU", WAIT))
         return reasons + ([("pinned", UNPIN)] if self.pinned else [])
 
     def check_freeable(self) -> None:
@@ -223,6 +242,9 @@ class ModelRecord:
         if self.state is ModelState.WAITING:
             raise CapacityError(f"{self.key} is waiting for room in the host tier (requests wait for it); "
                                 "evict it once it is resident")
+        if any(r.state is ModelState.WAITING for r in self.devices.values()):
+            raise CapacityError(f"{self.key} is waiting for room on a GPU (requests wait for it there); "
+                                "evict it once they are served")
         if self.state is ModelState.LOADING or self.busy_on_device:
             raise CapacityError(f"{self.key} is loading; evict it once it is resident")
 
@@ -247,10 +269,21 @@ class ModelRecord:
             (["pre-warmed"] if self.prewarmed else []) + (["kept alive"] if kept_alive and not self.refcount else [])
         return ", ".join(reasons) or "cached"
 
-    def start_device_load(self, device: str) -> DeviceResidency:
+    def queue_for_device_room(self, device: str) -> DeviceResidency:
+        """Not on `device` -> WAITING there: requests wait for room on it (that GPU's room queue)."""
         if device in self.devices or self.state is not ModelState.RESIDENT:
+            raise AssertionError(f"{self.key}: queued for room on {device} while there or without a host copy")
+        res = self.devices[device] = DeviceResidency(device, ModelState.WAITING, model=self)
+        return res
+
+    def start_device_load(self, device: str) -> DeviceResidency:
+        """Not on `device`, or WAITING there (its waiters then wait on this load) -> LOADING."""
+        res = self.devices.get(device)
+        if (res is not None and res.state is not ModelState.WAITING) or self.state is not ModelState.RESIDENT:
             raise AssertionError(f"{self.key}: a GPU promotion to {device} started twice or without a host copy")
-        res = self.devices[device] = DeviceResidency(device, ModelState.LOADING)
+        if res is None:
+            res = self.devices[device] = DeviceResidency(device, ModelState.LOADING, model=self)
+        res.state = ModelState.LOADING
         return res
 
     def finish_device_load(self, device: str, ok: bool) -> list:

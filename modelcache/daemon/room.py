@@ -1,10 +1,15 @@
-"""Requests waiting for room in the host tier while it is full of models in use (issue 29, item 4).
+"""Requests waiting for room in a tier full of models in use (issue 29, item 4): the host tier, and each GPU.
 
-A request whose model does not fit, because every resident model is in use or pinned, waits here
-instead of failing at once: its model joins the queue in the order its first request came, and
-each request waits until its own deadline. When room appears (a lease released, a model evicted,
-capacity raised), HostCache admits the queue's head first; nothing behind it, and no pre-warm,
-goes before it. One promotion serves every request waiting on a model (`ModelRecord.waiters`).
+A request whose model does not fit, because every model in the tier is in use or pinned, waits here
+instead of failing at once: the model joins its tier's queue in the order its first request came, and
+each request waits until its own deadline. When room appears (a lease released, a model evicted or
+demoted, capacity raised, an unpin), the cache admits the queue's head first; nothing behind it, and
+no pre-warm, goes before it. One promotion serves every request waiting on a model.
+
+An entry is what waits in one tier: a ModelRecord in the host tier's queue, a DeviceResidency in a
+GPU's. Either has `state` (WAITING while queued), `waiters` (the requests' wake callbacks, which the
+promotion inherits when it starts) and `leave_room_queue()` (WAITING -> not in the tier; returns the
+waiters, to be told why).
 """
 
 from __future__ import annotations
@@ -12,8 +17,8 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
-from ..errors import InputError
-from .registry import ModelRecord, ModelState
+from ..errors import InputError, ModelCacheError
+from .registry import ModelState
 
 
 def deadline_of(arrival: float, deadline_ms: float | None) -> float | None:
@@ -27,29 +32,66 @@ def deadline_of(arrival: float, deadline_ms: float | None) -> float | None:
 
 class RoomQueue:
     def __init__(self):
-        self.models: deque[ModelRecord] = deque()   # WAITING models, by their first request's arrival
-        self._deadlines: list = []                  # (deadline, seq, model, wake, since): one per request
+        self.models: deque = deque()   # WAITING entries (one per model), by their first request's arrival
+        self._deadlines: list = []     # (deadline, seq, entry, wake, since): one per request
         self._seq = 0
+        # Whether admit() is running (a waiter it wakes may release a hold, which asks for admission again).
+        self._admitting = self._admit_again = False
 
     def __bool__(self) -> bool:
         return bool(self.models)
 
-    def add(self, model: ModelRecord, wake, deadline: float, now: float) -> None:
-        """`wake` (already among `model.waiters`) waits for room until `deadline`; the model queues with its
-        first waiter."""
-        if model.state is ModelState.ON_DISK:
-            model.queue_for_room()
-            self.models.append(model)
+    def add(self, entry, wake, deadline: float, now: float) -> None:
+        """`wake` (already among `entry.waiters`, and `entry` WAITING) waits for room until `deadline`; the
+        entry queues at the back with its first waiter."""
+        if not any(e is entry for e in self.models):
+            self.models.append(entry)
         self._seq += 1
-        heapq.heappush(self._deadlines, (deadline, self._seq, model, wake, now))
+        heapq.heappush(self._deadlines, (deadline, self._seq, entry, wake, now))
 
-    def admitted(self, model: ModelRecord) -> None:
+    def admitted(self, entry) -> None:
         """The head's promotion started (its waiters now wait on the load), or it was refused."""
-        self.models.remove(model)
+        # (by identity: entries are dataclasses, and two GPU residencies with no waiters compare equal)
+        del self.models[next(i for i, e in enumerate(self.models) if e is entry)]
+
+    def admit(self, start) -> None:
+        """Room may have appeared: start(entry) the oldest first, while it starts; nothing passes a request that
+        waits. start returns whether the promotion started (False: still no room), or raises ModelCacheError
+        when it never can (the entry's waiters hear why)."""
+        if self._admitting:
+            self._admit_again = True
+            return
+        self._admitting = True
+        try:
+            while self.models:
+                entry, error = self.models[0], None
+                self._admit_again = False
+                try:
+                    started = start(entry)
+                except ModelCacheError as e:
+                    started, error = True, e
+                if not started:
+                    if self._admit_again:
+                        continue
+                    return
+                self.admitted(entry)
+                if error is not None:
+                    for wake in entry.leave_room_queue():
+                        wake(error)
+        finally:
+            self._admitting = False
+
+    def stop(self, error_for) -> None:
+        """The daemon is stopping: answer every request still waiting (error_for(entry)), rather than leave it to
+        time out."""
+        for entry in list(self.models):
+            self.admitted(entry)
+            for wake in entry.leave_room_queue():
+                wake(error_for(entry))
 
     @staticmethod
-    def _waiting(model: ModelRecord, wake) -> bool:
-        return model.state is ModelState.WAITING and any(w is wake for w in model.waiters)
+    def _waiting(entry, wake) -> bool:
+        return entry.state is ModelState.WAITING and any(w is wake for w in entry.waiters)
 
     def next_deadline(self) -> float | None:
         """The earliest deadline of a request still waiting; None: none waits."""
@@ -58,14 +100,14 @@ class RoomQueue:
         return self._deadlines[0][0] if self._deadlines else None
 
     def expired(self, now: float) -> list:
-        """(model, wake, seconds waited) of each request whose deadline has passed, no longer waiting; a model
-        none waits for any more leaves the queue (back ON_DISK)."""
+        """(entry, wake, seconds waited) of each request whose deadline has passed, no longer waiting; an entry
+        none waits for any more leaves the queue (and the tier: leave_room_queue)."""
         out = []
         while self.next_deadline() is not None and self._deadlines[0][0] <= now:
-            _, _, model, wake, since = heapq.heappop(self._deadlines)
-            model.waiters.remove(wake)
-            if not model.waiters:
-                model.leave_room_queue()
-                self.models.remove(model)
-            out.append((model, wake, now - since))
+            _, _, entry, wake, since = heapq.heappop(self._deadlines)
+            entry.waiters.remove(wake)
+            if not entry.waiters:
+                entry.leave_room_queue()
+                self.admitted(entry)
+            out.append((entry, wake, now - since))
         return out

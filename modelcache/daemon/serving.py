@@ -254,8 +254,9 @@ class Serving:
             for tier in waiting:
                 uuid = tier.device.uuid
                 try:
+                    # (wait=False: with the device full of models in use, the CPU serves it now, not later)
                     self.gpu.when_on_device(model, tier, lambda error, _hit, uuid=uuid: on_device(error, uuid),
-                                            deadline)
+                                            deadline, wait=False)
                 except ModelCacheError as e:
                     on_device(e, uuid)
 
