@@ -99,7 +99,12 @@ def test_gpu_leases_block_eviction_and_status_shows_them(gpu_daemon, zoo_file):
         assert model_info(c, "cnn")["tier"] == "disk"
 
 
-def test_gpu_capacity_demotes_unleased_models_and_refuses_when_all_are_leased(tmp_path, monkeypatch):
+def test_gpu_capacity_demotes_unleased_models_and_makes_an_open_wait_while_all_are_leased(tmp_path, monkeypatch):
+    """A device with room for one model: an unleased copy is demoted for another; while the copy there is
+    leased, another client's GPU open waits for room (`ls` says so) and succeeds once the first client closes
+    its session; an open whose deadline passes first is refused, naming what held the device."""
+    import threading
+
     import onnx
     from modelcache import zoo
     from modelcache.packing import pack
@@ -118,15 +123,28 @@ def test_gpu_capacity_demotes_unleased_models_and_refuses_when_all_are_leased(tm
     capacity = int(1.5 * max(sizes))                # room for one model at a time
     d = DaemonProcess(tmp_path, {"MODELCACHE_FAKE_GPUS": "1x64M", "MODELCACHE_GPU_CAPACITY": str(capacity)}).start()
     try:
-        with d.client() as c:
+        with d.client() as c, d.client() as other, d.client(timeout_s=2.0) as hasty:
             c.load("a", tier="gpu")
             c.load("b", tier="gpu")                 # does not fit beside a: a (unleased) is demoted
             assert model_info(c, "a")["tier"] == "host" and model_info(c, "b")["tier"] == "gpu"
             held = modelcache.InferenceSession("b", providers=CUDA, client=c)
-            with pytest.raises(CapacityError, match="gpu_capacity"):
-                modelcache.InferenceSession("a", providers=CUDA, client=c)
-            assert model_info(c, "b")["gpu"][0]["leases"] == 1   # the refused open disturbed nothing
-            held.close()
+            with pytest.raises(CapacityError, match=r"^waited 1\.8 s for room, until the request's deadline: a@1 "
+                                                    r"needs .* b@1 \(in use by 1 GPU session\).*gpu_capacity"):
+                hasty.open("a", device="cuda")      # (its client's timeout, 2 s, less a margin: its deadline)
+            got = []
+            t = threading.Thread(target=lambda: got.append(other.open("a", device="cuda")))
+            t.start()
+            wait_until(lambda: model_info(c, "a")["gpu"] == [{"device": "fake-0", "state": "waiting", "leases": 0}],
+                       30, "a's GPU open waiting for room")
+            out = subprocess.run([sys.executable, "-m", "modelcache.cli", "ls"], env=d.env, capture_output=True,
+                                 text=True, timeout=60)
+            assert "waiting for room on GPU 0 (1 request)" in out.stdout, out.stdout + out.stderr
+            assert got == [] and model_info(c, "b")["gpu"][0]["leases"] == 1
+            held.close()                            # room: a's open goes on, b is demoted
+            t.join(30)
+            assert len(got) == 1 and got[0].name == "a" and got[0].device_uuid == "fake-0" and not got[0].hit
+            assert model_info(c, "a")["tier"] == "gpu" and model_info(c, "b")["tier"] == "host"
+            other.release(got[0].lease_id)
     finally:
         assert d.stop() == 0, d.log_path.read_text()
         d.kill()

@@ -82,7 +82,8 @@ class HostCache:
         def as_wall(t):
             return None if t is None else wall + (t - now)
         kept, call = self.policy.keep_alive_until(model.key), self.policy.predicted_next_call(model.key)
-        why = ", ".join(filter(None, (model.why_resident(kept is not None and kept > now), self.gpu.waiting_text(model))))
+        why = ", ".join(filter(None, (model.why_resident(kept is not None and kept > now),
+                                      self.gpu.waiting_text(model))))   # (and each GPU where requests wait for it)
         out = model.describe(host_bytes, gpu_bytes, why=why, keep_alive_until=as_wall(kept), next_call=as_wall(call))
         for copy in out["gpu"]:   # (only under a timed policy: the copy's record is otherwise as it was)
             until = self.gpu.policies[copy["device"]].keep_alive_until(model.key)
