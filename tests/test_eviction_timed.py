@@ -178,8 +178,30 @@ def test_mostly_out_of_range_idle_times_are_not_representative():
 
 def test_too_few_idle_times_are_not_representative():
     p = Hybrid()
-    periodic(p, 5 * MIN + 10, 5)          # 4 idle times < min_samples
+    periodic(p, 5 * MIN + 10, 3)          # 2 idle times, however concentrated: < min_concentrated_samples
     assert not p.representative("a") and p.predicted_next_call("a") is None
+    q = Hybrid()
+    t = 0.0
+    for gap in (3, 9, 5, 1):              # 4 spread idle times: < min_samples
+        call(q, "a", t)
+        t += gap * MIN + 10
+    call(q, "a", t)
+    assert not q.representative("a") and q.keep_alive_until("a") == t + 10 * MIN
+
+
+def test_a_timer_is_trusted_after_three_idle_times_and_an_early_call_ends_the_trust():
+    """Three idle times in one bin: a concentrated pattern is trusted before the five a spread one needs
+    (module docstring of `representative`: unlikely by chance, and a mistake costs one call)."""
+    p = Hybrid()
+    last = periodic(p, 30 * MIN + 10, 4)                   # 3 idle times in bin 30
+    assert p.representative("a") and p.windows("a") == (30 * MIN, 31 * MIN)
+    assert step(p, last + 40 * MIN) == [(last + 0.5, "unload", "a"),          # goes at release
+                                        (last + 27 * MIN, "prewarm", "a"),    # head less 10 %
+                                        (last + 31 * 1.1 * MIN, "unload", "a")]
+    t = last + 45 * MIN                                    # late: a 45-minute idle time
+    call(p, "a", t)                                        # 4 idle times, one far from the others
+    assert not p.representative("a") and p.windows("a") is None
+    assert p.keep_alive_until("a") == t + 10 * MIN         # back to the fixed keep-alive
 
 
 def test_under_pressure_the_furthest_expected_call_and_the_most_bytes_go_first():
