@@ -178,8 +178,30 @@ def test_mostly_out_of_range_idle_times_are_not_representative():
 
 def test_too_few_idle_times_are_not_representative():
     p = Hybrid()
-    periodic(p, 5 * MIN + 10, 5)          # 4 idle times < min_samples
+    periodic(p, 5 * MIN + 10, 3)          # 2 idle times, however concentrated: < min_concentrated_samples
     assert not p.representative("a") and p.predicted_next_call("a") is None
+    q = Hybrid()
+    t = 0.0
+    for gap in (3, 9, 5, 1):              # 4 spread idle times: < min_samples
+        call(q, "a", t)
+        t += gap * MIN + 10
+    call(q, "a", t)
+    assert not q.representative("a") and q.keep_alive_until("a") == t + 10 * MIN
+
+
+def test_a_timer_is_trusted_after_three_idle_times_and_an_early_call_ends_the_trust():
+    """Three idle times in one bin: a concentrated pattern is trusted before the five a spread one needs
+    (module docstring of `representative`: unlikely by chance, and a mistake costs one call)."""
+    p = Hybrid()
+    last = periodic(p, 30 * MIN + 10, 4)                   # 3 idle times in bin 30
+    assert p.representative("a") and p.windows("a") == (30 * MIN, 31 * MIN)
+    assert step(p, last + 40 * MIN) == [(last + 0.5, "unload", "a"),          # goes at release
+                                        (last + 27 * MIN, "prewarm", "a"),    # head less 10 %
+                                        (last + 31 * 1.1 * MIN, "unload", "a")]
+    t = last + 45 * MIN                                    # late: a 45-minute idle time
+    call(p, "a", t)                                        # 4 idle times, one far from the others
+    assert not p.representative("a") and p.windows("a") is None
+    assert p.keep_alive_until("a") == t + 10 * MIN         # back to the fixed keep-alive
 
 
 def test_under_pressure_the_furthest_expected_call_and_the_most_bytes_go_first():
@@ -269,3 +291,34 @@ def test_replanning_does_not_grow_the_timer_heap_without_bound():
     assert len(p._heap) <= 2 * len(p._pending) + 65
     assert p.windows("a") == (0, MIN)                        # idle times of a second: head 0, tail a minute
     assert step(p, 1e9) == [(9_999 + 1.1 * MIN, "unload", "a")]   # only the last plan's deadline fires
+
+
+def test_cheapest_keep_alive_weighs_waiting_against_the_calls_it_catches():
+    """8 idle times under a minute, 2 of 30 minutes: keeping past the burst costs ~29 minutes of waiting per
+    gap for the gap's call. Worth it when a cold start is worth more than that (a small model), not at 10
+    minutes (one of the mean size)."""
+    h = IdleTimes(bins=240, unit_s=60)
+    for s in [20] * 8 + [30 * MIN + 5] * 2:
+        h.add(s)
+    assert h.cheapest_keep_s(10 * MIN) == MIN              # (8x30 + 2x60 + 2x600) / 10 = 156 s a call
+    assert h.cheapest_keep_s(100 * MIN) == 31 * MIN        # (8x30 + 2x1830) / 10 = 390 s a call
+    assert IdleTimes(bins=240, unit_s=60).cheapest_keep_s(10 * MIN) == 0
+
+
+def test_size_aware_keeps_a_small_model_across_a_gap_and_lets_a_large_one_go():
+    """Same calls, sizes 10 and 1000: at the fixed keep-alive's exchange rate (the mean model's size x 10
+    minutes) the small model's cold start is worth 505 minutes of holding it, the large one's 6."""
+    p = Hybrid(size_aware=True)
+    t = 0.0
+    for _ in range(6):
+        for i in range(3):
+            for key, size in (("small", 10), ("big", 1000)):
+                call(p, key, t + 30 * i, size=size)
+        t += 60 + 30 * MIN
+        step(p, t - 1)
+    assert p.windows("small") == p.windows("big")          # one pattern: head 0, tail 31 minutes
+    assert p.cold_start_value_s("small") == pytest.approx(505 / 10 * 10 * MIN)
+    assert "small" in p.entries and "big" not in p.entries
+    last = t - 60 - 30 * MIN + 60
+    assert p.keep_alive_until("small") == pytest.approx(last + 31 * 1.1 * MIN)
+    assert Hybrid().keep_s("big", 31 * MIN) == 31 * MIN    # off by default: the paper's tail

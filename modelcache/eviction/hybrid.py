@@ -2,7 +2,8 @@
 per model, a histogram of idle times between calls predicts the next one.
 
 After each call, when the histogram is representative (enough idle times, most of them within its range,
-and one clear pattern: the coefficient of variation of its bin counts above a threshold), the model is
+and one clear pattern: the coefficient of variation of its bin counts above a threshold; fewer idle times
+suffice for a concentrated pattern, `Hybrid.representative`), the model is
 kept until its tail (99th percentile) plus a margin; when the idle times are also concentrated (head, the
 5th percentile, and tail within two bins: a timer, whose per-minute counts put its idle times within a
 minute either side of its period), it is unloaded after the call and pre-warmed at the head less a margin
@@ -74,6 +75,28 @@ class IdleTimes:
             weight += self.out_of_bounds
         return total / weight if weight else None
 
+    def cheapest_keep_s(self, value_s: float) -> float:
+        """The keep-alive T (0, or the upper edge of a bin holding idle times) that minimises the expected
+        cost of one idle time X, E[min(X, T)] + value_s x P(X > T): memory-time per byte of the model
+        while it waits, plus `value_s` (what a cold start is worth, in seconds of holding this model) for
+        a call that comes after T. Idle times at their bin's middle, those beyond the range never
+        reached; between two such edges the cost only grows (more waiting, no more calls caught)."""
+        n = self.in_bounds + self.out_of_bounds
+        if n == 0:
+            return 0.0
+        best_t, best_cost = 0.0, value_s   # T = 0: every next call is cold
+        below = waited = 0.0               # idle times under T; their sum
+        for b, c in enumerate(self.counts):
+            if not c:
+                continue
+            below += c
+            waited += c * (b + 0.5) * self.unit_s
+            t = (b + 1) * self.unit_s
+            cost = (waited + (n - below) * t + value_s * (n - below)) / n
+            if cost < best_cost:
+                best_t, best_cost = t, cost
+        return best_t
+
 
 class Hybrid(TimedPolicy):
     """Keep-alive and pre-warm windows learned per model from its idle times (module docstring).
@@ -91,7 +114,7 @@ class Hybrid(TimedPolicy):
     def __init__(self, time_scale: float = 1.0, *, unit_minutes: float = 1.0, range_minutes: float = 240.0,
                  head_pct: float = 5.0, tail_pct: float = 99.0, margin: float = 0.10, min_samples: int = 5,
                  max_out_of_bounds: float = 0.5, cv_threshold: float = 2.0, fallback_minutes: float = 10.0,
-                 concentrated_bins: int = 2):
+                 concentrated_bins: int = 2, min_concentrated_samples: int = 3, size_aware: bool = False):
         super().__init__(time_scale)
         self.unit_s = unit_minutes * MINUTE_S * time_scale
         self.bins = max(1, round(range_minutes / unit_minutes))
@@ -99,11 +122,31 @@ class Hybrid(TimedPolicy):
         self.min_samples, self.max_out_of_bounds, self.cv_threshold = min_samples, max_out_of_bounds, cv_threshold
         self.fallback_s = fallback_minutes * MINUTE_S * time_scale
         self.concentrated_s = concentrated_bins * self.unit_s
+        self.min_concentrated_samples, self.size_aware = min_concentrated_samples, size_aware
+        self._sizes: dict[str, int] = {}       # every model's size as last loaded (the exchange rate's mean)
+        self._size_total = 0
         self.idle: dict[str, IdleTimes] = {}
         self._windows: dict[str, tuple[float, float] | None] = {}   # as of the last call
+        self._keep_s: dict[str, float] = {}   # a kept model's window (`keep_s`), as of the last call
         self._sampled: dict[str, float] = {}   # when each model's last idle time was recorded
         self._first_call: dict[str, float] = {}
         self._calls: dict[str, int] = {}
+
+    def created(self, key, size, now):
+        self._size_total += size - self._sizes.get(key, 0)
+        self._sizes[key] = size
+        super().created(key, size, now)
+
+    def cold_start_value_s(self, key: str) -> float:
+        """What one cold start is worth, in seconds of holding `key`: the fixed keep-alive holds a model
+        `fallback_s` for a chance at its next call, the ski-rental rule that rents until the rent equals
+        the purchase; one exchange rate for the tier (the mean model's size x fallback), not one per model,
+        since a cold start counts the same whichever model it is. A model twice the mean is worth keeping
+        half as long for the same chance of a call; one a tenth of it, ten times as long."""
+        size = self._sizes.get(key)
+        if not self.size_aware or not size:
+            return self.fallback_s
+        return self.fallback_s * (self._size_total / len(self._sizes)) / size
 
     def observe_call(self, key, now):
         """Record the idle time since the previous call, at most one a bin's width while calls come closer
@@ -119,22 +162,45 @@ class Hybrid(TimedPolicy):
         self._windows[key] = self._learn(key)
 
     def representative(self, key: str) -> bool:
+        """Enough idle times, most in range, one clear pattern. A concentrated one (a timer's) is trusted
+        from `min_concentrated_samples` on, sooner than a spread one: k idle times of a pattern spread over
+        m of the bins all fall within the same `concentrated_bins` with a chance of about
+        m x (concentrated_bins / m)^k (under 2 % for k = 3 over 20 bins), and trusting one by mistake
+        costs at most the one next call (which, early or late, spreads the pattern and ends the trust),
+        while trusting a real timer at 3 rather than 5 idle times saves two of its calls' cold starts
+        (a 60-minute timer was cold for its first five hours)."""
         h = self.idle.get(key)
-        if h is None or h.in_bounds < self.min_samples:
+        if h is None or h.out_of_bounds > self.max_out_of_bounds * (h.in_bounds + h.out_of_bounds):
             return False
-        if h.out_of_bounds > self.max_out_of_bounds * (h.in_bounds + h.out_of_bounds):
-            return False
-        return h.cv() > self.cv_threshold
+        if h.in_bounds >= self.min_samples:
+            return h.cv() > self.cv_threshold
+        return h.in_bounds >= self.min_concentrated_samples and self.prewarms(self._percentiles(h))
 
     def windows(self, key: str) -> tuple[float, float] | None:
         """(head, tail) of `key`'s idle times in seconds, as of its last call; None while not representative."""
         return self._windows.get(key)
 
+    def _percentiles(self, h: IdleTimes) -> tuple[float, float]:
+        return h.percentile_s(self.head_pct, upper=False), h.percentile_s(self.tail_pct, upper=True)
+
     def _learn(self, key: str) -> tuple[float, float] | None:
+        self._keep_s.pop(key, None)
         if not self.representative(key):
             return None
-        h = self.idle[key]
-        return h.percentile_s(self.head_pct, upper=False), h.percentile_s(self.tail_pct, upper=True)
+        w = self._percentiles(self.idle[key])
+        if not self.prewarms(w):
+            self._keep_s[key] = self.keep_s(key, w[1])
+        return w
+
+    def keep_s(self, key: str, tail: float) -> float:
+        """How long a kept (not pre-warmed) model stays after its call: the tail, or sooner where holding it
+        longer costs more than the calls it would catch are worth (`cold_start_value_s`). The paper keeps
+        every model to its 99th percentile whatever its size and however thin the tail; here the window
+        ends at the keep-alive that minimises memory-time plus cold starts at the fixed keep-alive's
+        exchange rate (`IdleTimes.cheapest_keep_s`): a thin tail of a large model is let go."""
+        if not self.size_aware:
+            return tail
+        return min(tail, self.idle[key].cheapest_keep_s(self.cold_start_value_s(key)))
 
     def prewarms(self, w: tuple[float, float]) -> bool:
         """Whether a model with windows `w` goes between calls and is pre-warmed at the head, rather than
@@ -154,7 +220,9 @@ class Hybrid(TimedPolicy):
         if w is None:
             return None, self.fallback_s
         head, tail = w
-        return (head * (1 - self.margin) if self.prewarms(w) else None), tail * (1 + self.margin)
+        if self.prewarms(w):
+            return head * (1 - self.margin), tail * (1 + self.margin)
+        return None, self._keep_s[key] * (1 + self.margin)
 
     def idle_keep_s(self):
         return self.fallback_s
@@ -181,7 +249,7 @@ class Hybrid(TimedPolicy):
         w = self.windows(key)
         if w is None:
             return expected
-        keep_until = last + w[1] * (1 + self.margin)
+        keep_until = last + (w[1] if self.prewarms(w) else self._keep_s[key]) * (1 + self.margin)
         if self.prewarms(w):
             if self.now < last + w[0] * (1 - self.margin):
                 return last + w[0] - self.now
