@@ -35,7 +35,7 @@ class Settings:
     gpu_capacity: str = "50%"         # per GPU: bytes, or percent of the device's memory
     fake_gpus: str = ""               # simulated GPUs in shared memory, for tests and development: "2x256M"
     remote: str = ""                  # read-only model store (file:// or http(s)://), fetched on a miss
-    eviction_policy: str = "lru"      # lru, lfu, fifo, gdsf, never, eager, keepalive, hybrid (read at start)
+    eviction_policy: str = "lru"      # lru, lfu, fifo, gdsf, never, eager, keepalive, hybrid, hybrid-sized (at start)
     keep_alive_s: float = 600.0       # keepalive: an idle model goes this long after its last call; hybrid: fallback
     policy_time_scale: float = 1.0    # keepalive, hybrid: every window x this (a replay of an hour in a minute: 1/60)
     log_level: str = "info"
@@ -122,7 +122,7 @@ def parse_size(text: str | int, total: int | None = None) -> int:
 BATCHING_POLICIES = ("serial", "batch", "dynamic", "layer")
 # Named here, below the modules that implement them (layers: settings sit under tiers and executor);
 # tests/test_config.py checks these against eviction.POLICIES and scheduler.SCHEDULERS.
-EVICTION_POLICIES = ("lru", "lfu", "fifo", "gdsf", "never", "eager", "keepalive", "hybrid")
+EVICTION_POLICIES = ("lru", "lfu", "fifo", "gdsf", "never", "eager", "keepalive", "hybrid", "hybrid-sized")
 SCHEDULERS = ("eager", "round-robin", "dmda")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 OPT_LEVELS = ("disable", "basic", "extended", "all")

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from modelcache.eviction import LRU, Action, Hybrid, KeepAlive, make_policy
+from modelcache.eviction import LRU, Action, Hybrid, KeepAlive, SizedHybrid, make_policy
 from modelcache.eviction.hybrid import IdleTimes
 
 MIN = 60.0
@@ -308,7 +308,7 @@ def test_cheapest_keep_alive_weighs_waiting_against_the_calls_it_catches():
 def test_size_aware_keeps_a_small_model_across_a_gap_and_lets_a_large_one_go():
     """Same calls, sizes 10 and 1000: at the fixed keep-alive's exchange rate (the mean model's size x 10
     minutes) the small model's cold start is worth 505 minutes of holding it, the large one's 6."""
-    p = Hybrid(size_aware=True)
+    p = SizedHybrid()
     t = 0.0
     for _ in range(6):
         for i in range(3):
@@ -321,4 +321,5 @@ def test_size_aware_keeps_a_small_model_across_a_gap_and_lets_a_large_one_go():
     assert "small" in p.entries and "big" not in p.entries
     last = t - 60 - 30 * MIN + 60
     assert p.keep_alive_until("small") == pytest.approx(last + 31 * 1.1 * MIN)
-    assert Hybrid().keep_s("big", 31 * MIN) == 31 * MIN    # off by default: the paper's tail
+    assert Hybrid().keep_s("big", 31 * MIN) == 31 * MIN    # plain hybrid: the paper's tail
+    assert make_policy("hybrid-sized", keep_alive_s=300).cold_start_value_s("any") == 300   # the operator's rate

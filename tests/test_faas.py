@@ -184,7 +184,7 @@ def test_under_pressure_capacity_is_never_exceeded():
     models = assign_models(rows, [("s", 10), ("m", 40), ("l", 90)], seed=1)
     sizes = dict(models.values())
     trace = invocations(rows, models, seed=1)
-    for name in ("lru", "keepalive", "gdsf", "hybrid"):
+    for name in ("lru", "keepalive", "gdsf", "hybrid", "hybrid-sized"):
         r = replay(make_policy(name), 200, trace, sizes, COSTS)
         assert r.peak_bytes <= 200 and r.unserved == 0
         assert r.host_hits + r.disk_misses == r.calls == len(trace)
@@ -247,14 +247,17 @@ def test_the_front_and_the_comparison_at_equal_memory_and_equal_cold_starts():
 
 
 def test_the_sweep_runs_end_to_end_on_a_tiny_trace(tmp_path, capsys):
-    assert main(["--functions", "12", "--hours", "0.5", "--capacities", "0.3,1", "--out", str(tmp_path)]) == 0
+    assert main(["--functions", "12", "--hours", "0.5", "--capacities", "0.3,1", "--out", str(tmp_path),
+                 "--policies", "lru,keepalive,gdsf,hybrid,hybrid-sized"]) == 0
     out = json.loads((tmp_path / "results.json").read_text())
-    assert {r["policy"] for r in out["rows"]} == {"lru", "keepalive", "gdsf", "hybrid"} and len(out["rows"]) == 8
+    assert {r["policy"] for r in out["rows"]} == {"lru", "keepalive", "gdsf", "hybrid", "hybrid-sized"}
+    assert len(out["rows"]) == 10 and set(out["targets"]) == set(out["vs_baselines"]) == {"hybrid", "hybrid-sized"}
     assert read_counts(tmp_path / "trace.csv")                       # the trace it ran, in the Azure format
     printed = capsys.readouterr().out
-    assert "cold %" in printed and printed.count("|    hybrid |") == 2 and printed.startswith("python -m modelcache.faas.sweep --functions 12")
-    assert "hybrid at" in printed and "targets (issue #29): cold starts at equal memory-time <= 0.5x" in printed
-    assert set(out["targets"]) == {"cold_ratio", "mem_ratio", "worse_than_lru_on_both_at_gib"}
+    assert "cold %" in printed and printed.count(" hybrid |") == 2 and printed.startswith("python -m modelcache.faas.sweep --functions 12")
+    assert "hybrid-sized: targets (issue #29)" in printed
+    assert "hybrid at" in printed and "hybrid: targets (issue #29): cold starts at equal memory-time <= 0.5x" in printed
+    assert set(out["targets"]["hybrid"]) == {"cold_ratio", "mem_ratio", "worse_than_lru_on_both_at_gib"}
 
 
 def test_the_sweep_takes_measured_costs_from_a_file(tmp_path, capsys):

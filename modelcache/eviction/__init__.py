@@ -7,14 +7,14 @@ No clocks, sockets or files here: tests step them by hand.
 A model the cache must not evict (in use, loading, pinned) is simply not among the
 candidates it passes to `choose_victims`.
 
-Timed policies (`keepalive`, `hybrid`: timed.py, hybrid.py) also keep deadlines: the tier asks
+Timed policies (`keepalive`, `hybrid`, `hybrid-sized`: timed.py, hybrid.py) also keep deadlines: the tier asks
 `next_deadline()`, and when it passes, `due(now)` says which models to unload or pre-warm.
 """
 
 from __future__ import annotations
 
 from .base import Action, Entry, EvictionPolicy
-from .hybrid import Hybrid
+from .hybrid import Hybrid, SizedHybrid
 from .timed import MINUTE_S, KeepAlive, TimedPolicy
 
 
@@ -91,7 +91,7 @@ class Eager(LRU):
     evict_on_release = True
 
 
-POLICIES = {cls.name: cls for cls in (LRU, LFU, FIFO, GDSF, Never, Eager, KeepAlive, Hybrid)}
+POLICIES = {cls.name: cls for cls in (LRU, LFU, FIFO, GDSF, Never, Eager, KeepAlive, Hybrid, SizedHybrid)}
 
 
 def make_policy(name: str, time_scale: float = 1.0, keep_alive_s: float | None = None) -> EvictionPolicy:
@@ -109,4 +109,4 @@ def make_policy(name: str, time_scale: float = 1.0, keep_alive_s: float | None =
 
 
 __all__ = ["Action", "Entry", "EvictionPolicy", "TimedPolicy", "LRU", "LFU", "FIFO", "GDSF", "Never", "Eager",
-           "KeepAlive", "Hybrid", "POLICIES", "make_policy"]
+           "KeepAlive", "Hybrid", "SizedHybrid", "POLICIES", "make_policy"]

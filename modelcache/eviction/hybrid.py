@@ -114,7 +114,7 @@ class Hybrid(TimedPolicy):
     def __init__(self, time_scale: float = 1.0, *, unit_minutes: float = 1.0, range_minutes: float = 240.0,
                  head_pct: float = 5.0, tail_pct: float = 99.0, margin: float = 0.10, min_samples: int = 5,
                  max_out_of_bounds: float = 0.5, cv_threshold: float = 2.0, fallback_minutes: float = 10.0,
-                 concentrated_bins: int = 2, min_concentrated_samples: int = 3, size_aware: bool = False):
+                 concentrated_bins: int = 2, min_concentrated_samples: int = 3):
         super().__init__(time_scale)
         self.unit_s = unit_minutes * MINUTE_S * time_scale
         self.bins = max(1, round(range_minutes / unit_minutes))
@@ -122,31 +122,13 @@ class Hybrid(TimedPolicy):
         self.min_samples, self.max_out_of_bounds, self.cv_threshold = min_samples, max_out_of_bounds, cv_threshold
         self.fallback_s = fallback_minutes * MINUTE_S * time_scale
         self.concentrated_s = concentrated_bins * self.unit_s
-        self.min_concentrated_samples, self.size_aware = min_concentrated_samples, size_aware
-        self._sizes: dict[str, int] = {}       # every model's size as last loaded (the exchange rate's mean)
-        self._size_total = 0
+        self.min_concentrated_samples = min_concentrated_samples
         self.idle: dict[str, IdleTimes] = {}
         self._windows: dict[str, tuple[float, float] | None] = {}   # as of the last call
         self._keep_s: dict[str, float] = {}   # a kept model's window (`keep_s`), as of the last call
         self._sampled: dict[str, float] = {}   # when each model's last idle time was recorded
         self._first_call: dict[str, float] = {}
         self._calls: dict[str, int] = {}
-
-    def created(self, key, size, now):
-        self._size_total += size - self._sizes.get(key, 0)
-        self._sizes[key] = size
-        super().created(key, size, now)
-
-    def cold_start_value_s(self, key: str) -> float:
-        """What one cold start is worth, in seconds of holding `key`: the fixed keep-alive holds a model
-        `fallback_s` for a chance at its next call, the ski-rental rule that rents until the rent equals
-        the purchase; one exchange rate for the tier (the mean model's size x fallback), not one per model,
-        since a cold start counts the same whichever model it is. A model twice the mean is worth keeping
-        half as long for the same chance of a call; one a tenth of it, ten times as long."""
-        size = self._sizes.get(key)
-        if not self.size_aware or not size:
-            return self.fallback_s
-        return self.fallback_s * (self._size_total / len(self._sizes)) / size
 
     def observe_call(self, key, now):
         """Record the idle time since the previous call, at most one a bin's width while calls come closer
@@ -193,14 +175,9 @@ class Hybrid(TimedPolicy):
         return w
 
     def keep_s(self, key: str, tail: float) -> float:
-        """How long a kept (not pre-warmed) model stays after its call: the tail, or sooner where holding it
-        longer costs more than the calls it would catch are worth (`cold_start_value_s`). The paper keeps
-        every model to its 99th percentile whatever its size and however thin the tail; here the window
-        ends at the keep-alive that minimises memory-time plus cold starts at the fixed keep-alive's
-        exchange rate (`IdleTimes.cheapest_keep_s`): a thin tail of a large model is let go."""
-        if not self.size_aware:
-            return tail
-        return min(tail, self.idle[key].cheapest_keep_s(self.cold_start_value_s(key)))
+        """How long a kept (not pre-warmed) model stays after its call: the paper's tail, whatever its size
+        (SizedHybrid weighs it)."""
+        return tail
 
     def prewarms(self, w: tuple[float, float]) -> bool:
         """Whether a model with windows `w` goes between calls and is pre-warmed at the head, rather than
@@ -262,3 +239,42 @@ class Hybrid(TimedPolicy):
         size-aware, as GDSF weighs size: FaasCache's point that keep-alive is caching)."""
         return sorted(keys, key=lambda k: (-self.time_to_next_call(k) * self.entries[k].size,
                                            self.entries[k].last_access, k))
+
+
+class SizedHybrid(Hybrid):
+    """`hybrid` whose kept models' windows weigh the model's size (selectable as `hybrid-sized`).
+
+    The paper keeps every model to its 99th percentile whatever its size and however thin the tail. Here a
+    kept model's window ends at the keep-alive that minimises memory-time plus cold starts
+    (`IdleTimes.cheapest_keep_s`), never later than the tail, at one exchange rate for the tier: the
+    fixed keep-alive's (`cold_start_value_s`). So a thin tail of a large model is let go, and the operator
+    sets the rate with the same setting that sets the fixed keep-alive (`keep_alive_s`). It moves hybrid
+    along the cold-start / memory-time front (fewer GiB*s, more cold starts: benchmarks/faas/README.md)
+    rather than below it, which is why it is a choice and not the default.
+    """
+
+    name = "hybrid-sized"
+
+    def __init__(self, time_scale: float = 1.0, **options):
+        super().__init__(time_scale, **options)
+        self._sizes: dict[str, int] = {}       # every model's size as last loaded (the exchange rate's mean)
+        self._size_total = 0
+
+    def created(self, key, size, now):
+        self._size_total += size - self._sizes.get(key, 0)
+        self._sizes[key] = size
+        super().created(key, size, now)
+
+    def cold_start_value_s(self, key: str) -> float:
+        """What one cold start is worth, in seconds of holding `key`: the fixed keep-alive holds a model
+        `fallback_s` for a chance at its next call, the ski-rental rule that rents until the rent equals
+        the purchase; one exchange rate for the tier (the mean model's size x fallback), not one per model,
+        since a cold start counts the same whichever model it is. A model twice the mean is worth keeping
+        half as long for the same chance of a call; one a tenth of it, ten times as long."""
+        size = self._sizes.get(key)
+        if not size:
+            return self.fallback_s
+        return self.fallback_s * (self._size_total / len(self._sizes)) / size
+
+    def keep_s(self, key: str, tail: float) -> float:
+        return min(tail, self.idle[key].cheapest_keep_s(self.cold_start_value_s(key)))

@@ -1,5 +1,5 @@
 """Sweep policies x host-tier capacities over a FaaS trace with the discrete-event replay; print the
-table, compare `hybrid` with the best baseline, plot cold starts against memory-time (one line per
+table, compare `hybrid` (and `hybrid-sized`) with the best baseline, plot cold starts against memory-time (one line per
 policy, one point per capacity).
 
     python -m modelcache.faas.sweep --trace synthetic --functions 200 --hours 6 --out DIR
@@ -23,6 +23,7 @@ from .trace import assign_models, invocations, read_counts, write_counts, zoo_ca
 from ..usage import Parser
 
 BASELINES = ("lru", "keepalive", "gdsf")
+LEARNED = ("hybrid", "hybrid-sized")   # compared with the baselines' front, against issue #29's targets
 COLUMNS = [("policy", "policy", "{}"), ("capacity_gib", "cap GiB", "{:.2f}"), ("cold_fraction", "cold %", "{:.3%}"),
            ("disk_misses", "cold", "{}"), ("host_hits", "warm", "{}"), ("gib_s", "GiB*s", "{:.0f}"),
            ("ttfr_p50_ms", "ttfr p50 ms", "{:.1f}"), ("ttfr_p99_ms", "ttfr p99 ms", "{:.1f}"),
@@ -198,7 +199,7 @@ def load_trace(args, out: Path | None):
 def main(argv=None) -> int:
     ap = Parser(prog="python -m modelcache.faas.sweep", description=__doc__.split("\n\n")[0])
     trace_arguments(ap)
-    ap.add_argument("--policies", default="lru,keepalive,gdsf,hybrid", help="comma-separated eviction policies")
+    ap.add_argument("--policies", default="lru,keepalive,gdsf,hybrid,hybrid-sized", help="comma-separated eviction policies")
     ap.add_argument("--costs", default="", help="a JSON file of the simulator's costs (Costs' fields), e.g. "
                     "the costs.json `modelcache bench faas` measures on the real daemon; default: the README's figures")
     ap.add_argument("--out", default="", help="folder for trace.csv, results.json, pareto.png")
@@ -224,19 +225,21 @@ def main(argv=None) -> int:
                   f"cold {r.cold_fraction:.3%}, {r.gib_s:.0f} GiB*s ({time.perf_counter() - t0:.1f} s)",
                   file=sys.stderr, flush=True)
     print(table(rows))
-    comparison = compare(rows) if "hybrid" in args.policies.split(",") else []
-    for c in comparison:
-        ratio = lambda v: "n/a" if v is None else f"{v:.2f}x"   # noqa: E731   (n/a: outside the baselines' span)
-        print(f"hybrid at {c['capacity_gib']:.2f} GiB: on the baselines' front, cold starts {ratio(c['cold_ratio'])} "
-              f"at equal memory-time, memory-time {ratio(c['mem_ratio'])} at equal cold starts; at the same "
-              f"capacity vs {c['same_capacity_best']}: cold {ratio(c['same_capacity_cold_ratio'])}, memory-time "
-              f"{ratio(c['same_capacity_mem_ratio'])}{'; WORSE than LRU on both' if c['worse_than_lru_on_both'] else ''}")
-    targets = verdict(comparison) if comparison else None
-    if targets:
-        print(verdict_line(targets))
+    learned = [name for name in args.policies.split(",") if name in LEARNED]
+    comparisons = {name: compare(rows, name) for name in learned}
+    targets = {name: verdict(c) for name, c in comparisons.items() if c}
+    for name, comparison in comparisons.items():
+        for c in comparison:
+            ratio = lambda v: "n/a" if v is None else f"{v:.2f}x"   # noqa: E731   (n/a: outside the baselines' span)
+            print(f"{name} at {c['capacity_gib']:.2f} GiB: on the baselines' front, cold starts {ratio(c['cold_ratio'])} "
+                  f"at equal memory-time, memory-time {ratio(c['mem_ratio'])} at equal cold starts; at the same "
+                  f"capacity vs {c['same_capacity_best']}: cold {ratio(c['same_capacity_cold_ratio'])}, memory-time "
+                  f"{ratio(c['same_capacity_mem_ratio'])}{'; WORSE than LRU on both' if c['worse_than_lru_on_both'] else ''}")
+    for name, v in targets.items():
+        print(f"{name}: {verdict_line(v)}")
     if out:
         (out / "results.json").write_text(json.dumps({"trace": label, "args": vars(args), "costs": vars(costs),
-                                                      "rows": rows, "hybrid_vs_baselines": comparison,
+                                                      "rows": rows, "vs_baselines": comparisons,
                                                       "targets": targets}, indent=1))
         if plot(rows, out / "pareto.png", label):
             print(f"figure: {out / 'pareto.png'}")
