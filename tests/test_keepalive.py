@@ -243,6 +243,25 @@ def test_a_waiter_whose_deadline_passes_is_told_what_held_the_tier(make, tmp_pat
     assert b.state is ModelState.ON_DISK and b.waiters == [] and not parts.cache.room
 
 
+def test_a_model_loaded_for_no_request_makes_room_for_one_waiting_as_it_lands(make, tmp_path):
+    """`load a` is copying a into the one slot when b's open comes: b waits (a model being copied is no
+    victim); once a lands with no session on it, b takes its room then, not when its deadline passes."""
+    size = one_model_bytes(tmp_path)
+    parts = make(host_capacity=str(size + size // 2))                   # room for one
+    a = parts.add(tmp_path, "tiny-cnn", "a")
+    b = parts.add(tmp_path, "tiny-cnn", "b", seed=1)
+    loaded = []
+    parts.cache.when_resident(a, lambda error, hit: loaded.append(error))   # as `modelcache load a` asks
+    assert a.state is ModelState.LOADING
+    client = parts.registry.new_client(1, "x", parts.clock())
+    parts.sessions.on_Open(IDENT, P.Open(req_id=1, client_id=client.client_id, name="b", deadline_ms=60_000))
+    assert b.state is ModelState.WAITING
+    parts.loaders.settle()                            # a lands, answering the load; b then evicts it
+    assert loaded == [None]
+    assert isinstance(parts.replies[-1], P.OpenReply) and parts.replies[-1].name == "b"
+    assert (a.state, b.state) == (ModelState.ON_DISK, ModelState.RESIDENT) and not parts.cache.room
+
+
 def test_a_model_larger_than_the_tier_is_refused_at_once_even_behind_a_queue(make, tmp_path):
     size = one_model_bytes(tmp_path)
     parts = make(host_capacity=str(size + size // 2))

@@ -504,6 +504,10 @@ class HostCache:
                          f", {shared / 2**20:.1f} MiB shared with resident models" if shared > 0 else "")
             for wake in waiters:
                 wake(error)
+            if error is None and self.room:
+                # A model loaded for no session (a `load`, a pre-warm) was no victim while it was being copied;
+                # now it is one, and a request waiting for room may take its place.
+                self.admit()
 
         def write():
             with storage_errors(f"promoting {model.key} to the host tier", self.host.root):
