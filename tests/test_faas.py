@@ -260,6 +260,24 @@ def test_the_sweep_runs_end_to_end_on_a_tiny_trace(tmp_path, capsys):
     assert set(out["targets"]["hybrid"]) == {"cold_ratio", "mem_ratio", "worse_than_lru_on_both_at_gib"}
 
 
+def test_the_summary_prints_the_readme_tables_from_a_sweeps_folder(tmp_path, capsys):
+    from modelcache.faas import summary
+    assert main(["--functions", "12", "--hours", "0.5", "--capacities", "0.3,1", "--out", str(tmp_path),
+                 "--policies", "lru,gdsf,hybrid"]) == 0
+    capsys.readouterr()
+    assert summary.main([str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    assert lines[0].startswith("### synthetic, 12 functions, 0.5 h, seed 0 (")
+    assert "| capacity | lru | gdsf | hybrid | hybrid: on the front |" in lines
+    rows = [line for line in lines if line.startswith("| ") and "GiB (" in line]
+    assert len(rows) == 2 and rows[1].startswith("| ") and "(100%)" in rows[1]
+    assert "`hybrid`: targets (issue #29)" in printed
+    with pytest.raises(SystemExit) as e:
+        summary.main([str(tmp_path / "nosuch")])
+    assert e.value.code == 2 and "make one with `python -m modelcache.faas.sweep" in capsys.readouterr().err
+
+
 def test_the_sweep_takes_measured_costs_from_a_file(tmp_path, capsys):
     slow = Costs(open_host_s=0.5, run_s={}, default_run_s=1.0)        # every call at least 1.5 s
     (tmp_path / "costs.json").write_text(json.dumps(vars(slow)))
