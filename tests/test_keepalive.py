@@ -183,6 +183,26 @@ def test_hybrid_prewarms_before_a_periodic_call_and_unloads_after_the_tail(make,
     assert model.state is ModelState.ON_DISK and parts.counters["unloads"] >= 1
 
 
+@pytest.mark.parametrize("policy, kept", [("hybrid", True), ("hybrid-sized", False)])
+def test_hybrid_sized_lets_a_thin_tail_go_that_hybrid_keeps(make, tmp_path, policy, kept):
+    """Bursts of three calls 90 s apart, 30 minutes between bursts; keep_alive_s = 60 prices a cold start at
+    a minute of holding the model (the tier's only one: the mean size). hybrid keeps it to its tail (31
+    minutes); for hybrid-sized a 30-minute wait for one call in three is not worth a minute: it goes."""
+    parts = make(policy=policy, keep_alive_s=60)
+    model = parts.add(tmp_path, "tiny-cnn", "m")
+    client = parts.registry.new_client(1, "c", parts.clock())
+    for burst in range(4):
+        for i in range(3):
+            close(parts, client, call(parts, client, "m"))
+            tick(parts, 90 if i < 2 else 30 * 60)
+    close(parts, client, call(parts, client, "m"))    # idle times: 8 of 90 s, 4 of 30 minutes
+    assert parts.cache.policy.windows(model.key) == (60.0, 31 * 60.0)
+    tick(parts, 0)
+    tick(parts, 5 * 60)
+    assert (model.state is ModelState.RESIDENT) is kept
+    assert (parts.cache.describe(model)["keep_alive_until"] is not None) is kept
+
+
 def test_a_prewarm_never_exceeds_capacity_nor_displaces_a_model_in_use(make, tmp_path):
     size = one_model_bytes(tmp_path)
     parts = make(policy="hybrid", keep_alive_s=60, host_capacity=str(size + size // 2))   # room for one
