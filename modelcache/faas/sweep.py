@@ -145,7 +145,10 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.xaxis.set_minor_formatter(plt.NullFormatter())   # (the minor labels overlap)
+    xs = [r["gib_s"] for r in rows if r["gib_s"] > 0]
+    if xs and max(xs) / min(xs) > 10:
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())   # (over a decade the minor labels overlap;
+                                                            # within one they are the only ones)
     ax.set_xlabel("memory-time in the host tier (GiB x s)")
     ax.set_ylabel("cold starts (% of calls)")
     ax.set_title(title, fontsize=9)
