@@ -367,6 +367,10 @@ def format_status(st) -> str:
             where = f"GPU {t['index']} {t['name']} {t['device']}" + (f"; held: {leased}" if leased else "")
         else:
             where = t["path"]
+        waits = t.get("waiting") or {}   # (an older daemon does not say)
+        if waits.get("requests"):
+            where += (f"; {_count(waits['requests'], 'request')} waiting for room "
+                      f"({_count(waits['models'], 'model')})")
         print(f"{t['tier']:<6} {_human(t['used_bytes']) + ' / ' + cap + pct:<24} {where}", file=out)
     print(file=out)
     print_models(st.models, out)

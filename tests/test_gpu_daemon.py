@@ -139,6 +139,10 @@ def test_gpu_capacity_demotes_unleased_models_and_makes_an_open_wait_while_all_a
             out = subprocess.run([sys.executable, "-m", "modelcache.cli", "ls"], env=d.env, capture_output=True,
                                  text=True, timeout=60)
             assert "waiting for room on GPU 0 (1 request)" in out.stdout, out.stdout + out.stderr
+            out = subprocess.run([sys.executable, "-m", "modelcache.cli", "status"], env=d.env, capture_output=True,
+                                 text=True, timeout=60)
+            gpu_line = next(line for line in out.stdout.splitlines() if line.startswith("gpu "))
+            assert gpu_line.endswith("; 1 request waiting for room (1 model)"), out.stdout + out.stderr
             assert got == [] and model_info(c, "b")["gpu"][0]["leases"] == 1
             held.close()                            # room: a's open goes on, b is demoted
             t.join(30)

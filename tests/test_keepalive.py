@@ -317,8 +317,8 @@ def test_a_real_daemon_unloads_an_idle_model_and_makes_an_open_wait_for_room(tmp
     d = DaemonProcess(tmp_path, {"MODELCACHE_EVICTION_POLICY": "keepalive", "MODELCACHE_KEEP_ALIVE_S": "1.5",
                                  "MODELCACHE_HOST_CAPACITY": "6M"}).start()
     try:
-        def ls() -> str:
-            return subprocess.run([sys.executable, "-m", "modelcache.cli", "ls"], env={**os.environ,
+        def ls(command: str = "ls") -> str:
+            return subprocess.run([sys.executable, "-m", "modelcache.cli", command], env={**os.environ,
                                   "MODELCACHE_SOCKET": d.socket, "MODELCACHE_CONFIG": ""}, capture_output=True,
                                   text=True, timeout=60, check=True).stdout
 
@@ -340,6 +340,8 @@ def test_a_real_daemon_unloads_an_idle_model_and_makes_an_open_wait_for_room(tmp
             t.start()
             wait_until(lambda: state(holder, "b") == "waiting", 30, "b's open waiting for room")
             assert got == [] and "waiting for room (1 request)" in ls()
+            host_line = next(line for line in ls("status").splitlines() if line.startswith("host "))
+            assert host_line.endswith("; 1 request waiting for room (1 model)"), host_line
             holder.release(lease.lease_id)                    # room: b's open goes on
             t.join(30)
             assert len(got) == 1 and got[0].name == "b" and got[0].hit is False
@@ -518,6 +520,12 @@ def test_status_and_metrics_show_the_keep_alive_window_and_the_next_call():
     text = out.getvalue()
     assert text.splitlines()[0].endswith(" WHY") and text.splitlines()[1].endswith("kept alive (5m left)")
     assert "m@1: host: kept until " in text and "(in 5m); next call expected " in text and "(in 15m)" in text
-    metrics = render({}, [], models, 0, 1.0, Histogram(), ["resident"])
+    tiers = [{"tier": "host", "used_bytes": 1 << 20, "capacity_bytes": 2 << 20, "waiting": {"models": 2, "requests": 3}},
+             {"tier": "gpu", "device": "GPU-1", "used_bytes": 0, "capacity_bytes": 0, "waiting": {"models": 0, "requests": 0}},
+             {"tier": "disk", "used_bytes": 0, "capacity_bytes": 0}]
+    metrics = render({}, tiers, models, 0, 1.0, Histogram(), ["resident"])
+    assert 'modelcache_tier_waiting_requests{tier="host"} 3' in metrics
+    assert 'modelcache_tier_waiting_requests{tier="gpu",device="GPU-1"} 0' in metrics
+    assert 'modelcache_tier_waiting_requests{tier="disk"}' not in metrics
     assert f'modelcache_model_keep_alive_until_timestamp_seconds{{model="m",version="1"}} {now + 300:.3f}' in metrics
     assert f'modelcache_model_next_call_timestamp_seconds{{model="m",version="1"}} {now + 900:.3f}' in metrics

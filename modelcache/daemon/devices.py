@@ -355,7 +355,8 @@ class DeviceCache:
                         "capacity_bytes": tier.capacity_bytes,
                         "promotion_bytes_per_s": tier.promotion_bytes_per_s,   # of the last host -> GPU copy
                         "models": [m.key for m in held],
-                        "leased": {m.key: m.devices[uuid].leases for m in held if m.devices[uuid].leases}})
+                        "leased": {m.key: m.devices[uuid].leases for m in held if m.devices[uuid].leases},
+                        "waiting": self.rooms[uuid].waiting()})
         return out
 
 

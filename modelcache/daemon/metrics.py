@@ -40,6 +40,9 @@ def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, 
            [f'modelcache_tier_used_bytes{{{_tier_labels(t)}}} {t["used_bytes"]}' for t in tiers])
     metric("modelcache_tier_capacity_bytes", "gauge", "Capacity per tier (0: unbounded).",
            [f'modelcache_tier_capacity_bytes{{{_tier_labels(t)}}} {t["capacity_bytes"]}' for t in tiers])
+    metric("modelcache_tier_waiting_requests", "gauge", "Requests waiting for room in a tier full of models in use.",
+           [f'modelcache_tier_waiting_requests{{{_tier_labels(t)}}} {t["waiting"]["requests"]}'
+            for t in tiers if "waiting" in t])
     by_state = {s: 0 for s in states}
     for m in models:
         by_state[m["state"]] = by_state.get(m["state"], 0) + 1

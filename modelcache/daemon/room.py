@@ -89,6 +89,10 @@ class RoomQueue:
             for wake in entry.leave_room_queue():
                 wake(error_for(entry))
 
+    def waiting(self) -> dict:
+        """What waits here, for `status` and the metrics: models queued, and requests waiting for them."""
+        return {"models": len(self.models), "requests": sum(len(e.waiters) for e in self.models)}
+
     @staticmethod
     def _waiting(entry, wake) -> bool:
         return entry.state is ModelState.WAITING and any(w is wake for w in entry.waiters)

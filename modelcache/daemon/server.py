@@ -504,7 +504,7 @@ class Daemon:
 
     def _describe_tiers(self) -> list[dict]:
         return [{"tier": "host", "path": str(self.host.root), "used_bytes": self.host.used_bytes,
-                 "capacity_bytes": self.host.capacity_bytes},
+                 "capacity_bytes": self.host.capacity_bytes, "waiting": self.cache.room.waiting()},
                 *self.gpu.describe(),
                 {"tier": "disk", "path": str(self.repository.root),
                  "used_bytes": sum(m.manifest.weights_bytes for m in self.registry.models.values()),
