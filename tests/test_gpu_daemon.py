@@ -10,6 +10,7 @@ plain ONNX Runtime. The CUDA-only parts are covered by the `gpu`-marked tests.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -121,7 +122,9 @@ def test_gpu_capacity_demotes_unleased_models_and_makes_an_open_wait_while_all_a
         onnx.save(model, str(src))
         sizes.append(sum(-(-t.nbytes // 256) * 256 for t in pack(str(src), repo, name, 1).gpu_tensors))
     capacity = int(1.5 * max(sizes))                # room for one model at a time
-    d = DaemonProcess(tmp_path, {"MODELCACHE_FAKE_GPUS": "1x64M", "MODELCACHE_GPU_CAPACITY": str(capacity)}).start()
+    conf = tmp_path / "modelcache.toml"             # (a file, so that a reload can change it)
+    conf.write_text(f'gpu_capacity = "{capacity}"\n')
+    d = DaemonProcess(tmp_path, {"MODELCACHE_FAKE_GPUS": "1x64M", "MODELCACHE_CONFIG": str(conf)}).start()
     try:
         with d.client() as c, d.client() as other, d.client(timeout_s=2.0) as hasty:
             c.load("a", tier="gpu")
@@ -148,6 +151,18 @@ def test_gpu_capacity_demotes_unleased_models_and_makes_an_open_wait_while_all_a
             t.join(30)
             assert len(got) == 1 and got[0].name == "a" and got[0].device_uuid == "fake-0" and not got[0].hit
             assert model_info(c, "a")["tier"] == "gpu" and model_info(c, "b")["tier"] == "host"
+            # Leased again, a fills the device; b's open waits until a reload gives the tier room for both.
+            t = threading.Thread(target=lambda: got.append(c.open("b", device="cuda")))
+            t.start()
+            wait_until(lambda: model_info(c, "b")["gpu"] == [{"device": "fake-0", "state": "waiting", "leases": 0}],
+                       30, "b's GPU open waiting for room")
+            conf.write_text(f'gpu_capacity = "{3 * capacity}"\n')
+            d.proc.send_signal(signal.SIGHUP)
+            t.join(30)
+            assert len(got) == 2 and got[1].name == "b" and got[1].device_uuid == "fake-0"
+            assert model_info(c, "a")["gpu"][0]["leases"] == 1 and model_info(c, "b")["tier"] == "gpu"
+            assert f"reload: gpu_capacity '{capacity}' -> '{3 * capacity}'" in d.log_path.read_text()
+            c.release(got[1].lease_id)
             other.release(got[0].lease_id)
     finally:
         assert d.stop() == 0, d.log_path.read_text()

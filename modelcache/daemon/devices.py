@@ -70,6 +70,16 @@ class DeviceCache:
             log.info("GPU tier on device %d (%s, %s): %d MiB", device.index, device.name, device.uuid,
                      self.tiers[device.uuid].capacity_bytes >> 20)
 
+    def set_capacity(self, spec: str) -> None:
+        """A reload changed gpu_capacity: each device's tier takes it (at most the device's memory) and requests
+        waiting for room there go if it now has some. Lowered below what a tier holds, nothing is freed now:
+        the next promotion there evicts, as ever."""
+        from ..config import parse_size
+        for uuid, tier in self.tiers.items():
+            tier.capacity_bytes = min(parse_size(spec, total=tier.device.total_bytes), tier.device.total_bytes)
+            log.info("GPU tier on device %d: %d MiB", tier.device.index, tier.capacity_bytes >> 20)
+        self.admit()
+
     def stop(self) -> None:
         for tier in self.tiers.values():
             try:

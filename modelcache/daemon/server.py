@@ -58,7 +58,7 @@ _RCVMORE = int(zmq.RCVMORE)
 
 class Daemon:
     # Settings a reload (SIGHUP / systemctl reload) applies live; the others need a restart.
-    LIVE_SETTINGS = ("log_level", "heartbeat_interval_s", "lease_timeout_s", "host_capacity",
+    LIVE_SETTINGS = ("log_level", "heartbeat_interval_s", "lease_timeout_s", "host_capacity", "gpu_capacity",
                      "batching", "max_batch", "t_opt_ms", "batch_window_ms", "max_queue_delay_ms",
                      "inline_run_ms")
 
@@ -255,6 +255,8 @@ class Daemon:
                                 name, old, value, old)
             logging.getLogger("modelcache").setLevel(self.settings.log_level.upper())
             self.host.capacity_bytes = self.settings.host_capacity_bytes()
+            if "gpu_capacity" in changed:
+                self.gpu.set_capacity(self.settings.gpu_capacity)
             self.cache.admit()   # more room: requests waiting for it go now
             self.engine.settings_changed()
             log.info("reloaded settings: %s", ", ".join(changed) + " applied" if changed else "nothing changed live")
