@@ -68,10 +68,12 @@ def test_gpu_open_runs_on_device_memory_and_matches_plain_ort(gpu_daemon, zoo_fi
                 np.testing.assert_allclose(a, b, rtol=tol, atol=tol, err_msg=name)
             with modelcache.InferenceSession(name, providers=CUDA, client=c) as again:
                 assert again.was_cache_hit
+                # A run its EP fails is not retried on the CPU over device weights (ORT has no getter for this)
+                assert again._sess._enable_fallback is False
             assert model_info(c, name)["tier"] == "gpu"
         # The default provider list keeps the host-tier path.
         with modelcache.InferenceSession("tiny-cnn", client=c) as cpu:
-            assert cpu.device == "cpu"
+            assert cpu.device == "cpu" and cpu._sess._enable_fallback is True   # (ORT's default, as it was)
 
 
 def test_gpu_leases_block_eviction_and_status_shows_them(gpu_daemon, zoo_file):

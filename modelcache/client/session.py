@@ -105,6 +105,11 @@ class InferenceSession:
                 raise ModelCacheError(f"{name}: onnxruntime could not start the CUDA execution provider "
                                       f"(it offers {self._sess.get_providers()}); check the CUDA and cuDNN "
                                       f"libraries onnxruntime-gpu needs")
+            if self._lease.device_uuid:
+                # ORT's Python session retries a run that fails in its execution provider on the CPU, re-creating
+                # the session (onnxruntime_inference_collection.py, `run`: EPFail -> set_providers): over weights
+                # leased on a device that cannot run, so the EP's own error is the one to raise.
+                self._sess.disable_fallback()
             overridable = [{"name": i.name, "dtype": NUMPY_TYPES[i.type], "shape": i.shape}
                            for i in self._sess.get_overridable_initializers() if i.type in NUMPY_TYPES]
             self._feed_check = FeedCheck(self._lease.name, self._lease.inputs, overridable)
