@@ -125,7 +125,7 @@ class Hybrid(TimedPolicy):
         self.min_concentrated_samples = min_concentrated_samples
         self.idle: dict[str, IdleTimes] = {}
         self._windows: dict[str, tuple[float, float] | None] = {}   # as of the last call
-        self._keep_s: dict[str, float] = {}   # a kept model's window (`keep_s`), as of the last call
+        self._keep_s: dict[str, float] = {}   # how long after its last call the window ends (tail or `keep_s`)
         self._sampled: dict[str, float] = {}   # when each model's last idle time was recorded
         self._first_call: dict[str, float] = {}
         self._calls: dict[str, int] = {}
@@ -170,8 +170,7 @@ class Hybrid(TimedPolicy):
         if not self.representative(key):
             return None
         w = self._percentiles(self.idle[key])
-        if not self.prewarms(w):
-            self._keep_s[key] = self.keep_s(key, w[1])
+        self._keep_s[key] = w[1] if self.prewarms(w) else self.keep_s(key, w[1])
         return w
 
     def keep_s(self, key: str, tail: float) -> float:
@@ -196,10 +195,7 @@ class Hybrid(TimedPolicy):
         w = self.windows(key)
         if w is None:
             return None, self.fallback_s
-        head, tail = w
-        if self.prewarms(w):
-            return head * (1 - self.margin), tail * (1 + self.margin)
-        return None, self._keep_s[key] * (1 + self.margin)
+        return (w[0] * (1 - self.margin) if self.prewarms(w) else None), self._keep_s[key] * (1 + self.margin)
 
     def idle_keep_s(self):
         return self.fallback_s
@@ -226,7 +222,7 @@ class Hybrid(TimedPolicy):
         w = self.windows(key)
         if w is None:
             return expected
-        keep_until = last + (w[1] if self.prewarms(w) else self._keep_s[key]) * (1 + self.margin)
+        keep_until = last + self._keep_s[key] * (1 + self.margin)
         if self.prewarms(w):
             if self.now < last + w[0] * (1 - self.margin):
                 return last + w[0] - self.now
