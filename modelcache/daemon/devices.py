@@ -71,14 +71,13 @@ class DeviceCache:
                      self.tiers[device.uuid].capacity_bytes >> 20)
 
     def set_capacity(self, spec: str) -> None:
-        """A reload changed gpu_capacity: each device's tier takes it (at most the device's memory) and requests
-        waiting for room there go if it now has some. Lowered below what a tier holds, nothing is freed now:
-        the next promotion there evicts, as ever."""
+        """A reload changed gpu_capacity: each device's tier takes it (at most the device's memory); the reload then
+        admits the requests waiting for room (HostCache.admit, every tier). Lowered below what a tier holds,
+        nothing is freed now: the next promotion there evicts, as ever."""
         from ..config import parse_size
-        for uuid, tier in self.tiers.items():
+        for tier in self.tiers.values():
             tier.capacity_bytes = min(parse_size(spec, total=tier.device.total_bytes), tier.device.total_bytes)
             log.info("GPU tier on device %d: %d MiB", tier.device.index, tier.capacity_bytes >> 20)
-        self.admit()
 
     def stop(self) -> None:
         for tier in self.tiers.values():
@@ -147,17 +146,17 @@ class DeviceCache:
         """Start the promotion to `tier` if there is room and no request waits for room there before it; else
         queue `wake` for room on the device, in arrival order (as HostCache._promote_or_wait does)."""
         uuid, room = tier.device.uuid, self.rooms[tier.device.uuid]
-        res, queued = model.devices.get(uuid), bool(self.rooms[tier.device.uuid])
+        res, queued = model.devices.get(uuid), bool(room)
         if res is None:
             if not queued and (res := self._start_promotion(model, tier)) is not None:
                 res.waiters.append(wake)
                 return
-            needs = self.needs.get((model.key, uuid)) or self._arena_bytes(model, tier)
+            needs = self._needs(model, tier)
             if needs > tier.capacity_bytes or not wait:   # too large, it would wait for nothing; or told not to
                 raise self._refusal(model, tier, needs)
             res = model.queue_for_device_room(uuid)
         elif not wait:
-            raise self._refusal(model, tier, self.needs.get((model.key, uuid)) or self._arena_bytes(model, tier))
+            raise self._refusal(model, tier, self._needs(model, tier))
         res.waiters.append(wake)
         now = self.clock()
         room.add(res, wake, now + self.settings.request_timeout_s if deadline is None else deadline, now)
@@ -165,8 +164,12 @@ class DeviceCache:
         if queued:
             self.admit(uuid)
 
-    def _arena_bytes(self, model: ModelRecord, tier) -> int:
-        """What the model's copy would place on `tier` now: planned (less what it shares there), and given back."""
+    def _needs(self, model: ModelRecord, tier) -> int:
+        """What the model's copy would place on `tier`: as its last promotion that found no room planned it, else
+        planned now (less what it shares there) and given back."""
+        needs = self.needs.get((model.key, tier.device.uuid))
+        if needs:
+            return needs
         if not self.host.has_variant(model.key, "gpu"):
             raise ModelCacheError(f"{model.key}: its GPU weights are not in the host tier")
         plan = tier.plan(model.key, model.manifest.gpu_tensors, self.host.file_locations(model.key, "gpu"))
@@ -183,9 +186,8 @@ class DeviceCache:
 
     def _room_refusal(self, model: ModelRecord, tier, waited_s: float) -> CapacityError:
         """A request's deadline passed while it waited for room on the device: how long, and what held it then."""
-        needs = self.needs.get((model.key, tier.device.uuid)) or self._arena_bytes(model, tier)
         return CapacityError(f"waited {waited_s:.1f} s for room, until the request's deadline: "
-                             f"{self._refusal(model, tier, needs)}")
+                             f"{self._refusal(model, tier, self._needs(model, tier))}")
 
     def admit(self, uuid: str | None = None) -> None:
         """Room may have appeared on the device `uuid` (None: any): start the promotions waiting for it there, the

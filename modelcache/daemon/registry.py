@@ -36,7 +36,7 @@ class ModelState(enum.Enum):
     RESIDENT = "resident"    # in shared memory; clients may map it
 
 
-@dataclass
+@dataclass(eq=False)   # a record with an identity (queues find it by `is`), not a value
 class DeviceResidency:
     """A model's copy on one GPU (the device tier is inclusive: the host tier holds it too).
 
@@ -48,7 +48,7 @@ class DeviceResidency:
     state: "ModelState"              # WAITING, LOADING or RESIDENT
     leases: int = 0
     waiters: list = field(default_factory=list)   # callbacks(error) waiting for room, then on the one promotion
-    model: "ModelRecord" = field(default=None, repr=False, compare=False)   # whose copy (its `devices` holds this)
+    model: "ModelRecord" = field(default=None, repr=False)   # whose copy (its `devices` holds this)
 
     def leave_room_queue(self) -> list:
         """WAITING -> gone: no request waits for room on this GPU for the model any more (the last one gave up,

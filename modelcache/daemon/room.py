@@ -44,15 +44,14 @@ class RoomQueue:
     def add(self, entry, wake, deadline: float, now: float) -> None:
         """`wake` (already among `entry.waiters`, and `entry` WAITING) waits for room until `deadline`; the
         entry queues at the back with its first waiter."""
-        if not any(e is entry for e in self.models):
+        if entry not in self.models:
             self.models.append(entry)
         self._seq += 1
         heapq.heappush(self._deadlines, (deadline, self._seq, entry, wake, now))
 
     def admitted(self, entry) -> None:
         """The head's promotion started (its waiters now wait on the load), or it was refused."""
-        # (by identity: entries are dataclasses, and two GPU residencies with no waiters compare equal)
-        del self.models[next(i for i, e in enumerate(self.models) if e is entry)]
+        self.models.remove(entry)
 
     def admit(self, start) -> None:
         """Room may have appeared: start(entry) the oldest first, while it starts; nothing passes a request that
