@@ -18,35 +18,27 @@ from pathlib import Path
 
 from modelcache.eviction import make_policy
 from modelcache.faas.simulate import Costs, replay
-from modelcache.faas.sweep import BASELINES, frontier, interpolate
-from modelcache.faas.synthetic import generate
-from modelcache.faas.trace import assign_models, invocations, zoo_catalogue
+from modelcache.faas.sweep import BASELINES, frontier, interpolate, load_trace, ratio_text, trace_arguments
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hours", type=float, default=6.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--functions", type=int, default=200)
+    trace_arguments(ap)   # (--capacities is not used: the tier holds every model)
     ap.add_argument("--folder", required=True, help="the sweep of the same trace (its results.json)")
     ap.add_argument("--policy", default="hybrid-sized")
     ap.add_argument("--keep-alive", default="2.5,5,10,20,40,80", help="keep_alive_s values, in minutes")
     args = ap.parse_args()
-    functions = generate(args.functions, args.hours, args.seed)
-    models = assign_models(functions, zoo_catalogue(), args.seed)
-    sizes = dict(models.values())
-    calls = invocations(functions, models, args.seed, 1.0, None)
+    label, _, _, sizes, calls = load_trace(args, None)
     rows = json.loads((Path(args.folder) / "results.json").read_text())["rows"]
     front = frontier([(r["gib_s"], r["cold_fraction"]) for r in rows if r["policy"] in BASELINES])
-    print(f"{args.policy} at full capacity, {args.functions} functions, {args.hours:g} h, seed {args.seed}; "
-          f"front from {args.folder}")
+    print(f"{args.policy} at full capacity, {label}; front from {args.folder}")
     for minutes in (float(x) for x in args.keep_alive.split(",")):
-        r = replay(make_policy(args.policy, keep_alive_s=minutes * 60), sum(sizes.values()), calls, sizes, Costs())
+        policy = make_policy(args.policy, time_scale=1 / args.compress, keep_alive_s=minutes * 60)
+        r = replay(policy, sum(sizes.values()), calls, sizes, Costs())
         cold_at_mem, mem_at_cold = interpolate(front, r.gib_s, 0), interpolate(front, r.cold_fraction, 1)
-        ratio = lambda v: "n/a" if not v else f"{v:.2f}x"   # noqa: E731
         print(f"  keep_alive {minutes:g} min: cold {r.cold_fraction:.3%}, {r.gib_s:.0f} GiB*s; on the front: "
-              f"cold {ratio(cold_at_mem and r.cold_fraction / cold_at_mem)} at equal memory-time, "
-              f"memory-time {ratio(mem_at_cold and r.gib_s / mem_at_cold)} at equal cold starts", flush=True)
+              f"cold {ratio_text(cold_at_mem and r.cold_fraction / cold_at_mem)} at equal memory-time, "
+              f"memory-time {ratio_text(mem_at_cold and r.gib_s / mem_at_cold)} at equal cold starts", flush=True)
 
 
 if __name__ == "__main__":

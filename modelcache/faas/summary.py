@@ -14,11 +14,7 @@ import sys
 from pathlib import Path
 
 from ..usage import Parser
-from .sweep import verdict_line
-
-
-def _ratio(v) -> str:
-    return "n/a" if v is None else f"{v:.2f}x"
+from .sweep import ratio_text, verdict_line
 
 
 def _k(gib_s: float) -> str:
@@ -47,7 +43,7 @@ def summarize(results: dict) -> str:
             cells.append("" if r is None else f"{100 * r['cold_fraction']:.2f} / {_k(r['gib_s'])}")
         for p in learned:
             c = fronts[p].get(cap)
-            cells.append("" if c is None else f"{_ratio(c['cold_ratio'])}, {_ratio(c['mem_ratio'])}"
+            cells.append("" if c is None else f"{ratio_text(c['cold_ratio'])}, {ratio_text(c['mem_ratio'])}"
                          + ("; WORSE than LRU on both" if c["worse_than_lru_on_both"] else ""))
         out.append("| " + " | ".join(cells) + " |")
     out += ["", "Time to first result p99, ms, by capacity: " + "; ".join(

@@ -103,6 +103,11 @@ def compare(rows: list[dict], policy: str = "hybrid") -> list[dict]:
     return out
 
 
+def ratio_text(v: float | None) -> str:
+    """A ratio as the reports print it; n/a: none (outside the baselines' span)."""
+    return "n/a" if v is None else f"{v:.2f}x"
+
+
 # Issue #29's targets for hybrid against the baselines' front.
 COLD_TARGET, MEM_TARGET = 0.5, 0.7
 
@@ -233,11 +238,10 @@ def main(argv=None) -> int:
     targets = {name: verdict(c) for name, c in comparisons.items() if c}
     for name, comparison in comparisons.items():
         for c in comparison:
-            ratio = lambda v: "n/a" if v is None else f"{v:.2f}x"   # noqa: E731   (n/a: outside the baselines' span)
-            print(f"{name} at {c['capacity_gib']:.2f} GiB: on the baselines' front, cold starts {ratio(c['cold_ratio'])} "
-                  f"at equal memory-time, memory-time {ratio(c['mem_ratio'])} at equal cold starts; at the same "
-                  f"capacity vs {c['same_capacity_best']}: cold {ratio(c['same_capacity_cold_ratio'])}, memory-time "
-                  f"{ratio(c['same_capacity_mem_ratio'])}{'; WORSE than LRU on both' if c['worse_than_lru_on_both'] else ''}")
+            print(f"{name} at {c['capacity_gib']:.2f} GiB: on the baselines' front, cold starts {ratio_text(c['cold_ratio'])} "
+                  f"at equal memory-time, memory-time {ratio_text(c['mem_ratio'])} at equal cold starts; at the same "
+                  f"capacity vs {c['same_capacity_best']}: cold {ratio_text(c['same_capacity_cold_ratio'])}, memory-time "
+                  f"{ratio_text(c['same_capacity_mem_ratio'])}{'; WORSE than LRU on both' if c['worse_than_lru_on_both'] else ''}")
     for name, v in targets.items():
         print(f"{name}: {verdict_line(v)}")
     if out:
