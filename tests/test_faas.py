@@ -48,6 +48,29 @@ def test_a_file_that_is_not_a_trace_is_one_clear_error(tmp_path, text, says):
     assert "\n" not in str(e.value)
 
 
+def test_a_slice_cut_from_two_places_is_read_one_run_at_a_time(tmp_path):
+    """A sample whose minute columns jump (1-3 then 546-549) never lays counts across the minutes it lacks:
+    a window inside one run reads that run; no window, or one across the gap, is an error naming the runs."""
+    p = tmp_path / "cut.csv"
+    p.write_text("HashOwner,HashApp,HashFunction,Trigger,1,2,3,546,547,548,549\no,a,f,timer,1,0,0,0,1,0,1\n")
+    [r] = read_counts(p, (546, 550))
+    assert (r.first_minute, r.counts) == (546, (0, 1, 0, 1))
+    [r] = read_counts(p, (1, 3))
+    assert (r.first_minute, r.counts) == (1, (1, 0, 0))
+    for window in (None, (3, 547)):
+        with pytest.raises(ValueError, match=r"not consecutive \(runs 1-3, 546-549\).*--minutes 546:550"):
+            read_counts(p, window)
+
+
+def test_the_sweep_says_what_a_bad_window_is(tmp_path, capsys):
+    p = tmp_path / "t.csv"
+    p.write_text(AZURE + "o,a,f,http,1,1,1,1,1\n")
+    for bad, says in (("5", "FIRST:STOP"), ("4:2", "STOP must be after FIRST")):
+        with pytest.raises(SystemExit):
+            main(["--trace", str(p), "--minutes", bad, "--capacities", "1", "--policies", "lru"])
+        assert says in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("minute_names", [False, True])
 def test_written_traces_read_back_the_same(tmp_path, minute_names):
     rows = generate(functions=12, hours=0.5, seed=3)

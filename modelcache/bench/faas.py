@@ -37,7 +37,7 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..faas.simulate import GIB, Costs, replay
-from ..faas.sweep import load_costs, plot, read_trace, table
+from ..faas.sweep import load_costs, plot, read_trace, table, trace_window
 from ..faas.trace import Invocation, assign_models, invocations
 from ..usage import Parser
 from .common import compile_bytecode, managed_daemon, save_results
@@ -398,10 +398,10 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
     try:
         label, functions = read_trace(args, out)
+        window = trace_window(args)
         costs = load_costs(args.costs) if args.costs else None
     except ValueError as e:
         raise InputError(f"bench faas: {e}") from None
-    window = tuple(int(x) for x in args.minutes.split(":")) if args.minutes else None
     models = assign_models(functions, [(m.strip(), 0) for m in args.models.split(",") if m.strip()], args.seed)
     calls = invocations(functions, models, args.seed, args.compress, window)
     if not calls:

@@ -178,6 +178,19 @@ def trace_arguments(ap: argparse.ArgumentParser) -> None:
                     help="divide trace time by this (the policies' windows scale with it)")
 
 
+def trace_window(args) -> tuple[int, int] | None:
+    """`--minutes FIRST:STOP` as (first, stop), or None for the whole trace."""
+    if not args.minutes:
+        return None
+    try:
+        first, stop = (int(x) for x in args.minutes.split(":"))
+    except ValueError:
+        raise ValueError(f"--minutes {args.minutes}: expected FIRST:STOP, two minute numbers of the trace") from None
+    if stop <= first:
+        raise ValueError(f"--minutes {args.minutes}: STOP must be after FIRST (the window is FIRST <= minute < STOP)")
+    return first, stop
+
+
 def read_trace(args, out: Path | None):
     """(label, functions) of the trace `args` name; a synthetic trace is written to `out`/trace.csv and
     read back (the reader the real trace goes through)."""
@@ -188,7 +201,7 @@ def read_trace(args, out: Path | None):
             functions = read_counts(out / "trace.csv")
         label = f"synthetic, {args.functions} functions, {args.hours:g} h, seed {args.seed}"
     else:
-        functions = read_counts(args.trace)
+        functions = read_counts(args.trace, trace_window(args))
         label = f"{Path(args.trace).name}, {len(functions)} functions"
     return label, functions
 
@@ -196,7 +209,7 @@ def read_trace(args, out: Path | None):
 def load_trace(args, out: Path | None):
     """(label, functions, models, sizes, calls) for the trace `args` name, models from the zoo's catalogue."""
     label, functions = read_trace(args, out)
-    window = tuple(int(x) for x in args.minutes.split(":")) if args.minutes else None
+    window = trace_window(args)
     models = assign_models(functions, zoo_catalogue(), args.seed)
     sizes = dict(models.values())
     calls = invocations(functions, models, args.seed, args.compress, window)
@@ -220,7 +233,10 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
-    label, _, _, sizes, calls = load_trace(args, out)
+    try:
+        label, _, _, sizes, calls = load_trace(args, out)
+    except ValueError as e:
+        ap.error(str(e))
     total = sum(sizes.values())
 
     rows = []

@@ -41,8 +41,12 @@ class Invocation:
     model: str
 
 
-def read_counts(path: str | Path) -> list[FunctionCounts]:
-    """Every function row of an invocation-count CSV, in file order."""
+def read_counts(path: str | Path, minutes: tuple[int, int] | None = None) -> list[FunctionCounts]:
+    """Every function row of an invocation-count CSV, in file order.
+
+    A file whose minute columns have a gap (a slice cut from two places of the day) is read only with a
+    window, `minutes` = (first, stop) in the trace's numbers, inside one consecutive run: counts are never
+    laid across minutes the file does not have."""
     with open(path, newline="") as f:
         rows = csv.reader(f)
         header = next(rows, None)
@@ -51,27 +55,46 @@ def read_counts(path: str | Path) -> list[FunctionCounts]:
                              "HashOwner,HashApp,HashFunction,Trigger,1,2,...")
         where = {name.strip(): i for i, name in enumerate(header)}
         missing = [h for h in HASHES if h not in where]
-        minutes = [(int(m.group(1)), i) for i, name in enumerate(header) if (m := _MINUTE.match(name.strip()))]
-        if missing or not minutes:
+        columns = [(int(m.group(1)), i) for i, name in enumerate(header) if (m := _MINUTE.match(name.strip()))]
+        if missing or not columns:
             raise ValueError(f"{path}: not an invocation-count trace (missing "
                              f"{', '.join(missing) or 'minute columns'}); expected the Azure Functions header "
                              "HashOwner,HashApp,HashFunction,Trigger,1,2,... or minute_N columns")
-        minutes.sort()
-        first = minutes[0][0]
-        if [m for m, _ in minutes] != list(range(first, first + len(minutes))):
-            raise ValueError(f"{path}: the minute columns are not consecutive ({first}..{minutes[-1][0]} has gaps)")
+        columns = _one_run(path, sorted(columns), minutes)
+        first = columns[0][0]
         trigger = where.get("Trigger")
         out = []
         for line, row in enumerate(rows, start=2):
             if not row:
                 continue
             try:
-                counts = tuple(int(float(row[i])) if row[i].strip() not in ("", "nan") else 0 for _, i in minutes)
+                counts = tuple(int(float(row[i])) if row[i].strip() not in ("", "nan") else 0 for _, i in columns)
             except (ValueError, IndexError) as e:
                 raise ValueError(f"{path}:{line}: a minute count is not a number or is missing ({e})") from None
             out.append(FunctionCounts(row[where["HashOwner"]], row[where["HashApp"]], row[where["HashFunction"]],
                                       row[trigger] if trigger is not None else "", first, counts))
         return out
+
+
+def _one_run(path, columns: list[tuple[int, int]], window: tuple[int, int] | None) -> list[tuple[int, int]]:
+    """The (minute, column) pairs of the consecutive run of minutes to read: all of them when there is no
+    gap, else the run that holds `window`."""
+    runs = [[columns[0]]]
+    for c in columns[1:]:
+        if c[0] == runs[-1][-1][0] + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    if len(runs) == 1:
+        return columns
+    named = ", ".join(f"{r[0][0]}-{r[-1][0]}" for r in runs)
+    if window is not None:
+        for r in runs:
+            if r[0][0] <= window[0] and window[1] <= r[-1][0] + 1:
+                return r
+    longest = max(runs, key=len)
+    raise ValueError(f"{path}: the minute columns are not consecutive (runs {named}); replay one run with a "
+                     f"window inside it, e.g. --minutes {longest[0][0]}:{longest[-1][0] + 1}")
 
 
 def write_counts(path: str | Path, functions: list[FunctionCounts], minute_names: bool = False) -> None:
