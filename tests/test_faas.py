@@ -62,6 +62,21 @@ def test_a_slice_cut_from_two_places_is_read_one_run_at_a_time(tmp_path):
             read_counts(p, window)
 
 
+def test_the_committed_azure_slice_is_the_file_its_readme_names_and_reads_in_its_window():
+    """The real-trace slice under benchmarks/faas is copied unchanged (its README gives the digest and where
+    it comes from); read in the consecutive minutes the benchmarks replay, it is 100 functions x 144 minutes."""
+    import hashlib
+    from pathlib import Path
+    folder = Path(__file__).resolve().parents[1] / "benchmarks" / "faas" / "azure-2019-slice"
+    data = (folder / "invocations.csv").read_bytes()
+    assert hashlib.sha256(data).hexdigest() in (folder / "README.md").read_text()
+    rows = read_counts(folder / "invocations.csv", (546, 690))
+    assert len(rows) == 100 and {(r.first_minute, len(r.counts)) for r in rows} == {(546, 144)}
+    assert sum(sum(r.counts) for r in rows) == 183587
+    with pytest.raises(ValueError, match="runs 1-6, 546-689"):
+        read_counts(folder / "invocations.csv")
+
+
 def test_the_sweep_says_what_a_bad_window_is(tmp_path, capsys):
     p = tmp_path / "t.csv"
     p.write_text(AZURE + "o,a,f,http,1,1,1,1,1\n")

@@ -59,3 +59,21 @@ def test_servepath_splits_a_served_call(tmp_path):
     assert 0 < res["ort_run_us"] < res["daemon_handling_us"] < res["served_us"]
     assert res["client_python_us"] > 0 and res["daemon_top"]
     assert any("_run_express" in row["where"] or "submit" in row["where"] for row in res["daemon_top"])
+
+
+def test_keep_oracle_keeps_exactly_the_gaps_cheaper_than_its_price(monkeypatch):
+    """Hand-built calls: a 1 GiB model called every 10 s and a 4 GiB one every 100 s. At 20 GiB*s a cold start
+    the oracle keeps the small model's gaps (10 GiB*s each) and lets the large one go after each call
+    (400 GiB*s a gap): cold starts are the two first calls and the large model's later ones; a price above
+    every gap leaves only the first calls."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "faas"))
+    from keep_oracle import KeepIfCheap
+    from modelcache.faas.simulate import GIB, Costs, replay
+    from modelcache.faas.trace import Invocation
+    calls = sorted([Invocation(10.0 * i, "f", "small") for i in range(30)] +
+                   [Invocation(100.0 * i + 5, "g", "large") for i in range(3)])
+    sizes = {"small": GIB, "large": 4 * GIB}
+    cheap = replay(KeepIfCheap(calls, sizes, 20.0), 5 * GIB, calls, sizes, Costs())
+    assert cheap.disk_misses == 2 + 2
+    everything = replay(KeepIfCheap(calls, sizes, 1e6), 5 * GIB, calls, sizes, Costs())
+    assert everything.disk_misses == 2 and everything.gib_s > cheap.gib_s

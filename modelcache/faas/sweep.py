@@ -201,8 +201,10 @@ def read_trace(args, out: Path | None):
             functions = read_counts(out / "trace.csv")
         label = f"synthetic, {args.functions} functions, {args.hours:g} h, seed {args.seed}"
     else:
-        functions = read_counts(args.trace, trace_window(args))
-        label = f"{Path(args.trace).name}, {len(functions)} functions"
+        window = trace_window(args)
+        functions = read_counts(args.trace, window)
+        label = f"{Path(args.trace).name}, {len(functions)} functions" + (
+            f", minutes {window[0]}-{window[1] - 1}" if window else "")
     return label, functions
 
 
