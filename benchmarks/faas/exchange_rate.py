@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--policy", default="hybrid-sized")
     ap.add_argument("--keep-alive", default="2.5,5,10,20,40,80", help="keep_alive_s values, in minutes")
     args = ap.parse_args()
-    label, _, _, sizes, calls = load_trace(args, None)
+    label, _, _, sizes, calls = load_trace(ap, args, None)
     rows = json.loads((Path(args.folder) / "results.json").read_text())["rows"]
     front = frontier([(r["gib_s"], r["cold_fraction"]) for r in rows if r["policy"] in BASELINES])
     print(f"{args.policy} at full capacity, {label}; front from {args.folder}")

@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--prices", default="", help="GiB*s per cold start, comma-separated; default: a log "
                     "grid from 1 to 10^6")
     args = ap.parse_args()
-    label, _, _, sizes, calls = load_trace(args, None)
+    label, _, _, sizes, calls = load_trace(ap, args, None)
     rows = json.loads((Path(args.folder) / "results.json").read_text())["rows"]
     front = frontier([(r["gib_s"], r["cold_fraction"]) for r in rows if r["policy"] in BASELINES])
     prices = ([float(x) for x in args.prices.split(",")] if args.prices

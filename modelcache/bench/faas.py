@@ -37,7 +37,7 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..faas.simulate import GIB, Costs, replay
-from ..faas.sweep import load_costs, plot, read_trace, table, trace_window
+from ..faas.sweep import load_costs, minutes_window, plot, read_trace, table
 from ..faas.trace import Invocation, assign_models, invocations
 from ..usage import Parser
 from .common import compile_bytecode, managed_daemon, save_results
@@ -371,7 +371,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", default="synthetic", help="'synthetic' or an Azure Functions invocation-count CSV")
     ap.add_argument("--functions", type=int, default=20, help="synthetic: how many functions (default 20)")
     ap.add_argument("--hours", type=float, default=0.5, help="synthetic: trace length (default 0.5)")
-    ap.add_argument("--minutes", default="", help="a CSV's window, FIRST:STOP in its minute numbers")
+    ap.add_argument("--minutes", type=minutes_window, default=None,
+                    help="a CSV's window, FIRST:STOP in its minute numbers")
     ap.add_argument("--seed", type=int, default=0, help="the trace, the models' draw, the spread in a minute")
     ap.add_argument("--models", default=DEFAULT_MODELS, help=f"zoo models the functions draw from (default {DEFAULT_MODELS})")
     ap.add_argument("--policies", default="lru,gdsf",
@@ -398,12 +399,11 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
     try:
         label, functions = read_trace(args, out)
-        window = trace_window(args)
         costs = load_costs(args.costs) if args.costs else None
     except ValueError as e:
         raise InputError(f"bench faas: {e}") from None
     models = assign_models(functions, [(m.strip(), 0) for m in args.models.split(",") if m.strip()], args.seed)
-    calls = invocations(functions, models, args.seed, args.compress, window)
+    calls = invocations(functions, models, args.seed, args.compress, args.minutes)
     if not calls:
         raise InputError("bench faas: the trace has no calls in the window replayed: choose more functions, hours or another window")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]

@@ -103,10 +103,7 @@ def main(argv=None) -> int:
     trace_arguments(ap)
     ap.add_argument("--policy", default="hybrid", help="the eviction policy to replay")
     args = ap.parse_args(argv)
-    try:
-        _, functions, models, sizes, calls = load_trace(args, None)
-    except ValueError as e:
-        ap.error(str(e))
+    _, functions, models, sizes, calls = load_trace(ap, args, None)
     hours = (calls[-1].t if calls else 0.0) * args.compress / 3600   # of trace time
     classes = function_classes(functions, models, calls, max(hours, 1.0))
     total = sum(sizes.values())

@@ -170,7 +170,8 @@ def trace_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--trace", default="synthetic", help="'synthetic' or an Azure Functions invocation-count CSV")
     ap.add_argument("--functions", type=int, default=200, help="synthetic: how many functions")
     ap.add_argument("--hours", type=float, default=6.0, help="synthetic: trace length")
-    ap.add_argument("--minutes", default="", help="a CSV's window, FIRST:STOP in its minute numbers")
+    ap.add_argument("--minutes", type=minutes_window, default=None,
+                    help="a CSV's window, FIRST:STOP in its minute numbers")
     ap.add_argument("--seed", type=int, default=0, help="the trace, the models' draw, the spread in a minute")
     ap.add_argument("--capacities", default="0.02,0.05,0.1,0.2,0.3,0.5,1.0",
                     help="host-tier capacities as fractions of all the trace's models together")
@@ -178,16 +179,14 @@ def trace_arguments(ap: argparse.ArgumentParser) -> None:
                     help="divide trace time by this (the policies' windows scale with it)")
 
 
-def trace_window(args) -> tuple[int, int] | None:
-    """`--minutes FIRST:STOP` as (first, stop), or None for the whole trace."""
-    if not args.minutes:
-        return None
+def minutes_window(text: str) -> tuple[int, int]:
+    """`--minutes FIRST:STOP` as (first, stop), checked as the option is parsed."""
     try:
-        first, stop = (int(x) for x in args.minutes.split(":"))
+        first, stop = (int(x) for x in text.split(":"))
     except ValueError:
-        raise ValueError(f"--minutes {args.minutes}: expected FIRST:STOP, two minute numbers of the trace") from None
+        raise argparse.ArgumentTypeError(f"{text}: expected FIRST:STOP, two minute numbers of the trace") from None
     if stop <= first:
-        raise ValueError(f"--minutes {args.minutes}: STOP must be after FIRST (the window is FIRST <= minute < STOP)")
+        raise argparse.ArgumentTypeError(f"{text}: STOP must be after FIRST (the window is FIRST <= minute < STOP)")
     return first, stop
 
 
@@ -201,20 +200,22 @@ def read_trace(args, out: Path | None):
             functions = read_counts(out / "trace.csv")
         label = f"synthetic, {args.functions} functions, {args.hours:g} h, seed {args.seed}"
     else:
-        window = trace_window(args)
-        functions = read_counts(args.trace, window)
+        functions = read_counts(args.trace, args.minutes)
         label = f"{Path(args.trace).name}, {len(functions)} functions" + (
-            f", minutes {window[0]}-{window[1] - 1}" if window else "")
+            f", minutes {args.minutes[0]}-{args.minutes[1] - 1}" if args.minutes else "")
     return label, functions
 
 
-def load_trace(args, out: Path | None):
-    """(label, functions, models, sizes, calls) for the trace `args` name, models from the zoo's catalogue."""
-    label, functions = read_trace(args, out)
-    window = trace_window(args)
+def load_trace(ap: argparse.ArgumentParser, args, out: Path | None):
+    """(label, functions, models, sizes, calls) for the trace `args` name, models from the zoo's catalogue;
+    a file that is not a trace (or has no run for the window) is a usage error of `ap`."""
+    try:
+        label, functions = read_trace(args, out)
+    except ValueError as e:
+        ap.error(str(e))
     models = assign_models(functions, zoo_catalogue(), args.seed)
     sizes = dict(models.values())
-    calls = invocations(functions, models, args.seed, args.compress, window)
+    calls = invocations(functions, models, args.seed, args.compress, args.minutes)
     print(f"{label}: {len(calls)} calls, {len(sizes)} models, {sum(sizes.values()) / GIB:.1f} GiB together", flush=True)
     return label, functions, models, sizes, calls
 
@@ -235,10 +236,7 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
-    try:
-        label, _, _, sizes, calls = load_trace(args, out)
-    except ValueError as e:
-        ap.error(str(e))
+    label, _, _, sizes, calls = load_trace(ap, args, out)
     total = sum(sizes.values())
 
     rows = []
