@@ -43,7 +43,7 @@ def mlp(path: Path) -> str:
 CHILD = r"""
 import json, sys
 import numpy as np
-from modelcache.bench.common import memory_mib
+from modelcache.measure import memory_mib
 import modelcache, onnxruntime
 before = memory_mib()["anon_mib"]
 s = modelcache.InferenceSession(sys.argv[1])

@@ -17,8 +17,8 @@ import json
 from pathlib import Path
 
 from modelcache.eviction import make_policy
-from modelcache.faas.simulate import Costs, replay
-from modelcache.faas.sweep import BASELINES, frontier, interpolate, load_trace, ratio_text, trace_arguments
+from benchmarks.faas.simulate import Costs, replay
+from benchmarks.faas.sweep import BASELINES, frontier, interpolate, load_trace, ratio_text, trace_arguments
 
 
 def main() -> None:

@@ -23,8 +23,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from modelcache.eviction.timed import TimedPolicy
-from modelcache.faas.simulate import GIB, Costs, replay
-from modelcache.faas.sweep import BASELINES, LEARNED, frontier, interpolate, load_trace, ratio_text, trace_arguments
+from benchmarks.faas.simulate import GIB, Costs, replay
+from benchmarks.faas.sweep import BASELINES, LEARNED, frontier, interpolate, load_trace, ratio_text, trace_arguments
 
 
 class KeepIfCheap(TimedPolicy):

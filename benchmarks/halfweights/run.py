@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from modelcache.bench.common import (alternate_runs, answer_child, managed_daemon, memory_mib, run_child, save_results,
+from modelcache.measure import (alternate_runs, answer_child, managed_daemon, memory_mib, run_child, save_results,
                                      summary)
 
 UPCAST_SUFFIX = "-upcast"

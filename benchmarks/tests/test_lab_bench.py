@@ -68,8 +68,8 @@ def test_keep_oracle_keeps_exactly_the_gaps_cheaper_than_its_price(monkeypatch):
     every gap leaves only the first calls."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "faas"))
     from keep_oracle import KeepIfCheap
-    from modelcache.faas.simulate import GIB, Costs, replay
-    from modelcache.faas.trace import Invocation
+    from benchmarks.faas.simulate import GIB, Costs, replay
+    from benchmarks.faas.trace import Invocation
     calls = sorted([Invocation(10.0 * i, "f", "small") for i in range(30)] +
                    [Invocation(100.0 * i + 5, "g", "large") for i in range(3)])
     sizes = {"small": GIB, "large": 4 * GIB}

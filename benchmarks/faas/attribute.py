@@ -2,7 +2,7 @@
 for one policy at some capacities. What benchmarks/faas/README.md's "where hybrid's cold starts come
 from" is measured with.
 
-    python -m modelcache.faas.attribute --hours 6 --seed 0 --policy hybrid --capacities 0.1,0.3,1
+    python -m benchmarks.faas.attribute --hours 6 --seed 0 --policy hybrid --capacities 0.1,0.3,1
 
 A cold call's cause is why its model was not resident when it came: its function's first call; the
 model on its way up for an earlier call; evicted under pressure; unloaded by the policy's timer with a
@@ -19,11 +19,12 @@ from __future__ import annotations
 import sys
 from collections import Counter
 
-from ..eviction import make_policy
-from .simulate import GIB, LOADING, RESIDENT, WAITING, Costs, Replay
-from .sweep import load_trace, trace_arguments
-from .trace import FunctionCounts
-from ..usage import Parser
+from modelcache.eviction import make_policy
+from modelcache.usage import Parser
+
+from benchmarks.faas.simulate import GIB, LOADING, RESIDENT, WAITING, Costs, Replay
+from benchmarks.faas.sweep import load_trace, trace_arguments
+from benchmarks.faas.trace import FunctionCounts
 
 
 def function_classes(functions: list[FunctionCounts], models: dict[str, tuple[str, int]], calls: list,
@@ -99,7 +100,7 @@ def report(r: AttributedReplay) -> str:
 
 
 def main(argv=None) -> int:
-    ap = Parser(prog="python -m modelcache.faas.attribute", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="python -m benchmarks.faas.attribute", description=__doc__.split("\n\n")[0])
     trace_arguments(ap)
     ap.add_argument("--policy", default="hybrid", help="the eviction policy to replay")
     args = ap.parse_args(argv)

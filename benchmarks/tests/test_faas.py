@@ -7,11 +7,11 @@ from collections import Counter
 import pytest
 
 from modelcache.eviction import make_policy
-from modelcache.faas.attribute import AttributedReplay, function_classes, report
-from modelcache.faas.simulate import Costs, replay
-from modelcache.faas.sweep import compare, frontier, interpolate, main, verdict, verdict_line
-from modelcache.faas.synthetic import generate
-from modelcache.faas.trace import (FunctionCounts, Invocation, assign_models, invocations, read_counts,
+from benchmarks.faas.attribute import AttributedReplay, function_classes, report
+from benchmarks.faas.simulate import Costs, replay
+from benchmarks.faas.sweep import compare, frontier, interpolate, main, verdict, verdict_line
+from benchmarks.faas.synthetic import generate
+from benchmarks.faas.trace import (FunctionCounts, Invocation, assign_models, invocations, read_counts,
                                    write_counts, zoo_catalogue)
 
 AZURE = "HashOwner,HashApp,HashFunction,Trigger," + ",".join(str(m) for m in range(1, 6)) + "\n"
@@ -67,7 +67,7 @@ def test_the_committed_azure_slice_is_the_file_its_readme_names_and_reads_in_its
     it comes from); read in the consecutive minutes the benchmarks replay, it is 100 functions x 144 minutes."""
     import hashlib
     from pathlib import Path
-    folder = Path(__file__).resolve().parents[1] / "benchmarks" / "faas" / "azure-2019-slice"
+    folder = Path(__file__).resolve().parents[1] / "faas" / "azure-2019-slice"
     data = (folder / "invocations.csv").read_bytes()
     assert hashlib.sha256(data).hexdigest() in (folder / "README.md").read_text()
     rows = read_counts(folder / "invocations.csv", (546, 690))
@@ -292,14 +292,14 @@ def test_the_sweep_runs_end_to_end_on_a_tiny_trace(tmp_path, capsys):
     assert len(out["rows"]) == 10 and set(out["targets"]) == set(out["vs_baselines"]) == {"hybrid", "hybrid-sized"}
     assert read_counts(tmp_path / "trace.csv")                       # the trace it ran, in the Azure format
     printed = capsys.readouterr().out
-    assert "cold %" in printed and printed.count(" hybrid |") == 2 and printed.startswith("python -m modelcache.faas.sweep --functions 12")
+    assert "cold %" in printed and printed.count(" hybrid |") == 2 and printed.startswith("python -m benchmarks.faas.sweep --functions 12")
     assert "hybrid-sized: targets (issue #29)" in printed
     assert "hybrid at" in printed and "hybrid: targets (issue #29): cold starts at equal memory-time <= 0.5x" in printed
     assert set(out["targets"]["hybrid"]) == {"cold_ratio", "mem_ratio", "worse_than_lru_on_both_at_gib"}
 
 
 def test_the_summary_prints_the_readme_tables_from_a_sweeps_folder(tmp_path, capsys):
-    from modelcache.faas import summary
+    from benchmarks.faas import summary
     assert main(["--functions", "12", "--hours", "0.5", "--capacities", "0.3,1", "--out", str(tmp_path),
                  "--policies", "lru,gdsf,hybrid"]) == 0
     capsys.readouterr()
@@ -313,7 +313,7 @@ def test_the_summary_prints_the_readme_tables_from_a_sweeps_folder(tmp_path, cap
     assert "`hybrid`: targets (issue #29)" in printed
     with pytest.raises(SystemExit) as e:
         summary.main([str(tmp_path / "nosuch")])
-    assert e.value.code == 2 and "make one with `python -m modelcache.faas.sweep" in capsys.readouterr().err
+    assert e.value.code == 2 and "make one with `python -m benchmarks.faas.sweep" in capsys.readouterr().err
 
 
 def test_the_sweep_takes_measured_costs_from_a_file(tmp_path, capsys):
