@@ -16,9 +16,10 @@ from pathlib import Path
 
 @contextlib.contextmanager
 def managed_daemon(socket: str | None = None, repository: str | None = None, env: dict | None = None,
-                   log_path: str | None = None):
+                   log_path: str | None = None, command: list | None = None):
     """Yield the address of a running daemon: the one at `socket` if it answers, else one we start and stop
-    (with `env` added to its environment and its log in `log_path`, where given)."""
+    (with `env` added to its environment and its log in `log_path`, where given; `command`: the program
+    that runs it, which prints READY as `modelcache daemon` does)."""
     from .client.connection import connect
     from .config import load
     from .errors import ModelCacheError
@@ -33,7 +34,7 @@ def managed_daemon(socket: str | None = None, repository: str | None = None, env
     env = {**os.environ, "MODELCACHE_SOCKET": settings.socket, "MODELCACHE_REPOSITORY": settings.repository,
            **(env or {})}
     log = open(log_path, "ab") if log_path else None
-    proc = subprocess.Popen([sys.executable, "-m", "modelcache.cli", "daemon", "--log-level", "warning"],
+    proc = subprocess.Popen(command or [sys.executable, "-m", "modelcache.cli", "daemon", "--log-level", "warning"],
                             env=env, stdout=subprocess.PIPE, stderr=log)
     try:
         deadline = time.monotonic() + 60

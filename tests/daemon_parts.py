@@ -16,15 +16,9 @@ from modelcache.packing import pack
 from modelcache.tiers.disk import Repository
 from modelcache.tiers.host import HostTier
 
+from fake_clock import FakeClock
+
 MiB = 1 << 20
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Parts:
@@ -46,7 +40,7 @@ class Parts:
                                         "corrupt_detected", "fetched", "refetched", "adds", "unloads", "prewarms",
                                         "gpu_unloads", "gpu_prewarms", "opens", "hits", "misses", "closes")}
         self.replies: list = []
-        self.cache = HostCache(registry=self.registry, host=self.host, policy=policy_for(self.settings),
+        self.cache = HostCache(registry=self.registry, host=self.host, policy=policy_for(self.settings, self.clock),
                                repository=self.repository, remote=None, loaders=self.loaders, settings=self.settings,
                                admins=Admins(""), counters=self.counters, jobs={}, clock=self.clock,
                                reply=lambda ident, msg: self.replies.append(msg), redispatch=None, wall=self.wall)

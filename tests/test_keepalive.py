@@ -111,7 +111,7 @@ def test_a_serve_request_counts_as_a_call(make, tmp_path):
     resident(parts, model)          # created without a call: the fallback keep-alive, from its load
     assert parts.cache.describe(model)["keep_alive_until"] == parts.wall() + 60
     tick(parts, 30)
-    parts.cache.policy.accessed(model.key, parts.clock())
+    parts.cache.policy.accessed(model.key)
     model.hold()
     model.let_go()
     parts.cache.after_release(model)

@@ -144,7 +144,7 @@ def test_room_is_made_from_the_least_recently_used_unheld_model(tmp_path):
         for model in (a, b):
             resident(parts, model)
             parts.clock.now += 10
-        parts.cache.policy.accessed(a.key, parts.clock())   # a used after b: b is the least recent
+        parts.cache.policy.accessed(a.key)   # a used after b: b is the least recent
         parts.clock.now += 10
         resident(parts, c)
         assert (a.state, b.state, c.state) == (ModelState.RESIDENT, ModelState.ON_DISK, ModelState.RESIDENT)

@@ -19,10 +19,9 @@ from __future__ import annotations
 import sys
 from collections import Counter
 
-from modelcache.eviction import make_policy
 from modelcache.usage import Parser
 
-from benchmarks.faas.simulate import GIB, LOADING, RESIDENT, WAITING, Costs, Replay
+from benchmarks.faas.simulate import GIB, LOADING, RESIDENT, WAITING, Costs, Replay, trace_policy
 from benchmarks.faas.sweep import load_trace, trace_arguments
 from benchmarks.faas.trace import FunctionCounts
 
@@ -109,8 +108,7 @@ def main(argv=None) -> int:
     classes = function_classes(functions, models, calls, max(hours, 1.0))
     total = sum(sizes.values())
     for frac in (float(x) for x in args.capacities.split(",")):
-        policy = make_policy(args.policy, time_scale=1 / args.compress)
-        r = AttributedReplay(policy, int(total * frac), sizes, classes)
+        r = AttributedReplay(trace_policy(args.policy, args.compress), int(total * frac), sizes, classes)
         r.run(calls)
         print(report(r), flush=True)
     return 0

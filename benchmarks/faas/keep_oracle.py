@@ -33,8 +33,8 @@ class KeepIfCheap(TimedPolicy):
 
     name = "keep-oracle"
 
-    def __init__(self, calls, sizes: dict[str, int], price_gib_s: float):
-        super().__init__()
+    def __init__(self, clock, calls, sizes: dict[str, int], price_gib_s: float):
+        super().__init__(clock)
         self.times: dict[str, list[float]] = defaultdict(list)
         for c in calls:                          # in time order
             self.times[c.model].append(c.t)
@@ -67,7 +67,7 @@ def main() -> None:
     print(f"keep-only oracle at full capacity, {label}; front from {args.folder}")
     curve = []
     for price in prices:
-        r = replay(KeepIfCheap(calls, sizes, price), sum(sizes.values()), calls, sizes, Costs())
+        r = replay(lambda clock: KeepIfCheap(clock, calls, sizes, price), sum(sizes.values()), calls, sizes, Costs())
         curve.append((r.gib_s, r.cold_fraction))
         at_front = interpolate(front, r.gib_s, 0)
         print(f"  price {price:9.1f} GiB*s: cold {r.cold_fraction:.3%} ({r.disk_misses}), {r.gib_s:.0f} GiB*s; "

@@ -24,7 +24,6 @@ replays the same calls with those costs, and the report sets real and simulated 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import statistics
@@ -40,13 +39,12 @@ from modelcache.bench.fresh import spawn
 from modelcache.measure import compile_bytecode, managed_daemon, save_results
 from modelcache.usage import Parser
 
-from benchmarks.faas.simulate import GIB, Costs, replay
+from benchmarks.faas.simulate import GIB, Costs, replay, trace_policy
 from benchmarks.faas.sweep import load_costs, minutes_window, plot, read_trace, table
 from benchmarks.faas.trace import Invocation, assign_models, invocations
 
 CHILD = str(Path(bench.__file__).with_name("coldstart_child.py"))   # a fresh process per call, as coldstart's
 DEFAULT_MODELS = "squeezenet1_1,googlenet,resnet50"
-TIME_SCALE_SETTING = "policy_time_scale"   # the timed policies' scale, once the daemon has such a setting
 
 
 def daemon_name(model: str) -> str:
@@ -54,14 +52,15 @@ def daemon_name(model: str) -> str:
     return model.replace("#", ".f")
 
 
-def daemon_env(policy: str, capacity_bytes: int, compress: float) -> dict:
-    """The daemon's settings for one replay. A timed policy's windows are in trace time: the daemon scales
-    them by 1/compress where it has a setting for that (in this one place; until then it runs them unscaled)."""
-    from modelcache.config import Settings
-    env = {"MODELCACHE_EVICTION_POLICY": policy, "MODELCACHE_HOST_CAPACITY": str(capacity_bytes)}
-    if TIME_SCALE_SETTING in {f.name for f in dataclasses.fields(Settings)}:
-        env[f"MODELCACHE_{TIME_SCALE_SETTING.upper()}"] = repr(1 / compress)
-    return env
+def daemon_env(policy: str, capacity_bytes: int) -> dict:
+    """The daemon's settings for one replay (its policy's windows are compressed by `daemon_command`)."""
+    return {"MODELCACHE_EVICTION_POLICY": policy, "MODELCACHE_HOST_CAPACITY": str(capacity_bytes)}
+
+
+def daemon_command(compress: float) -> list:
+    """A daemon whose policies' windows, in trace time, shrink with the trace (compressed_daemon.py)."""
+    return [sys.executable, "-m", "benchmarks.faas.compressed_daemon", "--compress", repr(compress),
+            "--log-level", "warning"]
 
 
 def pct(values: list[float], p: float) -> float:
@@ -436,7 +435,7 @@ def main(argv=None) -> int:
             for policy in policies:
                 log(f"replaying {len(calls)} calls ({calls[-1].t:.0f} s) with {policy} at {capacity / 2**20:.1f} MiB ...")
                 with managed_daemon(f"ipc://{tmp}/{policy}-{i}.sock", repo,
-                                    env=daemon_env(policy, capacity, args.compress)) as socket:
+                                    env=daemon_env(policy, capacity), command=daemon_command(args.compress)) as socket:
                     run = replay_real(socket, calls, args.mode, args.max_procs, args.sample_s)
                 rows.append(summarize(policy, capacity, run, args.mode, args.late_ms))
                 log(f"  cold {rows[-1]['cold_fraction']:.1%}, {rows[-1]['gib_s']:.2f} GiB*s, "
@@ -446,7 +445,7 @@ def main(argv=None) -> int:
                     started = sorted(Invocation(r["t"] + r["late_ms"] / 1e3, r["function"], r["model"])
                                      for r in run["records"])
                     for out_list, these in ((sims, calls), (sims_started, started)):
-                        sim = replay(make_policy(policy, time_scale=1 / args.compress), capacity, these, sizes, costs)
+                        sim = replay(trace_policy(policy, args.compress), capacity, these, sizes, costs)
                         out_list.append({**sim.row(), "gib_s": sim.gib_s})   # (row() rounds to 0.1 GiB*s)
     data = {"trace": label, "args": vars(args), "calls": len(calls), "trace_s": calls[-1].t * args.compress,
             "models": len(sizes), "total_bytes": total, "costs": vars(costs), "rows": rows, "simulated": sims,

@@ -108,12 +108,12 @@ class _Model:
 class Replay:
     """One policy, one capacity: feed it invocations (`run`), read the `Result`."""
 
-    def __init__(self, policy, capacity_bytes: int, sizes: dict[str, int], costs: Costs = Costs()):
-        self.policy, self.capacity, self.costs = policy, capacity_bytes, costs
-        self.models = {k: _Model(k, s) for k, s in sizes.items()}
-        self.result = Result(policy.name, capacity_bytes)
-        self.used = 0
+    def __init__(self, make_policy, capacity_bytes: int, sizes: dict[str, int], costs: Costs = Costs()):
         self.now = 0.0
+        self.policy, self.capacity, self.costs = make_policy(lambda: self.now), capacity_bytes, costs
+        self.models = {k: _Model(k, s) for k, s in sizes.items()}
+        self.result = Result(self.policy.name, capacity_bytes)
+        self.used = 0
         self.queue: deque[_Model] = deque()   # promotions waiting for room, in arrival order
         self._events: list = []
         self._seq = 0
@@ -174,7 +174,7 @@ class Replay:
     def _grant(self, m: _Model, arrived: float) -> None:
         m.leases += 1
         m.prewarmed = False
-        self.policy.accessed(m.key, self.now)
+        self.policy.accessed(m.key)
         done = self.now + self.costs.open_host_s + self.costs.run_of(m.key)
         self.result.ttfr_s.append(done - arrived)
         self._at(done, self._done, m)
@@ -182,7 +182,7 @@ class Replay:
     def _done(self, m: _Model, _) -> None:
         m.leases -= 1
         if m.leases == 0:
-            self.policy.released(m.key, self.now)
+            self.policy.released(m.key)
             if self.policy.evict_on_release:
                 self._free(m, "evictions")
             self._admit()
@@ -218,7 +218,7 @@ class Replay:
 
     def _loaded(self, m: _Model, prewarm: bool) -> None:
         m.state = RESIDENT
-        self.policy.created(m.key, m.size, self.now)
+        self.policy.created(m.key, m.size)
         waiters, m.waiters = m.waiters, []
         m.prewarmed = prewarm and not waiters
         for arrived in waiters:
@@ -235,7 +235,7 @@ class Replay:
 
     def _timers(self) -> None:
         freed = False
-        for action in self.policy.due(self.now):
+        for action in self.policy.due():
             m = self.models[action.key]
             if action.kind == "unload":
                 if m.state == RESIDENT and m.leases == 0:
@@ -253,6 +253,22 @@ class Replay:
             self._admit()
 
 
-def replay(policy, capacity_bytes: int, invocations, sizes: dict[str, int], costs: Costs = Costs()) -> Result:
-    """Replay `invocations` (time-ordered, each with .t, .function, .model) against one policy and capacity."""
-    return Replay(policy, capacity_bytes, sizes, costs).run(invocations)
+def replay(make_policy, capacity_bytes: int, invocations, sizes: dict[str, int], costs: Costs = Costs()) -> Result:
+    """Replay `invocations` (time-ordered, each with .t, .function, .model) against one policy (make_policy(clock),
+    on the replay's clock) and capacity."""
+    return Replay(make_policy, capacity_bytes, sizes, costs).run(invocations)
+
+
+def trace_policy(name: str, compress: float = 1.0, keep_alive_s: float | None = None):
+    """make_policy(clock) for `replay`: the policy called `name` with its windows in trace time divided by
+    `compress` (a trace replayed `compress` times faster than it ran; the real-daemon replay builds its
+    daemons' policies the same way)."""
+    from modelcache.eviction import POLICIES, make_policy
+    options = {}
+    if compress != 1.0 and POLICIES[name].timed:
+        keep_alive_s = 600.0 if keep_alive_s is None else keep_alive_s
+        if name.startswith("hybrid"):
+            options = {"unit_minutes": 1.0 / compress, "range_minutes": 240.0 / compress}
+    if keep_alive_s is not None:
+        keep_alive_s /= compress
+    return lambda clock: make_policy(name, clock, keep_alive_s=keep_alive_s, **options)

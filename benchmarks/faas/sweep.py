@@ -16,10 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from modelcache.eviction import make_policy
 from modelcache.usage import Parser
 
-from benchmarks.faas.simulate import GIB, Costs, replay
+from benchmarks.faas.simulate import GIB, Costs, replay, trace_policy
 from benchmarks.faas.synthetic import generate
 from benchmarks.faas.trace import assign_models, invocations, read_counts, write_counts, zoo_catalogue
 
@@ -244,7 +243,7 @@ def main(argv=None) -> int:
     for frac in (float(x) for x in args.capacities.split(",")):
         for name in args.policies.split(","):
             t0 = time.perf_counter()
-            r = replay(make_policy(name, time_scale=1 / args.compress), int(total * frac), calls, sizes, costs)
+            r = replay(trace_policy(name, args.compress), int(total * frac), calls, sizes, costs)
             rows.append(r.row())
             print(f"  {name} at {frac:g} of the models ({r.capacity_bytes / GIB:.2f} GiB): "
                   f"cold {r.cold_fraction:.3%}, {r.gib_s:.0f} GiB*s ({time.perf_counter() - t0:.1f} s)",

@@ -73,7 +73,7 @@ def test_keep_oracle_keeps_exactly_the_gaps_cheaper_than_its_price(monkeypatch):
     calls = sorted([Invocation(10.0 * i, "f", "small") for i in range(30)] +
                    [Invocation(100.0 * i + 5, "g", "large") for i in range(3)])
     sizes = {"small": GIB, "large": 4 * GIB}
-    cheap = replay(KeepIfCheap(calls, sizes, 20.0), 5 * GIB, calls, sizes, Costs())
+    cheap = replay(lambda clock: KeepIfCheap(clock, calls, sizes, 20.0), 5 * GIB, calls, sizes, Costs())
     assert cheap.disk_misses == 2 + 2
-    everything = replay(KeepIfCheap(calls, sizes, 1e6), 5 * GIB, calls, sizes, Costs())
+    everything = replay(lambda clock: KeepIfCheap(clock, calls, sizes, 1e6), 5 * GIB, calls, sizes, Costs())
     assert everything.disk_misses == 2 and everything.gib_s > cheap.gib_s

@@ -5,9 +5,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from benchmarks.faas.real_replay import daemon_env, fit_line
+from benchmarks.faas.real_replay import daemon_command, daemon_env, fit_line
 from modelcache.config import EVICTION_POLICIES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +50,7 @@ def test_a_tiny_trace_replays_against_the_real_daemon(tmp_path):
 
 
 def test_the_daemon_runs_the_policy_at_the_capacity_asked():
-    env = daemon_env("gdsf", 5 << 20, 60)
+    env = daemon_env("gdsf", 5 << 20)
     assert env["MODELCACHE_EVICTION_POLICY"] == "gdsf" and env["MODELCACHE_HOST_CAPACITY"] == str(5 << 20)
     assert "gdsf" in EVICTION_POLICIES
 
@@ -64,3 +65,21 @@ def test_a_policy_the_daemon_does_not_run_is_one_line_before_anything_starts():
     r = replay("--policies", "lru,nope", "--functions", "2", "--hours", "0.1", timeout=60)
     assert r.returncode == 2 and "not nope" in r.stderr and "lru" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_the_replays_daemon_keeps_a_model_for_the_compressed_window(tmp_path, monkeypatch):
+    """No time scale in the daemon: the replay's launcher (compressed_daemon.py) builds its policies with
+    windows as short as the trace's compression makes them; 10 minutes of keep-alive at 60x is 10 s."""
+    from modelcache import zoo
+    from modelcache.client.connection import connect
+    from modelcache.measure import managed_daemon
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("MODELCACHE_SHM_DIR", str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    zoo.save(zoo.build("tiny-cnn"), str(tmp_path / "m.onnx"))
+    with managed_daemon(f"ipc://{tmp_path}/d.sock", str(tmp_path / "repo"), env=daemon_env("keepalive", 64 << 20),
+                        command=daemon_command(60)) as socket, connect(socket) as c:
+        c.add(str(tmp_path / "m.onnx"), "m")
+        c.release(c.open("m").lease_id)
+        (m,) = c.list()
+        assert 5 < m["keep_alive_until"] - time.time() <= 10.0

@@ -171,7 +171,7 @@ class HostCache:
         """Run what is due by `now` (the owner loop calls this every turn; nothing due costs a heap peek)."""
         for model, wake, waited_s in self.room.expired(now):
             wake(self.room_refusal(model, waited_s))
-        for action in self.policy.due(now):
+        for action in self.policy.due():
             model = self.registry.by_key(action.key)
             if model is None:
                 continue
@@ -335,7 +335,7 @@ class HostCache:
         if device is not None:
             self.gpu.after_release(model, device)
         if model.idle:
-            self.policy.released(model.key, self.clock())
+            self.policy.released(model.key)
             if self.policy.evict_on_release and model.evictable:
                 self.evict(model)
             if self.room:
@@ -494,7 +494,7 @@ class HostCache:
             else:
                 self.host.commit(plan)
                 waiters = model.finish_load(ok=True)
-                self.policy.created(model.key, self.host.model_bytes(model.key), self.clock())
+                self.policy.created(model.key, self.host.model_bytes(model.key))
                 self.counters["promotions"] += 1
                 # (the blob also holds the GPU variant's own tensors: count what this promotion placed)
                 placed = sum(t.nbytes for v in plan.locations for t in variant_tensors(model.manifest, v))
@@ -567,11 +567,10 @@ class HostCache:
         self.loaders.run(work, done)
 
 
-def policy_for(settings):
-    """A tier's eviction policy as the settings name it: `eviction_policy`, and for the timed ones
-    (keepalive, hybrid) `keep_alive_s` and `policy_time_scale`."""
-    return make_policy(settings.eviction_policy, time_scale=settings.policy_time_scale,
-                       keep_alive_s=settings.keep_alive_s)
+def policy_for(settings, clock):
+    """A tier's eviction policy on the tier's clock, as the settings name it: `eviction_policy`, and for the
+    timed ones (keepalive, hybrid) `keep_alive_s`."""
+    return make_policy(settings.eviction_policy, clock, keep_alive_s=settings.keep_alive_s)
 
 
 def outcome(msg, model: ModelRecord, before: list, **fields):

@@ -30,7 +30,7 @@ log = logging.getLogger("modelcache.daemon")
 
 class DeviceCache:
     def __init__(self, *, registry: Registry, cache: HostCache, loaders: Loaders, settings, counters: dict,
-                 jobs: dict, clock, serve_holds=lambda key: 0):
+                 jobs: dict, clock, serve_holds=lambda key: 0, make_policy=policy_for):
         self.registry = registry
         self.cache = cache                # the host tier's: a model reaches a GPU through it
         self.host = cache.host
@@ -47,6 +47,7 @@ class DeviceCache:
         self.forget: list = []
         # key -> how many serve-mode GPU workers hold the model (said when they keep it from being evicted)
         self.serve_holds = serve_holds
+        self.make_policy = make_policy    # (settings, clock) -> a device's eviction policy
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -65,7 +66,7 @@ class DeviceCache:
         for device in devices:
             capacity = parse_size(self.settings.gpu_capacity, total=device.total_bytes)
             self.tiers[device.uuid] = gpu.DeviceTier(allocator(device), capacity)
-            self.policies[device.uuid] = policy_for(self.settings)
+            self.policies[device.uuid] = self.make_policy(self.settings, self.clock)
             self.rooms[device.uuid] = RoomQueue()
             log.info("GPU tier on device %d (%s, %s): %d MiB", device.index, device.name, device.uuid,
                      self.tiers[device.uuid].capacity_bytes >> 20)
@@ -239,7 +240,7 @@ class DeviceCache:
             else:
                 tier.commit(plan)
                 waiters = model.finish_device_load(uuid, ok=True)
-                self.policies[uuid].created(model.key, plan.arena_bytes, self.clock())
+                self.policies[uuid].created(model.key, plan.arena_bytes)
                 self.counters["gpu_promotions"] += 1
                 rate = plan.arena_bytes / seconds / 1e9 if seconds else 0.0
                 log.info("model promoted: %s host -> GPU %d, %.1f MiB in %.3f s (%.1f GB/s)", model.key,
@@ -305,7 +306,7 @@ class DeviceCache:
         res = model.devices.get(uuid)
         if res is not None and res.freeable:
             policy = self.policies[uuid]
-            policy.released(model.key, self.clock())
+            policy.released(model.key)
             if policy.evict_on_release and not model.pinned:
                 self.evict_from_device(model, uuid)
         if self.rooms[uuid]:
@@ -326,7 +327,7 @@ class DeviceCache:
         if gave_up:
             self.cache.admit()   # a model none waits for on a GPU any more: its host copy is evictable again
         for uuid, policy in self.policies.items():
-            for action in policy.due(now):
+            for action in policy.due():
                 model = self.registry.by_key(action.key)
                 res = model.devices.get(uuid) if model is not None else None
                 if action.kind == "unload":

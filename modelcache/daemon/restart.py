@@ -71,7 +71,7 @@ def settle_adopted(cache, found: Adoption) -> None:
             continue
         model.start_load()                # (its load is the dead daemon's, found whole)
         model.finish_load(ok=True)
-        cache.policy.created(key, cache.host.model_bytes(key), cache.clock())
+        cache.policy.created(key, cache.host.model_bytes(key))
         cache.counters["adopted"] += 1
     found.adopted = [k for k in found.adopted if k not in found.rejected]
 

@@ -62,7 +62,10 @@ class Daemon:
                      "batching", "max_batch", "t_opt_ms", "batch_window_ms", "max_queue_delay_ms",
                      "inline_run_ms")
 
-    def __init__(self, settings: Settings, clock=time.monotonic, wall=time.time, reload_settings=None):
+    def __init__(self, settings: Settings, clock=time.monotonic, wall=time.time, reload_settings=None,
+                 make_policy=policy_for):
+        """`make_policy(settings, clock)`: each tier's eviction policy (a replay that compresses trace time
+        passes one whose windows are compressed with it: benchmarks/faas/compressed_daemon.py)."""
         self.settings = settings
         self.reload_settings = reload_settings  # () -> Settings, re-read from file and environment
         self.clock = clock
@@ -82,7 +85,7 @@ class Daemon:
                          "gpu_prewarms": 0}
         self.open_latency = Histogram()
         try:
-            policy = policy_for(settings)
+            policy = make_policy(settings, clock)
             self.admins = Admins(settings.admin_group)
             # (the engine's GPU workers hold device copies through serving, built below)
             self.engine = Engine(settings, Path(settings.state_dir) / "perfmodels.json", self.loaders.post, clock,
@@ -97,7 +100,7 @@ class Daemon:
         self.gpu = self.cache.gpu = DeviceCache(
             registry=self.registry, cache=self.cache, loaders=self.loaders, settings=settings,
             counters=self.counters, jobs=self.jobs, clock=clock,
-            serve_holds=lambda key: self.serving.serve_holds(key))
+            serve_holds=lambda key: self.serving.serve_holds(key), make_policy=make_policy)
         self.sessions = Sessions(registry=self.registry, cache=self.cache, gpu=self.gpu, settings=settings,
                                  counters=self.counters, clock=clock, wall=wall, reply=self._reply,
                                  open_latency=self.open_latency)
@@ -536,8 +539,8 @@ class Daemon:
         self.sessions.sweep(now, self.listening_since)
 
 
-def run(settings: Settings, on_ready=None, reload_settings=None) -> None:
-    daemon = Daemon(settings, reload_settings=reload_settings)
+def run(settings: Settings, on_ready=None, reload_settings=None, make_policy=policy_for) -> None:
+    daemon = Daemon(settings, reload_settings=reload_settings, make_policy=make_policy)
     signal.signal(signal.SIGTERM, daemon.request_stop)
     signal.signal(signal.SIGINT, daemon.request_stop)
     signal.signal(signal.SIGHUP, daemon.request_reload)

@@ -225,10 +225,9 @@ class Serving:
                         devices[uuid] = stages
             first = next(iter(feeds.values()), None)
             samples = first.shape[0] if getattr(first, "ndim", 0) else 1   # (a sequence or None: 1)
-            now = self.clock()   # a serve request is a call, as an open is: the timed policies count it
-            for uuid in devices:
-                self.gpu.policies[uuid].accessed(model.key, now)
-            self.cache.policy.accessed(model.key, now)
+            for uuid in devices:   # a serve request is a call, as an open is: the timed policies count it
+                self.gpu.policies[uuid].accessed(model.key)
+            self.cache.policy.accessed(model.key)
             self.engine.submit(ServeRequest(model.key, specs, segments, dict(feeds), msg.output_names, arrival,
                                             deadline, finish, samples=samples, batchable=batchable,
                                             profile=model.manifest.batching or None, devices=devices))

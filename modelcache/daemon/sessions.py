@@ -140,9 +140,9 @@ class Sessions:
                 return
             uuid = tier.device.uuid if tier is not None else None
             lease = self.registry.grant(client, model, self.wall(), uuid)
-            self.cache.policy.accessed(model.key, self.clock())
+            self.cache.policy.accessed(model.key)
             if uuid is not None:
-                self.gpu.policies[uuid].accessed(model.key, self.clock())
+                self.gpu.policies[uuid].accessed(model.key)
             self.reply(ident, self._open_reply(msg.req_id, lease.lease_id, model, hit, tier))
 
         if tier is None:
