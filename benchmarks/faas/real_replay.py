@@ -416,7 +416,6 @@ def main(argv=None) -> int:
 
     from modelcache.client.connection import connect
     from modelcache.config import MIN_CAPACITY
-    from modelcache.eviction import make_policy
     with tempfile.TemporaryDirectory(prefix="modelcache-faas-") as tmp:
         repo = f"{tmp}/repo"
         with managed_daemon(f"ipc://{tmp}/setup.sock", repo) as socket, connect(socket) as c:
