@@ -141,7 +141,7 @@ def test_damaged_blob_is_refused(host, tmp_path):
         f.seek(blob_offset + 100)
         f.write(bytes([byte[0] ^ 0xFF]))
     host.capacity_bytes = 1 << 30
-    plan = host.plan("mlp@1", model_dir, manifest)
+    plan = host.plan_from("mlp@1", model_dir, manifest)
     assert plan.blob_copies
     with pytest.raises(IntegrityError, match="prepacked.bin"):
         host.write(plan)
