@@ -41,6 +41,7 @@ class KeepIfCheap(TimedPolicy):
         self.sizes, self.price = sizes, price_gib_s
 
     def plan(self, key, now):
+        key = key.rpartition("@")[0]             # the replay's model "name@1" is the trace's model "name"
         times = self.times[key]
         i = bisect.bisect_right(times, now)      # a call waits for its promotion: `now` may be past its arrival
         if i == len(times):

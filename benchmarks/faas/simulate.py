@@ -1,22 +1,29 @@
-"""A discrete-event replay of invocations against a model of the host tier, driving the same policy
-objects the daemon runs (modelcache.eviction), with costs as parameters.
+"""A discrete-event replay of invocations against the daemon's own residency manager
+(modelcache/daemon/residency.py), with its own eviction policy objects (modelcache/eviction), over a tier
+that holds sizes only, virtual loader threads and a virtual clock; costs are parameters.
 
-The model: a host tier of `capacity_bytes` above a disk that holds every model. A call whose model is
-resident opens it (`open_host_s`) and runs (`run_s`); otherwise it waits for the model's one promotion
-(`open_disk_s` + bytes x `promote_s_per_byte`), started at once if there is room, else after the policy
-frees room from models nobody is using; a call that finds no room waits, in arrival order, until a call
-ends and frees some (refused only when its model alone exceeds the tier). A call holds its model while
-it runs; calls on one model run side by side (no CPU contention is modelled). The policy's timers run
-as the daemon runs them (timed.py): unloads of idle models, pre-warms when there is room (a pre-warm
-never displaces a waiting call, and evicts only what `prewarm_victims` offers).
+Nothing here decides what is resident: the manager does, as it does in the daemon. The tier is a host
+tier of `capacity_bytes` above a disk that holds every model. A call opens its model as an open does
+(`when_resident`, then a lease): resident, it is warm (`open_host_s`, then `run_s`); otherwise it waits
+for the model's one promotion (`open_disk_s` + bytes x `promote_s_per_byte`, the virtual loaders' time),
+started at once if there is room, else after the policy frees room from models nobody is using; a call
+that finds no room waits, in arrival order, until a call ends and frees some (no deadline: one still
+waiting when the trace ends is unserved; one whose model alone exceeds the tier is refused). A call holds
+its model while it runs; calls on one model run side by side (no CPU contention is modelled). The
+policy's timers run as the daemon runs them: the manager's `next_timer` / `on_timer`.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+from modelcache.daemon.registry import ModelState, Registry
+from modelcache.daemon.residency import Residency
+from modelcache.errors import CapacityError
 
 GIB = 2**30
 
@@ -61,7 +68,6 @@ class Result:
     evictions: int = 0          # freed under pressure
     unloads: int = 0            # freed by the policy's timer
     ttfr_s: list = field(default_factory=list, repr=False)             # time to first result, per call
-    per_function: dict = field(default_factory=dict, repr=False)       # function -> [calls, cold]
 
     @property
     def cold_fraction(self) -> float:
@@ -77,11 +83,6 @@ class Result:
         s = sorted(self.ttfr_s)
         return 1000 * s[min(len(s) - 1, max(0, math.ceil(pct / 100 * len(s)) - 1))]
 
-    def function_cold_pct(self, pct: float = 75) -> float:
-        """The `pct`th percentile over functions of each one's cold-start percentage (the paper's metric)."""
-        rates = sorted(100 * cold / calls for calls, cold in self.per_function.values() if calls)
-        return rates[min(len(rates) - 1, max(0, math.ceil(pct / 100 * len(rates)) - 1))] if rates else math.nan
-
     def row(self) -> dict:
         return {"policy": self.policy, "capacity_gib": round(self.capacity_bytes / GIB, 3), "calls": self.calls,
                 "cold_fraction": round(self.cold_fraction, 5), "host_hits": self.host_hits,
@@ -92,29 +93,98 @@ class Result:
                 "evictions": self.evictions, "unloads": self.unloads, "waited_for_room": self.waited_for_room}
 
 
-DISK, WAITING, LOADING, RESIDENT = "disk", "waiting", "loading", "resident"
-
-
 @dataclass
-class _Model:
+class SizePlan:
     key: str
-    size: int
-    state: str = DISK
-    leases: int = 0
-    waiters: list = field(default_factory=list)   # (arrival time, function) of calls waiting for the load
-    prewarmed: bool = False                       # loaded by a pre-warm and not yet called
+    bytes: int
+
+
+class SizesTier:
+    """The Tier contract (modelcache/tiers/base.py) over sizes alone: a plan reserves the model's size, a
+    write copies nothing and takes the modelled promotion time (the virtual loaders wait that long)."""
+
+    name, id, where, capacity_setting = "host", "host", "the host tier", "host_capacity"
+
+    def __init__(self, capacity_bytes: int, sizes: dict[str, int], costs: Costs, committed=None):
+        self.capacity_bytes, self.sizes, self.costs = capacity_bytes, sizes, costs
+        self.placed: dict[str, int] = {}   # key -> bytes: resident, or reserved by a plan in flight
+        self.used_bytes = 0
+        self.peak_bytes = 0
+        self.committed = committed         # called with the key of each copy that became resident
+
+    def bytes_freed_by(self, keys) -> int:
+        return sum(self.placed.get(k, 0) for k in set(keys))
+
+    def model_bytes(self, key: str) -> int:
+        return self.placed.get(key, 0)
+
+    def check_model(self, key: str, manifest) -> None:
+        pass
+
+    def tensors_of(self, manifest) -> list:
+        return []
+
+    def plan(self, key: str, manifest) -> SizePlan:
+        size = self.placed[key] = self.sizes[key]
+        self.used_bytes += size
+        return SizePlan(key, size)
+
+    def write(self, plan: SizePlan) -> float:
+        # (the peak as promotions start: a plan that found no room was reserved and given back at once)
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+        return self.costs.promotion_s(plan.bytes)
+
+    def commit(self, plan: SizePlan) -> None:
+        if self.committed is not None:
+            self.committed(plan.key)
+
+    def abort(self, plan: SizePlan) -> None:
+        self.used_bytes -= self.placed.pop(plan.key)
+
+    def free_model(self, key: str) -> int:
+        size = self.placed.pop(key)
+        self.used_bytes -= size
+        return size
+
+    def export(self, key: str, manifest) -> dict:
+        return {}
+
+    def describe(self) -> dict:
+        return {"tier": "host"}
+
+
+class VirtualLoaders:
+    """The daemon's loader threads in virtual time: a write "runs" for the seconds it returns (the sizes-only
+    tier's modelled promotion), then its completion lands on the owner loop, as Loaders' does."""
+
+    def __init__(self, replay: "Replay"):
+        self.replay = replay
+
+    def run(self, work, done) -> None:
+        seconds = work()
+        self.replay.at(self.replay.now + seconds, done, seconds, None)
 
 
 class Replay:
-    """One policy, one capacity: feed it invocations (`run`), read the `Result`."""
+    """One policy, one capacity: feed it invocations (`run`), read the `Result`. `make_policy(clock)` builds
+    the policy on the replay's virtual clock; `residency` the manager's type (a subclass may observe it)."""
 
-    def __init__(self, make_policy, capacity_bytes: int, sizes: dict[str, int], costs: Costs = Costs()):
+    def __init__(self, make_policy, capacity_bytes: int, sizes: dict[str, int], costs: Costs = Costs(),
+                 residency=Residency):
         self.now = 0.0
-        self.policy, self.capacity, self.costs = make_policy(lambda: self.now), capacity_bytes, costs
-        self.models = {k: _Model(k, s) for k, s in sizes.items()}
-        self.result = Result(self.policy.name, capacity_bytes)
-        self.used = 0
-        self.queue: deque[_Model] = deque()   # promotions waiting for room, in arrival order
+        self.costs = costs
+        self.registry = Registry()
+        # Trace names ("resnet50#3") are the models' names, each at version 1.
+        self.models = {name: self.registry.add_model(Path(name), SimpleNamespace(name=name, version=1))
+                       for name in sizes}
+        self.tier = SizesTier(capacity_bytes, {m.key: sizes[n] for n, m in self.models.items()}, costs,
+                              committed=self._loaded)
+        self.counters: dict = {}
+        clock = lambda: self.now   # noqa: E731
+        self.residency = residency(tier=self.tier, policy=make_policy(clock), registry=self.registry,
+                                   loaders=VirtualLoaders(self), counters=self.counters, jobs={}, clock=clock,
+                                   settings=SimpleNamespace(request_timeout_s=math.inf))
+        self.result = Result(self.residency.policy.name, capacity_bytes)
         self._events: list = []
         self._seq = 0
 
@@ -124,133 +194,60 @@ class Replay:
         nxt = next(arrivals, None)
         while self._events or nxt is not None:   # the trace is over when its last call is answered
             t_event = self._events[0][0] if self._events else math.inf
-            t_timer = self.policy.next_deadline()
+            t_timer = self.residency.next_timer()
             t_timer = math.inf if t_timer is None else t_timer
             t_arrival = nxt.t if nxt is not None else math.inf
             self._advance(min(t_event, t_timer, t_arrival))
             if t_event <= t_timer and t_event <= t_arrival:
-                _, _, handler, model, arg = heapq.heappop(self._events)
-                handler(model, arg)
+                _, _, handler, args = heapq.heappop(self._events)
+                handler(*args)
             elif t_timer <= t_arrival:
-                self._timers()
+                self.residency.on_timer(self.now)
             else:
                 self._arrive(nxt)
                 nxt = next(arrivals, None)
-        self.result.unserved = sum(len(m.waiters) for m in self.queue)
-        return self.result
+        r, c = self.result, self.counters
+        r.unserved = self.residency.room.waiting()["requests"]
+        r.peak_bytes = self.tier.peak_bytes
+        r.promotions, r.prewarms, r.wasted_prewarms = c.get("promotions", 0), c.get("prewarms", 0), \
+            c.get("wasted_prewarms", 0)
+        r.evictions, r.unloads = c.get("evictions", 0), c.get("unloads", 0)
+        return r
 
     def _advance(self, t: float) -> None:
         t = max(t, self.now)          # a deadline already past (a busy model's) runs now
-        self.result.byte_s += self.used * (t - self.now)
+        self.result.byte_s += self.tier.used_bytes * (t - self.now)
         self.now = t
 
-    def _at(self, t: float, handler, model: _Model, arg=None) -> None:
+    def at(self, t: float, handler, *args) -> None:
         self._seq += 1
-        heapq.heappush(self._events, (t, self._seq, handler, model, arg))
+        heapq.heappush(self._events, (t, self._seq, handler, args))
 
-    # -- calls -----------------------------------------------------------------------------------
+    # -- calls, as opens -----------------------------------------------------------------------------
     def _arrive(self, inv) -> None:
-        r, m = self.result, self.models[inv.model]
+        r, model = self.result, self.models[inv.model]
         r.calls += 1
-        if m.size > self.capacity:
+        was = model.host.state
+        try:
+            hit = self.residency.when_resident(model, lambda error, _hit: self._grant(model, inv.t), math.inf)
+        except CapacityError:      # the model alone exceeds the tier
             r.refused += 1
             return
-        stats = r.per_function.setdefault(inv.function, [0, 0])
-        stats[0] += 1
-        if m.state == RESIDENT:
+        if hit:
             r.host_hits += 1
-            self._grant(m, inv.t)
-            return
-        r.disk_misses += 1
-        stats[1] += 1
-        m.waiters.append(inv.t)
-        if m.state == DISK:
-            m.state = WAITING
-            self.queue.append(m)
-            self._admit()
-            if m.state == WAITING:
-                r.waited_for_room += 1
+        else:
+            r.disk_misses += 1
+            r.waited_for_room += was is ModelState.ON_DISK and model.host.state is ModelState.WAITING
 
-    def _grant(self, m: _Model, arrived: float) -> None:
-        m.leases += 1
-        m.prewarmed = False
-        self.policy.accessed(m.key)
-        done = self.now + self.costs.open_host_s + self.costs.run_of(m.key)
+    def _grant(self, model, arrived: float) -> None:
+        """The open's answer: a lease for the call's run, let go when it ends."""
+        self.residency.lease(model)
+        done = self.now + self.costs.open_host_s + self.costs.run_of(model.name)
         self.result.ttfr_s.append(done - arrived)
-        self._at(done, self._done, m)
+        self.at(done, self.residency.release, model)
 
-    def _done(self, m: _Model, _) -> None:
-        m.leases -= 1
-        if m.leases == 0:
-            self.policy.released(m.key)
-            if self.policy.evict_on_release:
-                self._free(m, "evictions")
-            self._admit()
-
-    # -- the tier --------------------------------------------------------------------------------
-    def _candidates(self) -> dict[str, int]:
-        """What the policy may free: resident models nobody is using (the daemon's `evictable`)."""
-        return {m.key: m.size for m in self.models.values() if m.state == RESIDENT and m.leases == 0}
-
-    def _admit(self) -> None:
-        """Start the waiting promotions, oldest first, while the policy can make room for the oldest."""
-        while self.queue:
-            m = self.queue[0]
-            need = m.size - (self.capacity - self.used)
-            if need > 0:
-                victims = self.policy.choose_victims(need, self._candidates())
-                if not victims:
-                    return
-                for key in victims:
-                    self._free(self.models[key], "evictions")
-            self.queue.popleft()
-            self._load(m, prewarm=False)
-
-    def _load(self, m: _Model, prewarm: bool) -> None:
-        m.state = LOADING
-        self.used += m.size
-        assert self.used <= self.capacity, "the replay overfilled the tier"
-        r = self.result
-        r.peak_bytes = max(r.peak_bytes, self.used)
-        r.promotions += 1
-        r.prewarms += prewarm
-        self._at(self.now + self.costs.promotion_s(m.size), self._loaded, m, prewarm)
-
-    def _loaded(self, m: _Model, prewarm: bool) -> None:
-        m.state = RESIDENT
-        self.policy.created(m.key, m.size)
-        waiters, m.waiters = m.waiters, []
-        m.prewarmed = prewarm and not waiters
-        for arrived in waiters:
-            self._grant(m, arrived)
-
-    def _free(self, m: _Model, counter: str) -> None:
-        m.state = DISK
-        self.used -= m.size
-        self.policy.removed(m.key)
-        setattr(self.result, counter, getattr(self.result, counter) + 1)
-        if m.prewarmed:
-            self.result.wasted_prewarms += 1
-            m.prewarmed = False
-
-    def _timers(self) -> None:
-        freed = False
-        for action in self.policy.due():
-            m = self.models[action.key]
-            if action.kind == "unload":
-                if m.state == RESIDENT and m.leases == 0:
-                    self._free(m, "unloads")
-                    freed = True
-            elif action.kind == "prewarm" and m.state == DISK and not self.queue and m.size <= self.capacity:
-                need = m.size - (self.capacity - self.used)
-                victims = self.policy.prewarm_victims(m.key, need, self._candidates()) if need > 0 else []
-                if need > 0 and not victims:
-                    continue   # no room that a pre-warm may take: the call will find the model on disk
-                for key in victims:
-                    self._free(self.models[key], "evictions")
-                self._load(m, prewarm=True)
-        if freed:
-            self._admit()
+    def _loaded(self, key: str) -> None:
+        """A copy became resident (the tier's commit); a subclass may observe it."""
 
 
 def replay(make_policy, capacity_bytes: int, invocations, sizes: dict[str, int], costs: Costs = Costs()) -> Result:
