@@ -244,19 +244,11 @@ class FakeAllocator:
 
     def copy_in(self, allocation: Allocation, copies: list, host_files: list[str]) -> tuple[int, float]:
         t0 = time.perf_counter()
-        copied = 0
         dst_fd = os.open(self.path(allocation), os.O_WRONLY)
-        src_fds: dict[int, int] = {}
         try:
-            for index, src_off, dst_off, nbytes in copies:
-                _check_range(allocation, dst_off, nbytes)
-                if index not in src_fds:
-                    src_fds[index] = os.open(host_files[index], os.O_RDONLY)
-                copy_range(src_fds[index], dst_fd, src_off, dst_off, nbytes)
-                copied += nbytes
+            copied = _copy_from_host(allocation, copies, host_files, lambda src_fd, src_off, dst_off, nbytes:
+                                     copy_range(src_fd, dst_fd, src_off, dst_off, nbytes))
         finally:
-            for fd in src_fds.values():
-                os.close(fd)
             os.close(dst_fd)
         return copied, time.perf_counter() - t0
 
@@ -336,18 +328,10 @@ class FakeVmmAllocator(FakeAllocator):
 
     def copy_in(self, allocation: Allocation, copies: list, host_files: list[str]) -> tuple[int, float]:
         t0 = time.perf_counter()
-        base = self.local_address(allocation)
-        src_fds: dict[int, int] = {}
-        try:
-            for index, src_off, dst_off, nbytes in copies:
-                _check_range(allocation, dst_off, nbytes)
-                if index not in src_fds:
-                    src_fds[index] = os.open(host_files[index], os.O_RDONLY)
-                _pread_into(src_fds[index], base + dst_off, nbytes, src_off)
-        finally:
-            for fd in src_fds.values():
-                os.close(fd)
-        return sum(c[3] for c in copies), time.perf_counter() - t0
+        base = self.local_address(allocation)        # through the daemon's writable mapping
+        copied = _copy_from_host(allocation, copies, host_files, lambda src_fd, src_off, dst_off, nbytes:
+                                 _pread_into(src_fd, base + dst_off, nbytes, src_off))
+        return copied, time.perf_counter() - t0
 
     def copy_out(self, allocation: Allocation, offset: int, nbytes: int) -> bytes:
         _check_range(allocation, offset, nbytes)
@@ -599,7 +583,8 @@ class CudaVmmAllocator(CudaAllocator):
             handle = drv.create(nbytes, index)
         except DeviceError as e:
             if getattr(e, "status", None) == CUDA_ERROR_MEMORY_ALLOCATION:
-                raise DeviceMemoryError(f"device {self.device.uuid}: cuMemCreate of {nbytes >> 20} MiB failed: {e}") from e
+                raise DeviceMemoryError(f"device {self.device.uuid}: cuMemCreate of {nbytes >> 20} MiB failed: "
+                                        f"{e}") from e
             raise
         try:
             va = drv.map(handle, nbytes, index, read_only=False)
@@ -652,6 +637,24 @@ def allocator_for(device: GpuDevice, fake_dir: str | Path, sharing: str = "ipc",
                         "weights read-write by legacy CUDA IPC: %s", device.index, device.uuid, e)
             return allocator
     return CudaAllocator(device, runtime)
+
+
+def _copy_from_host(allocation: Allocation, copies: list, host_files: list[str], copy) -> int:
+    """Each of `copies` by copy(source fd, source offset, allocation offset, nbytes), every host segment opened
+    once; the bytes copied."""
+    src_fds: dict[int, int] = {}
+    copied = 0
+    try:
+        for index, src_off, dst_off, nbytes in copies:
+            _check_range(allocation, dst_off, nbytes)
+            if index not in src_fds:
+                src_fds[index] = os.open(host_files[index], os.O_RDONLY)
+            copy(src_fds[index], src_off, dst_off, nbytes)
+            copied += nbytes
+    finally:
+        for fd in src_fds.values():
+            os.close(fd)
+    return copied
 
 
 def _check_range(allocation: Allocation, offset: int, nbytes: int) -> None:
