@@ -317,8 +317,8 @@ class CudaDriver:
         """The size every allocation on device `index` (and every mapping of one) is a multiple of."""
         with self._lock:
             if index not in self._granularity:
-                out = ctypes.c_size_t()
-                self._check(self._lib.cuMemGetAllocationGranularity(ctypes.byref(out), ctypes.byref(_device_prop(index)),
+                out, prop = ctypes.c_size_t(), _device_prop(index)
+                self._check(self._lib.cuMemGetAllocationGranularity(ctypes.byref(out), ctypes.byref(prop),
                                                                     _CU_MEM_ALLOC_GRANULARITY_MINIMUM),
                             f"cuMemGetAllocationGranularity(device {index})")
                 self._granularity[index] = out.value
@@ -361,8 +361,8 @@ class CudaDriver:
         try:
             self._check(self._lib.cuMemMap(va.value, nbytes, 0, handle, 0), "cuMemMap")
             mapped = True
-            access = _CUmemAccessDesc(_CUmemLocation(_CU_MEM_LOCATION_TYPE_DEVICE, index),
-                                      CU_MEM_ACCESS_FLAGS_PROT_READ if read_only else CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+            flags = CU_MEM_ACCESS_FLAGS_PROT_READ if read_only else CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            access = _CUmemAccessDesc(_CUmemLocation(_CU_MEM_LOCATION_TYPE_DEVICE, index), flags)
             self._check(self._lib.cuMemSetAccess(va.value, nbytes, ctypes.byref(access), 1),
                         f"cuMemSetAccess({'read-only' if read_only else 'read-write'}, device {index})")
         except BaseException:
