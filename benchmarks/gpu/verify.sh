@@ -51,10 +51,10 @@ with_ort() {    # the compacted onnxruntime-gpu first
     PYTHONPATH="$REPO:$ORT_SITE:$ZMQ_SITE" LD_LIBRARY_PATH="$(nvidia_libs)" "$@"
 }
 
-nvidia_libs() {   # the image's CUDA libraries (pip nvidia-*), for code that loads libcudart itself (ctypes)
-    [ -n "$DRY" ] && { echo "(the image's nvidia/*/lib)"; return; }
+nvidia_libs() {   # where the image's libcudart is (pip nvidia-cuda-runtime), for modelcache.cuda's ctypes loader
+    [ -n "$DRY" ] && { echo "(the image's nvidia/cu13/lib)"; return; }
     env -u PYTHONPATH "$PY" -c 'import glob, os, nvidia
-print(":".join(sorted({os.path.dirname(p) for d in nvidia.__path__ for p in glob.glob(d + "/**/lib*.so*", recursive=True)})))' \
+print(":".join(sorted({os.path.dirname(p) for d in nvidia.__path__ for p in glob.glob(d + "/**/libcudart.so*", recursive=True)})))' \
         2>/dev/null || true
     [ -n "${LD_LIBRARY_PATH:-}" ] && printf ':%s' "$LD_LIBRARY_PATH"
 }
