@@ -1,30 +1,36 @@
-"""Read-only GPU sharing (issue #36, step 2) checked on a real GPU, with no onnxruntime: what the fake can't show.
+"""Read-only GPU sharing (issue #36 step 2, gpu_sharing = "vmm-read-only") on the GPU, with no onnxruntime-gpu.
 
-    python3 benchmarks/gpu/check_vmm.py --out DIR [--mib 256] [--runs 5] [--budget-s 240]
+    python3 benchmarks/gpu/check_vmm.py --out DIR [--rehearse]     (checks.py runs it; the contract is there)
 
-Writes DIR/check_vmm.json; exits 0 when it ran (whatever it found: see "ok" and each part's verdict), 2 when
-it could not (no GPU, no cupy, no libcuda: the file says why). Needs cupy (the image's cupy-cuda13x) and the
-driver; modelcache's own ctypes binding (modelcache/cuda.py, CudaDriver) does the VMM calls, as the daemon
-(tiers/gpu.py, CudaVmmAllocator) and the client (client/device.py) do, so this checks the shipped code.
+Two parts, each in fresh child processes that get their descriptors over a Unix socket (SCM_RIGHTS):
 
-The parent plays the daemon: cuMemCreate (POSIX-fd handles, granularity-rounded), its own read-write mapping,
-the bytes copied in, cuMemExportToShareableHandle. Each child is a fresh process that gets the descriptor over a
-Unix socket (SCM_RIGHTS, as the lane passes it) and maps it read-only. Parts:
-  read_only_map   a child maps it read-only and reads bit-identical bytes (sha256 of the whole range)
-  write_attempts  a child's cuMemcpyHtoD into the read-only range, and a cupy kernel writing it, each in a
-                  child of its own (a failed kernel poisons its context): refused, and how; the parent's
-                  bytes after each (intact?)
-  attach          import+map (VMM) against cudaIpcOpenMemHandle (legacy IPC, a cudaMalloc of the same size),
-                  median of --runs fresh processes each, interleaved; and each child's device memory: what
-                  cuMemGetInfo's free drops by while the child holds its mapping, and nvidia-smi's figure
-  killed_child    a child holds a mapping; the parent frees everything (unmap, cuMemRelease, close): the memory
-                  stays in use; the child is SIGKILLed: it returns (cuMemGetInfo)
+lease (the product's path; rehearsed here over fake devices): a private daemon with gpu_sharing =
+  "vmm-read-only" adds a small model and lends it; a child opens it on the lane (client/leases.py) and maps
+  it with the client's own code (client/device.py HandleCache: cuMemImportFromShareableHandle, cuMemMap,
+  cuMemSetAccess PROT_READ), hashes every tensor, then writes into the first one. Figures: lease_sharing
+  (the daemon's: "vmm-read-only", or the legacy fallback and why), lease_kind, lease_bytes_identical,
+  lease_write_refused, lease_count.
+raw (GPU only): the parent plays the daemon with modelcache's ctypes driver binding (cuda.py CudaDriver, as
+  tiers/gpu.py CudaVmmAllocator does): cuMemCreate of RAW_MIB, its own read-write mapping, the bytes copied
+  in, cuMemExportToShareableHandle. Figures, by the keys targets.py reads:
+    bytes_identical                    a child's read-only mapping reads the parent's bytes (sha256)
+    write_refused, write_memcpy, write_kernel
+                                       cuMemcpyHtoD into the read-only range, and a cupy kernel writing it,
+                                       each in a child of its own (a failed kernel poisons its context): how
+                                       each failed, and the parent's bytes after it (intact?)
+    attach_ms_vmm, attach_ms_ipc       import+map against cudaIpcOpenMemHandle of a cudaMalloc of the same
+                                       size: RUNS fresh processes each, interleaved (samples, ms)
+    device_mib_vmm, device_mib_ipc     what cuMemGetInfo's free drops by while each child holds its mapping
+                                       (its context included: the two should be equal); nvidia_smi_mib_*
+    killed_client_mapping_released     a child holds a mapping, the parent frees everything (unmap,
+                                       cuMemRelease, close): the memory stays in use; the child is
+                                       SIGKILLed: it comes back (cuMemGetInfo)
 """
 
 from __future__ import annotations
 
-import argparse
 import array
+import ctypes
 import hashlib
 import json
 import os
@@ -33,13 +39,16 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+LIMIT_S = 60
+RAW_MIB = 64
+RUNS = 3
+MODEL = "tiny-cnn"
+CHILD_TIMEOUT_S = 30
 HERE = Path(__file__).resolve()
-ROOT = HERE.parent.parent.parent          # the repository: modelcache imports from here
-RESULT_NAME = "check_vmm.json"
-CHILD_TIMEOUT_S = 90
 
 
 # -- pure parts (tested here: benchmarks/tests/test_check_vmm.py) --------------------------------------------
@@ -52,12 +61,9 @@ def summary(xs: list) -> dict:
     return {"n": len(xs), "median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
-def ratio(a, b):
-    return None if a is None or not b else a / b
-
-
 def write_verdict(attempt: dict, intact: bool | None) -> dict:
-    """A write attempt's outcome: refused (the call failed, or the bytes did not change) and the weights intact."""
+    """A write attempt's outcome: refused (the call failed, its child died, or nothing changed), and ok when
+    refused with the weights intact."""
     attempt = dict(attempt)
     attempt["weights_intact"] = intact
     failed = attempt.get("rc", 0) not in (0, None) or attempt.get("error") is not None or attempt.get("died")
@@ -66,39 +72,16 @@ def write_verdict(attempt: dict, intact: bool | None) -> dict:
     return attempt
 
 
-def attach_verdict(vmm: dict, ipc: dict, device_slack_bytes: int) -> dict:
-    """VMM attach against legacy IPC's: time as a ratio of medians; device memory per child, equal within
-    `device_slack_bytes` (a granule or two of rounding, and the drift of other processes)."""
-    t_vmm, t_ipc = vmm["attach_ms"]["median"], ipc["attach_ms"]["median"]
-    m_vmm, m_ipc = vmm["device_bytes"]["median"], ipc["device_bytes"]["median"]
-    out = {"attach_ms_ratio_vmm_to_ipc": ratio(t_vmm, t_ipc),
-           "device_bytes_difference": None if m_vmm is None or m_ipc is None else m_vmm - m_ipc}
-    out["device_memory_equal"] = out["device_bytes_difference"] is not None and \
-        abs(out["device_bytes_difference"]) <= device_slack_bytes
-    return out
-
-
 def killed_verdict(free_start: int, free_held: int, free_after_kill: int, size: int, slack: int) -> dict:
-    """The memory of a freed allocation that a (then killed) child mapped: held while the child lives, back after."""
-    return {"free_start_bytes": free_start, "free_after_daemon_free_bytes": free_held,
-            "free_after_kill_bytes": free_after_kill,
+    """A freed allocation that a (then killed) child mapped: held while the child lives, back after it dies."""
+    return {"free_start_mib": mib(free_start), "free_after_daemon_free_mib": mib(free_held),
+            "free_after_kill_mib": mib(free_after_kill),
             "held_while_child_lives": free_start - free_held >= size - slack,
             "reclaimed_after_kill": free_start - free_after_kill <= slack}
 
 
-def could_not_run(out_dir: Path, why: str, **extra) -> int:
-    write_result(out_dir, {"check": "vmm", "ran": False, "ok": False, "why": why, **extra})
-    print(f"check_vmm: could not run: {why}", file=sys.stderr)
-    return 2
-
-
-def write_result(out_dir: Path, result: dict) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / RESULT_NAME
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    tmp.replace(path)
-    return path
+def mib(nbytes) -> float | None:
+    return None if nbytes is None else round(nbytes / 2**20, 1)
 
 
 def send_fd(sock: socket.socket, fd: int) -> None:
@@ -113,309 +96,356 @@ def recv_fd(sock: socket.socket) -> int:
     raise RuntimeError("no descriptor came")
 
 
-# -- the GPU side --------------------------------------------------------------------------------------------
+# -- children ------------------------------------------------------------------------------------------------
 
-def _sha256_device(cupy, ptr: int, nbytes: int) -> str:
-    host = bytearray(nbytes)
-    import ctypes
-    buf = (ctypes.c_char * nbytes).from_buffer(host)
-    cupy.cuda.runtime.memcpy(ctypes.addressof(buf), ptr, nbytes, cupy.cuda.runtime.memcpyDeviceToHost)
-    del buf
-    return hashlib.sha256(host).hexdigest()
+def _say(obj) -> None:
+    print(json.dumps(obj), flush=True)
 
 
-def _nvidia_smi_used(pid: int) -> int | None:
-    """nvidia-smi's device memory of process `pid`, bytes (None where it does not list it)."""
+def _sha256_device(runtime, ptr: int, nbytes: int) -> str:
+    buf = (ctypes.c_char * max(nbytes, 1))()
+    if nbytes:
+        runtime.memcpy(ctypes.addressof(buf), ptr, nbytes, runtime.memcpyDeviceToHost)
+    return hashlib.sha256(bytes(buf)[:nbytes]).hexdigest()
+
+
+def _kernel_write(ptr: int, nbytes: int) -> dict:
+    """A cupy kernel writing device memory at `ptr`: what it raised, or None when it went through."""
+    import cupy
+    arr = cupy.ndarray((nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr, nbytes, None), 0))
     try:
-        r = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                           capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    for line in r.stdout.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 2 and parts[0] == str(pid) and parts[1].isdigit():
-            return int(parts[1]) << 20
-    return None
+        arr.fill(0x5A)
+        cupy.cuda.runtime.deviceSynchronize()
+        return {"call": "cupy fill kernel", "error": None}
+    except Exception as e:   # cupy's CUDARuntimeError: cudaErrorIllegalAddress is the hope
+        return {"call": "cupy fill kernel", "error": f"{type(e).__name__}: {e}"[:300]}
 
 
-def child_main(args) -> int:
-    """One fresh process: attach as a client does, report one JSON line, then do what the mode says."""
+def child_lease(address: str, name: str, rehearse: str) -> None:
+    """Open `name` on the GPU over the lane and map it as InferenceSession does; hash; then on 'write', write
+    into the first tensor (its bytes are checked by another child: a failed kernel poisons this one's context)."""
+    from modelcache.client.device import handle_cache
+    from modelcache.client.leases import LeaseClient
+    t0 = time.perf_counter()
+    client = LeaseClient(address, 30.0)
+    lease = client.open(name, device="cuda")
+    fds = list(getattr(lease, "received_fds", []))
+    t_open = time.perf_counter()
+    fake = rehearse == "1"
+    if fake:
+        index, read = 0, lambda ptr, n: hashlib.sha256(ctypes.string_at(ptr, n)).hexdigest()
+    else:
+        from cupy.cuda import runtime
+        from modelcache.tiers.gpu import probe
+        index = next(d.index for d in probe() if d.uuid == lease.device_uuid)
+        runtime.setDevice(index)
+        read = lambda ptr, n: _sha256_device(runtime, ptr, n)   # noqa: E731
+    bases = [handle_cache().acquire(lease.ipc_kind, h, index, fd) for h, fd in zip(lease.ipc_handles, fds)]
+    t_map = time.perf_counter()
+    _say({"kind": lease.ipc_kind, "fds": len(fds), "open_ms": (t_open - t0) * 1e3, "map_ms": (t_map - t_open) * 1e3,
+          "sha256": {t.name: read(bases[t.index] + t.offset, t.nbytes) for t in lease.tensors}})
+    if sys.stdin.readline().strip() != "write":
+        return
+    first = lease.tensors[0]
+    if fake:
+        ctypes.memset(bases[first.index] + first.offset, 0x5A, 1)   # a read-only mapping: SIGSEGV
+        _say({"write": {"call": "memset", "error": None}})
+    else:
+        _say({"write": _kernel_write(bases[first.index] + first.offset, max(first.nbytes, 1))})
+    sys.stdin.readline()
+
+
+def child_raw(mode: str, size: str, sock_fd: str = "-1", ipc_handle: str = "") -> None:
+    """A fresh process: attach (VMM: the descriptor from the socket; ipc: the handle), hash, report; in the write
+    modes, on 'write', try to write and report how that went; then wait to be let go (or killed)."""
     t_start = time.perf_counter()
     import cupy
     from modelcache.cuda import CudaDriver
     t_import = time.perf_counter()
+    size = int(size)
     cupy.cuda.Device(0).use()
-    cupy.cuda.runtime.free(0)                      # the context, as a client's first CUDA call makes it
+    cupy.cuda.runtime.free(0)                  # the context, as a client's first CUDA call makes it
     t_context = time.perf_counter()
-    out = {"mode": args.child, "import_ms": (t_import - t_start) * 1e3, "context_ms": (t_context - t_import) * 1e3}
-    size = args.size
-    if args.child == "ipc":
+    out = {"mode": mode, "import_ms": (t_import - t_start) * 1e3, "context_ms": (t_context - t_import) * 1e3}
+    if mode == "ipc":
         t0 = time.perf_counter()
-        ptr = cupy.cuda.runtime.ipcOpenMemHandle(bytes.fromhex(args.ipc_handle))
+        ptr = cupy.cuda.runtime.ipcOpenMemHandle(bytes.fromhex(ipc_handle))
         out["attach_ms"] = (time.perf_counter() - t0) * 1e3
     else:
-        sock = socket.socket(fileno=args.sock_fd)
-        fd = recv_fd(sock)
+        fd = recv_fd(socket.socket(fileno=int(sock_fd)))
         driver = CudaDriver()
         t0 = time.perf_counter()
         imported = driver.import_fd(fd)
         ptr = driver.map(imported, size, 0, read_only=True)
         driver.release(imported)
         out["attach_ms"] = (time.perf_counter() - t0) * 1e3
-        os.close(fd)                               # the mapping holds the memory
-    out["sha256"] = _sha256_device(cupy, ptr, size)
-    if args.child == "write-memcpy":
-        import ctypes
+        os.close(fd)                           # the mapping holds the memory
+    out["sha256"] = _sha256_device(cupy.cuda.runtime, ptr, size)
+    _say(out)
+    if not mode.startswith("write") or sys.stdin.readline().strip() != "write":
+        sys.stdin.readline()
+        return
+    if mode == "write-memcpy":
         lib = driver._lib
         lib.cuMemcpyHtoD_v2.argtypes = [ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_size_t]
         lib.cuMemcpyHtoD_v2.restype = ctypes.c_int
         junk = ctypes.create_string_buffer(b"\x5a" * 4096, 4096)
         rc = lib.cuMemcpyHtoD_v2(ptr, junk, 4096)
-        sync = cupy.cuda.runtime.deviceSynchronize
-        try:
-            sync()
-            sync_error = None
-        except Exception as e:
-            sync_error = f"{type(e).__name__}: {e}"
         name = ctypes.c_char_p()
         lib.cuGetErrorName(rc, ctypes.byref(name))
-        out["write"] = {"call": "cuMemcpyHtoD_v2", "rc": rc, "name": (name.value or b"").decode(),
-                        "sync_error": sync_error}
-    elif args.child == "write-kernel":
-        arr = cupy.ndarray((4096,), cupy.uint8, cupy.cuda.MemoryPointer(
-            cupy.cuda.UnownedMemory(ptr, size, owner=None), 0))
         try:
-            arr.fill(0x5A)
             cupy.cuda.runtime.deviceSynchronize()
-            out["write"] = {"call": "cupy fill kernel", "error": None}
+            sync_error = None
         except Exception as e:
-            out["write"] = {"call": "cupy fill kernel", "error": f"{type(e).__name__}: {e}"}
-    print(json.dumps(out), flush=True)
-    sys.stdin.readline()                           # held until the parent has measured (or kills us)
-    return 0
+            sync_error = f"{type(e).__name__}: {e}"[:300]
+        _say({"write": {"call": "cuMemcpyHtoD_v2", "rc": rc, "name": (name.value or b"").decode(),
+                        "sync_error": sync_error}})
+    else:
+        _say({"write": _kernel_write(ptr, 4096)})
+    sys.stdin.readline()
 
 
-class Parent:
-    """The daemon's side: one VMM allocation (and one cudaMalloc for the legacy comparison), the children."""
+class Child:
+    """A child process of this script; `fd`, if given, goes to it by SCM_RIGHTS over a socketpair."""
 
-    def __init__(self, args, cupy, driver):
-        self.args, self.cupy, self.driver = args, cupy, driver
-        self.rt = cupy.cuda.runtime
-        self.granularity = driver.granularity(0)
-        self.size = -(-(args.mib << 20) // self.granularity) * self.granularity
-        self.deadline = time.monotonic() + args.budget_s
-
-    def free_bytes(self) -> int:
-        self.rt.deviceSynchronize()
-        return int(self.rt.memGetInfo()[0])
-
-    def allocate_vmm(self, data: bytes) -> tuple[int, int, int]:
-        handle = self.driver.create(self.size, 0)
-        va = self.driver.map(handle, self.size, 0, read_only=False)
-        self.rt.memcpy(va, _host_ptr(data), self.size, self.rt.memcpyHostToDevice)
-        fd = self.driver.export_fd(handle)
-        return handle, va, fd
-
-    def free_vmm(self, handle: int, va: int, fd: int) -> None:
-        os.close(fd)
-        self.driver.unmap(va, self.size)
-        self.driver.release(handle)
-
-    def child(self, mode: str, fd: int = -1, ipc_handle: bytes = b""):
-        """Start a child, give it the descriptor; (process, its report, free bytes while it holds the mapping)."""
-        if time.monotonic() > self.deadline:
-            raise TimeoutError(f"the check's budget ({self.args.budget_s:g} s) is spent")
+    def __init__(self, *args: str, fd: int = -1):
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        argv = [sys.executable, str(HERE), "--child", mode, "--size", str(self.size),
-                "--sock-fd", str(child_end.fileno())]
-        if ipc_handle:
-            argv += ["--ipc-handle", ipc_handle.hex()]
-        proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, pass_fds=[child_end.fileno()])
+        extra = [str(child_end.fileno())] if fd >= 0 else []     # (its last argument: where the descriptor comes)
+        self.proc = subprocess.Popen([sys.executable, str(HERE), "--child", *args, *extra], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     pass_fds=[child_end.fileno()])
         child_end.close()
         try:
             if fd >= 0:
                 send_fd(parent_end, fd)
-            line = _readline(proc, CHILD_TIMEOUT_S)
         finally:
             parent_end.close()
-        if not line:
-            proc.kill()
-            _, err = proc.communicate(timeout=30)
-            return proc, {"died": True, "rc": proc.returncode, "stderr": err[-2000:]}, None
-        report = json.loads(line)
-        report["nvidia_smi_bytes"] = _nvidia_smi_used(proc.pid)
-        return proc, report, self.free_bytes()
 
-    @staticmethod
-    def finish(proc) -> None:
-        """Let a child that holds its mapping go (one that died is only reaped)."""
-        if proc.poll() is not None:
-            return
+    def read(self, timeout_s: float = CHILD_TIMEOUT_S) -> dict | None:
+        """Its next line; None when it died first (then `died` says how)."""
+        import select
+        if not select.select([self.proc.stdout], [], [], timeout_s)[0]:
+            raise RuntimeError(f"child {self.proc.args[3:]} said nothing in {timeout_s:.0f} s")
+        line = self.proc.stdout.readline()
+        if line:
+            return json.loads(line)
+        self.proc.wait(10)
+        self.died = {"died": True, "rc": self.proc.returncode, "stderr": self.proc.stderr.read().strip()[-800:]}
+        return None
+
+    def tell(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+
+# -- the parent ----------------------------------------------------------------------------------------------
+
+def check(r) -> None:
+    from checks import CannotRun
+    if not r.rehearse:
         try:
-            proc.stdin.write("\n")
-            proc.stdin.flush()
-            proc.wait(30)
-        except (OSError, ValueError, subprocess.TimeoutExpired):
-            proc.kill()
-            proc.wait()
+            import cupy
+            cupy.cuda.runtime.getDeviceCount()
+            from modelcache.cuda import CudaDriver
+            driver = CudaDriver()
+        except Exception as e:   # ImportError, CUDARuntimeError, DeviceError (no libcuda)
+            raise CannotRun(f"no GPU here (cupy and the CUDA driver are both needed): {type(e).__name__}: {e}") \
+                from None
+    lease(r)
+    if r.rehearse:
+        r.note("rehearsal: the raw part needs a GPU and was not run")
+        return
+    raw(r, cupy, driver)
 
 
-def _host_ptr(data: bytes) -> int:
-    import ctypes
-    return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
+def lease(r) -> None:
+    """The daemon's read-only lease, through the client's own mapping code."""
+    from modelcache.bench.common import ensure_models, managed_daemon
+    from modelcache.client.connection import connect
+    from modelcache.format import load_manifest
+
+    env = {"MODELCACHE_GPU_SHARING": "vmm-read-only", "MODELCACHE_GPUS": "auto"}
+    if r.rehearse:
+        env["MODELCACHE_FAKE_GPUS"] = "1x64M"
+    with tempfile.TemporaryDirectory(prefix="modelcache-check-vmm-") as work:
+        address = f"ipc://{work}/daemon.sock"
+        child = None
+        try:
+            with managed_daemon(address, f"{work}/repo", env=env, log_path=f"{work}/daemon.log"):
+                ensure_models(address, [MODEL], Path(work) / "zoo")
+                with connect(address) as c:
+                    gpu = [t for t in c.stats().tiers if t["tier"] == "gpu"]
+                    if not gpu:
+                        r.require(False, "the daemon has no GPU tier (cupy sees no device)")
+                        return
+                    r.set("device", f"{gpu[0]['name']} ({gpu[0]['device']})")
+                    r.set("lease_sharing", gpu[0].get("sharing"))
+                    r.set("lease_sharing_note", gpu[0].get("sharing_note"))
+                    if not r.require(gpu[0].get("sharing") == "vmm-read-only",
+                                     f"the daemon fell back to legacy IPC: {gpu[0].get('sharing_note')}"):
+                        return
+                    version = next(m["version"] for m in c.list() if m["name"] == MODEL)
+                    expect = {t.name: t.sha256 for t in load_manifest(Path(work) / "repo" / MODEL / str(version))
+                              .gpu_tensors}
+                    rehearse = "1" if r.rehearse else "0"
+                    child = Child("lease", address, MODEL, rehearse)
+                    got = child.read()
+                    r.set("lease_kind", got["kind"])
+                    r.set("lease_open_ms", round(got["open_ms"], 2))
+                    r.set("lease_map_ms", round(got["map_ms"], 2))
+                    r.require(got["kind"] == ("fake-vmm" if r.rehearse else "cuda-vmm"),
+                              f"the lease came as {got['kind']!r}")
+                    r.set("lease_bytes_identical", got["sha256"] == expect)
+                    r.require(got["sha256"] == expect, "the client's read-only mapping read other bytes")
+                    r.set("lease_count", next(m for m in c.list() if m["name"] == MODEL)["gpu"][0]["leases"])
+                    child.tell("write")
+                    wrote = child.read()
+                    outcome = child.died if wrote is None else wrote["write"]
+                    child.kill()
+                    reader = Child("lease", address, MODEL, rehearse)   # what every client reads now
+                    again = reader.read()
+                    reader.kill()
+                    verdict = write_verdict(outcome, again is not None and again["sha256"] == expect)
+                    r.set("lease_write", verdict)
+                    r.set("lease_write_refused", verdict["ok"])
+                    r.require(verdict["ok"], f"a client's write through its read-only lease: {verdict}")
+        finally:
+            if child is not None:
+                child.kill()
 
 
-def _readline(proc, timeout_s: float) -> str:
-    import select
-    r, _, _ = select.select([proc.stdout], [], [], timeout_s)
-    return proc.stdout.readline() if r else ""
-
-
-def parent_main(args) -> int:
-    out_dir = Path(args.out)
-    sys.path.insert(0, str(ROOT))
-    try:
-        import cupy
-        cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:   # ImportError, CUDARuntimeError
-        return could_not_run(out_dir, f"no GPU through cupy: {type(e).__name__}: {e}")
-    try:
-        from modelcache.cuda import (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
-                                     CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, CudaDriver)
-        driver = CudaDriver()
-    except Exception as e:   # DeviceError: no libcuda
-        return could_not_run(out_dir, f"no CUDA driver: {type(e).__name__}: {e}")
-    props = cupy.cuda.runtime.getDeviceProperties(0)
-    result = {"check": "vmm", "ran": True, "ok": False, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "device": {"name": props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
-                         "driver_version": cupy.cuda.runtime.driverGetVersion(),
-                         "runtime_version": cupy.cuda.runtime.runtimeGetVersion()},
-              "vmm_supported": driver.attribute(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, 0),
-              "posix_fd_supported":
-                  driver.attribute(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, 0),
-              "errors": []}
-    write_result(out_dir, result)
-    if not (result["vmm_supported"] and result["posix_fd_supported"]):
-        result["why"] = "the device refuses VMM or POSIX fd handles: modelcache falls back to legacy IPC there"
-        write_result(out_dir, result)
-        return 0
+def raw(r, cupy, driver) -> None:
+    """The VMM calls alone, against legacy IPC: write attempts, attach time, device memory, a killed child."""
+    rt = cupy.cuda.runtime
     cupy.cuda.Device(0).use()
-    p = Parent(args, cupy, driver)
-    result.update(granularity_bytes=p.granularity, size_bytes=p.size, runs=args.runs)
-    data = os.urandom(p.size)
+    granularity = driver.granularity(0)
+    size = -(-(RAW_MIB << 20) // granularity) * granularity
+    r.set("granularity_mib", mib(granularity))
+    r.set("raw_mib", mib(size))
+    data = os.urandom(size)
     want = hashlib.sha256(data).hexdigest()
-    parts = (("read_only_map", _read_only_map), ("write_attempts", _write_attempts), ("attach", _attach),
-             ("killed_child", _killed_child))
-    for name, part in parts:
+
+    def free_bytes() -> int:
+        rt.deviceSynchronize()
+        return int(rt.memGetInfo()[0])
+
+    def allocate():
+        handle = driver.create(size, 0)
+        va = driver.map(handle, size, 0, read_only=False)
+        rt.memcpy(va, ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value, size, rt.memcpyHostToDevice)
+        return handle, va, driver.export_fd(handle)
+
+    def free(handle, va, fd) -> None:
+        os.close(fd)
+        driver.unmap(va, size)
+        driver.release(handle)
+
+    children = []
+    try:
+        handle, va, fd = allocate()
         try:
-            result[name] = part(p, data, want)
-        except Exception as e:   # each part on its own: the next may still run
-            result["errors"].append(f"{name}: {type(e).__name__}: {e}")
-        write_result(out_dir, result)   # after every part: a timeout still leaves what ran
-    result["ok"] = all(result.get(name, {}).get("ok") for name, _ in parts)
-    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    write_result(out_dir, result)
-    print(json.dumps({k: result.get(k) for k in ("ok", "device", "errors")}))
-    return 0
+            writes = {}
+            for mode in ("write-memcpy", "write-kernel"):
+                child = Child("raw", mode, str(size), fd=fd)
+                children.append(child)
+                report = child.read()
+                if mode == "write-memcpy":
+                    r.set("bytes_identical", report is not None and report["sha256"] == want)
+                    r.require(report is not None and report["sha256"] == want,
+                              "a child's read-only mapping read other bytes")
+                child.tell("write")
+                wrote = child.read()
+                child.close()
+                outcome = child.died if wrote is None else wrote["write"]
+                writes[mode] = write_verdict(outcome, _sha256_device(rt, va, size) == want)
+                r.set(mode.replace("-", "_"), writes[mode])
+            r.set("write_refused", all(w["ok"] for w in writes.values()))
+            r.require(all(w["ok"] for w in writes.values()), "a write into a read-only mapping went through")
 
+            legacy = rt.malloc(size)
+            try:
+                rt.memcpy(legacy, ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value, size,
+                          rt.memcpyHostToDevice)
+                ipc_handle = bytes(rt.ipcGetMemHandle(legacy)).hex()
+                samples = {"vmm": [], "ipc": []}
+                for _ in range(RUNS):      # interleaved: drift hits both alike
+                    for kind in ("vmm", "ipc"):
+                        before = free_bytes()
+                        child = Child("raw", kind, str(size), fd=fd) if kind == "vmm" else \
+                            Child("raw", kind, str(size), "-1", ipc_handle)
+                        children.append(child)
+                        report = child.read() or {}
+                        held = free_bytes()
+                        report["device_bytes"] = before - held
+                        report["nvidia_smi_bytes"] = _nvidia_smi_used(child.proc.pid)
+                        child.close()
+                        samples[kind].append(report)
+            finally:
+                rt.free(legacy)
+            for kind, reports in samples.items():
+                r.set(f"attach_ms_{kind}", [round(x["attach_ms"], 3) for x in reports if "attach_ms" in x])
+                r.set(f"context_ms_{kind}", [round(x["context_ms"], 1) for x in reports if "context_ms" in x])
+                r.set(f"device_mib_{kind}", [mib(x["device_bytes"]) for x in reports])
+                r.set(f"nvidia_smi_mib_{kind}", [mib(x["nvidia_smi_bytes"]) for x in reports])
+                same = all(x.get("sha256") == want for x in reports)
+                r.set(f"attach_bytes_identical_{kind}", same)
+                r.require(same, f"a {kind} child read other bytes")
+        finally:
+            free(handle, va, fd)
 
-def _read_only_map(p: Parent, data: bytes, want: str) -> dict:
-    handle, va, fd = p.allocate_vmm(data)
-    try:
-        proc, report, _ = p.child("vmm", fd)
-        p.finish(proc)
+        free_start = free_bytes()
+        handle, va, fd = allocate()
+        child = Child("raw", "vmm", str(size), fd=fd)
+        children.append(child)
+        child.read()
+        free(handle, va, fd)                    # the daemon frees: the child's mapping keeps the memory
+        free_held = free_bytes()
+        child.kill()
+        deadline, free_after = time.monotonic() + 10, free_bytes()
+        while free_start - free_after > granularity and time.monotonic() < deadline:
+            time.sleep(0.1)                     # the driver reclaims a dead process's memory soon, not at once
+            free_after = free_bytes()
+        killed = killed_verdict(free_start, free_held, free_after, size, slack=2 * granularity)
+        r.set("killed_child", killed)
+        ok = killed["held_while_child_lives"] and killed["reclaimed_after_kill"]
+        r.set("killed_client_mapping_released", ok)
+        r.require(ok, f"a killed child's mapping: {killed}")
     finally:
-        p.free_vmm(handle, va, fd)
-    return {"child": report, "bit_identical": report.get("sha256") == want,
-            "ok": report.get("sha256") == want}
+        for child in children:
+            child.kill()
 
 
-def _write_attempts(p: Parent, data: bytes, want: str) -> dict:
-    out = {}
-    handle, va, fd = p.allocate_vmm(data)
+def _nvidia_smi_used(pid: int) -> int | None:
+    """nvidia-smi's device memory of process `pid`, bytes (None where it does not list it)."""
     try:
-        for mode in ("write-memcpy", "write-kernel"):
-            proc, report, _ = p.child(mode, fd)
-            p.finish(proc)
-            intact = _sha256_device(p.cupy, va, p.size) == want
-            out[mode] = write_verdict({**report.get("write", {}), "died": report.get("died"),
-                                       "child_rc": report.get("rc", proc.returncode),   # -11: SIGSEGV
-                                       "child_stderr": report.get("stderr"),
-                                       "read_before": report.get("sha256") == want}, intact)
-    finally:
-        p.free_vmm(handle, va, fd)
-    out["ok"] = all(v["ok"] for v in out.values())
-    return out
-
-
-def _attach(p: Parent, data: bytes, want: str) -> dict:
-    samples = {"vmm": [], "ipc": []}
-    handle, va, fd = p.allocate_vmm(data)
-    legacy = p.rt.malloc(p.size)
-    try:
-        p.rt.memcpy(legacy, _host_ptr(data), p.size, p.rt.memcpyHostToDevice)
-        ipc_handle = bytes(p.rt.ipcGetMemHandle(legacy))
-        for _ in range(p.args.runs):              # interleaved: drift hits both alike
-            for kind in ("vmm", "ipc"):
-                before = p.free_bytes()
-                proc, report, held = p.child(kind, fd if kind == "vmm" else -1, ipc_handle if kind == "ipc" else b"")
-                p.finish(proc)
-                report["device_bytes"] = None if held is None else before - held
-                report["bit_identical"] = report.get("sha256") == want
-                samples[kind].append(report)
-    finally:
-        p.rt.free(legacy)
-        p.free_vmm(handle, va, fd)
-    out = {kind: {"attach_ms": summary([r.get("attach_ms") for r in rs]),
-                  "context_ms": summary([r.get("context_ms") for r in rs]),
-                  "device_bytes": summary([r.get("device_bytes") for r in rs]),
-                  "nvidia_smi_bytes": summary([r.get("nvidia_smi_bytes") for r in rs]),
-                  "all_bit_identical": all(r.get("bit_identical") for r in rs), "samples": rs}
-           for kind, rs in samples.items()}
-    out.update(attach_verdict(out["vmm"], out["ipc"], device_slack_bytes=4 * p.granularity + (32 << 20)))
-    out["ok"] = out["device_memory_equal"] and out["vmm"]["all_bit_identical"] and out["ipc"]["all_bit_identical"]
-    return out
-
-
-def _killed_child(p: Parent, data: bytes, want: str) -> dict:
-    free_start = p.free_bytes()
-    handle, va, fd = p.allocate_vmm(data)
-    proc, report, _ = p.child("vmm", fd)
-    p.free_vmm(handle, va, fd)                    # the daemon frees: the child's mapping keeps the memory
-    free_held = p.free_bytes()
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(30)
-    deadline = time.monotonic() + 10              # the driver reclaims a dead process's memory soon, not at once
-    free_after = p.free_bytes()
-    while free_start - free_after > p.granularity and time.monotonic() < deadline:
-        time.sleep(0.1)
-        free_after = p.free_bytes()
-    out = killed_verdict(free_start, free_held, free_after, p.size, slack=2 * p.granularity)
-    out["child_read_bit_identical"] = report.get("sha256") == want
-    out["ok"] = out["held_while_child_lives"] and out["reclaimed_after_kill"] and out["child_read_bit_identical"]
-    return out
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", help="directory for check_vmm.json (required, except in a child)")
-    ap.add_argument("--mib", type=int, default=256, help="size of the shared allocation (rounded to the granularity)")
-    ap.add_argument("--runs", type=int, default=5, help="fresh processes per attach mode (median kept)")
-    ap.add_argument("--budget-s", type=float, default=240.0, help="no child starts after this long")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--size", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--sock-fd", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--ipc-handle", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.child:
-        sys.path.insert(0, str(ROOT))
-        return child_main(args)
-    if not args.out:
-        ap.error("--out DIR is required")
-    return parent_main(args)
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0] == str(pid) and parts[1].isdigit():
+            return int(parts[1]) << 20
+    return None
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.path.insert(0, str(HERE.parent))
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        {"lease": child_lease, "raw": child_raw}[sys.argv[2]](*sys.argv[3:])
+        sys.exit(0)
+    from checks import main_for
+    sys.exit(main_for("vmm", check))
