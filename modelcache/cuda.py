@@ -3,9 +3,9 @@ names, DLPack OrtValues over raw device (or host) pointers, and the mappings of 
 
 The CUDA runtime is the one onnxruntime itself loaded (through ctypes: importing cupy costs 0.1-0.6 s).
 The driver (libcuda) serves the virtual memory API of read-only sharing (`gpu_sharing = "vmm-read-only"`):
-through ctypes too, not NVIDIA's cuda-bindings: importing its driver module cost an attach client 110-200 ms
-(median, by load), this binding under 1 ms (benchmarks/binding/driver_import.txt), against a GPU attach
-ready in ~540 ms in all (shared/GPU.md).
+through ctypes too, not NVIDIA's cuda-bindings: importing its driver module cost an attach client 201 ms
+(median of 21 fresh processes on a loaded 2-core VM; 110 ms in a quieter pilot), this binding 0.7 ms
+(benchmarks/binding/driver_import.txt), against a GPU attach ready in ~540 ms in all (shared/GPU.md).
 A fake device, for machines without a GPU, is shared-memory files standing in for allocations, with CPU
 OrtValues over them: the same DLPack and ``add_initializer`` path runs everywhere but the CUDA calls.
 
