@@ -34,7 +34,6 @@ import ctypes
 import hashlib
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -205,56 +204,45 @@ def child_raw(mode: str, size: str, sock_fd: str = "-1", ipc_handle: str = "") -
     sys.stdin.readline()
 
 
-class Child:
-    """A child process of this script; `fd`, if given, goes to it by SCM_RIGHTS over a socketpair."""
+def _child_class():
+    """check_ipc.py's Child (tell, close, kill), started as a child of this script, given a descriptor over a
+    socketpair (SCM_RIGHTS), and read so that a child that died is an answer (its write was refused so)."""
+    from check_ipc import Child as IpcChild
 
-    def __init__(self, *args: str, fd: int = -1):
-        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        extra = [str(child_end.fileno())] if fd >= 0 else []     # (its last argument: where the descriptor comes)
-        self.proc = subprocess.Popen([sys.executable, str(HERE), "--child", *args, *extra], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     pass_fds=[child_end.fileno()])
-        child_end.close()
-        try:
-            if fd >= 0:
-                send_fd(parent_end, fd)
-        finally:
-            parent_end.close()
-
-    def read(self, timeout_s: float = CHILD_TIMEOUT_S) -> dict | None:
-        """Its next line; None when it died first (then `died` says how)."""
-        import select
-        if not select.select([self.proc.stdout], [], [], timeout_s)[0]:
-            raise RuntimeError(f"child {self.proc.args[3:]} said nothing in {timeout_s:.0f} s")
-        line = self.proc.stdout.readline()
-        if line:
-            return json.loads(line)
-        self.proc.wait(10)
-        self.died = {"died": True, "rc": self.proc.returncode, "stderr": self.proc.stderr.read().strip()[-800:]}
-        return None
-
-    def tell(self, line: str) -> None:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
+    class Child(IpcChild):
+        def __init__(self, *args: str, fd: int = -1):
+            parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            extra = [str(child_end.fileno())] if fd >= 0 else []     # (its last argument: where the fd comes)
+            self.proc = subprocess.Popen([sys.executable, str(HERE), "--child", *args, *extra],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True, pass_fds=[child_end.fileno()])
+            child_end.close()
             try:
-                self.proc.stdin.close()
-                self.proc.wait(10)
-            except (OSError, subprocess.TimeoutExpired):
-                self.kill()
+                if fd >= 0:
+                    send_fd(parent_end, fd)
+            finally:
+                parent_end.close()
 
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
+        def read(self, timeout_s: float = CHILD_TIMEOUT_S) -> dict | None:
+            """Its next line; None when it died first (then `died` says how)."""
+            import select
+            if not select.select([self.proc.stdout], [], [], timeout_s)[0]:
+                raise RuntimeError(f"child {self.proc.args[3:]} said nothing in {timeout_s:.0f} s")
+            line = self.proc.stdout.readline()
+            if line:
+                return json.loads(line)
+            self.proc.wait(10)
+            self.died = {"died": True, "rc": self.proc.returncode, "stderr": self.proc.stderr.read().strip()[-800:]}
+            return None
+
+    return Child
 
 
 # -- the parent ----------------------------------------------------------------------------------------------
 
 def check(r) -> None:
     from checks import CannotRun
+    Child = _child_class()
     if not r.rehearse:
         try:
             import cupy
@@ -264,14 +252,14 @@ def check(r) -> None:
         except Exception as e:   # ImportError, CUDARuntimeError, DeviceError (no libcuda)
             raise CannotRun(f"no GPU here (cupy and the CUDA driver are both needed): {type(e).__name__}: {e}") \
                 from None
-    lease(r)
+    lease(r, Child)
     if r.rehearse:
         r.note("rehearsal: the raw part needs a GPU and was not run")
         return
-    raw(r, cupy, driver)
+    raw(r, cupy, driver, Child)
 
 
-def lease(r) -> None:
+def lease(r, Child) -> None:
     """The daemon's read-only lease, through the client's own mapping code."""
     from modelcache.bench.common import ensure_models, managed_daemon
     from modelcache.client.connection import connect
@@ -327,7 +315,7 @@ def lease(r) -> None:
                 child.kill()
 
 
-def raw(r, cupy, driver) -> None:
+def raw(r, cupy, driver, Child) -> None:
     """The VMM calls alone, against legacy IPC: write attempts, attach time, device memory, a killed child."""
     rt = cupy.cuda.runtime
     cupy.cuda.Device(0).use()
