@@ -11,6 +11,7 @@ mapping, only the daemon's accounting misses it, and releasing it sends nothing.
 from __future__ import annotations
 
 from .. import protocol as P
+from .rpc import close_received_fds
 
 
 class LeaseKeeper:
@@ -42,6 +43,7 @@ class LeaseKeeper:
                 continue
             _, name, version, device = held
             reply = send_open(name, version, device)
+            close_received_fds(reply)   # the session runs on what it mapped; this lease is for the accounting
             if isinstance(reply, P.OpenReply):
                 held[0] = reply.lease_id
                 relet += 1

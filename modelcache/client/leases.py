@@ -44,7 +44,8 @@ class LeaseClient:
             raise ValueError(f"{address} has no lane (only an ipc:// daemon has one)")
         self._name = name or os.path.basename(sys.argv[0] or "python")
         self._leases = LeaseKeeper()      # re-opened on a reconnect; a close names the id of now
-        self._channel = Channel(address, lane_connection(self._path, address), timeout_s,
+        # with_fds: a GPU lease under read-only sharing brings its allocations as descriptors (client/device.py).
+        self._channel = Channel(address, lane_connection(self._path, address, with_fds=True), timeout_s,
                                 on_connect=self._reopen_leases)
         self._channel.connect()
 

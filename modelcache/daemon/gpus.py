@@ -1,13 +1,15 @@
 """The daemon's GPU tiers: one residency manager per device (daemon/residency.py) over a tiers.gpu.DeviceTier,
-above the host tier's; which devices get one, how a request names one, their capacity on reload, and
-their stop."""
+above the host tier's; which devices get one, how a request names one, what a lease on one needs of
+its transport and its client, their capacity on reload, and their stop."""
 
 from __future__ import annotations
 
 import logging
 
-from ..cuda import DeviceError, normalize_uuid
+from ..cuda import VMM_KINDS, DeviceError, normalize_uuid
 from ..errors import ModelCacheError
+from .identity import check_may_read
+from .lane import LaneConnection
 from .residency import Residency
 
 log = logging.getLogger("modelcache.daemon")
@@ -35,21 +37,20 @@ class GpuTiers:
 
         if self.settings.fake_gpus:
             devices = gpu.fake_devices(self.settings.fake_gpus)
-
-            def allocator(device):
-                return gpu.FakeAllocator(device, self.host.tier.root / f"fake-gpu-{device.index}")
         else:
             devices = select_tier_devices(self.settings.gpus, gpu.probe())
-            allocator = gpu.CudaAllocator
         for device in devices:
             capacity = parse_size(self.settings.gpu_capacity, total=device.total_bytes)
-            tier = gpu.DeviceTier(allocator(device), capacity, source=self.host.tier)
+            allocator = gpu.allocator_for(device, self.host.tier.root / f"fake-gpu-{device.index}",
+                                          self.settings.gpu_sharing)
+            tier = gpu.DeviceTier(allocator, capacity, source=self.host.tier)
             residency = self.by_uuid[device.uuid] = Residency(
                 tier=tier, policy=self.make_policy(self.settings, self.parts["clock"]), settings=self.settings,
                 below=self.host, **self.parts)
             residency.forget = self.host.forget   # (one list: each callback is told which tier's copy went)
-            log.info("GPU tier on device %d (%s, %s): %d MiB", device.index, device.name, device.uuid,
-                     tier.capacity_bytes >> 20)
+            log.info("GPU tier on device %d (%s, %s): %d MiB, shared %s", device.index, device.name, device.uuid,
+                     tier.capacity_bytes >> 20,
+                     "read-only (VMM)" if allocator.sharing == "vmm-read-only" else "read-write (legacy CUDA IPC)")
         self.host.tier.gpu_variant = bool(devices)
 
     def set_capacity(self, spec: str) -> None:
@@ -91,6 +92,24 @@ class GpuTiers:
                 return residency
         known = ", ".join(f"{r.tier.device.index} ({r.id})" for r in tiers)
         raise ModelCacheError(f"no GPU {which!r} in this daemon's GPU tier; it has {known}")
+
+
+    def check_transport(self, ident, residency: Residency) -> None:
+        """Under read-only sharing a GPU lease is descriptors, which only the lane carries (not ZeroMQ, not tcp)."""
+        tier = residency.tier
+        if tier.allocator.kind in VMM_KINDS and type(ident) is not LaneConnection:
+            raise ModelCacheError(f"GPU {tier.device.index} shares its weights read-only (gpu_sharing = "
+                                  "vmm-read-only), as file descriptors that only the daemon's lane (the ipc:// "
+                                  "socket's .lane) carries; open GPU sessions over it (modelcache.InferenceSession "
+                                  "and connect() do, where the daemon has one)")
+
+    def check_may_map(self, ident, model, residency: Residency) -> None:
+        """Before a GPU lease is granted: under read-only sharing, the descriptors go only over the lane, to a peer
+        the kernel names, that may read the model's GPU skeleton with its own rights (the client opens it next):
+        a descriptor must not give what the host tier's file permissions do not."""
+        if residency.tier.allocator.kind in VMM_KINDS:
+            self.check_transport(ident, residency)
+            check_may_read(ident, str(self.host.tier.skeleton_path(model.key, "gpu")), f"{model.key}'s GPU memory")
 
 
 def select_tier_devices(spec: str, devices: list) -> list:

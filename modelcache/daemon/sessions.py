@@ -126,6 +126,8 @@ class Sessions:
         client = self.touch(msg.client_id, ident, msg.client_name)
         deadline = deadline_of(self.clock(), msg.deadline_ms)   # (a fetch re-runs this: its time counts too)
         residency = self.host if msg.device == "cpu" else self.gpus.named(msg.device)
+        if residency is not self.host:
+            self.gpus.check_transport(ident, residency)   # (before any load: a reply it could not take)
         model = self.fetcher.resolve_or_fetch(ident, msg)
         if model is None:
             return None  # fetching from the remote store; the request runs again when it lands
@@ -141,6 +143,14 @@ class Sessions:
                 residency.hold(model)      # (as if a lease came and went: its policy hears the copy is idle)
                 residency.release(model)
                 return
+            if residency is not self.host:
+                try:
+                    self.gpus.check_may_map(ident, model, residency)
+                except ModelCacheError as e:    # no lease, no descriptor
+                    residency.hold(model)       # (as if a lease came and went, as above)
+                    residency.release(model)
+                    self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=e.code, message=str(e)))
+                    return
             lease = self.registry.grant(client, model, self.wall(), residency.id)
             residency.lease(model)
             self.reply(ident, self._open_reply(msg.req_id, lease.lease_id, model, hit, residency.tier))
@@ -153,9 +163,11 @@ class Sessions:
     def _open_reply(self, req_id: int, lease_id: str, model: ModelRecord, hit: bool, tier) -> P.OpenReply:
         m = model.manifest
         io = m.io_summary()
-        return P.OpenReply(req_id=req_id, lease_id=lease_id, name=model.name, version=model.version,
-                           inputs=io["inputs"], outputs=io["outputs"], weights_bytes=m.weights_bytes, hit=hit,
-                           **tier.export(model.key, m))
+        reply = P.OpenReply(req_id=req_id, lease_id=lease_id, name=model.name, version=model.version,
+                            inputs=io["inputs"], outputs=io["outputs"], weights_bytes=m.weights_bytes, hit=hit,
+                            **tier.export(model.key, m))
+        reply.passed_fds = tier.lease_fds(model.key)   # (not a field: the lane sends them, server._reply)
+        return reply
 
     def on_Close(self, ident, msg: P.Close):
         client = self.touch(msg.client_id, ident)

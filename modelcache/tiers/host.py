@@ -385,6 +385,10 @@ class HostTier:
         return {"skeleton_path": skeleton, "segments": segments, "tensors": tensors,
                 "prepacked": sorted(self.prepacked_tensors(key))}
 
+    def lease_fds(self, key: str) -> list[int]:
+        """No descriptors travel with a host lease: the client opens the segments by path."""
+        return []
+
     def layout(self, key: str, manifest: Manifest, variant: str = "cpu") -> tuple[str, list[str], list[list]]:
         """(skeleton path, segment paths, [name, dtype, shape, segment index, offset, nbytes] per tensor)."""
         locations = self.models[key][variant]
