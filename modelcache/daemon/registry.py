@@ -75,8 +75,9 @@ class TierCopy:
     @property
     def busy_above(self) -> bool:
         """A copy in a tier above is waiting for room or being made from this one: this one must stay."""
-        return self.tier == HOST and any(c.state in (ModelState.WAITING, ModelState.LOADING)
-                                         for c in self.model.gpu_copies())
+        copies = self.model.tier_copies
+        return self.tier == HOST and len(copies) > 1 and \
+            any(c.state in (ModelState.WAITING, ModelState.LOADING) for t, c in copies.items() if t != HOST)
 
     @property
     def freeable(self) -> bool:

@@ -42,6 +42,7 @@ class Residency:
         # The bottom tier's: the repository side (fetch.py), which fetches a damaged version again.
         self.source = source
         self.room = RoomQueue()
+        self.resident: dict = {}          # key -> ModelRecord of each copy resident here: what room is made from
         self.needs: dict = {}             # key -> bytes its last promotion that found no room would have placed
         # Called with (model key, tier id) when a copy here is freed or replaced: what was built over it goes.
         self.forget: list = []
@@ -168,6 +169,7 @@ class Residency:
             else:
                 tier.commit(plan)
                 waiters = copy.finish_load(ok=True)
+                self.resident[model.key] = model
                 if self.source is not None:
                     model.promoted()
                 self.policy.created(model.key, tier.model_bytes(model.key))
@@ -295,6 +297,7 @@ class Residency:
         freed = sum(tier.evict(model) for tier in self.above if tier.is_resident(model))
         if copy.freed():
             self.count("wasted_prewarms")
+        del self.resident[model.key]
         tier_freed = self.tier.free_model(model.key)
         self.policy.removed(model.key)
         for forget in self.forget:
@@ -308,8 +311,7 @@ class Residency:
     def _make_room(self, bytes_over: int, loading: str, prewarm: bool = False) -> bool:
         """Evict unheld, unpinned copies, as the policy chooses, until `bytes_over` is freed (for a pre-warm,
         only those its policy's prewarm_victims offers). Nothing is evicted unless the whole need can be met."""
-        by_key = {m.key: m for m in self.registry.models.values()
-                  if (c := m.tier_copies.get(self.id)) is not None and c.evictable and m.key != loading}
+        by_key = {k: m for k, m in self.resident.items() if m.tier_copies[self.id].evictable and k != loading}
         victims = choose_victims(self.policy, by_key, self.tier.bytes_freed_by, bytes_over,
                                  prewarm_of=loading if prewarm else None)
         if victims is None:
@@ -323,6 +325,7 @@ class Residency:
         copy = self.copy(model)
         copy.start_load()                 # (its load is the dead daemon's)
         copy.finish_load(ok=True)
+        self.resident[model.key] = model
         self.policy.created(model.key, self.tier.model_bytes(model.key))
 
     # -- timers: the policy's keep-alive and pre-warm deadlines, and those of requests waiting for room --------
