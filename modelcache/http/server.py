@@ -12,8 +12,9 @@ import signal
 
 from aiohttp import web
 
-from .link import DaemonLink
-from .routes import LINK, MAX_BODY, SETTINGS, UNLOADED, add_routes, v2_errors
+from ..oip.link import DaemonLink
+from ..oip.operations import Operations
+from .routes import MAX_BODY, OPS, add_routes, v2_errors
 
 log = logging.getLogger("modelcache.http")
 SHUTDOWN_TIMEOUT_S = 8.0
@@ -22,15 +23,13 @@ SHUTDOWN_TIMEOUT_S = 8.0
 def build_app(settings) -> web.Application:
     max_body = settings.max_message_bytes()
     app = web.Application(middlewares=[v2_errors], client_max_size=max_body)
-    app[SETTINGS] = settings
     app[MAX_BODY] = max_body
-    app[UNLOADED] = set()
     add_routes(app)
 
     async def link_ctx(app):
-        app[LINK] = DaemonLink(settings.socket, settings.request_timeout_s)
+        app[OPS] = Operations(DaemonLink(settings.socket, settings.request_timeout_s, front="http"), settings)
         yield
-        await app[LINK].close()
+        await app[OPS].link.close()
 
     app.cleanup_ctx.append(link_ctx)
     return app
