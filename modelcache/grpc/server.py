@@ -1,0 +1,69 @@
+"""Run the gRPC front: grpc.aio's server on host:port, one DaemonLink to the daemon's serve lane.
+
+grpc's core parses HTTP/2 and enforces max_receive_message_length (the daemon's max_message_size) from a
+message's length prefix, so a request over the limit is refused with RESOURCE_EXHAUSTED before its body is
+buffered. Replies may be as large as the model makes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+
+from ..errors import ConfigError
+from ..oip.link import DaemonLink
+from ..oip.operations import Operations
+from ..triton_protos import grpc_service_pb2_grpc, health_pb2_grpc
+from .service import HealthService, InferenceService
+
+log = logging.getLogger("modelcache.grpc")
+SHUTDOWN_TIMEOUT_S = 8.0   # in-flight calls get this long at a stop, as the HTTP front's
+
+
+def address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def serve(settings, host: str, port: int, on_ready=None, reuse_port: bool = False, setting: str = "") -> None:
+    """Serve until SIGTERM or SIGINT; `on_ready(host:port)` once the port accepts calls. `reuse_port`: the
+    daemon holds the port (bound, SO_REUSEPORT, not listening: daemon/children.py) and this child takes it.
+    `setting`: what asked for the port, for the one line a port we cannot have becomes."""
+    logging.getLogger("grpc").setLevel(logging.WARNING)   # its debug lines: one per call, even with ours at debug
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", settings.max_message_bytes()),
+        ("grpc.max_send_message_length", -1),
+        ("grpc.so_reuseport", 1 if reuse_port else 0),   # else a second server on the port would share its calls
+    ])
+    ops = Operations(DaemonLink(settings.socket, settings.request_timeout_s, front="grpc"), settings)
+    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(ops), server)
+    health_pb2_grpc.add_HealthServicer_to_server(HealthService(ops), server)
+    try:
+        bound = server.add_insecure_port(address(host, port))
+    except RuntimeError:
+        bound = 0
+    if not bound:
+        raise ConfigError(f"{setting or f'port {port}'}: cannot listen on {address(host, port)}: another process "
+                          "holds it, or no interface of this machine has that address; choose another port, or stop "
+                          "that process")
+    await server.start()
+    where = address(host, bound)
+    log.info("Triton gRPC protocol on %s for the daemon at %s", where, settings.socket)
+    if on_ready:
+        on_ready(where)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):   # handlers only set the flag; shutdown runs here
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop(SHUTDOWN_TIMEOUT_S)   # in-flight calls finish, new ones are refused
+        await ops.link.close()
+    log.info("gRPC front stopped")
+
+
+def run(settings, host: str, port: int, on_ready=None, reuse_port: bool = False, setting: str = "") -> None:
+    asyncio.run(serve(settings, host, port, on_ready, reuse_port, setting))
