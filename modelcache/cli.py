@@ -51,7 +51,7 @@ def cmd_front(args) -> int:
     import importlib
     import socket
 
-    from .address import check_can_connect, check_listening, listen_tcp
+    from .address import check_can_connect, check_listening, listen_tcp, reserve_tcp
     kind = args.cmd
     try:   # aiohttp is the [http] extra, grpcio the [grpc] one
         run = importlib.import_module(f"modelcache.{kind}.server").run
@@ -64,8 +64,14 @@ def cmd_front(args) -> int:
     port = args.port if args.port is not None else (getattr(settings, f"{kind}_port") or FRONT_PORTS[kind])
     where = f"--port {port}" if args.port is not None else \
         f"{kind}_port {port}" if getattr(settings, f"{kind}_port") else f"the default port {port}"
-    daemons_own = args.listen_fd is not None or args.reuse_port   # started by the daemon: see daemon/children.py
-    if not daemons_own and settings.socket.startswith("ipc://"):
+    # Bound here, before serving: a port we cannot have is one line naming where it was asked for. The daemon
+    # binds its HTTP front's port itself and hands it over (--listen-fd); grpc binds only what it listens on, so
+    # its port is held here bound, beside it (SO_REUSEPORT: see daemon/children.py, which holds it too).
+    if kind == "grpc":
+        sock = reserve_tcp(host, port, where)
+    else:
+        sock = socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else listen_tcp(host, port, where)
+    if not args.daemons and settings.socket.startswith("ipc://"):
         # A front with no daemon behind it would answer every request 503: refuse to start instead (the
         # daemon's own front starts once the daemon listens). Once up, it rides out restarts.
         check_can_connect(settings.socket[len("ipc://"):], settings.socket)
@@ -74,13 +80,10 @@ def cmd_front(args) -> int:
     def ready(url):
         print(f"READY {url}", flush=True)   # as the daemon's: tests and scripts wait on it
 
-    if kind == "grpc":   # grpc binds its port itself (a port it cannot have: a ConfigError naming `where`)
-        run(settings, host, port, on_ready=ready, reuse_port=args.reuse_port, setting=where)
-        return 0
-    # Bound here, before serving: a port we cannot have is one line naming where it was asked for. The
-    # daemon binds its front's port itself and hands it over (--listen-fd; see daemon/children.py).
-    sock = socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else listen_tcp(host, port, where)
-    run(settings, host, port, on_ready=ready, sock=sock)
+    if kind == "grpc":
+        run(settings, host, sock.getsockname()[1], on_ready=ready, reserved=sock)
+    else:
+        run(settings, host, port, on_ready=ready, sock=sock)
     return 0
 
 
@@ -88,7 +91,7 @@ def cmd_import_triton(args) -> int:
     from .triton_repo.importer import import_repository
     settings = _settings(args)
     _setup_logging(settings.log_level)
-    report = import_repository(args.repository, settings, only=args.model, dry_run=args.dry_run,
+    report = import_repository(args.source, settings, only=args.model, dry_run=args.dry_run,
                                out=lambda line: print(line, flush=True))
     return 1 if report.failed else 0
 
@@ -620,9 +623,9 @@ def build_parser() -> argparse.ArgumentParser:
         h.add_argument("--port", type=_port_arg, help=f"port (default: {kind}_port if set, else {FRONT_PORTS[kind]}; "
                                                       "0 picks a free one)")
         h.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-        # how the daemon hands its front the port (daemon/children.py)
+        # the daemon's own front (daemon/children.py): started once the daemon listens; the port it hands over
+        h.add_argument("--daemons", action="store_true", help=argparse.SUPPRESS)
         h.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
-        h.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
         h.set_defaults(func=cmd_front, uses=CLIENT_SETTINGS + ("log_level", f"{kind}_host", f"{kind}_port",
                                                                "max_message_size"))
     it = sub.add_parser("import-triton", parents=[common], help="add the ONNX models of a Triton model repository",
@@ -633,7 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "backends are skipped with one line each; fields not honoured are listed. Goes "
                                     "through the daemon when one runs, else writes the repository directly. Exit "
                                     "status 1 when a model could not be imported.")
-    it.add_argument("repository", help="the Triton model repository (a directory of model directories)")
+    it.add_argument("source", metavar="REPO", help="the Triton model repository (a directory of model directories)")
     it.add_argument("--model", action="append", help="import only this model (repeat for more)")
     it.add_argument("--dry-run", action="store_true", help="check and say what would be imported; add nothing")
     it.add_argument("--log-level", choices=["debug", "info", "warning", "error"])

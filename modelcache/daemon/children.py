@@ -46,7 +46,9 @@ class Child:
     def start(self) -> None:
         # systemd's notify socket and watchdog are the daemon's alone (NotifyAccess=main)
         env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
-        self.proc = subprocess.Popen(self.cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        # A front's lines go to our stderr (its log); a job's report, on its stdout, too
+        self.proc = subprocess.Popen(self.cmd, env=env, stdin=subprocess.DEVNULL,
+                                     stdout=sys.stderr if self.exits_when_done else subprocess.DEVNULL,
                                      pass_fds=self.pass_fds, preexec_fn=_die_with_parent)
         log.info("%s starting (pid %d)", self.what, self.proc.pid)
 
@@ -92,14 +94,14 @@ class Front(Child):
         if importlib.util.find_spec(self.EXTRAS[kind]) is None:
             raise ConfigError(f"{setting}: the {kind} front needs the [{kind}] extra (pip install "
                               f"'modelcache[{kind}]'), or set {kind}_port = 0")
-        args = [kind, "--socket", socket]
+        args = [kind, "--socket", socket, "--daemons"]
         if kind == "http":   # handed over: the child serves on our listening socket
             self.sock = listen_tcp(host, port, setting)
             args += ["--listen-fd", str(self.sock.fileno())]
             pass_fds = (self.sock.fileno(),)
         else:   # held: the child binds the same port beside it (see the module's docstring)
             self.sock = reserve_tcp(host, port, setting)
-            args += ["--host", host, "--port", str(self.sock.getsockname()[1]), "--reuse-port"]
+            args += ["--host", host, "--port", str(self.sock.getsockname()[1])]
             pass_fds = ()
         super().__init__(args, pass_fds)
         self.kind = kind

@@ -27,15 +27,15 @@ def address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def serve(settings, host: str, port: int, on_ready=None, reuse_port: bool = False, setting: str = "") -> None:
-    """Serve until SIGTERM or SIGINT; `on_ready(host:port)` once the port accepts calls. `reuse_port`: the
-    daemon holds the port (bound, SO_REUSEPORT, not listening: daemon/children.py) and this child takes it.
-    `setting`: what asked for the port, for the one line a port we cannot have becomes."""
+async def serve(settings, host: str, port: int, on_ready=None, reserved=None) -> None:
+    """Serve until SIGTERM or SIGINT; `on_ready(host:port)` once the port accepts calls. `reserved`: a socket
+    holding host:port (address.reserve_tcp: bound with SO_REUSEPORT, not listening), which grpc binds beside;
+    closed at the stop."""
     logging.getLogger("grpc").setLevel(logging.WARNING)   # its debug lines: one per call, even with ours at debug
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", settings.max_message_bytes()),
         ("grpc.max_send_message_length", -1),
-        ("grpc.so_reuseport", 1 if reuse_port else 0),   # else a second server on the port would share its calls
+        ("grpc.so_reuseport", 1),   # beside the socket that holds the port (see address.reserve_tcp)
     ])
     ops = Operations(DaemonLink(settings.socket, settings.request_timeout_s, front="grpc"), settings)
     grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(ops), server)
@@ -44,10 +44,8 @@ async def serve(settings, host: str, port: int, on_ready=None, reuse_port: bool 
         bound = server.add_insecure_port(address(host, port))
     except RuntimeError:
         bound = 0
-    if not bound:
-        raise ConfigError(f"{setting or f'port {port}'}: cannot listen on {address(host, port)}: another process "
-                          "holds it, or no interface of this machine has that address; choose another port, or stop "
-                          "that process")
+    if not bound:   # (the port is held for us: only a rare failure of grpc's own gets here)
+        raise ConfigError(f"port {port}: grpc cannot listen on {address(host, port)}")
     await server.start()
     where = address(host, bound)
     log.info("Triton gRPC protocol on %s for the daemon at %s", where, settings.socket)
@@ -62,8 +60,10 @@ async def serve(settings, host: str, port: int, on_ready=None, reuse_port: bool 
     finally:
         await server.stop(SHUTDOWN_TIMEOUT_S)   # in-flight calls finish, new ones are refused
         await ops.link.close()
+        if reserved is not None:
+            reserved.close()
     log.info("gRPC front stopped")
 
 
-def run(settings, host: str, port: int, on_ready=None, reuse_port: bool = False, setting: str = "") -> None:
-    asyncio.run(serve(settings, host, port, on_ready, reuse_port, setting))
+def run(settings, host: str, port: int, on_ready=None, reserved=None) -> None:
+    asyncio.run(serve(settings, host, port, on_ready, reserved))
