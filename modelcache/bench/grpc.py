@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
 import signal
 import socket
 import statistics
@@ -91,33 +90,10 @@ def closed_loop(server: str, address: str, model: str, io: tuple, clients: int, 
     return {"rps": len(lat) / seconds, "p50_us": _pct(lat, 50), "p99_us": _pct(lat, 99), "requests": len(lat)}
 
 
-def _io(path: str) -> tuple:
-    """(input name, first output's name, input shape at batch 1) of a one-input model."""
-    import onnx
-    g = onnx.load(path, load_external_data=False).graph
-    weights = {t.name for t in g.initializer}
-    inp = next(i for i in g.input if i.name not in weights)
-    shape = [d.dim_value if d.HasField("dim_value") else 1 for d in inp.type.tensor_type.shape.dim]
-    return inp.name, g.output[0].name, shape
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _start_front(kind: str, env: dict, log) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "modelcache.cli", kind, "--port", "0", "--log-level", "warning"],
-                            env=env, stdout=subprocess.PIPE, stderr=log)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None:
-        if select.select([proc.stdout], [], [], 0.5)[0]:
-            line = proc.stdout.readline()
-            if line.startswith(b"READY "):
-                return proc, line.split()[1].decode().removeprefix("http://")
-    proc.kill()
-    raise RuntimeError(f"modelcache {kind} did not start")
 
 
 def _start_kserve(python: str, paths: dict, log) -> tuple[subprocess.Popen, str]:
@@ -209,6 +185,7 @@ def main(argv=None) -> int:
         _worker(*args.worker)
         return 0
     from .common import ensure_models, managed_daemon, save_results
+    from .http import _io, _start_front
     servers = [s for s in SERVERS if s != "kserve-grpc" or args.kserve_python]
     res = {"seconds": args.seconds, "rounds": args.rounds, "versions": _versions(args.kserve_python), "runs": {}}
     with tempfile.TemporaryDirectory(prefix="modelcache-bench-grpc-") as tmp:
@@ -223,7 +200,7 @@ def main(argv=None) -> int:
                 io = {m: _io(p) for m, p in paths.items()}
                 address = {}
                 for kind in ("grpc", "http"):
-                    proc, address[f"modelcache-{kind}"] = _start_front(kind, env, log)
+                    proc, address[f"modelcache-{kind}"] = _start_front(env, log, kind)
                     procs.append((proc, False))
                 if args.kserve_python:
                     proc, address["kserve-grpc"] = _start_kserve(args.kserve_python, paths, log)

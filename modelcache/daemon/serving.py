@@ -131,12 +131,6 @@ class Serving:
         worker = self.engine.cpu_worker(msg.worker)
         feeds, maps = tensors.decode(msg.inputs)
         model.feed_check.check(feeds)
-        limit = model.manifest.serving.get("max_batch")
-        if limit:   # its configuration's max_batch_size bounds a request's rows, as Triton's does
-            first = next(iter(feeds.values()), None)
-            rows = first.shape[0] if getattr(first, "ndim", 0) else 1
-            if rows > limit:
-                raise InputError(f"{model.key}: a request of {rows} rows; its max_batch_size is {limit}")
         model.hold()                 # held like a request in flight: not evicted under the worker's session
         answered = []
 
@@ -191,12 +185,11 @@ class Serving:
         deadline = deadline_of(arrival, msg.deadline_ms)
         feeds, maps = tensors.decode(msg.inputs)
         model.feed_check.check(feeds)
+        first = next(iter(feeds.values()), None)
+        samples = first.shape[0] if getattr(first, "ndim", 0) else 1   # (a sequence or None: 1)
         limit = model.manifest.serving.get("max_batch")
-        if limit:   # its configuration's max_batch_size bounds a request's rows, as Triton's does
-            first = next(iter(feeds.values()), None)
-            rows = first.shape[0] if getattr(first, "ndim", 0) else 1
-            if rows > limit:
-                raise InputError(f"{model.key}: a request of {rows} rows; its max_batch_size is {limit}")
+        if limit and samples > limit:   # its configuration's max_batch_size bounds a request's rows, as Triton's
+            raise InputError(f"{model.key}: a request of {samples} rows; its max_batch_size is {limit}")
         if msg.output_names:
             outputs = [o.name for o in model.manifest.outputs]
             unknown = [n for n in msg.output_names if n not in outputs]
@@ -237,8 +230,6 @@ class Serving:
                         res.acquire()
                         held_devices.append(uuid)
                         devices[uuid] = stages
-            first = next(iter(feeds.values()), None)
-            samples = first.shape[0] if getattr(first, "ndim", 0) else 1   # (a sequence or None: 1)
             now = self.clock()   # a serve request is a call, as an open is: the timed policies count it
             for uuid in devices:
                 self.gpu.policies[uuid].accessed(model.key, now)

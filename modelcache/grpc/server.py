@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 
 import grpc
 
 from ..errors import ConfigError
+from ..oip.lifecycle import SHUTDOWN_TIMEOUT_S, until_stopped
 from ..oip.link import DaemonLink
 from ..oip.operations import Operations
 from ..triton_protos import grpc_service_pb2_grpc, health_pb2_grpc
 from .service import HealthService, InferenceService
 
 log = logging.getLogger("modelcache.grpc")
-SHUTDOWN_TIMEOUT_S = 8.0   # in-flight calls get this long at a stop, as the HTTP front's
 
 
 def address(host: str, port: int) -> str:
@@ -51,12 +50,8 @@ async def serve(settings, host: str, port: int, on_ready=None, reserved=None) ->
     log.info("Triton gRPC protocol on %s for the daemon at %s", where, settings.socket)
     if on_ready:
         on_ready(where)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):   # handlers only set the flag; shutdown runs here
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await until_stopped()
     finally:
         await server.stop(SHUTDOWN_TIMEOUT_S)   # in-flight calls finish, new ones are refused
         await ops.link.close()
