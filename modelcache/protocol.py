@@ -417,7 +417,6 @@ class DescribeReply(Message, kind="describe_ok"):
     weights_bytes: int = 0
     model_config: dict = {}            # the Triton configuration it was imported with ({}: added otherwise)
     source_sha256: str = ""            # of the .onnx file it was packed from
-    serving: dict = {}                 # its own batching policy, if it has one
 
 
 class SetBatching(Message, kind="set_batching"):

@@ -66,8 +66,7 @@ class Serving:
                                outputs=io["outputs"], weights_bytes=model.manifest.weights_bytes,
                                stages=[{k: e[k] for k in ("file", "inputs", "outputs", "cost_share", "workers")
                                         if k in e} for e in model.manifest.stages],
-                               model_config=model.manifest.model_config, source_sha256=model.manifest.source_sha256,
-                               serving=model.manifest.serving)
+                               model_config=model.manifest.model_config, source_sha256=model.manifest.source_sha256)
 
     def on_Partition(self, ident, msg: P.Partition):
         from ..executor.partition import check_request, partition
