@@ -21,6 +21,7 @@ from pathlib import Path
 import zmq
 
 from ..errors import ModelCacheError
+from ..storage import remove_tree
 from ..lane import MAX_BODY, MAX_FDS, FrameReader, LaneError, frame, recv_chunk, recv_chunk_with_fds
 from .identity import socket_credentials
 
@@ -253,4 +254,6 @@ class LaneServer:
         if self.listener is not None:
             self.listener.close()
             self.listener = None
-        Path(self.path).unlink(missing_ok=True)
+        error = remove_tree(self.path)   # (tried twice; what stays, the server's stop tries again)
+        if error is not None:
+            log.warning("could not remove the lane's socket %s: %s", self.path, error)
