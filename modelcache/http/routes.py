@@ -138,7 +138,7 @@ async def infer(request: web.Request) -> web.Response:
     # Big inputs go through /dev/shm files as client.infer sends them; the daemon's group may read them.
     settings = request.app[SETTINGS]
     group_of = settings.socket[len("ipc://"):]
-    wire, files = tensors.encode(req.feeds, group_of=group_of)
+    wire, files = tensors.encode(req.feeds, group_of=group_of, model=name)
     try:
         deadline_ms = req.timeout_us / 1000 if req.timeout_us else None
         reply = await request.app[LINK].call(
