@@ -176,6 +176,13 @@ def run_client(socket: str, *args: str, timeout_s: float = 300) -> subprocess.Co
                           capture_output=True, text=True, timeout=timeout_s)
 
 
+def dead_pid() -> int:
+    """A process id that no process has now (one that just exited)."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
 def wait_until(predicate, timeout_s: float = 15.0, what: str = "condition"):
     """Poll a condition with a deadline (for effects that take real time, e.g. lease expiry)."""
     deadline = time.monotonic() + timeout_s

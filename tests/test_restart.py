@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,7 +11,7 @@ import pytest
 import modelcache
 from modelcache import zoo
 
-from conftest import DaemonProcess
+from conftest import DaemonProcess, dead_pid
 
 
 @pytest.fixture(autouse=True)
@@ -201,18 +199,11 @@ def test_a_stray_reply_of_any_kind_is_dropped_by_request_id(tmp_path):
         _stop(d)
 
 
-def _dead_pid() -> int:
-    """A process id that no process has now (one that just exited)."""
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    return p.pid
-
-
 @pytest.mark.parametrize("garbage", [os.urandom(64), b"\xff\xfe\x00", b""])
 def test_a_dead_tier_whose_owner_file_is_garbage_is_swept_not_fatal(tmp_path, shm_env, zoo_file, garbage):
     """Another daemon's dead tier whose `owner` holds random bytes: no daemon can re-adopt it, so the start
     sweeps it (naming the file) and comes up."""
-    dead = shm_env / f"modelcache.{os.getuid()}.{_dead_pid()}"
+    dead = shm_env / f"modelcache.{os.getuid()}.{dead_pid()}"
     dead.mkdir()
     (dead / "owner").write_bytes(garbage)
     (dead / "seg-0.bin").write_bytes(b"\0" * 4096)
