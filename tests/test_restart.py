@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import time
 from pathlib import Path
 
@@ -199,7 +200,8 @@ def test_a_stray_reply_of_any_kind_is_dropped_by_request_id(tmp_path):
         _stop(d)
 
 
-@pytest.mark.parametrize("garbage", [os.urandom(64), b"\xff\xfe\x00", b""])
+@pytest.mark.parametrize("garbage", [bytes(random.Random(0).randrange(256) for _ in range(64)), b"\xff\xfe\x00", b""],
+                         ids=["random bytes", "invalid utf-8", "empty"])
 def test_a_dead_tier_whose_owner_file_is_garbage_is_swept_not_fatal(tmp_path, shm_env, zoo_file, garbage):
     """Another daemon's dead tier whose `owner` holds random bytes: no daemon can re-adopt it, so the start
     sweeps it (naming the file) and comes up."""
