@@ -20,7 +20,7 @@ def _setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=fmt, stream=sys.stderr)
 
 
-FLAG_SETTINGS = ("socket", "repository", "log_level", "host_capacity", "metrics_port")
+FLAG_SETTINGS = ("socket", "repository", "log_level", "host_capacity", "metrics_port", "gpu_sharing")
 
 
 def _settings(args):
@@ -365,6 +365,10 @@ def format_status(st) -> str:
         if t["tier"] == "gpu":  # where: the device; and which models GPU clients hold there
             leased = ", ".join(f"{k} ({_count(n, 'lease')})" for k, n in t.get("leased", {}).items())
             where = f"GPU {t['index']} {t['name']} {t['device']}" + (f"; held: {leased}" if leased else "")
+            if t.get("sharing"):   # (an older daemon does not say)
+                shared = "read-only (vmm)" if t["sharing"] == "vmm-read-only" else "read-write (legacy ipc)"
+                note = f" ({t['sharing_note']})" if t.get("sharing_note") else ""
+                where += f"; shared {shared}{note}"
         else:
             where = t["path"]
         waits = t.get("waiting") or {}   # (an older daemon does not say)
@@ -589,6 +593,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--host-capacity", help="host-tier size: bytes (8G, 512M) or percent of RAM (50%%)")
     d.add_argument("--metrics-port", type=_port_arg,
                    help="serve Prometheus metrics on this port (0: off, the default)")
+    d.add_argument("--gpu-sharing", choices=["ipc", "vmm-read-only"],
+                   help="how clients map GPU weights: ipc (the default: legacy CUDA IPC, every client may write "
+                        "them) or vmm-read-only (CUDA's virtual memory API, clients map them read-only; not yet "
+                        "verified on a GPU; where the driver refuses it, ipc, as status says)")
     d.set_defaults(func=cmd_daemon, uses=None)
 
     h = sub.add_parser("http", parents=[asks], help="serve the Open Inference Protocol (KServe v2 REST) "

@@ -34,6 +34,7 @@ class Settings:
     host_capacity: str = "50%"        # bytes ("8G", "512M") or percent of RAM
     gpu_capacity: str = "50%"         # per GPU: bytes, or percent of the device's memory
     fake_gpus: str = ""               # simulated GPUs in shared memory, for tests and development: "2x256M"
+    gpu_sharing: str = "ipc"          # how clients map GPU weights: ipc (legacy CUDA IPC, read-write) or vmm-read-only
     remote: str = ""                  # read-only model store (file:// or http(s)://), fetched on a miss
     eviction_policy: str = "lru"      # lru, lfu, fifo, gdsf, never, eager, keepalive, hybrid, hybrid-sized (at start)
     keep_alive_s: float = 600.0       # keepalive: an idle model goes this long after its last call; hybrid: fallback
@@ -126,6 +127,7 @@ EVICTION_POLICIES = ("lru", "lfu", "fifo", "gdsf", "never", "eager", "keepalive"
 SCHEDULERS = ("eager", "round-robin", "dmda")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 OPT_LEVELS = ("disable", "basic", "extended", "all")
+GPU_SHARING = ("ipc", "vmm-read-only")   # how tiers/gpu.py's allocators lend device memory
 
 
 def parse_policy_spec(spec: str) -> dict[str, str]:
@@ -322,7 +324,8 @@ _non_negative = number(float, low=0)
 RULES = {
     "socket": _address, "repository": _directory(False), "shm_dir": _directory(True),
     "host_capacity": _capacity("RAM"), "gpu_capacity": _capacity("the device's memory"),
-    "fake_gpus": _fake_gpus, "remote": _remote, "eviction_policy": _choice(*EVICTION_POLICIES),
+    "fake_gpus": _fake_gpus, "gpu_sharing": _choice(*GPU_SHARING), "remote": _remote,
+    "eviction_policy": _choice(*EVICTION_POLICIES),
     "keep_alive_s": _positive, "policy_time_scale": _positive,
     "log_level": _choice(*LOG_LEVELS), "heartbeat_interval_s": _positive, "lease_timeout_s": _positive,
     "request_timeout_s": _positive, "add_timeout_s": _positive, "opt_level": _choice(*OPT_LEVELS),

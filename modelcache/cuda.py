@@ -1,7 +1,11 @@
-"""The CUDA binding both the client and the daemon use: the CUDA runtime through ctypes, device names, DLPack
-OrtValues over raw device (or host) pointers, and the mappings of simulated ("fake") devices.
+"""The CUDA binding both the client and the daemon use: the CUDA runtime and driver through ctypes, device
+names, DLPack OrtValues over raw device (or host) pointers, and the mappings of simulated ("fake") devices.
 
 The CUDA runtime is the one onnxruntime itself loaded (through ctypes: importing cupy costs 0.1-0.6 s).
+The driver (libcuda) serves the virtual memory API of read-only sharing (`gpu_sharing = "vmm-read-only"`):
+through ctypes too, not NVIDIA's cuda-bindings: importing its driver module cost an attach client 201 ms
+(median of 21 fresh processes on a loaded 2-core VM; 110 ms in a quieter pilot), this binding 0.7 ms
+(benchmarks/binding/driver_import.txt), against a GPU attach ready in ~540 ms in all (shared/GPU.md).
 A fake device, for machines without a GPU, is shared-memory files standing in for allocations, with CPU
 OrtValues over them: the same DLPack and ``add_initializer`` path runs everywhere but the CUDA calls.
 
@@ -16,13 +20,15 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import struct
 import threading
 
 from .errors import ModelCacheError
 
 __all__ = [
-    "DeviceError", "CudaRuntime", "cuda_runtime", "normalize_uuid", "fake_uuid", "fake_index", "map_fake",
-    "unmap_fake", "KDL_CPU", "KDL_CUDA", "DLPACK_DTYPES", "dlpack_value",
+    "DeviceError", "CudaRuntime", "cuda_runtime", "CudaDriver", "cuda_driver", "normalize_uuid", "fake_uuid",
+    "fake_index", "map_fake", "map_fake_fd", "unmap_fake", "vmm_token", "vmm_token_size", "VMM_KINDS", "KDL_CPU",
+    "KDL_CUDA", "DLPACK_DTYPES", "dlpack_value",
 ]
 
 _GPU_HINT = "install onnxruntime-gpu (the [gpu] extra: pip install 'modelcache[gpu]')"
@@ -200,6 +206,213 @@ def cuda_runtime() -> CudaRuntime:
         return _runtime
 
 
+# -- CUDA driver through ctypes: the virtual memory API ------------------------------------------------------
+
+# Values of cuda.h (CUDA 12 and 13 alike) that the VMM calls take.
+CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102
+CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = 103
+CU_MEM_ACCESS_FLAGS_PROT_READ = 1
+CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
+_CU_MEM_ALLOCATION_TYPE_PINNED = 1
+_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+_CU_MEM_LOCATION_TYPE_DEVICE = 1
+_CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0
+_CUDA_ERROR_NOT_INITIALIZED = 3
+_CUDA_DRIVER_NAMES = ("libcuda.so.1", "libcuda.so")
+
+
+class _CUmemLocation(ctypes.Structure):
+    # CUDA 13 makes `id` a union with `localized` (two bytes): 8 bytes either way (tests compare with cuda-bindings).
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _CUmemAllocFlags(ctypes.Structure):
+    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
+                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+
+class _CUmemAllocationProp(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _CUmemLocation),
+                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _CUmemAllocFlags)]
+
+
+class _CUmemAccessDesc(ctypes.Structure):
+    _fields_ = [("location", _CUmemLocation), ("flags", ctypes.c_int)]
+
+
+def _device_prop(index: int) -> _CUmemAllocationProp:
+    """A pinned allocation on device `index` that may be exported as a POSIX file descriptor."""
+    prop = _CUmemAllocationProp()
+    prop.type = _CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.requestedHandleTypes = _CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    prop.location = _CUmemLocation(_CU_MEM_LOCATION_TYPE_DEVICE, index)
+    return prop
+
+
+class CudaDriver:
+    """The driver calls of read-only sharing (cuMem*), every return code checked; `cuda_driver()` makes one.
+
+    Device arguments are ordinals as the driver counts them (CUDA_VISIBLE_DEVICES applied), the same as the
+    runtime's. An exporter: `create` -> `map` (read-write, to copy in) -> `export_fd`; an importer:
+    `import_fd` -> `map` (read-only) -> close the fd; either: `unmap` then `release` of what it holds."""
+
+    def __init__(self, names=_CUDA_DRIVER_NAMES):
+        tried = []
+        for name in names:
+            try:
+                self._lib = ctypes.CDLL(name)
+                break
+            except OSError as e:
+                tried.append(f"{name}: {e}")
+        else:
+            raise DeviceError("no CUDA driver (libcuda) could be loaded in this process, so GPU memory cannot be "
+                              "shared read-only; is an NVIDIA driver installed? Tried: " + "; ".join(tried))
+        self._lock = threading.Lock()
+        self._granularity: dict[int, int] = {}
+        self._declare()
+        self._check(self._lib.cuInit(0), "cuInit", "is an NVIDIA driver installed and a GPU visible to this process?")
+
+    def _declare(self) -> None:
+        lib, u64, size_t, vp = self._lib, ctypes.c_ulonglong, ctypes.c_size_t, ctypes.c_void_p
+        lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.cuInit.argtypes = [ctypes.c_uint]
+        lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+        lib.cuDeviceGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+        lib.cuMemGetAllocationGranularity.argtypes = [ctypes.POINTER(size_t), ctypes.POINTER(_CUmemAllocationProp),
+                                                      ctypes.c_int]
+        lib.cuMemCreate.argtypes = [ctypes.POINTER(u64), size_t, ctypes.POINTER(_CUmemAllocationProp), u64]
+        lib.cuMemRelease.argtypes = [u64]
+        lib.cuMemExportToShareableHandle.argtypes = [vp, u64, ctypes.c_int, u64]
+        lib.cuMemImportFromShareableHandle.argtypes = [ctypes.POINTER(u64), vp, ctypes.c_int]
+        lib.cuMemAddressReserve.argtypes = [ctypes.POINTER(u64), size_t, size_t, u64, u64]
+        lib.cuMemAddressFree.argtypes = [u64, size_t]
+        lib.cuMemMap.argtypes = [u64, size_t, size_t, u64, u64]
+        lib.cuMemUnmap.argtypes = [u64, size_t]
+        lib.cuMemSetAccess.argtypes = [u64, size_t, ctypes.POINTER(_CUmemAccessDesc), size_t]
+        for fn in (lib.cuGetErrorName, lib.cuGetErrorString, lib.cuInit, lib.cuDeviceGet, lib.cuDeviceGetAttribute,
+                   lib.cuMemGetAllocationGranularity, lib.cuMemCreate, lib.cuMemRelease,
+                   lib.cuMemExportToShareableHandle, lib.cuMemImportFromShareableHandle, lib.cuMemAddressReserve,
+                   lib.cuMemAddressFree, lib.cuMemMap, lib.cuMemUnmap, lib.cuMemSetAccess):
+            fn.restype = ctypes.c_int
+
+    def _check(self, rc: int, call: str, hint: str = "") -> None:
+        if rc != 0:
+            name, text = ctypes.c_char_p(), ctypes.c_char_p()
+            self._lib.cuGetErrorName(rc, ctypes.byref(name))
+            self._lib.cuGetErrorString(rc, ctypes.byref(text))
+            error = DeviceError(f"{call} failed: {(name.value or b'?').decode(errors='replace')} ({rc}): "
+                                f"{(text.value or b'?').decode(errors='replace')}" + (f"; {hint}" if hint else ""))
+            error.status = rc   # CUDA_ERROR_OUT_OF_MEMORY (2) is the caller's to tell apart
+            raise error
+
+    def attribute(self, attribute: int, index: int) -> int:
+        device, value = ctypes.c_int(), ctypes.c_int()
+        self._check(self._lib.cuDeviceGet(ctypes.byref(device), index), f"cuDeviceGet({index})")
+        self._check(self._lib.cuDeviceGetAttribute(ctypes.byref(value), attribute, device),
+                    f"cuDeviceGetAttribute({attribute}, device {index})")
+        return value.value
+
+    def granularity(self, index: int) -> int:
+        """The size every allocation on device `index` (and every mapping of one) is a multiple of."""
+        with self._lock:
+            if index not in self._granularity:
+                out, prop = ctypes.c_size_t(), _device_prop(index)
+                self._check(self._lib.cuMemGetAllocationGranularity(ctypes.byref(out), ctypes.byref(prop),
+                                                                    _CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+                            f"cuMemGetAllocationGranularity(device {index})")
+                self._granularity[index] = out.value
+            return self._granularity[index]
+
+    def create(self, nbytes: int, index: int) -> int:
+        """Physical memory on device `index` (nbytes: a multiple of `granularity`), exportable as an fd; its handle."""
+        handle = ctypes.c_ulonglong()
+        self._check(self._lib.cuMemCreate(ctypes.byref(handle), nbytes, ctypes.byref(_device_prop(index)), 0),
+                    f"cuMemCreate({nbytes >> 20} MiB on device {index})")
+        return handle.value
+
+    def release(self, handle: int) -> None:
+        """Drop this process's handle: the memory goes once no mapping of it is left, in any process."""
+        self._check(self._lib.cuMemRelease(handle), "cuMemRelease")
+
+    def export_fd(self, handle: int) -> int:
+        """A new file descriptor for the allocation, to pass to another process (SCM_RIGHTS); the caller closes it."""
+        fd = ctypes.c_int(-1)
+        self._check(self._lib.cuMemExportToShareableHandle(ctypes.byref(fd), handle,
+                                                           _CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                    "cuMemExportToShareableHandle")
+        return fd.value
+
+    def import_fd(self, fd: int) -> int:
+        """This process's handle of the allocation another exported as `fd` (the fd stays the caller's to close)."""
+        handle = ctypes.c_ulonglong()
+        self._check(self._lib.cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(fd),
+                                                             _CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                    "cuMemImportFromShareableHandle", "the descriptor must come from cuMemExportToShareableHandle")
+        return handle.value
+
+    def map(self, handle: int, nbytes: int, index: int, read_only: bool) -> int:
+        """Reserve addresses, map the whole allocation there and let device `index` read (and, unless read_only,
+        write) it; the base address. Undone by `unmap`, also when a step here fails."""
+        va = ctypes.c_ulonglong()
+        self._check(self._lib.cuMemAddressReserve(ctypes.byref(va), nbytes, self.granularity(index), 0, 0),
+                    f"cuMemAddressReserve({nbytes >> 20} MiB)")
+        mapped = False
+        try:
+            self._check(self._lib.cuMemMap(va.value, nbytes, 0, handle, 0), "cuMemMap")
+            mapped = True
+            flags = CU_MEM_ACCESS_FLAGS_PROT_READ if read_only else CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            access = _CUmemAccessDesc(_CUmemLocation(_CU_MEM_LOCATION_TYPE_DEVICE, index), flags)
+            self._check(self._lib.cuMemSetAccess(va.value, nbytes, ctypes.byref(access), 1),
+                        f"cuMemSetAccess({'read-only' if read_only else 'read-write'}, device {index})")
+        except BaseException:
+            if mapped:
+                self._lib.cuMemUnmap(va.value, nbytes)
+            self._lib.cuMemAddressFree(va.value, nbytes)
+            raise
+        return va.value
+
+    def unmap(self, va: int, nbytes: int) -> None:
+        """Undo `map`: unmap, then give the addresses back (both tried; the first error raised)."""
+        rc_unmap = self._lib.cuMemUnmap(va, nbytes)
+        rc_free = self._lib.cuMemAddressFree(va, nbytes)
+        self._check(rc_unmap, "cuMemUnmap")
+        self._check(rc_free, "cuMemAddressFree")
+
+
+_driver: CudaDriver | None = None
+
+
+def cuda_driver() -> CudaDriver:
+    """The process's `CudaDriver` (libcuda loaded and initialized once)."""
+    global _driver
+    with _runtime_lock:
+        if _driver is None:
+            _driver = CudaDriver()
+        return _driver
+
+
+# -- read-only shared allocations: what a client is told of each --------------------------------------------
+
+# Export kinds whose allocations travel as file descriptors (SCM_RIGHTS on the lane), one per handle; the
+# handle is then a `vmm_token`: which allocation, not how to open it.
+VMM_KINDS = ("cuda-vmm", "fake-vmm")
+_TOKEN = struct.Struct("<16sQQ")   # the daemon's random nonce, the allocation's number, its size in bytes
+
+
+def vmm_token(nonce: bytes, number: int, nbytes: int) -> bytes:
+    """An fd-shared allocation's name: unique across daemons (the nonce), so that a process maps it once however
+    many leases name it, and never takes a restarted daemon's allocation for one it already maps."""
+    return _TOKEN.pack(nonce, number, nbytes)
+
+
+def vmm_token_size(token: bytes) -> int:
+    """The mapped size an allocation's token declares (a multiple of the device's granularity)."""
+    if len(token) != _TOKEN.size:
+        raise DeviceError(f"an fd-shared allocation's token is {_TOKEN.size} bytes, got {len(token)}")
+    return _TOKEN.unpack(token)[2]
+
+
 # -- device names -------------------------------------------------------------------------------------------
 
 _HEX_UUID = re.compile(r"^[0-9a-f]{32}$")
@@ -266,6 +479,19 @@ def map_fake(path: str) -> tuple[int, int]:
         return addr, size
     finally:
         os.close(fd)  # the mapping keeps the pages
+
+
+def map_fake_fd(fd: int, size: int) -> int:
+    """A fake device allocation passed as a descriptor (fake-vmm): `size` bytes of it mapped read-only; the address.
+    The caller closes `fd` (the mapping keeps the memory)."""
+    import mmap
+
+    if os.fstat(fd).st_size < size:
+        raise DeviceError(f"the fake device allocation passed is smaller than the {size} bytes its token declares")
+    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, _MAP_FAILED):
+        raise DeviceError(f"mmap of a fake device allocation failed: {os.strerror(ctypes.get_errno())}")
+    return addr
 
 
 def unmap_fake(addr: int, size: int) -> None:

@@ -28,6 +28,7 @@ SUFFIX = ".lane"
 CLIENT_READ_BYTES = 256 << 10  # a client's read buffer: one read takes any inline-sized reply
 MAX_FDS = 253                  # descriptors one message may pass (the kernel's SCM_MAX_FD): a model and its data files
 _FDS_SPACE = socket.CMSG_SPACE(MAX_FDS * 4)
+_CMSG_CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0)   # descriptors we receive do not leak into our children
 
 
 class LaneError(Exception):
@@ -54,10 +55,10 @@ def recv_chunk(sock: socket.socket, scratch: memoryview) -> bytes:
     return bytes(scratch[:n])
 
 
-def recv_chunk_with_fds(sock: socket.socket, scratch: memoryview) -> tuple[bytes, list[int]]:
+def recv_chunk_with_fds(sock: socket.socket, scratch: memoryview, flags: int = 0) -> tuple[bytes, list[int]]:
     """recv_chunk, and the file descriptors (SCM_RIGHTS) that came with those bytes; now the caller's.
     recvmsg costs ~2 us more than recv_into, so only a connection's first message is read this way."""
-    n, ancdata, flags, _ = sock.recvmsg_into([scratch], _FDS_SPACE)
+    n, ancdata, flags, _ = sock.recvmsg_into([scratch], _FDS_SPACE, flags)
     fds = []
     for level, kind, data in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -148,9 +149,15 @@ class LaneClient:
     """A client's end: one request at a time (the caller holds its lock).
 
     The socket stays blocking, and deadlines are kept with poll(): socket timeouts would
-    cost two fcntl calls per send and per receive, on every request."""
+    cost two fcntl calls per send and per receive, on every request.
 
-    def __init__(self, path: str):
+    with_fds: read with recvmsg and keep the descriptors replies bring (a GPU lease under read-only
+    sharing), in the order they came; `take_fds(n)` hands the oldest n to the message that declares
+    them. That order is the messages' own: the daemon sends a reply's descriptors with its first byte,
+    so every descriptor of an earlier message came before any of a later one's. Only connections that
+    open leases want this: recvmsg costs each read ~2 us, which serve calls do not pay."""
+
+    def __init__(self, path: str, with_fds: bool = False):
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.connect(path)
@@ -161,6 +168,8 @@ class LaneClient:
         self._scratch = memoryview(bytearray(CLIENT_READ_BYTES))
         self._poll = select.poll()
         self._poll.register(self._sock, select.POLLIN)
+        self.with_fds = with_fds
+        self._fds: list[int] = []   # received and not yet taken, oldest first
 
     def send(self, kind: bytes, body: bytes, deadline: float, fds: list[int] = ()) -> None:
         """TimeoutError or OSError leave the stream unusable: close the lane then.
@@ -168,7 +177,7 @@ class LaneClient:
         data = frame(kind, body)
         try:
             if fds:
-                sent = _send_fds(self._sock, data, fds)
+                sent = send_fds(self._sock, data, fds)
             else:
                 sent = self._sock.send(data, socket.MSG_DONTWAIT)   # all of it, unless the daemon lags
         except BlockingIOError:
@@ -213,11 +222,23 @@ class LaneClient:
         """Feed the reader what the socket has within timeout_ms; False when nothing came."""
         if not self._poll.poll(timeout_ms):
             return False
-        data = recv_chunk(self._sock, self._scratch)
+        if self.with_fds:
+            data, fds = recv_chunk_with_fds(self._sock, self._scratch, _CMSG_CLOEXEC)
+            self._fds += fds
+        else:
+            data = recv_chunk(self._sock, self._scratch)
         if not data:
             raise ConnectionError("the daemon closed the lane")
         self._reader.feed(data)
         return True
+
+    def take_fds(self, n: int) -> list[int]:
+        """The next n descriptors that came (now the caller's, to close); LaneError if fewer came."""
+        if n > len(self._fds):
+            raise LaneError(f"a message declares {n} file descriptors and {len(self._fds)} came with it"
+                            + ("" if self.with_fds else " (this connection does not take descriptors)"))
+        fds, self._fds = self._fds[:n], self._fds[n:]
+        return fds
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -230,13 +251,18 @@ class LaneClient:
             pass   # not connected any more: nothing to end
 
     def close(self) -> None:
+        fds, self._fds = self._fds, []
+        for fd in fds:   # came with replies no one took (given up on)
+            os.close(fd)
         self._sock.close()
 
 
-def _send_fds(sock, data: bytes, fds) -> int:
-    """socket.send_fds, which the plain _socket module lacks: the bytes, with `fds` as SCM_RIGHTS."""
+def send_fds(sock, data, fds, flags: int = socket.MSG_DONTWAIT) -> int:
+    """socket.send_fds, which the plain _socket module lacks: the bytes, with `fds` as SCM_RIGHTS (the kernel
+    passes copies; ours stay open). They arrive with the first byte sent: a reader that takes them (a
+    LaneClient made with_fds) finds them with the first chunk of the message."""
     import array
-    return sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))], socket.MSG_DONTWAIT)
+    return sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))], flags)
 
 
 def connect(address: str) -> LaneClient | None:

@@ -273,16 +273,24 @@ class OpenReply(Message, kind="open_ok"):
     hit: bool = True                   # was it resident (on the device asked for) before this open?
     # A GPU lease: skeleton_path is the GPU skeleton, tensors index ipc_handles instead of segments.
     device_uuid: str = ""              # the GPU whose memory the handles export ("" for the host tier)
-    ipc_kind: str = ""                 # "cuda" (cudaIpcMemHandle_t) or "fake" (a simulated device's file)
+    ipc_kind: str = ""                 # "cuda" (cudaIpcMemHandle_t), "fake" (a simulated device's file), or
+                                       # "cuda-vmm" / "fake-vmm": fd-shared, read-only (ipc_fds below)
     ipc_handles: list = []             # one per device allocation the model's tensors live in
     # Host tier: the tensors whose pre-packed blobs the skeleton names (prepack.py). To share the blobs,
     # leave these out of add_initializer and build with prepacking on: ORT maps them from the skeleton.
     prepacked: list = []
+    # File descriptors that came with this message on the lane (SCM_RIGHTS), one per ipc_handle, in their order:
+    # the allocations of the fd-shared kinds ("cuda-vmm", "fake-vmm"), whose handles only name them. The
+    # receiver's copies are on `received_fds` (not a field: decoding sets it), the receiver's to close.
+    ipc_fds: int = 0
 
     def _check_decoded(self) -> None:
         """Each tensor row a checked TensorPlacement, its index within the segments (host) or handles (GPU)."""
         n_indices = len(self.ipc_handles) if self.device_uuid else len(self.segments)
         self.tensors = [TensorPlacement.from_wire(row, n_indices) for row in self.tensors]
+        if self.ipc_fds and (self.ipc_fds != len(self.ipc_handles) or self.ipc_fds < 0):
+            raise ProtocolError(f"open reply declares {self.ipc_fds} file descriptors for "
+                                f"{len(self.ipc_handles)} handles")
 
 
 class Close(Message, kind="close"):

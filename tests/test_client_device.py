@@ -429,6 +429,7 @@ def _gpu_ready() -> str | None:
 
 
 @pytest.mark.gpu
+@pytest.mark.cuda_ep
 def test_cuda_ipc_export_from_another_process_runs_on_the_gpu(tmp_path):
     why = _gpu_ready()
     if why:

@@ -238,6 +238,7 @@ def test_a_serve_mode_client_with_gpus_imports_no_onnxruntime(serving_gpu, zoo_f
 # -- on a GPU ---------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
+@pytest.mark.cuda_ep
 def test_a_gpu_worker_runs_two_stages_over_cuda_device_memory(tmp_path, zoo_file):
     devices = gpu.probe()
     if not devices or not discover_gpus("auto"):

@@ -1,15 +1,17 @@
 """Device tier contract: promotion from a real host tier, dedup, accounting, export and cleanup.
 
-The same suite runs against every allocator: the fake one (shared-memory files), the
-CUDA one over an emulated cupy runtime (both of its copy paths: registered host
-mappings, and the pinned staging ring the driver may force), and the CUDA one on a
-real device where cupy and a GPU exist (`-m gpu`; skipped elsewhere).
+The same suite runs against every allocator: the fake ones (shared-memory files; sealed memfds,
+for gpu_sharing = "vmm-read-only"), the CUDA one over an emulated cupy runtime (both of its copy
+paths: registered host mappings, and the pinned staging ring the driver may force), the CUDA VMM
+one over that runtime and an emulated driver, and the CUDA ones on a real device where cupy and a
+GPU exist (`-m gpu`; skipped elsewhere).
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -20,6 +22,7 @@ import pytest
 
 from modelcache import zoo
 from modelcache.config import ConfigError
+from modelcache.cuda import vmm_token_size
 from modelcache.packing import pack
 from modelcache.tiers import gpu
 from modelcache.tiers.host import HostTier
@@ -186,6 +189,83 @@ class EmulatedCudaRuntime:
         ctypes.memmove(dst, src, size)
 
 
+class EmulatedCudaDriver:
+    """Just enough of cuda.CudaDriver for CudaVmmAllocator: physical allocations in host memory, counted against the
+    runtime's device, mapped at their own address (a read-write mapping is device memory to the emulated runtime's
+    copies), exported as real descriptors (memfds) so that a leaked one shows. Refuses what the real one would:
+    sizes off the granularity, a second mapping of an allocation, an unmap of what is not mapped."""
+
+    def __init__(self, runtime: EmulatedCudaRuntime, granularity: int = 4 << 10, vmm: int = 1, posix_fd: int = 1,
+                 refuse_export: bool = False):
+        self.rt, self.granularity_bytes, self.refuse_export = runtime, granularity, refuse_export
+        self.attributes = {gpu.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: vmm,
+                           gpu.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: posix_fd}
+        self.physical: dict[int, ctypes.Array] = {}    # handle -> the memory
+        self.mapped: dict[int, tuple] = {}             # address -> (handle, read_only)
+        self.exported: list[tuple] = []                # (descriptor, its inode) of each one handed out
+        self._ids = itertools.count(1)
+
+    @staticmethod
+    def _error(status: int, call: str):
+        error = gpu.DeviceError(f"{call} failed: emulated CUDA error {status}")
+        error.status = status
+        return error
+
+    def attribute(self, attribute: int, index: int) -> int:
+        return self.attributes[attribute]
+
+    def granularity(self, index: int) -> int:
+        return self.granularity_bytes
+
+    def create(self, nbytes: int, index: int) -> int:
+        assert nbytes > 0 and nbytes % self.granularity_bytes == 0, "cuMemCreate of a size off the granularity"
+        used = sum(len(b) for b in self.physical.values()) + \
+            sum(len(b) for a, b in self.rt.device_mem.items() if a not in self.mapped)
+        if used + nbytes > self.rt.total_bytes:
+            raise self._error(gpu.CUDA_ERROR_MEMORY_ALLOCATION, "cuMemCreate")
+        handle = next(self._ids)
+        self.physical[handle] = (ctypes.c_char * nbytes)()
+        return handle
+
+    def release(self, handle: int) -> None:
+        assert handle in self.physical, "cuMemRelease of an unknown handle"
+        assert not any(h == handle for h, _ in self.mapped.values()), "released while mapped (the test's order)"
+        del self.physical[handle]
+
+    def export_fd(self, handle: int) -> int:
+        assert handle in self.physical
+        if self.refuse_export:
+            raise self._error(801, "cuMemExportToShareableHandle")     # CUDA_ERROR_NOT_SUPPORTED
+        fd = os.memfd_create("emulated-vmm-export", os.MFD_CLOEXEC)
+        self.exported.append((fd, os.fstat(fd).st_ino))
+        return fd
+
+    def map(self, handle: int, nbytes: int, index: int, read_only: bool) -> int:
+        buf = self.physical[handle]
+        assert nbytes == len(buf) and not read_only, "the daemon maps a whole allocation, read-write"
+        address = ctypes.addressof(buf)
+        assert address not in self.mapped, "mapped twice"
+        self.mapped[address] = (handle, read_only)
+        self.rt.device_mem[address] = buf               # the runtime's copies may land here now
+        return address
+
+    def unmap(self, va: int, nbytes: int) -> None:
+        handle, _ = self.mapped.pop(va)
+        assert nbytes == len(self.physical[handle])
+        del self.rt.device_mem[va]
+
+    def open_exports(self) -> list[int]:
+        """Exported descriptors still open."""
+        out = []
+        for fd, inode in self.exported:   # (a closed one's number may be taken again, by another file)
+            try:
+                if os.fstat(fd).st_ino == inode:
+                    out.append(fd)
+            except OSError:
+                pass
+        return out
+
+
 # -- fixtures -----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -202,27 +282,39 @@ def packed_models(tmp_path_factory):
 def make_allocator(kind: str, host: HostTier, total_bytes: int = FAKE_DEVICE_BYTES):
     if kind == "fake":
         return gpu.FakeAllocator(gpu.fake_devices(str(total_bytes))[0], host.root / "gpu-0")
-    if kind == "cuda":
+    if kind == "fake-vmm":
+        return gpu.FakeVmmAllocator(gpu.fake_devices(str(total_bytes))[0])
+    if kind in ("cuda", "cuda-vmm"):
         devices = gpu.probe()
         if not devices:
             pytest.skip("no CUDA device (or no cupy)")
-        return gpu.CudaAllocator(devices[0])
+        return gpu.CudaAllocator(devices[0]) if kind == "cuda" else gpu.CudaVmmAllocator(devices[0])
     runtime = EmulatedCudaRuntime(total_bytes, refuse_register=kind == "cuda-emulated-staging")
-    allocator = gpu.CudaAllocator(gpu.GpuDevice(0, "emulated-0", "emulated", total_bytes), runtime=runtime)
+    device = gpu.GpuDevice(0, "emulated-0", "emulated", total_bytes)
+    if kind == "cuda-vmm-emulated":
+        allocator = gpu.CudaVmmAllocator(device, runtime=runtime, driver=EmulatedCudaDriver(runtime))
+    else:
+        allocator = gpu.CudaAllocator(device, runtime=runtime)
     allocator.STAGING_BYTES = 16 << 10      # small: tensors span several buffers and the ring wraps
     return allocator
 
 
 def live_allocations(allocator) -> int | None:
     """How many allocations the allocator still holds, where this can be seen (not on a real GPU)."""
+    if isinstance(allocator, gpu.FakeVmmAllocator):
+        return len(allocator._local)
     if isinstance(allocator, gpu.FakeAllocator):
         return len(list(allocator.directory.glob("*"))) if allocator.directory.exists() else 0
+    if isinstance(getattr(allocator, "_drv", None), EmulatedCudaDriver):
+        assert len(allocator._drv.open_exports()) == len(allocator._drv.physical), "an export outlived its memory"
+        return len(allocator._drv.physical)
     if isinstance(getattr(allocator, "_rt", None), EmulatedCudaRuntime):
         return len(allocator._rt.device_mem)
     return None
 
 
-ALLOCATORS = ["fake", "cuda-emulated", "cuda-emulated-staging", pytest.param("cuda", marks=pytest.mark.gpu)]
+ALLOCATORS = ["fake", "fake-vmm", "cuda-emulated", "cuda-emulated-staging", "cuda-vmm-emulated",
+              pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("cuda-vmm", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture(params=ALLOCATORS)
@@ -286,9 +378,12 @@ def test_promotion_puts_the_host_bytes_on_the_device(tier, host, loader, packed_
     spans = sorted((off, off + n) for *_, off, n in tensors)
     assert all(off % gpu.DEVICE_ALIGN == 0 for off, _ in spans)
     assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:])), "tensors overlap on the device"
-    # 256-byte packing is tighter than the host's page alignment, never looser than the tensors.
-    assert sum(t.nbytes for t in manifest.tensors) <= plan.arena_bytes < host.used_bytes
-    assert tier.used_bytes == tier.model_bytes("a@1") == plan.arena_bytes == spans[-1][1]
+    # 256-byte packing is tighter than the host's page alignment, never looser than the tensors; a VMM allocation
+    # takes whole granules (what the tier counts).
+    assert sum(t.nbytes for t in manifest.tensors) <= plan.arena_bytes
+    assert tier.used_bytes == tier.model_bytes("a@1") == plan.arena_bytes == tier.allocator.rounded(spans[-1][1])
+    if tier.allocator.sharing == "ipc":
+        assert plan.arena_bytes < host.used_bytes
     assert tier.free_bytes == tier.capacity_bytes - plan.arena_bytes
     assert tier.promotion_bytes_per_s > 0 and plan.copied_bytes == sum(t.nbytes for t in manifest.tensors)
     assert live_allocations(tier.allocator) in (1, None)
@@ -390,7 +485,7 @@ def test_capacity_accounting(tier, host, loader, packed_models):
     assert small.free_bytes == 64 << 10
 
 
-@pytest.mark.parametrize("kind", ["fake", "cuda-emulated"])
+@pytest.mark.parametrize("kind", ["fake", "fake-vmm", "cuda-emulated", "cuda-vmm-emulated"])
 def test_a_full_device_refuses_the_allocation(kind, host, loader, packed_models):
     allocator = make_allocator(kind, host, total_bytes=64 << 10)
     tier = gpu.DeviceTier(allocator, 1 << 30)
@@ -411,7 +506,7 @@ def test_stop_leaves_nothing_behind(tier, host, loader, packed_models):
     tier.stop()
     assert tier.used_bytes == 0 and tier.models == {} and tier.arenas == {}
     assert live_allocations(tier.allocator) in (0, None)
-    if isinstance(tier.allocator, gpu.FakeAllocator):
+    if isinstance(tier.allocator, gpu.FakeAllocator) and tier.allocator.directory is not None:
         assert not tier.allocator.directory.exists()
     runtime = getattr(tier.allocator, "_rt", None)
     if isinstance(runtime, EmulatedCudaRuntime):
@@ -532,3 +627,85 @@ def test_fake_local_address_maps_the_arena_once_and_free_unmaps_it(host, loader,
     tier.free_model("cnn@1")
     assert not tier.allocator._local
     tier.stop()
+
+
+# -- read-only sharing (gpu_sharing = "vmm-read-only") -----------------------------------------------------
+
+def emulated_vmm(total_bytes: int = FAKE_DEVICE_BYTES, **driver_kw):
+    runtime = EmulatedCudaRuntime(total_bytes)
+    driver = EmulatedCudaDriver(runtime, **driver_kw)
+    return gpu.GpuDevice(0, "emulated-0", "emulated", total_bytes), runtime, driver
+
+
+def test_cuda_vmm_allocations_are_whole_granules_exported_once_and_freed_whole():
+    device, runtime, driver = emulated_vmm(granularity=64 << 10)
+    allocator = gpu.CudaVmmAllocator(device, runtime=runtime, driver=driver)
+    assert driver.physical == {} and driver.open_exports() == []      # the probe at start left nothing
+    assert allocator.kind == "cuda-vmm" and allocator.sharing == "vmm-read-only" and allocator.sharing_note == ""
+    assert allocator.rounded(1) == allocator.rounded(64 << 10) == 64 << 10
+    assert allocator.rounded((64 << 10) + 1) == 128 << 10
+    a = allocator.alloc(1000)
+    assert a.nbytes == 64 << 10 and allocator.local_address(a) == a.ptr
+    assert list(driver.mapped.values()) == [(1 + 1, False)]           # (handle 1 was the probe's) read-write
+    assert driver.open_exports() == [a.fd] and vmm_token_size(a.handle) == a.nbytes
+    b = allocator.alloc(64 << 10)
+    assert a.handle != b.handle and len(a.handle) == len(b.handle) == 32
+    assert runtime.memGetInfo() == (FAKE_DEVICE_BYTES - (128 << 10), FAKE_DEVICE_BYTES)
+    allocator.free(a)
+    allocator.free(b)
+    assert driver.physical == {} and driver.mapped == {} and driver.open_exports() == []
+    with pytest.raises(OSError):
+        os.fstat(a.fd)
+
+
+@pytest.mark.parametrize("refusal, says", [
+    ({"vmm": 0}, "does not support virtual memory management"),
+    ({"posix_fd": 0}, "does not support POSIX file descriptor handles"),
+    ({"refuse_export": True}, "cuMemExportToShareableHandle failed"),
+])
+def test_where_the_driver_refuses_vmm_the_allocator_falls_back_to_ipc_and_says_why(refusal, says, tmp_path, caplog):
+    device, runtime, driver = emulated_vmm(**refusal)
+    allocator = gpu.allocator_for(device, tmp_path, "vmm-read-only", runtime=runtime, driver=driver)
+    assert allocator.kind == "cuda" and allocator.sharing == "ipc"
+    assert allocator.sharing_note.startswith("vmm-read-only refused by the driver: ") and says in allocator.sharing_note
+    warnings = [r.getMessage() for r in caplog.records]
+    assert any("refused by the driver, so clients map its weights read-write" in w and says in w for w in warnings)
+    assert driver.physical == {} and driver.open_exports() == []      # the probe's allocation went too
+    ok = gpu.allocator_for(device, tmp_path, "vmm-read-only", runtime=runtime, driver=EmulatedCudaDriver(runtime))
+    assert ok.kind == "cuda-vmm"
+    assert gpu.allocator_for(device, tmp_path, "ipc", runtime=runtime).kind == "cuda"
+    with pytest.raises(ValueError, match="gpu_sharing must be one of ipc, vmm-read-only"):
+        gpu.allocator_for(device, tmp_path, "shared")
+
+
+def test_allocator_for_gives_fake_devices_memfds_under_vmm(tmp_path):
+    device = gpu.fake_devices("1M")[0]
+    allocator = gpu.allocator_for(device, tmp_path / "gpu-0", "vmm-read-only")
+    assert allocator.kind == "fake-vmm" and allocator.sharing == "vmm-read-only" and not (tmp_path / "gpu-0").exists()
+    assert allocator.mem_info() == (1 << 20, 1 << 20)
+
+
+def test_fake_vmm_memory_is_writable_in_the_daemon_alone(host, loader, packed_models):
+    """The memfd is sealed: the daemon's mapping (made before) writes, a mapping made from the descriptor afterwards
+    can only read, and the descriptor closes with free."""
+    import mmap
+    tier = gpu.DeviceTier(make_allocator("fake-vmm", host), CAPACITY_BYTES)
+    promote_to_device(tier, loader, "a@1", packed_models["a"][1], on_host(host, "a@1", packed_models["a"]))
+    [fd] = tier.export_fds("a@1")
+    [allocation] = [a.allocation for a in tier.arenas.values()]
+    assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:modelcache-gpu0-")
+    assert allocation.nbytes % mmap.PAGESIZE == 0
+    with pytest.raises(PermissionError):                             # no new writable mapping: sealed
+        mmap.mmap(fd, allocation.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    with pytest.raises(PermissionError):
+        os.write(fd, b"x")
+    handles, tensors = tier.export("a@1")
+    with mmap.mmap(fd, allocation.nbytes, mmap.MAP_SHARED, mmap.PROT_READ) as m:
+        assert {name: m[off:off + n] for name, _, _, _, off, n in tensors} == disk_bytes(packed_models["a"])
+        name, _, _, _, off, n = tensors[0]
+        daemon_view = tier.allocator.local_address(allocation)
+        ctypes.memset(daemon_view + off, 0x5A, 4)                     # the daemon's own mapping writes
+        assert m[off:off + 4] == b"\x5a" * 4                          # ... and a reader sees it: one memory
+    tier.stop()
+    with pytest.raises(OSError):
+        os.fstat(fd)

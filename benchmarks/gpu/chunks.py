@@ -4,7 +4,8 @@ Standard library only: the GPU machine runs this with its own python3 before any
 
 Here (prepare.py):  split(files, kit_dir, budget) -> .gpukit/call1/, call2/, ... each with manifest.json
 There (verify.sh):  python3 benchmarks/gpu/chunks.py stage KIT_DIR STATE_DIR      every call: keep what came
-                    python3 benchmarks/gpu/chunks.py assemble STATE_DIR DEST_DIR  once all parts are there
+                    python3 benchmarks/gpu/chunks.py assemble STATE_DIR DEST_DIR [PATTERN ...]
+                                                          the files (named like PATTERN) whose parts are there
 
 A call carries one `callN` folder: the tool replaces each carried path on the device and keeps nothing it
 did not carry in a place we choose, so `stage` copies each checked part out of the working tree into
@@ -13,6 +14,7 @@ STATE_DIR, which lives as long as the machine stays warm (30 s after a call).
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import math
@@ -36,9 +38,9 @@ def sha256_file(path: Path) -> str:
 
 
 def plan(sizes: dict[str, int], budget: int) -> list[list[tuple[str, str, int, int]]]:
-    """Calls, each a list of (file, part name, offset, length): the files, largest first, laid end to end and
-    cut into the fewest calls of at most `budget` bytes, all of one size. A file that crosses a cut travels
-    as parts (NAME.partKKofNN); one that does not, whole."""
+    """Calls, each a list of (file, part name, offset, length): the files, in the order given (what the first
+    call needs goes first), laid end to end and cut into the fewest calls of at most `budget` bytes, all of
+    one size. A file that crosses a cut travels as parts (NAME.partKKofNN); one that does not, whole."""
     if budget <= 0:
         raise KitError(f"no room for weights in a call (budget {budget} bytes): the working tree alone fills the "
                        "carry limit; ignore or remove large untracked files")
@@ -47,7 +49,7 @@ def plan(sizes: dict[str, int], budget: int) -> list[list[tuple[str, str, int, i
     per_call = max(1, math.ceil(total / n))
     pieces: dict[str, list] = {}
     pos = 0
-    for name, size in sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])):
+    for name, size in sizes.items():
         pieces[name] = [(min(pos // per_call, n - 1), 0, 0)] if size == 0 else []   # an empty file travels too
         offset = 0
         while offset < size:
@@ -69,7 +71,7 @@ def split(files: list[Path], kit_dir: Path, budget: int) -> dict:
     if len({f.name for f in files}) != len(files):
         raise KitError("two files of the kit share a name: " + ", ".join(sorted(f.name for f in files)))
     by_name = {f.name: f for f in files}
-    calls = plan({f.name: f.stat().st_size for f in files}, budget)
+    calls = plan({f.name: f.stat().st_size for f in files}, budget)   # (dicts keep the files' order)
     if kit_dir.exists():
         shutil.rmtree(kit_dir)
     entries = {name: {"size": f.stat().st_size, "sha256": sha256_file(f), "parts": []} for name, f in by_name.items()}
@@ -145,22 +147,28 @@ def _check(path: Path, expected: dict, what: str) -> None:
                        "file is corrupt; carry it again, or re-run prepare.py here")
 
 
-def assemble(state: Path, dest: Path) -> list[Path]:
-    """Every file of the staged kit, rebuilt in DEST from its parts, each part and each whole file checked by
-    sha256; a KitError names the calls still missing or the file that does not match."""
+def assemble(state: Path, dest: Path, patterns: list[str] | None = None) -> list[Path]:
+    """The files of the staged kit (those matching one of `patterns`, shell-style; all by default), rebuilt in
+    DEST from their parts, each part and each whole file checked by sha256; a KitError names the calls still
+    missing or the file that does not match."""
     kits = sorted((state / "parts").glob(f"*/{MANIFEST}"), key=lambda p: p.stat().st_mtime)
     if not kits:
         raise KitError(f"nothing staged in {state}/parts: this machine is fresh (a machine goes back 30 s after "
                        "a call); make the kit's calls again from call 1, back to back")
     manifest = json.loads(kits[-1].read_text())   # the newest kit staged
-    state_now = progress(state, manifest)
-    if state_now["missing"]:
-        raise KitError(f"kit {manifest['kit']}: the parts of call(s) {state_now['missing']} of {manifest['calls']} "
-                       "never arrived on this machine: make those calls (carry .gpukit/callN), then assemble")
+    wanted = {name: entry for name, entry in manifest["files"].items()
+              if patterns is None or any(fnmatch.fnmatchcase(name, p) for p in patterns)}
+    if not wanted:
+        raise KitError(f"kit {manifest['kit']} holds no file named like {' or '.join(patterns)} (it holds "
+                       f"{', '.join(manifest['files'])}): re-run prepare.py here")
     parts = state / "parts" / manifest["kit"]
+    missing = sorted({p["call"] for e in wanted.values() for p in e["parts"] if not (parts / p["name"]).exists()})
+    if missing:
+        raise KitError(f"kit {manifest['kit']}: the parts of call(s) {missing} of {manifest['calls']} never arrived "
+                       "on this machine: make those calls (carry .gpukit/callN), then assemble")
     dest.mkdir(parents=True, exist_ok=True)
     out = []
-    for name, entry in manifest["files"].items():
+    for name, entry in wanted.items():
         target = dest / name
         if target.exists() and target.stat().st_size == entry["size"] and sha256_file(target) == entry["sha256"]:
             out.append(target)
@@ -178,8 +186,8 @@ def assemble(state: Path, dest: Path) -> list[Path]:
 
 
 def main(argv: list[str]) -> int:
-    usage = "usage: chunks.py stage KIT_DIR STATE_DIR | assemble STATE_DIR DEST_DIR"
-    if len(argv) != 3 or argv[0] not in ("stage", "assemble"):
+    usage = "usage: chunks.py stage KIT_DIR STATE_DIR | assemble STATE_DIR DEST_DIR [PATTERN ...]"
+    if len(argv) < 3 or argv[0] not in ("stage", "assemble") or (argv[0] == "stage" and len(argv) != 3):
         print(usage, file=sys.stderr)
         return 2
     try:
@@ -188,7 +196,7 @@ def main(argv: list[str]) -> int:
             print(f"kit {s['kit']}: calls {s['have']} of {s['calls']} staged"
                   + (f"; still to come: calls {s['missing']}" if s["missing"] else "; complete"))
         else:
-            for path in assemble(Path(argv[1]), Path(argv[2])):
+            for path in assemble(Path(argv[1]), Path(argv[2]), argv[3:] or None):
                 print(f"{path.name}: sha256 checked")
     except KitError as e:
         print(f"gpukit: {e}", file=sys.stderr)

@@ -1,24 +1,27 @@
-"""Prepare what a GPU session must carry to the device machine, and print the run calls to make.
+"""Prepare what a 15-minute GPU session carries to the device machine, and print the calls to make.
 
-    python benchmarks/gpu/prepare.py [--package NAME==VERSION ...] [--margin-mib 2] [--no-check]
+    python benchmarks/gpu/prepare.py [--arch sm_90a] [--margin-mib 1] [--cuobjdump PATH] [--no-check]
 
-Run it in the checkout that the session was started in (the device tool sends that one). It
-1. gets the wheels the GPU image lacks (shared/GPU.md: onnxruntime-gpu, a CUDA 13 build, and pyzmq; the
-   rest -- numpy, onnx, msgpack, psutil, xxhash, cupy-cuda13x, the CUDA libraries -- is in the image) with
-   `pip download` from the configured index and find-links into .gpukit-wheels/ (kept: a second run
-   downloads nothing);
-2. measures what travels with every call anyway (tracked and untracked-not-ignored files, shared/), and
-   cuts the wheels into parts that fit beside it under the 64 MiB a call carries, one folder per call:
-   .gpukit/call1, call2, ... each with manifest.json (sha256 of every whole file and every part);
-3. checks the kit by staging and reassembling it as the device will (chunks.py), and
-4. prints the sequence of `run` calls (command, carry, timeout), also written to .gpukit/RUNS.md.
-The project itself needs no wheel: the working tree travels, and verify.sh puts it first on PYTHONPATH.
-Both folders are git-ignored: nothing here goes into a commit.
+Run it in the checkout the session was started in (the device tool sends that one). It
+1. gets the wheels the GPU image lacks (shared/GPU.md): onnxruntime-gpu 1.31.1 (CUDA 13) and pyzmq 27.3.0,
+   with `pip download` into .gpukit-wheels/ (kept: a second run downloads nothing);
+2. builds the compacted onnxruntime-gpu kit (ortkit.py: the 27 files the CUDA provider needs, its fatbins
+   cut to one arch, xz) into .gpukit-wheels/, checked against the wheel byte by byte and, with cuobjdump
+   (pip nvidia-cuda-cuobjdump into .gpukit-tools/ when none is given), program by program: a failed check
+   stops here. Built once per wheel and arch (~3 min, xz); later runs reuse it;
+3. measures what travels with every call anyway (tracked and untracked-not-ignored files, shared/), and
+   cuts pyzmq and the kit into the fewest calls that fit beside it under the 64 MiB a call carries:
+   .gpukit/call1 (and call2 if need be), each with manifest.json (sha256 of every file and part);
+4. stages and reassembles the kit here as the device will, and
+5. prints the plan (plan.py): the calls with command, carry and timeout_s, and the plan's total, also
+   written to .gpukit/RUNS.md.
+The folders are git-ignored: nothing here goes into a commit.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -27,22 +30,25 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from chunks import KitError, assemble, split, stage  # noqa: E402  (beside this script; stdlib only)
+import ortkit  # noqa: E402  (beside this script; stdlib only)
+from chunks import KitError, assemble, sha256_file, split, stage  # noqa: E402
+from fatbin import FatbinError, arch_label  # noqa: E402
+from plan import PlanError, calls, describe, total_s, PLAN_LIMIT_S  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 KIT = ROOT / ".gpukit"
 WHEELS = ROOT / ".gpukit-wheels"
+TOOLS = ROOT / ".gpukit-tools"
 CARRY_LIMIT = 64 * 2**20          # the device tool's working tree + carried paths, per call
-PACKAGES = ["onnxruntime-gpu==1.31.1", "pyzmq==27.3.0"]
+MANIFEST_ALLOWANCE = 64 * 1024    # each call folder's manifest.json
+ORT = "onnxruntime-gpu==1.31.1"
+ZMQ = "pyzmq==27.3.0"
+CUOBJDUMP = "nvidia-cuda-cuobjdump==13.5.37"
+KIT_FORMAT = 1                    # bump when ortkit.build changes what it writes: the cached kit is rebuilt
 # The GPU image's python3 is CPython 3.12 on x86-64 (its pip accepts manylinux wheels up to glibc 2.39).
 PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:", "--no-deps"] + [
     a for p in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x86_64", "manylinux_2_17_x86_64",
                 "manylinux2014_x86_64", "manylinux1_x86_64") for a in ("--platform", p)]
-# Each step's budget (seconds) and what the calls run: verify.sh's steps, in the order of a session.
-STAGE_TIMEOUT_S = 120
-FULL_TIMEOUT_S = 600
-AFTER_KIT = [("bash benchmarks/gpu/verify.sh tests bench-vgg16", FULL_TIMEOUT_S),
-             ("bash benchmarks/gpu/verify.sh bench-rest", FULL_TIMEOUT_S)]
 
 
 def wheel_for(requirement: str, folder: Path) -> Path | None:
@@ -75,6 +81,44 @@ def fetch(requirements: list[str], folder: Path) -> list[Path]:
     return wheels
 
 
+def find_cuobjdump(given: str | None) -> str:
+    """cuobjdump to check the compaction with: the one given, the one in .gpukit-tools/, else pip installs it
+    there. A KitError when there is none: the kit is not built unchecked."""
+    if given:
+        return given
+    path = TOOLS / "nvidia" / "cu13" / "bin" / "cuobjdump"
+    if not path.exists():
+        print(f"installing {CUOBJDUMP} into {TOOLS.name}/ (to check the compacted library) ...", file=sys.stderr)
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(TOOLS),
+                            CUOBJDUMP], capture_output=True, text=True)
+        if r.returncode != 0 or not path.exists():
+            raise KitError(f"no cuobjdump: pip install {CUOBJDUMP} failed "
+                           f"({(r.stderr.strip().splitlines() or ['no message'])[-1]}); give one with --cuobjdump")
+    path.chmod(0o755)
+    return str(path)
+
+
+def ort_kit(wheel: Path, arch: str, cuobjdump: str) -> tuple[Path, dict]:
+    """The compacted kit for `wheel` and `arch`: the one built before when it matches, else built now."""
+    name = wheel.name.split("-")[1]
+    out = WHEELS / f"ort-kit-{name}-{arch_label(arch)}.tar.xz"
+    record_path = out.with_name(out.name + ".json")
+    digest = sha256_file(wheel)
+    try:
+        record = json.loads(record_path.read_text())
+        if (record.get("wheel_sha256") == digest and record.get("format") == KIT_FORMAT and record.get("cuobjdump")
+                and out.exists() and sha256_file(out) == record.get("kit_sha256")):
+            print(f"{out.name}: built before, {record['kit_bytes'] / 2**20:.1f} MiB (cuobjdump-checked)", file=sys.stderr)
+            return out, record
+    except (OSError, ValueError):
+        pass
+    print(f"building {out.name} (xz takes ~3 min) ...", file=sys.stderr, flush=True)
+    record = ortkit.build(wheel, out, arch, cuobjdump, log=lambda text: print(text, file=sys.stderr, flush=True))
+    record.update(wheel_sha256=digest, format=KIT_FORMAT, kit_sha256=sha256_file(out))
+    record_path.write_text(json.dumps(record, indent=1))
+    return out, record
+
+
 def travelling_bytes(root: Path) -> int:
     """What every call sends besides the carried paths: tracked and untracked-not-ignored files, and shared/."""
     names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
@@ -85,61 +129,56 @@ def travelling_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in files if p.is_file() and not p.is_symlink())
 
 
-def run_calls(calls: int) -> list[tuple[str, list[str], int]]:
-    """(command, carry, timeout_s) of each call: the kit's calls back to back, the last one installing."""
-    seq = [("bash benchmarks/gpu/verify.sh stage", [f".gpukit/call{n}"], STAGE_TIMEOUT_S) for n in range(1, calls)]
-    seq.append(("bash benchmarks/gpu/verify.sh stage install probe dropin", [f".gpukit/call{calls}"], FULL_TIMEOUT_S))
-    return seq + [(cmd, [], t) for cmd, t in AFTER_KIT]
-
-
-def describe(seq: list[tuple[str, list[str], int]], calls: int) -> str:
-    lines = [f"Device calls for a GPU session: {len(seq)} calls, each within 30 s of the one before (a machine idle "
-             f"for 30 s goes back, and a fresh one has lost what was carried and installed); calls 1-{calls} carry "
-             "the kit.", ""]
-    for i, (cmd, carry, t) in enumerate(seq, 1):
-        lines.append(f"{i}. run(command={cmd!r}, carry={carry!r}, timeout_s={t})")
-    lines += ["", "Each call returns $OUT/gpu-report/ (report.json, report.md, junit-gpu.xml, logs.tar.gz) so far; "
-              "`python benchmarks/gpu/targets.py FILES_AT/gpu-report/report.json` prints the figures against "
-              "issue #30's targets. See benchmarks/gpu/README.md."]
-    return "\n".join(lines)
-
-
 def check(kit: Path) -> None:
     """Stage and reassemble the kit as the device will, here: a bad part fails now, not on the GPU's minutes."""
     with tempfile.TemporaryDirectory(prefix="gpukit-check-", dir=os.environ.get("TMPDIR")) as tmp:
         stage(kit, Path(tmp))
-        for path in assemble(Path(tmp), Path(tmp) / "wheels"):
+        for path in assemble(Path(tmp), Path(tmp) / "files"):
             print(f"checked: {path.name} reassembles, sha256 matches", file=sys.stderr)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--package", action="append", help=f"NAME==VERSION to carry (default: {' '.join(PACKAGES)}); "
-                                                        "repeat for each; replaces the default list")
-    ap.add_argument("--margin-mib", type=float, default=2.0,
+    ap.add_argument("--arch", default="sm_90a", help="the lent GPU's arch (H100, H200: sm_90a)")
+    ap.add_argument("--margin-mib", type=float, default=1.0,
                     help="room left in each call beside the working tree, for files added before the calls")
+    ap.add_argument("--cuobjdump", help=f"cuobjdump to check the compaction with (default: pip {CUOBJDUMP} "
+                                        f"in {TOOLS.name}/)")
     ap.add_argument("--no-check", action="store_true", help="skip reassembling the kit here")
     args = ap.parse_args(argv)
     try:
-        wheels = fetch(args.package or PACKAGES, WHEELS)
+        ort_wheel, zmq_wheel = fetch([ORT, ZMQ], WHEELS)
+        kit, record = ort_kit(ort_wheel, args.arch, find_cuobjdump(args.cuobjdump))
         tree = travelling_bytes(ROOT)
-        budget = CARRY_LIMIT - tree - int(args.margin_mib * 2**20) - 64 * 1024   # 64 KiB: the manifest
-        manifest = split(wheels, KIT, budget)
+        budget = CARRY_LIMIT - tree - int(args.margin_mib * 2**20) - MANIFEST_ALLOWANCE
+        # pyzmq first: the first call's tier stage needs it, whatever part of the kit comes later
+        manifest = split([zmq_wheel, kit.with_name(kit.name + ".json"), kit], KIT, budget)
+        seq = calls(manifest["calls"])
         if not args.no_check:
             check(KIT)
-    except KitError as e:
+    except (KitError, FatbinError, PlanError) as e:
         print(f"prepare: {e}", file=sys.stderr)
         return 1
-    seq = run_calls(manifest["calls"])
-    text = describe(seq, manifest["calls"])
-    (KIT / "RUNS.md").write_text(text + "\n")
-    total = sum(e["size"] for e in manifest["files"].values())
     per_call = [sum(p["size"] for e in manifest["files"].values() for p in e["parts"] if p["call"] == n)
                 for n in range(1, manifest["calls"] + 1)]
-    print(f"kit {manifest['kit']}: {len(wheels)} wheels, {total / 2**20:.1f} MiB, in {manifest['calls']} calls of "
-          f"{max(per_call) / 2**20:.1f} MiB at most (room: {budget / 2**20:.1f} MiB beside the working tree's "
-          f"{tree / 2**20:.1f} MiB that travels with each call)\n")
+    c = record["compaction"]
+    summary = [
+        f"onnxruntime-gpu kit: {kit.name} {record['kit_bytes'] / 2**20:.1f} MiB ({record['kit_files']} of "
+        f"{record['wheel_files']} files, {record['kit_unpacked_bytes'] / 2**20:.1f} MiB unpacked; "
+        f"{c['kept']} of {c['fatbins']} fatbins cut to {record['arch']}, "
+        f"{record['cuobjdump']['programs']} programs sha256-identical by cuobjdump; xz {record['xz_seconds']} s)",
+        f"pyzmq: {zmq_wheel.name} {zmq_wheel.stat().st_size / 2**20:.1f} MiB",
+        f"working tree travelling with every call: {tree / 2**20:.2f} MiB; room beside it: {budget / 2**20:.2f} MiB "
+        f"(64 MiB less {args.margin_mib:g} MiB margin and the manifest)",
+        f"carried in {manifest['calls']} call(s): " + ", ".join(f"call{n} {b / 2**20:.1f} MiB"
+                                                              for n, b in enumerate(per_call, 1)),
+        "", describe(seq)]
+    text = "\n".join(summary)
+    (KIT / "RUNS.md").write_text(text + "\n")
     print(text)
+    if total_s(seq) > PLAN_LIMIT_S:
+        print(f"prepare: the plan takes up to {total_s(seq)} s, over {PLAN_LIMIT_S} s", file=sys.stderr)
+        return 1
     return 0
 
 

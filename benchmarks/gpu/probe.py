@@ -3,13 +3,21 @@
     python3 probe.py --installed SITE   after install: onnxruntime comes from SITE and has the CUDA provider,
                                         pyzmq imports; else one line saying which, and exit 1
     python3 probe.py --out DEVICE_JSON  the device (nvidia-smi), driver, CUDA, python, onnxruntime, cupy, and
-                                        whether a 1-node session really runs on the CUDA provider
+                                        whether a 1-node session really runs on the CUDA provider: with CUDA's
+                                        lazy module loading (the default), and in a child with
+                                        CUDA_MODULE_LOADING=EAGER, which loads every fatbin of the compacted
+                                        CUDA provider library at once (informational: 9 of its 609 fatbins hold
+                                        sm_120a code only, in the original too)
+Exit 1 when the session does not run on CUDA: the kit's compacted library failed on this GPU, and verify.sh
+skips every step that needs it (the FALLBACK: the tier stage's results, which need no onnxruntime-gpu, are
+what the session has; carrying the uncompacted library, 185 MiB packed, takes more calls than a session has).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import subprocess
@@ -39,12 +47,43 @@ def one_node_session(ort) -> dict:
         g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "probe",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
-        save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]), f"{tmp}/relu.onnx")
+        model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+        model.ir_version = 8     # a newer onnx writes an IR version onnxruntime 1.31 refuses (14 > 13)
+        save(model, f"{tmp}/relu.onnx")
         t0 = time.perf_counter()
         sess = ort.InferenceSession(f"{tmp}/relu.onnx", providers=["CUDAExecutionProvider"])
         y = sess.run(None, {"x": np.array([-1, 0, 1, 2], np.float32)})[0]
         return {"providers": sess.get_providers(), "seconds": time.perf_counter() - t0,
                 "correct": y.tolist() == [0, 0, 1, 2]}
+
+
+def session_info() -> dict:
+    """onnxruntime's version, providers and a 1-node session on CUDA; the error where one was raised."""
+    try:
+        import onnxruntime as ort
+        t0 = time.perf_counter()
+        ort.preload_dlls()
+        out = {"version": ort.__version__, "file": ort.__file__, "preload_s": time.perf_counter() - t0,
+               "available_providers": ort.get_available_providers(),
+               "module_loading": os.environ.get("CUDA_MODULE_LOADING", "(default: LAZY)")}
+        out["session"] = one_node_session(ort)
+        return out
+    except Exception as e:   # what failed is the finding: keep it in the report
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def verdict(ort_info: dict) -> dict:
+    """Whether the CUDA provider ran the session (providers[0] is CUDA and the output is right); else why, and
+    the fallback."""
+    session = ort_info.get("session") or {}
+    ok = (session.get("providers") or [None])[0] == "CUDAExecutionProvider" and bool(session.get("correct"))
+    eager = (ort_info.get("eager_loading") or {}).get("session") or {}
+    why = None if ok else (ort_info.get("error") or f"the session ran on {session.get('providers')}, "
+                                                    f"correct={session.get('correct')}")
+    return {"ok": ok, "eager_ok": (eager.get("providers") or [None])[0] == "CUDAExecutionProvider"
+            and bool(eager.get("correct")), "why": why,
+            "fallback": None if ok else "the compacted CUDA provider did not run here: the steps that need it are "
+                                        "skipped; the tier stage's results (no onnxruntime-gpu) stand"}
 
 
 def versions() -> dict:
@@ -70,13 +109,14 @@ def probe() -> dict:
     except (OSError, subprocess.SubprocessError) as e:
         info["nvidia_smi"] = {"gpus": [], "error": str(e)}
     info["packages"] = versions()
+    info["onnxruntime"] = session_info()
+    eager = subprocess.run([sys.executable, __file__, "--session"], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "CUDA_MODULE_LOADING": "EAGER"})
     try:
-        import onnxruntime as ort
-        ort.preload_dlls()
-        info["onnxruntime"] = {"version": ort.__version__, "file": ort.__file__,
-                               "available_providers": ort.get_available_providers(), "session": one_node_session(ort)}
-    except Exception as e:   # what failed is the finding: keep it in the report
-        info["onnxruntime"] = {"error": f"{type(e).__name__}: {e}"}
+        info["onnxruntime"]["eager_loading"] = json.loads(eager.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        info["onnxruntime"]["eager_loading"] = {"error": f"rc {eager.returncode}: {eager.stderr.strip()[-800:]}"}
+    info["cuda_ep"] = verdict(info["onnxruntime"])
     try:
         from cupy.cuda import runtime
         props = runtime.getDeviceProperties(0)
@@ -108,7 +148,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--installed", type=Path, help="check the packages installed into this --target folder")
     ap.add_argument("--out", type=Path, help="write the device description here (JSON)")
+    ap.add_argument("--session", action="store_true", help="only the onnxruntime part, as one JSON line")
     args = ap.parse_args(argv)
+    if args.session:
+        print(json.dumps(session_info()))
+        return 0
     if args.installed:
         return check_installed(args.installed)
     info = probe()
@@ -116,8 +160,10 @@ def main(argv=None) -> int:
     print(text)
     if args.out:
         args.out.write_text(text)
-    session = info.get("onnxruntime", {}).get("session", {})
-    return 0 if session.get("providers", [None])[0] == "CUDAExecutionProvider" and session.get("correct") else 1
+    if not info["cuda_ep"]["ok"]:
+        print(f"probe: {info['cuda_ep']['why']}; FALLBACK: {info['cuda_ep']['fallback']}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

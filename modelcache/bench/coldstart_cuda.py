@@ -167,7 +167,9 @@ def write_floor(work: Path) -> str:
     graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "floor",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
-    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(work / "floor.onnx"))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8     # onnx 1.23 writes IR 14 by default, which onnxruntime-gpu 1.31 refuses (its max is 13)
+    save(model, str(work / "floor.onnx"))
     (work / "floor.json").write_text(json.dumps({"floor": str(work / "floor.onnx")}))
     return str(work / "floor.json")
 

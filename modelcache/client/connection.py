@@ -34,7 +34,7 @@ import logging
 from .. import lane as _lane, protocol as P
 from ..address import check_can_connect, check_listening
 from ..errors import DaemonUnavailable, ModelCacheError, RequestTimeout, from_code
-from .rpc import Channel, answer_within_ms, lane_connection
+from .rpc import Channel, answer_within_ms, close_received_fds, lane_connection
 
 log = logging.getLogger("modelcache.client")
 # Calls a restarted daemon may safely see twice: the dead daemon's effects died with it.
@@ -195,6 +195,7 @@ class Client:
         self._ctx = zmq.Context.instance()
         self._lock = threading.Lock()     # one reconnect at a time (calls do not take it)
         self._lane: Channel | None = None   # serve requests, when the daemon has a lane
+        self._lease_lane: Channel | None = None   # GPU opens, on the lane: their replies may bring descriptors
         self._closed = False
         self._broken = False              # the heartbeat saw the daemon go away: reconnect before the next call
         self._want_lane = lane            # False: infer goes over ZeroMQ too
@@ -252,8 +253,14 @@ class Client:
             if held[0] is None:
                 continue
             _, name, version, device = held
-            reply = self._zmq.exchange(P.Open(req_id=0, client_id=self.client_id, name=name, version=version,
-                                              device=device), (P.OpenReply,), conn=conn)
+            msg = P.Open(req_id=0, client_id=self.client_id, name=name, version=version, device=device)
+            gpu = self._gpu_channel() if device != "cpu" else None
+            try:
+                reply = gpu.exchange(msg, (P.OpenReply,)) if gpu is not None else \
+                    self._zmq.exchange(msg, (P.OpenReply,), conn=conn)
+            except ModelCacheError as e:
+                reply = P.ErrorReply(req_id=0, code=e.code, message=str(e))
+            close_received_fds(reply)   # the session runs on what it mapped; this lease is for the accounting
             if isinstance(reply, P.OpenReply):
                 held[0] = reply.lease_id
                 relet += 1
@@ -278,13 +285,23 @@ class Client:
         finally:
             self._lock.release()
 
-    def _call(self, msg, expect: tuple, timeout_s: float | None = None, use_lane: bool = False):
+    def _gpu_channel(self) -> Channel | None:
+        """The lane connection GPU opens go on (None: the daemon has none, a tcp:// one): under read-only
+        sharing their replies bring the allocations as descriptors, which ZeroMQ cannot carry. A connection
+        of its own, read with recvmsg, so that serve requests on the other keep the cheaper read."""
+        path = _lane.lane_path(self.address)
+        if self._lease_lane is None and path is not None and os.path.exists(path):
+            self._lease_lane = Channel(self.address, lane_connection(path, self.address, with_fds=True),
+                                       self.timeout_s)
+        return self._lease_lane
+
+    def _call(self, msg, expect: tuple, timeout_s: float | None = None, use_lane: bool = False, channel=None):
         """Send one request and wait for its reply (or a typed error); serve requests over the lane."""
         if self._closed:
             raise DaemonUnavailable("this modelcache connection is closed")
         if self._broken:
             self._reconnect()
-        channel = self._lane if use_lane and self._lane is not None else self._zmq
+        channel = channel or (self._lane if use_lane and self._lane is not None else self._zmq)
         for retry in (False, True):
             sent_as = self.client_id
             reply = channel.exchange(msg, expect, timeout_s, retry_safe=isinstance(msg, RETRY_SAFE),
@@ -340,9 +357,11 @@ class Client:
 
     # -- API ---------------------------------------------------------------------------
     def open(self, name: str, version: int | None = None, device: str = "cpu") -> OpenedModel:
-        """Lease a model: device "cpu" (the host tier) or "cuda" / "cuda:<UUID>" (a GPU copy, by IPC handle)."""
+        """Lease a model: device "cpu" (the host tier) or "cuda" / "cuda:<UUID>" (a GPU copy, by IPC handle or, under
+        read-only sharing, by descriptors: `received_fds` of the reply, the caller's to close)."""
         lease = self._call(P.Open(req_id=0, client_id=self.client_id, name=name, version=version, device=device,
-                                  deadline_ms=answer_within_ms(self.timeout_s)), expect=(P.OpenReply,))
+                                  deadline_ms=answer_within_ms(self.timeout_s)), expect=(P.OpenReply,),
+                           channel=self._gpu_channel() if device != "cpu" else None)
         self._held[lease.lease_id] = [lease.lease_id, lease.name, lease.version, device]
         return lease
 
@@ -481,8 +500,9 @@ class Client:
         except Exception:
             pass  # the daemon will expire our leases anyway
         self._closed = True
-        if self._lane is not None:
-            self._lane.close()
+        for channel in (self._lane, self._lease_lane):
+            if channel is not None:
+                channel.close()
         self._heartbeat.join(timeout=2)
         self._zmq.close()
 

@@ -1,14 +1,18 @@
 """The client's side of device-resident weights: map the daemon's exported allocations and hand ORT OrtValues over them.
 
-Two kinds of export arrive in an open reply. ``"cuda"``: 64-byte ``cudaIpcMemHandle_t``s, opened with
-the CUDA runtime binding (modelcache/cuda.py). ``"fake"``: a simulated device for machines without a
-GPU, where each "allocation" is a shared-memory file mapped read-only and values are CPU OrtValues; it
-exercises the same handle cache, DLPack and ``add_initializer`` path so that everything but the CUDA
-calls is tested everywhere.
+Four kinds of export arrive in an open reply. ``"cuda"``: 64-byte ``cudaIpcMemHandle_t``s, opened with
+the CUDA runtime binding (modelcache/cuda.py), read-write. ``"cuda-vmm"`` (gpu_sharing = "vmm-read-only"):
+each allocation a file descriptor that came with the reply (SCM_RIGHTS), imported with the driver's
+virtual memory API and mapped read-only (cuMemSetAccess PROT_READ); the handle is a token naming it.
+``"fake"`` and ``"fake-vmm"``: a simulated device for machines without a GPU, each "allocation" a
+shared-memory file by path, or a sealed memfd by descriptor, mapped read-only, with CPU OrtValues over
+it; they exercise the same handle cache, DLPack and ``add_initializer`` path so that everything but the
+CUDA calls is tested everywhere.
 
 Lifetimes (GPU.md, "Measured on an H100"): a handle is opened once per process and closed when its last
 user releases it (`HandleCache`); ORT keeps raw pointers into the mapping, so a `DeviceWeights` must be
-released only after every session built over it is gone.
+released only after every session built over it is gone. A descriptor is closed as soon as its allocation
+is mapped (or found mapped already): the mapping holds the memory, the daemon's allocation owns it.
 
 Nothing here imports numpy, onnxruntime or cupy at module import time (client startup is measured).
 """
@@ -18,18 +22,24 @@ from __future__ import annotations
 import os
 import threading
 
-from ..cuda import (DLPACK_DTYPES, KDL_CPU, KDL_CUDA, DeviceError, cuda_runtime, dlpack_value, fake_index, map_fake,
-                    unmap_fake)
+from ..cuda import (DLPACK_DTYPES, KDL_CPU, KDL_CUDA, VMM_KINDS, DeviceError, cuda_driver, cuda_runtime, dlpack_value,
+                    fake_index, map_fake, map_fake_fd, unmap_fake, vmm_token_size)
 from ..errors import ProtocolError
 from ..protocol import TensorPlacement
 
 __all__ = [
     "HandleCache", "handle_cache", "DeviceWeights", "attach_weights", "requested_device", "cuda_device_id",
-    "cuda_first", "fake_gpu_count", "FAKE_GPUS_ENV",
+    "cuda_first", "fake_gpu_count", "is_cuda_kind", "FAKE_GPUS_ENV", "KINDS",
 ]
 
 # The daemon's `fake_gpus` setting as the environment gives it: clients read it too, to name a fake device.
 FAKE_GPUS_ENV = "MODELCACHE_FAKE_GPUS"
+KINDS = ("cuda", "cuda-vmm", "fake", "fake-vmm")   # the export kinds an open reply may name (ipc_kind)
+
+
+def is_cuda_kind(kind: str) -> bool:
+    """Whether an export kind is memory on a real GPU (else a simulated device's, in host memory)."""
+    return kind in ("cuda", "cuda-vmm")
 
 
 # -- device names -------------------------------------------------------------------------------------------
@@ -101,9 +111,13 @@ class _OpenHandle:
 
     def __init__(self, base: int, size: int | None, device_index: int):
         self.base = base
-        self.size = size  # bytes mapped (fake); None for CUDA, whose size the handle does not tell us
+        self.size = size  # bytes mapped; None for legacy CUDA IPC, whose size the handle does not tell us
         self.device_index = device_index
         self.refs = 0
+
+
+def _unknown_kind(kind: str) -> ProtocolError:
+    return ProtocolError(f"unknown device export kind {kind!r} (expected one of {', '.join(KINDS)})")
 
 
 class HandleCache:
@@ -117,23 +131,46 @@ class HandleCache:
         self._lock = threading.Lock()
         self._open: dict[tuple[str, bytes], _OpenHandle] = {}
 
-    def acquire(self, kind: str, handle: bytes, device_index: int) -> int:
-        """The base address of `handle`'s allocation, opening it if no one here holds it; counts one user."""
+    def acquire(self, kind: str, handle: bytes, device_index: int, fd: int = -1) -> int:
+        """The base address of `handle`'s allocation, opening it if no one here holds it; counts one user.
+        The fd-shared kinds (cuda.VMM_KINDS) map `fd`; it is closed here in every case (mapped, already
+        mapped, or failed)."""
         key = (kind, bytes(handle))
-        with self._lock:
-            entry = self._open.get(key)
-            if entry is None:
-                if kind == "cuda":
-                    runtime = cuda_runtime()
-                    runtime.set_device(device_index)  # IPC memory is mapped into the current device
-                    entry = _OpenHandle(runtime.ipc_open(key[1]), None, device_index)
-                elif kind == "fake":
-                    entry = _OpenHandle(*map_fake(key[1].decode()), device_index)
-                else:
-                    raise ProtocolError(f"unknown device export kind {kind!r} (expected 'cuda' or 'fake')")
-                self._open[key] = entry
-            entry.refs += 1
-            return entry.base
+        try:
+            with self._lock:
+                entry = self._open.get(key)
+                if entry is None:
+                    entry = self._open[key] = self._map(kind, key[1], device_index, fd)
+                entry.refs += 1
+                return entry.base
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    @staticmethod
+    def _map(kind: str, handle: bytes, device_index: int, fd: int) -> _OpenHandle:
+        if kind in VMM_KINDS and fd < 0:
+            raise ProtocolError(f"a {kind} allocation comes as a file descriptor on the lane, and none came")
+        if kind == "cuda":
+            runtime = cuda_runtime()
+            runtime.set_device(device_index)  # IPC memory is mapped into the current device
+            return _OpenHandle(runtime.ipc_open(handle), None, device_index)
+        if kind == "cuda-vmm":
+            size = vmm_token_size(handle)
+            cuda_runtime().set_device(device_index)   # the device's context, that ORT's session will use
+            driver = cuda_driver()
+            imported = driver.import_fd(fd)
+            try:
+                base = driver.map(imported, size, device_index, read_only=True)
+            finally:
+                driver.release(imported)      # the mapping holds the allocation from here on
+            return _OpenHandle(base, size, device_index)
+        if kind == "fake":
+            return _OpenHandle(*map_fake(handle.decode()), device_index)
+        if kind == "fake-vmm":
+            size = vmm_token_size(handle)
+            return _OpenHandle(map_fake_fd(fd, size), size, device_index)
+        raise _unknown_kind(kind)
 
     def release(self, kind: str, handle: bytes) -> None:
         """Drop one user of `handle`; the last one closes it. Only after every OrtValue over it is gone."""
@@ -150,6 +187,8 @@ class HandleCache:
                 runtime = cuda_runtime()
                 runtime.set_device(entry.device_index)
                 runtime.ipc_close(entry.base)
+            elif kind == "cuda-vmm":
+                cuda_driver().unmap(entry.base, entry.size)
             else:
                 unmap_fake(entry.base, entry.size)
 
@@ -196,7 +235,7 @@ class DeviceWeights:
     @property
     def provider_options(self):
         """The ORT provider entry that runs on this device."""
-        if self.kind == "cuda":
+        if is_cuda_kind(self.kind):
             return ("CUDAExecutionProvider", {"device_id": self.device_index})
         return "CPUExecutionProvider"
 
@@ -226,27 +265,40 @@ def _check_tensor(row, n_handles: int) -> tuple:
     return row
 
 
-def attach_weights(so, kind: str, device_uuid: str, handles: list, tensors: list) -> DeviceWeights:
+def attach_weights(so, kind: str, device_uuid: str, handles: list, tensors: list, fds: list = ()) -> DeviceWeights:
     """Map the daemon's device export and give each tensor to `so` with ``add_initializer``, with no copy.
 
-    `tensors` rows are ``[name, dtype, shape, handle index, offset, nbytes]``. On error everything taken
-    here is released again and `so` must be discarded (it may hold pointers to dropped values).
+    `tensors` rows are ``[name, dtype, shape, handle index, offset, nbytes]``; `fds`: for the fd-shared kinds,
+    one descriptor per handle (the reply's `received_fds`), all closed here whatever happens. On error
+    everything taken here is released again and `so` must be discarded (it may hold pointers to dropped values).
     """
-    if kind == "cuda":
-        device_index = cuda_runtime().index_of(device_uuid)
-        device_type, device_id = KDL_CUDA, device_index
-    elif kind == "fake":
-        device_index = fake_index(device_uuid)
-        device_type, device_id = KDL_CPU, 0  # fake devices live in host memory
-    else:
-        raise ProtocolError(f"unknown device export kind {kind!r} (expected 'cuda' or 'fake')")
-    rows = [_check_tensor(row, len(handles)) for row in tensors]  # all checked before anything is opened
+    fds = list(fds)
+    try:
+        if kind not in KINDS:
+            raise _unknown_kind(kind)
+        if (kind in VMM_KINDS) != bool(fds) or (fds and len(fds) != len(handles)):
+            raise ProtocolError(f"a {kind} export of {len(handles)} allocations came with {len(fds)} file "
+                                "descriptors" + (" (one each is expected)" if kind in VMM_KINDS else ""))
+        if is_cuda_kind(kind):
+            device_index = cuda_runtime().index_of(device_uuid)
+            device_type, device_id = KDL_CUDA, device_index
+        else:
+            device_index = fake_index(device_uuid)
+            device_type, device_id = KDL_CPU, 0  # fake devices live in host memory
+        rows = [_check_tensor(row, len(handles)) for row in tensors]  # all checked before anything is opened
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
 
     weights = DeviceWeights(kind, device_uuid, device_index)
     try:
         bases, sizes = [], []
-        for handle in handles:
-            bases.append(_cache.acquire(kind, handle, device_index))
+        for i, handle in enumerate(handles):
+            fd = -1
+            if fds:
+                fd, fds[i] = fds[i], -1       # acquire closes it, whatever happens there
+            bases.append(_cache.acquire(kind, handle, device_index, fd))
             weights._handles.append(bytes(handle))
             sizes.append(_cache.size_of(kind, handle))
         for name, dtype, shape, index, offset, nbytes in rows:
@@ -262,6 +314,9 @@ def attach_weights(so, kind: str, device_uuid: str, handles: list, tensors: list
         for name, value in weights.values.items():
             so.add_initializer(name, value)
     except BaseException:
+        for fd in fds:
+            if fd >= 0:   # (those not handed to acquire yet)
+                os.close(fd)
         weights.release()
         raise
     return weights

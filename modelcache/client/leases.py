@@ -28,7 +28,7 @@ from .. import protocol as P
 from ..address import client_settings
 from ..errors import from_code
 from ..lane import lane_path
-from .rpc import Channel, answer_within_ms, lane_connection
+from .rpc import Channel, answer_within_ms, close_received_fds, lane_connection
 
 class NoLaneOpen(Exception):
     """The daemon does not take an open without a hello (it predates client/leases.py): use the full client."""
@@ -45,7 +45,8 @@ class LeaseClient:
         # Leases by the id open() returned -> [id at the daemon now (None: lost in a restart), name, version,
         # device]: a reconnect re-opens them, and release() maps the first id to the current one.
         self._held: dict[str, list] = {}
-        self._channel = Channel(address, lane_connection(self._path, address), timeout_s,
+        # with_fds: a GPU lease under read-only sharing brings its allocations as descriptors (client/device.py).
+        self._channel = Channel(address, lane_connection(self._path, address, with_fds=True), timeout_s,
                                 on_connect=self._reopen_leases)
         self._channel.connect()
 
@@ -92,6 +93,7 @@ class LeaseClient:
             _, name, version, device = held
             reply = self._channel.exchange(P.Open(req_id=0, client_id="", name=name, version=version,
                                                   device=device, client_name=self._name), (P.OpenReply,), conn=conn)
+            close_received_fds(reply)   # the session runs on what it mapped; this lease is for the accounting
             # Not re-opened: the session keeps running on its mapping; only the daemon's accounting misses it.
             held[0] = reply.lease_id if isinstance(reply, P.OpenReply) else None
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import _thread  # not threading (~1 ms to import): locks and daemon threads are all this needs
 import itertools
+import os
 import select
 import time
 
@@ -210,6 +211,7 @@ class Channel:
             raise waiter.error
         reply = waiter.reply
         if reply is not None and not isinstance(reply, expect) and not isinstance(reply, P.ErrorReply):
+            close_received_fds(reply)
             raise ProtocolError(f"unexpected message {reply.KIND.decode()!r} in answer to {msg.KIND.decode()!r}")
         return reply
 
@@ -282,12 +284,17 @@ class Channel:
     def _dispatch(self, conn, frames) -> None:
         try:
             reply = P.decode(frames)
-        except ProtocolError as e:    # not a message: the stream cannot be trusted any further
-            self._lost(conn, e)
+            n_fds = getattr(reply, "ipc_fds", 0)
+            if n_fds:   # (here, in the stream's order: the descriptors came in it, see LaneClient)
+                reply.received_fds = conn.take_fds(n_fds)
+        except (ProtocolError, LaneError, AttributeError) as e:   # the stream cannot be trusted any further
+            self._lost(conn, e if isinstance(e, ProtocolError) else ProtocolError(
+                f"the daemon's reply declares file descriptors this connection did not bring: {e}"))
             return
         with self._state:
             waiter = self._pending.get(getattr(reply, "req_id", None))
             if waiter is None or waiter.done or waiter.conn is not conn:
+                close_received_fds(reply)
                 return            # a late answer to a request given up on
             waiter.reply = reply
             waiter.done = True
@@ -360,14 +367,24 @@ class Channel:
                 backoff_s = min(backoff_s * 2, RECONNECT_BACKOFF_S[1])
 
 
-def lane_connection(path: str, address: str):
-    """open_connection for a Channel over the lane at `path`."""
+def close_received_fds(reply) -> None:
+    """Close the descriptors a reply brought (LaneClient.take_fds) and no one took."""
+    fds = getattr(reply, "received_fds", None)
+    if fds:
+        reply.received_fds = []
+        for fd in fds:
+            os.close(fd)
+
+
+def lane_connection(path: str, address: str, with_fds: bool = False):
+    """open_connection for a Channel over the lane at `path`; with_fds: one whose replies may bring descriptors
+    (lease opens: see LaneClient)."""
     from ..address import check_can_connect
 
     def open_connection() -> LaneClient:
         check_can_connect(path, address)
         try:
-            return LaneClient(path)
+            return LaneClient(path, with_fds)
         except OSError as e:
             raise DaemonUnavailable(f"cannot connect to the modelcache daemon at {address}: {e.strerror}") from None
     return open_connection

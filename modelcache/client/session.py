@@ -84,10 +84,11 @@ class InferenceSession:
             so = attach_session_options(so, prepacked=self.prepacked)
             # ORT keeps raw pointers into these mappings: they must outlive the session.
             if self._lease.device_uuid:
-                from .device import attach_weights, cuda_first
+                from .device import attach_weights, cuda_first, is_cuda_kind
+                fds, self._lease.received_fds = getattr(self._lease, "received_fds", []), []   # attach closes them
                 self._device_weights = attach_weights(so, self._lease.ipc_kind, self._lease.device_uuid,
-                                                      self._lease.ipc_handles, self._lease.tensors)
-                if self._lease.ipc_kind != "cuda":   # a simulated GPU: its memory is host memory
+                                                      self._lease.ipc_handles, self._lease.tensors, fds)
+                if not is_cuda_kind(self._lease.ipc_kind):   # a simulated GPU: its memory is host memory
                     providers = ["CPUExecutionProvider"]
                 else:
                     providers = cuda_first(providers)
@@ -100,7 +101,8 @@ class InferenceSession:
             self._trim_after_run = self.prepacked
             if self.prepacked:
                 _release_freed_heap()
-            if self._lease.ipc_kind == "cuda" and self._sess.get_providers()[0] != "CUDAExecutionProvider":
+            on_gpu = self._lease.ipc_kind in ("cuda", "cuda-vmm")
+            if on_gpu and self._sess.get_providers()[0] != "CUDAExecutionProvider":
                 # ORT falls back to the CPU with only a warning; over device pointers that cannot run.
                 raise ModelCacheError(f"{name}: onnxruntime could not start the CUDA execution provider "
                                       f"(it offers {self._sess.get_providers()}); check the CUDA and cuDNN "
@@ -177,6 +179,9 @@ class InferenceSession:
         """Drop the session, then the mapping, then the lease (in that order: ORT points into the mapping)."""
         self._sess = None
         self._weights = []
+        if self._lease is not None:   # descriptors of a lease that failed before they were mapped
+            from .rpc import close_received_fds
+            close_received_fds(self._lease)
         try:
             if self._device_weights is not None:   # after the session: ORT points into these
                 weights, self._device_weights = self._device_weights, None

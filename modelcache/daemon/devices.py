@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import logging
 
-from ..cuda import DeviceError, normalize_uuid
+from ..cuda import VMM_KINDS, DeviceError, normalize_uuid
 from ..errors import CapacityError, DaemonUnavailable, ModelCacheError
 from ..tiers.base import Tier
 from .cache import HostCache, capacity_refusal, choose_victims, policy_for
+from .identity import check_may_read
+from .lane import LaneConnection
 from .loaders import Loaders
 from .registry import DeviceResidency, ModelRecord, ModelState, Registry, plural
 from .room import RoomQueue
@@ -56,19 +58,18 @@ class DeviceCache:
 
         if self.settings.fake_gpus:
             devices = gpu.fake_devices(self.settings.fake_gpus)
-
-            def allocator(device):
-                return gpu.FakeAllocator(device, self.host.root / f"fake-gpu-{device.index}")
         else:
             devices = select_tier_devices(self.settings.gpus, gpu.probe())
-            allocator = gpu.CudaAllocator
         for device in devices:
             capacity = parse_size(self.settings.gpu_capacity, total=device.total_bytes)
-            self.tiers[device.uuid] = gpu.DeviceTier(allocator(device), capacity)
+            allocator = gpu.allocator_for(device, self.host.root / f"fake-gpu-{device.index}",
+                                          self.settings.gpu_sharing)
+            self.tiers[device.uuid] = gpu.DeviceTier(allocator, capacity)
             self.policies[device.uuid] = policy_for(self.settings)
             self.rooms[device.uuid] = RoomQueue()
-            log.info("GPU tier on device %d (%s, %s): %d MiB", device.index, device.name, device.uuid,
-                     self.tiers[device.uuid].capacity_bytes >> 20)
+            log.info("GPU tier on device %d (%s, %s): %d MiB, shared %s", device.index, device.name, device.uuid,
+                     self.tiers[device.uuid].capacity_bytes >> 20,
+                     "read-only (VMM)" if allocator.sharing == "vmm-read-only" else "read-write (legacy CUDA IPC)")
 
     def set_capacity(self, spec: str) -> None:
         """A reload changed gpu_capacity: each device's tier takes it (at most the device's memory); the reload then
@@ -353,9 +354,33 @@ class DeviceCache:
     def open_fields(self, model: ModelRecord, tier) -> dict:
         """The OpenReply fields of a GPU lease: the GPU skeleton, the IPC handles, each tensor's place."""
         handles, tensors = tier.export(model.key)
-        return {"skeleton_path": str(self.host.skeleton_path(model.key, "gpu")), "segments": [],
-                "tensors": tensors, "device_uuid": tier.device.uuid, "ipc_kind": tier.allocator.kind,
-                "ipc_handles": handles}
+        fields = {"skeleton_path": str(self.host.skeleton_path(model.key, "gpu")), "segments": [],
+                  "tensors": tensors, "device_uuid": tier.device.uuid, "ipc_kind": tier.allocator.kind,
+                  "ipc_handles": handles}
+        if tier.allocator.kind in VMM_KINDS:
+            fields["ipc_fds"] = len(handles)
+        return fields
+
+    def passed_fds(self, model: ModelRecord, tier) -> list[int]:
+        """The descriptors a GPU lease's reply carries, in handle order (the fd-shared kinds; else none). Still the
+        allocator's: the lane passes copies."""
+        return tier.export_fds(model.key) if tier.allocator.kind in VMM_KINDS else []
+
+    def check_transport(self, ident, tier) -> None:
+        """Under read-only sharing a GPU lease is descriptors, which only the lane carries (not ZeroMQ, not tcp)."""
+        if tier.allocator.kind in VMM_KINDS and type(ident) is not LaneConnection:
+            raise ModelCacheError(f"GPU {tier.device.index} shares its weights read-only (gpu_sharing = "
+                                  "vmm-read-only), as file descriptors that only the daemon's lane (the ipc:// "
+                                  "socket's .lane) carries; open GPU sessions over it (modelcache.InferenceSession "
+                                  "and connect() do, where the daemon has one)")
+
+    def check_may_map(self, ident, model: ModelRecord, tier) -> None:
+        """Before a GPU lease is granted: under read-only sharing, the descriptors go only over the lane, to a peer
+        the kernel names, that may read the model's GPU skeleton with its own rights (the client opens it next):
+        a descriptor must not give what the host tier's file permissions do not."""
+        if tier.allocator.kind in VMM_KINDS:
+            self.check_transport(ident, tier)
+            check_may_read(ident, str(self.host.skeleton_path(model.key, "gpu")), f"{model.key}'s GPU memory")
 
     def describe(self) -> list[dict]:
         out = []
@@ -364,6 +389,8 @@ class DeviceCache:
                     if uuid in m.devices and m.devices[uuid].state is not ModelState.WAITING]
             out.append({"tier": "gpu", "device": uuid, "index": tier.device.index, "name": tier.device.name,
                         "kind": tier.allocator.kind, "used_bytes": tier.used_bytes,
+                        "sharing": tier.allocator.sharing,            # as clients get it: ipc or vmm-read-only
+                        "sharing_note": tier.allocator.sharing_note,  # why not as set ("" when it is)
                         "capacity_bytes": tier.capacity_bytes,
                         "promotion_bytes_per_s": tier.promotion_bytes_per_s,   # of the last host -> GPU copy
                         "models": [m.key for m in held],

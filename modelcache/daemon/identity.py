@@ -11,15 +11,18 @@ connection: a client's heartbeat thread and its serve lane are connections of th
 
 from __future__ import annotations
 
+import errno
 import grp
 import os
 import pwd
 import socket
 import struct
+from pathlib import Path
 
 from ..errors import PermissionDenied
 
 _UCRED = struct.Struct("3i")      # struct ucred: pid, uid, gid
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)   # Linux 4.13; Python's socket module does not name it
 
 
 class Peer:
@@ -54,6 +57,52 @@ def socket_credentials(sock: socket.socket) -> tuple:
     """(uid, gid, pid) of a connected Unix socket's peer, from the kernel."""
     pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
     return uid, gid, pid
+
+
+def socket_groups(sock: socket.socket) -> tuple:
+    """The supplementary groups of a connected Unix socket's peer, as the kernel recorded them at connect."""
+    size = 64 * 4
+    while True:
+        try:
+            data = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, size)
+            return struct.unpack(f"{len(data) // 4}I", data[:len(data) - len(data) % 4])
+        except OSError as e:   # ERANGE: more groups than fit
+            if e.errno != errno.ERANGE or size >= 65536 * 4:
+                raise
+            size *= 16
+
+
+def may_read(path: str, uid: int, gids) -> bool:
+    """Whether a process of `uid` in groups `gids` may open `path` for reading, by the permission bits of the file
+    and of each directory on the way (as the kernel decides, less ACLs and capabilities other than root's)."""
+    if uid == 0:
+        return True
+    target = Path(os.path.realpath(path))
+    try:
+        return all(_allows(os.stat(d), uid, gids, 0o1) for d in reversed(target.parents)) and \
+            _allows(os.stat(target), uid, gids, 0o4)
+    except OSError:
+        return False
+
+
+def _allows(st: os.stat_result, uid: int, gids, bit: int) -> bool:
+    if st.st_uid == uid:            # the owner's bits decide for the owner, even where the group's would allow
+        return bool(st.st_mode & (bit << 6))
+    if st.st_gid in gids:
+        return bool(st.st_mode & (bit << 3))
+    return bool(st.st_mode & bit)
+
+
+def check_may_read(peer, path: str, what: str) -> None:
+    """Raise PermissionDenied unless `peer` (a lane connection: the kernel's uid, gid and groups) could read `path`
+    itself: before the daemon hands it a descriptor of `what`, which would bypass that file's permissions."""
+    sock = getattr(peer, "sock", None)
+    if peer.uid is None or sock is None:
+        raise PermissionDenied(f"permission denied: {what} is handed out only over the lane, to a client the kernel "
+                               "names (its connection has closed, or it has no credentials)")
+    if not may_read(path, peer.uid, {peer.gid, *socket_groups(sock)}):
+        raise PermissionDenied(f"permission denied: uid {peer.uid} may not read {path} with its own rights, so it is "
+                               f"not handed {what} either")
 
 
 def _group_id(group: str) -> int:

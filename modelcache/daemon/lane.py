@@ -5,7 +5,10 @@ A connection stands in for a ZeroMQ routing id: handlers get it as `ident` and r
 back through `send`; like identity.Peer it carries the client's kernel uid, gid and pid.
 A connection's first message may bring file descriptors (SCM_RIGHTS: `add` passes the
 model's files so the daemon never opens a client-named path); later reads take none, so
-serve calls keep the cheaper recv_into. A reply to a connection that has gone is dropped,
+serve calls keep the cheaper recv_into. A reply may carry descriptors the other way (a GPU
+lease under gpu_sharing = "vmm-read-only": the allocations' exported fds): they leave with the
+reply's first byte, also when the reply waits behind others (then the connection holds
+duplicates of them until they are sent or it drops). A reply to a connection that has gone is dropped,
 as ROUTER drops one to a vanished peer; a client that stops reading is cut off once MAX_PENDING bytes wait.
 """
 
@@ -21,8 +24,8 @@ from pathlib import Path
 import zmq
 
 from ..errors import ModelCacheError
+from ..lane import MAX_BODY, MAX_FDS, FrameReader, LaneError, frame, recv_chunk, recv_chunk_with_fds, send_fds
 from ..storage import remove_tree
-from ..lane import MAX_BODY, MAX_FDS, FrameReader, LaneError, frame, recv_chunk, recv_chunk_with_fds
 from .identity import socket_credentials
 
 log = logging.getLogger("modelcache.daemon")
@@ -50,12 +53,15 @@ def check_socket_file(path: Path) -> None:
 
 
 class LaneConnection:
-    __slots__ = ("sock", "fd", "reader", "out", "server", "polling_out", "uid", "gid", "pid", "fds", "client_id")
+    __slots__ = ("sock", "fd", "reader", "out", "out_fds", "server", "polling_out", "uid", "gid", "pid", "fds",
+                 "client_id")
 
     def __init__(self, sock: socket.socket, server: "LaneServer"):
         self.sock, self.fd, self.server = sock, sock.fileno(), server
         self.reader = FrameReader(server.max_body)
         self.out = bytearray()
+        # Descriptors of replies waiting in `out`: [position in out of the reply's first byte, our duplicates].
+        self.out_fds: list[list] = []
         self.polling_out = False  # registered for POLLOUT: replies wait for room in the socket
         self.uid, self.gid, self.pid = socket_credentials(sock)
         self.fds: list | None = []  # descriptors come with the first message; None once it is handled
@@ -73,13 +79,19 @@ class LaneConnection:
         self.server.held_fds -= len(self.fds or ())
         self.fds = None
 
-    def send(self, kind: bytes, body: bytes) -> None:
+    @staticmethod
+    def _close_out_fds(entry: list) -> None:
+        for fd in entry[1]:
+            os.close(fd)
+
+    def send(self, kind: bytes, body: bytes, fds=()) -> None:
+        """Queue a reply; `fds` (still the caller's: passed as copies) go with its first byte."""
         if self.sock is None:
             return  # the client went away; its answer has nowhere to go
         data = frame(kind, body)
         if not self.out:   # the usual case: the whole reply fits in the socket at once
             try:
-                sent = self.sock.send(data)
+                sent = send_fds(self.sock, data, fds, 0) if fds else self.sock.send(data)
             except BlockingIOError:
                 sent = 0
             except OSError as e:
@@ -87,14 +99,30 @@ class LaneConnection:
                 return
             if sent == len(data):
                 return
+            if sent:
+                fds = ()   # they went with the first part
             data = memoryview(data)[sent:]
+        if fds:
+            self.out_fds.append([len(self.out), [os.dup(fd) for fd in fds]])   # ours until sent: see the docstring
         self.out += data
         self.flush()
 
     def flush(self) -> None:
         try:
-            sent = self.sock.send(self.out)
-            del self.out[:sent]
+            while self.out:
+                at = self.out_fds[0][0] if self.out_fds else len(self.out)
+                if at == 0:    # a reply with descriptors comes next: they leave with its first byte
+                    end = self.out_fds[1][0] if len(self.out_fds) > 1 else len(self.out)
+                    sent = send_fds(self.sock, memoryview(self.out)[:end], self.out_fds[0][1], 0)
+                    self._close_out_fds(self.out_fds.pop(0))
+                else:
+                    end = at
+                    sent = self.sock.send(memoryview(self.out)[:end])
+                del self.out[:sent]
+                for entry in self.out_fds:
+                    entry[0] -= sent
+                if sent < end:
+                    break
         except BlockingIOError:
             pass
         except OSError as e:
@@ -236,6 +264,9 @@ class LaneServer:
         conn.sock.close()
         conn.sock = None
         conn.out = bytearray()
+        for entry in conn.out_fds:   # replies never sent: the duplicates of their descriptors go
+            conn._close_out_fds(entry)
+        conn.out_fds = []
         if conn.client_id and self.on_close is not None:
             self.on_close(conn)
 

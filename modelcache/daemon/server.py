@@ -479,8 +479,13 @@ class Daemon:
         """Answer on the transport the request came by: a ZeroMQ routing id, or a lane connection."""
         kind, body = P.encode(msg)
         if type(ident) is LaneConnection:
-            ident.send(kind, body)
+            ident.send(kind, body, getattr(msg, "passed_fds", ()))   # (a GPU lease's, under read-only sharing)
             return
+        if getattr(msg, "passed_fds", None):   # refused before (DeviceCache.check_transport): never half an answer
+            log.error("a reply with file descriptors for a ZeroMQ peer was not sent")
+            msg = P.ErrorReply(req_id=msg.req_id, code="internal", message="internal error: file descriptors cannot "
+                               "go over ZeroMQ; open over the lane")
+            kind, body = P.encode(msg)
         try:
             send = self.router.send
             send(ident.routing_id, _SEND_MORE)

@@ -124,6 +124,8 @@ class Sessions:
         client = self.touch(msg.client_id, ident, msg.client_name)
         deadline = deadline_of(self.clock(), msg.deadline_ms)   # (a fetch re-runs this: its time counts too)
         tier = None if msg.device == "cpu" else self.gpu.tier_named(msg.device)
+        if tier is not None:
+            self.gpu.check_transport(ident, tier)   # (before any load: a reply it could not take)
         model = self.cache.resolve_or_fetch(ident, msg)
         if model is None:
             return None  # fetching from the remote store; the request runs again when it lands
@@ -139,6 +141,13 @@ class Sessions:
                 self.cache.after_release(model)
                 return
             uuid = tier.device.uuid if tier is not None else None
+            if tier is not None:
+                try:
+                    self.gpu.check_may_map(ident, model, tier)
+                except ModelCacheError as e:    # no lease, no descriptor
+                    self.cache.after_release(model)
+                    self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=e.code, message=str(e)))
+                    return
             lease = self.registry.grant(client, model, self.wall(), uuid)
             self.cache.policy.accessed(model.key, self.clock())
             if uuid is not None:
@@ -163,9 +172,12 @@ class Sessions:
                      "prepacked": sorted(self.host.prepacked_tensors(model.key))}
         else:
             where = self.gpu.open_fields(model, tier)
-        return P.OpenReply(req_id=req_id, lease_id=lease_id, name=model.name, version=model.version,
-                           inputs=io["inputs"], outputs=io["outputs"], weights_bytes=m.weights_bytes, hit=hit,
-                           **where)
+        reply = P.OpenReply(req_id=req_id, lease_id=lease_id, name=model.name, version=model.version,
+                            inputs=io["inputs"], outputs=io["outputs"], weights_bytes=m.weights_bytes, hit=hit,
+                            **where)
+        if tier is not None:
+            reply.passed_fds = self.gpu.passed_fds(model, tier)   # (not a field: the lane sends them, server._reply)
+        return reply
 
     def on_Close(self, ident, msg: P.Close):
         client = self.touch(msg.client_id, ident)

@@ -14,6 +14,14 @@ The allocator is behind a small interface: `CudaAllocator` (cupy's runtime API) 
 GPU, `FakeAllocator` (one shared-memory file per allocation) everywhere else, so the
 tier's logic runs the same calls in CI as on a device.
 
+How clients share an allocation is the `gpu_sharing` setting. "ipc" (the default): legacy
+CUDA IPC handles, which every client maps read-write. "vmm-read-only": `CudaVmmAllocator`
+allocates with CUDA's virtual memory API (cuMemCreate), maps it writable in the daemon
+alone, and exports a file descriptor that the client maps read-only (the fd travels over
+the lane, SCM_RIGHTS); `FakeVmmAllocator` plays it with a sealed memfd. Where the driver
+refuses VMM, `allocator_for` falls back to legacy IPC and says so (log, `status`).
+Unverified on a GPU: off by default until a GPU run has checked it (benchmarks/gpu/check_vmm.py).
+
 Threads: `plan`, `commit`, `abort`, `free_model`, `export` and `stop` run on the owner
 loop and alone touch the tables; `write` runs on a loader thread and only allocates
 and copies for one plan. Every CUDA call is preceded by `setDevice` in its own thread.
@@ -25,6 +33,7 @@ CUDA_VISIBLE_DEVICES). Without cupy or a CUDA device, `probe()` returns [].
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import logging
 import mmap
 import os
@@ -35,8 +44,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from ..config import parse_fake_gpus
-from ..cuda import fake_uuid
+from ..config import GPU_SHARING, parse_fake_gpus
+from ..cuda import (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                    CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, DeviceError, fake_uuid, vmm_token)
 from ..errors import CapacityError
 from .files import copy_range
 
@@ -49,7 +59,11 @@ DEVICE_ALIGN = 256
 # Values of the CUDA runtime that cupy does not name (cuda_runtime_api.h, driver_types.h).
 CUDA_HOST_REGISTER_READ_ONLY = 0x08          # cudaHostRegisterReadOnly: pin a PROT_READ mapping
 CUDA_DEV_ATTR_HOST_REGISTER_READ_ONLY = 113  # cudaDevAttrHostRegisterReadOnlySupported
-CUDA_ERROR_MEMORY_ALLOCATION = 2             # cudaErrorMemoryAllocation
+CUDA_ERROR_MEMORY_ALLOCATION = 2             # cudaErrorMemoryAllocation (the driver's CUDA_ERROR_OUT_OF_MEMORY too)
+SHARING_MODES = GPU_SHARING                  # the gpu_sharing setting's values
+# fcntl(2): no new writable mapping of a sealed memfd, while the ones already made stay writable (Linux 5.1;
+# Python's fcntl does not name it).
+F_SEAL_FUTURE_WRITE = 0x0010
 
 
 class DeviceMemoryError(CapacityError):
@@ -119,19 +133,27 @@ def fake_devices(spec: str) -> list[GpuDevice]:
 class Allocation:
     ptr: int          # device address (CUDA), or a unique id (fake)
     nbytes: int
-    handle: bytes     # what a client opens: the 64-byte cudaIpcMemHandle, or the fake's file path
+    handle: bytes     # what a client opens: the 64-byte cudaIpcMemHandle, or the fake's file path; for the
+                      # fd-shared kinds (cuda.VMM_KINDS) a cuda.vmm_token that names the allocation
+    fd: int = -1      # fd-shared kinds: the exported descriptor, the allocator's until free, sent to each client
 
 
 class DeviceAllocator(Protocol):
     """Device memory for one device. `copies` are (host file index, host offset, device offset, nbytes).
 
     alloc, copy_in and copy_out run on loader threads, free on the owner loop; each
-    call is complete on return (no work left in flight).
+    call is complete on return (no work left in flight). `rounded(n)`: the bytes an
+    allocation of n takes (VMM allocations come in multiples of the device's granularity).
+    `sharing`: "ipc" or "vmm-read-only", as clients get it; `sharing_note`: why that differs
+    from the setting ("" when it does not).
     """
 
     kind: str
     device: GpuDevice
+    sharing: str
+    sharing_note: str
 
+    def rounded(self, nbytes: int) -> int: ...
     def alloc(self, nbytes: int) -> Allocation: ...
     def free(self, allocation: Allocation) -> None: ...
     def copy_in(self, allocation: Allocation, copies: list, host_files: list[str]) -> tuple[int, float]: ...
@@ -150,26 +172,41 @@ class FakeAllocator:
     """
 
     kind = "fake"
+    sharing = "ipc"
+    sharing_note = ""
 
-    def __init__(self, device: GpuDevice, directory: str | Path):
+    def __init__(self, device: GpuDevice, directory: str | Path | None):
         self.device = device
-        self.directory = Path(directory).absolute()
-        self.directory.mkdir(mode=0o750, parents=True, exist_ok=True)
+        self.directory = Path(directory).absolute() if directory is not None else None
+        if self.directory is not None:
+            self.directory.mkdir(mode=0o750, parents=True, exist_ok=True)
         self._lock = threading.Lock()      # alloc runs on loader threads, free on the owner loop
         self._next_id = 1
         self._allocated_bytes = 0
         self._local: dict[int, int] = {}    # allocation ptr -> address of this process's read-only mapping
 
+    def rounded(self, nbytes: int) -> int:
+        return nbytes
+
     def path(self, allocation: Allocation) -> Path:
         return Path(allocation.handle.decode())
 
-    def alloc(self, nbytes: int) -> Allocation:
+    def _reserve(self, nbytes: int) -> int:
+        """Count `nbytes` against the device, as cudaMalloc would refuse them; the new allocation's number."""
         with self._lock:
             if self._allocated_bytes + nbytes > self.device.total_bytes:
                 raise DeviceMemoryError(f"fake device {self.device.uuid}: {nbytes >> 20} MiB asked, "
                                         f"{(self.device.total_bytes - self._allocated_bytes) >> 20} MiB free")
             ptr, self._next_id = self._next_id, self._next_id + 1
             self._allocated_bytes += nbytes
+            return ptr
+
+    def _unreserve(self, nbytes: int) -> None:
+        with self._lock:
+            self._allocated_bytes -= nbytes
+
+    def alloc(self, nbytes: int) -> Allocation:
+        ptr = self._reserve(nbytes)
         path = self.directory / f"gpu{self.device.index}-{ptr}.bin"
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o640)
@@ -180,8 +217,7 @@ class FakeAllocator:
                 os.close(fd)
         except BaseException:
             path.unlink(missing_ok=True)
-            with self._lock:
-                self._allocated_bytes -= nbytes
+            self._unreserve(nbytes)
             raise
         return Allocation(ptr, nbytes, str(path).encode())
 
@@ -191,8 +227,7 @@ class FakeAllocator:
         if local is not None:
             _munmap(local, allocation.nbytes)
         self.path(allocation).unlink(missing_ok=True)
-        with self._lock:
-            self._allocated_bytes -= allocation.nbytes
+        self._unreserve(allocation.nbytes)
 
     def local_address(self, allocation: Allocation) -> int:
         """The allocation's bytes in this (the daemon's) process: a read-only mapping of its file, made once
@@ -209,19 +244,11 @@ class FakeAllocator:
 
     def copy_in(self, allocation: Allocation, copies: list, host_files: list[str]) -> tuple[int, float]:
         t0 = time.perf_counter()
-        copied = 0
         dst_fd = os.open(self.path(allocation), os.O_WRONLY)
-        src_fds: dict[int, int] = {}
         try:
-            for index, src_off, dst_off, nbytes in copies:
-                _check_range(allocation, dst_off, nbytes)
-                if index not in src_fds:
-                    src_fds[index] = os.open(host_files[index], os.O_RDONLY)
-                copy_range(src_fds[index], dst_fd, src_off, dst_off, nbytes)
-                copied += nbytes
+            copied = _copy_from_host(allocation, copies, host_files, lambda src_fd, src_off, dst_off, nbytes:
+                                     copy_range(src_fd, dst_fd, src_off, dst_off, nbytes))
         finally:
-            for fd in src_fds.values():
-                os.close(fd)
             os.close(dst_fd)
         return copied, time.perf_counter() - t0
 
@@ -241,6 +268,79 @@ class FakeAllocator:
             pass
 
 
+class FakeVmmAllocator(FakeAllocator):
+    """`fake_gpus` under gpu_sharing = "vmm-read-only": the plumbing of CUDA's VMM sharing, for real, without a GPU.
+
+    Each allocation is a memfd, as cuMemCreate's is physical memory with no name: the daemon maps it
+    writable (its copies go through that mapping, as CudaVmmAllocator's through its read-write mapping),
+    then seals it against any new writable mapping (F_SEAL_FUTURE_WRITE), and its descriptor is what
+    clients get, over the lane (SCM_RIGHTS), to map read-only: a client's write faults. The memory goes
+    once the daemon has closed the descriptor (free) and the last mapping of it, in any process, is gone.
+    Unlike CUDA's, the seal also stops a client that maps the descriptor writable on purpose (CUDA lets
+    an importer ask for read-write access: there read-only guards against mistakes, not against a client).
+    """
+
+    kind = "fake-vmm"
+    sharing = "vmm-read-only"
+
+    def __init__(self, device: GpuDevice):
+        super().__init__(device, None)
+        self._nonce = os.urandom(16)
+
+    def rounded(self, nbytes: int) -> int:
+        """Whole pages, as a mapping takes them (CUDA's granularity plays the same part)."""
+        return -(-max(nbytes, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
+
+    def alloc(self, nbytes: int) -> Allocation:
+        nbytes = self.rounded(nbytes)
+        number = self._reserve(nbytes)
+        fd, addr = -1, None
+        try:
+            fd = os.memfd_create(f"modelcache-gpu{self.device.index}-{number}",
+                                 os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            os.ftruncate(fd, nbytes)
+            addr = _mmap(fd, nbytes, 0, mmap.PROT_READ | mmap.PROT_WRITE)   # the daemon's, the only writable one
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE
+                        | fcntl.F_SEAL_SEAL)
+        except BaseException:
+            if addr is not None:
+                _munmap(addr, nbytes)
+            if fd >= 0:
+                os.close(fd)
+            self._unreserve(nbytes)
+            raise
+        with self._lock:
+            self._local[number] = addr
+        return Allocation(number, nbytes, vmm_token(self._nonce, number, nbytes), fd)
+
+    def free(self, allocation: Allocation) -> None:
+        with self._lock:
+            addr = self._local.pop(allocation.ptr, None)
+        if addr is not None:
+            _munmap(addr, allocation.nbytes)
+        os.close(allocation.fd)                 # clients' mappings keep the pages until they go
+        self._unreserve(allocation.nbytes)
+
+    def local_address(self, allocation: Allocation) -> int:
+        """The daemon's writable mapping, made at alloc (its own GPU workers read it)."""
+        with self._lock:
+            return self._local[allocation.ptr]
+
+    def copy_in(self, allocation: Allocation, copies: list, host_files: list[str]) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        base = self.local_address(allocation)        # through the daemon's writable mapping
+        copied = _copy_from_host(allocation, copies, host_files, lambda src_fd, src_off, dst_off, nbytes:
+                                 _pread_into(src_fd, base + dst_off, nbytes, src_off))
+        return copied, time.perf_counter() - t0
+
+    def copy_out(self, allocation: Allocation, offset: int, nbytes: int) -> bytes:
+        _check_range(allocation, offset, nbytes)
+        return ctypes.string_at(self.local_address(allocation) + offset, nbytes)
+
+    def close(self) -> None:
+        pass
+
+
 class CudaAllocator:
     """Device memory from cudaMalloc (cupy's runtime API, not its memory pool, which would hide frees).
 
@@ -252,6 +352,7 @@ class CudaAllocator:
     """
 
     kind = "cuda"
+    sharing = "ipc"
     STAGING_BUFFERS = 4
     STAGING_BYTES = 64 << 20
 
@@ -263,6 +364,10 @@ class CudaAllocator:
         self._register_read_only: bool | None = None   # None until asked of the device
         self._staging: list | None = None              # [(pinned ptr, event)], made on first need
         self._staging_lock = threading.Lock()          # one copy at a time may use the ring
+        self.sharing_note = ""                         # why VMM sharing was asked for and refused (allocator_for)
+
+    def rounded(self, nbytes: int) -> int:
+        return nbytes
 
     def _use_device(self) -> None:
         # The current device is per thread: every thread that calls CUDA sets it first.
@@ -429,11 +534,127 @@ class CudaAllocator:
                 self._staging = None
 
 
-def allocator_for(device: GpuDevice, fake_dir: str | Path) -> DeviceAllocator:
-    """The allocator a device needs: files under `fake_dir` for a `fake_devices` one, CUDA otherwise."""
+class CudaVmmAllocator(CudaAllocator):
+    """Device memory from CUDA's virtual memory API, shared read-only: gpu_sharing = "vmm-read-only".
+
+    alloc: cuMemCreate (a POSIX-fd exportable allocation, its size rounded up to the device's granularity)
+    -> mapped read-write at addresses of the daemon's own (cuMemAddressReserve, cuMemMap, cuMemSetAccess)
+    -> cuMemExportToShareableHandle: one descriptor, kept until free and sent to each client, who maps
+    it read-only. Copies in and out run through the daemon's mapping with the runtime's calls, as
+    CudaAllocator's do. free: close the descriptor, unmap, cuMemRelease: the memory returns once every
+    client's mapping is gone too. Construction asks the device (both attributes) and exports one granule:
+    a driver that refuses raises DeviceError here, at start, and `allocator_for` falls back to IPC.
+    """
+
+    kind = "cuda-vmm"
+    sharing = "vmm-read-only"
+
+    def __init__(self, device: GpuDevice, runtime=None, driver=None):
+        super().__init__(device, runtime)
+        if driver is None:
+            from ..cuda import cuda_driver
+            driver = cuda_driver()
+        self._drv = driver
+        for attribute, what in ((CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, "virtual memory management"),
+                                (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                                 "POSIX file descriptor handles")):
+            if not driver.attribute(attribute, device.index):
+                raise DeviceError(f"GPU {device.index} ({device.uuid}) does not support {what} "
+                                  f"(cuDeviceGetAttribute({attribute}) = 0)")
+        self.granularity = driver.granularity(device.index)
+        self._nonce = os.urandom(16)
+        self._lock = threading.Lock()
+        self._next = 1
+        self._handles: dict[int, int] = {}   # daemon address -> the allocation's handle (cuMemRelease at free)
+        handle = driver.create(self.granularity, device.index)   # the probe: can this driver export at all?
+        try:
+            os.close(driver.export_fd(handle))
+        finally:
+            driver.release(handle)
+
+    def rounded(self, nbytes: int) -> int:
+        return -(-max(nbytes, 1) // self.granularity) * self.granularity
+
+    def alloc(self, nbytes: int) -> Allocation:
+        nbytes = self.rounded(nbytes)
+        drv, index = self._drv, self.device.index
+        self._use_device()       # the runtime's context: copy_in follows on this thread
+        try:
+            handle = drv.create(nbytes, index)
+        except DeviceError as e:
+            if getattr(e, "status", None) == CUDA_ERROR_MEMORY_ALLOCATION:
+                raise DeviceMemoryError(f"device {self.device.uuid}: cuMemCreate of {nbytes >> 20} MiB failed: "
+                                        f"{e}") from e
+            raise
+        try:
+            va = drv.map(handle, nbytes, index, read_only=False)
+            try:
+                fd = drv.export_fd(handle)
+            except BaseException:
+                drv.unmap(va, nbytes)
+                raise
+        except BaseException:
+            drv.release(handle)
+            raise
+        with self._lock:
+            number, self._next = self._next, self._next + 1
+            self._handles[va] = handle
+        return Allocation(va, nbytes, vmm_token(self._nonce, number, nbytes), fd)
+
+    def free(self, allocation: Allocation) -> None:
+        """Close the exported descriptor, unmap and release. Errors are logged, not raised (see CudaAllocator.free)."""
+        with self._lock:
+            handle = self._handles.pop(allocation.ptr, None)
+        try:
+            os.close(allocation.fd)
+        except OSError as e:
+            log.error("device %s: closing an exported allocation's descriptor failed: %s", self.device.uuid, e)
+        try:
+            self._drv.unmap(allocation.ptr, allocation.nbytes)
+            if handle is not None:
+                self._drv.release(handle)
+        except Exception as e:   # DeviceError
+            log.error("device %s: freeing %d MiB of VMM memory failed, it is lost until the daemon restarts: %s",
+                      self.device.uuid, allocation.nbytes >> 20, e)
+
+
+def allocator_for(device: GpuDevice, fake_dir: str | Path, sharing: str = "ipc", runtime=None,
+                  driver=None) -> DeviceAllocator:
+    """The allocator a device needs: files under `fake_dir` (a memfd each, with "vmm-read-only") for a `fake_devices`
+    one, CUDA otherwise. Where the driver refuses "vmm-read-only", legacy CUDA IPC, with a warning and the reason
+    in `sharing_note` (status shows it)."""
+    if sharing not in SHARING_MODES:
+        raise ValueError(f"gpu_sharing must be one of {', '.join(SHARING_MODES)}, not {sharing!r}")
     if device.uuid.startswith("fake-"):
-        return FakeAllocator(device, fake_dir)
-    return CudaAllocator(device)
+        return FakeVmmAllocator(device) if sharing == "vmm-read-only" else FakeAllocator(device, fake_dir)
+    if sharing == "vmm-read-only":
+        try:
+            return CudaVmmAllocator(device, runtime, driver)
+        except DeviceError as e:
+            allocator = CudaAllocator(device, runtime)
+            allocator.sharing_note = f"vmm-read-only refused by the driver: {e}"
+            log.warning("GPU %d (%s): gpu_sharing = vmm-read-only refused by the driver, so clients map its "
+                        "weights read-write by legacy CUDA IPC: %s", device.index, device.uuid, e)
+            return allocator
+    return CudaAllocator(device, runtime)
+
+
+def _copy_from_host(allocation: Allocation, copies: list, host_files: list[str], copy) -> int:
+    """Each of `copies` by copy(source fd, source offset, allocation offset, nbytes), every host segment opened
+    once; the bytes copied."""
+    src_fds: dict[int, int] = {}
+    copied = 0
+    try:
+        for index, src_off, dst_off, nbytes in copies:
+            _check_range(allocation, dst_off, nbytes)
+            if index not in src_fds:
+                src_fds[index] = os.open(host_files[index], os.O_RDONLY)
+            copy(src_fds[index], src_off, dst_off, nbytes)
+            copied += nbytes
+    finally:
+        for fd in src_fds.values():
+            os.close(fd)
+    return copied
 
 
 def _check_range(allocation: Allocation, offset: int, nbytes: int) -> None:
@@ -461,10 +682,14 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 def _mmap_read_only(fd: int, length: int, offset: int) -> int:
     # Through libc, not Python's mmap: cudaHostRegister needs the address, and a
     # read-only Python mmap gives none without a writable buffer.
-    addr = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
+    return _mmap(fd, length, offset, mmap.PROT_READ)
+
+
+def _mmap(fd: int, length: int, offset: int, prot: int) -> int:
+    addr = _libc.mmap(None, length, prot, mmap.MAP_SHARED, fd, offset)
     if addr in (None, _MAP_FAILED):
         err = ctypes.get_errno()
-        raise OSError(err, f"mmap of a host segment failed: {os.strerror(err)}")
+        raise OSError(err, f"mmap failed: {os.strerror(err)}")
     return addr
 
 
@@ -566,6 +791,7 @@ class DeviceTier:
                 locations[t.name] = (arena, offset)
                 offset += t.nbytes
         if copies:
+            offset = self.allocator.rounded(offset)   # what the allocation will take on the device
             self.arenas[arena] = Arena(arena, self._next_arena, offset, {key})   # reserved from now on
             self._next_arena += 1
         else:
@@ -653,11 +879,19 @@ class DeviceTier:
     def export(self, key: str) -> tuple[list[bytes], list[list]]:
         """(handles of the arenas the model uses, [name, dtype, shape, handle index, offset, nbytes] per tensor)."""
         locations = self.models[key]
-        arenas = sorted({name for name, _ in locations.values()}, key=lambda name: self.arenas[name].seq)
+        arenas = self._arenas_of(key)
         slot = {name: i for i, name in enumerate(arenas)}
         tensors = [[t.name, t.dtype, t.shape, slot[locations[t.name][0]], locations[t.name][1], t.nbytes]
                    for t in self._tensors[key]]
         return [self.arenas[name].allocation.handle for name in arenas], tensors
+
+    def export_fds(self, key: str) -> list[int]:
+        """The descriptors of the arenas the model uses, in `export`'s handle order (fd-shared kinds; -1 for others).
+        Still the allocator's: a sender passes copies (SCM_RIGHTS) and closes nothing."""
+        return [self.arenas[name].allocation.fd for name in self._arenas_of(key)]
+
+    def _arenas_of(self, key: str) -> list[str]:
+        return sorted({name for name, _ in self.models[key].values()}, key=lambda name: self.arenas[name].seq)
 
     def local_tensors(self, key: str, names=None) -> list[list]:
         """[name, dtype, shape, address, nbytes] per tensor of a resident model (those in `names`, when given),
