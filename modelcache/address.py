@@ -150,6 +150,23 @@ def listen_tcp(host: str, port: int, setting: str):
     """A listening TCP socket on host:port, or a ConfigError naming `setting` (the flag or setting that
     asked for the port) and what to do. The daemon binds its HTTP ports itself, before it creates its host
     tier, so a port it cannot have fails its start with one line and leaves nothing behind."""
+    sock = _bound_tcp(host, port, setting, reuse_port=False)
+    try:
+        sock.listen(1024)
+    except OSError as e:
+        sock.close()
+        raise bind_error(e, host, port, setting) from None
+    return sock
+
+
+def reserve_tcp(host: str, port: int, setting: str):
+    """host:port bound with SO_REUSEPORT and not listening: the port is held for a child that binds it beside
+    this socket with SO_REUSEPORT too (the gRPC front: daemon/children.py); no connection is queued here.
+    A ConfigError naming `setting` as listen_tcp's."""
+    return _bound_tcp(host, port, setting, reuse_port=True)
+
+
+def _bound_tcp(host: str, port: int, setting: str, reuse_port: bool):
     import socket
 
     try:
@@ -160,8 +177,9 @@ def listen_tcp(host: str, port: int, setting: str):
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # (TIME_WAIT of a previous run is no reason)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(sockaddr)
-        sock.listen(1024)
     except OSError as e:
         sock.close()
         raise bind_error(e, host, port, setting) from None

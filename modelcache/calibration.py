@@ -155,3 +155,37 @@ def request_overhead(profile: dict | None) -> float:
     if not profile or not profile.get("request_s"):
         return 0.0
     return max(0.0, profile["request_s"][0] - sum(profile["stage_s"][0]))
+
+
+# -- a model's own batching policy, as its source declared it (a Triton config.pbtxt) ------------
+
+SERVING_POLICIES = ("serial", "dynamic")   # what a model's own configuration can ask for
+SERVING_MAX_BATCH = 1 << 16
+_SERVING_FIELDS = {"policy", "max_batch", "max_queue_delay_ms", "preferred_batch_sizes", "device"}
+
+
+def check_serving(serving: dict) -> None:
+    """Refuse anything but a model's batching policy as `modelcache import-triton` stores it (its manifest's
+    `serving`): {"policy": "serial" or "dynamic", "max_batch": the largest request and batch (0: no limit),
+    "max_queue_delay_ms", "preferred_batch_sizes", "device": "cpu" to keep it off GPU workers}, each field
+    optional. ValueError says which field is wrong."""
+    if not isinstance(serving, dict):
+        raise ValueError("a model's serving policy is a map of its fields")
+    unknown = sorted(set(serving) - _SERVING_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown field {unknown[0]!r} in a model's serving policy; known: "
+                         f"{', '.join(sorted(_SERVING_FIELDS))}")
+    if serving.get("policy", "serial") not in SERVING_POLICIES:
+        raise ValueError(f"a model's serving policy must be one of {', '.join(SERVING_POLICIES)}")
+    max_batch = serving.get("max_batch", 0)
+    if type(max_batch) is not int or not 0 <= max_batch <= SERVING_MAX_BATCH:
+        raise ValueError(f"max_batch must be a whole number from 0 (no limit) to {SERVING_MAX_BATCH}")
+    delay = serving.get("max_queue_delay_ms", 0.0)
+    if not _number(delay) or not 0 <= delay <= 3.6e6:
+        raise ValueError("max_queue_delay_ms must be a number of milliseconds from 0 to an hour")
+    sizes = serving.get("preferred_batch_sizes", [])
+    if not isinstance(sizes, list) or len(sizes) > 64 or not all(type(b) is int and 1 <= b <= SERVING_MAX_BATCH
+                                                                 for b in sizes):
+        raise ValueError("preferred_batch_sizes must be a list of at most 64 batch sizes >= 1")
+    if serving.get("device", "cpu") != "cpu":
+        raise ValueError("a model's serving device may only be \"cpu\" (its Triton instance_group KIND_CPU)")

@@ -43,34 +43,57 @@ def cmd_daemon(args) -> int:
     return 0
 
 
-def cmd_http(args) -> int:
+FRONT_PORTS = {"http": 8000, "grpc": 8001}   # Triton's defaults, so both fronts run side by side
+
+
+def cmd_front(args) -> int:
+    """`modelcache http` and `modelcache grpc`: one protocol front in front of the daemon."""
+    import importlib
     import socket
 
-    from .address import check_can_connect, check_listening, listen_tcp
-    try:
-        from .http.server import run
-    except ImportError as e:   # aiohttp is the [http] extra
-        raise ModelCacheError(f"the HTTP front needs the [http] extra (pip install 'modelcache[http]'): {e}") from None
+    from .address import check_can_connect, check_listening, listen_tcp, reserve_tcp
+    kind = args.cmd
+    try:   # aiohttp is the [http] extra, grpcio the [grpc] one
+        run = importlib.import_module(f"modelcache.{kind}.server").run
+    except ImportError as e:
+        raise ModelCacheError(f"the {kind} front needs the [{kind}] extra (pip install 'modelcache[{kind}]'): {e}") \
+            from None
     settings = _settings(args)
     _setup_logging(settings.log_level)
-    host = args.host or settings.http_host
-    port = args.port if args.port is not None else (settings.http_port or 8000)
-    # Bound here, before serving: a port we cannot have is one line naming where it was asked for. The
-    # daemon binds its front's port itself and hands it over (--listen-fd; see daemon/http_front.py).
-    sock = socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else \
-        listen_tcp(host, port, f"--port {port}" if args.port is not None else
-                   f"http_port {port}" if settings.http_port else f"the default port {port}")
-    if args.listen_fd is None and settings.socket.startswith("ipc://"):
+    host = args.host or getattr(settings, f"{kind}_host")
+    port = args.port if args.port is not None else (getattr(settings, f"{kind}_port") or FRONT_PORTS[kind])
+    where = f"--port {port}" if args.port is not None else \
+        f"{kind}_port {port}" if getattr(settings, f"{kind}_port") else f"the default port {port}"
+    # Bound here, before serving: a port we cannot have is one line naming where it was asked for. The daemon
+    # binds its HTTP front's port itself and hands it over (--listen-fd); grpc binds only what it listens on, so
+    # its port is held here bound, beside it (SO_REUSEPORT: see daemon/children.py, which holds it too).
+    if kind == "grpc":
+        sock = reserve_tcp(host, port, where)
+    else:
+        sock = socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else listen_tcp(host, port, where)
+    if not args.daemons and settings.socket.startswith("ipc://"):
         # A front with no daemon behind it would answer every request 503: refuse to start instead (the
-        # daemon's own front, --listen-fd, starts once the daemon listens). Once up, it rides out restarts.
+        # daemon's own front starts once the daemon listens). Once up, it rides out restarts.
         check_can_connect(settings.socket[len("ipc://"):], settings.socket)
         check_listening(settings.socket[len("ipc://"):], settings.socket)
 
     def ready(url):
         print(f"READY {url}", flush=True)   # as the daemon's: tests and scripts wait on it
 
-    run(settings, host, port, on_ready=ready, sock=sock)
+    if kind == "grpc":
+        run(settings, host, sock.getsockname()[1], on_ready=ready, reserved=sock)
+    else:
+        run(settings, host, port, on_ready=ready, sock=sock)
     return 0
+
+
+def cmd_import_triton(args) -> int:
+    from .triton_repo.importer import import_repository
+    settings = _settings(args)
+    _setup_logging(settings.log_level)
+    report = import_repository(args.source, settings, only=args.model, dry_run=args.dry_run,
+                               out=lambda line: print(line, flush=True))
+    return 1 if report.failed else 0
 
 
 def _count(n: int, noun: str, nouns: str = "") -> str:
@@ -506,6 +529,7 @@ BENCHMARKS = {
     "executor": "serve mode: overhead over in-process ORT, throughput per worker layout and scheduler",
     "serve": "batching policies under open-loop Poisson load: latency and the highest sustainable rate",
     "http": "what the Open Inference Protocol (v2 HTTP) front adds over the serve lane",
+    "grpc": "Triton's gRPC front vs a KServe gRPC server and our HTTP front, with tritonclient's closed-loop load",
     "placement": "the searched placement plan against the baselines, per model and system description",
     "conformance": "ONNX's backend test models: what plain ORT runs, modelcache adds and runs, same outputs",
     "fuzz": "malformed messages on both sockets of a running daemon: it answers and stays up",
@@ -553,7 +577,6 @@ def build_parser() -> argparse.ArgumentParser:
     from .reservations import LOCK_SAY_EVERY_S, LOCK_WAIT_S
     # The settings each kind of command reads (set_defaults(uses=...)); the others keep their defaults unread, so
     # that a daemon-only setting that is wrong in the config file never breaks a command that asks the daemon.
-    http_settings = CLIENT_SETTINGS + ("log_level", "http_host", "http_port", "max_message_size")
     add_settings = CLIENT_SETTINGS + ("repository", "opt_level", "prepack")
     place_settings = CLIENT_SETTINGS + ("repository", "workers", "gpus")
     p = Parser(
@@ -599,17 +622,38 @@ def build_parser() -> argparse.ArgumentParser:
                         "verified on a GPU; where the driver refuses it, ipc, as status says)")
     d.set_defaults(func=cmd_daemon, uses=None)
 
-    h = sub.add_parser("http", parents=[asks], help="serve the Open Inference Protocol (KServe v2 REST) "
-                                                      "in front of the daemon",
-                       description="HTTP/REST v2 endpoints (health, metadata, infer with JSON or binary "
-                                   "tensors, the model-repository extension) for Triton and KServe clients; "
-                                   "requests go to the daemon's serve mode over its lane. Prints 'READY <url>' "
-                                   "once listening; SIGTERM stops it after in-flight requests.")
-    h.add_argument("--host", help="address to listen on (default: http_host, 127.0.0.1)")
-    h.add_argument("--port", type=_port_arg, help="port (default: http_port if set, else 8000; 0 picks a free one)")
-    h.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    h.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)   # the daemon's bound port (http_front.py)
-    h.set_defaults(func=cmd_http, uses=http_settings)
+    fronts = {"http": ("serve the Open Inference Protocol (KServe v2 REST) in front of the daemon",
+                       "HTTP/REST v2 endpoints (health, metadata, infer with JSON or binary tensors, the model-repository "
+                       "extension) for Triton and KServe clients"),
+              "grpc": ("serve Triton's gRPC protocol (tritonclient.grpc, KServe v2 gRPC) in front of the daemon",
+                       "Triton's inference.GRPCInferenceService (health, metadata, config, statistics, repository, "
+                       "infer and stream infer) and grpc.health.v1 for Triton and KServe gRPC clients")}
+    for kind, (summary, what) in fronts.items():
+        h = sub.add_parser(kind, parents=[asks], help=summary,
+                           description=f"{what}; requests go to the daemon's serve mode over its lane. Prints "
+                                       "'READY <address>' once listening; SIGTERM stops it after in-flight requests.")
+        h.add_argument("--host", help=f"address to listen on (default: {kind}_host, 127.0.0.1)")
+        h.add_argument("--port", type=_port_arg, help=f"port (default: {kind}_port if set, else {FRONT_PORTS[kind]}; "
+                                                      "0 picks a free one)")
+        h.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+        # the daemon's own front (daemon/children.py): started once the daemon listens; the port it hands over
+        h.add_argument("--daemons", action="store_true", help=argparse.SUPPRESS)
+        h.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
+        h.set_defaults(func=cmd_front, uses=CLIENT_SETTINGS + ("log_level", f"{kind}_host", f"{kind}_port",
+                                                               "max_message_size"))
+    it = sub.add_parser("import-triton", parents=[common], help="add the ONNX models of a Triton model repository",
+                        description="Read a Triton model repository (MODEL/config.pbtxt, MODEL/VERSION/model.onnx) and "
+                                    "add each ONNX model version its version_policy serves, with its configuration: "
+                                    "max_batch_size and dynamic_batching become its batching, and the fronts answer "
+                                    "ModelConfig with it. A version already imported unchanged is skipped; other "
+                                    "backends are skipped with one line each; fields not honoured are listed. Goes "
+                                    "through the daemon when one runs, else writes the repository directly. Exit "
+                                    "status 1 when a model could not be imported.")
+    it.add_argument("source", metavar="REPO", help="the Triton model repository (a directory of model directories)")
+    it.add_argument("--model", action="append", help="import only this model (repeat for more)")
+    it.add_argument("--dry-run", action="store_true", help="check and say what would be imported; add nothing")
+    it.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    it.set_defaults(func=cmd_import_triton, uses=CLIENT_SETTINGS + ("repository", "opt_level", "prepack", "log_level"))
 
     a = sub.add_parser("add", parents=[common], help="validate, optimize and pack an .onnx file",
                        description="Validate an .onnx file (onnx checker, ONNX Runtime builds it), optimize "

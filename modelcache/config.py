@@ -63,6 +63,9 @@ class Settings:
     metrics_host: str = "127.0.0.1"    # where /metrics listens
     http_port: int = 0                 # the daemon starts the v2 HTTP front (`modelcache http`) on this port; 0 = off
     http_host: str = "127.0.0.1"       # where the v2 HTTP front listens: loopback unless set
+    grpc_port: int = 0                 # the daemon starts Triton's gRPC front (`modelcache grpc`) on this port; 0 = off
+    grpc_host: str = "127.0.0.1"       # where the gRPC front listens: loopback unless set
+    triton_repository: str = ""        # a Triton model repository the daemon imports at start (`modelcache import-triton`)
     max_message_size: str = "64M"      # largest request a client may send (ZeroMQ or lane); big tensors go in shm files
     max_clients: int = 1024            # hellos beyond this are refused (each client costs the daemon ~3 descriptors)
     keep_host_tier: bool = False       # a clean stop leaves the host tier for the next daemon to re-adopt (a crash always does)
@@ -336,6 +339,7 @@ RULES = {
     "max_batch": number(int, 0), "t_opt_ms": _non_negative, "batch_window_ms": _non_negative,
     "max_queue_delay_ms": _non_negative, "inline_run_ms": _non_negative, "state_dir": _directory(False),
     "metrics_port": _port, "metrics_host": _nonempty, "http_port": _port, "http_host": _nonempty,
+    "grpc_port": _port, "grpc_host": _nonempty, "triton_repository": _directory(True),
     "max_message_size": _message_size, "max_clients": number(int, 1), "keep_host_tier": _bool,
     "verify_promotion": _bool, "admin_group": _text,
 }

@@ -93,6 +93,8 @@ class Manifest:
     owner_uid: int = -1          # who added it (the kernel's uid of the adding client); -1: unknown, admins only
     prepacked: list = field(default_factory=list)  # per weight, its MatMul blobs in PREPACKED_FILE (prepack.py)
     prepacked_for: str = ""      # prepack.cpu_fingerprint() of the machine that made them
+    serving: dict = field(default_factory=dict)  # its own batching policy (calibration.check_serving): from a Triton config
+    model_config: dict = field(default_factory=dict)  # the Triton model configuration it was imported with (JSON)
 
     def to_json(self) -> str:
         """The manifest as stored, its checksum recomputed: every writer goes through here."""

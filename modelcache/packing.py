@@ -225,6 +225,17 @@ def _point_external(t: TensorProto, location: str, offset: int, nbytes: int) -> 
         t.external_data.add(key=k, value=v)
 
 
+def model_io(src: str) -> tuple[list[IOEntry], list[IOEntry]]:
+    """A model file's inputs (those a caller feeds) and outputs, as its manifest will list them; PackError
+    when the file is no ONNX model (what `pack` would refuse first)."""
+    try:
+        model = onnx.load(src, load_external_data=False)
+    except Exception as e:  # protobuf DecodeError, a truncated file...
+        raise PackError(f"{src} is not a valid ONNX model: {str(e).strip()[:200] or type(e).__name__}") from None
+    fed = source_inputs(model)
+    return _io_entries(v for v in model.graph.input if v.name in fed), _io_entries(model.graph.output)
+
+
 def source_inputs(model: onnx.ModelProto) -> set[str]:
     """The names of the graph inputs a caller must feed: those without an initializer (a default)."""
     init_names = {t.name for t in model.graph.initializer}
@@ -441,12 +452,14 @@ def _write_gpu_skeleton(gpu: _GpuGraph, model_dir: Path, cpu_tensors: list[Tenso
 
 def pack(src: str, repository: Path, name: str, version: int | None, opt_level: str = "all",
          progress: Progress | None = None, owner_uid: int = -1, keep_half_weights: bool = True,
-         with_prepacked: bool = False) -> Manifest:
+         with_prepacked: bool = False, declared: dict | None = None) -> Manifest:
     """Validate, optimize and pack `src` into `repository/name/version`, atomically; `version`
     None takes the next free one, even with other processes adding the same name at once.
     `keep_half_weights` False lets ORT widen fp16 weights to fp32 as it did before (for benchmarks).
     `with_prepacked` also stores MLAS's packed MatMul weights for clients to share, where the model's
     MatMul weights make it worth it (prepack.py; the `prepack` setting, `add --prepack`).
+    `declared`: what the model's source declares beside the file, stored in the manifest as given:
+    {"serving": its batching policy, "model_config": its Triton configuration} (`modelcache import-triton`).
 
     A crash at any point leaves at most a `.tmp-*` directory that the next sweep removes
     (modelcache/reservations.py); the model appears under its name only through the final rename.
@@ -504,7 +517,8 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
             tensors=tensors, weights_bytes=weights_bytes, source_sha256=_sha256_file(src),
             ort_version=ort.__version__, opt_level=opt_level, created_unix=time.time(),
             gpu_skeleton=GPU_SKELETON_FILE, gpu_opt_level=gpu.opt_level, gpu_tensors=gpu_tensors,
-            owner_uid=owner_uid)
+            owner_uid=owner_uid, serving=dict((declared or {}).get("serving") or {}),
+            model_config=dict((declared or {}).get("model_config") or {}))
         write_gpu_stub(tmp, manifest)
         check_gpu_skeleton(tmp, manifest)
         if with_prepacked:
@@ -608,18 +622,20 @@ def check_name(name: str) -> None:
 
 def pack_in_subprocess(src: str, repository: Path, name: str, version: int, opt_level: str = "all",
                        progress: Progress | None = None, on_start=None, sources: tuple = ((), ()),
-                       owner_uid: int = -1, with_prepacked: bool = False) -> Manifest:
+                       owner_uid: int = -1, with_prepacked: bool = False, declared: dict | None = None) -> Manifest:
     """`pack` in a child process: ORT's memory goes back to the OS when it exits, and a model that
     crashes ORT costs that child, not the caller (the daemon). `on_start(proc)` lets the caller kill it.
 
     sources: (descriptors, names) of the model's files as the client opened them (modelcache/sources.py);
     the child copies them into a private directory and packs that copy: `src` then only names them."""
+    import json
     import subprocess
     import sys
 
     fds, names = sources
     cmd = [sys.executable, "-m", "modelcache.packing", src, str(repository), name, str(version), opt_level,
-           str(owner_uid), "prepack" if with_prepacked else "-", *(f"{fd}:{n}" for fd, n in zip(fds, names))]
+           str(owner_uid), "prepack" if with_prepacked else "-", json.dumps(declared or {}),
+           *(f"{fd}:{n}" for fd, n in zip(fds, names))]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, pass_fds=list(fds))
     if on_start:
         on_start(proc)
@@ -643,7 +659,8 @@ def pack_in_subprocess(src: str, repository: Path, name: str, version: int, opt_
 
 
 def _main(argv: list[str]) -> int:
-    src, repository, name, version, opt_level, owner_uid, prepack_flag, *fd_names = argv
+    import json
+    src, repository, name, version, opt_level, owner_uid, prepack_flag, declared, *fd_names = argv
     scratch = copied = None
     try:
         if fd_names:  # the client's descriptors: pack a private copy, never a path the client named
@@ -657,7 +674,7 @@ def _main(argv: list[str]) -> int:
             path = src
         pack(path, Path(repository), name, int(version), opt_level,
              progress=lambda d, t: print(f"progress {d} {t}", flush=True), owner_uid=int(owner_uid),
-             with_prepacked=prepack_flag == "prepack")
+             with_prepacked=prepack_flag == "prepack", declared=json.loads(declared))
     except (ModelCacheError, OSError) as e:  # PackError, StorageError...: the parent raises the same type
         code = e.code if isinstance(e, ModelCacheError) else PackError.code
         # Errors name the client's file, not our copy of it.

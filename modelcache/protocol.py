@@ -12,7 +12,7 @@ from typing import Any, Optional  # noqa: F401  (named in the string annotations
 
 import msgpack
 
-from .calibration import check_profile
+from .calibration import check_profile, check_serving
 from .errors import ProtocolError, RecordError
 
 PROTOCOL_VERSION = 1
@@ -388,6 +388,16 @@ class Add(Message, kind="add"):
     opt_level: Optional[str] = None
     files: list = []
     prepack: Optional[bool] = None     # None: the daemon's `prepack` setting
+    serving: dict = {}                 # the model's own batching policy (calibration.check_serving)
+    model_config: dict = {}            # the Triton model configuration it comes with (`modelcache import-triton`)
+
+    def _check_decoded(self) -> None:
+        try:
+            check_serving(self.serving)
+        except ValueError as e:
+            raise RecordError(str(e)) from None
+        if not isinstance(self.model_config, dict):
+            raise RecordError("model_config must be a map (a Triton model configuration as JSON)")
 
 
 class AddReply(Message, kind="add_ok"):
@@ -413,6 +423,8 @@ class DescribeReply(Message, kind="describe_ok"):
     outputs: list = []
     stages: list = []                  # [{file, inputs, outputs, cost_share}] when partitioned
     weights_bytes: int = 0
+    model_config: dict = {}            # the Triton configuration it was imported with ({}: added otherwise)
+    source_sha256: str = ""            # of the .onnx file it was packed from
 
 
 class SetBatching(Message, kind="set_batching"):

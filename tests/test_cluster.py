@@ -18,6 +18,10 @@ from conftest import wait_until
 pytest.importorskip("ray.serve")
 import ray  # noqa: E402
 
+# Three raylets on this machine: slow, and alone (CI runs `-m slow` in one process). `ray.init("auto")` finds
+# whichever Ray cluster is up, so two at once would meet.
+pytestmark = pytest.mark.slow
+
 from modelcache import zoo  # noqa: E402
 from modelcache.cluster import local, rayserve  # noqa: E402
 from modelcache.client.connection import connect  # noqa: E402

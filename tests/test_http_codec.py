@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("aiohttp")   # the [http] extra; the codec itself needs only numpy
 from modelcache.errors import InputError  # noqa: E402
 from modelcache.http import codec  # noqa: E402
+from modelcache.oip import types  # noqa: E402
 
 
 def binary_body(header: dict, *blobs: bytes) -> tuple[bytes, str]:
@@ -76,7 +77,7 @@ def test_response_mixes_json_and_binary_outputs():
 
 
 def test_metadata_names_and_free_dims():
-    meta = codec.tensor_metadata([{"name": "ids", "dtype": "int64", "shape": ["batch", None, 16]},
+    meta = types.tensor_metadata([{"name": "ids", "dtype": "int64", "shape": ["batch", None, 16]},
                                   {"name": "m", "dtype": "bool", "shape": []}])
     assert meta == [{"name": "ids", "datatype": "INT64", "shape": [-1, -1, 16]},
                     {"name": "m", "datatype": "BOOL", "shape": []}]
@@ -133,16 +134,16 @@ def test_binary_bool_bytes_other_than_0_or_1_are_refused():
 
 
 def test_model_config_and_stats_entries():
-    cfg = codec.model_config("m", [{"name": "s", "dtype": "object", "shape": ["n"]},
+    cfg = types.model_config("m", [{"name": "s", "dtype": "object", "shape": ["n"]},
                                    {"name": "h", "dtype": "float16", "shape": [2, None]}],
                              [{"name": "seq", "dtype": "seq(tensor(float))", "shape": []}])
     assert [(i["name"], i["data_type"], i["dims"]) for i in cfg["input"]] == [("s", "TYPE_STRING", [-1]),
                                                                               ("h", "TYPE_FP16", [2, -1])]
     assert cfg["output"][0]["data_type"] == "TYPE_INVALID" and cfg["max_batch_size"] == 0
-    idle = codec.model_stat("m", 3, None, now_ms=5000.0)
+    idle = types.model_stat("m", 3, None, now_ms=5000.0)
     assert (idle["version"], idle["last_inference"], idle["inference_stats"]["success"]) == \
         ("3", 0, {"count": 0, "ns": 0})
-    used = codec.model_stat("m", 3, {"success": 2, "success_s": 0.5, "samples": 5, "queue_s": 0.1, "run_s": 0.3,
+    used = types.model_stat("m", 3, {"success": 2, "success_s": 0.5, "samples": 5, "queue_s": 0.1, "run_s": 0.3,
                                      "failed": 1, "failed_s": 0.01, "executions": 1, "idle_s": 2.0}, now_ms=5000.0)
     s = used["inference_stats"]
     assert (used["last_inference"], used["inference_count"], used["execution_count"]) == (3000, 5, 1)

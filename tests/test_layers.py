@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "modelcache"
 # Bottom to top; an entry names a module or a whole subpackage.
 LAYERS = [
     ("foundation", ["errors", "format", "integrity", "storage", "tensors", "lane", "protocol", "cuda",
-                    "session_options", "reservations", "histogram", "calibration", "plotting", "usage"]),
+                    "session_options", "reservations", "histogram", "calibration", "plotting", "usage",
+                    "triton_protos"]),
     ("settings", ["config", "address"]),
     ("model tooling", ["packing", "prepack", "sources", "zoo"]),
     ("tiers", ["tiers", "eviction", "scrub"]),
@@ -25,7 +26,7 @@ LAYERS = [
     ("executor", ["executor"]),
     ("daemon", ["daemon"]),
     ("client", ["client"]),
-    ("fronts", ["placement", "http", "cluster", "bench", "demo"]),
+    ("fronts", ["placement", "oip", "http", "grpc", "triton_repo", "cluster", "bench", "demo"]),
     ("command line", ["cli"]),
 ]
 # Kept on purpose, each for a reason the README gives.

@@ -86,7 +86,7 @@ step_tier() {
     x with_tier "$PY" "$HERE/checks.py" run --out "$STATE/checks" --budget $((CAP_NOW - 55)) || rc=1
     files=$(gpu_test_files)
     # shellcheck disable=SC2086
-    (cd "$REPO" && x with_tier timeout -k 5 45 "$PY" -m pytest -m "gpu and not cuda_ep" -q -rs -p no:cacheprovider \
+    (cd "$REPO" && x with_tier timeout -k 5 45 "$PY" -m pytest -o addopts= -m "gpu and not cuda_ep" -q -rs -p no:cacheprovider \
         --junitxml="$STATE/junit-tier.xml" $files) || rc=1
     return $rc
 }
@@ -115,7 +115,7 @@ step_tests() {
     x rm -f "$STATE/junit-ort.xml"
     files=$(gpu_test_files)
     # shellcheck disable=SC2086
-    (cd "$REPO" && x with_ort "$PY" -m pytest -m "gpu and cuda_ep" -q -rs -p no:cacheprovider \
+    (cd "$REPO" && x with_ort "$PY" -m pytest -o addopts= -m "gpu and cuda_ep" -q -rs -p no:cacheprovider \
         --junitxml="$STATE/junit-ort.xml" $files)
 }
 

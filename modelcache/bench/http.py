@@ -186,17 +186,18 @@ def _io(path: str) -> tuple:
     return inp.name, g.output[0].name, shape
 
 
-def _start_front(env: dict, log) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "modelcache.cli", "http", "--port", "0", "--log-level", "warning"],
+def _start_front(env: dict, log, kind: str = "http") -> tuple[subprocess.Popen, str]:
+    """`modelcache http` (or grpc) on a free port: (process, host:port)."""
+    proc = subprocess.Popen([sys.executable, "-m", "modelcache.cli", kind, "--port", "0", "--log-level", "warning"],
                             env=env, stdout=subprocess.PIPE, stderr=log)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
         if select.select([proc.stdout], [], [], 0.5)[0]:
             line = proc.stdout.readline()
             if line.startswith(b"READY "):
-                return proc, line.split()[1].decode()[len("http://"):]
+                return proc, line.split()[1].decode().removeprefix("http://")
     proc.kill()
-    raise RuntimeError("modelcache http did not start")
+    raise RuntimeError(f"modelcache {kind} did not start")
 
 
 def report(res: dict, out=sys.stdout) -> None:

@@ -458,7 +458,8 @@ class HostCache:
                 manifest = pack_in_subprocess(msg.path, self.repository.root, msg.name, version, opt_level,
                                               progress, on_start=lambda p: (started.append(p), self.packers.add(p)),
                                               sources=(fds, msg.files), owner_uid=owner_uid,
-                                              with_prepacked=with_prepacked)
+                                              with_prepacked=with_prepacked,
+                                              declared={"serving": msg.serving, "model_config": msg.model_config})
             finally:
                 close_all(fds)
                 for p in started:

@@ -116,7 +116,7 @@ class Daemon:
         self.reload_requested = False
         self.notifier = Notifier()
         self.metrics: MetricsServer | None = None
-        self.http_front = None                  # daemon/http_front.py, when http_port is set
+        self.children: list = []                # daemon/children.py: the fronts (http_port, grpc_port), the import
         self.ctx = zmq.Context.instance()
         # Only an ipc:// peer has kernel credentials; a tcp:// one's Peer-Address is an IP (see identity.py).
         self.peers_have_credentials = settings.socket.startswith("ipc://")
@@ -162,9 +162,8 @@ class Daemon:
             except OSError as e:
                 raise bind_error(e, self.settings.metrics_host, self.settings.metrics_port,
                                  f"metrics_port {self.settings.metrics_port}") from None
-        if self.settings.http_port:
-            from .http_front import HttpFront
-            self.http_front = HttpFront(self.settings.socket, self.settings.http_host, self.settings.http_port)
+        from .children import daemon_children
+        self.children = daemon_children(self.settings)
         for model_dir, manifest in self.repository.scan():
             self.registry.add_model(model_dir, manifest)
         adoption = adopt_resident_models(self.cache)   # warm restart: a dead daemon's host tier, checked
@@ -298,8 +297,8 @@ class Daemon:
             self.lane.start(poller)
             self.lane.budget = self.fd_budget
         self.notifier.ready(self.status_line())
-        if self.http_front is not None:   # once the lane listens: its first request may come at once
-            self.http_front.start()
+        for child in self.children:   # once the lane listens: a front's first request may come at once
+            child.start()
         if on_ready:
             on_ready()
         next_sweep = self.clock()
@@ -352,8 +351,8 @@ class Daemon:
                     for key in self.engine.drop_idle(self.clock(), self.settings.serve_idle_s):
                         log.info("serve sessions of %s dropped after %.0f s idle", key, self.settings.serve_idle_s)
                     self.publish_metrics()
-                    if self.http_front is not None:
-                        self.http_front.check()
+                    for child in self.children:
+                        child.check()
                     next_sweep = self.clock() + min(self.settings.heartbeat_interval_s,
                                                     self.notifier.watchdog_interval_s or 1e9)
         finally:
@@ -362,8 +361,8 @@ class Daemon:
     def _cleanup(self) -> None:
         """Graceful stop: finish running loads and packs, answer everyone waiting, then remove our traces."""
         self.notifier.stopping()
-        if self.http_front is not None:   # first: the drain below answers its requests in flight
-            self.http_front.terminate()
+        for child in self.children:   # first: the drain below answers the fronts' requests in flight
+            child.terminate()
         log.info("stopping: %d clients, %d leases, %d jobs in flight", len(self.registry.clients),
                  len(self.registry.leases), len(self.jobs))
         self.cache.stop_waiting()
@@ -386,7 +385,7 @@ class Daemon:
             lambda: self.router is not None and self.router.close(linger=2000),
             lambda: self.wake_rx is not None and self.wake_rx.close(linger=0),
             lambda: self.metrics is not None and self.metrics.stop(),
-            lambda: self.http_front is not None and self.http_front.wait(),
+            *(child.wait for child in self.children),
             self._remove_socket_file,
             # Clients that still map a model keep their pages (host and GPU): freeing only drops our references.
             self.gpu.stop,
@@ -405,7 +404,7 @@ class Daemon:
     def _abort_start(self) -> None:
         """A start that failed part way (a port, a device, a full /dev/shm): undo what it did, so that nothing
         is left behind: no socket file, no host tier, no listening port, no thread keeping the process up."""
-        for close in (lambda: self.http_front and self.http_front.close(),
+        for close in (*(child.close for child in self.children),
                       lambda: self.metrics and self.metrics.httpd.server_close(),
                       lambda: self.router_events is not None and self.router_events.close(linger=0),
                       lambda: self.router is not None and self.router.close(linger=0),

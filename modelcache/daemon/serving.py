@@ -69,7 +69,8 @@ class Serving:
         return P.DescribeReply(req_id=msg.req_id, name=model.name, version=model.version, inputs=io["inputs"],
                                outputs=io["outputs"], weights_bytes=model.manifest.weights_bytes,
                                stages=[{k: e[k] for k in ("file", "inputs", "outputs", "cost_share", "workers")
-                                        if k in e} for e in model.manifest.stages])
+                                        if k in e} for e in model.manifest.stages],
+                               model_config=model.manifest.model_config, source_sha256=model.manifest.source_sha256)
 
     def on_Partition(self, ident, msg: P.Partition):
         from ..executor.partition import check_request, partition
@@ -192,6 +193,11 @@ class Serving:
         deadline = deadline_of(arrival, msg.deadline_ms)
         feeds, maps = tensors.decode(msg.inputs)
         model.feed_check.check(feeds)
+        first = next(iter(feeds.values()), None)
+        samples = first.shape[0] if getattr(first, "ndim", 0) else 1   # (a sequence or None: 1)
+        limit = model.manifest.serving.get("max_batch")
+        if limit and samples > limit:   # its configuration's max_batch_size bounds a request's rows, as Triton's
+            raise InputError(f"{model.key}: a request of {samples} rows; its max_batch_size is {limit}")
         if msg.output_names:
             outputs = [o.name for o in model.manifest.outputs]
             unknown = [n for n in msg.output_names if n not in outputs]
@@ -232,15 +238,14 @@ class Serving:
                         res.acquire()
                         held_devices.append(uuid)
                         devices[uuid] = stages
-            first = next(iter(feeds.values()), None)
-            samples = first.shape[0] if getattr(first, "ndim", 0) else 1   # (a sequence or None: 1)
             now = self.clock()   # a serve request is a call, as an open is: the timed policies count it
             for uuid in devices:
                 self.gpu.policies[uuid].accessed(model.key, now)
             self.cache.policy.accessed(model.key, now)
             self.engine.submit(ServeRequest(model.key, specs, segments, dict(feeds), msg.output_names, arrival,
                                             deadline, finish, samples=samples, batchable=batchable,
-                                            profile=model.manifest.batching or None, devices=devices))
+                                            profile=model.manifest.batching or None, devices=devices,
+                                            serving=model.manifest.serving or None))
 
         def start(error, hit):
             if error is not None:
@@ -277,8 +282,8 @@ class Serving:
 
     def _serve_tiers(self, model: ModelRecord) -> list:
         """UUIDs of the GPU tiers whose device has a serve-mode GPU worker, when the model has GPU weights."""
-        if not self.gpu.tiers or not model.manifest.gpu_tensors:
-            return []
+        if not self.gpu.tiers or not model.manifest.gpu_tensors or model.manifest.serving.get("device") == "cpu":
+            return []   # (device "cpu": its Triton instance_group asked for CPU instances only)
         return [w.device.uuid for w in self.engine.workers
                 if getattr(w, "device", None) is not None and w.device.uuid in self.gpu.tiers]
 

@@ -3,7 +3,8 @@
 Policies (LBCI, Zhao et al. 2023, and Triton's dynamic batching):
   Serial          one request at a time
   BatchWindow(m)  wait until m requests queue or the oldest has waited `window_s`: LBCI's Batchsize(m)
-  Dynamic         when a worker frees up, take up to max_batch samples; wait at most max_queue_delay_s
+  Dynamic         when a worker frees up, take up to max_batch samples, or a preferred batch size as soon as
+                  one is queued; wait at most max_queue_delay_s
   LayerToLayer    an in-flight batch absorbs queued requests at a stage boundary if every member's
                   predicted finish still meets its deadline (arrival + t_opt)
 
@@ -70,17 +71,23 @@ class BatchWindow:
 
 
 class Dynamic:
-    """Triton-style: full batch now, or whatever is queued once the oldest waited max_queue_delay_s."""
+    """Triton-style: a full batch now, or the largest preferred batch size the queue fills (whole requests
+    adding up to it exactly), else whatever is queued once the oldest waited max_queue_delay_s."""
     name = "dynamic"
 
-    def __init__(self, max_batch: int = 8, max_queue_delay_s: float = 0.0):
+    def __init__(self, max_batch: int = 8, max_queue_delay_s: float = 0.0, preferred: tuple = ()):
         self.max_batch, self.max_queue_delay_s = max_batch, max_queue_delay_s
+        self.preferred = sorted({b for b in preferred if b <= max_batch}, reverse=True)
 
     def decide(self, now, queue):
         if not queue:
             return Decision()
         if sum(p.samples for p in queue) >= self.max_batch or now - queue[0].arrival >= self.max_queue_delay_s:
             return Decision(take=_whole_requests(queue, self.max_batch))
+        for size in self.preferred:
+            take = _whole_requests(queue, size)
+            if sum(p.samples for p in queue if p.request_id in take) == size:
+                return Decision(take=take)
         return Decision(wait_until=queue[0].arrival + self.max_queue_delay_s)
 
 
@@ -146,13 +153,13 @@ class LayerToLayer:
 # -- choosing a policy ----------------------------------------------------------------------
 
 def make_batcher(policy: str, *, max_batch: int, window_s: float, max_queue_delay_s: float,
-                 predict=None, stages: int = 1, overhead_s: float = 0.0):
+                 predict=None, stages: int = 1, overhead_s: float = 0.0, preferred: tuple = ()):
     if policy == "serial":
         return Serial()
     if policy == "batch":
         return BatchWindow(m=max_batch, window_s=window_s)
     if policy == "dynamic":
-        return Dynamic(max_batch=max_batch, max_queue_delay_s=max_queue_delay_s)
+        return Dynamic(max_batch=max_batch, max_queue_delay_s=max_queue_delay_s, preferred=preferred)
     if policy == "layer":
         return LayerToLayer(predict, stages=stages, max_batch=max_batch, overhead_s=overhead_s)
     raise ValueError(f"unknown batching policy {policy!r}")

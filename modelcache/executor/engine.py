@@ -72,6 +72,7 @@ class ServeRequest:
     # device UUID -> per stage {"uuid", "skeleton", "tensors"} of the model's copy there (see StageJob.device);
     # only GPU workers of these devices may run its stages.
     devices: dict = field(default_factory=dict)
+    serving: dict | None = None  # the model's own batching policy (manifest "serving": a Triton config's), if any
 
     def pending(self, t_opt_s: float | None) -> Pending:
         """What the batching policy sees; t_opt bounds the deadline the policy protects."""
@@ -291,11 +292,19 @@ class Engine:
         batcher = self.batchers.get(req.model_key)
         if batcher is None:
             name = req.model_key.rsplit("@", 1)[0]
-            policy = self.policies.get(name, self.policies["*"]) if req.batchable else "serial"
-            max_batch = self.settings.max_batch or (req.profile or {}).get("n_opt") or DEFAULT_MAX_BATCH
+            # The `batching` setting naming the model wins; then the model's own policy (its Triton config's
+            # dynamic_batching); then the setting's default. The model's max_batch bounds every batch.
+            own = req.serving or {}
+            policy = self.policies.get(name) or own.get("policy") or self.policies["*"]
+            policy = policy if req.batchable else "serial"
+            max_batch = self.settings.max_batch or own.get("max_batch") or (req.profile or {}).get("n_opt") \
+                or DEFAULT_MAX_BATCH
+            if own.get("max_batch"):
+                max_batch = min(max_batch, own["max_batch"])
+            delay_ms = own["max_queue_delay_ms"] if "max_queue_delay_ms" in own else self.settings.max_queue_delay_ms
             batcher = self.batchers[req.model_key] = make_batcher(
                 policy, max_batch=max_batch, window_s=self.settings.batch_window_ms / 1e3,
-                max_queue_delay_s=self.settings.max_queue_delay_ms / 1e3,
+                max_queue_delay_s=delay_ms / 1e3, preferred=own.get("preferred_batch_sizes") or (),
                 predict=lambda stage, b, key=req.model_key, profile=req.profile: self._predict_batch(key, profile, stage, b),
                 stages=len(req.stages), overhead_s=request_overhead(req.profile))
         return batcher

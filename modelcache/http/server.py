@@ -8,29 +8,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 
 from aiohttp import web
 
-from .link import DaemonLink
-from .routes import LINK, MAX_BODY, SETTINGS, UNLOADED, add_routes, v2_errors
+from ..oip.lifecycle import SHUTDOWN_TIMEOUT_S, until_stopped
+from ..oip.link import DaemonLink
+from ..oip.operations import Operations
+from .routes import MAX_BODY, OPS, add_routes, v2_errors
 
 log = logging.getLogger("modelcache.http")
-SHUTDOWN_TIMEOUT_S = 8.0
 
 
 def build_app(settings) -> web.Application:
     max_body = settings.max_message_bytes()
     app = web.Application(middlewares=[v2_errors], client_max_size=max_body)
-    app[SETTINGS] = settings
     app[MAX_BODY] = max_body
-    app[UNLOADED] = set()
     add_routes(app)
 
     async def link_ctx(app):
-        app[LINK] = DaemonLink(settings.socket, settings.request_timeout_s)
+        app[OPS] = Operations(DaemonLink(settings.socket, settings.request_timeout_s, front="http"), settings)
         yield
-        await app[LINK].close()
+        await app[OPS].link.close()
 
     app.cleanup_ctx.append(link_ctx)
     return app
@@ -39,8 +37,6 @@ def build_app(settings) -> web.Application:
 async def serve(settings, host: str, port: int, on_ready=None, sock=None) -> None:
     """Serve until SIGTERM or SIGINT; `on_ready(url)` once the port accepts connections. `sock`: a listening
     socket to serve on instead of binding host:port (the CLI and the daemon bind it first: see listen_tcp)."""
-    # shutdown_timeout: in-flight requests get this long at a stop (the daemon's own drain allows 60 s,
-    # but a front under systemd must exit within the unit's stop time too)
     runner = web.AppRunner(build_app(settings), access_log=None, handle_signals=False,
                            shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
@@ -51,12 +47,8 @@ async def serve(settings, host: str, port: int, on_ready=None, sock=None) -> Non
     log.info("Open Inference Protocol (v2) on %s for the daemon at %s", url, settings.socket)
     if on_ready:
         on_ready(url)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):   # handlers only set the flag; shutdown runs here
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await until_stopped()
     finally:
         await runner.cleanup()   # in-flight requests finish, then connections close
     log.info("HTTP front stopped")

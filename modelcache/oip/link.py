@@ -1,12 +1,12 @@
-"""The HTTP front's link to the daemon: one serve-lane connection, many requests in flight.
+"""A protocol front's link to the daemon: one serve-lane connection, many requests in flight.
 
-Every v2 endpoint is a daemon message (infer, describe, list, load, evict) sent over the lane
-from the front's asyncio loop through the client's request core (client/rpc.py): replies are
-matched by request id on the core's reader thread and handed to the loop, so concurrent HTTP
+Every v2 operation (HTTP endpoint, gRPC method) is a daemon message (infer, describe, list, load, evict)
+sent over the lane from the front's asyncio loop through the client's request core (client/rpc.py):
+replies are matched by request id on the core's reader thread and handed to the loop, so concurrent
 requests reach the daemon's engine together and batch there. The connection is the client: an
 infer with client id "" makes it one on the daemon's side (no hello, no heartbeat, no ZeroMQ),
 and the daemon releases what it held when the connection closes. A lost connection fails the
-requests on it (503) and the next request connects again.
+requests on it (HTTP 503, gRPC UNAVAILABLE) and the next request connects again.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ BIG_REQUEST_BYTES = 1 << 20   # a request this big is written from a thread: the
 
 
 class DaemonLink:
-    def __init__(self, address: str, timeout_s: float):
+    def __init__(self, address: str, timeout_s: float, front: str = "http"):
         self.address = address
         self.path = lane_path(address)
+        self.client_name = f"{front}-front"   # what `modelcache status` calls this connection's client
         if self.path is None:
-            raise DaemonUnavailable(f"the HTTP front needs the daemon's local serve lane (an ipc:// socket); "
-                                    f"{address} has none: run `modelcache http` on the daemon's host")
+            raise DaemonUnavailable(f"the {front} front needs the daemon's local serve lane (an ipc:// socket); "
+                                    f"{address} has none: run `modelcache {front}` on the daemon's host")
         self.timeout_s = timeout_s
         self._channel = Channel(address, lane_connection(self.path, address), timeout_s, reader_thread=True)
 
@@ -40,7 +41,7 @@ class DaemonLink:
             loop.call_soon_threadsafe(_settle, fut, reply, error)
 
         if getattr(msg, "client_name", None) == "":   # (an Infer's) names this front's client in `status`
-            msg.client_name = "http-front"
+            msg.client_name = self.client_name
         inputs = getattr(msg, "inputs", None)
         big = isinstance(inputs, list) and sum(len(t.get("data", b"")) for t in inputs if isinstance(t, dict)) \
             > BIG_REQUEST_BYTES

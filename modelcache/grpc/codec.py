@@ -1,0 +1,123 @@
+"""gRPC infer messages <-> numpy: ModelInferRequest's raw or typed contents in, raw_output_contents out. No I/O.
+
+Inputs come either all in `raw_input_contents` (one entry per input, in order: what tritonclient sends) or
+each in its typed `contents` (fp32_contents, int64_contents, ...: a hand-written client's choice). Outputs go
+back in `raw_output_contents` only: tritonclient's as_numpy reads raw or bytes contents, and typed replies
+would reach it as empty arrays. BYTES raw data is a 4-byte little-endian length and the bytes per element.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..errors import InputError
+from ..oip.types import NUMPY_BY_V2, array_datatype, decode_bytes_elements, encode_bytes_elements
+from ..triton_protos import grpc_service_pb2 as pb
+
+# v2 datatype -> the InferTensorContents field that carries it typed (FP16 and BF16 only travel raw)
+TYPED_FIELD = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+               "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
+               "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
+               "FP64": "fp64_contents", "BYTES": "bytes_contents"}
+
+
+class InferRequest:
+    """A decoded ModelInferRequest: what the shared infer operation takes."""
+
+    __slots__ = ("name", "version", "id", "feeds", "output_names", "timeout_us")
+
+    def __init__(self, name: str, version: str, request_id: str):
+        self.name, self.version, self.id = name, version, request_id
+        self.feeds: dict = {}
+        self.output_names: list | None = None   # None: every output
+        self.timeout_us: int | None = None
+
+
+def decode_request(msg: pb.ModelInferRequest) -> InferRequest:
+    req = InferRequest(msg.model_name, msg.model_version, msg.id)
+    if not msg.model_name:
+        raise InputError("the request names no model (model_name)")
+    params = msg.parameters
+    if "timeout" in params:
+        p = params["timeout"]
+        timeout = getattr(p, p.WhichOneof("parameter_choice") or "int64_param")
+        if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 0:
+            raise InputError(f"parameter timeout {timeout!r}: give microseconds, an int64_param >= 0")
+        req.timeout_us = timeout or None
+    if not msg.inputs:
+        raise InputError("the request has no inputs")
+    raw = msg.raw_input_contents
+    if raw and len(raw) != len(msg.inputs):
+        raise InputError(f"raw_input_contents has {len(raw)} entries for {len(msg.inputs)} inputs: give one per "
+                         "input, in order, or use each input's contents")
+    for k, tensor in enumerate(msg.inputs):
+        name = tensor.name
+        if name in req.feeds:
+            raise InputError(f"input {name!r} is given twice")
+        if "shared_memory_region" in tensor.parameters:
+            raise InputError(f"input {name!r}: shared-memory inputs are not supported; send the data in the request")
+        req.feeds[name] = _decode_input(tensor, raw[k] if raw else None)
+    if msg.outputs:
+        req.output_names = []
+        for o in msg.outputs:
+            if "classification" in o.parameters:
+                raise InputError("the classification extension is not supported; ask for the raw output")
+            if "shared_memory_region" in o.parameters:
+                raise InputError(f"output {o.name!r}: shared-memory outputs are not supported")
+            req.output_names.append(o.name)
+    return req
+
+
+def _decode_input(tensor, raw: bytes | None) -> np.ndarray:
+    name, datatype, shape = tensor.name, tensor.datatype, list(tensor.shape)
+    dtype = NUMPY_BY_V2.get(datatype)
+    if dtype is None:
+        raise InputError(f"input {name!r}: datatype {datatype!r} is not one of {', '.join(NUMPY_BY_V2)}")
+    if any(d < 0 for d in shape):
+        raise InputError(f"input {name!r}: shape {shape} has a negative dim")
+    count = math.prod(shape)
+    if raw is not None:
+        if tensor.HasField("contents"):
+            raise InputError(f"input {name!r} has both contents and raw_input_contents")
+        if dtype.kind == "O":
+            return decode_bytes_elements(memoryview(raw), count, name).reshape(shape)
+        if len(raw) != count * dtype.itemsize:
+            raise InputError(f"input {name!r}: {len(raw)} bytes for {count} {datatype} elements "
+                             f"({count * dtype.itemsize} bytes)")
+        arr = np.frombuffer(raw, dtype=dtype)
+        if dtype.kind == "b" and count and np.frombuffer(raw, dtype=np.uint8).max() > 1:
+            raise InputError(f"input {name!r}: BOOL raw data must be bytes 0 or 1")
+        return arr.reshape(shape)
+    field = TYPED_FIELD.get(datatype)
+    if field is None:
+        raise InputError(f"input {name!r}: {datatype} travels only in raw_input_contents")
+    values = getattr(tensor.contents, field)
+    if len(values) != count:
+        raise InputError(f"input {name!r}: {len(values)} elements in {field} for shape {shape} ({count} elements)")
+    if dtype.kind == "O":
+        arr = np.empty(count, dtype=object)
+        arr[:] = [v.decode("utf-8", "surrogateescape") for v in values]
+        return arr.reshape(shape)
+    if dtype.kind in "iu":   # int_contents carries INT8 and INT16 as int32: refuse what the type cannot hold
+        info = np.iinfo(dtype)
+        wide = np.asarray(values, dtype=np.int64 if dtype.kind == "i" else np.uint64)
+        bad = np.flatnonzero((wide < info.min) | (wide > info.max))
+        if bad.size:
+            raise InputError(f"input {name!r}: {datatype} data must be within [{info.min}, {info.max}]; "
+                             f"element {int(bad[0])} is {int(wide[bad[0]])}")
+    return np.asarray(values, dtype=dtype).reshape(shape)
+
+
+def encode_response(req: InferRequest, version: int | None, outputs: dict) -> pb.ModelInferResponse:
+    """The reply: every output asked for (all when none was), raw."""
+    order = req.output_names if req.output_names is not None else list(outputs)
+    tensors, raw = [], []
+    for name in order:
+        a = np.asarray(outputs[name])
+        tensors.append(pb.ModelInferResponse.InferOutputTensor(name=name, datatype=array_datatype(a),
+                                                               shape=a.shape))
+        raw.append(encode_bytes_elements(a) if a.dtype.kind in "OUS" else np.ascontiguousarray(a).tobytes())
+    return pb.ModelInferResponse(model_name=req.name, model_version="" if version is None else str(version),
+                                 id=req.id, outputs=tensors, raw_output_contents=raw)

@@ -1,0 +1,166 @@
+"""Each protocol operation as daemon messages over the link, for both fronts; and every daemon error as the
+protocol's status (HTTP and gRPC).
+
+Health, server and model metadata, model readiness, infer, and Triton's extensions its clients call: model
+repository (index, load = prefetch into the host tier, unload = evict from memory), model configuration and
+statistics. A model in the repository is ready (the daemon promotes it on its first request) unless this
+front unloaded it: then it is not ready and refuses requests until it is loaded again, as Triton's explicit
+model control. Answers are plain dicts shaped as v2's JSON, whose names are also the gRPC messages' fields.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from .. import __version__, protocol as P, tensors
+from ..errors import InputError, ModelCacheError
+from . import types
+from .link import DaemonLink
+
+EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "statistics"]
+# The daemon's error codes (modelcache/errors.py) -> (HTTP status, gRPC status code name); any other code (a
+# RunError's "run") is a failure of the model or the daemon: 500, INTERNAL.
+STATUS_BY_CODE = {"not_found": (404, "NOT_FOUND"), "input": (400, "INVALID_ARGUMENT"),
+                  "protocol": (400, "INVALID_ARGUMENT"), "permission": (403, "PERMISSION_DENIED"),
+                  "capacity": (503, "UNAVAILABLE"), "daemon_unavailable": (503, "UNAVAILABLE"),
+                  "timeout": (504, "DEADLINE_EXCEEDED"), "run": (500, "INTERNAL")}
+INTERNAL = (500, "INTERNAL")
+
+
+def status_of(e: ModelCacheError) -> tuple[int, str]:
+    return STATUS_BY_CODE.get(e.code, INTERNAL)
+
+
+def parse_version(text: str | None) -> int | None:
+    """A version as the protocol gives it (a string; "" or None: the latest) -> an int >= 1."""
+    if text is None or text == "":
+        return None
+    try:
+        version = int(text)
+    except ValueError:
+        raise InputError(f"model version {text[:40]!r} is not a number") from None
+    if version < 1:
+        raise InputError(f"model version {version}: versions start at 1")
+    return version
+
+
+class Operations:
+    """One front's operations over its link; `unloaded` is this front's explicit model control."""
+
+    def __init__(self, link: DaemonLink, settings):
+        self.link = link
+        self.settings = settings
+        self.unloaded: set[str] = set()   # names this front unloaded: not ready until loaded again
+        # Big inputs go through /dev/shm files as client.infer sends them; the daemon's group may read them.
+        self.group_of = settings.socket[len("ipc://"):]
+
+    async def ready(self) -> str | None:
+        """None when the daemon answers; else why the server is not ready."""
+        try:
+            await self.link.call(P.ListModels(req_id=0), (P.ModelList,), timeout_s=5.0)
+        except ModelCacheError as e:
+            return f"not ready: {e}"
+        return None
+
+    @staticmethod
+    def server_metadata() -> dict:
+        return {"name": "modelcache", "version": __version__, "extensions": EXTENSIONS}
+
+    async def describe(self, name: str, version: int | None) -> P.DescribeReply:
+        """The model's description; ModelNotFound (404, NOT_FOUND) for an unknown model or version."""
+        return await self.link.call(P.Describe(req_id=0, name=name, version=version), (P.DescribeReply,))
+
+    async def model_metadata(self, name: str, version: int | None) -> dict:
+        d = await self.describe(name, version)
+        listing = await self.link.call(P.ListModels(req_id=0), (P.ModelList,))
+        versions = sorted({m["version"] for m in listing.models if m["name"] == name} | {d.version})
+        return {"name": d.name, "versions": [str(v) for v in versions], "platform": "onnxruntime_onnx",
+                "inputs": types.tensor_metadata(d.inputs), "outputs": types.tensor_metadata(d.outputs)}
+
+    def why_unloaded(self, name: str) -> str | None:
+        """Why the model is not ready, when this front unloaded it."""
+        if name in self.unloaded:
+            return f"{name} is unloaded: load it first (repository load of {name})"
+        return None
+
+    async def model_ready(self, name: str, version: int | None) -> str | None:
+        """None when the model is ready; else why not. ModelNotFound for an unknown model."""
+        await self.describe(name, version)
+        why = self.why_unloaded(name)
+        if why:
+            return why
+        listing = await self.link.call(P.ListModels(req_id=0), (P.ModelList,))
+        for m in listing.models:
+            if m["name"] == name and (version is None or m["version"] == version) and m.get("corrupt"):
+                return f"{name}@{m['version']} is damaged: {m['corrupt']}"
+        return None
+
+    async def infer(self, name: str, version: int | None, feeds: dict, output_names: list | None,
+                    timeout_us: float | None) -> tuple[dict, int | None]:
+        """(outputs by name, the version that ran) through the daemon's engine, as every client's request."""
+        why = self.why_unloaded(name)
+        if why:
+            raise InputError(why)
+        wire, files = tensors.encode(feeds, group_of=self.group_of, model=name)
+        try:
+            deadline_ms = timeout_us / 1000 if timeout_us else None
+            reply = await self.link.call(
+                P.Infer(req_id=0, client_id="", name=name, inputs=wire, version=version,
+                        output_names=output_names, deadline_ms=deadline_ms), (P.InferReply,))
+        finally:
+            for f in files:
+                os.unlink(f)
+        outputs, _ = tensors.decode(reply.outputs)
+        return outputs, reply.version if reply.version is not None else version   # (an older daemon: None)
+
+    async def repository_index(self, only_ready: bool) -> list[dict]:
+        listing = await self.link.call(P.ListModels(req_id=0), (P.ModelList,))
+        index = []
+        for m in listing.models:
+            if m.get("corrupt"):
+                state, reason = "UNAVAILABLE", f"damaged: {m['corrupt']}"
+            elif m["name"] in self.unloaded:
+                state, reason = "UNAVAILABLE", "unloaded"
+            else:   # every stored version serves; the tier says how soon
+                state, reason = "READY", ("in memory" if m["tier"] != "disk" else "on disk: promoted on first request")
+            if not only_ready or state == "READY":
+                index.append({"name": m["name"], "version": str(m["version"]), "state": state, "reason": reason})
+        return index
+
+    async def load(self, name: str, parameters: dict) -> None:
+        if any(k == "config" or k.startswith("file:") for k in parameters):
+            raise InputError("load takes no config or files here: add models with `modelcache add` or "
+                             "`modelcache import-triton`")
+        await self.link.call(P.Load(req_id=0, name=name), (P.Ack,), timeout_s=self.settings.add_timeout_s)
+        self.unloaded.discard(name)
+
+    async def unload(self, name: str) -> None:
+        # Every version in memory goes: an Evict without a version names only the latest, and a model
+        # the front calls unloaded must not keep an older version resident.
+        listing = await self.link.call(P.ListModels(req_id=0), (P.ModelList,))
+        resident = [m["version"] for m in listing.models if m["name"] == name and m["tier"] != "disk"]
+        for version in resident or [None]:   # none resident: still one Evict, so an unknown name is NOT_FOUND
+            await self.link.call(P.Evict(req_id=0, name=name, version=version), (P.Ack,))
+        self.unloaded.add(name)
+
+    async def model_config(self, name: str, version: int | None) -> dict:
+        """Triton's model configuration extension: what the model was imported with from a Triton repository
+        (`modelcache import-triton`), else what Triton's auto-complete would say of it."""
+        d = await self.describe(name, version)
+        stored = getattr(d, "model_config", None)
+        if stored:
+            return {**stored, "name": d.name}
+        return types.model_config(d.name, d.inputs, d.outputs)
+
+    async def model_stats(self, name: str | None, version: int | None) -> list[dict]:
+        """Triton's statistics extension: every model, every version of one, or one version."""
+        if name:   # NOT_FOUND for an unknown model or version
+            await self.describe(name, version)
+        listing = await self.link.call(P.ListModels(req_id=0), (P.ModelList,))
+        stats = await self.link.call(P.Stats(req_id=0), (P.StatsReply,))
+        served = stats.executor.get("models") or {}
+        now_ms = time.time() * 1e3
+        return [types.model_stat(m["name"], m["version"], served.get(f"{m['name']}@{m['version']}"), now_ms)
+                for m in listing.models
+                if (not name or m["name"] == name) and (version is None or m["version"] == version)]

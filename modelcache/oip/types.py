@@ -1,0 +1,125 @@
+"""The protocol's tensor datatypes and model descriptions as plain dicts: no I/O, no transport.
+
+Datatype names are v2's (FP32, BYTES, ...); Triton's model configuration names them TYPE_FP32 and
+TYPE_STRING. Shapes use -1 for a dimension the model leaves free.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from ..errors import InputError
+
+# numpy dtype name (as manifests carry it) <-> v2 datatype name
+V2_BY_NUMPY = {"bool": "BOOL", "uint8": "UINT8", "uint16": "UINT16", "uint32": "UINT32", "uint64": "UINT64",
+               "int8": "INT8", "int16": "INT16", "int32": "INT32", "int64": "INT64", "float16": "FP16",
+               "float32": "FP32", "float64": "FP64", "object": "BYTES", "str": "BYTES", "bfloat16": "BF16"}
+NUMPY_BY_V2 = {"BOOL": np.dtype(bool), "UINT8": np.dtype("uint8"), "UINT16": np.dtype("uint16"),
+               "UINT32": np.dtype("uint32"), "UINT64": np.dtype("uint64"), "INT8": np.dtype("int8"),
+               "INT16": np.dtype("int16"), "INT32": np.dtype("int32"), "INT64": np.dtype("int64"),
+               "FP16": np.dtype("float16"), "FP32": np.dtype("float32"), "FP64": np.dtype("float64"),
+               "BYTES": np.dtype(object)}
+_LENGTH = struct.Struct("<I")
+
+
+def v2_datatype(numpy_name: str) -> str:
+    """A manifest's dtype as a v2 name; ORT's own type string (a sequence, a map) where v2 has none."""
+    return V2_BY_NUMPY.get(numpy_name, numpy_name)
+
+
+_DATATYPE_OF: dict = {}   # numpy dtype -> v2 name: asking numpy for a dtype's name costs ~15 us a tensor
+
+
+def array_datatype(a: np.ndarray) -> str:
+    """The v2 datatype of an output array (strings and bytes are BYTES)."""
+    dt = a.dtype
+    name = _DATATYPE_OF.get(dt)
+    if name is None:
+        name = _DATATYPE_OF[dt] = V2_BY_NUMPY.get(dt.name, "BYTES" if dt.kind in "OUS" else dt.name.upper())
+    return name
+
+
+def triton_type(numpy_name: str) -> str:
+    """Triton's DataType enum name: TYPE_ and the v2 name, BYTES being TYPE_STRING; TYPE_INVALID where v2
+    has none (a sequence or a map)."""
+    v2 = V2_BY_NUMPY.get(numpy_name)
+    return "TYPE_INVALID" if v2 is None else "TYPE_STRING" if v2 == "BYTES" else f"TYPE_{v2}"
+
+
+def v2_shape(shape: list) -> list[int]:
+    """Fixed dims as they are, symbolic ones (a name or None) as -1."""
+    return [d if isinstance(d, int) and d >= 0 else -1 for d in shape]
+
+
+def tensor_metadata(entries: list[dict]) -> list[dict]:
+    return [{"name": e["name"], "datatype": v2_datatype(e["dtype"]), "shape": v2_shape(e["shape"] or [])}
+            for e in entries]
+
+
+def model_config(name: str, inputs: list[dict], outputs: list[dict]) -> dict:
+    """Triton's model configuration (its config.pbtxt as JSON) of a model added without one, as tritonclient's
+    get_model_config reads it. max_batch_size 0 with dims the model's whole shapes (a free first dim is -1): no
+    request is refused for its number of rows, which a max_batch_size would promise; the daemon still batches
+    requests. (A model imported from a Triton repository answers with the configuration it was imported with.)"""
+    def entry(e: dict) -> dict:
+        return {"name": e["name"], "data_type": triton_type(e["dtype"]), "dims": v2_shape(e["shape"] or []),
+                "is_shape_tensor": False}
+
+    return {"name": name, "platform": "onnxruntime_onnx", "backend": "onnxruntime",
+            "version_policy": {"all": {}}, "max_batch_size": 0,
+            "input": [{**entry(e), "format": "FORMAT_NONE", "optional": False} for e in inputs],
+            "output": [entry(e) for e in outputs]}
+
+
+def model_stat(name: str, version: int, served: dict | None, now_ms: float) -> dict:
+    """One version's entry of Triton's statistics extension from the engine's counters (executor/stats.py;
+    None: no request yet). The daemon does not time input and output conversion apart from the run, so
+    compute_input and compute_output have their counts and 0 ns; no per-batch-size stats (batch_stats)."""
+    s = served or {}
+    ok = s.get("success", 0)
+
+    def stat(count: int, seconds: float) -> dict:
+        return {"count": count, "ns": int(seconds * 1e9)}
+
+    idle_s = s.get("idle_s")
+    return {"name": name, "version": str(version),
+            "last_inference": 0 if idle_s is None else int(now_ms - idle_s * 1e3),
+            "inference_count": s.get("samples", 0), "execution_count": s.get("executions", 0),
+            "inference_stats": {"success": stat(ok, s.get("success_s", 0.0)),
+                                "fail": stat(s.get("failed", 0), s.get("failed_s", 0.0)),
+                                "queue": stat(ok, s.get("queue_s", 0.0)),
+                                "compute_input": stat(ok, 0.0),
+                                "compute_infer": stat(ok, s.get("run_s", 0.0)),
+                                "compute_output": stat(ok, 0.0),
+                                "cache_hit": stat(0, 0.0), "cache_miss": stat(0, 0.0)},
+            "batch_stats": []}
+
+
+def decode_bytes_elements(raw: memoryview, count: int, name: str) -> np.ndarray:
+    """BYTES as raw data (the HTTP binary extension's and gRPC's raw contents): [u32 little-endian length,
+    bytes] per element; strings for the daemon (as tensors.encode sends them)."""
+    arr = np.empty(count, dtype=object)
+    pos = 0
+    for k in range(count):
+        if pos + 4 > len(raw):
+            raise InputError(f"input {name!r}: binary BYTES data ends after {k} of {count} elements")
+        (n,) = _LENGTH.unpack_from(raw, pos)
+        pos += 4
+        if pos + n > len(raw):
+            raise InputError(f"input {name!r}: element {k} runs past its binary data")
+        arr[k] = bytes(raw[pos:pos + n]).decode("utf-8", "surrogateescape")
+        pos += n
+    if pos != len(raw):
+        raise InputError(f"input {name!r}: {len(raw) - pos} bytes after its {count} BYTES elements")
+    return arr
+
+
+def encode_bytes_elements(a: np.ndarray) -> bytes:
+    """An array of strings or bytes as raw BYTES data (see decode_bytes_elements)."""
+    return b"".join(_LENGTH.pack(len(b)) + b for b in (_as_bytes(v) for v in a.ravel().tolist()))
+
+
+def _as_bytes(v) -> bytes:
+    return v if isinstance(v, bytes) else str(v).encode("utf-8", "surrogateescape")

@@ -1,0 +1,314 @@
+"""One model directory of a Triton repository -> what to add: its versions, its completed configuration, its
+batching policy, and the fields modelcache does not honour. Reads files; adds nothing.
+
+config.pbtxt is parsed by protobuf's text_format against Triton's own model_config.proto (never by hand).
+Where it is absent or leaves inputs, outputs or max_batch_size out, it is completed from the ONNX model as
+Triton's onnxruntime backend does: every input and output, and max_batch_size 4 (Triton's
+default-max-batch-size) with dynamic batching when every input and output has a free first dimension.
+Then every input and output is checked against the model of every version imported: a mismatch refuses the
+model, naming both sides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from google.protobuf import json_format, text_format
+from google.protobuf.descriptor import FieldDescriptor
+
+from ..errors import InputError, ModelCacheError
+from ..oip.types import V2_BY_NUMPY, triton_type, v2_shape
+from ..triton_protos import model_config_pb2 as mc
+
+CONFIG_FILE = "config.pbtxt"
+ONNX_PLATFORM, ONNX_BACKEND, ONNX_FILE = "onnxruntime_onnx", "onnxruntime", "model.onnx"
+DEFAULT_MAX_BATCH_SIZE = 4   # Triton's --backend-config=default-max-batch-size, for auto-completed models
+# What other backends are, by platform or backend name and by their default model file name
+OTHER_BACKENDS = {"tensorrt_plan": "a TensorRT plan", "tensorrt": "a TensorRT plan",
+                  "pytorch_libtorch": "a TorchScript model", "pytorch": "a TorchScript model",
+                  "python": "a Python backend model", "tensorflow_graphdef": "a TensorFlow GraphDef",
+                  "tensorflow_savedmodel": "a TensorFlow SavedModel", "tensorflow": "a TensorFlow model",
+                  "openvino": "an OpenVINO model", "ensemble": "an ensemble", "fil": "a FIL (tree) model",
+                  "dali": "a DALI pipeline", "vllm": "a vLLM model", "tensorrtllm": "a TensorRT-LLM model"}
+OTHER_FILES = {"model.plan": "tensorrt_plan", "model.pt": "pytorch_libtorch", "model.py": "python",
+               "model.graphdef": "tensorflow_graphdef", "model.savedmodel": "tensorflow_savedmodel",
+               "model.xml": "openvino"}
+# Fields whose meaning modelcache carries out; a set field not here is listed in the model's one warning.
+HONOURED = {"name", "platform", "backend", "version_policy", "max_batch_size", "default_model_filename",
+            "input.name", "input.data_type", "input.dims", "input.format", "input.optional",
+            "output.name", "output.data_type", "output.dims",
+            "dynamic_batching.max_queue_delay_microseconds", "dynamic_batching.preferred_batch_size",
+            "instance_group.name", "instance_group.kind"}
+CONTAINERS = {"input", "output", "dynamic_batching", "instance_group"}
+_NUMPY_BY_TRITON = {triton_type(n): n for n in V2_BY_NUMPY if n != "str"}
+
+
+class NotOnnx(Exception):
+    """The model is another backend's: skipped, with this one line."""
+
+
+@dataclass
+class ModelPlan:
+    name: str
+    versions: list               # [(version, path of its .onnx file)], ascending
+    config: dict                 # the completed configuration, as Triton's JSON: what ModelConfig answers
+    serving: dict                # its batching policy (calibration.check_serving)
+    not_honoured: list = field(default_factory=list)   # config fields set that modelcache does not carry out
+    completed: list = field(default_factory=list)      # what auto-complete filled in
+
+    @property
+    def declared(self) -> dict:
+        return {"serving": self.serving, "model_config": self.config}
+
+    def batching_text(self) -> str:
+        s = self.serving
+        text = "serial" if s.get("policy") != "dynamic" else \
+            f"dynamic batching up to {s['max_batch']}, {s.get('max_queue_delay_ms', 0) * 1000:.0f} us delay" + \
+            (f", preferred {', '.join(map(str, s['preferred_batch_sizes']))}" if s.get("preferred_batch_sizes") else "")
+        if s.get("policy") != "dynamic" and s.get("max_batch"):
+            text += f", at most {s['max_batch']} rows"
+        return text + (f", {s['device'].upper()} only" if s.get("device") == "cpu" else "")
+
+
+def read_config(model_dir: Path) -> mc.ModelConfig | None:
+    """The model's config.pbtxt parsed against model_config.proto; None when there is none."""
+    path = model_dir / CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        return text_format.Parse(path.read_text(), mc.ModelConfig())
+    except text_format.ParseError as e:   # ("3:17 : Expected ...": where, then what)
+        where = f":{e.GetLine()}:{e.GetColumn()}" if e.GetLine() else ""
+        raise InputError(f"{path}{where}: {str(e).partition(' : ')[2] or e}") from None
+    except (UnicodeDecodeError, OSError) as e:
+        raise InputError(f"{path}: cannot be read: {e}") from None
+
+
+def plan_model(model_dir: Path, model_io) -> ModelPlan:
+    """What importing `model_dir` adds. NotOnnx for another backend's model; InputError (one line naming the
+    model) for one that cannot be imported. `model_io(path) -> (inputs, outputs)` reads an ONNX file's
+    (packing.model_io: IOEntry lists)."""
+    name = model_dir.name
+    try:
+        return _plan(model_dir, name, model_io)
+    except ModelCacheError as e:
+        raise InputError(f"{name}: {e}") from None
+
+
+def _plan(model_dir: Path, name: str, model_io) -> ModelPlan:
+    given = read_config(model_dir)
+    config = mc.ModelConfig() if given is None else _copy(given)
+    if config.name and config.name != name:
+        raise InputError(f"config.pbtxt names the model {config.name!r}, but its directory is {name!r}: "
+                         "Triton requires them to match")
+    config.name = name
+    filename = config.default_model_filename or ONNX_FILE
+    other = _other_backend(config, model_dir, filename)
+    if other:
+        raise NotOnnx(f"{name}: skipped: {other}; modelcache serves ONNX models only")
+    config.platform, config.backend = ONNX_PLATFORM, ONNX_BACKEND
+    versions = _versions(config, model_dir, filename)
+    ios = {}
+    for v, path in versions:
+        try:
+            ios[v] = model_io(str(path))
+        except ModelCacheError as e:
+            raise InputError(f"version {v}: {e}") from None
+    completed = _complete(config, *ios[versions[-1][0]], given)
+    for v, path in versions:
+        _check_against_model(config, *ios[v], f"{path.relative_to(model_dir.parent)}")
+    serving = _serving(config)
+    return ModelPlan(name, versions, config_to_json(config), serving,
+                     [] if given is None else _unhonoured(given), completed)
+
+
+def _copy(msg: mc.ModelConfig) -> mc.ModelConfig:
+    out = mc.ModelConfig()
+    out.CopyFrom(msg)
+    return out
+
+
+def _other_backend(config: mc.ModelConfig, model_dir: Path, filename: str) -> str | None:
+    """What other backend the model is for (a line's words), or None for ONNX Runtime's."""
+    platform, backend = config.platform, config.backend
+    if platform == ONNX_PLATFORM or backend == ONNX_BACKEND:
+        if platform not in ("", ONNX_PLATFORM) or backend not in ("", ONNX_BACKEND):
+            raise InputError(f"platform {platform!r} and backend {backend!r} disagree")
+        return None
+    if platform or backend:
+        key = platform or backend
+        return f"{OTHER_BACKENDS.get(key, 'a model for another backend')} ({'platform' if platform else 'backend'} " \
+               f"{key})"
+    files = {p.name for d in model_dir.iterdir() if d.is_dir() for p in d.iterdir()}
+    if filename.endswith(".onnx") and filename in files:
+        return None
+    for file, key in OTHER_FILES.items():
+        if file in files:
+            return f"{OTHER_BACKENDS[key]} ({file}, no platform or backend set)"
+    raise InputError(f"config.pbtxt sets no platform or backend, and no version directory holds {filename}")
+
+
+def _versions(config: mc.ModelConfig, model_dir: Path, filename: str) -> list:
+    """[(version, .onnx path)] that version_policy serves: latest N (default 1), all, or specific ones."""
+    present = sorted(int(d.name) for d in model_dir.iterdir() if d.is_dir() and d.name.isdigit() and int(d.name) > 0)
+    policy = config.version_policy.WhichOneof("policy_choice")
+    if policy == "all":
+        chosen = present
+    elif policy == "specific":
+        chosen = sorted(set(config.version_policy.specific.versions))
+        missing = [v for v in chosen if v not in present]
+        if missing:
+            raise InputError(f"version_policy specific names version {missing[0]}, which has no directory")
+    else:
+        n = max(1, config.version_policy.latest.num_versions) if policy == "latest" else 1
+        chosen = present[-n:]
+    if not chosen:
+        raise InputError(f"no version directory (1/, 2/, ...) to import")
+    out = []
+    for v in chosen:
+        path = model_dir / str(v) / filename
+        if path.is_dir():   # Triton's form for a model with external data: a directory holding model.onnx
+            path = path / ONNX_FILE
+        if not path.is_file():
+            raise InputError(f"version {v} has no {filename}")
+        out.append((v, path))
+    return out
+
+
+def _free_first(entries) -> bool:
+    return all(e.shape and not isinstance(e.shape[0], int) for e in entries)
+
+
+def _complete(config: mc.ModelConfig, inputs, outputs, given) -> list[str]:
+    """Fill what the configuration leaves out from the model, as Triton's onnxruntime backend does; returns
+    what was filled in, for the import's line."""
+    filled = []
+    if not config.input and not config.output and config.max_batch_size == 0 and _free_first(inputs) \
+            and _free_first(outputs):
+        config.max_batch_size = DEFAULT_MAX_BATCH_SIZE
+        filled.append(f"max_batch_size {DEFAULT_MAX_BATCH_SIZE}")
+    batch = config.max_batch_size > 0
+    for entries, repeated, what in ((inputs, config.input, "inputs"), (outputs, config.output, "outputs")):
+        if not repeated:
+            for e in entries:
+                t = repeated.add()
+                t.name, t.data_type = e.name, mc.DataType.Value(triton_type(e.dtype))
+                t.dims.extend(v2_shape(e.shape[1:] if batch else e.shape))
+            filled.append(what)
+    if config.max_batch_size > 1 and config.WhichOneof("scheduling_choice") is None:
+        config.dynamic_batching.SetInParent()   # Triton: a batching model with no scheduler gets the dynamic batcher
+        filled.append("dynamic_batching")
+    if given is None:
+        filled.insert(0, "no config.pbtxt")
+    return filled
+
+
+def _check_against_model(config: mc.ModelConfig, inputs, outputs, where: str) -> None:
+    """Each configured input and output against the model's: names, types, dims. Inputs: the same set;
+    outputs: any of the model's (Triton allows fewer)."""
+    batch = config.max_batch_size
+    model_in = {e.name: e for e in inputs}
+    model_out = {e.name: e for e in outputs}
+    configured = [t.name for t in config.input]
+    if sorted(configured) != sorted(model_in):
+        extra = sorted(set(configured) - set(model_in))
+        lacking = sorted(set(model_in) - set(configured))
+        raise InputError(f"config.pbtxt inputs {configured} do not match {where}'s inputs {sorted(model_in)}"
+                         + (f": no input {extra[0]!r} in the model" if extra else
+                            f": the model's input {lacking[0]!r} is not configured" if lacking else ""))
+    for kind, tensors, model in (("input", config.input, model_in), ("output", config.output, model_out)):
+        for t in tensors:
+            e = model.get(t.name)
+            if e is None:
+                raise InputError(f"config.pbtxt {kind} {t.name!r}: {where} has no such {kind} "
+                                 f"(its {kind}s: {sorted(model)})")
+            _check_tensor(kind, t, e, batch, where)
+
+
+def _check_tensor(kind: str, t, e, batch: int, where: str) -> None:
+    wanted = mc.DataType.Name(t.data_type)
+    # reshape: the model's own shape (clients send dims); modelcache does not reshape (listed), so the model
+    # is checked against what it takes, and clients must send that
+    dims = ([-1] if batch else []) + list(t.reshape.shape if t.HasField("reshape") else t.dims)
+    shape = v2_shape(e.shape or [])
+    mine = f"config.pbtxt {kind} {t.name!r} is {wanted} {dims}" + (f" (max_batch_size {batch})" if batch else "")
+    theirs = f"{where} has {e.dtype} {shape}"
+    if _NUMPY_BY_TRITON.get(wanted) != e.dtype:
+        raise InputError(f"{mine}; {theirs}: the types differ")
+    if batch and (not e.shape or isinstance(e.shape[0], int)):
+        raise InputError(f"{mine}; {theirs}: its first dimension is fixed, so it cannot batch; set max_batch_size: 0 "
+                         "and give its whole shape in dims")
+    if len(dims) != len(shape) or any(c >= 0 and m >= 0 and c != m for c, m in zip(dims, shape)):
+        raise InputError(f"{mine}; {theirs}: the dims differ")
+    if any(c < -1 for c in dims):
+        raise InputError(f"{mine}: a dim must be -1 (free) or a size >= 0")
+
+
+def _serving(config: mc.ModelConfig) -> dict:
+    """The model's batching policy in modelcache's terms (calibration.check_serving)."""
+    batch = config.max_batch_size
+    if batch < 0:
+        raise InputError(f"max_batch_size {batch}: must be 0 (no batching) or more")
+    serving = {"policy": "serial", "max_batch": batch}
+    if config.WhichOneof("scheduling_choice") == "dynamic_batching":
+        db = config.dynamic_batching
+        if batch < 1:
+            raise InputError("dynamic_batching needs max_batch_size >= 1")
+        too_big = [b for b in db.preferred_batch_size if not 1 <= b <= batch]
+        if too_big:
+            raise InputError(f"dynamic_batching preferred_batch_size {too_big[0]} is not within 1..max_batch_size "
+                             f"{batch}")
+        serving.update(policy="dynamic", max_queue_delay_ms=db.max_queue_delay_microseconds / 1000,
+                       preferred_batch_sizes=sorted(set(db.preferred_batch_size)))
+    kinds = {g.kind for g in config.instance_group}
+    if kinds == {mc.ModelInstanceGroup.KIND_CPU}:
+        serving["device"] = "cpu"   # never on a GPU worker; KIND_GPU serves where the daemon has GPU workers
+    return serving
+
+
+def _unhonoured(msg, prefix: str = "") -> list[str]:
+    """The set fields of a configuration that modelcache does not carry out, as dotted paths, once each."""
+    out: list[str] = []
+    for f, value in msg.ListFields():
+        path = prefix + f.name
+        if path in HONOURED or (path == "instance_group.count" and value == 1):
+            continue
+        if path in CONTAINERS:
+            for item in (value if f.is_repeated else [value]):
+                out += [p for p in _unhonoured(item, path + ".") if p not in out]
+        elif path not in out:
+            out.append(path)
+    return out
+
+
+def config_to_json(config: mc.ModelConfig) -> dict:
+    """The configuration as Triton's JSON: field names as in the .proto, every field with its value even when
+    it is the default (max_batch_size 0 is said, as Triton says it), enums by name, 64-bit integers as numbers
+    (protobuf's JSON mapping writes them as strings; Triton's HTTP front and tritonclient use numbers)."""
+    d = json_format.MessageToDict(config, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    _int64s_as_numbers(config, d)
+    return d
+
+
+_INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
+          FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
+
+
+def _int64s_as_numbers(msg, d: dict) -> None:
+    for f in msg.DESCRIPTOR.fields:
+        if f.name not in d:
+            continue
+        value = getattr(msg, f.name)
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            inner = f.message_type.fields_by_name["value"]
+            for k in d[f.name]:
+                if inner.message_type is not None:
+                    _int64s_as_numbers(value[k], d[f.name][k])
+                elif inner.type in _INT64:
+                    d[f.name][k] = int(d[f.name][k])
+        elif f.message_type is not None:
+            for m, sub in zip(value, d[f.name]) if f.is_repeated else [(value, d[f.name])]:
+                _int64s_as_numbers(m, sub)
+        elif f.type in _INT64:
+            d[f.name] = [int(x) for x in d[f.name]] if f.is_repeated else int(d[f.name])

@@ -1,0 +1,186 @@
+"""Import a Triton model repository: every model directory planned (config.py), then each ONNX model's
+versions added with their configuration, through the running daemon or, with none, into the repository.
+
+Idempotent: a version already in modelcache from the same .onnx file (its sha256) with the same completed
+configuration is left alone, so the daemon's import at start adds only what is new. A version there from
+another file or configuration is refused with a line rather than replaced: removing what clients may be
+using is the operator's call (`modelcache rm`). A model is imported whole or not at all: every version is
+planned and checked before the first is added, and versions added before a later one fails are removed.
+Each model gets its lines: imported, unchanged, skipped (another backend), refused (why), and one warning
+listing the configuration fields modelcache does not honour.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import DaemonUnavailable, InputError, ModelCacheError, ModelNotFound, PermissionDenied
+from .config import NotOnnx, ModelPlan, plan_model
+
+log = logging.getLogger("modelcache.triton")
+
+
+@dataclass
+class Report:
+    imported: list = field(default_factory=list)    # "name@version" added now
+    unchanged: list = field(default_factory=list)   # "name@version" already there, the same
+    skipped: list = field(default_factory=list)     # model names of other backends
+    failed: list = field(default_factory=list)      # model names refused or failed
+
+    def summary(self, root) -> str:
+        return (f"{root}: {len(self.imported)} versions imported, {len(self.unchanged)} unchanged, "
+                f"{len(self.skipped)} models skipped (not ONNX), {len(self.failed)} refused")
+
+
+def import_repository(root, settings, only=None, dry_run: bool = False, out=print) -> Report:
+    """Import every model directory of `root` (or those named in `only`); `out(line)` says what happened."""
+    from ..packing import model_io
+    root = Path(root)
+    if not root.is_dir():
+        raise InputError(f"{root} is not a directory: give a Triton model repository (MODEL/config.pbtxt, "
+                         "MODEL/VERSION/model.onnx)")
+    names = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if only:
+        missing = [n for n in only if n not in names]
+        if missing:
+            raise InputError(f"{root} has no model directory {missing[0]!r}; it has {names}")
+        names = [n for n in names if n in only]
+    target = None if dry_run else _target(settings)
+    report = Report()
+    try:
+        for name in names:
+            try:
+                plan = plan_model(root / name, model_io)
+            except NotOnnx as e:
+                report.skipped.append(name)
+                out(str(e))
+                continue
+            except ModelCacheError as e:
+                report.failed.append(name)
+                out(f"{e}: not imported")
+                continue
+            if plan.not_honoured:
+                out(f"warning: {name}: config.pbtxt fields modelcache does not honour (served as if absent): "
+                    f"{', '.join(plan.not_honoured)}")
+            if target is None:
+                out(f"{name}: would import version{'s' if len(plan.versions) > 1 else ''} "
+                    f"{', '.join(str(v) for v, _ in plan.versions)} ({plan.batching_text()})")
+                continue
+            _apply(plan, target, report, out)
+    finally:
+        if target is not None:
+            target.close()
+    out(report.summary(root))
+    return report
+
+
+def _apply(plan: ModelPlan, target, report: Report, out) -> None:
+    added, adding = [], None
+    try:
+        todo = []
+        for version, path in plan.versions:
+            key = f"{plan.name}@{version}"
+            stored = target.stored(plan.name, version)
+            if stored is None:
+                todo.append((version, path))
+            elif stored == (_sha256(path), plan.config):
+                report.unchanged.append(key)
+                out(f"{key}: unchanged, not imported again")
+            else:
+                raise InputError(f"{key} is already in modelcache from another file or configuration; remove it "
+                                 f"first (`modelcache rm {plan.name} --version {version}`) to import it again")
+        for version, path in todo:
+            adding = version
+            target.add(str(path), plan.name, version, plan.declared)
+            added.append(version)
+            report.imported.append(f"{plan.name}@{version}")
+    except ModelCacheError as e:
+        for version in added:   # the model whole or not at all
+            report.imported.remove(f"{plan.name}@{version}")
+            try:
+                target.remove(plan.name, version)
+            except ModelCacheError as undo:
+                out(f"{plan.name}@{version}: could not remove it after the failure: {undo}")
+        report.failed.append(plan.name)
+        text = str(e)
+        if not text.startswith(plan.name):
+            text = f"{plan.name}{'' if adding is None else f'@{adding}'}: {text}"
+        undone = f" (version{'s' if len(added) > 1 else ''} {', '.join(map(str, added))}, added before it, removed)" \
+            if added else ""
+        out(f"{text}: not imported{undone}")
+        return
+    if added:
+        filled = f"; auto-completed: {', '.join(plan.completed)}" if plan.completed else ""
+        out(f"{plan.name}: imported version{'s' if len(added) > 1 else ''} {', '.join(map(str, added))} "
+            f"({plan.batching_text()}{filled})")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _target(settings):
+    """Where versions go: the running daemon, else the repository directly (as `modelcache add` does)."""
+    from ..client.connection import connect
+    try:
+        return _DaemonTarget(connect(settings.socket, timeout_s=settings.add_timeout_s))
+    except PermissionDenied:
+        raise   # a daemon runs but is not ours to use: writing our own repository instead would mislead
+    except DaemonUnavailable:
+        return _OfflineTarget(settings)
+
+
+class _DaemonTarget:
+    def __init__(self, client):
+        self.client = client
+
+    def stored(self, name: str, version: int):
+        """(source sha256, configuration) of a version the daemon has; None when it has none."""
+        try:
+            d = self.client.describe(name, version)
+        except ModelNotFound:
+            return None
+        return d.source_sha256, d.model_config
+
+    def add(self, path: str, name: str, version: int, declared: dict) -> None:
+        self.client.add(path, name, version, declared=declared)
+
+    def remove(self, name: str, version: int) -> None:
+        self.client.remove(name, version)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class _OfflineTarget:
+    def __init__(self, settings):
+        from ..tiers.disk import Repository
+        self.settings = settings
+        self.repo = Repository(settings.repository_path)
+
+    def stored(self, name: str, version: int):
+        from ..format import MANIFEST_FILE, load_manifest
+        d = self.repo.model_dir(name, version)
+        if not (d / MANIFEST_FILE).exists():
+            return None
+        m = load_manifest(d)
+        return m.source_sha256, m.model_config
+
+    def add(self, path: str, name: str, version: int, declared: dict) -> None:
+        from ..packing import pack
+        pack(path, self.repo.root, name, version, self.settings.opt_level, owner_uid=os.getuid(),
+             with_prepacked=self.settings.prepack, declared=declared)
+
+    def remove(self, name: str, version: int) -> None:
+        self.repo.remove(name, version)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,380 @@
+"""A Triton model repository imported as it is (`modelcache import-triton`, the daemon's triton_repository).
+
+First the pure parts on repositories written here: config.pbtxt parsed against Triton's model_config.proto,
+auto-completed where absent, checked against the ONNX model, mapped onto batching; the dynamic batcher's
+preferred sizes. Then one daemon that imports a repository at start (zoo models with configs as Triton's
+docs write them, a TensorRT entry, a broken model, a model whose second version ORT cannot build) and serves
+it over HTTP and gRPC with each model's own batching.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from modelcache import zoo
+from modelcache.calibration import check_serving
+from modelcache.errors import InputError
+from modelcache.executor.batching import Dynamic, Pending
+from modelcache.packing import model_io
+from modelcache.triton_repo.config import NotOnnx, config_to_json, plan_model, read_config
+
+from conftest import DaemonProcess, stop_cleanly, wait_until
+
+# As Triton's model_configuration.md writes them: a batching ONNX model with the dynamic batcher and two CPU
+# instances, and the optimization block its ONNX Runtime section shows
+CNN_CONFIG = """
+name: "cnn"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+version_policy: { latest: { num_versions: 2 } }
+input [
+  {
+    name: "input"
+    data_type: TYPE_FP32
+    format: FORMAT_NCHW
+    dims: [ 3, 32, 32 ]
+  }
+]
+output [
+  {
+    name: "logits"
+    data_type: TYPE_FP32
+    dims: [ 10 ]
+  }
+]
+dynamic_batching {
+  preferred_batch_size: [ 4, 8 ]
+  max_queue_delay_microseconds: 200000
+}
+instance_group [
+  {
+    count: 2
+    kind: KIND_CPU
+  }
+]
+optimization { execution_accelerators {
+  cpu_execution_accelerator : [ {
+    name : "openvino"
+  } ]
+}}
+"""
+TRT_CONFIG = """
+platform: "tensorrt_plan"
+max_batch_size: 8
+input [ { name: "input0" data_type: TYPE_FP32 dims: [ 16 ] } ]
+output [ { name: "output0" data_type: TYPE_FP32 dims: [ 16 ] } ]
+"""
+
+
+def save(model, path: Path) -> str:
+    """A zoo model (by name) or a hand-built one, at `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(model, str):
+        zoo.save(zoo.build(model), str(path))
+    else:
+        onnx.save(model, str(path))
+    return str(path)
+
+
+def fixed_batch_model() -> onnx.ModelProto:
+    """Identity over a [1, 4] tensor: its first dimension is fixed, so it cannot batch."""
+    g = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def unbuildable_cnn() -> onnx.ModelProto:
+    """tiny-cnn's inputs and outputs around an op no runtime has: it reads as ONNX, and ORT refuses it."""
+    g = helper.make_graph([helper.make_node("NoSuchOp", ["input"], ["logits"], domain="no.such")], "g",
+                          [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 3, 32, 32])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid("no.such", 1)])
+
+
+def write_repository(root: Path) -> Path:
+    """The repository the daemon imports: what a Triton user has."""
+    for v in (1, 2, 3):   # latest 2: versions 2 and 3
+        (root / "cnn" / str(v)).mkdir(parents=True)
+        zoo.save(zoo.build("tiny-cnn", seed=v), str(root / "cnn" / str(v) / "model.onnx"))
+    (root / "cnn" / "config.pbtxt").write_text(CNN_CONFIG)
+    save("tiny-embed", root / "embed" / "1" / "model.onnx")          # no config.pbtxt: auto-completed
+    (root / "trt" / "1").mkdir(parents=True)
+    (root / "trt" / "1" / "model.plan").write_bytes(b"\0" * 64)        # a TensorRT engine (not ONNX)
+    (root / "trt" / "config.pbtxt").write_text(TRT_CONFIG)
+    (root / "broken" / "1").mkdir(parents=True)
+    (root / "broken" / "1" / "model.onnx").write_bytes(b"not a model at all")
+    save("tiny-cnn", root / "half" / "1" / "model.onnx")              # version 2 fails in ORT: no half import
+    save(unbuildable_cnn(), root / "half" / "2" / "model.onnx")
+    (root / "half" / "config.pbtxt").write_text('backend: "onnxruntime"\nversion_policy: { all { } }\n')
+    return root
+
+
+# -- planning a model directory, no daemon ---------------------------------------------------
+
+def test_a_config_as_triton_documents_it(tmp_path):
+    repo = write_repository(tmp_path / "models")
+    plan = plan_model(repo / "cnn", model_io)
+    assert [v for v, _ in plan.versions] == [2, 3]
+    assert plan.serving == {"policy": "dynamic", "max_batch": 8, "max_queue_delay_ms": 200.0,
+                            "preferred_batch_sizes": [4, 8], "device": "cpu"}
+    check_serving(plan.serving)
+    assert plan.not_honoured == ["instance_group.count", "optimization"]
+    c = plan.config
+    assert (c["name"], c["platform"], c["backend"], c["max_batch_size"]) == ("cnn", "onnxruntime_onnx",
+                                                                           "onnxruntime", 8)
+    assert c["input"][0]["dims"] == [3, 32, 32] and c["input"][0]["data_type"] == "TYPE_FP32"
+    db = c["dynamic_batching"]
+    assert (db["preferred_batch_size"], db["max_queue_delay_microseconds"]) == ([4, 8], 200000)
+    json.dumps(c)   # stored in the manifest as it is
+
+
+def test_absent_config_is_auto_completed_as_triton_does(tmp_path):
+    repo = write_repository(tmp_path / "models")
+    plan = plan_model(repo / "embed", model_io)
+    c = plan.config
+    assert c["max_batch_size"] == 4 and "dynamic_batching" in c   # Triton's default-max-batch-size
+    assert [(t["name"], t["data_type"], t["dims"]) for t in c["input"]] == [("ids", "TYPE_INT64", [-1]),
+                                                                            ("mask", "TYPE_BOOL", [-1])]
+    assert plan.serving["policy"] == "dynamic" and plan.serving["max_batch"] == 4
+    assert plan.completed[0] == "no config.pbtxt" and plan.not_honoured == []
+    # a model whose first dim is fixed cannot batch: whole shapes, max_batch_size 0, serial
+    save(fixed_batch_model(), tmp_path / "models" / "fixed" / "1" / "model.onnx")
+    fixed = plan_model(tmp_path / "models" / "fixed", model_io)
+    assert fixed.config["max_batch_size"] == 0 and fixed.config["input"][0]["dims"] == [1, 4]
+    assert fixed.serving == {"policy": "serial", "max_batch": 0}
+
+
+@pytest.mark.parametrize("config, words", [
+    ('max_batch_size: 8\ninput [{ name: "input" data_type: TYPE_FP32 dims: [3, 64, 64] }]\n'
+     'output [{ name: "logits" data_type: TYPE_FP32 dims: [10] }]',
+     ["config.pbtxt input 'input' is TYPE_FP32 [-1, 3, 64, 64]", "m/1/model.onnx has float32 [-1, 3, 32, 32]",
+      "dims differ"]),
+    ('max_batch_size: 8\ninput [{ name: "input" data_type: TYPE_FP16 dims: [3, 32, 32] }]',
+     ["TYPE_FP16", "float32", "types differ"]),
+    ('max_batch_size: 8\ninput [{ name: "image" data_type: TYPE_FP32 dims: [3, 32, 32] }]',
+     ["inputs ['image']", "['input']", "no input 'image' in the model"]),
+    ('output [{ name: "probs" data_type: TYPE_FP32 dims: [-1, 10] }]', ["output 'probs'", "its outputs: ['logits']"]),
+    ('name: "other"', ["names the model 'other'", "directory is 'm'"]),
+    ('max_batch_size: 2\ndynamic_batching { preferred_batch_size: [4] }', ["preferred_batch_size 4"]),
+    ('platform: "onnxruntime_onnx"\nbackend: "pytorch"', ["disagree"]),
+    ('version_policy: { specific: { versions: [5] } }', ["version 5"]),
+    ('max_batch_size: 8\ninput [ { name: "input" ', ["m/config.pbtxt:3:17: Expected \"}\"."]),
+])
+def test_a_config_the_model_contradicts_is_refused_naming_both(tmp_path, config, words):
+    save("tiny-cnn", tmp_path / "m" / "1" / "model.onnx")
+    (tmp_path / "m" / "config.pbtxt").write_text(f'backend: "onnxruntime"\n{config}'
+                                                 if "backend" not in config and "platform" not in config else config)
+    with pytest.raises(InputError) as e:
+        plan_model(tmp_path / "m", model_io)
+    text = str(e.value)
+    assert text.startswith("m: ") and "\n" not in text
+    for w in words:
+        assert w in text, text
+
+
+def test_a_fixed_first_dim_cannot_take_a_max_batch_size(tmp_path):
+    save(fixed_batch_model(), tmp_path / "m" / "1" / "model.onnx")
+    (tmp_path / "m" / "config.pbtxt").write_text('backend: "onnxruntime"\nmax_batch_size: 4\n'
+                                                 'input [{ name: "x" data_type: TYPE_FP32 dims: [4] }]')
+    with pytest.raises(InputError, match="first dimension is fixed, so it cannot batch; set max_batch_size: 0"):
+        plan_model(tmp_path / "m", model_io)
+
+
+def test_version_policies(tmp_path):
+    for v in (1, 2, 3):
+        save("tiny-cnn", tmp_path / "m" / str(v) / "model.onnx")
+    config = tmp_path / "m" / "config.pbtxt"
+    for policy, versions in (("", [3]), ("version_policy: { latest: { num_versions: 2 } }", [2, 3]),
+                             ("version_policy: { all: {} }", [1, 2, 3]),
+                             ("version_policy: { specific: { versions: [1, 3] } }", [1, 3])):
+        config.write_text(f'platform: "onnxruntime_onnx"\n{policy}')
+        assert [v for v, _ in plan_model(tmp_path / "m", model_io).versions] == versions, policy
+
+
+def test_other_backends_are_skipped_with_one_line(tmp_path):
+    repo = write_repository(tmp_path / "models")
+    with pytest.raises(NotOnnx) as e:
+        plan_model(repo / "trt", model_io)
+    assert str(e.value) == "trt: skipped: a TensorRT plan (platform tensorrt_plan); modelcache serves ONNX models only"
+    for file, words in (("model.pt", "a TorchScript model (model.pt"), ("model.py", "a Python backend model")):
+        (tmp_path / file / "1").mkdir(parents=True)
+        (tmp_path / file / "1" / file).write_bytes(b"x")
+        with pytest.raises(NotOnnx, match=words.replace("(", r"\(")):
+            plan_model(tmp_path / file, model_io)
+    (tmp_path / "py").mkdir()
+    (tmp_path / "py" / "config.pbtxt").write_text('backend: "python"')
+    with pytest.raises(NotOnnx, match=r"a Python backend model \(backend python\)"):
+        plan_model(tmp_path / "py", model_io)
+
+
+def test_json_keeps_int64s_as_numbers(tmp_path):
+    (tmp_path / "config.pbtxt").write_text(CNN_CONFIG)
+    d = config_to_json(read_config(tmp_path))
+    assert d["input"][0]["dims"] == [3, 32, 32] and d["dynamic_batching"]["max_queue_delay_microseconds"] == 200000
+    assert (d["instance_group"][0]["count"], d["instance_group"][0]["kind"]) == (2, "KIND_CPU")
+
+
+def test_the_dynamic_batcher_takes_a_preferred_size_at_once():
+    """Triton's preferred_batch_size: a queue that fills a preferred size runs now, not after the delay."""
+    b = Dynamic(max_batch=8, max_queue_delay_s=0.2, preferred=(4, 8))
+    queue = [Pending(k, 1, arrival=0.0) for k in range(3)]
+    assert b.decide(0.01, queue).take == [] and b.decide(0.01, queue).wait_until == pytest.approx(0.2)
+    queue.append(Pending(3, 1, arrival=0.01))
+    assert b.decide(0.01, queue).take == [0, 1, 2, 3]
+    two = [Pending(0, 2, 0.0), Pending(1, 3, 0.0)]   # 5 rows: no preferred size fits exactly; wait
+    assert b.decide(0.05, two).take == []
+    assert b.decide(0.2, two).take == [0, 1]          # the delay is up: what there is
+    with pytest.raises(ValueError, match="policy"):
+        check_serving({"policy": "layer"})
+    with pytest.raises(ValueError, match="unknown field"):
+        check_serving({"max_batch": 8, "priority": 2})
+
+
+# -- a daemon that imports a repository at start and serves it over both protocols ---------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+IMPORT_DONE = "refused"   # the import's last line: "<repo>: N versions imported, ... N refused"
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """(daemon, triton repository, gRPC host:port, HTTP host:port): the daemon imported the repository at start."""
+    root = tmp_path_factory.mktemp("triton")
+    repo = write_repository(root / "models")
+    ports = {"grpc": free_port(), "http": free_port()}
+    env = {"MODELCACHE_TRITON_REPOSITORY": str(repo), "MODELCACHE_GRPC_PORT": str(ports["grpc"]),
+           "MODELCACHE_HTTP_PORT": str(ports["http"])}
+    d = DaemonProcess(root, extra_env=env).start()
+    try:
+        wait_until(lambda: IMPORT_DONE in d.log_path.read_text(), 180, "the import at start")
+        yield d, repo, f"127.0.0.1:{ports['grpc']}", f"127.0.0.1:{ports['http']}"
+    finally:
+        stop_cleanly(d)
+
+
+def test_the_import_at_start_says_what_it_did(imported):
+    d, repo, _, _ = imported
+    log = d.log_path.read_text()
+    assert "cnn: imported versions 2, 3 (dynamic batching up to 8, 200000 us delay, preferred 4, 8, CPU only)" in log
+    assert "warning: cnn: config.pbtxt fields modelcache does not honour (served as if absent): " \
+           "instance_group.count, optimization" in log
+    assert "embed: imported version 1 (dynamic batching up to 4, 0 us delay; auto-completed: no config.pbtxt" in log
+    assert "trt: skipped: a TensorRT plan (platform tensorrt_plan); modelcache serves ONNX models only" in log
+    assert "broken: version 1: " in log and "is not a valid ONNX model" in log
+    half = next(line for line in log.splitlines() if line.startswith("half"))
+    assert half.startswith("half@2: ONNX Runtime cannot load") and half.endswith(
+        "not imported (version 1, added before it, removed)"), half
+    assert f"{repo}: 3 versions imported, 0 unchanged, 1 models skipped (not ONNX), 2 refused" in log
+    with d.client() as c:
+        have = sorted((m["name"], m["version"]) for m in c.listing().models)
+    assert have == [("cnn", 2), ("cnn", 3), ("embed", 1)]   # no half of `half`, nothing of broken or trt
+
+
+def test_both_protocols_answer_model_config_with_what_was_imported(imported):
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    _, repo, grpc_at, http_at = imported
+    hc, gc = httpclient.InferenceServerClient(http_at), grpcclient.InferenceServerClient(grpc_at)
+    try:
+        from modelcache.triton_repo.config import plan_model as plan
+        want = plan(repo / "cnn", model_io).config
+        assert hc.get_model_config("cnn") == want
+        got = gc.get_model_config("cnn").config
+        assert got.max_batch_size == 8 and list(got.dynamic_batching.preferred_batch_size) == [4, 8]
+        assert got.dynamic_batching.max_queue_delay_microseconds == 200000 and list(got.input[0].dims) == [3, 32, 32]
+        assert got.instance_group[0].kind == got.instance_group[0].KIND_CPU
+        assert hc.get_model_config("embed")["max_batch_size"] == 4
+        assert gc.get_model_metadata("cnn").versions == ["2", "3"]
+    finally:
+        hc.close()
+        gc.close()
+
+
+def test_served_with_the_configs_batching(imported):
+    """Eight concurrent gRPC requests within the config's 200 ms delay run as preferred batches of 4 or 8;
+    a request over max_batch_size is refused as Triton refuses it; the outputs are ORT's."""
+    import asyncio
+
+    import tritonclient.grpc as grpcclient
+    import tritonclient.grpc.aio as grpcaio
+    _, repo, grpc_at, http_at = imported
+    xs = [np.random.default_rng(k).standard_normal((1, 3, 32, 32)).astype(np.float32) for k in range(8)]
+
+    def inp(x):
+        i = grpcclient.InferInput("input", list(x.shape), "FP32")
+        i.set_data_from_numpy(x)
+        return i
+
+    async def concurrently():
+        async with grpcaio.InferenceServerClient(grpc_at) as c:
+            before = (await c.get_inference_statistics("cnn", "3")).model_stats[0]
+            results = await asyncio.gather(*(c.infer("cnn", [inp(x)]) for x in xs))
+            after = (await c.get_inference_statistics("cnn", "3")).model_stats[0]
+            return [r.as_numpy("logits") for r in results], before, after
+    outs, before, after = asyncio.run(concurrently())
+    want = ort.InferenceSession(str(repo / "cnn" / "3" / "model.onnx")).run(None, {"input": np.concatenate(xs)})[0]
+    np.testing.assert_allclose(np.concatenate(outs), want, rtol=1e-4, atol=1e-5)
+    assert after.inference_count - before.inference_count == 8
+    assert after.execution_count - before.execution_count <= 2, after
+    c = grpcclient.InferenceServerClient(grpc_at)
+    try:
+        from tritonclient.utils import InferenceServerException
+        with pytest.raises(InferenceServerException) as e:
+            c.infer("cnn", [inp(np.zeros((9, 3, 32, 32), np.float32))])
+        assert e.value.status() == "StatusCode.INVALID_ARGUMENT" and "max_batch_size is 8" in e.value.message()
+        for absent in ("trt", "broken", "half"):
+            assert not c.is_model_ready(absent)
+    finally:
+        c.close()
+
+
+def test_the_command_again_imports_nothing_unchanged(imported):
+    """`modelcache import-triton` against the running daemon: every version there already, the same: left
+    alone; the refusals again (exit status 1: something could not be imported)."""
+    d, repo, _, _ = imported
+    r = subprocess.run([sys.executable, "-m", "modelcache.cli", "import-triton", str(repo)], env=d.env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr
+    lines = r.stdout.splitlines()
+    assert "cnn@2: unchanged, not imported again" in lines and "embed@1: unchanged, not imported again" in lines
+    assert lines[-1] == f"{repo}: 0 versions imported, 3 unchanged, 1 models skipped (not ONNX), 2 refused"
+    assert any(line.startswith("half@2: ") and line.endswith("removed)") for line in lines)
+    # a changed configuration is refused rather than replacing what clients may be using
+    changed = repo.parent / "changed"
+    (changed / "embed" / "1").mkdir(parents=True)
+    (changed / "embed" / "1" / "model.onnx").write_bytes((repo / "embed" / "1" / "model.onnx").read_bytes())
+    (changed / "embed" / "config.pbtxt").write_text('backend: "onnxruntime"\nmax_batch_size: 2\n')
+    r = subprocess.run([sys.executable, "-m", "modelcache.cli", "import-triton", str(changed)], env=d.env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "modelcache rm embed --version 1" in r.stdout, r.stdout
+
+
+def test_a_restarted_daemon_adds_nothing_again(imported, tmp_path):
+    """The import at start is idempotent: the daemon started again on the same repositories says unchanged.
+    (Last in this module: it stops the module's daemon.)"""
+    d, repo, _, _ = imported
+    assert d.stop() == 0
+    d2 = DaemonProcess(tmp_path, extra_env={"MODELCACHE_REPOSITORY": str(d.repository),
+                                            "MODELCACHE_TRITON_REPOSITORY": str(repo)})
+    d2.start()
+    try:
+        wait_until(lambda: IMPORT_DONE in d2.log_path.read_text(), 180, "the import at start")
+        assert f"{repo}: 0 versions imported, 3 unchanged" in d2.log_path.read_text()
+    finally:
+        stop_cleanly(d2)
