@@ -172,19 +172,22 @@ def test_a_start_that_waits_on_the_repository_lock_says_who_holds_it(tmp_path):
     started: list = []
     starter = threading.Thread(target=lambda: started.append(d.start(timeout_s=60)))
     try:
-        starter.start()
-        said = f"held by pid {os.getpid()}"
-        wait_until(lambda: d.log_path.exists() and said in d.log_path.read_text(), 10, "the first line on the lock")
-        t0 = time.monotonic()
-        wait_until(lambda: d.log_path.read_text().count(said) >= 2, 15, "the lock's holder said again")
-        assert time.monotonic() - t0 < 10
-        assert str(d.repository / ".lock") in d.log_path.read_text()
-        assert not started
+        try:
+            starter.start()
+            said = f"held by pid {os.getpid()}"
+            wait_until(lambda: d.log_path.exists() and said in d.log_path.read_text(), 10, "the first line on the lock")
+            t0 = time.monotonic()
+            wait_until(lambda: d.log_path.read_text().count(said) >= 2, 15, "the lock's holder said again")
+            assert time.monotonic() - t0 < 10
+            assert str(d.repository / ".lock") in d.log_path.read_text()
+            assert not started
+        finally:
+            os.close(fd)
+            starter.join(60)
+        assert started, d.log_path.read_text()
+        stop_cleanly(d)
     finally:
-        os.close(fd)
-        starter.join(60)
-    assert started, d.log_path.read_text()
-    stop_cleanly(d)
+        d.kill()            # (a failure above must not leave the daemon, which starts once the lock is let go)
     r = subprocess.run([sys.executable, "-m", "modelcache.cli", "daemon", "--help"], capture_output=True, text=True)
     assert "waits up to" in " ".join(r.stdout.split()) and "repository" in r.stdout, r.stdout
 
