@@ -17,6 +17,7 @@ def run(*args, timeout=600):
     return r.stdout
 
 
+@pytest.mark.slow
 def test_coldstart_quick_on_tiny_models(tmp_path):
     out = tmp_path / "coldstart"
     text = run("coldstart", "--quick", "--models", "tiny-cnn", "tiny-vit", "--runs", "2", "--clients", "1", "2",
@@ -35,6 +36,7 @@ def test_coldstart_quick_on_tiny_models(tmp_path):
     assert (out / "speedup.png").stat().st_size > 1000 and (out / "memory.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_open_bench_on_a_tiny_model(tmp_path):
     text = run("open", "--models", "tiny-cnn", "--runs", "1", "--warm-runs", "3", "--out", str(tmp_path))
     assert "tiny-cnn" in text and "x plain ORT" in text
@@ -49,6 +51,7 @@ def test_tiers_bench_on_tiny_models(tmp_path):
     assert len(results["open_ms"]["remote miss"]) == 2 and all(v > 0 for v in results["promote_mb_s"])
 
 
+@pytest.mark.slow
 def test_executor_bench_runs(tmp_path):
     text = run("executor", "--model", "tiny-vit", "--seconds", "1", "--clients", "2", "--calls", "20",
                "--out", str(tmp_path))
@@ -59,6 +62,7 @@ def test_executor_bench_runs(tmp_path):
     assert all(r["requests"] > 0 for r in results["throughput"])
 
 
+@pytest.mark.slow
 def test_serve_bench_quick_sweeps_bisects_and_writes_csv_and_plots(tmp_path):
     out = tmp_path / "serve"
     text = run("serve", "--quick", "--policies", "serial", "layer", "--work", str(tmp_path / "work"),
@@ -77,6 +81,7 @@ def test_serve_bench_quick_sweeps_bisects_and_writes_csv_and_plots(tmp_path):
         assert (out / png).stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_soak_reports_each_interval_and_the_slopes(tmp_path):
     text = run("soak", "--minutes", "0.15", "--report-s", "3", "--clients", "3",
                "--models", "tiny-cnn", "tiny-fp16", "tiny-embed", "--out", str(tmp_path))
@@ -198,6 +203,7 @@ def test_coldstart_cuda_steps_that_need_no_cuda_run_against_a_fake_gpu_daemon(tm
         stop_cleanly(d)
 
 
+@pytest.mark.slow
 def test_http_bench_compares_the_v2_front_with_the_lane(tmp_path):
     text = run("http", "--model", "tiny-cnn", "--big", "tiny-vit", "--calls", "20", "--big-calls", "4",
                "--seconds", "1", "--clients", "2", "--out", str(tmp_path))

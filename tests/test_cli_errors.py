@@ -210,6 +210,7 @@ def test_the_node_actor_finds_the_daemon_where_the_daemon_listens(tmp_path):
     assert daemon_address({**env, **daemon_env(settings)}) == f"ipc://{tmp_path}/given.sock"   # `up --socket`
 
 
+@pytest.mark.slow
 def test_cluster_up_adopts_the_daemon_on_modelcache_socket(tmp_path, monkeypatch):
     """The bug itself, on a real one-node Ray cluster: a daemon runs on MODELCACHE_SOCKET, and `up` adopts it
     (it started a second daemon, which found the socket taken: 'did not get ready')."""

@@ -36,6 +36,7 @@ def _check(results):
     assert any(r.outcome == "pass" for r in results)
 
 
+@pytest.mark.slow
 def test_a_sample_of_the_onnx_backend_corpus_runs_as_in_plain_ort(conformance_client):
     client, root = conformance_client
     _check(C.run(client, C.load_cases(sample=SAMPLE, seed=2026), root))

@@ -385,6 +385,7 @@ def test_ports_in_use_are_one_line(tmp_path):
         assert f"grpc_port {port}" in str(e.value) and "Traceback" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_the_grpc_bench_alternates_servers_and_reports_ratios(tmp_path):
     """`modelcache bench grpc`, short and without the KServe peer (its venv is the benchmark's own): both our
     fronts through tritonclient, two rounds, and the ratio of each round."""
