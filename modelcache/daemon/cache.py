@@ -16,7 +16,7 @@ from .. import protocol as P
 from ..errors import (CapacityError, DaemonUnavailable, IntegrityError, ModelCacheError, ModelNotFound, PackError,
                       RemoteError)
 from ..eviction import make_policy
-from ..format import PREPACKED_FILE
+from ..format import PREPACKED_FILE, load_manifest
 from ..packing import pack_in_subprocess
 from ..scrub import DAMAGED, nothing_to_verify, verify_version
 from ..storage import storage_errors
@@ -218,16 +218,27 @@ class HostCache:
             self.gpu.when_on_device(model, device, answer)
         return None
 
+    def resolve(self, name: str, version: int | None) -> ModelRecord:
+        """The model a request names. A version whose manifest is damaged is refused as what it is
+        (IntegrityError), by every request alike: attach, serve, describe, remove..."""
+        try:
+            return self.registry.resolve(name, version)
+        except ModelNotFound:
+            unreadable = self._unreadable_version(name, version)
+            if not unreadable:
+                raise
+        fix = f"open it to fetch it again from {self.remote.url}" if self.remote is not None else \
+            "no remote store is configured to fetch it again"
+        raise IntegrityError(f"{unreadable}; {fix}")
+
     def resolve_or_fetch(self, ident: bytes, msg) -> ModelRecord | None:
-        """The model a request names; if only the remote store has it, start one fetch and return None."""
+        """The model a request names; if only the remote store has it (or has a good copy of a version whose
+        manifest is damaged here), start one fetch and return None: the request runs again when it lands."""
         try:
             return self.registry.resolve(msg.name, msg.version)
         except ModelNotFound:
-            unreadable = self._unreadable_version(msg.name, msg.version)
             if self.remote is None:
-                if unreadable:
-                    raise IntegrityError(f"{unreadable}; no remote store is configured to fetch it again") from None
-                raise
+                return self.resolve(msg.name, msg.version)   # (raises: unknown, or damaged)
         key = (msg.name, msg.version)
 
         def fail(error):
@@ -276,22 +287,23 @@ class HostCache:
             del self.repository.unreadable[(msg.name, msg.version)]
             log.info("damaged model removed: %s@%d", msg.name, msg.version)
             return P.Ack(req_id=msg.req_id)
-        model = self.registry.resolve(msg.name, msg.version)
+        model = self.resolve(msg.name, msg.version)
         self.admins.check_model_owner(ident, model, "remove")
         try:
             model.check_freeable()
         except CapacityError:
             raise CapacityError(f"{model.key} is in use or loading; it cannot be removed now") from None
+        # From disk first: a removal that fails there (StorageError) leaves the version as it was, served.
+        self.repository.remove(model.name, model.version)
         if model.state is ModelState.RESIDENT:
             self.evict(model)
             self.admit()
         self.registry.remove_model(model)
-        self.repository.remove(model.name, model.version)
         log.info("model removed: %s", model.key)
         return P.Ack(req_id=msg.req_id)
 
     def on_Pin(self, ident, msg: P.Pin):
-        model = self.registry.resolve(msg.name, msg.version)
+        model = self.resolve(msg.name, msg.version)
         self.admins.check_model_owner(ident, model, "pin" if msg.pinned else "unpin")
         was_pinned, model.pinned = model.pinned, msg.pinned
         log.info("model %s: %s", "pinned" if msg.pinned else "unpinned", model.key)
@@ -308,20 +320,35 @@ class HostCache:
             raise ModelNotFound(nothing_to_verify(self.repository.root, msg.name))
         targets = sorted([(m.key, m.disk_dir) for m in models] +
                          [(f"{n}@{v}", self.repository.model_dir(n, v)) for n, v in unreadable])
+        unregistered = {f"{n}@{v}": (n, v) for n, v in unreadable}
 
         def work():
-            return [verify_version(disk_dir, key) for key, disk_dir in targets]
+            reports = [verify_version(disk_dir, key) for key, disk_dir in targets]
+            # A version whose manifest was damaged at start and is intact now: its manifest, to register it.
+            restored = {}
+            for r in reports:
+                if r.key in unregistered and r.status != DAMAGED:
+                    try:
+                        restored[r.key] = load_manifest(self.repository.model_dir(*unregistered[r.key]), r.key)
+                    except IntegrityError:   # damaged again since its check: it stays unreadable
+                        pass
+            return reports, restored
 
-        def done(reports, error):
+        def done(result, error):
             if error is not None:
                 self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=getattr(error, "code", "internal"),
                                                message=f"verify: {error}"))
                 return
+            reports, restored = result
             by_key = {m.key: m for m in models}
             out = []
             for r in reports:
                 model = by_key.get(r.key)
                 cleared = model is not None and r.status != DAMAGED and model.found_intact()
+                if r.key in restored and self.repository.unreadable.pop(unregistered[r.key], None) is not None \
+                        and unregistered[r.key] not in self.registry.models:
+                    self.registry.add_model(self.repository.model_dir(*unregistered[r.key]), restored[r.key])
+                    cleared = True
                 if cleared:
                     log.info("model %s: its files are intact again (verify); served again", r.key)
                 out.append(r.to_wire(cleared))
@@ -342,7 +369,7 @@ class HostCache:
                 self.admit()
 
     def on_Evict(self, ident, msg: P.Evict):
-        model = self.registry.resolve(msg.name, msg.version)
+        model = self.resolve(msg.name, msg.version)
         self.admins.check_model_owner(ident, model, "evict")
         before, freed = model.copies, 0
         if msg.tier != "host":
