@@ -572,6 +572,7 @@ class _DaemonsRepository(argparse.Action):
 
 def build_parser() -> argparse.ArgumentParser:
     from .config import CLIENT_SETTINGS
+    from .reservations import LOCK_SAY_EVERY_S, LOCK_WAIT_S
     # The settings each kind of command reads (set_defaults(uses=...)); the others keep their defaults unread, so
     # that a daemon-only setting that is wrong in the config file never breaks a command that asks the daemon.
     add_settings = CLIENT_SETTINGS + ("repository", "opt_level", "prepack")
@@ -604,7 +605,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "SIGTERM or Ctrl-C stops it gracefully (running loads finish, waiting "
                                    "clients get answers), a second one at once; SIGHUP re-reads the "
                                    "settings that can change live (log_level, heartbeat_interval_s, "
-                                   "lease_timeout_s, host_capacity, and the batching settings).")
+                                   "lease_timeout_s, host_capacity, and the batching settings). At start it "
+                                   f"waits up to {LOCK_WAIT_S:.0f} s for the repository's lock "
+                                   "(REPOSITORY/.lock) while another process holds it, logging which one every "
+                                   f"{LOCK_SAY_EVERY_S:.0f} s; then it starts without sweeping the repository's "
+                                   "half-written versions.")
     d.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     d.add_argument("--host-capacity", help="host-tier size: bytes (8G, 512M) or percent of RAM (50%%)")
     d.add_argument("--metrics-port", type=_port_arg,

@@ -17,6 +17,7 @@ from typing import Iterator
 
 from . import integrity
 from .errors import IntegrityError
+from .storage import storage_errors, write_atomic
 
 MANIFEST_FORMAT = 1
 SKELETON_FILE = "model.onnx"
@@ -205,11 +206,12 @@ def version_dirs(root: Path, name: str | None = None) -> list[tuple[str, int, Pa
     return found
 
 
-def write_manifest(model_dir: Path, manifest: Manifest) -> None:
-    """Replace a packed model's manifest atomically: a reader sees the old one or the new one."""
-    tmp = model_dir / (MANIFEST_FILE + ".tmp")
-    tmp.write_text(manifest.to_json())
-    os.replace(tmp, model_dir / MANIFEST_FILE)
+def write_manifest(model_dir: Path, manifest: Manifest, doing: str = "") -> None:
+    """Replace a packed model's manifest atomically and durably: a reader sees the old one or the new one.
+    A failure is a StorageError naming the version, `doing` (default: rewriting its manifest) and the file."""
+    key = f"{manifest.name}@{manifest.version}"
+    with storage_errors(doing or f"rewriting the manifest of {key}", Path(model_dir) / MANIFEST_FILE):
+        write_atomic(Path(model_dir) / MANIFEST_FILE, manifest.to_json(), durable=True)
 
 
 def write_gpu_stub(model_dir: Path, manifest: Manifest) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +28,11 @@ import onnx
 from onnx import TensorProto
 
 from . import integrity, prepack, reservations
-from .errors import ModelCacheError, PackError, from_code
+from .errors import ModelCacheError, PackError, StorageError, from_code
 from .format import (ALIGN, CHECKED_FILES, GPU_SKELETON_FILE, GPU_STUB_FILE, MANIFEST_FILE, PREPACKED_FILE, SKELETON_FILE,
                      WEIGHTS_FILE, IOEntry, Manifest, TensorEntry, iter_graphs, load_manifest, tensor_nbytes,
                      write_gpu_stub)
-from .storage import explain_failed_write, storage_error, storage_errors
+from .storage import explain_failed_write, remove_tree, storage_error, storage_errors
 
 log = logging.getLogger("modelcache.packing")
 
@@ -136,8 +135,21 @@ def optimize(src: str, out_dir: Path, opt_level: str, doing: str = "optimizing",
         ort_says = str(e).strip()[:500]
         why = (f"{src} is not a valid ONNX model: {checker_says}; ONNX Runtime cannot load it either: {ort_says}"
                if checker_says else f"ONNX Runtime cannot load {src}: {ort_says}")
-        raise explain_failed_write(out_dir, doing, _source_bytes(src)) or PackError(why) from None
+        raise explain_failed_write(out_dir, doing, _source_bytes(src)) or _failed_write(src, so, out_dir, doing,
+                                                                                        ort_says) or PackError(why) from None
     return out_dir / "optimized.onnx"
+
+
+def _failed_write(src: str, so, out_dir: Path, doing: str, ort_says: str) -> StorageError | None:
+    """ORT failed where the file system shows no cause (an I/O error: ORT keeps no errno, and says
+    "Protobuf serialization failed"): if the same model builds when nothing is written, its write failed."""
+    import onnxruntime as ort
+    so.optimized_model_filepath = ""
+    try:
+        ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+    except Exception:
+        return None     # the model's own fault: PackError
+    return StorageError(f"{doing} failed writing the optimized model under {out_dir}: ONNX Runtime says {ort_says}")
 
 
 def has_half_weights(model: onnx.ModelProto) -> bool:
@@ -495,7 +507,9 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
                             src, opt_level, str(e)[:300], lower)
                 opt_level = lower
         gpu_tensors, weights_bytes = _write_gpu_skeleton(gpu, tmp, tensors, weights_bytes, progress)
-        shutil.rmtree(work)
+        error = remove_tree(work)       # (it must go: the version is published as this directory holds it)
+        if error is not None:
+            raise error
         manifest = Manifest(
             name=name, version=version,
             inputs=_io_entries(v for v in source_model.graph.input if v.name in fed),
@@ -514,7 +528,8 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
         for p in tmp.iterdir():  # durable before visible
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
-        reservations.publish(reservation, repository / name / str(version))
+        with storage_errors(doing, repository):
+            reservations.publish(reservation, repository / name / str(version))
         return manifest
     except OSError as e:
         error = storage_error(e, f"adding {name}@{version}", tmp) or e  # before the cleanup frees space
@@ -651,9 +666,10 @@ def _main(argv: list[str]) -> int:
         if fd_names:  # the client's descriptors: pack a private copy, never a path the client named
             from .sources import copy_sources
             fds, names = zip(*((int(fd), n) for fd, _, n in (s.partition(":") for s in fd_names)))
-            scratch = reservations.scratch(Path(repository))  # (swept like a reservation after a crash)
-            copied = str(scratch.tmp)
-            path = copy_sources(list(fds), list(names), copied)
+            with storage_errors(f"adding {name}: copying its files into the repository", repository):
+                scratch = reservations.scratch(Path(repository))  # (swept like a reservation after a crash)
+                copied = str(scratch.tmp)
+                path = copy_sources(list(fds), list(names), copied)
         else:
             path = src
         pack(path, Path(repository), name, int(version), opt_level,

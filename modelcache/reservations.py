@@ -11,23 +11,34 @@ inside it for as long as it works, so
 - two writers never pick the same version: the choice of a version and the creation of its
   reservation happen under a short lock on `<root>/.lock`, looking at both the finished versions
   and the live reservations.
+
+Whoever takes `<root>/.lock` writes its pid and the time into it, so that one who waits for it can say
+who holds it, and since when (the kernel's /proc/locks says the pid; the file says since when).
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
-import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import PackError
+from .errors import PackError, StorageError
+from .storage import remove_tree, storage_error
+
+log = logging.getLogger("modelcache.repository")
 
 REPOSITORY_LOCK = ".lock"   # held only while choosing a version or sweeping, never while packing
 WRITER_LOCK = ".writer"     # inside a reservation, held by its writer until it finishes
 TEMP_PREFIX = ".tmp-"
+# Another process's hold on the repository lock is short (it picks a version, or renames one into place):
+# one that lasts longer is waited for this long, saying who holds it every LOCK_SAY_EVERY_S, then refused.
+LOCK_WAIT_S = 60.0
+LOCK_SAY_EVERY_S = 5.0
 
 
 @dataclass
@@ -46,20 +57,32 @@ class Reservation:
 
 class _RepositoryLock:
     """The short exclusive lock on `<root>/.lock`. `held` is False where it cannot be taken because
-    the repository is read-only or not ours to write: then nobody can be writing into it either."""
+    the repository is read-only or not ours to write: then nobody can be writing into it either.
+    Waits up to LOCK_WAIT_S for another process's hold, logging who holds it (then StorageError)."""
 
     def __init__(self, root: Path):
         self.root = root
         self.fd = -1
 
     def __enter__(self) -> "_RepositoryLock":
+        path = self.root / REPOSITORY_LOCK
         try:
-            self.fd = os.open(self.root / REPOSITORY_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
         except OSError as e:
             if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
-                raise
+                raise storage_error(e, "locking the repository", path) from None
             return self
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            _wait_for(self.fd, path)
+        except BaseException:
+            os.close(self.fd)
+            self.fd = -1
+            raise
+        try:   # who holds it, since when: for whoever waits meanwhile (a failure only costs them that line)
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, f"pid {os.getpid()} since {time.time():.0f}\n".encode(), 0)
+        except OSError:
+            pass
         return self
 
     @property
@@ -69,6 +92,66 @@ class _RepositoryLock:
     def __exit__(self, *exc) -> None:
         if self.fd >= 0:
             os.close(self.fd)
+
+
+def _wait_for(fd: int, path: Path) -> None:
+    """Take the flock on `fd`; while another process holds it, say who, at once and every LOCK_SAY_EVERY_S."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        pass
+    began = time.monotonic()
+    said, waited_since = began, time.time()
+    log.warning("waiting for the repository lock %s, %s (waiting up to %.0f s)", path, _holder(fd, path, waited_since),
+                LOCK_WAIT_S)
+    while True:
+        time.sleep(0.05)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            log.info("got the repository lock %s after %.1f s", path, time.monotonic() - began)
+            return
+        except BlockingIOError:
+            pass
+        now = time.monotonic()
+        if now - began >= LOCK_WAIT_S:
+            raise StorageError(f"the repository lock {path} is still {_holder(fd, path, waited_since)}, after "
+                               f"{LOCK_WAIT_S:.0f} s: stop that process, or try again once it is done")
+        if now - said >= LOCK_SAY_EVERY_S:
+            said = now
+            log.warning("still waiting for the repository lock %s (%.0f s), %s", path, now - began,
+                        _holder(fd, path, waited_since))
+
+
+def _holder(fd: int, path: Path, waited_since: float) -> str:
+    """'held by pid N (its command) since HH:MM:SS', from /proc/locks and what the holder wrote in the file."""
+    st = os.fstat(fd)
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pid = None
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == inode:
+                    pid = int(fields[4])
+                    break
+    except (OSError, ValueError):
+        pass
+    if pid is None:
+        return "held by another process"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read(200).replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        command = ""
+    try:
+        said = os.pread(fd, 100, 0).decode(errors="replace").split()
+        since = float(said[3]) if said[:3] == ["pid", str(pid), "since"] else None
+    except (OSError, ValueError, IndexError):
+        since = None
+    when = time.strftime("%H:%M:%S", time.localtime(since)) if since is not None else \
+        f"before {time.strftime('%H:%M:%S', time.localtime(waited_since))}"
+    return f"held by pid {pid}" + (f" ({command[:80]})" if command else "") + f" since {when}"
 
 
 def _writer_alive(tmp: Path) -> bool:
@@ -93,7 +176,7 @@ def _sweep_dead(root: Path) -> list[Path]:
         if _writer_alive(tmp):
             live.append(tmp)
         else:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp)   # (what stays is tried again at the next sweep)
     return live
 
 
@@ -112,12 +195,16 @@ def finished_versions(root: Path, name: str) -> set[int]:
 
 
 def sweep(root: Path) -> None:
-    """Remove half-written versions whose writer died; leave those still being written."""
+    """Remove half-written versions whose writer died; leave those still being written. Only tidying: where
+    the lock cannot be had (held too long, a disk error), it says so and leaves them for the next sweep."""
     if not root.is_dir():
         return
-    with _RepositoryLock(root) as lock:
-        if lock.held:
-            _sweep_dead(root)
+    try:
+        with _RepositoryLock(root) as lock:
+            if lock.held:
+                _sweep_dead(root)
+    except StorageError as e:
+        log.warning("not sweeping half-written versions now: %s", e)
 
 
 def reserve(root: Path, name: str, version: int | None) -> Reservation:
@@ -152,21 +239,38 @@ def scratch(root: Path) -> Reservation:
 def _locked_temp_dir(root: Path, prefix: str) -> tuple[Path, int]:
     """A new temp dir with its writer lock held by us (the fd). Call under the repository lock."""
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
-    fd = os.open(tmp / WRITER_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fd = os.open(tmp / WRITER_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except BaseException:
+        remove_tree(tmp)
+        raise
     fcntl.flock(fd, fcntl.LOCK_EX)
     return tmp, fd
 
 
 def publish(reservation: Reservation, final: Path) -> None:
     """Make the reserved version visible: the writer lock file goes, then one rename, both under the
-    repository lock so that no sweep sees the reservation without its lock file in between."""
+    repository lock so that no sweep sees the reservation without its lock file in between. On a failure
+    the version is not visible, and the caller abandons the reservation."""
     with _RepositoryLock(reservation.tmp.parent):
         (reservation.tmp / WRITER_LOCK).unlink()
+        made_parent = not final.parent.exists()
         final.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(reservation.tmp, final)
+        try:
+            os.rename(reservation.tmp, final)
+        except BaseException:
+            if made_parent:   # (a first version's name directory goes with it)
+                try:
+                    final.parent.rmdir()
+                except OSError:
+                    pass
+            raise
     reservation.release()
 
 
 def abandon(reservation: Reservation) -> None:
-    shutil.rmtree(reservation.tmp, ignore_errors=True)
+    """Remove a reservation's directory and let go of it (what a failure leaves, the next sweep removes)."""
+    error = remove_tree(reservation.tmp)
     reservation.release()
+    if error is not None:
+        log.warning("could not remove %s (%s); the next sweep of the repository will", reservation.tmp, error)

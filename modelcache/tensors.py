@@ -14,6 +14,7 @@ import math
 import os
 
 from .errors import InputError, ProtocolError
+from .storage import remove_tree, storage_error
 
 INLINE_MAX_BYTES = 256 * 1024
 IO_DIR = "/dev/shm"        # where clients write the I/O files of large inputs, and the one place the daemon reads them
@@ -30,18 +31,28 @@ _dtypes: dict = {}        # and back: a name on the wire -> numpy dtype (only na
 
 
 def encode(arrays: dict, shm_dir: str = IO_DIR, group_of: str | None = None,
-           inline_only: bool = False) -> tuple[list, list[str]]:
+           inline_only: bool = False, model: str = "") -> tuple[list, list[str]]:
     """name -> value  =>  (wire list, shm files the caller must unlink once answered).
 
     A value is a tensor (numpy array or scalar), or what ORT takes and returns besides: a sequence
     (list), an optional's None, a map (dict, ZipMap's output). The daemon answers inline
-    (`inline_only`): it cannot know when a client has read a file.
+    (`inline_only`): it cannot know when a client has read a file. A file that cannot be written (a full
+    /dev/shm) is a StorageError naming the input, `model` and the file; no file of the call stays.
     """
     wire, files = [], []
-    for name, value in arrays.items():
-        entry = _encode_value(value, shm_dir, group_of, inline_only, files)
-        entry["name"] = name
-        wire.append(entry)
+    try:
+        for name, value in arrays.items():
+            try:
+                entry = _encode_value(value, shm_dir, group_of, inline_only, files)
+            except OSError as e:
+                raise storage_error(e, f"passing input {name!r}" + (f" of {model}" if model else ""), shm_dir) \
+                    or e from None
+            entry["name"] = name
+            wire.append(entry)
+    except BaseException:
+        for f in files:
+            remove_tree(f)
+        raise
     return wire, files
 
 
@@ -68,6 +79,7 @@ def _encode_tensor(value, shm_dir: str, group_of: str | None, inline_only: bool,
         return entry
     path = os.path.join(shm_dir, f"{IO_PREFIX}{os.getuid()}.{os.getpid()}.{next(_counter)}")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+    files.append(path)          # (from now: a write that fails leaves it for encode to remove)
     try:
         if group_of:  # let the daemon's group read it (a member may give a file to its group)
             try:
@@ -78,7 +90,6 @@ def _encode_tensor(value, shm_dir: str, group_of: str | None, inline_only: bool,
             f.write(memoryview(a).cast("B"))
     finally:
         os.close(fd)
-    files.append(path)
     entry.update(shm=path, nbytes=a.nbytes)
     return entry
 

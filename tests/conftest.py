@@ -122,6 +122,27 @@ def daemon_with_models(root: Path, paths: dict):
 
 
 @pytest.fixture
+def small_tmpfs(tmp_path):
+    """small_tmpfs(size) -> a directory on a fresh tmpfs of that size; unmounted after the test."""
+    mounts = []
+
+    def mount(size: str, name: str = "fs", options: str = "") -> Path:
+        where = tmp_path / f"{name}-{len(mounts)}"
+        where.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}" + (f",{options}" if options else ""),
+                            "tmpfs", str(where)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        mounts.append(where)
+        return where
+
+    yield mount
+    for where in mounts:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.fixture
 def daemon(tmp_path):
     d = DaemonProcess(tmp_path).start()
     yield d
@@ -153,6 +174,13 @@ def run_client(socket: str, *args: str, timeout_s: float = 300) -> subprocess.Co
     env = {**os.environ, "MODELCACHE_SOCKET": socket}
     return subprocess.run([sys.executable, str(HERE / "client_worker.py"), *args], env=env,
                           capture_output=True, text=True, timeout=timeout_s)
+
+
+def dead_pid() -> int:
+    """A process id that no process has now (one that just exited)."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
 
 
 def wait_until(predicate, timeout_s: float = 15.0, what: str = "condition"):

@@ -317,6 +317,40 @@ def test_a_repaired_file_is_served_again_after_verify(tmp_path, packed, zoo_file
         stop_cleanly(d)
 
 
+def test_a_restored_manifest_is_served_again_after_verify_and_serve_says_what_attach_says(tmp_path, packed,
+                                                                                          zoo_file):
+    """A manifest truncated before the start: attach, a serve session and `infer` give one answer (the
+    damaged manifest, typed); once it is put back, `verify NAME` finds it intact and serves it again, with
+    no restart."""
+    src = zoo_file("tiny-cnn")
+    feeds = zoo.sample_inputs(src)
+    manifest = packed / "manifest.json"
+    good = manifest.read_bytes()
+    manifest.write_bytes(good[:100])
+    d = DaemonProcess(tmp_path).start()
+    try:
+        with d.client() as c:
+            answers = []
+            for how in (lambda: modelcache.InferenceSession(NAME, client=c),
+                        lambda: modelcache.InferenceSession(NAME, client=c, mode="serve"),
+                        lambda: c.infer(NAME, feeds), lambda: c.describe(NAME, 1)):
+                with pytest.raises(IntegrityError) as e:
+                    how()
+                answers.append(str(e.value))
+            assert len(set(answers)) == 1 and "cnn@1: manifest.json is damaged" in answers[0], answers
+        manifest.write_bytes(good)
+        r = verify(tmp_path, NAME, env=d.env)
+        assert r.returncode == 0 and "(was marked corrupt: served again)" in r.stdout, r.stdout + r.stderr
+        with d.client() as c:
+            with modelcache.InferenceSession(NAME, client=c) as s:
+                np.testing.assert_allclose(s.run(None, feeds)[0], reference(src, feeds), rtol=1e-4, atol=1e-5)
+            with modelcache.InferenceSession(NAME, client=c, mode="serve") as s:
+                np.testing.assert_allclose(s.run(None, feeds)[0], reference(src, feeds), rtol=1e-4, atol=1e-5)
+            assert [(m["name"], m["state"]) for m in c.list()] == [(NAME, "resident")]
+    finally:
+        stop_cleanly(d)
+
+
 # -- pure parts -----------------------------------------------------------------------------
 
 def test_parse_manifest_never_raises_a_decode_error(packed):

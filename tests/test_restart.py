@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import time
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import modelcache
 from modelcache import zoo
 
-from conftest import DaemonProcess
+from conftest import DaemonProcess, dead_pid
 
 
 @pytest.fixture(autouse=True)
@@ -197,3 +198,25 @@ def test_a_stray_reply_of_any_kind_is_dropped_by_request_id(tmp_path):
         c.close()
     finally:
         _stop(d)
+
+
+@pytest.mark.parametrize("garbage", [bytes(random.Random(0).randrange(256) for _ in range(64)), b"\xff\xfe\x00", b""],
+                         ids=["random bytes", "invalid utf-8", "empty"])
+def test_a_dead_tier_whose_owner_file_is_garbage_is_swept_not_fatal(tmp_path, shm_env, zoo_file, garbage):
+    """Another daemon's dead tier whose `owner` holds random bytes: no daemon can re-adopt it, so the start
+    sweeps it (naming the file) and comes up."""
+    dead = shm_env / f"modelcache.{os.getuid()}.{dead_pid()}"
+    dead.mkdir()
+    (dead / "owner").write_bytes(garbage)
+    (dead / "seg-0.bin").write_bytes(b"\0" * 4096)
+    d = DaemonProcess(tmp_path).start()
+    try:
+        assert not dead.exists()
+        with d.client() as c:
+            c.add(zoo_file("tiny-cnn"), "cnn")
+            assert not c.open("cnn").hit
+    finally:
+        _stop(d)
+    log = d.log_path.read_text()
+    assert "internal error" not in log and "Traceback" not in log
+    assert str(dead) in log, log

@@ -23,27 +23,6 @@ from modelcache.tiers.disk import Repository
 from conftest import HERE, DaemonProcess, stop_cleanly
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """small_tmpfs(size) -> a directory on a fresh tmpfs of that size; unmounted after the test."""
-    mounts = []
-
-    def mount(size: str, name: str = "fs", options: str = "") -> Path:
-        where = tmp_path / f"{name}-{len(mounts)}"
-        where.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}" + (f",{options}" if options else ""),
-                            "tmpfs", str(where)],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-        mounts.append(where)
-        return where
-
-    yield mount
-    for where in mounts:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-
-
 # -- writers that share a repository ---------------------------------------------------------------
 
 def test_eight_offline_adds_of_one_name_get_eight_versions(tmp_path, zoo_file):

@@ -393,7 +393,7 @@ class Client:
               deadline_ms: float | None = None) -> tuple[dict, dict]:
         """Serve mode: the daemon runs the model. Returns (name -> output array, timings)."""
         from .. import tensors
-        wire, files = tensors.encode(feeds, group_of=self._group_of)
+        wire, files = tensors.encode(feeds, group_of=self._group_of, model=name)
         try:
             reply = self._call(P.Infer(req_id=0, client_id=self.client_id, name=name, inputs=wire, version=version,
                                        output_names=output_names, deadline_ms=deadline_ms), expect=(P.InferReply,),
@@ -413,7 +413,7 @@ class Client:
         no run starts after MAX_PROFILE_S (60 s)."""
         from .. import tensors
         from ..protocol import MAX_PROFILE_S
-        wire, files = tensors.encode(feeds, group_of=self._group_of)
+        wire, files = tensors.encode(feeds, group_of=self._group_of, model=name)
         try:
             # Beyond the usual timeout: the worker starts no run after MAX_PROFILE_S, but first finishes the
             # stages queued on it and builds the session.

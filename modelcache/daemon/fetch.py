@@ -25,18 +25,29 @@ class Fetcher:
         self.redispatch = redispatch      # (ident, request): run a request again (after its fetch)
         self.fetches: dict = {}           # (name, version) -> [(retry, fail)] waiting on one fetch
 
+    def resolve(self, name: str, version: int | None) -> ModelRecord:
+        """The model a request names. A version whose manifest is damaged is refused as what it is
+        (IntegrityError), by every request alike: attach, serve, describe, remove..."""
+        try:
+            return self.registry.resolve(name, version)
+        except ModelNotFound:
+            unreadable = self.unreadable_version(name, version)
+            if not unreadable:
+                raise
+        fix = f"open it to fetch it again from {self.remote.url}" if self.remote is not None else \
+            "no remote store is configured to fetch it again"
+        raise IntegrityError(f"{unreadable}; {fix}")
+
     def resolve_or_fetch(self, ident, msg) -> ModelRecord | None:
-        """The model a request names; if only the remote store has it, start one fetch and return None
-        (the request runs again once it lands, or is answered with the fetch's error)."""
+        """The model a request names; if only the remote store has it (or has a good copy of a version whose
+        manifest is damaged here), start one fetch and return None: the request runs again when it lands (or
+        is answered with the fetch's error)."""
         from .. import protocol as P
         try:
             return self.registry.resolve(msg.name, msg.version)
         except ModelNotFound:
-            unreadable = self.unreadable_version(msg.name, msg.version)
             if self.remote is None:
-                if unreadable:
-                    raise IntegrityError(f"{unreadable}; no remote store is configured to fetch it again") from None
-                raise
+                return self.resolve(msg.name, msg.version)   # (raises: unknown, or damaged)
         key = (msg.name, msg.version)
 
         def fail(error):

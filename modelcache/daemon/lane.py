@@ -25,6 +25,7 @@ import zmq
 
 from ..errors import ModelCacheError
 from ..lane import MAX_BODY, MAX_FDS, FrameReader, LaneError, frame, recv_chunk, recv_chunk_with_fds, send_fds
+from ..storage import remove_tree
 from .identity import socket_credentials
 
 log = logging.getLogger("modelcache.daemon")
@@ -284,4 +285,6 @@ class LaneServer:
         if self.listener is not None:
             self.listener.close()
             self.listener = None
-        Path(self.path).unlink(missing_ok=True)
+        error = remove_tree(self.path)   # (tried twice; what stays, the server's stop tries again)
+        if error is not None:
+            log.warning("could not remove the lane's socket %s: %s", self.path, error)

@@ -11,7 +11,8 @@ import logging
 import time
 
 from .. import protocol as P
-from ..errors import CapacityError, ModelCacheError, ModelNotFound, PackError
+from ..errors import CapacityError, IntegrityError, ModelCacheError, ModelNotFound, PackError
+from ..format import load_manifest
 from ..packing import pack_in_subprocess
 from ..scrub import DAMAGED, nothing_to_verify, verify_version
 from ..sources import check_regular_files, check_source_names, close_all
@@ -72,7 +73,7 @@ class Models:
         return None
 
     def on_Evict(self, ident, msg: P.Evict):
-        model = self.registry.resolve(msg.name, msg.version)
+        model = self.fetcher.resolve(msg.name, msg.version)
         self.admins.check_model_owner(ident, model, "evict")
         before, freed = model.copies, 0
         if msg.tier == "host":
@@ -97,7 +98,7 @@ class Models:
         return outcome(msg, model, before, freed_bytes=freed)
 
     def on_Pin(self, ident, msg: P.Pin):
-        model = self.registry.resolve(msg.name, msg.version)
+        model = self.fetcher.resolve(msg.name, msg.version)
         self.admins.check_model_owner(ident, model, "pin" if msg.pinned else "unpin")
         was_pinned = model.pin(msg.pinned)
         log.info("model %s: %s", "pinned" if msg.pinned else "unpinned", model.key)
@@ -111,17 +112,18 @@ class Models:
             del self.repository.unreadable[(msg.name, msg.version)]
             log.info("damaged model removed: %s@%d", msg.name, msg.version)
             return P.Ack(req_id=msg.req_id)
-        model = self.registry.resolve(msg.name, msg.version)
+        model = self.fetcher.resolve(msg.name, msg.version)
         self.admins.check_model_owner(ident, model, "remove")
         try:
             model.host.check_freeable()
         except CapacityError:
             raise CapacityError(f"{model.key} is in use or loading; it cannot be removed now") from None
+        # From disk first: a removal that fails there (StorageError) leaves the version as it was, served.
+        self.repository.remove(model.name, model.version)
         if model.state is ModelState.RESIDENT:
             self.host.evict(model)
             self.host.admit()
         self.registry.remove_model(model)
-        self.repository.remove(model.name, model.version)
         log.info("model removed: %s", model.key)
         return P.Ack(req_id=msg.req_id)
 
@@ -134,20 +136,35 @@ class Models:
             raise ModelNotFound(nothing_to_verify(self.repository.root, msg.name))
         targets = sorted([(m.key, m.disk_dir) for m in models] +
                          [(f"{n}@{v}", self.repository.model_dir(n, v)) for n, v in unreadable])
+        unregistered = {f"{n}@{v}": (n, v) for n, v in unreadable}
 
         def work():
-            return [verify_version(disk_dir, key) for key, disk_dir in targets]
+            reports = [verify_version(disk_dir, key) for key, disk_dir in targets]
+            # A version whose manifest was damaged at start and is intact now: its manifest, to register it.
+            restored = {}
+            for r in reports:
+                if r.key in unregistered and r.status != DAMAGED:
+                    try:
+                        restored[r.key] = load_manifest(self.repository.model_dir(*unregistered[r.key]), r.key)
+                    except IntegrityError:   # damaged again since its check: it stays unreadable
+                        pass
+            return reports, restored
 
-        def done(reports, error):
+        def done(result, error):
             if error is not None:
                 self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=getattr(error, "code", "internal"),
                                                message=f"verify: {error}"))
                 return
+            reports, restored = result
             by_key = {m.key: m for m in models}
             out = []
             for r in reports:
                 model = by_key.get(r.key)
                 cleared = model is not None and r.status != DAMAGED and model.found_intact()
+                if r.key in restored and self.repository.unreadable.pop(unregistered[r.key], None) is not None \
+                        and unregistered[r.key] not in self.registry.models:
+                    self.registry.add_model(self.repository.model_dir(*unregistered[r.key]), restored[r.key])
+                    cleared = True
                 if cleared:
                     log.info("model %s: its files are intact again (verify); served again", r.key)
                 out.append(r.to_wire(cleared))

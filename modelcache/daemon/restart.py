@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from ..errors import ModelCacheError
+from ..storage import remove_tree
 from ..tiers.adopt import Adoption, adopt_host_tier
 
 log = logging.getLogger("modelcache.daemon")
@@ -45,7 +46,9 @@ class SocketLock:
 
     def release(self) -> None:
         if self.fd is not None:
-            self.path.unlink(missing_ok=True)   # while still held: a newcomer then locks a fresh file
+            error = remove_tree(self.path)   # while still held: a newcomer then locks a fresh file
+            if error is not None:   # (left: the next daemon locks it as it is, the kernel having dropped ours)
+                log.warning("could not remove the lock file %s: %s", self.path, error)
             os.close(self.fd)
             self.fd = None
 

@@ -36,6 +36,7 @@ from ..tiers.host import HostTier
 from ..tiers.remote import RemoteStore
 from ..lane import lane_path
 from ..eviction import make_policy as named_policy
+from ..storage import remove_tree, storage_errors
 from .fds import FdBudget, raise_fd_limit
 from .fetch import Fetcher
 from .gpus import GpuTiers
@@ -154,14 +155,16 @@ class Daemon:
         self.fd_budget = FdBudget(raise_fd_limit())   # before any socket: see daemon/fds.py
         if addr.startswith("ipc://"):  # first: a daemon that refuses to start leaves nothing behind
             path = Path(addr[len("ipc://"):])
-            path.parent.mkdir(parents=True, exist_ok=True)
             lock = SocketLock(path)
-            lock.acquire()
+            with storage_errors("starting the daemon", path.parent):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                lock.acquire()
             try:
                 if os.path.lexists(path):
                     check_socket_file(path)
                     self._refuse_if_live(addr)
-                    path.unlink()
+                    with storage_errors("removing a dead daemon's socket", path):
+                        path.unlink()
                 if self.lane is not None:
                     check_socket_file(Path(self.lane.path))
             except BaseException:
@@ -180,8 +183,9 @@ class Daemon:
         for model_dir, manifest in self.repository.scan():
             self.registry.add_model(model_dir, manifest)
         adoption = adopt_resident_models(self.residency)   # warm restart: a dead daemon's host tier, checked
-        self.host.start()
-        self.gpus.start()
+        with storage_errors("creating the host tier", self.host.root):
+            self.host.start()
+            self.gpus.start()
         settle_adopted(self.residency, adoption)
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
@@ -360,6 +364,7 @@ class Daemon:
                 if self.clock() >= next_sweep:
                     self._check_fds()
                     self.sweep_clients()
+                    self.engine.save_perf_models(self.clock())
                     for key in self.engine.drop_idle(self.clock(), self.settings.serve_idle_s):
                         log.info("serve sessions of %s dropped after %.0f s idle", key, self.settings.serve_idle_s)
                     self.publish_metrics()
@@ -386,26 +391,33 @@ class Daemon:
                     self.wake_rx.recv()
             self.loaders.apply_completions()
             self.engine.on_timer(self.clock())
-        self.loaders.shutdown()
-        self.engine.stop()
-        if self.lane is not None:
-            self.lane.stop()
-        if self.router_events is not None:
-            self.router.disable_monitor()
-            self.router_events.close(linger=0)
-        if self.router is not None:
-            self.router.close(linger=2000)  # let the last answers (drained above) reach their clients
-        if self.wake_rx is not None:
-            self.wake_rx.close(linger=0)
-        if self.metrics is not None:
-            self.metrics.stop()
-        for child in self.children:
-            child.wait()
-        self._remove_socket_file()
-        # Clients that still map a model keep their pages (host and GPU): freeing only drops our references.
-        self.gpus.stop()
-        self.host.stop(keep=self.settings.keep_host_tier)  # kept: the next daemon here re-adopts it
-        self.notifier.close()
+        # From here each step on its own: one that fails (a full state directory, a disk answering EIO) is
+        # logged, and the rest still run; the sockets and the host tier always go.
+        self._each_step("stopping", (
+            self.loaders.shutdown,
+            self.engine.stop,      # (saves the performance models: a failure is logged there, once)
+            lambda: self.lane is not None and self.lane.stop(),
+            lambda: self.router_events is not None and (self.router.disable_monitor(),
+                                                        self.router_events.close(linger=0)),
+            # let the last answers (drained above) reach their clients
+            lambda: self.router is not None and self.router.close(linger=2000),
+            lambda: self.wake_rx is not None and self.wake_rx.close(linger=0),
+            lambda: self.metrics is not None and self.metrics.stop(),
+            *(child.wait for child in self.children),
+            self._remove_socket_file,
+            # Clients that still map a model keep their pages (host and GPU): freeing only drops our references.
+            self.gpus.stop,
+            lambda: self.host.stop(keep=self.settings.keep_host_tier),  # kept: the next daemon here re-adopts it
+            self.notifier.close))
+
+    @staticmethod
+    def _each_step(doing: str, steps) -> None:
+        for step in steps:
+            try:
+                step()
+            except Exception as e:   # (a traceback only for what no disk explains: a bug)
+                log.error("%s: %s", doing, e if isinstance(e, ModelCacheError) else f"{type(e).__name__}: {e}",
+                          exc_info=not isinstance(e, (ModelCacheError, OSError)))
 
     def _abort_start(self) -> None:
         """A start that failed part way (a port, a device, a full /dev/shm): undo what it did, so that nothing
@@ -426,12 +438,13 @@ class Daemon:
         if self.socket_lock is None:   # not ours: a refused start must not remove the running daemon's socket
             return
         addr = self.settings.socket
-        if addr.startswith("ipc://"):
-            Path(addr[len("ipc://"):]).unlink(missing_ok=True)
-        if self.lane is not None:
-            Path(self.lane.path).unlink(missing_ok=True)
-        if self.socket_lock is not None:
-            self.socket_lock.release()
+        paths = [addr[len("ipc://"):]] if addr.startswith("ipc://") else []
+        paths += [self.lane.path] if self.lane is not None else []
+        for path in paths:
+            error = remove_tree(path)
+            if error is not None:
+                log.error("could not remove the socket file %s: %s; remove it by hand", path, error)
+        self.socket_lock.release()
 
     # -- message dispatch --------------------------------------------------------------
     def _recv_request(self) -> list:

@@ -12,11 +12,13 @@ Stage sessions there run over the tier's arena in this process: nothing is copie
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from .. import protocol as P, tensors
 from ..errors import CapacityError, InputError, ModelCacheError
 from ..executor.engine import ServeRequest
+from ..storage import storage_errors
 from ..executor.workers import select_gpus
 from .registry import HOST, ModelRecord, ModelState, Registry, plural
 from .room import deadline_of
@@ -61,7 +63,9 @@ class Serving:
         return sum(1 for _, k in self.engine.device_holds if k == key)
 
     def on_Describe(self, ident, msg: P.Describe):
-        model = self.registry.resolve(msg.name, msg.version)
+        model = self.fetcher.resolve_or_fetch(ident, msg)   # (as infer does: a serve session describes first)
+        if model is None:
+            return None
         io = model.manifest.io_summary()
         return P.DescribeReply(req_id=msg.req_id, name=model.name, version=model.version, inputs=io["inputs"],
                                outputs=io["outputs"], weights_bytes=model.manifest.weights_bytes,
@@ -71,7 +75,7 @@ class Serving:
 
     def on_Partition(self, ident, msg: P.Partition):
         from ..executor.partition import check_request, partition
-        model = self.registry.resolve(msg.name, msg.version)
+        model = self.fetcher.resolve(msg.name, msg.version)
         self.admins.check_model_owner(ident, model, "partition")   # it changes what every user's requests run
         if msg.plan is None:
             check_request(msg.stages, msg.tail_fraction)   # here, not on a loader: no job for what cannot be met
@@ -98,20 +102,25 @@ class Serving:
                 self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
 
         gpu = any(getattr(w, "device", None) is not None for w in self.engine.workers)   # GPU stages too
-        self.loaders.run(lambda: partition(model.disk_dir, msg.stages, msg.tail_fraction, gpu=gpu, plan=msg.plan),
-                            done)
+
+        def work():
+            with storage_errors(f"partitioning {model.key}", model.disk_dir):
+                return partition(model.disk_dir, msg.stages, msg.tail_fraction, gpu=gpu, plan=msg.plan)
+        self.loaders.run(work, done)
         return None
 
     def on_SetBatching(self, ident, msg: P.SetBatching):
         from ..format import write_manifest
-        model = self.registry.resolve(msg.name, msg.version)
+        model = self.fetcher.resolve(msg.name, msg.version)
         self.admins.check_model_owner(ident, model, "set the batching profile of")
         stages = max(1, len(model.manifest.stages))
         if msg.profile.stages != stages:   # (the rest of the profile was checked as it was decoded)
             raise InputError(f"{model.key}: the profile times {msg.profile.stages} stages; the model has {stages}: "
                              "calibrate again after partitioning")
-        model.manifest.batching = dict(msg.profile)
-        write_manifest(model.disk_dir, model.manifest)
+        # Stored first, then used: a manifest that cannot be written (StorageError) leaves the old profile in force.
+        stored = dataclasses.replace(model.manifest, batching=dict(msg.profile))
+        write_manifest(model.disk_dir, stored, f"storing the batching profile of {model.key}")
+        model.manifest.batching, model.manifest.checksum = stored.batching, stored.checksum
         self.forget_model(model.key)  # its batching policy is rebuilt with the new profile
         log.info("batching profile stored: %s, N_opt %s at t_opt %.0f ms", model.key, msg.profile.get("n_opt"),
                  msg.profile.get("t_opt_ms", 0))
@@ -122,7 +131,7 @@ class Serving:
         from ..executor.profile import WAKE_GAP_S
         from ..protocol import MAX_PROFILE_RUNS, MAX_PROFILE_S
 
-        model = self.registry.resolve(msg.name, msg.version)
+        model = self.fetcher.resolve(msg.name, msg.version)
         # It takes a worker for seconds, from every user's requests: the model's owner or an admin only.
         self.admins.check_model_owner(ident, model, "profile")
         if not 1 <= msg.runs <= MAX_PROFILE_RUNS or not 0 <= msg.min_s <= MAX_PROFILE_S:   # (NaN fails too)

@@ -40,6 +40,7 @@ from ..errors import InputError, RequestTimeout
 from ..calibration import profile_predict, request_overhead
 from ..config import parse_policy_spec
 from .batching import LayerToLayer, Pending, make_batcher
+from ..storage import StateFile
 from .perfmodel import PerfModels
 from .scheduler import Task, make_scheduler
 from .stats import ModelServeStats
@@ -50,6 +51,7 @@ log = logging.getLogger("modelcache.executor")
 
 DEFAULT_MAX_BATCH = 8     # without a setting or a calibrated N_opt
 POLICY_LOOKAHEAD = 256    # queued requests a batching policy sees (FIFO head)
+PERF_SAVE_INTERVAL_S = 300.0   # a daemon that dies loses at most this much of its performance history
 
 
 @dataclass(eq=False)  # identity: requests hold arrays, and two are never "equal"
@@ -131,6 +133,9 @@ class Engine:
         self.policies = parse_policy_spec(settings.batching)
         self.perf_path = perf_path
         self.perf = PerfModels.load(perf_path) if perf_path else PerfModels()
+        # Saved at stop and every PERF_SAVE_INTERVAL_S while runs come in; a save that fails is logged once.
+        self.perf_file = StateFile(perf_path, "the performance models") if perf_path else None
+        self.perf_saved = (self.perf.recorded, clock())   # (runs recorded, when) at the last save
         self.clock = clock
         # worker_factory(id, cores, post): tests give workers that run nothing, to drive the engine by hand.
         make_worker, make_gpu_worker = worker_factory or Worker, gpu_worker_factory or GpuWorker
@@ -175,8 +180,19 @@ class Engine:
     def stop(self) -> None:
         for w in self.workers:
             w.stop()
-        if self.perf_path:
-            self.perf.save(self.perf_path)
+        self.save_perf_models()
+
+    def save_perf_models(self, now: float | None = None) -> None:
+        """Save the performance models if runs came since the last save (`now`: only once
+        PERF_SAVE_INTERVAL_S have passed since it, too). Never raises: see storage.StateFile."""
+        recorded, saved_at = self.perf_saved
+        if self.perf_file is None or self.perf.recorded == recorded or \
+                (now is not None and now - saved_at < PERF_SAVE_INTERVAL_S):
+            return
+        if self.perf_file.save(self.perf.to_json()):
+            self.perf_saved = (self.perf.recorded, self.clock())
+        else:
+            self.perf_saved = (recorded, self.clock())    # (tried again one interval later)
 
     def worker_names(self) -> dict[str, int]:
         """Worker name (as `modelcache place --describe` names them) -> worker id."""

@@ -33,6 +33,7 @@ import logging
 from ..errors import PackError
 from .. import integrity
 from ..format import SKELETON_FILE, WEIGHTS_FILE, iter_graphs, load_manifest, write_manifest
+from ..storage import remove_tree, write_atomic
 
 log = logging.getLogger("modelcache.executor")
 
@@ -233,9 +234,7 @@ def partition(model_dir: Path, stages: int | None = None, tail_fraction: float |
         manifest.files = {f: r for f, r in manifest.files.items() if not f.startswith("stage-")}
         manifest.files.pop(PLAN_FILE, None)
         write_manifest(model_dir, manifest)
-        for old in model_dir.glob("stage-*.onnx"):
-            old.unlink()
-        (model_dir / PLAN_FILE).unlink(missing_ok=True)
+        _remove_unused(model_dir, set(), keep_plan=False)
         return {"stages": [], "files": manifest.files}
     skeleton = model_dir / SKELETON_FILE
     model = onnx.load(str(skeleton), load_external_data=False)
@@ -280,14 +279,18 @@ def partition(model_dir: Path, stages: int | None = None, tail_fraction: float |
         dtypes = {t: _dtype_of(model, t) for t in cut_tensors}
         io = [(graph_inputs if s == 0 else [cut_tensors[s - 1]],
                graph_outputs if s == len(bounds) - 2 else [cut_tensors[s]]) for s in range(len(bounds) - 1)]
-    # New stages are written beside the old ones and replace them only once checked: a partition that
-    # fails leaves the model's current stages (files and manifest) as they were.
-    entries, pending = [], []
+    # New stages are written beside the old ones, under names the old ones do not use, and the manifest's
+    # rename is the one moment the model changes: a partition that fails anywhere before it (a check, a full
+    # disk) leaves the model's current stages, files and manifest, as they were.
+    generation = _free_generation(manifest)
+    entries, pending, placed = [], [], []
+    old_plan = _read_if_there(model_dir / PLAN_FILE)
+    committed = False
     try:
         for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
             ins, outs = io[s]
             stage_model = build_stage(model, a, b, ins, outs, dtypes)
-            fname = f"stage-{s}.onnx"
+            fname = _stage_file(s, generation)
             pending.append(model_dir / f"{fname}.new")
             onnx.save_model(stage_model, str(pending[-1]))
             tensors = sorted({t.name for t in stage_model.graph.initializer
@@ -310,34 +313,79 @@ def partition(model_dir: Path, stages: int | None = None, tail_fraction: float |
             if not np.allclose(data[name], w, rtol=1e-4, atol=1e-5):
                 raise PackError(f"partition at {cut_tensors} changes output {name!r}; not kept")
         try:
-            gpu_pending = partition_gpu(model_dir, manifest, cut_tensors, entries, feeds) if gpu else []
+            gpu_pending = partition_gpu(model_dir, manifest, cut_tensors, entries, feeds, generation) if gpu else []
+        except OSError:
+            raise
         except Exception as exc:   # the CPU stages stand on their own: GPU workers just do not run them
             log.warning("%s: the GPU skeleton cannot be cut at %s, its stages run on CPU workers only: %s",
                         model_dir, cut_tensors, str(exc)[:300])
             gpu_pending = []
         pending += gpu_pending
         for e, path in zip(entries, pending):
-            os.replace(path, model_dir / e["file"])
+            placed.append(model_dir / e["file"])
+            os.replace(path, placed[-1])
         for e, path in zip(entries, gpu_pending):
-            os.replace(path, model_dir / e["gpu_file"])
-        pending = []
+            placed.append(model_dir / e["gpu_file"])
+            os.replace(path, placed[-1])
+        kept = {e["file"] for e in entries} | {e["gpu_file"] for e in entries if e.get("gpu_file")}
+        manifest.stages, manifest.stage_cuts = entries, cut_tensors
+        manifest.batching = {}  # a calibration measured other stages
+        if plan is not None:    # kept with the model, as its calibration is: what was planned, on which system
+            write_atomic(model_dir / PLAN_FILE, json.dumps(plan, indent=1))
+        if manifest.checksum:   # stage skeletons are stored files too: covered like the others (not in unverified versions)
+            manifest.files = {f: r for f, r in manifest.files.items() if not f.startswith("stage-") and f != PLAN_FILE}
+            manifest.files.update(integrity.record_files(model_dir, sorted(kept) + ([PLAN_FILE] if plan is not None else [])))
+        write_manifest(model_dir, manifest)
+        committed = True
     finally:
-        for path in pending:
-            path.unlink(missing_ok=True)
-    kept = {e["file"] for e in entries} | {e["gpu_file"] for e in entries if e.get("gpu_file")}
-    for old in model_dir.glob("stage-*.onnx"):
-        if old.name not in kept:
-            old.unlink()
-    manifest.stages, manifest.stage_cuts = entries, cut_tensors
-    manifest.batching = {}  # a calibration measured other stages
-    (model_dir / PLAN_FILE).unlink(missing_ok=True)
-    if plan is not None:    # kept with the model, as its calibration is: what was planned, on which system
-        (model_dir / PLAN_FILE).write_text(json.dumps(plan, indent=1))
-    if manifest.checksum:   # stage skeletons are stored files too: covered like the others (not in unverified versions)
-        manifest.files = {f: r for f, r in manifest.files.items() if not f.startswith("stage-") and f != PLAN_FILE}
-        manifest.files.update(integrity.record_files(model_dir, sorted(kept) + ([PLAN_FILE] if plan is not None else [])))
-    write_manifest(model_dir, manifest)
+        if not committed:   # (each path tried on its own: one that fails to go must not keep the others)
+            for path in pending + placed:
+                remove_tree(path)
+            if plan is not None:   # the old manifest's checksum of it holds again
+                if old_plan is None:
+                    remove_tree(model_dir / PLAN_FILE)
+                else:
+                    try:
+                        write_atomic(model_dir / PLAN_FILE, old_plan)
+                    except OSError as e:
+                        log.error("%s: could not put back %s (%s); `modelcache verify` will say so", model_dir,
+                                  PLAN_FILE, e)
+    _remove_unused(model_dir, kept, keep_plan=plan is not None)
     return {"stages": entries, "cuts": cut_tensors, "files": manifest.files}
+
+
+def _stage_file(stage: int, generation: int, gpu: bool = False) -> str:
+    """A stage skeleton's file name: stage-K.onnx, or stage-K.G.onnx for a generation G > 0."""
+    return f"stage-{stage}" + (f".{generation}" if generation else "") + (".gpu" if gpu else "") + ".onnx"
+
+
+def _free_generation(manifest) -> int:
+    """The first generation of stage file names that the model's current stages do not use: new stages are
+    written beside the old ones, never over them, until the manifest names them."""
+    used = {e.get(k) for e in manifest.stages for k in ("file", "gpu_file")}
+    generation = 0
+    while _stage_file(0, generation) in used or _stage_file(0, generation, gpu=True) in used:
+        generation += 1
+    return generation
+
+
+def _read_if_there(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def _remove_unused(model_dir: Path, kept: set, keep_plan: bool) -> None:
+    """After the manifest changed: the stage files (and plan) it no longer names. What cannot be removed
+    now is said and left: nothing reads it, and the next partition removes it."""
+    unused = [p for p in model_dir.glob("stage-*.onnx") if p.name not in kept]
+    if not keep_plan:
+        unused.append(model_dir / PLAN_FILE)
+    for path in unused:
+        error = remove_tree(path)
+        if error is not None:
+            log.warning("%s: could not remove %s, which the model no longer uses: %s", model_dir, path.name, error)
 
 
 
@@ -349,7 +397,8 @@ def _gpu_cut_tensors(model_dir: Path, manifest) -> set[str]:
     return {c[0] for c in crossing_tensors(model) if len(c) == 1}
 
 
-def partition_gpu(model_dir: Path, manifest, cut_tensors: list[str], entries: list[dict], feeds: dict) -> list[Path]:
+def partition_gpu(model_dir: Path, manifest, cut_tensors: list[str], entries: list[dict], feeds: dict,
+                  generation: int = 0) -> list[Path]:
     """Cut the GPU skeleton at the CPU partition's tensors; write `stage-K.gpu.onnx.new` files and add
     "gpu_file" and "gpu_tensors" to each entry. Returns the files written ([] for a model without a GPU
     skeleton); raises when the GPU graph cannot be cut there or its stages do not give its outputs.
@@ -383,9 +432,9 @@ def partition_gpu(model_dir: Path, manifest, cut_tensors: list[str], entries: li
     try:
         for s, (e, (a, b)) in enumerate(zip(entries, zip(bounds, bounds[1:]))):
             stage_model = build_stage(model, a, b, e["inputs"], e["outputs"], dtypes)
-            written.append(model_dir / f"stage-{s}.gpu.onnx.new")
+            e["gpu_file"] = _stage_file(s, generation, gpu=True)
+            written.append(model_dir / f"{e['gpu_file']}.new")
             onnx.save_model(stage_model, str(written[-1]))
-            e["gpu_file"] = f"stage-{s}.gpu.onnx"
             e["gpu_tensors"] = sorted({t.name for t in stage_model.graph.initializer
                                        if t.data_location == onnx.TensorProto.EXTERNAL})
             unknown = [n for n in e["gpu_tensors"] if n not in by_name]
@@ -408,7 +457,7 @@ def partition_gpu(model_dir: Path, manifest, cut_tensors: list[str], entries: li
                 raise PackError(f"GPU stages change output {name!r}")
     except BaseException:
         for path in written:
-            path.unlink(missing_ok=True)
+            remove_tree(path)
         for e in entries:
             e.pop("gpu_file", None)
             e.pop("gpu_tensors", None)

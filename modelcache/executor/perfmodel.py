@@ -9,10 +9,11 @@ Persisted as JSON in the daemon's state directory and loaded at start.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from collections import deque
 from pathlib import Path
+
+from ..storage import write_atomic
 
 HISTORY = 32      # recent runs kept per key
 MIN_SAMPLES = 2   # before this many runs, a key counts as uncalibrated
@@ -31,6 +32,7 @@ def _from_text(text: str) -> tuple:
 
 class PerfModels:
     def __init__(self):
+        self.recorded = 0                          # runs recorded, ever: a saver sees whether any came since
         self.history: dict[tuple, deque] = {}
         self.errors: deque = deque(maxlen=1000)   # |predicted - measured| / measured
         self._medians: dict[tuple, float] = {}      # predictions until the next record: several per request
@@ -55,6 +57,7 @@ class PerfModels:
             h = self.history[key] = deque(maxlen=HISTORY)
         h.append(seconds)
         self._medians.pop(key, None)
+        self.recorded += 1
 
     def median_error(self) -> float | None:
         return statistics.median(self.errors) if self.errors else None
@@ -64,11 +67,13 @@ class PerfModels:
                 "median_error": self.median_error()}
 
     # -- persistence -------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps({_to_text(k): list(v) for k, v in self.history.items()})
+
     def save(self, path: Path) -> None:
+        """Write them to `path` whole (the daemon saves through a storage.StateFile instead)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({_to_text(k): list(v) for k, v in self.history.items()}))
-        os.replace(tmp, path)
+        write_atomic(path, self.to_json())
 
     @classmethod
     def load(cls, path: Path) -> "PerfModels":

@@ -102,7 +102,7 @@ class Operations:
         why = self.why_unloaded(name)
         if why:
             raise InputError(why)
-        wire, files = tensors.encode(feeds, group_of=self.group_of)
+        wire, files = tensors.encode(feeds, group_of=self.group_of, model=name)
         try:
             deadline_ms = timeout_us / 1000 if timeout_us else None
             reply = await self.link.call(

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from .. import integrity
 from ..format import Manifest
-from .host import OWNER_FILE, WHERE_SUFFIX, HostTier, dead_tiers, segment_number, variant_tensors
+from .host import (OWNER_FILE, WHERE_SUFFIX, HostTier, dead_tiers, read_owner, remove_quietly, segment_number,
+                   variant_tensors)
 
 log = logging.getLogger("modelcache.host")
 
@@ -48,16 +49,41 @@ class Adoption:
 def adopt_host_tier(tier: HostTier, manifests: dict, variants_needed: dict) -> Adoption:
     """Claim this socket's dead host tier, if there is one, and restore into `tier` the models whose
     bytes match: manifests and variants_needed are by model key (what the repository holds now).
-    Runs before tier.start(); the tier's tables must be empty."""
+    Runs before tier.start(); the tier's tables must be empty.
+
+    A warm restart only saves promotions: when the files will not let it happen (a claim or a write that
+    fails), it is logged in one line and the daemon starts cold (tier.start clears what was claimed)."""
     t0 = time.perf_counter()
     found = Adoption()
-    source = _claim(tier)
+    try:
+        source = _claim(tier)
+    except OSError as e:
+        log.warning("warm restart: could not claim the old host tier (%s: %s); starting with an empty one",
+                    e.filename, e.strerror)
+        return found
     if source is None:
         return found
     found.source = str(source)
+    try:
+        _readopt(tier, manifests, variants_needed, found)
+    except OSError as e:
+        log.warning("warm restart: re-adopting %s failed (%s: %s); starting with an empty host tier", source,
+                    e.filename, e.strerror)
+        tier.forget_all()
+        return Adoption(source=str(source))
+    found.seconds = time.perf_counter() - t0
+    for key, why in found.rejected.items():
+        log.warning("warm restart: %s not re-adopted from the old host tier: %s", key, why)
+    log.info("warm restart: re-adopted %d models (%.1f MiB checked in %.3f s) from %s", len(found.adopted),
+             found.verified_bytes / 2**20, found.seconds, found.source)
+    return found
+
+
+def _readopt(tier: HostTier, manifests: dict, variants_needed: dict, found: Adoption) -> None:
+    """The claimed tier's files: junk removed, each recorded model checked and restored or deleted."""
     root = tier.root
     for junk in [*root.glob("*.loading"), *root.glob("*.tmp"), *root.glob("fake-gpu-*")]:
-        _remove(junk)
+        remove_quietly(junk)
     segment_bytes = {}
     for seg in root.glob("seg-*.bin"):
         segment_bytes[seg.name] = seg.stat().st_size
@@ -76,18 +102,12 @@ def adopt_host_tier(tier: HostTier, manifests: dict, variants_needed: dict) -> A
                 found.adopted.append(key)
             else:
                 found.rejected[key] = why
-                _remove(record)
+                remove_quietly(record)
         found.verified_bytes = views.verified_bytes
     finally:
         views.close()
     _remove_unadopted(tier)
     tier.write_owner()
-    found.seconds = time.perf_counter() - t0
-    for key, why in found.rejected.items():
-        log.warning("warm restart: %s not re-adopted from the old host tier: %s", key, why)
-    log.info("warm restart: re-adopted %d models (%.1f MiB checked in %.3f s) from %s", len(found.adopted),
-             found.verified_bytes / 2**20, found.seconds, found.source)
-    return found
 
 
 def _claim(tier: HostTier) -> Path | None:
@@ -95,7 +115,7 @@ def _claim(tier: HostTier) -> Path | None:
     if not tier.owner:
         return None
     if tier.root.exists():   # before start it cannot be ours: a dead daemon that had our pid
-        return tier.root if _owner_of(tier.root) == tier.owner else None
+        return tier.root if read_owner(tier.root) == tier.owner else None
     mine = [d for d, owner in dead_tiers(tier.root.parent) if owner == tier.owner]
     for d in sorted(mine, key=lambda d: d.stat().st_mtime, reverse=True):
         try:
@@ -104,13 +124,6 @@ def _claim(tier: HostTier) -> Path | None:
         except FileNotFoundError:
             continue     # another daemon took it first
     return None
-
-
-def _owner_of(d: Path) -> str:
-    try:
-        return (d / OWNER_FILE).read_text()
-    except OSError:
-        return ""
 
 
 def _read_locations(record: Path, key: str) -> dict:
@@ -178,12 +191,4 @@ def _remove_unadopted(tier: HostTier) -> None:
                  tier.skeleton_path(key, "gpu").with_suffix(".stub").name}
     for path in tier.root.iterdir():
         if path.name not in keep:
-            _remove(path)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        import shutil
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+            remove_quietly(path)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import shutil
 import tempfile
 from pathlib import Path
 
 from .. import reservations
 from ..errors import IntegrityError
 from ..format import Manifest, load_manifest, version_dirs
+from ..storage import remove_tree, storage_errors
 
 log = logging.getLogger("modelcache.disk")
 
@@ -27,7 +27,8 @@ class Repository:
     def scan(self) -> list[tuple[Path, Manifest]]:
         """Every complete packed model; half-written ones (a crash during add) are removed. A version
         whose manifest is missing or damaged is left in place and listed in `unreadable`."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        with storage_errors("opening the repository", self.root):
+            self.root.mkdir(parents=True, exist_ok=True)
         reservations.sweep(self.root)
         found = []
         self.unreadable = {}
@@ -49,9 +50,19 @@ class Repository:
 
     def remove(self, name: str, version: int) -> None:
         """Delete a version; renamed aside first, so a crash halfway leaves a `.tmp-*` that the next
-        sweep clears (reservations.py)."""
+        sweep clears (reservations.py). StorageError (the version still in place) when it cannot be
+        renamed aside; once it is, what its files' removal leaves the next sweep clears."""
         d = self.model_dir(name, version)
-        if d.exists():
+        if not d.exists():
+            return
+        with storage_errors(f"removing {name}@{version} from the repository", d):
             aside = Path(tempfile.mkdtemp(prefix=".tmp-removed-", dir=self.root))
-            d.rename(aside / "v")
-            shutil.rmtree(aside, ignore_errors=True)
+            try:
+                d.rename(aside / "v")
+            except BaseException:
+                remove_tree(aside)
+                raise
+        error = remove_tree(aside)
+        if error is not None:
+            log.warning("%s@%d removed; %s stays until the next sweep of the repository (%s)", name, version, aside,
+                        error)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +39,7 @@ from pathlib import Path
 from .files import copy_hashed, copy_range
 from .. import integrity, prepack
 from ..format import ALIGN, GPU_SKELETON_FILE, PREPACKED_FILE, SKELETON_FILE, WEIGHTS_FILE, Manifest
-from ..storage import storage_errors
+from ..storage import remove_tree, storage_errors, write_atomic
 
 log = logging.getLogger("modelcache.host")
 PREFIX = "modelcache."
@@ -56,10 +55,37 @@ def segment_number(name: str) -> int:
 
 
 def write_json_atomic(path: Path, data) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.chmod(tmp, 0o440)
-    os.rename(tmp, path)
+    write_atomic(path, json.dumps(data), mode=0o440)
+
+
+def remove_quietly(path: Path) -> None:
+    """Remove a file or directory of the tier, never raising: freeing memory must not fail half way through
+    the tables (a transient failure is tried again; what still stays is logged, and goes with the tier)."""
+    error = remove_tree(path)
+    if error is not None:
+        log.error("could not remove %s from the host tier: %s", path, error)
+
+
+def read_owner(tier_dir: Path) -> str:
+    """The socket named in a tier's `owner` file; "" when it has none, or one no daemon can have written
+    (random bytes, an unreadable file: said once, naming the file)."""
+    path = Path(tier_dir) / OWNER_FILE
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return ""
+    except OSError as e:
+        log.warning("the owner file %s cannot be read (%s): no daemon re-adopts that tier", path, e.strerror)
+        return ""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is None or not text.isprintable():
+        log.warning("the owner file %s holds %d bytes that name no socket: no daemon re-adopts that tier",
+                    path, len(raw))
+        return ""
+    return text
 
 
 @dataclass
@@ -141,18 +167,22 @@ class HostTier:
         """Create the tier's directory, or keep the one tiers/adopt.py re-adopted (run that first)."""
         remove_stale(self.root.parent, self.owner)
         if self.root.exists() and not self.models:  # a dead daemon's that had our pid, not re-adopted
-            shutil.rmtree(self.root)
+            error = remove_tree(self.root)
+            if error is not None:
+                raise error
         self.root.mkdir(mode=0o750, exist_ok=bool(self.models))
         self.write_owner()
 
     def write_owner(self) -> None:
         if self.owner:   # a tier with no owner (tests, tools) is never re-adopted
-            (self.root / OWNER_FILE).write_text(self.owner)
+            write_atomic(self.root / OWNER_FILE, self.owner)
 
     def stop(self, keep: bool = False) -> None:
         """Free the tier; keep=True leaves it whole for the next daemon on this socket to re-adopt."""
         if not keep:
-            shutil.rmtree(self.root, ignore_errors=True)
+            error = remove_tree(self.root)
+            if error is not None:
+                log.error("could not remove the host tier %s: %s; remove it by hand", self.root, error)
 
     def skeleton_path(self, key: str, variant: str = "cpu") -> Path:
         return self.root / (f"{key}.gpu.onnx" if variant == "gpu" else f"{key}.onnx")
@@ -165,6 +195,11 @@ class HostTier:
 
     def where_path(self, key: str) -> Path:
         return self.root / f"{key}{WHERE_SUFFIX}"
+
+    def forget_all(self) -> None:
+        """Empty the tables (a re-adoption that failed part way: `start` then clears the directory)."""
+        self.segments, self.index, self.models, self.units, self.prepacked = {}, {}, {}, {}, {}
+        self._next_segment = 0
 
     def restore(self, key: str, manifest: Manifest, locations: dict, segment_bytes: dict) -> None:
         """Take back a model a dead daemon left resident here (tiers/adopt.py has checked its bytes)."""
@@ -362,15 +397,15 @@ class HostTier:
     def _remove_skeletons(self, key: str) -> None:
         for path in (self.where_path(key), self.skeleton_path(key), self.skeleton_path(key, "gpu"),
                      self.skeleton_path(key, "gpu").with_suffix(".stub")):
-            path.unlink(missing_ok=True)
+            remove_quietly(path)
 
     def _drop_user(self, key: str) -> int:
         freed = 0
         for seg in list(self.segments.values()):
             seg.users.discard(key)
             if not seg.users:
-                self.segment_path(seg.name).unlink(missing_ok=True)
-                self.segment_path(seg.name).with_suffix(".loading").unlink(missing_ok=True)
+                remove_quietly(self.segment_path(seg.name))
+                remove_quietly(self.segment_path(seg.name).with_suffix(".loading"))
                 del self.segments[seg.name]
                 self.index = {sha: loc for sha, loc in self.index.items() if loc[0] != seg.name}
                 self.units = {u: loc for u, loc in self.units.items() if loc[0] != seg.name}
@@ -461,10 +496,12 @@ def _write_skeleton(src: Path, dst: Path, locations: dict, key: str, prepacked: 
                         entry.value = str(offset)
                 for name, value in prepack.external_entries((prepacked or {}).get(t.name, [])):
                     t.external_data.add(key=name, value=value)
-    tmp = dst.with_suffix(".tmp")
-    onnx.save_model(model, str(tmp))
-    os.chmod(tmp, 0o440)
-    os.rename(tmp, dst)
+    _save_graph(model, dst)
+
+
+def _save_graph(model, dst: Path) -> None:
+    """Save an ONNX graph to `dst` whole (0440): written beside it and renamed; a failure leaves no temp file."""
+    write_atomic(dst, model.SerializeToString(), mode=0o440)
 
 
 def _write_gpu_skeleton(src: Path, dst: Path, manifest: Manifest, key: str) -> None:
@@ -485,10 +522,7 @@ def _write_gpu_skeleton(src: Path, dst: Path, manifest: Manifest, key: str) -> N
     with open(stub, "wb") as f:
         f.truncate(max((t.nbytes for t in manifest.gpu_tensors), default=0))
     os.chmod(stub, 0o440)
-    tmp = dst.with_suffix(".tmp")
-    onnx.save_model(model, str(tmp))
-    os.chmod(tmp, 0o440)
-    os.rename(tmp, dst)
+    _save_graph(model, dst)
 
 
 def _pid_is_daemon(pid: int) -> bool:
@@ -509,11 +543,7 @@ def dead_tiers(shm_dir: Path) -> list[tuple[Path, str]]:
         except ValueError:
             continue
         if pid != os.getpid() and not _pid_is_daemon(pid):
-            try:
-                owner = (d / OWNER_FILE).read_text()
-            except OSError:
-                owner = ""
-            found.append((d, owner))
+            found.append((d, read_owner(d)))
     return found
 
 
@@ -523,4 +553,4 @@ def remove_stale(shm_dir: Path, owner: str) -> None:
     for d, their_owner in dead_tiers(shm_dir):
         if their_owner in ("", owner):
             log.info("removing stale host tier %s of a dead daemon", d)
-            shutil.rmtree(d, ignore_errors=True)
+            remove_quietly(d)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 import urllib.parse
 import urllib.request
@@ -20,7 +19,7 @@ from pathlib import Path
 from .. import reservations
 from ..errors import ModelNotFound, RemoteError
 from ..integrity import file_digest
-from ..storage import storage_error, storage_errors
+from ..storage import storage_error, storage_errors, write_atomic
 from ..format import (GPU_SKELETON_FILE, MANIFEST_FILE, PREPACKED_FILE, SKELETON_FILE, WEIGHTS_FILE, Manifest,
                       load_manifest, write_gpu_stub)
 
@@ -43,9 +42,8 @@ def publish(directory: Path) -> dict:
             files[f] = {"bytes": (d / f).stat().st_size, "sha256": file_digest(d / f, hashlib.sha256())}
         models.append({"name": d.parent.name, "version": int(d.name), "files": files})
     index = {"format": 1, "models": models}
-    tmp = Path(directory) / (INDEX_FILE + ".tmp")
-    tmp.write_text(json.dumps(index, indent=1))
-    os.rename(tmp, Path(directory) / INDEX_FILE)
+    with storage_errors(f"publishing {directory}", Path(directory) / INDEX_FILE):
+        write_atomic(Path(directory) / INDEX_FILE, json.dumps(index, indent=1))
     return index
 
 
@@ -117,7 +115,8 @@ class RemoteStore:
                     raise RemoteError(f"{name}@{version} in {self.url} has a GPU variant but the index lists no "
                                       f"{GPU_SKELETON_FILE}; publish the store again")
                 write_gpu_stub(tmp, manifest)
-            reservations.publish(reservation, final)
+            with storage_errors(f"fetching {name}@{version} from {self.url}", repository):
+                reservations.publish(reservation, final)
             return final, manifest, time.perf_counter() - t0
         except OSError as e:
             # (the error first: it reports the free space, which the cleanup changes)
