@@ -521,7 +521,8 @@ def cmd_demo(args) -> int:
 
 
 # What a user runs on their own machine to size or check a deployment (modules of modelcache.bench). The
-# benchmarks that recorded a design decision live in the checkout's benchmarks/ beside their results.
+# benchmarks that recorded a design decision, and the research (trace sweeps, placement against the papers'
+# baselines, cluster routing), live in the checkout's benchmarks/ beside their results: not installed.
 BENCHMARKS = {
     "coldstart": "fresh FaaS processes from exec to first result, TrIMS-style (--device cuda: the GPU form)",
     "open": "session ready time, private memory and warm speed vs plain ORT (the demo, with more runs)",
@@ -530,13 +531,10 @@ BENCHMARKS = {
     "serve": "batching policies under open-loop Poisson load: latency and the highest sustainable rate",
     "http": "what the Open Inference Protocol (v2 HTTP) front adds over the serve lane",
     "grpc": "Triton's gRPC front vs a KServe gRPC server and our HTTP front, with tritonclient's closed-loop load",
-    "placement": "the searched placement plan against the baselines, per model and system description",
     "conformance": "ONNX's backend test models: what plain ORT runs, modelcache adds and runs, same outputs",
     "fuzz": "malformed messages on both sockets of a running daemon: it answers and stays up",
     "soak": "many clients, churn and eviction against one daemon for minutes: memory and latency slopes",
     "restart": "SIGKILL the daemon under clients holding sessions: the new daemon's first open, warm vs cold",
-    "cluster": "locality-aware vs Ray Serve's default routing on a local 3-node Ray cluster (Zipf/Poisson)",
-    "faas": "replay a FaaS trace (Azure Functions format) per eviction policy and capacity; the simulator beside it",
 }
 
 
@@ -784,8 +782,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "writes them). Options after the name go to the benchmark "
                                    "(`modelcache bench coldstart --help`).\n\n" +
                                    "\n".join(f"  {name:<12} {line}" for name, line in BENCHMARKS.items()) +
-                                   "\n\nThe benchmarks behind design decisions (binding, hashes, transport, ...) "
-                                   "live in a\ncheckout's benchmarks/, beside their results (benchmarks/README.md).")
+                                   "\n\nThe benchmarks behind design decisions (binding, hashes, transport, ...) and the "
+                                   "research\n(FaaS trace sweeps and replays, placement against MARS, cluster routing) live "
+                                   "in a\ncheckout's benchmarks/, beside their results (benchmarks/README.md).")
     b.add_argument("which", choices=list(BENCHMARKS))
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (try `-- --help`)")
     b.set_defaults(func=cmd_bench)

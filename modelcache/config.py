@@ -38,7 +38,6 @@ class Settings:
     remote: str = ""                  # read-only model store (file:// or http(s)://), fetched on a miss
     eviction_policy: str = "lru"      # lru, lfu, fifo, gdsf, never, eager, keepalive, hybrid, hybrid-sized (at start)
     keep_alive_s: float = 600.0       # keepalive: an idle model goes this long after its last call; hybrid: fallback
-    policy_time_scale: float = 1.0    # keepalive, hybrid: every window x this (a replay of an hour in a minute: 1/60)
     log_level: str = "info"
     heartbeat_interval_s: float = 1.0  # clients ping this often ...
     lease_timeout_s: float = 4.0       # ... and lose their references after this long without a ping
@@ -329,7 +328,7 @@ RULES = {
     "host_capacity": _capacity("RAM"), "gpu_capacity": _capacity("the device's memory"),
     "fake_gpus": _fake_gpus, "gpu_sharing": _choice(*GPU_SHARING), "remote": _remote,
     "eviction_policy": _choice(*EVICTION_POLICIES),
-    "keep_alive_s": _positive, "policy_time_scale": _positive,
+    "keep_alive_s": _positive,
     "log_level": _choice(*LOG_LEVELS), "heartbeat_interval_s": _positive, "lease_timeout_s": _positive,
     "request_timeout_s": _positive, "add_timeout_s": _positive, "opt_level": _choice(*OPT_LEVELS),
     "prepack": _bool, "loader_threads": number(int, 1, 1024),

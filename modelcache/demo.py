@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from .bench.common import (alternate_runs, answer_child, compile_bytecode, ensure_models, managed_daemon,
+from .measure import (alternate_runs, answer_child, compile_bytecode, ensure_models, managed_daemon,
                            memory_mib, run_child, summary)
 
 

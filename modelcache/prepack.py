@@ -148,7 +148,3 @@ def external_entries(packs_placed: list) -> list[tuple[str, str]]:
     return [(f"prepacked_{i}", key + "|" + "|".join(f"{off};{n};0" for off, n in blobs))
             for i, (key, blobs) in enumerate(packs_placed)]
 
-
-def bytes_of(records: list) -> int:
-    return sum(n for r in records for _, blobs in r["packs"] for _, n, _ in blobs)
-

@@ -1,7 +1,7 @@
 """`modelcache verify`: check every stored file of every version in a repository against its checksums.
 
 With the daemon down it reads the repository directly. With a daemon running, the daemon scrubs
-(the `verify` request, daemon/cache.py) so that what it finds counts: a version marked corrupt whose
+(the `verify` request, daemon/models.py) so that what it finds counts: a version marked corrupt whose
 files are found intact again (repaired, or put back) is served again. The daemon also checks every
 byte it promotes from disk, so a damaged file never reaches a client. A scrub is for the operator:
 find damage early, know which files, and clear a mark after a repair.

@@ -1,34 +1,35 @@
-"""The daemon's caches built by hand, in process, over a real host tier and a simulated GPU (the fake
-allocator), stepped with a fake clock: what tests/test_lifecycle.py and tests/test_tier_contract.py use."""
+"""The daemon's parts built by hand, in process, over a real host tier and a simulated GPU (the fake
+allocator), stepped with a fake clock: what tests/test_lifecycle.py, test_tier_contract.py and
+test_keepalive.py use. One residency manager per tier (daemon/residency.py): `residency` the host
+tier's, `device` the GPU's; `tiers` both, the host's first, as the owner loop runs them."""
 
 from __future__ import annotations
 
+import collections
+
 from modelcache import zoo
 from modelcache.config import Settings
-from modelcache.daemon.cache import HostCache, policy_for
-from modelcache.daemon.devices import DeviceCache
+from modelcache.daemon.fetch import Fetcher
+from modelcache.daemon.gpus import GpuTiers
 from modelcache.daemon.identity import Admins
 from modelcache.daemon.loaders import Loaders
+from modelcache.daemon.models import Models
 from modelcache.daemon.registry import Registry
+from modelcache.daemon.residency import Residency
+from modelcache.daemon.server import policy_for
 from modelcache.daemon.sessions import Sessions
 from modelcache.histogram import Histogram
 from modelcache.packing import pack
 from modelcache.tiers.disk import Repository
 from modelcache.tiers.host import HostTier
 
+from fake_clock import FakeClock
+
 MiB = 1 << 20
 
 
-class FakeClock:
-    def __init__(self, now: float = 1000.0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class Parts:
-    """The host cache and the GPU cache as the daemon wires them, over `tmp_path`."""
+    """The residency managers, models, sessions as the daemon wires them, over `tmp_path`."""
 
     def __init__(self, tmp_path, policy: str = "lru", host_capacity: str = "256M", fake_gpus: str = "1x64M",
                  **settings):
@@ -40,27 +41,32 @@ class Parts:
         self.wall = lambda: self.clock() + 1e9     # wall time runs with the fake clock
         self.registry = Registry()
         self.repository = Repository(self.settings.repository_path)
-        self.host = HostTier(self.settings.shm_dir, self.settings.host_capacity_bytes(), owner=self.settings.socket)
+        self.host = HostTier(self.settings.shm_dir, self.settings.host_capacity_bytes(), owner=self.settings.socket,
+                             source=self.repository)
         self.loaders = Loaders(1)
-        self.counters = {k: 0 for k in ("promotions", "evictions", "gpu_promotions", "gpu_evictions",
-                                        "corrupt_detected", "fetched", "refetched", "adds", "unloads", "prewarms",
-                                        "gpu_unloads", "gpu_prewarms", "opens", "hits", "misses", "closes")}
+        self.counters = collections.Counter()
         self.replies: list = []
-        self.cache = HostCache(registry=self.registry, host=self.host, policy=policy_for(self.settings),
-                               repository=self.repository, remote=None, loaders=self.loaders, settings=self.settings,
-                               admins=Admins(""), counters=self.counters, jobs={}, clock=self.clock,
-                               reply=lambda ident, msg: self.replies.append(msg), redispatch=None, wall=self.wall)
-        self.gpu = self.cache.gpu = DeviceCache(registry=self.registry, cache=self.cache, loaders=self.loaders,
-                                                settings=self.settings, counters=self.counters, jobs={},
-                                                clock=self.clock)
+        reply = lambda ident, msg: self.replies.append(msg)   # noqa: E731
+        self.fetcher = Fetcher(registry=self.registry, repository=self.repository, remote=None, loaders=self.loaders,
+                               counters=self.counters, jobs={}, reply=reply, redispatch=None)
+        parts = dict(registry=self.registry, loaders=self.loaders, counters=self.counters, jobs={}, clock=self.clock)
+        self.residency = Residency(tier=self.host, policy=policy_for(self.settings, self.clock),
+                                   settings=self.settings, source=self.fetcher, **parts)
+        self.gpus = GpuTiers(host=self.residency, settings=self.settings, make_policy=policy_for, **parts)
+        self.models = Models(registry=self.registry, host=self.residency, gpus=self.gpus, fetcher=self.fetcher,
+                             repository=self.repository, loaders=self.loaders, settings=self.settings,
+                             admins=Admins(""), counters=self.counters, jobs={}, clock=self.clock, wall=self.wall,
+                             reply=reply)
         # Opens and closes as the daemon takes them (a client here is the registry's, with no credentials).
-        self.sessions = Sessions(registry=self.registry, cache=self.cache, gpu=self.gpu, settings=self.settings,
-                                 counters=self.counters, clock=self.clock, wall=self.wall,
-                                 reply=lambda ident, msg: self.replies.append(msg), open_latency=Histogram())
+        self.sessions = Sessions(registry=self.registry, host=self.residency, gpus=self.gpus, fetcher=self.fetcher,
+                                 settings=self.settings, counters=self.counters, clock=self.clock, wall=self.wall,
+                                 reply=reply, open_latency=Histogram())
         self.host.start()
-        self.gpu.start()
-        self.tier = next(iter(self.gpu.tiers.values()))
-        self.uuid = self.tier.device.uuid
+        self.gpus.start()
+        self.device = next(iter(self.gpus))
+        self.tier = self.device.tier
+        self.uuid = self.tier.id
+        self.tiers = [self.residency, self.device]
 
     def add(self, tmp_path, zoo_name: str, name: str, seed: int = 0):
         src = tmp_path / f"{name}.onnx"
@@ -68,24 +74,47 @@ class Parts:
         manifest = pack(str(src), self.repository.root, name, 1)
         return self.registry.add_model(self.repository.model_dir(name, 1), manifest)
 
+    def lease(self, client, model, residency=None):
+        """A lease as an open grants it, on the copy in `residency`'s tier (default: the host's)."""
+        residency = residency or self.residency
+        lease = self.registry.grant(client, model, self.clock(), residency.id)
+        residency.lease(model)
+        return lease
+
+    def release(self, lease) -> None:
+        """A close of `lease`, as the daemon takes it."""
+        self.registry.release(lease.lease_id)
+        self.sessions.residency_of(lease.tier).release(lease.model)
+
+    def next_timer(self):
+        """When the owner loop next wakes for a tier's timer (any tier)."""
+        return min((t for r in self.tiers if (t := r.next_timer()) is not None), default=None)
+
+    def on_timer(self, now: float) -> None:
+        for r in self.tiers:
+            r.on_timer(now)
+
+    def stop_waiting(self) -> None:
+        """The daemon is stopping: every tier answers what waits for room there."""
+        for r in self.tiers:
+            r.stop_waiting()
+
     def stop(self):
         self.loaders.shutdown()
-        self.gpu.stop()
+        self.gpus.stop()
         self.host.stop()
 
 
-def resident(parts: Parts, model) -> None:
+def resident(parts: Parts, model, residency=None) -> None:
+    """Bring `model` into `residency`'s tier (default: the host's), its loads landed."""
     answers = []
-    parts.cache.when_resident(model, lambda error, hit: answers.append(error))
+    (residency or parts.residency).when_resident(model, lambda error, hit: answers.append(error))
     parts.loaders.settle()
     assert answers == [None]
 
 
 def on_device(parts: Parts, model) -> None:
-    answers = []
-    parts.gpu.when_on_device(model, parts.tier, lambda error, hit: answers.append(error))
-    parts.loaders.settle()
-    assert answers == [None]
+    resident(parts, model, parts.device)
 
 
 def counting(obj, method: str) -> list:

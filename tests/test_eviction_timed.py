@@ -8,15 +8,17 @@ import pytest
 from modelcache.eviction import LRU, Action, Hybrid, KeepAlive, SizedHybrid, make_policy
 from modelcache.eviction.hybrid import IdleTimes
 
+from fake_clock import FakeClock, at
+
 MIN = 60.0
 
 
 def call(policy, key, t, size=10, run_s=0.5):
     """One call as the daemon reports it: loaded if need be, leased, let go `run_s` later."""
     if key not in policy.entries:
-        policy.created(key, size, t)
-    policy.accessed(key, t)
-    policy.released(key, t + run_s)
+        at(policy, t).created(key, size)
+    at(policy, t).accessed(key)
+    at(policy, t + run_s).released(key)
 
 
 def step(policy, until):
@@ -24,62 +26,64 @@ def step(policy, until):
     an unload is carried out (the model is idle), a pre-warm loads the model at once."""
     got = []
     while (t := policy.next_deadline()) is not None and t <= until:
-        for a in policy.due(t):
+        for a in at(policy, t).due():
             got.append((t, a.kind, a.key))
             if a.kind == "unload":
                 policy.removed(a.key)
             else:
-                policy.created(a.key, 10, t)
+                at(policy, t).created(a.key, 10)
     return got
 
 
 def test_a_never_seen_model_has_no_timer():
-    p = Hybrid()
-    assert p.next_deadline() is None and p.due(1e9) == []
+    p = Hybrid(FakeClock(0.0))
+    assert p.next_deadline() is None and at(p, 1e9).due() == []
     assert p.keep_alive_until("m") is None and p.predicted_next_call("m") is None
 
 
 def test_policies_without_timers_answer_nothing_ever():
-    p = LRU()
-    p.created("a", 10, 0)
-    p.accessed("a", 1)
-    assert p.next_deadline() is None and p.due(1e9) == [] and p.keep_alive_until("a") is None
+    p = LRU(FakeClock(0.0))
+    at(p, 0).created("a", 10)
+    at(p, 1).accessed("a")
+    assert p.next_deadline() is None and at(p, 1e9).due() == [] and p.keep_alive_until("a") is None
     assert p.prewarm_victims("b", 5, {"a": 10}) == []
 
 
 def test_keepalive_unloads_ten_minutes_after_the_last_call():
-    p = KeepAlive()
+    p = KeepAlive(FakeClock(0.0))
     call(p, "a", 0)
     assert p.keep_alive_until("a") == 10 * MIN
     call(p, "a", 5 * MIN)                 # a second call moves the window
-    assert p.due(10 * MIN) == []
+    assert at(p, 10 * MIN).due() == []
     assert p.keep_alive_until("a") == 15 * MIN
     assert step(p, 1e9) == [(15 * MIN, "unload", "a")]
     assert p.next_deadline() is None      # gone: nothing left to do
 
 
 def test_a_one_off_call_gets_the_fixed_keep_alive_then_goes():
-    p = Hybrid()
+    p = Hybrid(FakeClock(0.0))
     call(p, "a", 100)
     assert p.predicted_next_call("a") is None          # one call teaches nothing
     assert step(p, 1e9) == [(100 + 10 * MIN, "unload", "a")]
 
 
 def test_a_model_in_use_is_never_unloaded_its_window_ends_at_release():
-    p = KeepAlive()
-    p.created("a", 10, 0)
-    p.accessed("a", 0)                    # leased, and held for 15 minutes
-    assert p.due(10 * MIN) == []          # its window ended while in use: nothing
-    p.released("a", 15 * MIN)
-    assert p.due(15 * MIN) == [Action("unload", "a")]
+    p = KeepAlive(FakeClock(0.0))
+    at(p, 0).created("a", 10)
+    at(p, 0).accessed("a")                    # leased, and held for 15 minutes
+    assert at(p, 10 * MIN).due() == []          # its window ended while in use: nothing
+    at(p, 15 * MIN).released("a")
+    assert at(p, 15 * MIN).due() == [Action("unload", "a")]
 
 
-def test_time_scale_compresses_the_windows():
-    p = make_policy("keepalive", time_scale=1 / 60)
+def test_a_replay_shrinks_the_windows_through_the_policys_own_options():
+    """No time scale: a replay that compresses trace time either drives a virtual clock (the simulated
+    replay) or gives the policy windows as short as the compressed trace's (the real-daemon replay)."""
+    p = make_policy("keepalive", FakeClock(0.0), keep_alive_s=10)
     call(p, "a", 0)
-    assert p.keep_alive_until("a") == pytest.approx(10.0)    # ten minutes of trace in ten seconds
-    h = make_policy("hybrid", time_scale=1 / 60)
-    assert h.unit_s == pytest.approx(1.0) and h.fallback_s == pytest.approx(10.0)
+    assert p.keep_alive_until("a") == 10.0              # ten minutes of trace in ten seconds
+    h = make_policy("hybrid", FakeClock(0.0), keep_alive_s=10, unit_minutes=1 / 60, range_minutes=4)
+    assert h.unit_s == pytest.approx(1.0) and h.fallback_s == pytest.approx(10.0) and h.bins == 240
 
 
 def periodic(p, every_s, n, t0=0.0):
@@ -89,7 +93,7 @@ def periodic(p, every_s, n, t0=0.0):
 
 
 def test_periodic_calls_learn_to_unload_in_between_and_prewarm_just_before():
-    p = Hybrid()
+    p = Hybrid(FakeClock(0.0))
     last = periodic(p, 5 * MIN + 10, 6)   # 5 idle times in bin 5 (5-6 minutes): representative
     assert p.representative("a")
     assert p.windows("a") == (5 * MIN, 6 * MIN)            # head and tail, bin edges
@@ -102,7 +106,7 @@ def test_periodic_calls_learn_to_unload_in_between_and_prewarm_just_before():
 
 
 def test_a_call_cancels_the_pending_prewarm_and_plans_again():
-    p = Hybrid()
+    p = Hybrid(FakeClock(0.0))
     last = periodic(p, 5 * MIN + 10, 6)
     step(p, last + 1)                                      # unloaded after the call
     call(p, "a", last + 2 * MIN)                           # early: a cold start, and a new plan
@@ -117,7 +121,7 @@ def test_spread_idle_times_keep_the_model_from_the_call_instead_of_prewarming():
     """Idle times of 3 to 9 minutes (bursty calls): the 5th percentile is the least of them, and the next
     may well come sooner, so the model is kept from its call to the tail rather than unloaded and
     pre-warmed at the head (which would save 3 of ~6 minutes for a cold start whenever a call is early)."""
-    p = Hybrid()
+    p = Hybrid(FakeClock(0.0))
     t = 0.0
     for i in range(12):
         call(p, "a", t)
@@ -130,20 +134,20 @@ def test_spread_idle_times_keep_the_model_from_the_call_instead_of_prewarming():
 
 
 def test_a_prewarm_for_a_model_still_resident_loads_nothing_but_keeps_it():
-    p = Hybrid()
+    p = Hybrid(FakeClock(0.0))
     last = periodic(p, 5 * MIN + 10, 6)
-    p.created("a", 10, last)               # (still resident: the tier has not acted on the unload)
-    p.accessed("a", last + 1)              # held across its pre-warm time
-    assert p.due(last + 1 + 4.5 * MIN) == []                  # nothing to load, nor to unload (in use)
-    p.released("a", last + 5 * MIN)
-    assert p.due(last + 5 * MIN) == []                        # the pre-warm's window has begun: it stays
+    at(p, last).created("a", 10)               # (still resident: the tier has not acted on the unload)
+    at(p, last + 1).accessed("a")              # held across its pre-warm time
+    assert at(p, last + 1 + 4.5 * MIN).due() == []                  # nothing to load, nor to unload (in use)
+    at(p, last + 5 * MIN).released("a")
+    assert at(p, last + 5 * MIN).due() == []                        # the pre-warm's window has begun: it stays
     assert p.keep_alive_until("a") == last + 1 + 6.6 * MIN
 
 
 def test_bursts_with_long_gaps_keep_the_model_across_the_gap():
     """Bursts of calls 10 s apart for two minutes, then 30 minutes idle: the burst's calls count one
     idle time a minute (as the paper's per-minute counts do), so the 30-minute gaps reach the tail."""
-    p, k = Hybrid(), KeepAlive()
+    p, k = Hybrid(FakeClock(0.0)), KeepAlive(FakeClock(0.0))
     t = 0.0
     for _ in range(5):
         for i in range(12):
@@ -161,7 +165,7 @@ def test_bursts_with_long_gaps_keep_the_model_across_the_gap():
 def test_spread_out_idle_times_are_not_representative():
     """Idle times over 120 of the 240 minutes, evenly: CV 1. (With fewer idle times than bins even an
     even spread has a high CV: n in n bins gives sqrt(240/n - 1), over 2 below 48 distinct minutes.)"""
-    p = Hybrid()
+    p = Hybrid(FakeClock(0.0))
     t = 0.0
     for i in range(240):
         t += (i % 120 + 0.5) * MIN
@@ -171,16 +175,16 @@ def test_spread_out_idle_times_are_not_representative():
 
 
 def test_mostly_out_of_range_idle_times_are_not_representative():
-    p = Hybrid()
+    p = Hybrid(FakeClock(0.0))
     periodic(p, 5 * 60 * MIN, 8)          # every 5 hours: beyond the 4-hour range
     assert p.idle["a"].out_of_bounds == 7 and not p.representative("a")
 
 
 def test_too_few_idle_times_are_not_representative():
-    p = Hybrid()
+    p = Hybrid(FakeClock(0.0))
     periodic(p, 5 * MIN + 10, 3)          # 2 idle times, however concentrated: < min_concentrated_samples
     assert not p.representative("a") and p.predicted_next_call("a") is None
-    q = Hybrid()
+    q = Hybrid(FakeClock(0.0))
     t = 0.0
     for gap in (3, 9, 5, 1):              # 4 spread idle times: < min_samples
         call(q, "a", t)
@@ -192,7 +196,7 @@ def test_too_few_idle_times_are_not_representative():
 def test_a_timer_is_trusted_after_three_idle_times_and_an_early_call_ends_the_trust():
     """Three idle times in one bin: a concentrated pattern is trusted before the five a spread one needs
     (module docstring of `representative`: unlikely by chance, and a mistake costs one call)."""
-    p = Hybrid()
+    p = Hybrid(FakeClock(0.0))
     last = periodic(p, 30 * MIN + 10, 4)                   # 3 idle times in bin 30
     assert p.representative("a") and p.windows("a") == (30 * MIN, 31 * MIN)
     assert step(p, last + 40 * MIN) == [(last + 0.5, "unload", "a"),          # goes at release
@@ -205,29 +209,29 @@ def test_a_timer_is_trusted_after_three_idle_times_and_an_early_call_ends_the_tr
 
 
 def test_under_pressure_the_furthest_expected_call_and_the_most_bytes_go_first():
-    p = Hybrid()
+    p = Hybrid(FakeClock(0.0))
     last = periodic(p, 30 * MIN + 10, 7)                   # next call expected 30 minutes after `last`
     call(p, "b", last - 60, size=10)                       # one call a minute ago
     call(p, "c", last - 600, size=10)                      # one call ten minutes ago
-    p.created("a", 10, last + 1)
-    p.due(last + 60)                                       # (tell the policy the time)
+    at(p, last + 1).created("a", 10)
+    at(p, last + 60).due()                                       # (tell the policy the time)
     # a: ~29 minutes to its expected call; c: idle 11 min; b: idle 2 min
     assert p.order(["a", "b", "c"]) == ["a", "c", "b"]
     call(p, "big", last + 55, size=1000)                   # idle one second, but 100x the bytes
-    p.due(last + 60)
+    at(p, last + 60).due()
     assert p.order(["big", "b"])[0] == "big"
 
 
 def test_under_pressure_a_model_called_less_often_goes_before_one_idle_longer_but_busier():
     """Both kept from their calls (head 0): "a" called every 40 s, last 10 s ago; "b" every second, last
     20 s ago. b's next call is any second, a's some 30 s off: a goes first (LRU's order said b)."""
-    p = Hybrid()
+    p = Hybrid(FakeClock(0.0))
     for i in range(30):
         call(p, "a", 40.0 * i)
     t = 40.0 * 29 + 10
     for i in range(400):
         call(p, "b", t - 20 - 399 + i)
-    p.due(t)
+    at(p, t).due()
     assert p.windows("a")[0] == p.windows("b")[0] == 0
     assert p.time_to_next_call("a") == pytest.approx(40) and p.time_to_next_call("b") == pytest.approx(20)
     assert p.order(["a", "b"]) == ["a", "b"]
@@ -238,12 +242,12 @@ def test_a_prewarmed_model_whose_call_is_due_is_not_taken_for_a_long_idle_one():
     (the histogram's mean idle time still to come), so under pressure a model idle for less time but
     with no pattern goes first. (Ordered by how long it had been idle, capped at the window's end, the
     pre-warmed model went first and its call was a cold start.)"""
-    p = Hybrid()
+    p = Hybrid(FakeClock(0.0))
     last = periodic(p, 30 * MIN + 10, 7)                   # idle times in bin 30: head 30, tail 31 minutes
     step(p, last + 28 * MIN)                               # unloaded, then pre-warmed at 27 minutes
     assert "a" in p.entries and p.predicted_next_call("a") == last + 30 * MIN
     call(p, "c", last + 23 * MIN)                          # one call, five minutes ago
-    p.due(last + 28 * MIN)
+    at(p, last + 28 * MIN).due()
     assert p.time_to_next_call("a") == pytest.approx(2.5 * MIN)   # bin 30's middle, less the 28 minutes
     assert p.order(["a", "c"]) == ["c", "a"]
     assert step(p, last + 40 * MIN) == [(last + 33 * MIN, "unload", "c"),          # its fixed keep-alive
@@ -262,12 +266,12 @@ def test_mean_idle_time_still_to_come():
 
 
 def test_a_prewarm_displaces_only_models_expected_later():
-    p = Hybrid()
+    p = Hybrid(FakeClock(0.0))
     last = periodic(p, 5 * MIN + 10, 6)                    # a: expected 5 minutes after `last`
     step(p, last + 1)                                      # a unloaded
     call(p, "hot", last + 4 * MIN, size=10)                # called just before a's pre-warm
     call(p, "cold", last - 60 * MIN, size=10)              # idle an hour
-    p.due(last + 4.5 * MIN - 1)
+    at(p, last + 4.5 * MIN - 1).due()
     assert p.prewarm_victims("a", 10, {"hot": 10, "cold": 10}) == ["cold"]
     assert p.prewarm_victims("a", 20, {"hot": 10, "cold": 10}) == []
 
@@ -285,7 +289,7 @@ def test_idle_time_histogram_edges_percentiles_and_cv():
 
 
 def test_replanning_does_not_grow_the_timer_heap_without_bound():
-    p = Hybrid()
+    p = Hybrid(FakeClock(0.0))
     for i in range(10_000):                       # one busy model, a call a second: each call replans
         call(p, "a", float(i))
     assert len(p._heap) <= 2 * len(p._pending) + 65
@@ -308,7 +312,7 @@ def test_cheapest_keep_alive_weighs_waiting_against_the_calls_it_catches():
 def test_size_aware_keeps_a_small_model_across_a_gap_and_lets_a_large_one_go():
     """Same calls, sizes 10 and 1000: at the fixed keep-alive's exchange rate (the mean model's size x 10
     minutes) the small model's cold start is worth 505 minutes of holding it, the large one's 6."""
-    p = SizedHybrid()
+    p = SizedHybrid(FakeClock(0.0))
     t = 0.0
     for _ in range(6):
         for i in range(3):
@@ -321,5 +325,5 @@ def test_size_aware_keeps_a_small_model_across_a_gap_and_lets_a_large_one_go():
     assert "small" in p.entries and "big" not in p.entries
     last = t - 60 - 30 * MIN + 60
     assert p.keep_alive_until("small") == pytest.approx(last + 31 * 1.1 * MIN)
-    assert Hybrid().keep_s("big", 31 * MIN) == 31 * MIN    # plain hybrid: the paper's tail
-    assert make_policy("hybrid-sized", keep_alive_s=300).cold_start_value_s("any") == 300   # the operator's rate
+    assert Hybrid(FakeClock(0.0)).keep_s("big", 31 * MIN) == 31 * MIN    # plain hybrid: the paper's tail
+    assert make_policy("hybrid-sized", FakeClock(0.0), keep_alive_s=300).cold_start_value_s("any") == 300   # the operator's rate

@@ -46,7 +46,7 @@ class Arena:
         self.manifest = load_manifest(self.model_dir)
         self.tier = gpu.DeviceTier(allocator, allocator.device.total_bytes)
         blob = str(self.model_dir / "weights.bin")   # (the host tier's segment, in the daemon)
-        plan = self.tier.plan("m@1", self.manifest.gpu_tensors, {t.name: (blob, t.offset)
+        plan = self.tier.plan_tensors("m@1", self.manifest.gpu_tensors, {t.name: (blob, t.offset)
                                                                  for t in self.manifest.gpu_tensors})
         with ThreadPoolExecutor(1) as loader:        # write runs on a loader thread, as in the daemon
             loader.submit(self.tier.write, plan).result()

@@ -338,14 +338,14 @@ def loader():
 
 def on_host(host: HostTier, key: str, model) -> dict:
     model_dir, manifest = model
-    plan = host.plan(key, model_dir, manifest)
+    plan = host.plan_from(key, model_dir, manifest)
     host.write(plan)
     host.commit(plan)
     return host.file_locations(key, "cpu")
 
 
 def promote_to_device(tier, loader, key, manifest, locations) -> gpu.DevicePlan:
-    plan = tier.plan(key, manifest.tensors, locations)
+    plan = tier.plan_tensors(key, manifest.tensors, locations)
     loader.submit(tier.write, plan).result()
     tier.commit(plan)
     return plan
@@ -353,7 +353,7 @@ def promote_to_device(tier, loader, key, manifest, locations) -> gpu.DevicePlan:
 
 def device_bytes(tier, key: str) -> dict[str, bytes]:
     """tensor name -> its bytes as they are on the device, read through what export publishes."""
-    handles, tensors = tier.export(key)
+    handles, tensors = tier.handles(key)
     assert all(offset % gpu.DEVICE_ALIGN == 0 for *_, offset, _ in tensors), "a tensor off the 256-byte grid"
     by_handle = {a.allocation.handle: a.allocation for a in tier.arenas.values()}
     return {name: tier.allocator.copy_out(by_handle[handles[slot]], offset, nbytes)
@@ -373,7 +373,7 @@ def test_promotion_puts_the_host_bytes_on_the_device(tier, host, loader, packed_
     manifest = model[1]
     plan = promote_to_device(tier, loader, "a@1", manifest, on_host(host, "a@1", model))
     assert device_bytes(tier, "a@1") == disk_bytes(model)
-    handles, tensors = tier.export("a@1")
+    handles, tensors = tier.handles("a@1")
     assert len(handles) == 1 and [t[0] for t in tensors] == [t.name for t in manifest.tensors]
     spans = sorted((off, off + n) for *_, off, n in tensors)
     assert all(off % gpu.DEVICE_ALIGN == 0 for off, _ in spans)
@@ -396,8 +396,8 @@ def test_tensors_shared_with_a_resident_model_are_not_copied_again(tier, host, l
     assert pb.copied_bytes < 0.2 * pa.copied_bytes
     assert tier.used_bytes == pa.arena_bytes + pb.arena_bytes
     assert device_bytes(tier, "b@1") == disk_bytes(packed_models["b"])
-    handles_a, _ = tier.export("a@1")
-    handles_b, tensors_b = tier.export("b@1")
+    handles_a, _ = tier.handles("a@1")
+    handles_b, tensors_b = tier.handles("b@1")
     assert len(handles_b) == 2 and handles_b[0] == handles_a[0] != handles_b[1]   # a's arena first
     assert {slot for _, _, _, slot, _, _ in tensors_b} == {0, 1}
     assert live_allocations(tier.allocator) in (2, None)
@@ -423,7 +423,7 @@ def test_the_same_tensor_twice_in_one_model_is_stored_once(tier, host, loader, p
     locations = on_host(host, "cnn@1", model)
     tensors = model[1].tensors
     twice = tensors + [replace(tensors[1], name="alias")]    # same sha256, another name; no host location needed
-    plan = tier.plan("cnn@1", twice, locations)
+    plan = tier.plan_tensors("cnn@1", twice, locations)
     loader.submit(tier.write, plan).result()
     tier.commit(plan)
     assert plan.locations["alias"] == plan.locations[tensors[1].name]
@@ -434,13 +434,13 @@ def test_the_same_tensor_twice_in_one_model_is_stored_once(tier, host, loader, p
 
 def test_plan_reserves_and_abort_releases(tier, host, loader, packed_models):
     locations = on_host(host, "a@1", packed_models["a"])
-    plan = tier.plan("a@1", packed_models["a"][1].tensors, locations)
+    plan = tier.plan_tensors("a@1", packed_models["a"][1].tensors, locations)
     assert tier.used_bytes == plan.arena_bytes > 0             # reserved before a byte is written
     assert live_allocations(tier.allocator) in (0, None)        # ... and before anything is allocated
     tier.abort(plan)
     assert tier.used_bytes == 0 and tier.arenas == {} and "a@1" not in tier.models
     # Aborted after its write (a refused load): the allocation goes too.
-    plan = tier.plan("a@1", packed_models["a"][1].tensors, locations)
+    plan = tier.plan_tensors("a@1", packed_models["a"][1].tensors, locations)
     loader.submit(tier.write, plan).result()
     assert live_allocations(tier.allocator) in (1, None)
     tier.abort(plan)
@@ -450,7 +450,7 @@ def test_plan_reserves_and_abort_releases(tier, host, loader, packed_models):
 
 def test_abort_keeps_the_arenas_other_models_use(tier, host, loader, packed_models):
     pa = promote_to_device(tier, loader, "a@1", packed_models["a"][1], on_host(host, "a@1", packed_models["a"]))
-    plan = tier.plan("b@1", packed_models["b"][1].tensors, on_host(host, "b@1", packed_models["b"]))
+    plan = tier.plan_tensors("b@1", packed_models["b"][1].tensors, on_host(host, "b@1", packed_models["b"]))
     assert tier.bytes_freed_by(["a@1"]) == 0                   # b's load holds a's arena
     loader.submit(tier.write, plan).result()
     tier.abort(plan)
@@ -462,7 +462,7 @@ def test_abort_keeps_the_arenas_other_models_use(tier, host, loader, packed_mode
 def test_a_failed_write_leaves_nothing_allocated(tier, host, loader, packed_models):
     locations = on_host(host, "a@1", packed_models["a"])
     gone = {name: (str(host.root / "no-such-segment.bin"), off) for name, (_, off) in locations.items()}
-    plan = tier.plan("a@1", packed_models["a"][1].tensors, gone)
+    plan = tier.plan_tensors("a@1", packed_models["a"][1].tensors, gone)
     with pytest.raises(FileNotFoundError):
         loader.submit(tier.write, plan).result()
     assert plan.allocation is None and live_allocations(tier.allocator) in (0, None)
@@ -472,14 +472,14 @@ def test_a_failed_write_leaves_nothing_allocated(tier, host, loader, packed_mode
 
 def test_plan_refuses_a_tensor_missing_from_the_host_tier(tier, packed_models):
     with pytest.raises(ValueError, match="not resident in the host tier"):
-        tier.plan("a@1", packed_models["a"][1].tensors, {})
+        tier.plan_tensors("a@1", packed_models["a"][1].tensors, {})
     assert tier.used_bytes == 0 and tier.arenas == {}
 
 
 def test_capacity_accounting(tier, host, loader, packed_models):
     assert gpu.DeviceTier(tier.allocator, 1 << 50).capacity_bytes == tier.device.total_bytes
     small = gpu.DeviceTier(tier.allocator, 64 << 10)            # less than tiny-vit's 300 KiB
-    plan = small.plan("a@1", packed_models["a"][1].tensors, on_host(host, "a@1", packed_models["a"]))
+    plan = small.plan_tensors("a@1", packed_models["a"][1].tensors, on_host(host, "a@1", packed_models["a"]))
     assert small.free_bytes == (64 << 10) - plan.arena_bytes < 0   # over: the daemon evicts or aborts
     small.abort(plan)
     assert small.free_bytes == 64 << 10
@@ -489,7 +489,7 @@ def test_capacity_accounting(tier, host, loader, packed_models):
 def test_a_full_device_refuses_the_allocation(kind, host, loader, packed_models):
     allocator = make_allocator(kind, host, total_bytes=64 << 10)
     tier = gpu.DeviceTier(allocator, 1 << 30)
-    plan = tier.plan("a@1", packed_models["a"][1].tensors, on_host(host, "a@1", packed_models["a"]))
+    plan = tier.plan_tensors("a@1", packed_models["a"][1].tensors, on_host(host, "a@1", packed_models["a"]))
     with pytest.raises(gpu.DeviceMemoryError):
         loader.submit(tier.write, plan).result()
     tier.abort(plan)
@@ -501,7 +501,7 @@ def test_a_full_device_refuses_the_allocation(kind, host, loader, packed_models)
 def test_stop_leaves_nothing_behind(tier, host, loader, packed_models):
     promote_to_device(tier, loader, "a@1", packed_models["a"][1], on_host(host, "a@1", packed_models["a"]))
     promote_to_device(tier, loader, "b@1", packed_models["b"][1], on_host(host, "b@1", packed_models["b"]))
-    in_flight = tier.plan("cnn@1", packed_models["cnn"][1].tensors, on_host(host, "cnn@1", packed_models["cnn"]))
+    in_flight = tier.plan_tensors("cnn@1", packed_models["cnn"][1].tensors, on_host(host, "cnn@1", packed_models["cnn"]))
     loader.submit(tier.write, in_flight).result()               # written, never committed
     tier.stop()
     assert tier.used_bytes == 0 and tier.models == {} and tier.arenas == {}
@@ -519,7 +519,7 @@ def test_fake_handles_are_files_a_client_maps(host, loader, packed_models):
     import mmap
     tier = gpu.DeviceTier(make_allocator("fake", host), CAPACITY_BYTES)
     promote_to_device(tier, loader, "a@1", packed_models["a"][1], on_host(host, "a@1", packed_models["a"]))
-    handles, tensors = tier.export("a@1")
+    handles, tensors = tier.handles("a@1")
     path = Path(handles[0].decode())
     assert path.is_absolute() and path.parent == host.root / "gpu-0"
     assert oct(path.stat().st_mode & 0o777) == "0o640"
@@ -573,7 +573,7 @@ def test_the_staging_ring_is_idle_when_a_copy_hands_it_on(host, packed_models):
 
 
 def test_concurrent_writes_on_two_loader_threads(tier, host, packed_models):
-    plans = [tier.plan(key, packed_models[name][1].tensors, on_host(host, key, packed_models[name]))
+    plans = [tier.plan_tensors(key, packed_models[name][1].tensors, on_host(host, key, packed_models[name]))
              for name, key in [("a", "a@1"), ("cnn", "cnn@1")]]
     with ThreadPoolExecutor(2) as loaders:
         for future in [loaders.submit(tier.write, plan) for plan in plans]:
@@ -592,7 +592,7 @@ def test_coalesce_merges_only_ranges_contiguous_on_both_sides():
 
 def test_host_file_locations_point_at_the_host_tiers_segments(host, packed_models):
     locations = on_host(host, "a@1", packed_models["a"])
-    _, segments, tensors = host.export("a@1", packed_models["a"][1])
+    _, segments, tensors = host.layout("a@1", packed_models["a"][1])
     assert locations == {name: (segments[seg], off) for name, _, _, seg, off, _ in tensors}
 
 
@@ -699,7 +699,7 @@ def test_fake_vmm_memory_is_writable_in_the_daemon_alone(host, loader, packed_mo
         mmap.mmap(fd, allocation.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     with pytest.raises(PermissionError):
         os.write(fd, b"x")
-    handles, tensors = tier.export("a@1")
+    handles, tensors = tier.handles("a@1")
     with mmap.mmap(fd, allocation.nbytes, mmap.MAP_SHARED, mmap.PROT_READ) as m:
         assert {name: m[off:off + n] for name, _, _, _, off, n in tensors} == disk_bytes(packed_models["a"])
         name, _, _, _, off, n = tensors[0]

@@ -73,7 +73,7 @@ def test_the_blob_holds_the_fp16_weights_once(name, fp16_files, tmp_path):
     # and so does a host tier that holds both variants.
     lent_bytes, lent_count = fp16_bytes_lent(src)
     assert lent_bytes <= m.weights_bytes < lent_bytes + lent_count * ALIGN   # only alignment padding on top
-    plan = HostTier(tmp_path / "shm", 1 << 40).plan(name, tmp_path / name / "1", m, ("cpu", "gpu"))
+    plan = HostTier(tmp_path / "shm", 1 << 40).plan_from(name, tmp_path / name / "1", m, ("cpu", "gpu"))
     assert sum(n for _, _, n, _ in plan.copies) == lent_bytes
     assert fp16_bytes <= plan.segment_bytes < lent_bytes + lent_count * ALIGN
     # The client runs the CPU EP's Casts itself: they are in the skeleton, with fp16 weights as their inputs.

@@ -1,6 +1,6 @@
 """The daemon's timers and its room queue, in process (issue 29): the keep-alive and pre-warm deadlines of
 the timed policies (`keepalive`, `hybrid`, eviction/timed.py) as the owner loop runs them
-(HostCache.next_timer / on_timer), and requests that wait for room in a full tier instead of failing.
+(Residency.next_timer / on_timer, each tier's), and requests that wait for room in a full tier instead of failing.
 
 The daemon's parts are built by hand over a real host tier, a simulated GPU and real packed models
 (tests/daemon_parts.py); opens and closes go through Sessions as the daemon takes them; the clock is
@@ -36,7 +36,7 @@ def close(parts: Parts, client, reply: P.OpenReply) -> None:
 def tick(parts: Parts, seconds: float) -> None:
     """Time passes; the owner loop runs what is due, and the loads that starts land."""
     parts.clock.now += seconds
-    parts.cache.on_timer(parts.clock())
+    parts.on_timer(parts.clock())
     parts.loaders.settle()
 
 
@@ -72,23 +72,23 @@ def test_keepalive_unloads_an_idle_model_when_its_window_ends_and_never_while_in
     lease = call(parts, client, "m")
     assert isinstance(lease, P.OpenReply) and model.state is ModelState.RESIDENT
     tick(parts, 600)                                  # long past the window, but in use
-    assert model.state is ModelState.RESIDENT and parts.cache.describe(model)["why"] == "in use"
+    assert model.state is ModelState.RESIDENT and parts.models.describe(model)["why"] == "in use"
     close(parts, client, lease)                       # its window ended while it was in use: it goes now
-    assert parts.cache.next_timer() <= parts.clock()
+    assert parts.next_timer() <= parts.clock()
     tick(parts, 0)
     assert model.state is ModelState.ON_DISK and parts.counters["unloads"] == 1 and parts.host.used_bytes == 0
 
     lease = call(parts, client, "m")
     opened_at = parts.clock()
     close(parts, client, lease)
-    view = parts.cache.describe(model)
+    view = parts.models.describe(model)
     assert view["why"] == "kept alive" and view["keep_alive_until"] == parts.wall() + 60
-    assert parts.cache.next_timer() == opened_at + 60
+    assert parts.next_timer() == opened_at + 60
     tick(parts, 59.9)
     assert model.state is ModelState.RESIDENT
     tick(parts, 0.1)
     assert model.state is ModelState.ON_DISK and parts.counters["unloads"] == 2
-    assert parts.cache.describe(model)["why"] == "" and parts.cache.next_timer() is None
+    assert parts.models.describe(model)["why"] == "" and parts.next_timer() is None
 
 
 def test_a_call_cancels_the_pending_unload(make, tmp_path):
@@ -109,12 +109,11 @@ def test_a_serve_request_counts_as_a_call(make, tmp_path):
     parts = make(policy="keepalive", keep_alive_s=60)
     model = parts.add(tmp_path, "tiny-cnn", "m")
     resident(parts, model)          # created without a call: the fallback keep-alive, from its load
-    assert parts.cache.describe(model)["keep_alive_until"] == parts.wall() + 60
+    assert parts.models.describe(model)["keep_alive_until"] == parts.wall() + 60
     tick(parts, 30)
-    parts.cache.policy.accessed(model.key, parts.clock())
-    model.hold()
-    model.let_go()
-    parts.cache.after_release(model)
+    parts.residency.hold(model)
+    parts.residency.accessed(model)
+    parts.residency.release(model)
     tick(parts, 59)
     assert model.state is ModelState.RESIDENT
     tick(parts, 1)
@@ -126,10 +125,10 @@ def test_a_pinned_model_is_never_unloaded(make, tmp_path):
     model = parts.add(tmp_path, "tiny-cnn", "m")
     client = parts.registry.new_client(1, "c", parts.clock())
     close(parts, client, call(parts, client, "m"))
-    model.pinned = True
+    model.pin(True)
     tick(parts, 3600)
     assert model.state is ModelState.RESIDENT and parts.counters["unloads"] == 0
-    assert parts.cache.describe(model)["why"] == "pinned"
+    assert parts.models.describe(model)["why"] == "pinned"
 
 
 def test_a_gpu_copy_is_demoted_when_its_window_ends(make, tmp_path):
@@ -157,22 +156,22 @@ def test_hybrid_prewarms_before_a_periodic_call_and_unloads_after_the_tail(make,
     # Learned: head 600 s (pre-warm at 540 s, 10 % early), tail 660 s (kept until 726 s). Between calls the
     # model goes as soon as the call is over.
     lease = call(parts, client, "m")
-    assert lease.hit is False and parts.cache.policy.windows(model.key) == (600.0, 660.0)
+    assert lease.hit is False and parts.residency.policy.windows(model.key) == (600.0, 660.0)
     called_at = parts.clock()
     close(parts, client, lease)
     tick(parts, 0)
     assert model.state is ModelState.ON_DISK
-    view = parts.cache.describe(model)
+    view = parts.models.describe(model)
     assert view["next_call"] == parts.wall() + 600 and view["keep_alive_until"] is None
     tick(parts, 539)
     assert model.state is ModelState.ON_DISK
     tick(parts, 1)                                    # 540 s: pre-warmed, disk -> host
     assert model.state is ModelState.RESIDENT and parts.counters["prewarms"] == 1
-    assert parts.cache.describe(model)["why"] == "pre-warmed, kept alive"
+    assert parts.models.describe(model)["why"] == "pre-warmed, kept alive"
     tick(parts, 60)
     lease = call(parts, client, "m")                  # the call finds it warm
     assert lease.hit is True and parts.clock() == called_at + 600
-    assert parts.cache.describe(model)["why"] == "in use"
+    assert parts.models.describe(model)["why"] == "in use"
     close(parts, client, lease)
     tick(parts, 0)
     tick(parts, 540)                                  # pre-warmed again; this time no call comes
@@ -196,11 +195,11 @@ def test_hybrid_sized_lets_a_thin_tail_go_that_hybrid_keeps(make, tmp_path, poli
             close(parts, client, call(parts, client, "m"))
             tick(parts, 90 if i < 2 else 30 * 60)
     close(parts, client, call(parts, client, "m"))    # idle times: 8 of 90 s, 4 of 30 minutes
-    assert parts.cache.policy.windows(model.key) == (60.0, 31 * 60.0)
+    assert parts.residency.policy.windows(model.key) == (60.0, 31 * 60.0)
     tick(parts, 0)
     tick(parts, 5 * 60)
     assert (model.state is ModelState.RESIDENT) is kept
-    assert (parts.cache.describe(model)["keep_alive_until"] is not None) is kept
+    assert (parts.models.describe(model)["keep_alive_until"] is not None) is kept
 
 
 def test_a_prewarm_never_exceeds_capacity_nor_displaces_a_model_in_use(make, tmp_path):
@@ -232,7 +231,7 @@ def test_requests_for_a_full_tier_wait_and_are_served_in_arrival_order(make, tmp
     lease_a = call(parts, first, "a")
     assert call(parts, second, "b") is None and call(parts, third, "c") is None       # both wait
     assert (b.state, c.state) == (ModelState.WAITING, ModelState.WAITING)
-    assert parts.cache.describe(b)["why"] == "waiting for room (1 request)"
+    assert parts.models.describe(b)["why"] == "waiting for room (1 request)"
     close(parts, first, lease_a)                      # room: the first to come goes first
     parts.loaders.settle()
     assert a.state is ModelState.ON_DISK and b.state is ModelState.RESIDENT and c.state is ModelState.WAITING
@@ -252,7 +251,7 @@ def test_a_waiter_whose_deadline_passes_is_told_what_held_the_tier(make, tmp_pat
     holder, waiter = parts.registry.new_client(1, "x", parts.clock()), parts.registry.new_client(2, "y", parts.clock())
     call(parts, holder, "a")
     assert call(parts, waiter, "b", deadline_ms=2000) is None
-    assert parts.cache.next_timer() == parts.clock() + 2
+    assert parts.next_timer() == parts.clock() + 2
     tick(parts, 1.9)
     assert b.state is ModelState.WAITING
     tick(parts, 0.1)
@@ -260,7 +259,7 @@ def test_a_waiter_whose_deadline_passes_is_told_what_held_the_tier(make, tmp_pat
     assert isinstance(refusal, P.ErrorReply) and refusal.code == "capacity"
     assert refusal.message.startswith("waited 2.0 s for room, until the request's deadline: b@1 needs ")
     assert "a@1 (in use by 1 session); close sessions, or raise host_capacity" in refusal.message
-    assert b.state is ModelState.ON_DISK and b.waiters == [] and not parts.cache.room
+    assert b.state is ModelState.ON_DISK and b.host.waiters == [] and not parts.residency.room
 
 
 def test_a_model_loaded_for_no_request_makes_room_for_one_waiting_as_it_lands(make, tmp_path):
@@ -271,7 +270,7 @@ def test_a_model_loaded_for_no_request_makes_room_for_one_waiting_as_it_lands(ma
     a = parts.add(tmp_path, "tiny-cnn", "a")
     b = parts.add(tmp_path, "tiny-cnn", "b", seed=1)
     loaded = []
-    parts.cache.when_resident(a, lambda error, hit: loaded.append(error))   # as `modelcache load a` asks
+    parts.residency.when_resident(a, lambda error, hit: loaded.append(error))   # as `modelcache load a` asks
     assert a.state is ModelState.LOADING
     client = parts.registry.new_client(1, "x", parts.clock())
     parts.sessions.on_Open(IDENT, P.Open(req_id=1, client_id=client.client_id, name="b", deadline_ms=60_000))
@@ -279,7 +278,7 @@ def test_a_model_loaded_for_no_request_makes_room_for_one_waiting_as_it_lands(ma
     parts.loaders.settle()                            # a lands, answering the load; b then evicts it
     assert loaded == [None]
     assert isinstance(parts.replies[-1], P.OpenReply) and parts.replies[-1].name == "b"
-    assert (a.state, b.state) == (ModelState.ON_DISK, ModelState.RESIDENT) and not parts.cache.room
+    assert (a.state, b.state) == (ModelState.ON_DISK, ModelState.RESIDENT) and not parts.residency.room
 
 
 def test_a_model_larger_than_the_tier_is_refused_at_once_even_behind_a_queue(make, tmp_path):
@@ -295,8 +294,8 @@ def test_a_model_larger_than_the_tier_is_refused_at_once_even_behind_a_queue(mak
     assert call(parts, client, "b") is None           # b waits for room
     with pytest.raises(CapacityError, match="the model alone does not fit; raise host_capacity"):
         call(parts, client, "big")                    # behind b: still refused at once, not queued
-    assert big.state is ModelState.ON_DISK and big.waiters == [] and list(parts.cache.room.models) == [
-        parts.registry.by_key("b@1")]
+    assert big.state is ModelState.ON_DISK and big.host.waiters == [] and list(parts.residency.room.models) == [
+        parts.registry.by_key("b@1").host]
 
 
 # -- the real daemon ---------------------------------------------------------------------------------------
@@ -388,17 +387,17 @@ def test_more_capacity_serves_the_requests_waiting_for_room(make, tmp_path):
     """A reload that raises host_capacity calls admit() (server.py), as here."""
     parts, b, size = b_waits_behind_a(make, tmp_path)
     parts.host.capacity_bytes = 3 * size
-    parts.cache.admit()
+    parts.residency.admit()
     parts.loaders.settle()
     assert b.state is ModelState.RESIDENT and parts.replies[-1].name == "b"
 
 
 def test_a_stopping_daemon_answers_the_requests_waiting_for_room(make, tmp_path):
     parts, b, _ = b_waits_behind_a(make, tmp_path)
-    parts.cache.stop_waiting()
+    parts.stop_waiting()
     said = parts.replies[-1]
     assert isinstance(said, P.ErrorReply) and said.code == "daemon_unavailable" and "b@1 waited for room" in said.message
-    assert b.state is ModelState.ON_DISK and not parts.cache.room
+    assert b.state is ModelState.ON_DISK and not parts.residency.room
 
 
 # -- oversubscription on a GPU: waiting for room on the device ------------------------------------------
@@ -420,9 +419,9 @@ def test_gpu_opens_for_a_full_device_wait_and_are_served_in_arrival_order(make, 
     second, third = (parts.registry.new_client(i, n, parts.clock()) for i, n in ((2, "y"), (3, "z")))
     assert call(parts, second, "b", device="cuda") is None and call(parts, third, "c", device="cuda") is None
     assert [m.devices[parts.uuid].state for m in (b, c)] == [ModelState.WAITING, ModelState.WAITING]
-    assert list(parts.gpu.rooms[parts.uuid].models) == [b.devices[parts.uuid], c.devices[parts.uuid]]
-    assert parts.cache.describe(b)["why"].endswith("waiting for room on GPU 0 (1 request)")
-    assert b.state is ModelState.RESIDENT and not b.evictable       # its host copy stays for the promotion
+    assert list(parts.device.room.models) == [b.devices[parts.uuid], c.devices[parts.uuid]]
+    assert parts.models.describe(b)["why"].endswith("waiting for room on GPU 0 (1 request)")
+    assert b.state is ModelState.RESIDENT and not b.host.evictable       # its host copy stays for the promotion
     close(parts, holder, lease_a)                     # room: the first to come goes first, a is demoted
     parts.loaders.settle()
     assert a.devices == {} and b.tier == "gpu" and c.devices[parts.uuid].state is ModelState.WAITING
@@ -432,14 +431,14 @@ def test_gpu_opens_for_a_full_device_wait_and_are_served_in_arrival_order(make, 
     parts.loaders.settle()
     assert isinstance(parts.replies[-1], P.OpenReply) and parts.replies[-1].name == "c"
     assert c.tier == "gpu" and b.devices == {} and parts.tier.used_bytes <= parts.tier.capacity_bytes
-    assert not parts.gpu.rooms[parts.uuid] and parts.counters["gpu_promotions"] == 3
+    assert not parts.device.room and parts.counters["gpu_promotions"] == 3
 
 
 def test_a_gpu_waiter_whose_deadline_passes_is_told_what_held_the_device(make, tmp_path):
     parts, (a, b), holder, _ = gpu_room_for_one(make, tmp_path, "ab")
     waiter = parts.registry.new_client(2, "y", parts.clock())
     assert call(parts, waiter, "b", deadline_ms=2000, device="cuda") is None
-    assert parts.cache.next_timer() == parts.clock() + 2
+    assert parts.next_timer() == parts.clock() + 2
     tick(parts, 1.9)
     assert b.devices[parts.uuid].state is ModelState.WAITING
     tick(parts, 0.1)
@@ -448,10 +447,10 @@ def test_a_gpu_waiter_whose_deadline_passes_is_told_what_held_the_device(make, t
     assert refusal.message.startswith("waited 2.0 s for room, until the request's deadline: b@1 needs ")
     assert "in the GPU tier of GPU 0" in refusal.message
     assert "a@1 (in use by 1 GPU session); close sessions, or raise gpu_capacity" in refusal.message
-    assert b.devices == {} and b.evictable and not parts.gpu.rooms[parts.uuid] and parts.cache.next_timer() is None
+    assert b.devices == {} and b.host.evictable and not parts.device.room and parts.next_timer() is None
     # A serve request does not wait for a GPU (the CPU serves it): refused at once, nothing queued.
     answers = []
-    parts.gpu.when_on_device(b, parts.tier, lambda error, hit: answers.append(error), wait=False)
+    parts.device.when_resident(b, lambda error, hit: answers.append(error), wait=False)
     assert len(answers) == 1 and "a@1 (in use by 1 GPU session)" in str(answers[0]) and b.devices == {}
 
 
@@ -466,17 +465,17 @@ def test_a_model_larger_than_the_device_is_refused_at_once_even_behind_a_queue(m
     refused = call(parts, client, "big", device="cuda")             # behind b: still refused at once
     assert isinstance(refused, P.ErrorReply) and refused.message.endswith(
         "the model alone does not fit; raise gpu_capacity")
-    assert big.devices == {} and list(parts.gpu.rooms[parts.uuid].models) == [b.devices[parts.uuid]]
+    assert big.devices == {} and list(parts.device.room.models) == [b.devices[parts.uuid]]
 
 
 def test_a_stopping_daemon_answers_the_requests_waiting_for_room_on_a_gpu(make, tmp_path):
     parts, (a, b), holder, _ = gpu_room_for_one(make, tmp_path, "ab")
     assert call(parts, parts.registry.new_client(2, "y", parts.clock()), "b", device="cuda") is None
-    parts.cache.stop_waiting()
+    parts.stop_waiting()
     said = parts.replies[-1]
     assert isinstance(said, P.ErrorReply) and said.code == "daemon_unavailable"
-    assert "b@1 waited for room on GPU 0" in said.message
-    assert b.devices == {} and not parts.gpu.rooms[parts.uuid]
+    assert "b@1 waited for room in the GPU tier of GPU 0" in said.message
+    assert b.devices == {} and not parts.device.room
 
 
 def test_a_gpu_prewarm_never_jumps_a_request_waiting_for_room(make, tmp_path):
@@ -487,17 +486,17 @@ def test_a_gpu_prewarm_never_jumps_a_request_waiting_for_room(make, tmp_path):
     b, p = parts.add(tmp_path, "squeezenet1_1", "b", seed=1), parts.add(tmp_path, "tiny-cnn", "p")
     on_device(parts, p)
     small = parts.tier.used_bytes
-    parts.gpu.evict_from_device(p, parts.uuid)        # (its host copy stays)
+    parts.device.evict(p)        # (its host copy stays)
     holder, waiter = parts.registry.new_client(1, "x", parts.clock()), parts.registry.new_client(2, "y", parts.clock())
     lease_a = call(parts, holder, "a", device="cuda")
     parts.tier.capacity_bytes = parts.tier.used_bytes + small + small // 2   # room for a and p, not a and b
     assert call(parts, waiter, "b", device="cuda") is None
-    parts.gpu._prewarm(p, parts.tier)                 # as its policy's timer would
+    parts.device._prewarm(p)                 # as its policy's timer would
     assert p.devices == {} and parts.counters["gpu_prewarms"] == 0
     close(parts, holder, lease_a)
     parts.loaders.settle()
     assert b.tier == "gpu" and parts.replies[-1].name == "b"
-    parts.gpu._prewarm(p, parts.tier)                 # nothing waits now: it goes, in the room left beside b
+    parts.device._prewarm(p)                 # nothing waits now: it goes, in the room left beside b
     parts.loaders.settle()
     assert p.tier == "gpu" and parts.counters["gpu_prewarms"] == 1
 

@@ -1,7 +1,7 @@
 """The package's layers import one way: every import in modelcache/ — function-local ones too — reaches
 its own layer or a lower one, and no two modules import each other (directly or round a loop). The
-package stands alone: it never imports the lab (benchmarks/) or the tests, and only the fronts that run
-benchmarks (the CLI, the demo) reach into modelcache.bench.
+package stands alone: it never imports the lab (benchmarks/) or the tests, and only the CLI reaches into
+modelcache.bench (the demo and the benchmarks share modelcache.measure).
 
 The table is the README's ("The layers"), bottom to top. A module not in it fails the test: a new
 module gets a place on purpose, not by accident.
@@ -22,11 +22,10 @@ LAYERS = [
     ("settings", ["config", "address"]),
     ("model tooling", ["packing", "prepack", "sources", "zoo"]),
     ("tiers", ["tiers", "eviction", "scrub"]),
-    ("trace replay", ["faas"]),
     ("executor", ["executor"]),
     ("daemon", ["daemon"]),
     ("client", ["client"]),
-    ("fronts", ["placement", "oip", "http", "grpc", "triton_repo", "cluster", "bench", "demo"]),
+    ("fronts", ["placement", "oip", "http", "grpc", "triton_repo", "cluster", "measure", "bench", "demo"]),
     ("command line", ["cli"]),
 ]
 # Kept on purpose, each for a reason the README gives.
@@ -163,9 +162,72 @@ def test_the_package_never_imports_the_lab_or_the_tests():
         assert not bad, f"{name} imports {sorted(bad)}"
 
 
-def test_only_the_cli_and_the_demo_reach_into_bench():
+def test_only_the_cli_reaches_into_bench():
     for module, targets in graph().items():
-        if module in ("modelcache.cli", "modelcache.demo") or module.startswith("modelcache.bench"):
+        if module == "modelcache.cli" or module.startswith("modelcache.bench"):
             continue
         bad = {t for t in targets if top_part(t) == "bench"}
         assert not bad, f"{module} imports {sorted(bad)}: the product does not run on benchmark code"
+
+
+# Methods that change a list, dict or set in place: `x.waiters.append(...)` writes x's field as surely as `=`.
+MUTATORS = {"append", "remove", "clear", "pop", "popitem", "update", "setdefault", "add", "discard", "insert",
+            "extend", "sort", "reverse", "__setitem__", "__delitem__"}
+
+
+def record_writes(path: Path, fields: set) -> list[str]:
+    """Every write in `path` to an attribute named in `fields` of an object other than `self`: an assignment
+    (augmented, annotated, to an item of it, or a delete), a mutating call on it, or setattr with its name."""
+    found = []
+
+    def field_of(node):
+        while isinstance(node, ast.Subscript):     # x.field[k] = ...: the field is written
+            node = node.value
+        if isinstance(node, ast.Attribute) and node.attr in fields and \
+                not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+            return ast.unparse(node)
+        return None
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        elif isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr in MUTATORS:
+                targets = [func.value]
+            elif isinstance(func, ast.Name) and func.id in ("setattr", "delattr") and len(node.args) >= 2 \
+                    and isinstance(node.args[1], ast.Constant) and node.args[1].value in fields:
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+        for target in targets:
+            for part in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                written = field_of(part)
+                if written:
+                    found.append(f"{path.name}:{node.lineno}: {written}")
+    return found
+
+
+def test_record_fields_change_only_through_the_records_own_methods():
+    """A model's record and its copy in each tier own their transitions (daemon/registry.py): no other code
+    writes their fields. Records live in the daemon (no layer below imports it, and the fronts see only the
+    wire's dicts), so its modules are the ones that could; registry.py's own writes are all `self.` ones."""
+    from dataclasses import fields
+
+    from modelcache.daemon.registry import ModelRecord, TierCopy
+    names = {f.name for cls in (ModelRecord, TierCopy) for f in fields(cls)}
+    assert {"state", "holds", "waiters", "pinned", "hits", "damage", "tier_copies"} <= names
+    writes = [w for path in sorted((PACKAGE / "daemon").rglob("*.py")) for w in record_writes(path, names)]
+    assert not writes, "record fields written outside the record's methods:\n" + "\n".join(writes)
+
+
+def test_the_record_check_sees_each_kind_of_write(tmp_path):
+    """What makes the test above mean something: each way of writing a field is caught."""
+    module = tmp_path / "writes.py"
+    module.write_text("def f(model, copy, key):\n    model.pinned = True\n    copy.holds += 1\n"
+                      "    copy.waiters.append(key)\n    model.tier_copies[key] = None\n    setattr(model, 'hits', 1)\n"
+                      "    del model.tier_copies[key]\n    self.state = 1\n")
+    assert len(record_writes(module, {"pinned", "holds", "waiters", "tier_copies", "hits", "state"})) == 6

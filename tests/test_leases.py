@@ -173,3 +173,25 @@ def test_no_daemon_is_a_clear_error_and_no_lane_means_the_full_client(tmp_path, 
     (tmp_path / "nolane.sock").touch()     # a daemon socket without a lane beside it: a daemon from before lanes
     assert shared_lease_client(f"ipc://{tmp_path}/nolane.sock") is None
     assert os.path.exists(tmp_path / "nolane.sock")
+
+
+def test_the_lease_keeper_reopens_after_a_restart_and_a_close_names_the_id_of_now():
+    """What both client stacks keep (client/lease_keeper.py), stepped by hand: no daemon needed."""
+    from modelcache.client.lease_keeper import LeaseKeeper
+    keeper, sent = LeaseKeeper(), []
+
+    def close(lease_id):
+        msg = P.Close(req_id=0, client_id="", lease_id=lease_id)
+        keeper.address_close(msg)          # as rpc.Channel's prepare does, before each send
+        sent.append(msg.lease_id)
+
+    for lease_id, name in (("l1", "a"), ("l2", "b")):
+        keeper.opened(P.OpenReply(req_id=0, lease_id=lease_id, name=name, version=1, skeleton_path=""), "cpu")
+    # The daemon restarted: a comes back as l7, b is refused (removed meanwhile, say).
+    answers = {"a": P.OpenReply(req_id=0, lease_id="l7", name="a", version=1, skeleton_path=""),
+               "b": P.ErrorReply(req_id=0, code="not_found", message="no model named 'b'")}
+    assert keeper.reopen(lambda name, version, device: answers[name]) == (1, ["b: no model named 'b'"])
+    keeper.release("l1", lambda: close("l1"))
+    keeper.release("l2", lambda: close("l2"))      # lost: the daemon has nothing to release, nothing is sent
+    assert sent == ["l7"]
+    assert keeper.reopen(lambda *a: pytest.fail("nothing is held any more")) == (0, [])

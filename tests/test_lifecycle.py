@@ -1,9 +1,11 @@
 """A model's lifecycle, in process: the daemon's parts built by hand over a real host tier, a simulated
 GPU (the fake allocator) and real packed models, stepped with a fake clock; no subprocess, no socket.
 
-The rules with one owner each: one promotion however many ask (`ModelRecord.start_load` /
-`finish_load`), and memory is never freed while a lease maps it (`check_freeable`, which the
-caches call before they free anything).
+The rules, each run against every tier (the host tier's residency manager and the GPU's: one type,
+daemon/residency.py): one promotion however many ask (`TierCopy.start_load` / `finish_load`); memory a
+lease maps is never freed (`TierCopy.check_freeable`, asked in `Residency.evict`, the one method that
+frees); the policy chooses, the manager frees; refusals say what holds the tier. Then what only the
+chain of tiers has: a GPU copy holds the host copy it came from, and goes first when that is freed.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ import re
 
 import pytest
 
-from modelcache.daemon.cache import size_text
 from modelcache.daemon.registry import ModelState
+from modelcache.daemon.residency import size_text
 from modelcache.errors import CapacityError, IntegrityError
 from modelcache.format import WEIGHTS_FILE
 
 from daemon_parts import Parts, counting, on_device, resident
+
+TIERS = ["host", "gpu"]
+
 
 @pytest.fixture
 def parts(tmp_path):
@@ -27,33 +32,40 @@ def parts(tmp_path):
     p.stop()
 
 
+def tier_of(parts: Parts, which: str):
+    return parts.residency if which == "host" else parts.device
+
+
+def one_model_bytes(tmp_path, which: str) -> int:
+    probe = Parts(tmp_path / "probe")
+    try:
+        residency = tier_of(probe, which)
+        one = probe.add(tmp_path / "probe", "tiny-cnn", "x")
+        resident(probe, one, residency)
+        return residency.tier.model_bytes(one.key)
+    finally:
+        probe.stop()
+
+
 # -- one promotion however many ask ------------------------------------------------------------------
 
-def test_many_opens_of_a_cold_model_share_one_promotion(parts, tmp_path):
+@pytest.mark.parametrize("which", TIERS)
+def test_many_requests_for_a_cold_model_share_one_promotion(parts, tmp_path, which):
+    residency = tier_of(parts, which)
     model = parts.add(tmp_path, "tiny-cnn", "m")
-    writes = counting(parts.host, "write")
+    writes = {r.id: counting(r.tier, "write") for r in parts.tiers}
     answers = []
-    hits = [parts.cache.when_resident(model, lambda error, hit, i=i: answers.append((i, error, hit)))
+    hits = [residency.when_resident(model, lambda error, hit, i=i: answers.append((i, error, hit)))
             for i in range(3)]
-    assert hits == [False, False, False] and model.state is ModelState.LOADING
+    assert hits == [False, False, False]
     parts.loaders.settle()
-    assert len(writes) == 1
+    assert {k: len(v) for k, v in writes.items()} == {r.id: 1 if r is residency or r is residency.below else 0
+                                                       for r in parts.tiers}   # (a GPU copy: the host's first)
     assert sorted(answers) == [(0, None, False), (1, None, False), (2, None, False)]
-    assert model.state is ModelState.RESIDENT and model.waiters == []
-    assert parts.cache.when_resident(model, lambda error, hit: answers.append((3, error, hit))) is True
-    assert answers[-1] == (3, None, True) and len(writes) == 1
-
-
-def test_many_gpu_opens_share_one_host_and_one_device_promotion(parts, tmp_path):
-    model = parts.add(tmp_path, "tiny-cnn", "m")
-    host_writes, device_writes = counting(parts.host, "write"), counting(parts.tier, "write")
-    answers = []
-    for _ in range(3):
-        parts.gpu.when_on_device(model, parts.tier, lambda error, hit: answers.append(error))
-    parts.loaders.settle()
-    assert answers == [None, None, None]
-    assert (len(host_writes), len(device_writes)) == (1, 1)
-    assert model.devices[parts.uuid].state is ModelState.RESIDENT and model.tier == "gpu"
+    copy = model.tier_copies[residency.id]
+    assert copy.state is ModelState.RESIDENT and copy.waiters == [] and model.tier == which
+    assert residency.when_resident(model, lambda error, hit: answers.append((3, error, hit))) is True
+    assert answers[-1] == (3, None, True) and len(writes[residency.id]) == 1
 
 
 def test_a_damaged_weights_file_fails_every_waiter_and_marks_the_version(parts, tmp_path):
@@ -64,7 +76,7 @@ def test_a_damaged_weights_file_fails_every_waiter_and_marks_the_version(parts, 
     blob.write_bytes(bytes(data))
     answers = []
     for _ in range(2):
-        parts.cache.when_resident(model, lambda error, hit: answers.append(error))
+        parts.residency.when_resident(model, lambda error, hit: answers.append(error))
     parts.loaders.settle()
     assert len(answers) == 2 and all(isinstance(e, IntegrityError) for e in answers)
     assert model.state is ModelState.ON_DISK and model.damage and parts.host.used_bytes == 0
@@ -73,167 +85,142 @@ def test_a_damaged_weights_file_fails_every_waiter_and_marks_the_version(parts, 
 
 # -- never free what a lease maps -----------------------------------------------------------------------
 
-def test_a_leased_gpu_copy_is_never_freed(parts, tmp_path):
+@pytest.mark.parametrize("which", TIERS)
+def test_a_leased_copy_is_never_freed(parts, tmp_path, which):
+    residency = tier_of(parts, which)
     model = parts.add(tmp_path, "tiny-cnn", "m")
-    on_device(parts, model)
+    resident(parts, model, residency)
     client = parts.registry.new_client(1, "c", parts.clock())
-    lease = parts.registry.grant(client, model, 0.0, parts.uuid)
-    frees = counting(parts.tier, "free_model")
-    with pytest.raises(CapacityError, match="in use by 1 GPU session on"):
-        parts.gpu.evict_named(model, "gpu")
-    with pytest.raises(CapacityError, match="in use by 1 session;"):
-        parts.cache.evict(model)
-    with pytest.raises(CapacityError):
-        model.device_evicted(parts.uuid)
-    assert not parts.gpu._make_room(parts.tier, 1, loading="")    # no candidate: the one copy is leased
-    assert frees == [] and model.devices[parts.uuid].leases == 1
-    parts.registry.release(lease.lease_id)
-    parts.cache.after_release(model, parts.uuid)
-    parts.gpu.evict_named(model, "gpu")
-    assert len(frees) == 1 and model.tier == "host" and parts.tier.used_bytes == 0
+    lease = parts.lease(client, model, residency)
+    frees = {r.id: counting(r.tier, "free_model") for r in parts.tiers}
+    session = "session" if which == "host" else "GPU session"
+    for r in parts.tiers:   # (a GPU lease holds the host copy too)
+        if r.is_resident(model):
+            with pytest.raises(CapacityError, match=f"in use by 1 {session if r is residency else 'session'}"):
+                r.evict(model)
+            assert not r._make_room(1, loading="")        # no candidate: the one copy is leased
+    assert all(f == [] for f in frees.values()) and model.tier_copies[residency.id].holds == 1
+    parts.release(lease)
+    residency.evict(model)
+    assert len(frees[residency.id]) == 1 and residency.tier.used_bytes == 0
 
 
-def test_a_host_copy_under_a_lease_or_a_gpu_load_is_not_freed(parts, tmp_path):
+@pytest.mark.parametrize("which", TIERS)
+def test_releasing_more_than_was_held_is_a_bug_caught_at_once(parts, tmp_path, which):
+    residency = tier_of(parts, which)
     model = parts.add(tmp_path, "tiny-cnn", "m")
-    resident(parts, model)
-    model.hold()                              # a serve request in flight
-    with pytest.raises(CapacityError):
-        parts.cache.evict(model)
-    assert not parts.cache.make_room(1, loading="")
-    model.let_go()
-    model.start_device_load(parts.uuid)       # a GPU copy reads the host copy meanwhile
-    assert not model.evictable
-    with pytest.raises(CapacityError, match="loading"):
-        parts.cache.evict(model)
-    model.finish_device_load(parts.uuid, ok=False)
-    assert model.evictable
-    parts.cache.evict(model)
-    assert model.state is ModelState.ON_DISK and parts.host.used_bytes == 0
-
-
-def test_releasing_more_than_was_held_is_a_bug_caught_at_once(parts, tmp_path):
-    model = parts.add(tmp_path, "tiny-cnn", "m")
-    resident(parts, model)
+    resident(parts, model, residency)
     with pytest.raises(AssertionError):
-        model.let_go()
-    assert model.refcount == 0
+        residency.release(model)
+    assert model.tier_copies[residency.id].holds == 0
 
 
-def test_evicting_from_host_demotes_the_gpu_copies_first(parts, tmp_path):
-    model = parts.add(tmp_path, "tiny-cnn", "m")
-    on_device(parts, model)
-    parts.cache.evict(model)
-    assert model.devices == {} and model.state is ModelState.ON_DISK
-    assert parts.tier.used_bytes == 0 and parts.host.used_bytes == 0
-    assert (parts.counters["gpu_evictions"], parts.counters["evictions"]) == (1, 1)
+# -- the policy chooses, the manager frees (with the clock injected) ----------------------------------------
 
-
-# -- the policy chooses, the cache frees (with the clock passed in) --------------------------------------
-
-def test_room_is_made_from_the_least_recently_used_unheld_model(tmp_path):
-    probe = Parts(tmp_path / "probe")
+@pytest.mark.parametrize("which", TIERS)
+def test_room_is_made_from_the_least_recently_used_unheld_copy_and_a_full_tier_says_what_holds_it(tmp_path, which):
+    size = one_model_bytes(tmp_path, which)
+    parts = Parts(tmp_path)
     try:
-        one = probe.add(tmp_path / "probe", "tiny-cnn", "x")
-        resident(probe, one)
-        size = probe.host.model_bytes(one.key)
-    finally:
-        probe.stop()
-    parts = Parts(tmp_path, host_capacity=str(2 * size + size // 2))   # room for two of three
-    try:
+        residency = tier_of(parts, which)
+        residency.tier.capacity_bytes = 2 * size + size // 2        # room for two of three
         a, b, c = (parts.add(tmp_path, "tiny-cnn", n, seed) for seed, n in enumerate("abc"))  # nothing shared
         for model in (a, b):
-            resident(parts, model)
+            resident(parts, model, residency)
             parts.clock.now += 10
-        parts.cache.policy.accessed(a.key, parts.clock())   # a used after b: b is the least recent
+        residency.accessed(a)                  # a used after b: b is the least recent
         parts.clock.now += 10
-        resident(parts, c)
-        assert (a.state, b.state, c.state) == (ModelState.RESIDENT, ModelState.ON_DISK, ModelState.RESIDENT)
-        a.pinned = True
-        c.hold()                               # nothing left to evict: pinned, or held
+        resident(parts, c, residency)
+        assert [residency.is_resident(m) for m in (a, b, c)] == [True, False, True]
+        a.pin(True)
+        client = parts.registry.new_client(1, "c", parts.clock())
+        parts.lease(client, c, residency)      # nothing left to evict: pinned, or held
         answers = []
-        used = parts.host.used_bytes
+        used = residency.tier.used_bytes
         # No room: the request waits for it (tests/test_keepalive.py), here until its deadline passes.
-        parts.cache.when_resident(b, lambda error, hit: answers.append(error), deadline=parts.clock() + 5)
-        assert b.state is ModelState.WAITING and answers == [] and parts.cache.next_timer() == parts.clock() + 5
+        residency.when_resident(b, lambda error, hit: answers.append(error), deadline=parts.clock() + 5)
+        parts.loaders.settle()
+        assert b.tier_copies[residency.id].state is ModelState.WAITING and answers == []
+        assert parts.next_timer() == parts.clock() + 5
         parts.clock.now += 5
-        parts.cache.on_timer(parts.clock())
-        assert b.state is ModelState.ON_DISK and b.waiters == [] and len(answers) == 1
+        parts.on_timer(parts.clock())
+        assert b.tier_copies[residency.id].state is ModelState.ON_DISK and len(answers) == 1
+        tier, session = residency.tier, "session" if which == "host" else "GPU session"
         # The tier's own figures, who holds it and why, what to do.
         assert str(answers[0]) == (
             f"waited 5.0 s for room, until the request's deadline: "
-            f"b@1 needs {size_text(size)} in the host tier ({size_text(parts.host.capacity_bytes)}, "
+            f"b@1 needs {size_text(size)} in {tier.where} ({size_text(tier.capacity_bytes)}, "
             f"{size_text(used)} used), and the models there cannot be evicted now: a@1 (pinned), "
-            f"c@1 (in use by 1 session); unpin, close sessions, or raise host_capacity")
-        assert isinstance(answers[0], CapacityError) and parts.host.used_bytes == used
-        c.let_go()
+            f"c@1 (in use by 1 {session}); unpin, close sessions, or raise {tier.capacity_setting}")
+        assert isinstance(answers[0], CapacityError) and tier.used_bytes == used
     finally:
         parts.stop()
 
 
-def test_the_eager_policy_frees_a_model_on_its_last_release(tmp_path):
+@pytest.mark.parametrize("which", TIERS)
+def test_the_eager_policy_frees_a_copy_on_its_last_release(tmp_path, which):
     parts = Parts(tmp_path, policy="eager")
     try:
+        residency = tier_of(parts, which)
         model = parts.add(tmp_path, "tiny-cnn", "m")
-        resident(parts, model)
+        resident(parts, model, residency)
         client = parts.registry.new_client(1, "c", parts.clock())
-        first = parts.registry.grant(client, model, 0.0)
-        second = parts.registry.grant(client, model, 0.0)
-        parts.registry.release(first.lease_id)
-        parts.cache.after_release(model)
-        assert model.state is ModelState.RESIDENT
-        parts.registry.release(second.lease_id)
-        parts.cache.after_release(model)
-        assert model.state is ModelState.ON_DISK and parts.host.used_bytes == 0
+        first, second = parts.lease(client, model, residency), parts.lease(client, model, residency)
+        parts.release(first)
+        assert residency.is_resident(model)
+        parts.release(second)
+        assert not residency.is_resident(model) and residency.tier.used_bytes == 0
     finally:
         parts.stop()
 
 
 # -- what a refusal says: computed from what happened -------------------------------------------------
 
-def test_a_model_larger_than_the_whole_tier_is_told_to_raise_the_setting_alone(tmp_path):
-    parts = Parts(tmp_path)
-    try:
-        model = parts.add(tmp_path, "tiny-cnn", "m")
-        parts.host.capacity_bytes = 4096
-        with pytest.raises(CapacityError) as refused:
-            parts.cache.when_resident(model, lambda error, hit: None)
-        said = str(refused.value)
-        assert "more than the whole tier (host_capacity = 4 KiB): the model alone does not fit; " \
-               "raise host_capacity" in said and "close sessions" not in said and "unpin" not in said
-        resident_gpu = parts.add(tmp_path, "tiny-cnn", "g", seed=1)
-        parts.host.capacity_bytes = 1 << 30
-        parts.tier.capacity_bytes = 4096
-        answers = []
-        parts.gpu.when_on_device(resident_gpu, parts.tier, lambda error, hit: answers.append(str(error)))
-        parts.loaders.settle()
-        assert len(answers) == 1 and re.fullmatch(
-            r"g@1 needs [\d.]+ KiB in the GPU tier of GPU 0, more than the whole tier \(gpu_capacity = 4 KiB\): "
-            r"the model alone does not fit; raise gpu_capacity", answers[0]), answers
-    finally:
-        parts.stop()
-
-
-def test_a_gpu_full_of_leased_copies_names_them(parts, tmp_path):
-    a, b = (parts.add(tmp_path, "tiny-cnn", n, seed) for seed, n in enumerate("ab"))
-    on_device(parts, a)
-    parts.tier.capacity_bytes = parts.tier.used_bytes + parts.tier.used_bytes // 2    # room for one copy
-    client = parts.registry.new_client(1, "c", parts.clock())
-    parts.registry.grant(client, a, 0.0, parts.uuid)
-    resident(parts, b)
-    used = parts.tier.used_bytes
+@pytest.mark.parametrize("which", TIERS)
+def test_a_model_larger_than_the_whole_tier_is_told_to_raise_the_setting_alone(parts, tmp_path, which):
+    residency = tier_of(parts, which)
+    model = parts.add(tmp_path, "tiny-cnn", "m")
+    residency.tier.capacity_bytes = 4096
     answers = []
-    # No room: the request waits for it (tests/test_keepalive.py), here until its deadline passes.
-    parts.gpu.when_on_device(b, parts.tier, lambda error, hit: answers.append(error), deadline=parts.clock() + 3)
-    parts.loaders.settle()
-    assert answers == [] and b.devices[parts.uuid].state is ModelState.WAITING
-    parts.clock.now += 3
-    parts.cache.on_timer(parts.clock())
-    assert len(answers) == 1 and isinstance(answers[0], CapacityError)
-    assert str(answers[0]).startswith("waited 3.0 s for room, until the request's deadline: b@1 needs ")
-    assert str(answers[0]).endswith(f"({size_text(parts.tier.capacity_bytes)}, {size_text(used)} used), "
-                                    "and the models there cannot be evicted now: a@1 (in use by 1 GPU session); "
-                                    "close sessions, or raise gpu_capacity")
-    assert parts.tier.used_bytes == used and b.devices == {}
+    try:     # (the first tier missing the model raises; a tier above hears of it once the one below has it)
+        residency.when_resident(model, lambda error, hit: answers.append(error))
+        parts.loaders.settle()
+    except CapacityError as e:
+        answers.append(e)
+    (said,) = map(str, answers)
+    setting = residency.tier.capacity_setting
+    assert re.fullmatch(rf"m@1 needs [\d.]+ KiB in {residency.tier.where}, more than the whole tier \({setting} = "
+                        rf"4 KiB\): the model alone does not fit; raise {setting}", said), said
+
+
+# -- the chain of tiers: a GPU copy holds the host copy it came from ------------------------------------------
+
+def test_a_host_copy_under_a_request_or_a_gpu_load_is_not_freed(parts, tmp_path):
+    model = parts.add(tmp_path, "tiny-cnn", "m")
+    resident(parts, model)
+    parts.residency.hold(model)               # a serve request in flight
+    with pytest.raises(CapacityError):
+        parts.residency.evict(model)
+    assert not parts.residency._make_room(1, loading="")
+    parts.residency.release(model)
+    gpu_copy = model.copy_in(parts.uuid)
+    gpu_copy.start_load()                     # a GPU copy reads the host copy meanwhile
+    assert not model.host.evictable
+    with pytest.raises(CapacityError, match="loading"):
+        parts.residency.evict(model)
+    gpu_copy.finish_load(ok=False)
+    assert model.host.evictable
+    parts.residency.evict(model)
+    assert model.state is ModelState.ON_DISK and parts.host.used_bytes == 0
+
+
+def test_evicting_from_host_demotes_the_gpu_copies_first(parts, tmp_path):
+    model = parts.add(tmp_path, "tiny-cnn", "m")
+    on_device(parts, model)
+    parts.residency.evict(model)
+    assert model.devices == {} and model.state is ModelState.ON_DISK
+    assert parts.tier.used_bytes == 0 and parts.host.used_bytes == 0
+    assert (parts.counters["gpu_evictions"], parts.counters["evictions"]) == (1, 1)
 
 
 def test_an_evict_reply_says_which_version_and_where_it_was_and_is(parts, tmp_path):
@@ -244,7 +231,7 @@ def test_an_evict_reply_says_which_version_and_where_it_was_and_is(parts, tmp_pa
     me = Peer(b"me", (os.getuid(), os.getgid(), 1))
 
     def evict(tier):
-        return parts.cache.on_Evict(me, P.Evict(req_id=7, name="m", tier=tier, outcome=True))
+        return parts.models.on_Evict(me, P.Evict(req_id=7, name="m", tier=tier, outcome=True))
 
     r = evict("gpu")
     assert (r.name, r.version, r.before, r.after) == ("m", 1, ["host", f"gpu:{parts.uuid}"], ["host"])
@@ -256,4 +243,4 @@ def test_an_evict_reply_says_which_version_and_where_it_was_and_is(parts, tmp_pa
     r = evict("host")
     assert (r.before, r.after, r.freed_bytes) == ([], [], 0)
     # A client that predates the reply (the HTTP front's unload, say) asks for no outcome and gets its Ack.
-    assert parts.cache.on_Evict(me, P.Evict(req_id=8, name="m")) == P.Ack(req_id=8)
+    assert parts.models.on_Evict(me, P.Evict(req_id=8, name="m")) == P.Ack(req_id=8)

@@ -43,7 +43,7 @@ def mlp(path: Path) -> str:
 CHILD = r"""
 import json, sys
 import numpy as np
-from modelcache.bench.common import memory_mib
+from modelcache.measure import memory_mib
 import modelcache, onnxruntime
 before = memory_mib()["anon_mib"]
 s = modelcache.InferenceSession(sys.argv[1])
@@ -141,7 +141,7 @@ def test_damaged_blob_is_refused(host, tmp_path):
         f.seek(blob_offset + 100)
         f.write(bytes([byte[0] ^ 0xFF]))
     host.capacity_bytes = 1 << 30
-    plan = host.plan("mlp@1", model_dir, manifest)
+    plan = host.plan_from("mlp@1", model_dir, manifest)
     assert plan.blob_copies
     with pytest.raises(IntegrityError, match="prepacked.bin"):
         host.write(plan)

@@ -23,7 +23,7 @@ def packed(tmp_path, name, model):
 
 
 def promote(tier, key, model_dir, manifest):
-    plan = tier.plan(key, model_dir, manifest)
+    plan = tier.plan_from(key, model_dir, manifest)
     tier.write(plan)
     tier.commit(plan)
     return plan
@@ -45,7 +45,7 @@ def test_host_promote_export_free(host, tmp_path):
     d, m = packed(tmp_path, "a", zoo.build("tiny-cnn"))
     plan = promote(host, "a@1", d, m)
     assert host.used_bytes == plan.segment_bytes >= sum(t.nbytes for t in m.tensors)
-    skeleton, segments, tensors = host.export("a@1", m)
+    skeleton, segments, tensors = host.layout("a@1", m)
     assert Path(skeleton).exists() and all(Path(s).exists() for s in segments)
     blob = (d / "weights.bin").read_bytes()
     for (name, dtype, shape, seg, off, nbytes), t in zip(tensors, m.tensors):
@@ -61,14 +61,14 @@ def test_host_holds_the_gpu_variant_beside_the_cpu_one(host, tmp_path):
     """With a GPU tier the host tier holds both variants (the GPU one is what devices copy from), once each
     tensor: at opt_level basic they coincide, so the GPU variant costs (almost) nothing more."""
     d, m = packed(tmp_path, "a", zoo.build("tiny-cnn"))
-    probe = host.plan("a@1", d, m)
+    probe = host.plan_from("a@1", d, m)
     cpu_only = probe.segment_bytes
     host.abort(probe)
-    plan = host.plan("a@1", d, m, ("cpu", "gpu"))
+    plan = host.plan_from("a@1", d, m, ("cpu", "gpu"))
     host.write(plan)
     host.commit(plan)
     assert plan.segment_bytes >= cpu_only and host.has_variant("a@1", "gpu")
-    skeleton, segments, tensors = host.export("a@1", m, "gpu")
+    skeleton, segments, tensors = host.layout("a@1", m, "gpu")
     assert skeleton.endswith("a@1.gpu.onnx") and Path(skeleton).exists()
     stub = Path(skeleton).with_suffix(".stub")
     assert stub.stat().st_size == max(t.nbytes for t in m.gpu_tensors) and stub.stat().st_blocks == 0
@@ -97,7 +97,7 @@ def test_host_stores_shared_tensors_once(host, tmp_path):
 
 def test_abort_releases_the_reservation(host, tmp_path):
     d, m = packed(tmp_path, "a", zoo.build("tiny-cnn"))
-    plan = host.plan("a@1", d, m)
+    plan = host.plan_from("a@1", d, m)
     assert host.used_bytes == plan.segment_bytes   # reserved before a byte is written
     host.abort(plan)
     assert host.used_bytes == 0 and host.segments == {}

@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         return 0
 
     from modelcache import zoo
-    from modelcache.bench.common import save_results
+    from modelcache.measure import save_results
     from modelcache.packing import pack
 
     work = Path(tempfile.mkdtemp(prefix="modelcache-binding-"))

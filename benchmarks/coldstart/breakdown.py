@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     from pathlib import Path
 
     from modelcache.bench.coldstart import prepare_tuned
-    from modelcache.bench.common import compile_bytecode, ensure_models, managed_daemon
+    from modelcache.measure import compile_bytecode, ensure_models, managed_daemon
     from modelcache.client.connection import connect
 
     ap = argparse.ArgumentParser(prog="benchmarks/coldstart/breakdown.py", description=__doc__,

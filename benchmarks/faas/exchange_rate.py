@@ -16,9 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
-from modelcache.eviction import make_policy
-from modelcache.faas.simulate import Costs, replay
-from modelcache.faas.sweep import BASELINES, frontier, interpolate, load_trace, ratio_text, trace_arguments
+from benchmarks.faas.simulate import Costs, replay, trace_policy
+from benchmarks.faas.sweep import BASELINES, frontier, interpolate, load_trace, ratio_text, trace_arguments
 
 
 def main() -> None:
@@ -33,8 +32,8 @@ def main() -> None:
     front = frontier([(r["gib_s"], r["cold_fraction"]) for r in rows if r["policy"] in BASELINES])
     print(f"{args.policy} at full capacity, {label}; front from {args.folder}")
     for minutes in (float(x) for x in args.keep_alive.split(",")):
-        policy = make_policy(args.policy, time_scale=1 / args.compress, keep_alive_s=minutes * 60)
-        r = replay(policy, sum(sizes.values()), calls, sizes, Costs())
+        r = replay(trace_policy(args.policy, args.compress, keep_alive_s=minutes * 60), sum(sizes.values()), calls,
+                   sizes, Costs())
         cold_at_mem, mem_at_cold = interpolate(front, r.gib_s, 0), interpolate(front, r.cold_fraction, 1)
         print(f"  keep_alive {minutes:g} min: cold {r.cold_fraction:.3%}, {r.gib_s:.0f} GiB*s; on the front: "
               f"cold {ratio_text(cold_at_mem and r.cold_fraction / cold_at_mem)} at equal memory-time, "

@@ -23,8 +23,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from modelcache.eviction.timed import TimedPolicy
-from modelcache.faas.simulate import GIB, Costs, replay
-from modelcache.faas.sweep import BASELINES, LEARNED, frontier, interpolate, load_trace, ratio_text, trace_arguments
+from benchmarks.faas.simulate import GIB, Costs, replay
+from benchmarks.faas.sweep import BASELINES, LEARNED, frontier, interpolate, load_trace, ratio_text, trace_arguments
 
 
 class KeepIfCheap(TimedPolicy):
@@ -33,14 +33,15 @@ class KeepIfCheap(TimedPolicy):
 
     name = "keep-oracle"
 
-    def __init__(self, calls, sizes: dict[str, int], price_gib_s: float):
-        super().__init__()
+    def __init__(self, clock, calls, sizes: dict[str, int], price_gib_s: float):
+        super().__init__(clock)
         self.times: dict[str, list[float]] = defaultdict(list)
         for c in calls:                          # in time order
             self.times[c.model].append(c.t)
         self.sizes, self.price = sizes, price_gib_s
 
     def plan(self, key, now):
+        key = key.rpartition("@")[0]             # the replay's model "name@1" is the trace's model "name"
         times = self.times[key]
         i = bisect.bisect_right(times, now)      # a call waits for its promotion: `now` may be past its arrival
         if i == len(times):
@@ -67,7 +68,7 @@ def main() -> None:
     print(f"keep-only oracle at full capacity, {label}; front from {args.folder}")
     curve = []
     for price in prices:
-        r = replay(KeepIfCheap(calls, sizes, price), sum(sizes.values()), calls, sizes, Costs())
+        r = replay(lambda clock: KeepIfCheap(clock, calls, sizes, price), sum(sizes.values()), calls, sizes, Costs())
         curve.append((r.gib_s, r.cold_fraction))
         at_front = interpolate(front, r.gib_s, 0)
         print(f"  price {price:9.1f} GiB*s: cold {r.cold_fraction:.3%} ({r.disk_misses}), {r.gib_s:.0f} GiB*s; "

@@ -170,7 +170,7 @@ def mib(n: float) -> float:
 def check(r) -> None:
     from checks import CannotRun
     from modelcache.bench.coldstart_cuda import Nvml, model_row
-    from modelcache.bench.common import ensure_models, managed_daemon
+    from modelcache.measure import ensure_models, managed_daemon
     from modelcache.client.connection import connect
     from modelcache.errors import CapacityError
     from modelcache.format import load_manifest

@@ -261,7 +261,7 @@ def check(r) -> None:
 
 def lease(r, Child) -> None:
     """The daemon's read-only lease, through the client's own mapping code."""
-    from modelcache.bench.common import ensure_models, managed_daemon
+    from modelcache.measure import ensure_models, managed_daemon
     from modelcache.client.connection import connect
     from modelcache.format import load_manifest
 

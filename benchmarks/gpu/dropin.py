@@ -88,7 +88,7 @@ def measure(models: list[str], rounds: int, work: str, log, device: str = "cuda"
     import numpy as np
     from modelcache import zoo
     from modelcache.bench.coldstart_cuda import DAEMON_ENV, preflight
-    from modelcache.bench.common import ensure_models, managed_daemon
+    from modelcache.measure import ensure_models, managed_daemon
     from modelcache.client.connection import connect
 
     if device == "cuda":

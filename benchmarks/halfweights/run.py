@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from modelcache.bench.common import (alternate_runs, answer_child, managed_daemon, memory_mib, run_child, save_results,
+from modelcache.measure import (alternate_runs, answer_child, managed_daemon, memory_mib, run_child, save_results,
                                      summary)
 
 UPCAST_SUFFIX = "-upcast"
@@ -139,7 +139,7 @@ def host_tier_bytes_with_gpu(repository: Path, name: str) -> int:
     from modelcache.tiers.host import HostTier
     with tempfile.TemporaryDirectory() as shm:
         model_dir = repository / name / "1"
-        return HostTier(shm, 1 << 62).plan(name, model_dir, load_manifest(model_dir), ("cpu", "gpu")).segment_bytes
+        return HostTier(shm, 1 << 62).plan_from(name, model_dir, load_manifest(model_dir), ("cpu", "gpu")).segment_bytes
 
 
 def measure(socket: str, paths: dict[str, str], runs: int, warm_runs: int, repository: Path) -> dict:

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from modelcache.bench.common import save_results, summary
+from modelcache.measure import save_results, summary
 
 CHUNK = 4 << 20
 

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from modelcache.bench.common import (alternate_runs, answer_child, ensure_models, managed_daemon, memory_mib,
+from modelcache.measure import (alternate_runs, answer_child, ensure_models, managed_daemon, memory_mib,
                                      save_results, summary)
 
 MODES = ("prepacked", "unpacked")

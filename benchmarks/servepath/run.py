@@ -72,7 +72,7 @@ def run_daemon(socket: str, repository: str, out: str, profile: bool) -> None:
 def measure(calls: int, profile: bool) -> dict:
     from modelcache import zoo
     from modelcache.client.connection import connect
-    from modelcache.bench.common import plain_session
+    from modelcache.measure import plain_session
 
     with tempfile.TemporaryDirectory(prefix="modelcache-servepath-") as tmp:
         src = os.path.join(tmp, "tiny-cnn.onnx")
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     if args.daemon:
         run_daemon(*args.daemon, profile=args.profile)
         return 0
-    from modelcache.bench.common import save_results
+    from modelcache.measure import save_results
     res = measure(args.calls, args.profile)
     report(res)
     save_results(args.out, "servepath", argv, res, report,

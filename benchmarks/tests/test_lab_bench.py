@@ -68,12 +68,12 @@ def test_keep_oracle_keeps_exactly_the_gaps_cheaper_than_its_price(monkeypatch):
     every gap leaves only the first calls."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "faas"))
     from keep_oracle import KeepIfCheap
-    from modelcache.faas.simulate import GIB, Costs, replay
-    from modelcache.faas.trace import Invocation
+    from benchmarks.faas.simulate import GIB, Costs, replay
+    from benchmarks.faas.trace import Invocation
     calls = sorted([Invocation(10.0 * i, "f", "small") for i in range(30)] +
                    [Invocation(100.0 * i + 5, "g", "large") for i in range(3)])
     sizes = {"small": GIB, "large": 4 * GIB}
-    cheap = replay(KeepIfCheap(calls, sizes, 20.0), 5 * GIB, calls, sizes, Costs())
+    cheap = replay(lambda clock: KeepIfCheap(clock, calls, sizes, 20.0), 5 * GIB, calls, sizes, Costs())
     assert cheap.disk_misses == 2 + 2
-    everything = replay(KeepIfCheap(calls, sizes, 1e6), 5 * GIB, calls, sizes, Costs())
+    everything = replay(lambda clock: KeepIfCheap(clock, calls, sizes, 1e6), 5 * GIB, calls, sizes, Costs())
     assert everything.disk_misses == 2 and everything.gib_s > cheap.gib_s

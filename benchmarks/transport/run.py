@@ -47,7 +47,7 @@ def serve(kind: str, address: str, work_us: float) -> None:
                 return
             _busy(work_us)
             sock.send_multipart([ident, b"ok"])
-    from modelcache.bench.common import serve_one_lane_client
+    from modelcache.measure import serve_one_lane_client
 
     def answer(body: bytes) -> bytes | None:
         if body == b"quit":
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     if args.serve:
         serve(args.serve[0], args.serve[1], args.work_us)
         return 0
-    from modelcache.bench.common import save_results
+    from modelcache.measure import save_results
     with tempfile.TemporaryDirectory(prefix="modelcache-transport-") as tmp:
         res = {"work_us": args.work_us, "calls": args.calls,
                "zmq": measure("zmq", f"ipc://{os.path.join(tmp, 'zmq.sock')}", args.calls, args.work_us),

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from ..plotting import pyplot
-from .common import compile_bytecode, ensure_models, managed_daemon, save_results, summary
+from ..measure import compile_bytecode, ensure_models, managed_daemon, save_results, summary
 from .fresh import holding, sample, spawn
 from ..usage import Parser
 

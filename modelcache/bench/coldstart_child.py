@@ -66,7 +66,7 @@ def main() -> None:
         sess.run(None, feeds)
         t_done = time.monotonic_ns()
     ms = lambda a, b: (b - a) / 1e6  # noqa: E731
-    hit = getattr(sess, "was_cache_hit", None)   # attach: were the weights resident before this open (bench faas)
+    hit = getattr(sess, "was_cache_hit", None)   # attach: were the weights resident before this open (the FaaS real replay)
     print(json.dumps({"mode": mode, "model": name, "hit": hit, "total_ms": ms(t_exec, t_done),
                       "interpreter_ms": ms(t_exec, T_START), "imports_ms": ms(T_START, t_imports),
                       "session_ms": ms(t_imports, t_ready), "first_run_ms": ms(t_ready, t_done)}), flush=True)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from ..errors import ModelCacheError
 from ..plotting import pyplot
-from .common import ensure_models, managed_daemon, save_results, summary
+from ..measure import ensure_models, managed_daemon, save_results, summary
 from .fresh import holding, sample as sample_child, spawn as spawn_child
 from ..usage import Parser
 

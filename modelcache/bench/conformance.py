@@ -165,7 +165,7 @@ def summarize(results: list[Result]) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from .common import managed_daemon
+    from ..measure import managed_daemon
     from ..client.connection import connect
 
     ap = Parser(prog="modelcache bench conformance", description=__doc__,

@@ -35,7 +35,7 @@ import threading
 import time
 from pathlib import Path
 
-from .common import managed_daemon, plain_session, save_results
+from ..measure import managed_daemon, plain_session, save_results
 from ..usage import Parser
 
 
@@ -51,7 +51,7 @@ def floor_server(path: str, src: str) -> None:
     """The floor's server: one connection, each message a msgpack map name -> [dtype, shape, bytes]."""
     import msgpack
     import numpy as np
-    from .common import serve_one_lane_client
+    from ..measure import serve_one_lane_client
 
     sess = plain_session(src)
     names = [o.name for o in sess.get_outputs()]

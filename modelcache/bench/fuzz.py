@@ -293,7 +293,7 @@ def make_probe(client, name: str, src: str):
     import numpy as np
 
     from .. import zoo
-    from .common import plain_session
+    from ..measure import plain_session
     feeds = zoo.sample_inputs(src, batch=2)
     want = plain_session(src).run(None, feeds)[0]
 
@@ -322,7 +322,7 @@ def warm_up(client, model: str, src: str) -> None:
 def run_fuzz(messages: int, seed: int, batch: int, hang_s: float, work: Path, log=print) -> dict:
     from .. import zoo
     from ..client.connection import connect
-    from .common import managed_daemon
+    from ..measure import managed_daemon
 
     src = str(work / "tiny-cnn.onnx")
     zoo.save(zoo.build("tiny-cnn"), src)
@@ -400,7 +400,7 @@ def passed(r: dict) -> bool:
 
 
 def main(argv=None) -> int:
-    from .common import save_results
+    from ..measure import save_results
     ap = Parser(prog="modelcache bench fuzz", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--messages", type=int, default=40000,

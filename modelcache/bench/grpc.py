@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     if args.worker:
         _worker(*args.worker)
         return 0
-    from .common import ensure_models, managed_daemon, save_results
+    from ..measure import ensure_models, managed_daemon, save_results
     from .http import _io, _start_front
     servers = [s for s in SERVERS if s != "kserve-grpc" or args.kserve_python]
     res = {"seconds": args.seconds, "rounds": args.rounds, "versions": _versions(args.kserve_python), "runs": {}}

@@ -242,7 +242,7 @@ def main(argv=None) -> int:
         return 0
     import aiohttp
 
-    from .common import ensure_models, managed_daemon, save_results
+    from ..measure import ensure_models, managed_daemon, save_results
     with tempfile.TemporaryDirectory(prefix="modelcache-bench-http-") as tmp:
         socket = f"ipc://{tmp}/daemon.sock"
         env = {**os.environ, "MODELCACHE_SOCKET": socket, "MODELCACHE_REPOSITORY": f"{tmp}/repo",

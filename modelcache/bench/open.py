@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from ..demo import measure, report
-from .common import compile_bytecode, ensure_models, managed_daemon, save_results
+from ..measure import compile_bytecode, ensure_models, managed_daemon, save_results
 from ..usage import Parser
 
 

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import summary
+from ..measure import summary
 from ..usage import Parser
 
 # A client process: open a drop-in session, say so, wait; on a line from us run once and report.

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 from ..plotting import pyplot
-from .common import ensure_models, managed_daemon, save_results
+from ..measure import ensure_models, managed_daemon, save_results
 from ..usage import Parser
 
 POLICIES = ("serial", "batch", "dynamic", "layer")

@@ -190,7 +190,7 @@ def prepare(models: list[str], work: Path, client, copies: int = 1) -> tuple[str
     import numpy as np
 
     from .. import zoo
-    from .common import plain_session
+    from ..measure import plain_session
     arrays, sizes = {}, {}
     for zname, k in ((z, k) for z in models for k in range(copies)):
         name = f"{zname}.{k}" if copies > 1 else zname
@@ -216,7 +216,7 @@ def run_soak(args, work: Path, log=print) -> dict:
     import psutil
 
     from ..client.connection import connect
-    from .common import managed_daemon
+    from ..measure import managed_daemon
 
     address = f"ipc://{work}/daemon.sock"
     env = {"MODELCACHE_WORKERS": args.workers, "MODELCACHE_STATE_DIR": str(work / "state"),
@@ -368,7 +368,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["--worker"]:
         role, socket, refs, seconds, seed, interval, attach_runs, stick = argv[1:9]
         return worker(role, socket, refs, float(seconds), int(seed), float(interval), int(attach_runs), int(stick))
-    from .common import save_results
+    from ..measure import save_results
     ap = Parser(prog="modelcache bench soak", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=5.0, help="how long the clients run (default 5)")

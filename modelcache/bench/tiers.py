@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from .common import managed_daemon, save_results, summary
+from ..measure import managed_daemon, save_results, summary
 from ..usage import Parser
 
 

@@ -34,7 +34,8 @@ import logging
 from .. import lane as _lane, protocol as P
 from ..address import check_can_connect, check_listening
 from ..errors import DaemonUnavailable, ModelCacheError, RequestTimeout, from_code
-from .rpc import Channel, answer_within_ms, close_received_fds, lane_connection
+from .lease_keeper import LeaseKeeper
+from .rpc import Channel, answer_within_ms, lane_connection
 
 log = logging.getLogger("modelcache.client")
 # Calls a restarted daemon may safely see twice: the dead daemon's effects died with it.
@@ -200,9 +201,7 @@ class Client:
         self._broken = False              # the heartbeat saw the daemon go away: reconnect before the next call
         self._want_lane = lane            # False: infer goes over ZeroMQ too
         self._name = name or Path(os.sys.argv[0] or "python").name
-        # Leases this client holds, by the id open() returned -> [id at the daemon now (None: lost), name,
-        # version, device]: a reconnect re-opens them, and release() maps the first id to the current one.
-        self._held: dict[str, list] = {}
+        self._leases = LeaseKeeper()      # re-opened on a reconnect; a close names the id of now
         self._hello: P.HelloReply | None = None
         self.client_id = ""
         self._zmq = Channel(self.address, lambda: ZmqConnection(self._ctx, self.address), self.timeout_s,
@@ -248,25 +247,18 @@ class Client:
                 pass                     # it tries again with that request
         if first:
             return
-        relet = 0
-        for held in list(self._held.values()):
-            if held[0] is None:
-                continue
-            _, name, version, device = held
+        def reopen(name, version, device):
             msg = P.Open(req_id=0, client_id=self.client_id, name=name, version=version, device=device)
             gpu = self._gpu_channel() if device != "cpu" else None
             try:
-                reply = gpu.exchange(msg, (P.OpenReply,)) if gpu is not None else \
+                return gpu.exchange(msg, (P.OpenReply,)) if gpu is not None else \
                     self._zmq.exchange(msg, (P.OpenReply,), conn=conn)
             except ModelCacheError as e:
-                reply = P.ErrorReply(req_id=0, code=e.code, message=str(e))
-            close_received_fds(reply)   # the session runs on what it mapped; this lease is for the accounting
-            if isinstance(reply, P.OpenReply):
-                held[0] = reply.lease_id
-                relet += 1
-            else:   # the session keeps running on its mapping; only the daemon's accounting misses it
-                held[0] = None
-                log.warning("modelcache: could not re-open %s after the daemon restarted: %s", name, reply.message)
+                return P.ErrorReply(req_id=0, code=e.code, message=str(e))
+
+        relet, failed = self._leases.reopen(reopen)
+        for why in failed:   # the session keeps running on its mapping; only the daemon's accounting misses it
+            log.warning("modelcache: could not re-open %s after the daemon restarted", why)
         log.info("modelcache: reconnected to %s as %s, %d leases re-opened", self.address, self.client_id, relet)
 
     def _reconnect(self, forgotten: bool = False, blocking: bool = True) -> None:
@@ -319,8 +311,7 @@ class Client:
         """Point a request at this connection: our client id now, the lease's id now."""
         if hasattr(msg, "client_id") and not isinstance(msg, P.Heartbeat):
             msg.client_id = self.client_id
-        if isinstance(msg, P.Close) and msg.lease_id in self._held:
-            msg.lease_id = self._held[msg.lease_id][0] or msg.lease_id
+        self._leases.address_close(msg)
 
     def _heartbeat_loop(self, interval_s: float) -> None:
         """Beat, and notice the daemon going away: then reconnect, with backoff, until it is back."""
@@ -362,16 +353,12 @@ class Client:
         lease = self._call(P.Open(req_id=0, client_id=self.client_id, name=name, version=version, device=device,
                                   deadline_ms=answer_within_ms(self.timeout_s)), expect=(P.OpenReply,),
                            channel=self._gpu_channel() if device != "cpu" else None)
-        self._held[lease.lease_id] = [lease.lease_id, lease.name, lease.version, device]
+        self._leases.opened(lease, device)
         return lease
 
     def release(self, lease_id: str) -> None:
-        held = self._held.get(lease_id)
-        if held is not None and held[0] is None:   # lost in a restart: the daemon has nothing to release
-            del self._held[lease_id]
-            return
-        self._call(P.Close(req_id=0, client_id=self.client_id, lease_id=lease_id), expect=(P.Ack,))
-        self._held.pop(lease_id, None)
+        self._leases.release(lease_id, lambda: self._call(P.Close(req_id=0, client_id=self.client_id,
+                                                                  lease_id=lease_id), expect=(P.Ack,)))
 
     def load(self, name: str, version: int | None = None, tier: str = "host",
              timeout_s: float | None = None) -> P.ModelOutcome | None:

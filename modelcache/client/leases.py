@@ -28,7 +28,8 @@ from .. import protocol as P
 from ..address import client_settings
 from ..errors import from_code
 from ..lane import lane_path
-from .rpc import Channel, answer_within_ms, close_received_fds, lane_connection
+from .lease_keeper import LeaseKeeper
+from .rpc import Channel, answer_within_ms, lane_connection
 
 class NoLaneOpen(Exception):
     """The daemon does not take an open without a hello (it predates client/leases.py): use the full client."""
@@ -42,9 +43,7 @@ class LeaseClient:
         if self._path is None:
             raise ValueError(f"{address} has no lane (only an ipc:// daemon has one)")
         self._name = name or os.path.basename(sys.argv[0] or "python")
-        # Leases by the id open() returned -> [id at the daemon now (None: lost in a restart), name, version,
-        # device]: a reconnect re-opens them, and release() maps the first id to the current one.
-        self._held: dict[str, list] = {}
+        self._leases = LeaseKeeper()      # re-opened on a reconnect; a close names the id of now
         # with_fds: a GPU lease under read-only sharing brings its allocations as descriptors (client/device.py).
         self._channel = Channel(address, lane_connection(self._path, address, with_fds=True), timeout_s,
                                 on_connect=self._reopen_leases)
@@ -59,17 +58,13 @@ class LeaseClient:
         lease = self._call(P.Open(req_id=0, client_id="", name=name, version=version, device=device,
                                   client_name=self._name, deadline_ms=answer_within_ms(self.timeout_s)),
                            (P.OpenReply,))
-        self._held[lease.lease_id] = [lease.lease_id, lease.name, lease.version, device]
+        self._leases.opened(lease, device)
         self._channel.watch()   # from the first lease: a process that holds none needs no watch
         return lease
 
     def release(self, lease_id: str) -> None:
-        held = self._held.get(lease_id)
-        if held is not None and held[0] is None:   # lost in a restart: the daemon has nothing to release
-            del self._held[lease_id]
-            return
-        self._call(P.Close(req_id=0, client_id="", lease_id=held[0] if held else lease_id), (P.Ack,))
-        self._held.pop(lease_id, None)
+        self._leases.release(lease_id, lambda: self._call(P.Close(req_id=0, client_id="", lease_id=lease_id),
+                                                          (P.Ack,)))
 
     def close(self) -> None:
         """Hang up: the daemon releases every lease of this connection."""
@@ -77,8 +72,9 @@ class LeaseClient:
 
     # -- one call --------------------------------------------------------------------------
     def _call(self, msg, expect: tuple):
-        """msg's reply, or its error raised; sent once more on a new connection if the daemon went away."""
-        reply = self._channel.exchange(msg, expect, retry_safe=True)
+        """msg's reply, or its error raised; sent once more on a new connection if the daemon went away
+        (a Close then names the lease's id on that connection)."""
+        reply = self._channel.exchange(msg, expect, retry_safe=True, prepare=self._leases.address_close)
         if isinstance(reply, P.ErrorReply):
             if reply.code == "lease" and reply.message.startswith("unknown client ''"):
                 raise NoLaneOpen(reply.message)
@@ -87,15 +83,10 @@ class LeaseClient:
 
     def _reopen_leases(self, conn) -> None:
         """On a new connection, before any other call uses it: the held leases again."""
-        for held in list(self._held.values()):
-            if held[0] is None:
-                continue
-            _, name, version, device = held
-            reply = self._channel.exchange(P.Open(req_id=0, client_id="", name=name, version=version,
-                                                  device=device, client_name=self._name), (P.OpenReply,), conn=conn)
-            close_received_fds(reply)   # the session runs on what it mapped; this lease is for the accounting
-            # Not re-opened: the session keeps running on its mapping; only the daemon's accounting misses it.
-            held[0] = reply.lease_id if isinstance(reply, P.OpenReply) else None
+        # One not re-opened: the session keeps running on its mapping; only the daemon's accounting misses it.
+        self._leases.reopen(lambda name, version, device: self._channel.exchange(
+            P.Open(req_id=0, client_id="", name=name, version=version, device=device, client_name=self._name),
+            (P.OpenReply,), conn=conn))
 
 
 _shared: dict[str, LeaseClient] = {}

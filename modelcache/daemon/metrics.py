@@ -80,7 +80,9 @@ def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, 
                        ("unloads", "Idle models unloaded from the host tier when their keep-alive ended."),
                        ("prewarms", "Models pre-warmed disk -> host before their expected call."),
                        ("gpu_unloads", "Idle GPU copies demoted when their keep-alive ended."),
-                       ("gpu_prewarms", "Models pre-warmed host -> GPU before their expected call.")):
+                       ("gpu_prewarms", "Models pre-warmed host -> GPU before their expected call."),
+                       ("wasted_prewarms", "Pre-warmed host copies freed before any call used them."),
+                       ("gpu_wasted_prewarms", "Pre-warmed GPU copies freed before any call used them.")):
         metric(f"modelcache_{key}_total", "counter", help_, [f"modelcache_{key}_total {counters.get(key, 0)}"])
     metric("modelcache_open_latency_seconds", "histogram", "Time from an open request to its reply.",
            open_latency.lines("modelcache_open_latency_seconds"))

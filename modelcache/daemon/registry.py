@@ -1,10 +1,12 @@
 """The daemon's tables: models with their lifecycle, clients, and leases. Owned by the owner loop alone.
 
-A model's record owns its transitions (as sllm-store's `Model` and plasma's lifecycle manager do):
-holding and letting go (leases, requests in flight), starting and finishing the one load that every
-waiter shares, marking damage, and being freed from a tier. The rule that matters most on a GPU —
-memory is never freed while a lease maps it — is checked here, in `check_freeable` and
-`DeviceResidency.check_freeable`, which the caches call before they free anything.
+A model's record owns its transitions (as sllm-store's `Model` and plasma's lifecycle manager do), and
+so does its copy in each memory tier (`TierCopy`: the host tier's, and one per GPU): holding and letting
+go (leases, requests in flight), waiting for room, starting and finishing the one load every waiter
+shares, marking damage, being freed. Their fields change only through these methods
+(tests/test_layers.py checks every module). The rule that matters most on a GPU — memory a lease maps
+is never freed — is `TierCopy.check_freeable`, which each tier's residency manager asks in its one
+method that frees (daemon/residency.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from pathlib import Path
 from ..errors import CapacityError, LeaseError, ModelNotFound
 from ..format import Manifest
 
+HOST = "host"   # the host tier's copy; a GPU's is keyed by the device's UUID
+
 
 def plural(n: int, noun: str, nouns: str = "") -> str:
     """'1 session', '2 sessions': a count that reads right in a message."""
@@ -30,92 +34,181 @@ CLOSE_SESSIONS, UNPIN, WAIT = "close sessions", "unpin", "wait for the load to f
 
 
 class ModelState(enum.Enum):
-    ON_DISK = "on_disk"      # only in the repository
+    ON_DISK = "on_disk"      # not in the tier (the host tier's: only in the repository)
     WAITING = "waiting"      # requests want it in a tier full of models in use: queued for room (room.py)
-    LOADING = "loading"      # a loader thread is copying it into the host tier
-    RESIDENT = "resident"    # in shared memory; clients may map it
+    LOADING = "loading"      # a loader thread is copying it into the tier
+    RESIDENT = "resident"    # in the tier; clients may map it
 
 
 @dataclass(eq=False)   # a record with an identity (queues find it by `is`), not a value
-class DeviceResidency:
-    """A model's copy on one GPU (the device tier is inclusive: the host tier holds it too).
+class TierCopy:
+    """A model's copy in one memory tier: the host tier's (HOST), or one GPU's (its UUID).
 
-    `leases` counts GPU leases: clients that map this copy by IPC. Memory they map is not
-    reclaimed by freeing it (measured, shared/GPU.md), so only a copy with no leases is evicted.
-    WAITING: no copy yet; requests wait for room on the device (its RoomQueue), and its host copy stays.
+    The tiers are inclusive: a GPU copy is promoted from the host copy, and holds it (a GPU lease
+    holds both; the host copy is not freed while a GPU copy waits for room or is being made from it).
+    `holds` counts leases and requests in flight on this copy: memory they map is not reclaimed by
+    freeing it (on a GPU, measured: shared/GPU.md), so a held copy is never freed.
     """
-    device: str                      # the device's UUID
-    state: "ModelState"              # WAITING, LOADING or RESIDENT
-    leases: int = 0
-    waiters: list = field(default_factory=list)   # callbacks(error) waiting for room, then on the one promotion
-    model: "ModelRecord" = field(default=None, repr=False)   # whose copy (its `devices` holds this)
+    model: "ModelRecord" = field(repr=False)
+    tier: str                                     # HOST, or the GPU's UUID
+    state: ModelState = ModelState.ON_DISK
+    holds: int = 0
+    waiters: list = field(default_factory=list)   # callbacks(error) waiting for room, then on the one load
+    prewarmed: bool = False   # loaded by its policy's pre-warm, and nothing has held it since
 
-    def leave_room_queue(self) -> list:
-        """WAITING -> gone: no request waits for room on this GPU for the model any more (the last one gave up,
-        or it was refused); returns the waiters to wake, no longer waiting."""
-        if self.state is not ModelState.WAITING:
-            raise AssertionError(f"{self.model.key}: left the room queue of {self.device} while {self.state.value}")
-        self.state = ModelState.ON_DISK   # (not on this device: a deadline still queued for it sees it left)
-        del self.model.devices[self.device]
-        waiters, self.waiters = self.waiters, []
-        return waiters
+    # -- holding -----------------------------------------------------------------------------
+    def hold(self) -> None:
+        """A lease or a request in flight: the copy is not freed under it."""
+        self.holds += 1
+        self.prewarmed = False
 
-    def acquire(self) -> None:
-        self.leases += 1
+    def let_go(self) -> None:
+        if self.holds <= 0:
+            raise AssertionError(f"{self.where}: released more often than it was held")
+        self.holds -= 1
 
-    def release(self) -> None:
-        if self.leases <= 0:
-            raise AssertionError(f"a GPU lease on {self.device} released more often than it was taken")
-        self.leases -= 1
+    @property
+    def idle(self) -> bool:
+        """Resident with nothing holding it: the moment its tier's policy hears it was released."""
+        return self.holds == 0 and self.state is ModelState.RESIDENT
+
+    @property
+    def busy_above(self) -> bool:
+        """A copy in a tier above is waiting for room or being made from this one: this one must stay."""
+        copies = self.model.tier_copies
+        return self.tier == HOST and len(copies) > 1 and \
+            any(c.state in (ModelState.WAITING, ModelState.LOADING) for t, c in copies.items() if t != HOST)
 
     @property
     def freeable(self) -> bool:
-        return self.state is ModelState.RESIDENT and self.leases == 0
+        return self.idle and not self.busy_above
 
-    def why_kept(self, pinned: bool) -> list:
-        """[(reason, what to do)] that keep this copy on its GPU when room is needed; [] when none does."""
+    @property
+    def evictable(self) -> bool:
+        """A candidate its policy may choose: resident, unheld, unpinned, nothing above busy with it."""
+        return self.freeable and not self.model.pinned
+
+    # -- the one load ------------------------------------------------------------------------
+    def wait_for_load(self, wake) -> None:
+        """`wake(error)` runs once the load in flight (or the room it waits for, then that load) ends."""
+        self.waiters.append(wake)
+
+    def queue_for_room(self) -> None:
+        """ON_DISK -> WAITING: its waiters wait for room in the tier (its residency's room queue)."""
+        if self.state is not ModelState.ON_DISK:
+            raise AssertionError(f"{self.where}: queued for room while {self.state.value}")
+        self.state = ModelState.WAITING
+
+    def give_up(self, wake) -> None:
+        """One waiter's deadline passed: it no longer waits; the last one to go takes the copy out of the
+        queue (leave_room_queue)."""
+        self.waiters.remove(wake)
+        if not self.waiters:
+            self.leave_room_queue()
+
+    def leave_room_queue(self) -> list:
+        """WAITING -> ON_DISK: no request waits for room for it any more (the last one gave up, or it was
+        refused); returns the waiters to wake, no longer waiting."""
+        if self.state is not ModelState.WAITING:
+            raise AssertionError(f"{self.where}: left the room queue while {self.state.value}")
+        self.state = ModelState.ON_DISK
+        waiters, self.waiters = self.waiters, []
+        return waiters
+
+    def start_load(self, prewarm: bool = False) -> None:
+        """ON_DISK or WAITING -> LOADING: a promotion (or the host copy's fetch of a damaged version) is on its
+        way; `prewarm`: its policy's, which no request asked for (yet)."""
+        if self.state not in (ModelState.ON_DISK, ModelState.WAITING):
+            raise AssertionError(f"{self.where}: a load started while {self.state.value}")
+        self.state = ModelState.LOADING
+        self.prewarmed = prewarm and not self.waiters
+
+    def finish_load(self, ok: bool) -> list:
+        """LOADING -> RESIDENT (ok) or ON_DISK; returns the waiters to wake, no longer waiting."""
+        if self.state is not ModelState.LOADING:
+            raise AssertionError(f"{self.where}: a load finished while {self.state.value}")
+        self.state = ModelState.RESIDENT if ok else ModelState.ON_DISK
+        if not ok:
+            self.prewarmed = False
+        waiters, self.waiters = self.waiters, []
+        return waiters
+
+    def refetched(self) -> None:
+        """The host copy's fetch of a fresh version ended (LOADING -> ON_DISK): its promotion comes next."""
+        if self.state is not ModelState.LOADING:
+            raise AssertionError(f"{self.where}: fetched again while {self.state.value}")
+        self.state = ModelState.ON_DISK
+
+    # -- freeing -----------------------------------------------------------------------------
+    def check_freeable(self) -> None:
+        """Raise unless this copy may be freed now (an explicit evict; pins do not count): never memory a
+        lease maps, nor a copy that is waiting, loading, or that a copy above is being made from."""
+        host = self.tier == HOST
+        on = "" if host else f" on {self.tier}"
+        if self.holds:
+            raise CapacityError(f"{self.model.key} is in use by {plural(self.holds, self.session)}{on}; it cannot "
+                                f"be evicted{'' if host else ' from that GPU'}")
+        if self.state is ModelState.WAITING:
+            raise CapacityError(f"{self.model.key} is waiting for room in {self.where} (requests wait for it); "
+                                + ("evict it once it is resident" if host else "there is no copy there to evict yet"))
+        if any(c.state is ModelState.WAITING for c in self.model.gpu_copies()) and host:
+            raise CapacityError(f"{self.model.key} is waiting for room on a GPU (requests wait for it there); "
+                                "evict it once they are served")
+        if self.state is ModelState.LOADING or self.busy_above:
+            raise CapacityError(f"{self.model.key} is loading; evict it once it is resident" if host else
+                                f"{self.model.key} is being copied to GPU {self.tier}; evict it once it is there")
+
+    def freed(self) -> bool:
+        """RESIDENT -> ON_DISK, raising (so that nothing is freed) while anything holds it; returns whether it
+        had been pre-warmed and no call used it."""
+        self.check_freeable()
+        if self.state is not ModelState.RESIDENT:
+            raise AssertionError(f"{self.where}: freed while {self.state.value}")
+        wasted, self.prewarmed = self.prewarmed, False
+        self.state = ModelState.ON_DISK
+        return wasted
+
+    # -- what it says --------------------------------------------------------------------------
+    @property
+    def session(self) -> str:
+        return "session" if self.tier == HOST else "GPU session"
+
+    @property
+    def where(self) -> str:
+        return "the host tier" if self.tier == HOST else f"GPU {self.tier}"
+
+    def why_kept(self) -> list:
+        """[(reason, what to do)] that keep this copy in its tier when room is needed; [] when none does."""
         if self.state is ModelState.WAITING:
             return []                 # (no copy: it holds no room)
         if self.state is ModelState.LOADING:
-            return [("being copied there", WAIT)]
-        return ([(f"in use by {plural(self.leases, 'GPU session')}", CLOSE_SESSIONS)] if self.leases else []) + \
-            ([("pinned", UNPIN)] if pinned else [])
-
-    def check_freeable(self, key: str) -> None:
-        """Raise unless this copy may be freed now: device memory a lease maps is never freed."""
-        if self.state is ModelState.WAITING:
-            raise CapacityError(f"{key} is waiting for room on GPU {self.device} (requests wait for it); "
-                                "there is no copy there to evict yet")
-        if self.state is ModelState.LOADING:
-            raise CapacityError(f"{key} is being copied to GPU {self.device}; evict it once it is there")
-        if self.leases:
-            raise CapacityError(f"{key} is in use by {plural(self.leases, 'GPU session')} on {self.device}; "
-                                f"it cannot be evicted from that GPU")
+            return [("loading" if self.tier == HOST else "being copied there", WAIT)]
+        reasons = [(f"in use by {plural(self.holds, self.session)}", CLOSE_SESSIONS)] if self.holds else []
+        if self.busy_above and not self.holds:     # (a GPU lease holds the host copy too)
+            waiting = any(c.state is ModelState.WAITING for c in self.model.gpu_copies())
+            reasons.append(("waiting for room on a GPU" if waiting else "being copied to a GPU", WAIT))
+        return reasons + ([("pinned", UNPIN)] if self.model.pinned else [])
 
 
-@dataclass
+@dataclass(eq=False)
 class ModelRecord:
     name: str
     version: int
     disk_dir: Path
     manifest: Manifest
-    state: ModelState = ModelState.ON_DISK
-    refcount: int = 0
     pinned: bool = False
     hits: int = 0
     misses: int = 0
     last_use: float = 0.0
-    # Opens waiting for the in-flight load: (reply callback) each. One load, many waiters.
-    waiters: list = field(default_factory=list)
-    devices: dict = field(default_factory=dict)   # device UUID -> DeviceResidency
     # Why a stored file of this version failed its checksum ("" while none has): it is not served.
     damage: str = ""
     refetched: bool = False  # fetched again after damage, not yet promoted: damage now is the store's own
-    prewarmed: bool = False  # loaded by its policy's pre-warm, and no request has held it since
+    tier_copies: dict = field(default_factory=dict)   # HOST or GPU UUID -> TierCopy (the host's always there)
     key: str = field(init=False)  # "name@version": asked several times per request, so made once
 
     def __post_init__(self):
         self.key = f"{self.name}@{self.version}"
+        self.tier_copies[HOST] = TierCopy(self, HOST)
 
     @property
     def feed_check(self):
@@ -126,81 +219,64 @@ class ModelRecord:
             check = self.__dict__["_feed_check"] = FeedCheck(self.name, self.manifest.io_summary()["inputs"])
         return check
 
+    # -- its copies ------------------------------------------------------------------------------
+    def copy_in(self, tier: str) -> TierCopy:
+        """The model's copy in `tier` (HOST or a GPU's UUID): a record in state ON_DISK while not there."""
+        copy = self.tier_copies.get(tier)
+        if copy is None:
+            copy = self.tier_copies[tier] = TierCopy(self, tier)
+        return copy
+
+    @property
+    def host(self) -> TierCopy:
+        return self.tier_copies[HOST]
+
+    def gpu_copies(self) -> list:
+        """Its copies on GPUs that are there or on their way (WAITING, LOADING, RESIDENT)."""
+        return [c for t, c in self.tier_copies.items() if t != HOST and c.state is not ModelState.ON_DISK]
+
+    @property
+    def devices(self) -> dict:
+        """GPU UUID -> its copy there, for the GPUs where it is (or is on its way)."""
+        return {c.tier: c for c in self.gpu_copies()}
+
+    @property
+    def state(self) -> ModelState:
+        """The host copy's state: what `ls` shows as the model's."""
+        return self.host.state
+
+    @property
+    def refcount(self) -> int:
+        """What holds the host copy: leases (GPU leases too) and requests in flight."""
+        return self.host.holds
+
     @property
     def tier(self) -> str:
         """The fastest tier that holds it."""
-        if any(r.state is ModelState.RESIDENT for r in self.devices.values()):
+        if any(c.state is ModelState.RESIDENT for c in self.gpu_copies()):
             return "gpu"
-        return "host" if self.state is ModelState.RESIDENT else "disk"
+        return "host" if self.host.state is ModelState.RESIDENT else "disk"
 
     @property
     def copies(self) -> list:
         """The memory tiers holding a resident copy: "host", then "gpu:<UUID>" each ([]: on disk only)."""
-        return (["host"] if self.state is ModelState.RESIDENT else []) + \
-            [f"gpu:{r.device}" for r in self.devices.values() if r.state is ModelState.RESIDENT]
+        return (["host"] if self.host.state is ModelState.RESIDENT else []) + \
+            [f"gpu:{c.tier}" for c in self.gpu_copies() if c.state is ModelState.RESIDENT]
 
-    @property
-    def busy_on_device(self) -> bool:
-        """A device copy is loading (it reads the host copy), waiting for room (it will) or leased: the host
-        copy must stay."""
-        return any(r.state is not ModelState.RESIDENT or r.leases for r in self.devices.values())
+    # -- the rest of its lifecycle: the only code that changes these fields ---------------------------
+    def pin(self, pinned: bool) -> bool:
+        """Pin or unpin (a pinned model is never a victim); returns whether it was pinned."""
+        was, self.pinned = self.pinned, pinned
+        return was
 
-    # -- lifecycle: the only code that changes state, refcount, waiters and damage ---------
-    def hold(self, device: str | None = None) -> None:
-        """A lease or a request in flight: the model (and its copy on `device`) is not freed under it."""
-        if device is not None:
-            self.devices[device].acquire()
-        self.refcount += 1
-        self.prewarmed = False
+    def opened(self, hit: bool) -> None:
+        """An open found the model resident (a hit) or had to load it."""
+        self.hits += hit
+        self.misses += not hit
 
-    def let_go(self, device: str | None = None) -> None:
-        if self.refcount <= 0:
-            raise AssertionError(f"{self.key} released more often than it was held")
-        if device is not None:
-            self.devices[device].release()
-        self.refcount -= 1
-
-    @property
-    def idle(self) -> bool:
-        """Resident with nothing holding it: the moment its eviction policy hears it was released."""
-        return self.refcount == 0 and self.state is ModelState.RESIDENT
-
-    def wait_for_load(self, wake) -> None:
-        """`wake(error)` runs once the load in flight ends: one load, however many wait."""
-        self.waiters.append(wake)
-
-    def start_load(self, prewarm: bool = False) -> None:
-        """ON_DISK or WAITING -> LOADING: a promotion (or a fetch of a damaged version) is on its way;
-        `prewarm`: its policy's, which no request asked for (yet)."""
-        if self.state not in (ModelState.ON_DISK, ModelState.WAITING):
-            raise AssertionError(f"{self.key}: a load started while {self.state.value}")
-        self.state = ModelState.LOADING
-        self.prewarmed = prewarm and not self.waiters
-
-    def queue_for_room(self) -> None:
-        """ON_DISK -> WAITING: its waiters wait for room in the host tier (HostCache's room queue)."""
-        if self.state is not ModelState.ON_DISK:
-            raise AssertionError(f"{self.key}: queued for room while {self.state.value}")
-        self.state = ModelState.WAITING
-
-    def leave_room_queue(self) -> list:
-        """WAITING -> ON_DISK: no request waits for room for it any more (the last one gave up, or it was
-        refused); returns the waiters to wake, no longer waiting."""
-        if self.state is not ModelState.WAITING:
-            raise AssertionError(f"{self.key}: left the room queue while {self.state.value}")
-        self.state = ModelState.ON_DISK
-        waiters, self.waiters = self.waiters, []
-        return waiters
-
-    def finish_load(self, ok: bool) -> list:
-        """LOADING -> RESIDENT (ok) or ON_DISK; returns the waiters to wake, no longer waiting."""
-        self.state = ModelState.RESIDENT if ok else ModelState.ON_DISK
-        if ok:
-            self.refetched = False
-        else:
-            self.prewarmed = False
-        waiters, self.waiters = self.waiters, []
-        return waiters
+    def used(self, now: float) -> None:
+        """A lease was granted at wall time `now`."""
+        self.last_use = now
 
     def mark_corrupt(self, why: str) -> None:
         """A stored file failed its checksum: not served until a fresh copy replaces it."""
@@ -213,105 +289,41 @@ class ModelRecord:
         return was_marked
 
     def replaced(self, disk_dir: Path, manifest: Manifest) -> None:
-        """The remote store's fresh copy replaced a damaged one (LOADING -> ON_DISK, to be promoted)."""
+        """The remote store's fresh copy replaced a damaged one; its host copy's promotion comes next."""
         self.disk_dir, self.manifest = disk_dir, manifest
         self.__dict__.pop("_feed_check", None)          # built from the old manifest
-        self.state = ModelState.ON_DISK
+        self.host.refetched()
         self.damage, self.refetched = "", True
 
-    @property
-    def evictable(self) -> bool:
-        """A candidate the eviction policy may choose: resident, unused, unpinned, no device copy busy."""
-        return self.state is ModelState.RESIDENT and self.refcount == 0 and not self.pinned \
-            and not self.busy_on_device
-
-    def why_kept(self) -> list:
-        """[(reason, what to do)] that keep the host copy when room is needed; [] when it may be evicted."""
-        if self.state is ModelState.LOADING:
-            return [("loading", WAIT)]
-        reasons = [(f"in use by {plural(self.refcount, 'session')}", CLOSE_SESSIONS)] if self.refcount else []
-        if self.busy_on_device and not self.refcount:     # (a GPU lease counts in refcount too)
-            waiting = any(r.state is ModelState.WAITING for r in self.devices.values())
-            reasons.append(("waiting for room on a GPU" if waiting else "being copied to a GPU", WAIT))
-        return reasons + ([("pinned", UNPIN)] if self.pinned else [])
-
-    def check_freeable(self) -> None:
-        """Raise unless the host copy may be freed now (an explicit evict or remove; pins do not count)."""
-        if self.refcount > 0:
-            raise CapacityError(f"{self.key} is in use by {plural(self.refcount, 'session')}; it cannot be evicted")
-        if self.state is ModelState.WAITING:
-            raise CapacityError(f"{self.key} is waiting for room in the host tier (requests wait for it); "
-                                "evict it once it is resident")
-        if any(r.state is ModelState.WAITING for r in self.devices.values()):
-            raise CapacityError(f"{self.key} is waiting for room on a GPU (requests wait for it there); "
-                                "evict it once they are served")
-        if self.state is ModelState.LOADING or self.busy_on_device:
-            raise CapacityError(f"{self.key} is loading; evict it once it is resident")
-
-    def evicted(self) -> None:
-        """RESIDENT -> ON_DISK once its GPU copies are gone; raises if anything still holds it."""
-        self.check_freeable()
-        if self.state is not ModelState.RESIDENT or self.devices:
-            raise AssertionError(f"{self.key} freed while {self.state.value} with GPU copies {list(self.devices)}")
-        self.state = ModelState.ON_DISK
-        self.prewarmed = False
+    def promoted(self) -> None:
+        """Its host copy is resident: damage found from now on is the store's own copy's."""
+        self.refetched = False
 
     def why_resident(self, kept_alive: bool) -> str:
         """Why the host copy is there, for `ls`: in use, pinned, pre-warmed, kept alive (its policy's window
         is open: `kept_alive`), or just cached (it stays until room is needed); "" when not resident."""
-        if self.state is ModelState.LOADING:
+        host = self.host
+        if host.state is ModelState.LOADING:
             return "loading"
-        if self.state is ModelState.WAITING:
-            return f"waiting for room ({plural(len(self.waiters), 'request')})"
-        if self.state is not ModelState.RESIDENT:
+        if host.state is ModelState.WAITING:
+            return f"waiting for room ({plural(len(host.waiters), 'request')})"
+        if host.state is not ModelState.RESIDENT:
             return ""
-        reasons = (["in use"] if self.refcount else []) + (["pinned"] if self.pinned else []) + \
-            (["pre-warmed"] if self.prewarmed else []) + (["kept alive"] if kept_alive and not self.refcount else [])
+        reasons = (["in use"] if host.holds else []) + (["pinned"] if self.pinned else []) + \
+            (["pre-warmed"] if host.prewarmed else []) + (["kept alive"] if kept_alive and not host.holds else [])
         return ", ".join(reasons) or "cached"
-
-    def queue_for_device_room(self, device: str) -> DeviceResidency:
-        """Not on `device` -> WAITING there: requests wait for room on it (that GPU's room queue)."""
-        if device in self.devices or self.state is not ModelState.RESIDENT:
-            raise AssertionError(f"{self.key}: queued for room on {device} while there or without a host copy")
-        res = self.devices[device] = DeviceResidency(device, ModelState.WAITING, model=self)
-        return res
-
-    def start_device_load(self, device: str) -> DeviceResidency:
-        """Not on `device`, or WAITING there (its waiters then wait on this load) -> LOADING."""
-        res = self.devices.get(device)
-        if (res is not None and res.state is not ModelState.WAITING) or self.state is not ModelState.RESIDENT:
-            raise AssertionError(f"{self.key}: a GPU promotion to {device} started twice or without a host copy")
-        if res is None:
-            res = self.devices[device] = DeviceResidency(device, ModelState.LOADING, model=self)
-        res.state = ModelState.LOADING
-        return res
-
-    def finish_device_load(self, device: str, ok: bool) -> list:
-        """The copy on `device` is RESIDENT (ok) or gone; returns its waiters to wake."""
-        res = self.devices[device]
-        if ok:
-            res.state = ModelState.RESIDENT
-        else:
-            del self.devices[device]
-        waiters, res.waiters = res.waiters, []
-        return waiters
-
-    def device_evicted(self, device: str) -> None:
-        """Forget the copy on `device`; raises (and frees nothing) while a lease maps it."""
-        self.devices[device].check_freeable(self.key)
-        del self.devices[device]
 
     def describe(self, host_bytes: int = 0, gpu_bytes: int = 0, **policy_view) -> dict:
         """For listings. bytes: the stored weights (every variant); host_bytes, gpu_bytes: each tier's own
         charge for it (the host tier's: what a promotion places when it is not resident; GPU: 0 when on none).
-        policy_view: why, keep_alive_until, next_call (HostCache.describe), added at the end."""
+        policy_view: why, keep_alive_until, next_call (daemon/listing.py), added at the end."""
         return {"name": self.name, "version": self.version, "bytes": self.manifest.weights_bytes,
                 "host_bytes": host_bytes, "gpu_bytes": gpu_bytes,
                 "tier": self.tier, "state": "corrupt" if self.damage else self.state.value, "refcount": self.refcount,
                 "hits": self.hits, "misses": self.misses, "last_use": self.last_use, "pinned": self.pinned,
                 "tensors": len(self.manifest.tensors), "opt_level": self.manifest.opt_level,
-                "gpu": [{"device": r.device, "state": r.state.value, "leases": r.leases}
-                        for r in self.devices.values()], "corrupt": self.damage, **policy_view}
+                "gpu": [{"device": c.tier, "state": c.state.value, "leases": c.holds} for c in self.gpu_copies()],
+                "corrupt": self.damage, **policy_view}
 
 
 def describe_unreadable(name: str, version: int, why: str) -> dict:
@@ -339,7 +351,7 @@ class Lease:
     lease_id: str
     client_id: str
     model: ModelRecord
-    device: str | None = None        # the GPU whose copy it maps; None: the host tier's
+    tier: str = HOST                 # whose copy it maps: HOST, or a GPU's UUID
 
 
 class Registry:
@@ -407,16 +419,17 @@ class Registry:
             raise LeaseError(f"unknown client {client_id!r}: its lease expired or the daemon restarted; reconnect")
         return rec
 
-    def grant(self, client: ClientRecord, model: ModelRecord, now: float, device: str | None = None) -> Lease:
-        """A lease on the model's host copy, or on its copy on `device` (which holds the host copy too)."""
-        lease = Lease(f"l{next(self._ids)}-{secrets.token_hex(4)}", client.client_id, model, device)
-        model.hold(device)
+    def grant(self, client: ClientRecord, model: ModelRecord, now: float, tier: str = HOST) -> Lease:
+        """A lease on the model's copy in `tier` (HOST, or a GPU's UUID), for the table; its residency
+        manager holds the copy (Residency.lease)."""
+        lease = Lease(f"l{next(self._ids)}-{secrets.token_hex(4)}", client.client_id, model, tier)
         self.leases[lease.lease_id] = lease
         client.leases.add(lease.lease_id)
-        model.last_use = now
+        model.used(now)
         return lease
 
     def release(self, lease_id: str, client_id: str | None = None) -> Lease:
+        """Take a lease off the table; the caller lets its copy go (Residency.release)."""
         lease = self.leases.get(lease_id)
         if lease is None or (client_id is not None and lease.client_id != client_id):
             raise LeaseError(f"unknown lease {lease_id!r}")
@@ -424,11 +437,10 @@ class Registry:
         client = self.clients.get(lease.client_id)
         if client is not None:  # a dropped client is already gone from the table
             client.leases.discard(lease_id)
-        lease.model.let_go(lease.device)
         return lease
 
     def drop_client(self, client_id: str) -> list[Lease]:
-        """Forget a client and release every lease it held; returns the leases released."""
+        """Forget a client and take every lease it held off the table; returns them (to be let go)."""
         rec = self.clients.pop(client_id, None)
         if rec is None:
             return []

@@ -53,31 +53,29 @@ class SocketLock:
             self.fd = None
 
 
-def adopt_resident_models(cache) -> Adoption:
-    """Re-adopt the dead daemon's host tier into `cache` (a HostCache, before host.start); its models become
-    resident."""
-    manifests = {key: m.manifest for key, m in _by_key(cache).items()}
-    return adopt_host_tier(cache.host, manifests, {})
+def adopt_resident_models(host) -> Adoption:
+    """Re-adopt the dead daemon's host tier into `host` (the host tier's Residency, before its tier starts);
+    its models become resident in settle_adopted."""
+    manifests = {key: m.manifest for key, m in _by_key(host).items()}
+    return adopt_host_tier(host.tier, manifests, {})
 
 
-def settle_adopted(cache, found: Adoption) -> None:
-    """After the GPU tiers start (host.start first: they live in its directory): mark the adopted models
+def settle_adopted(host, found: Adoption) -> None:
+    """After the GPU tiers start (the host tier first: they live in its directory): mark the adopted models
     resident, or free those that lack the GPU variant this daemon's promotions copy."""
-    models = _by_key(cache)
+    models = _by_key(host)
     for key in found.adopted:
         model = models[key]
-        missing = set(cache.host_variants(model)) - set(cache.host.models[key])
+        missing = set(host.tier.variants(model.manifest)) - set(host.tier.models[key])
         if missing:
-            cache.host.free_model(key)
+            host.tier.free_model(key)
             found.rejected[key] = f"its {', '.join(sorted(missing))} weights were not resident"
             log.info("warm restart: %s re-promotes: %s", key, found.rejected[key])
             continue
-        model.start_load()                # (its load is the dead daemon's, found whole)
-        model.finish_load(ok=True)
-        cache.policy.created(key, cache.host.model_bytes(key), cache.clock())
-        cache.counters["adopted"] += 1
+        host.adopted(model)
+        host.counters["adopted"] += 1
     found.adopted = [k for k in found.adopted if k not in found.rejected]
 
 
-def _by_key(cache) -> dict:
-    return {m.key: m for m in cache.registry.models.values()}
+def _by_key(host) -> dict:
+    return {m.key: m for m in host.registry.models.values()}

@@ -6,10 +6,9 @@ each request waits until its own deadline. When room appears (a lease released, 
 demoted, capacity raised, an unpin), the cache admits the queue's head first; nothing behind it, and
 no pre-warm, goes before it. One promotion serves every request waiting on a model.
 
-An entry is what waits in one tier: a ModelRecord in the host tier's queue, a DeviceResidency in a
-GPU's. Either has `state` (WAITING while queued), `waiters` (the requests' wake callbacks, which the
-promotion inherits when it starts) and `leave_room_queue()` (WAITING -> not in the tier; returns the
-waiters, to be told why).
+An entry is a model's copy in the queue's tier (registry.TierCopy): its `state` is WAITING while queued,
+its `waiters` are the requests' wake callbacks (the promotion inherits them when it starts), and its
+transitions say when a waiter gives up (`give_up`) or every one is told why (`leave_room_queue`).
 """
 
 from __future__ import annotations
@@ -104,13 +103,12 @@ class RoomQueue:
 
     def expired(self, now: float) -> list:
         """(entry, wake, seconds waited) of each request whose deadline has passed, no longer waiting; an entry
-        none waits for any more leaves the queue (and the tier: leave_room_queue)."""
+        none waits for any more leaves the queue (and the tier: give_up)."""
         out = []
         while self.next_deadline() is not None and self._deadlines[0][0] <= now:
             _, _, entry, wake, since = heapq.heappop(self._deadlines)
-            entry.waiters.remove(wake)
-            if not entry.waiters:
-                entry.leave_room_queue()
+            entry.give_up(wake)
+            if entry.state is not ModelState.WAITING:   # the last one gone: so is the entry
                 self.admitted(entry)
             out.append((entry, wake, now - since))
         return out

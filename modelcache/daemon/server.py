@@ -1,10 +1,12 @@
 """The resident daemon: one owner loop holds every table; loader threads only copy and pack.
 
 The daemon is composed of objects that each own one thing, each handed its collaborators:
-`Loaders` (loader threads, loaders.py), `HostCache` (the host tier's models, cache.py),
-`DeviceCache` (the GPU tiers, devices.py), `Serving` (serve mode over the executor's engine,
-serving.py) and `Sessions` (clients, leases, liveness, sessions.py). This file holds the owner
-loop, the sockets, start and stop, the dispatch table from message type to handler, and stats.
+`Loaders` (loader threads, loaders.py), one `Residency` per memory tier (what is resident there,
+residency.py: the host tier's, and each GPU's in `GpuTiers`, gpus.py), `Fetcher` (the remote store,
+fetch.py), `Models` (load, evict, pin, remove, add, verify, models.py), `Serving` (serve mode over the
+executor's engine, serving.py) and `Sessions` (clients, leases, liveness, sessions.py). This file
+holds the owner loop, the sockets, start and stop, the dispatch table from message type to handler,
+and stats.
 
 The owner loop (the main thread) polls the ROUTER socket that clients talk to and a
 wake-up socket that loader threads poke when they finish. Loader threads never touch
@@ -33,18 +35,21 @@ from ..tiers.disk import Repository
 from ..tiers.host import HostTier
 from ..tiers.remote import RemoteStore
 from ..lane import lane_path
+from ..eviction import make_policy as named_policy
 from ..storage import remove_tree, storage_errors
-from .cache import HostCache, policy_for
-from .devices import DeviceCache
 from .fds import FdBudget, raise_fd_limit
+from .fetch import Fetcher
+from .gpus import GpuTiers
 from ..address import bind_error
 from .identity import Admins, Peer, credentials_from_peer_address
 from .lane import LaneConnection, LaneServer, check_socket_file
 from ..histogram import Histogram
 from .loaders import Loaders
 from .metrics import MetricsServer, render
+from .models import Models
 from .notify import Notifier
 from .registry import ModelState, Registry, describe_unreadable, plural
+from .residency import Residency
 from .restart import SocketLock, adopt_resident_models, settle_adopted
 from .serving import Serving, serve_gpu_devices
 from .sessions import Sessions
@@ -57,13 +62,22 @@ _EVENTS, _POLLIN, _SEND_MORE, _SEND_LAST = int(zmq.EVENTS), int(zmq.POLLIN), int
 _RCVMORE = int(zmq.RCVMORE)
 
 
+def policy_for(settings, clock):
+    """A tier's eviction policy on the tier's clock, as the settings name it: `eviction_policy`, and for the
+    timed ones (keepalive, hybrid) `keep_alive_s`."""
+    return named_policy(settings.eviction_policy, clock, keep_alive_s=settings.keep_alive_s)
+
+
 class Daemon:
     # Settings a reload (SIGHUP / systemctl reload) applies live; the others need a restart.
     LIVE_SETTINGS = ("log_level", "heartbeat_interval_s", "lease_timeout_s", "host_capacity", "gpu_capacity",
                      "batching", "max_batch", "t_opt_ms", "batch_window_ms", "max_queue_delay_ms",
                      "inline_run_ms")
 
-    def __init__(self, settings: Settings, clock=time.monotonic, wall=time.time, reload_settings=None):
+    def __init__(self, settings: Settings, clock=time.monotonic, wall=time.time, reload_settings=None,
+                 make_policy=policy_for):
+        """`make_policy(settings, clock)`: each tier's eviction policy (a replay that compresses trace time
+        passes one whose windows are compressed with it: benchmarks/faas/compressed_daemon.py)."""
         self.settings = settings
         self.reload_settings = reload_settings  # () -> Settings, re-read from file and environment
         self.clock = clock
@@ -71,7 +85,7 @@ class Daemon:
         self.registry = Registry()
         self.repository = Repository(settings.repository_path)
         self.host = HostTier(settings.shm_dir, settings.host_capacity_bytes(), owner=settings.socket,
-                             verify=settings.verify_promotion)
+                             verify=settings.verify_promotion, source=self.repository)
         self.remote = RemoteStore(settings.remote, settings.request_timeout_s) if settings.remote else None
         self._thread_sockets = threading.local()
         self.loaders = Loaders(settings.loader_threads, wake=self._wake)
@@ -80,10 +94,10 @@ class Daemon:
                          "clients_lost": 0, "bad_messages": 0, "promotions": 0, "evictions": 0,
                          "gpu_promotions": 0, "gpu_evictions": 0, "adopted": 0, "corrupt_detected": 0,
                          "refetched": 0, "fetched": 0, "unloads": 0, "prewarms": 0, "gpu_unloads": 0,
-                         "gpu_prewarms": 0}
+                         "gpu_prewarms": 0, "wasted_prewarms": 0, "gpu_wasted_prewarms": 0}
         self.open_latency = Histogram()
         try:
-            policy = policy_for(settings)
+            policy = make_policy(settings, clock)
             self.admins = Admins(settings.admin_group)
             # (the engine's GPU workers hold device copies through serving, built below)
             self.engine = Engine(settings, Path(settings.state_dir) / "perfmodels.json", self.loaders.post, clock,
@@ -91,22 +105,24 @@ class Daemon:
                                  device_lease=lambda key, uuid, delta: self.serving.device_lease(key, uuid, delta))
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        self.cache = HostCache(registry=self.registry, host=self.host, policy=policy, repository=self.repository,
-                               remote=self.remote, loaders=self.loaders, settings=settings, admins=self.admins,
-                               counters=self.counters, jobs=self.jobs, clock=clock, reply=self._reply,
-                               redispatch=self._dispatch, wall=wall)
-        self.gpu = self.cache.gpu = DeviceCache(
-            registry=self.registry, cache=self.cache, loaders=self.loaders, settings=settings,
-            counters=self.counters, jobs=self.jobs, clock=clock,
-            serve_holds=lambda key: self.serving.serve_holds(key))
-        self.sessions = Sessions(registry=self.registry, cache=self.cache, gpu=self.gpu, settings=settings,
-                                 counters=self.counters, clock=clock, wall=wall, reply=self._reply,
+        self.fetcher = Fetcher(registry=self.registry, repository=self.repository, remote=self.remote,
+                               loaders=self.loaders, counters=self.counters, jobs=self.jobs, reply=self._reply,
+                               redispatch=self._dispatch)
+        parts = dict(registry=self.registry, loaders=self.loaders, counters=self.counters, jobs=self.jobs, clock=clock)
+        self.residency = Residency(tier=self.host, policy=policy, settings=settings, source=self.fetcher, **parts)
+        self.gpus = GpuTiers(host=self.residency, settings=settings, make_policy=make_policy, **parts)
+        self.models = Models(registry=self.registry, host=self.residency, gpus=self.gpus, fetcher=self.fetcher,
+                             repository=self.repository, loaders=self.loaders, settings=settings, admins=self.admins,
+                             counters=self.counters, jobs=self.jobs, clock=clock, wall=wall, reply=self._reply,
+                             serve_holds=lambda key: self.serving.serve_holds(key))
+        self.sessions = Sessions(registry=self.registry, host=self.residency, gpus=self.gpus, fetcher=self.fetcher,
+                                 settings=settings, counters=self.counters, clock=clock, wall=wall, reply=self._reply,
                                  open_latency=self.open_latency)
-        self.serving = Serving(registry=self.registry, cache=self.cache, gpu=self.gpu, engine=self.engine,
-                               loaders=self.loaders, admins=self.admins, clock=clock, reply=self._reply,
-                               touch=self.sessions.touch)
+        self.serving = Serving(registry=self.registry, host=self.residency, gpus=self.gpus, fetcher=self.fetcher,
+                               engine=self.engine, loaders=self.loaders, admins=self.admins, clock=clock,
+                               reply=self._reply, touch=self.sessions.touch)
         # Message type -> handler(ident, message): each returns its reply, or None when it answers later.
-        self.handlers = {**self.sessions.handlers(), **self.cache.handlers(), **self.serving.handlers(),
+        self.handlers = {**self.sessions.handlers(), **self.models.handlers(), **self.serving.handlers(),
                          P.ListModels: self.on_ListModels, P.Stats: self.on_Stats}
         self.started = wall()
         # When the owner loop last came back from not listening (see serve_forever): silence before it is not counted.
@@ -166,11 +182,11 @@ class Daemon:
         self.children = daemon_children(self.settings)
         for model_dir, manifest in self.repository.scan():
             self.registry.add_model(model_dir, manifest)
-        adoption = adopt_resident_models(self.cache)   # warm restart: a dead daemon's host tier, checked
+        adoption = adopt_resident_models(self.residency)   # warm restart: a dead daemon's host tier, checked
         with storage_errors("creating the host tier", self.host.root):
             self.host.start()
-            self.gpu.start()
-        settle_adopted(self.cache, adoption)
+            self.gpus.start()
+        settle_adopted(self.residency, adoption)
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # replies to vanished clients are dropped, not raised
@@ -228,7 +244,7 @@ class Daemon:
     def request_stop(self, *_):
         """Signal handler: the first signal asks for a graceful stop, a second one exits at once."""
         if self.stop_requested:
-            for proc in list(self.cache.packers):
+            for proc in list(self.models.packers):
                 if proc.poll() is None:
                     proc.kill()
             self._remove_socket_file()
@@ -259,8 +275,8 @@ class Daemon:
             logging.getLogger("modelcache").setLevel(self.settings.log_level.upper())
             self.host.capacity_bytes = self.settings.host_capacity_bytes()
             if "gpu_capacity" in changed:
-                self.gpu.set_capacity(self.settings.gpu_capacity)
-            self.cache.admit()   # more room: requests waiting for it go now
+                self.gpus.set_capacity(self.settings.gpu_capacity)
+            self.residency.admit()   # more room: requests waiting for it go now, in every tier
             self.engine.settings_changed()
             log.info("reloaded settings: %s", ", ".join(changed) + " applied" if changed else "nothing changed live")
         except ModelCacheError as e:
@@ -270,7 +286,7 @@ class Daemon:
     def status_line(self) -> str:
         resident = sum(1 for m in self.registry.models.values() if m.state is ModelState.RESIDENT)
         gpus = "".join(f", GPU {t.device.index} {t.used_bytes >> 20}/{t.capacity_bytes >> 20} MiB"
-                       for t in self.gpu.tiers.values())
+                       for t in (r.tier for r in self.gpus))
         return (f"{plural(len(self.registry.models), 'model')} ({resident} resident), "
                 f"{plural(len(self.registry.clients), 'client')}, "
                 f"host {self.host.used_bytes >> 20}/{self.host.capacity_bytes >> 20} MiB{gpus}")
@@ -312,9 +328,9 @@ class Daemon:
                 if self.notifier.watchdog_interval_s and self.clock() >= next_watchdog:
                     self.notifier.watchdog()  # only while the owner loop turns: a stuck loop gets restarted
                     next_watchdog = self.clock() + self.notifier.watchdog_interval_s
-                # A batching window ends; a keep-alive, a pre-warm or a request's wait for room is due (cache.py).
-                wake_at = min(next_sweep, self.engine.next_wakeup() or next_sweep,
-                              self.cache.next_timer() or next_sweep)
+                # A batching window ends; a keep-alive, a pre-warm or a request's wait for room is due (residency.py).
+                wake_at = min([next_sweep, self.engine.next_wakeup() or next_sweep,
+                               *(t for r in self.tiers() if (t := r.next_timer()) is not None)])
                 timeout_ms = max(0, int((wake_at - self.clock()) * 1000 + 0.999))
                 events = dict(poller.poll(min(timeout_ms, 250)))
                 turn_at = self.turn_at = self.clock()
@@ -343,7 +359,8 @@ class Daemon:
                     if type(key) is int:   # a raw file descriptor: the lane's
                         self.lane.on_ready(key, ready, self._handle)
                 self.engine.on_timer(self.clock())
-                self.cache.on_timer(self.clock())
+                for residency in self.tiers():
+                    residency.on_timer(self.clock())
                 if self.clock() >= next_sweep:
                     self._check_fds()
                     self.sweep_clients()
@@ -365,7 +382,8 @@ class Daemon:
             child.terminate()
         log.info("stopping: %d clients, %d leases, %d jobs in flight", len(self.registry.clients),
                  len(self.registry.leases), len(self.jobs))
-        self.cache.stop_waiting()
+        for residency in self.tiers():
+            residency.stop_waiting()
         deadline = self.clock() + 60
         while self.engine.requests and self.clock() < deadline:  # in-flight inferences finish first
             if self.wake_rx.poll(10):
@@ -388,7 +406,7 @@ class Daemon:
             *(child.wait for child in self.children),
             self._remove_socket_file,
             # Clients that still map a model keep their pages (host and GPU): freeing only drops our references.
-            self.gpu.stop,
+            self.gpus.stop,
             lambda: self.host.stop(keep=self.settings.keep_host_tier),  # kept: the next daemon here re-adopts it
             self.notifier.close))
 
@@ -409,7 +427,7 @@ class Daemon:
                       lambda: self.router_events is not None and self.router_events.close(linger=0),
                       lambda: self.router is not None and self.router.close(linger=0),
                       lambda: self.wake_rx is not None and self.wake_rx.close(linger=0),
-                      self.loaders.shutdown, self._remove_socket_file, self.gpu.stop,
+                      self.loaders.shutdown, self._remove_socket_file, self.gpus.stop,
                       lambda: self.host.stop(keep=self.settings.keep_host_tier), self.notifier.close):
             try:
                 close()
@@ -480,7 +498,7 @@ class Daemon:
         if type(ident) is LaneConnection:
             ident.send(kind, body, getattr(msg, "passed_fds", ()))   # (a GPU lease's, under read-only sharing)
             return
-        if getattr(msg, "passed_fds", None):   # refused before (DeviceCache.check_transport): never half an answer
+        if getattr(msg, "passed_fds", None):   # refused before (GpuTiers.check_transport): never half an answer
             log.error("a reply with file descriptors for a ZeroMQ peer was not sent")
             msg = P.ErrorReply(req_id=msg.req_id, code="internal", message="internal error: file descriptors cannot "
                                "go over ZeroMQ; open over the lane")
@@ -499,7 +517,7 @@ class Daemon:
                            remote=self.remote.url if self.remote is not None else "")
 
     def _describe_models(self) -> list[dict]:
-        return [self.cache.describe(m) for _, m in sorted(self.registry.models.items())] + \
+        return [self.models.describe(m) for _, m in sorted(self.registry.models.items())] + \
             [describe_unreadable(n, v, why) for (n, v), why in sorted(self.repository.unreadable.items())]
 
     def on_Stats(self, ident, msg: P.Stats):
@@ -521,10 +539,12 @@ class Daemon:
                             executor={**self.engine.describe(),
                                       "lane_connections": len(self.lane.conns) if self.lane else None})
 
+    def tiers(self) -> list:
+        """Each memory tier's residency manager: the host tier's, then each GPU's."""
+        return [self.residency, *self.gpus]
+
     def _describe_tiers(self) -> list[dict]:
-        return [{"tier": "host", "path": str(self.host.root), "used_bytes": self.host.used_bytes,
-                 "capacity_bytes": self.host.capacity_bytes, "waiting": self.cache.room.waiting()},
-                *self.gpu.describe(),
+        return [*(r.describe() for r in self.tiers()),
                 {"tier": "disk", "path": str(self.repository.root),
                  "used_bytes": sum(m.manifest.weights_bytes for m in self.registry.models.values()),
                  "capacity_bytes": 0}]
@@ -553,8 +573,8 @@ class Daemon:
         self.sessions.sweep(now, self.listening_since)
 
 
-def run(settings: Settings, on_ready=None, reload_settings=None) -> None:
-    daemon = Daemon(settings, reload_settings=reload_settings)
+def run(settings: Settings, on_ready=None, reload_settings=None, make_policy=policy_for) -> None:
+    daemon = Daemon(settings, reload_settings=reload_settings, make_policy=make_policy)
     signal.signal(signal.SIGTERM, daemon.request_stop)
     signal.signal(signal.SIGINT, daemon.request_stop)
     signal.signal(signal.SIGHUP, daemon.request_reload)

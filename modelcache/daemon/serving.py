@@ -1,7 +1,8 @@
 """Serve-mode requests in the daemon: describe, partition, infer.
 
 `Serving` runs on the owner loop; the stage work runs on the executor's workers (`engine`), and a
-request in flight holds its model. It is handed the host and GPU caches that bring a model in.
+request in flight holds its model. It is handed the tiers' residency managers that bring a model in
+(the host tier's, and the GPUs').
 
 With GPU workers, a request first brings its model to their devices' GPU tier (one promotion,
 however many requests and stage sessions), and holds a lease on each device copy while in
@@ -19,21 +20,18 @@ from ..errors import CapacityError, InputError, ModelCacheError
 from ..executor.engine import ServeRequest
 from ..storage import storage_errors
 from ..executor.workers import select_gpus
-from .cache import HostCache
-from .devices import DeviceCache
-from .registry import ModelRecord, ModelState, Registry, plural
+from .registry import HOST, ModelRecord, ModelState, Registry, plural
 from .room import deadline_of
 
 log = logging.getLogger("modelcache.daemon")
 
 
 class Serving:
-    def __init__(self, *, registry: Registry, cache: HostCache, gpu: DeviceCache, engine, loaders, admins, clock,
-                 reply, touch):
+    def __init__(self, *, registry: Registry, host, gpus, fetcher, engine, loaders, admins, clock, reply, touch):
         self.registry = registry
-        self.cache = cache
-        self.host = cache.host
-        self.gpu = gpu
+        self.host = host                  # the host tier's Residency
+        self.gpus = gpus                  # daemon/gpus.py: the GPU tiers' Residency, by UUID
+        self.fetcher = fetcher            # daemon/fetch.py: a model only the remote store has
         self.engine = engine              # executor.engine.Engine
         self.loaders = loaders
         self.admins = admins
@@ -42,8 +40,7 @@ class Serving:
         self.touch = touch                # (client_id, ident) -> the caller's client record, kept alive
         self.serve_specs: dict = {}             # model key -> (segments, stage specs), see _serve_specs
         self.serve_device_specs: dict = {}      # (model key, device UUID) -> its GPU stage specs
-        cache.forget.append(self.forget_model)
-        gpu.forget.append(self.forget_device_copy)
+        host.forget.append(self.forget_copy)   # (every tier's managers share the host's list: daemon/gpus.py)
 
     def handlers(self) -> dict:
         return {P.Describe: self.on_Describe, P.Partition: self.on_Partition, P.SetBatching: self.on_SetBatching,
@@ -54,15 +51,19 @@ class Serving:
         self.engine.drop_model(key)
         self.serve_specs.pop(key, None)
 
-    def forget_device_copy(self, key: str, uuid: str) -> None:
-        self.serve_device_specs.pop((key, uuid), None)
+    def forget_copy(self, key: str, tier: str) -> None:
+        """A copy of the model was freed or replaced: what was built over it goes."""
+        if tier == HOST:
+            self.forget_model(key)
+        else:
+            self.serve_device_specs.pop((key, tier), None)
 
     def serve_holds(self, key: str) -> int:
         """How many serve-mode GPU workers hold the model's device copies."""
         return sum(1 for _, k in self.engine.device_holds if k == key)
 
     def on_Describe(self, ident, msg: P.Describe):
-        model = self.cache.resolve_or_fetch(ident, msg)   # (as infer does: a serve session describes first)
+        model = self.fetcher.resolve_or_fetch(ident, msg)   # (as infer does: a serve session describes first)
         if model is None:
             return None
         io = model.manifest.io_summary()
@@ -74,7 +75,7 @@ class Serving:
 
     def on_Partition(self, ident, msg: P.Partition):
         from ..executor.partition import check_request, partition
-        model = self.cache.resolve(msg.name, msg.version)
+        model = self.fetcher.resolve(msg.name, msg.version)
         self.admins.check_model_owner(ident, model, "partition")   # it changes what every user's requests run
         if msg.plan is None:
             check_request(msg.stages, msg.tail_fraction)   # here, not on a loader: no job for what cannot be met
@@ -110,7 +111,7 @@ class Serving:
 
     def on_SetBatching(self, ident, msg: P.SetBatching):
         from ..format import write_manifest
-        model = self.cache.resolve(msg.name, msg.version)
+        model = self.fetcher.resolve(msg.name, msg.version)
         self.admins.check_model_owner(ident, model, "set the batching profile of")
         stages = max(1, len(model.manifest.stages))
         if msg.profile.stages != stages:   # (the rest of the profile was checked as it was decoded)
@@ -130,7 +131,7 @@ class Serving:
         from ..executor.profile import WAKE_GAP_S
         from ..protocol import MAX_PROFILE_RUNS, MAX_PROFILE_S
 
-        model = self.cache.resolve(msg.name, msg.version)
+        model = self.fetcher.resolve(msg.name, msg.version)
         # It takes a worker for seconds, from every user's requests: the model's owner or an admin only.
         self.admins.check_model_owner(ident, model, "profile")
         if not 1 <= msg.runs <= MAX_PROFILE_RUNS or not 0 <= msg.min_s <= MAX_PROFILE_S:   # (NaN fails too)
@@ -139,7 +140,7 @@ class Serving:
         worker = self.engine.cpu_worker(msg.worker)
         feeds, maps = tensors.decode(msg.inputs)
         model.feed_check.check(feeds)
-        model.hold()                 # held like a request in flight: not evicted under the worker's session
+        self.host.hold(model)        # held like a request in flight: not evicted under the worker's session
         answered = []
 
         def finish(result, error):
@@ -158,15 +159,14 @@ class Serving:
                                                       args=args, wake_s=wake))
             finally:
                 maps.clear()
-                model.let_go()
-                self.cache.after_release(model)
+                self.host.release(model)
 
         def start(error, hit):
             # Called by the load's waiters too: whatever fails here is this request's answer, never the loop's.
             try:
                 if error is not None:
                     raise error
-                _, segments, all_tensors = self.host.export(model.key, model.manifest)
+                _, segments, all_tensors = self.host.tier.layout(model.key, model.manifest)
                 skeleton = str(model.disk_dir / SKELETON_FILE)
                 # How long the worker is out: dmda places nothing there meanwhile it need not.
                 run_s = self.engine.predicted_run_s(model.key, len(model.manifest.stages), worker.state.kind) or 0.0
@@ -178,7 +178,7 @@ class Serving:
                 finish(None, e)
 
         try:
-            self.cache.when_resident(model, start)
+            self.host.when_resident(model, start)
         except Exception as e:       # no room to load it, say: the answer, and the hold released
             finish(None, e)
         return None
@@ -186,7 +186,7 @@ class Serving:
     def on_Infer(self, ident, msg: P.Infer):
         self.touch(msg.client_id, ident, msg.client_name)
         deadline_of(0.0, msg.deadline_ms)   # checked before anything is fetched
-        model = self.cache.resolve_or_fetch(ident, msg)
+        model = self.fetcher.resolve_or_fetch(ident, msg)
         if model is None:
             return None
         arrival = self.clock()
@@ -203,8 +203,8 @@ class Serving:
             unknown = [n for n in msg.output_names if n not in outputs]
             if unknown:
                 raise InputError(f"{model.name}: unknown output {unknown[0]!r}; the model has {outputs}")
-        model.hold()  # a request in flight holds the model like a lease: it is not evicted under it
-        held_devices: list = []   # device copies it holds a lease on (see submit), released with the model
+        self.host.hold(model)  # a request in flight holds the model like a lease: it is not evicted under it
+        held_devices: list = []   # GPU tiers whose copies it holds (see submit), released with the model
 
         def finish(result, timings, error):
             try:  # the answer first: releasing the request's hold is bookkeeping the client need not wait for
@@ -221,27 +221,23 @@ class Serving:
                                                    version=model.version))
             finally:
                 maps.clear()  # the input mappings go with the request
-                for uuid in held_devices:   # (first: the model's release may evict it, its GPU copies first)
-                    model.devices[uuid].release()
-                    self.gpu.after_release(model, uuid)
-                model.let_go()
-                self.cache.after_release(model)
+                for residency in held_devices:   # (first: the model's release may evict it, its GPU copies first)
+                    residency.release(model)     # (and the host copy each GPU copy held)
+                self.host.release(model)
 
         def submit():
             segments, specs, batchable = self._serve_specs(model)
             devices = {}
-            for uuid in self._serve_tiers(model):
-                res = model.devices.get(uuid)
-                if res is not None and res.state is ModelState.RESIDENT:
-                    stages = self._serve_device_specs(model, uuid, specs)
+            for residency in self._serve_tiers(model):
+                if residency.is_resident(model):
+                    stages = self._serve_device_specs(model, residency, specs)
                     if stages is not None:
-                        res.acquire()
-                        held_devices.append(uuid)
-                        devices[uuid] = stages
-            now = self.clock()   # a serve request is a call, as an open is: the timed policies count it
-            for uuid in devices:
-                self.gpu.policies[uuid].accessed(model.key, now)
-            self.cache.policy.accessed(model.key, now)
+                        residency.hold(model)
+                        held_devices.append(residency)
+                        devices[residency.id] = stages
+            for residency in held_devices:   # a serve request is a call, as an open is: the timed policies count it
+                residency.accessed(model)
+            self.host.accessed(model)
             self.engine.submit(ServeRequest(model.key, specs, segments, dict(feeds), msg.output_names, arrival,
                                             deadline, finish, samples=samples, batchable=batchable,
                                             profile=model.manifest.batching or None, devices=devices,
@@ -251,8 +247,7 @@ class Serving:
             if error is not None:
                 finish(None, {}, error)
                 return
-            waiting = [tier for tier in map(self.gpu.tiers.get, self._serve_tiers(model))
-                       if (r := model.devices.get(tier.device.uuid)) is None or r.state is not ModelState.RESIDENT]
+            waiting = [r for r in self._serve_tiers(model) if not r.is_resident(model)]
             if not waiting:
                 submit()
                 return
@@ -265,38 +260,38 @@ class Serving:
                 if left[0] == 0:
                     submit()
 
-            for tier in waiting:
-                uuid = tier.device.uuid
+            for residency in waiting:
+                uuid = residency.id
                 try:
                     # (wait=False: with the device full of models in use, the CPU serves it now, not later)
-                    self.gpu.when_on_device(model, tier, lambda error, _hit, uuid=uuid: on_device(error, uuid),
-                                            deadline, wait=False)
+                    residency.when_resident(model, lambda error, _hit, uuid=uuid: on_device(error, uuid), deadline,
+                                            wait=False)
                 except ModelCacheError as e:
                     on_device(e, uuid)
 
         try:
-            self.cache.when_resident(model, start, deadline)
+            self.host.when_resident(model, start, deadline)
         except ModelCacheError as e:   # no room to load it, say: the answer, and the request's hold released
             finish(None, {}, e)
         return None
 
     def _serve_tiers(self, model: ModelRecord) -> list:
-        """UUIDs of the GPU tiers whose device has a serve-mode GPU worker, when the model has GPU weights."""
-        if not self.gpu.tiers or not model.manifest.gpu_tensors or model.manifest.serving.get("device") == "cpu":
+        """The GPU tiers whose device has a serve-mode GPU worker, when the model has GPU weights."""
+        if not self.gpus or not model.manifest.gpu_tensors or model.manifest.serving.get("device") == "cpu":
             return []   # (device "cpu": its Triton instance_group asked for CPU instances only)
-        return [w.device.uuid for w in self.engine.workers
-                if getattr(w, "device", None) is not None and w.device.uuid in self.gpu.tiers]
+        return [self.gpus.by_uuid[w.device.uuid] for w in self.engine.workers
+                if getattr(w, "device", None) is not None and w.device.uuid in self.gpus.by_uuid]
 
-    def _serve_device_specs(self, model: ModelRecord, uuid: str, specs: list) -> list | None:
+    def _serve_device_specs(self, model: ModelRecord, residency, specs: list) -> list | None:
         """Per stage {uuid, skeleton, tensors at this process's addresses} of the model's copy on `uuid`, or
         None per stage that has no GPU skeleton (None in all: GPU workers cannot run this model). Cached with
         the copy: a demotion forgets it (evict_from_device), a new partition rebuilds `specs`."""
+        uuid, tier = residency.id, residency.tier
         cached = self.serve_device_specs.get((model.key, uuid))
         if cached is not None and cached[0] is specs:
             return cached[1]
-        tier = self.gpu.tiers[uuid]
         if not model.manifest.stages:
-            stages = [{"uuid": uuid, "skeleton": str(self.host.skeleton_path(model.key, "gpu")),
+            stages = [{"uuid": uuid, "skeleton": str(self.host.tier.skeleton_path(model.key, "gpu")),
                        "tensors": tier.local_tensors(model.key)}]
         else:
             stages = [{"uuid": uuid, "skeleton": str(model.disk_dir / e["gpu_file"]),
@@ -313,10 +308,9 @@ class Serving:
         name, _, version = key.rpartition("@")
         model = self.registry.models[(name, int(version))]
         if delta > 0:
-            model.hold(uuid)
+            self.gpus.by_uuid[uuid].hold(model)
         else:
-            model.let_go(uuid)
-            self.cache.after_release(model, uuid)
+            self.gpus.by_uuid[uuid].release(model)
 
     def _serve_specs(self, model: ModelRecord) -> tuple[list, list, bool]:
         """(segments, per-stage {skeleton, inputs, outputs, tensors}, batchable) of a resident model; cached
@@ -326,7 +320,7 @@ class Serving:
         along it and the outputs split back."""
         cached = self.serve_specs.get(model.key)
         if cached is None:
-            _, segments, all_tensors = self.host.export(model.key, model.manifest)
+            _, segments, all_tensors = self.host.tier.layout(model.key, model.manifest)
             stages = model.manifest.stages or [{"file": "model.onnx", "inputs": [i.name for i in model.manifest.inputs],
                                                 "outputs": [o.name for o in model.manifest.outputs],
                                                 "tensors": [t[0] for t in all_tensors]}]

@@ -1,9 +1,9 @@
 """Clients and their sessions: hello, heartbeats, open and close (leases), goodbye, and client liveness.
 
-`Sessions` runs on the owner loop. It is handed the registry (clients, leases, model records), the
-host and GPU caches that bring a model in for an open, and `reply` to answer an open once its load
-lands. A client that stops beating, whose process is gone or whose lane connection closed loses its
-leases here, and the caches hear of each release.
+`Sessions` runs on the owner loop. It is handed the registry (clients, leases, model records), the tiers'
+residency managers that bring a model in for an open and hold its copy for a lease (the host tier's, and
+the GPUs'), and `reply` to answer an open once its load lands. A client that stops beating, whose process
+is gone or whose lane connection closed loses its leases here, and each copy's manager hears of its release.
 """
 
 from __future__ import annotations
@@ -15,11 +15,9 @@ import psutil
 
 from .. import __version__, protocol as P, tensors
 from ..errors import CapacityError, LeaseError, ModelCacheError, ProtocolError
-from .cache import HostCache
-from .devices import DeviceCache
 from .identity import check_client_owner
 from .lane import LaneConnection
-from .registry import ModelRecord, Registry, plural
+from .registry import HOST, ModelRecord, Registry, plural
 from .room import deadline_of
 
 log = logging.getLogger("modelcache.daemon")
@@ -28,12 +26,12 @@ MAX_CLIENT_NAME = 256      # a program's name, shown in stats
 
 
 class Sessions:
-    def __init__(self, *, registry: Registry, cache: HostCache, gpu: DeviceCache, settings, counters: dict, clock,
-                 wall, reply, open_latency):
+    def __init__(self, *, registry: Registry, host, gpus, fetcher, settings, counters: dict, clock, wall, reply,
+                 open_latency):
         self.registry = registry
-        self.cache = cache
-        self.gpu = gpu
-        self.host = cache.host
+        self.host = host                  # the host tier's Residency
+        self.gpus = gpus                  # daemon/gpus.py: the GPU tiers' Residency, by UUID
+        self.fetcher = fetcher            # daemon/fetch.py: a model only the remote store has
         self.settings = settings
         self.counters = counters
         self.clock = clock                # monotonic: liveness
@@ -76,11 +74,15 @@ class Sessions:
                   " on the lane" if connection is not None else "")
         return client
 
+    def residency_of(self, tier: str):
+        """The residency manager of the tier a lease is in: HOST, or a GPU's UUID."""
+        return self.host if tier == HOST else self.gpus.by_uuid[tier]
+
     def _drop(self, client_id: str) -> list:
-        """Forget a client; every lease it held is released, and the caches hear of each."""
+        """Forget a client; every lease it held is released, and each copy's manager hears of it."""
         released = self.registry.drop_client(client_id)
         for lease in released:
-            self.cache.after_release(lease.model, lease.device)
+            self.residency_of(lease.tier).release(lease.model)
         return released
 
     def connection_closed(self, conn: LaneConnection) -> None:
@@ -123,10 +125,10 @@ class Sessions:
     def on_Open(self, ident, msg: P.Open):
         client = self.touch(msg.client_id, ident, msg.client_name)
         deadline = deadline_of(self.clock(), msg.deadline_ms)   # (a fetch re-runs this: its time counts too)
-        tier = None if msg.device == "cpu" else self.gpu.tier_named(msg.device)
-        if tier is not None:
-            self.gpu.check_transport(ident, tier)   # (before any load: a reply it could not take)
-        model = self.cache.resolve_or_fetch(ident, msg)
+        residency = self.host if msg.device == "cpu" else self.gpus.named(msg.device)
+        if residency is not self.host:
+            self.gpus.check_transport(ident, residency)   # (before any load: a reply it could not take)
+        model = self.fetcher.resolve_or_fetch(ident, msg)
         if model is None:
             return None  # fetching from the remote store; the request runs again when it lands
         self.counters["opens"] += 1
@@ -138,51 +140,39 @@ class Sessions:
                 self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
                 return
             if self.registry.clients.get(client.client_id) is not client:  # left while we were loading
-                self.cache.after_release(model)
+                residency.hold(model)      # (as if a lease came and went: its policy hears the copy is idle)
+                residency.release(model)
                 return
-            uuid = tier.device.uuid if tier is not None else None
-            if tier is not None:
+            if residency is not self.host:
                 try:
-                    self.gpu.check_may_map(ident, model, tier)
+                    self.gpus.check_may_map(ident, model, residency)
                 except ModelCacheError as e:    # no lease, no descriptor
-                    self.cache.after_release(model)
+                    residency.hold(model)       # (as if a lease came and went, as above)
+                    residency.release(model)
                     self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=e.code, message=str(e)))
                     return
-            lease = self.registry.grant(client, model, self.wall(), uuid)
-            self.cache.policy.accessed(model.key, self.clock())
-            if uuid is not None:
-                self.gpu.policies[uuid].accessed(model.key, self.clock())
-            self.reply(ident, self._open_reply(msg.req_id, lease.lease_id, model, hit, tier))
+            lease = self.registry.grant(client, model, self.wall(), residency.id)
+            residency.lease(model)
+            self.reply(ident, self._open_reply(msg.req_id, lease.lease_id, model, hit, residency.tier))
 
-        if tier is None:
-            hit = self.cache.when_resident(model, answer, deadline)
-        else:
-            hit = self.gpu.when_on_device(model, tier, answer, deadline)
-        model.hits += hit
-        model.misses += not hit
+        hit = residency.when_resident(model, answer, deadline)
+        model.opened(hit)
         self.counters["hits" if hit else "misses"] += 1
         return None
 
-    def _open_reply(self, req_id: int, lease_id: str, model: ModelRecord, hit: bool, tier=None) -> P.OpenReply:
+    def _open_reply(self, req_id: int, lease_id: str, model: ModelRecord, hit: bool, tier) -> P.OpenReply:
         m = model.manifest
         io = m.io_summary()
-        if tier is None:
-            skeleton, segments, tensors_ = self.host.export(model.key, m)
-            where = {"skeleton_path": skeleton, "segments": segments, "tensors": tensors_,
-                     "prepacked": sorted(self.host.prepacked_tensors(model.key))}
-        else:
-            where = self.gpu.open_fields(model, tier)
         reply = P.OpenReply(req_id=req_id, lease_id=lease_id, name=model.name, version=model.version,
                             inputs=io["inputs"], outputs=io["outputs"], weights_bytes=m.weights_bytes, hit=hit,
-                            **where)
-        if tier is not None:
-            reply.passed_fds = self.gpu.passed_fds(model, tier)   # (not a field: the lane sends them, server._reply)
+                            **tier.export(model.key, m))
+        reply.passed_fds = tier.lease_fds(model.key)   # (not a field: the lane sends them, server._reply)
         return reply
 
     def on_Close(self, ident, msg: P.Close):
         client = self.touch(msg.client_id, ident)
         lease = self.registry.release(msg.lease_id, client.client_id)
-        self.cache.after_release(lease.model, lease.device)
+        self.residency_of(lease.tier).release(lease.model)
         self.counters["closes"] += 1
         return P.Ack(req_id=msg.req_id)
 

@@ -1,14 +1,15 @@
 """Eviction policies: pure objects that choose victims; the tier frees them.
 
 The cache tells a policy what happens to each resident model (created, accessed,
-released, removed) with the time passed in; the policy answers `choose_victims`.
-No clocks, sockets or files here: tests step them by hand.
+released, removed) as it happens, and the policy reads the time from the clock it was
+given; it answers `choose_victims`. No sockets or files here, and no clock of its own:
+tests and replays step them with an injected one.
 
 A model the cache must not evict (in use, loading, pinned) is simply not among the
 candidates it passes to `choose_victims`.
 
 Timed policies (`keepalive`, `hybrid`, `hybrid-sized`: timed.py, hybrid.py) also keep deadlines: the tier asks
-`next_deadline()`, and when it passes, `due(now)` says which models to unload or pre-warm.
+`next_deadline()`, and when it passes, `due()` says which models to unload or pre-warm.
 """
 
 from __future__ import annotations
@@ -51,20 +52,20 @@ class GDSF(EvictionPolicy):
     """
     name = "gdsf"
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, clock):
+        super().__init__(clock)
         self.inflation = 0.0
 
     def _refresh(self, key: str) -> None:
         e = self.entries[key]
         e.priority = self.inflation + max(e.accesses, 1) / max(e.size / 2**20, 1e-6)
 
-    def created(self, key, size, now):
-        super().created(key, size, now)
+    def created(self, key, size):
+        super().created(key, size)
         self._refresh(key)
 
-    def accessed(self, key, now):
-        super().accessed(key, now)
+    def accessed(self, key):
+        super().accessed(key)
         if key in self.entries:
             self._refresh(key)
 
@@ -94,18 +95,19 @@ class Eager(LRU):
 POLICIES = {cls.name: cls for cls in (LRU, LFU, FIFO, GDSF, Never, Eager, KeepAlive, Hybrid, SizedHybrid)}
 
 
-def make_policy(name: str, time_scale: float = 1.0, keep_alive_s: float | None = None) -> EvictionPolicy:
-    """The policy called `name`; a timed one's windows (minutes of a trace) are multiplied by `time_scale`
-    (1/60 when a replay compresses an hour into a minute), and its fixed keep-alive (keepalive's window,
-    hybrid's fallback) is `keep_alive_s` before scaling (None: the class's default, 10 minutes)."""
+def make_policy(name: str, clock, keep_alive_s: float | None = None, **options) -> EvictionPolicy:
+    """The policy called `name`, on `clock`; a timed one's fixed keep-alive (keepalive's window, hybrid's
+    fallback) is `keep_alive_s` (None: the class's default, 10 minutes), and `options` its other windows
+    (hybrid's `unit_minutes`, ...: a replay that compresses trace time shrinks them with it)."""
     try:
         cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(POLICIES)}") from None
     if not cls.timed:
-        return cls()
-    options = {} if keep_alive_s is None else {cls.keep_alive_param: keep_alive_s / MINUTE_S}
-    return cls(time_scale=time_scale, **options)
+        return cls(clock)
+    if keep_alive_s is not None:
+        options[cls.keep_alive_param] = keep_alive_s / MINUTE_S
+    return cls(clock, **options)
 
 
 __all__ = ["Action", "Entry", "EvictionPolicy", "TimedPolicy", "LRU", "LFU", "FIFO", "GDSF", "Never", "Eager",

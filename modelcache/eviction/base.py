@@ -26,28 +26,34 @@ class Action:
 class EvictionPolicy:
     """Base: bookkeeping shared by all policies; subclasses say how victims are ordered.
 
+    `clock` is the tier's (its residency manager's): the daemon's monotonic clock, a test's fake one, or a
+    replay's virtual one, which a replay drives as fast as it likes. A policy reads it when it is told
+    something; it never sleeps on it.
+
     The timer interface (`next_deadline`, `due`, `keep_alive_until`, `predicted_next_call`) is here so a
     tier drives every policy alike; a policy without timers answers "nothing, never".
     """
 
     name = "base"
     evict_on_release = False   # eager: free a model as soon as its last client closes it
-    timed = False              # keeps deadlines: built with a time scale (`make_policy`)
+    timed = False              # keeps deadlines (timed.py)
 
-    def __init__(self):
+    def __init__(self, clock):
+        self.clock = clock
         self.entries: dict[str, Entry] = {}
 
-    # -- what the cache tells the policy ----------------------------------------------
-    def created(self, key: str, size: int, now: float) -> None:
+    # -- what the cache tells the policy, as it happens ----------------------------------
+    def created(self, key: str, size: int) -> None:
+        now = self.clock()
         self.entries[key] = Entry(size=size, created=now, last_access=now)
 
-    def accessed(self, key: str, now: float) -> None:
+    def accessed(self, key: str) -> None:
         e = self.entries.get(key)
         if e is not None:
             e.accesses += 1
-            e.last_access = now
+            e.last_access = self.clock()
 
-    def released(self, key: str, now: float) -> None:
+    def released(self, key: str) -> None:
         """The last lease on `key` closed."""
 
     def removed(self, key: str) -> None:
@@ -73,8 +79,8 @@ class EvictionPolicy:
         """When `due` will next have something to say; None: no timer pending."""
         return None
 
-    def due(self, now: float) -> list[Action]:
-        """The actions whose time has come by `now`, each once, in deadline order."""
+    def due(self) -> list[Action]:
+        """The actions whose time has come by now, each once, in deadline order."""
         return []
 
     def prewarm_victims(self, key: str, bytes_needed: int, candidates: dict[str, int]) -> list[str]:

@@ -101,7 +101,7 @@ class IdleTimes:
 class Hybrid(TimedPolicy):
     """Keep-alive and pre-warm windows learned per model from its idle times (module docstring).
 
-    Parameters in trace minutes, scaled by `time_scale`: bins of `unit_minutes` up to `range_minutes`
+    Parameters in minutes of the clock's time: bins of `unit_minutes` up to `range_minutes`
     (the paper's 1 minute and 4 hours), head and tail percentiles (5, 99), `margin` (10 %, the paper's),
     representative when at least `min_samples` idle times, at most `max_out_of_bounds` of them beyond
     the range and the CV above `cv_threshold`; otherwise `fallback_minutes` of fixed keep-alive.
@@ -111,16 +111,16 @@ class Hybrid(TimedPolicy):
     name = "hybrid"
     keep_alive_param = "fallback_minutes"   # what make_policy's keep_alive_s sets
 
-    def __init__(self, time_scale: float = 1.0, *, unit_minutes: float = 1.0, range_minutes: float = 240.0,
+    def __init__(self, clock, *, unit_minutes: float = 1.0, range_minutes: float = 240.0,
                  head_pct: float = 5.0, tail_pct: float = 99.0, margin: float = 0.10, min_samples: int = 5,
                  max_out_of_bounds: float = 0.5, cv_threshold: float = 2.0, fallback_minutes: float = 10.0,
                  concentrated_bins: int = 2, min_concentrated_samples: int = 3):
-        super().__init__(time_scale)
-        self.unit_s = unit_minutes * MINUTE_S * time_scale
+        super().__init__(clock)
+        self.unit_s = unit_minutes * MINUTE_S
         self.bins = max(1, round(range_minutes / unit_minutes))
         self.head_pct, self.tail_pct, self.margin = head_pct, tail_pct, margin
         self.min_samples, self.max_out_of_bounds, self.cv_threshold = min_samples, max_out_of_bounds, cv_threshold
-        self.fallback_s = fallback_minutes * MINUTE_S * time_scale
+        self.fallback_s = fallback_minutes * MINUTE_S
         self.concentrated_s = concentrated_bins * self.unit_s
         self.min_concentrated_samples = min_concentrated_samples
         self.idle: dict[str, IdleTimes] = {}
@@ -214,7 +214,7 @@ class Hybrid(TimedPolicy):
         called every second, idle for two: GDSF's frequency, which is why GDSF beat LRU's order under
         pressure) — within its keep-alive window no later than the window's end. (The one-minute bins
         are too coarse for the seconds between a busy model's calls: the residual was worse there.)"""
-        age, last = super().time_to_next_call(key), self.last_call.get(key)
+        age, last, now = super().time_to_next_call(key), self.last_call.get(key), self.clock()
         if last is None:
             return age
         n = self._calls[key]
@@ -224,11 +224,11 @@ class Hybrid(TimedPolicy):
             return expected
         keep_until = last + self._keep_s[key] * (1 + self.margin)
         if self.prewarms(w):
-            if self.now < last + w[0] * (1 - self.margin):
-                return last + w[0] - self.now
-            residual = self.idle[key].mean_residual_s(age) if self.now < keep_until else None
+            if now < last + w[0] * (1 - self.margin):
+                return last + w[0] - now
+            residual = self.idle[key].mean_residual_s(age) if now < keep_until else None
             return expected if residual is None else residual
-        return min(keep_until - self.now, expected) if self.now < keep_until else expected
+        return min(keep_until - now, expected) if now < keep_until else expected
 
     def order(self, keys):
         """The most bytes held longest first: expected time to the next call x size (Belady's order made
@@ -251,15 +251,15 @@ class SizedHybrid(Hybrid):
 
     name = "hybrid-sized"
 
-    def __init__(self, time_scale: float = 1.0, **options):
-        super().__init__(time_scale, **options)
+    def __init__(self, clock, **options):
+        super().__init__(clock, **options)
         self._sizes: dict[str, int] = {}       # every model's size as last loaded (the exchange rate's mean)
         self._size_total = 0
 
-    def created(self, key, size, now):
+    def created(self, key, size):
         self._size_total += size - self._sizes.get(key, 0)
         self._sizes[key] = size
-        super().created(key, size, now)
+        super().created(key, size)
 
     def cold_start_value_s(self, key: str) -> float:
         """What one cold start is worth, in seconds of holding `key`: the fixed keep-alive holds a model

@@ -2,16 +2,16 @@
 and pre-warmed again before the next call is expected. The fixed keep-alive (`keepalive`) lives here;
 the learned one is hybrid.py.
 
-The tier drives the timers (its owner loop, with its clock):
+The tier drives the timers (its owner loop; the policy reads the tier's clock, given at construction):
 
     t = policy.next_deadline()          # None: nothing pending; sleep until t (or the next message)
-    for action in policy.due(now):       # each action once, in deadline order
+    for action in policy.due():          # each action once, in deadline order
         "unload"  -> free action.key if nothing holds it and it is not pinned (the tier checks)
         "prewarm" -> promote action.key if it is on disk and there is room, making room only from
                      prewarm_victims(key, bytes, candidates) (a pre-warm never displaces demand)
 
 Calls are `accessed` (an open's lease granted, a serve request). A model in use is never unloaded: a
-window that ends while it is busy ends at its `released` instead (due(now) then says "unload").
+window that ends while it is busy ends at its `released` instead (due() then says "unload").
 """
 
 from __future__ import annotations
@@ -30,10 +30,8 @@ class TimedPolicy(EvictionPolicy):
 
     timed = True
 
-    def __init__(self, time_scale: float = 1.0):
-        super().__init__()
-        self.time_scale = time_scale
-        self.now = -math.inf                    # the latest time the tier told us: order() has no `now`
+    def __init__(self, clock):
+        super().__init__(clock)
         self.last_call: dict[str, float] = {}   # survives eviction: the history is the model's, not the copy's
         self.busy: set[str] = set()             # accessed and not yet released
         self.unload_at: dict[str, float] = {}
@@ -50,18 +48,15 @@ class TimedPolicy(EvictionPolicy):
         raise NotImplementedError
 
     # -- what the cache tells the policy -------------------------------------------------------
-    def _tell(self, now: float) -> None:
-        self.now = max(self.now, now)
-
-    def created(self, key, size, now):
-        super().created(key, size, now)
-        self._tell(now)
+    def created(self, key, size):
+        super().created(key, size)
+        now = self.clock()
         if self.unload_at.get(key, -math.inf) < now:   # not a pre-warm's: a load nobody planned
             self._schedule_unload(key, now + self.idle_keep_s())
 
-    def accessed(self, key, now):
-        super().accessed(key, now)
-        self._tell(now)
+    def accessed(self, key):
+        super().accessed(key)
+        now = self.clock()
         self.busy.add(key)
         self.observe_call(key, now)
         self.last_call[key] = now
@@ -77,8 +72,8 @@ class TimedPolicy(EvictionPolicy):
             self.keep_after_prewarm[key] = now + keep_s
             self._push(now + prewarm_s, "prewarm", key)
 
-    def released(self, key, now):
-        self._tell(now)
+    def released(self, key):
+        now = self.clock()
         self.busy.discard(key)
         if self.unload_at.get(key, math.inf) <= now:   # its window ended while it was in use
             self._schedule_unload(key, now)
@@ -123,8 +118,8 @@ class TimedPolicy(EvictionPolicy):
             heapq.heappop(self._heap)   # superseded by a later plan
         return None
 
-    def due(self, now):
-        self._tell(now)
+    def due(self):
+        now = self.clock()
         actions = []
         while self._heap and self._heap[0][0] <= now:
             t, seq, kind, key = heapq.heappop(self._heap)
@@ -148,7 +143,7 @@ class TimedPolicy(EvictionPolicy):
         """Seconds from now to `key`'s next call as the policy expects it; here as long again as it has been
         idle (the guess that makes LRU work)."""
         last = self.last_call.get(key)
-        return max(0.0, self.now - (last if last is not None else self.entries[key].last_access))
+        return max(0.0, self.clock() - (last if last is not None else self.entries[key].last_access))
 
     def order(self, keys):
         """The furthest expected next call first (here: least recently used first)."""
@@ -168,9 +163,9 @@ class KeepAlive(TimedPolicy):
     name = "keepalive"
     keep_alive_param = "keep_minutes"   # what make_policy's keep_alive_s sets
 
-    def __init__(self, time_scale: float = 1.0, keep_minutes: float = 10.0):
-        super().__init__(time_scale)
-        self.keep_s = keep_minutes * MINUTE_S * time_scale
+    def __init__(self, clock, keep_minutes: float = 10.0):
+        super().__init__(clock)
+        self.keep_s = keep_minutes * MINUTE_S
 
     def plan(self, key, now):
         return None, self.keep_s

@@ -224,7 +224,7 @@ def partition(model_dir: Path, stages: int | None = None, tail_fraction: float |
     """
     import onnxruntime as ort
     from ..session_options import attach_session_options
-    from ..zoo import sample_inputs
+    from ..tensors import random_feeds
 
     if plan is None:
         check_request(stages, tail_fraction)
@@ -252,7 +252,7 @@ def partition(model_dir: Path, stages: int | None = None, tail_fraction: float |
         gpu = False
         log.warning("%s: no %d places where the CPU and GPU graphs both cut at one tensor; its stages run on "
                     "CPU workers only", model_dir, 1 if tail_fraction is not None else stages - 1)
-    feeds = feeds or sample_inputs(str(skeleton))
+    feeds = feeds or random_feeds(manifest.io_summary()["inputs"])   # (the model's declared inputs)
     costs = profile_node_costs(skeleton, feeds)
     cum, acc = [], 0.0
     for n in nodes:

@@ -89,12 +89,6 @@ def load_plan(path: str | Path) -> dict:
     return data
 
 
-def plan_from_json(data: dict) -> Plan:
-    stages = [Stage(s["start"], s["end"], tuple(s["workers"]), tuple(s["split"])) for s in data["stages"]]
-    return Plan(stages, data["batch"], data.get("model", ""), data.get("system", ""), data.get("objective", "latency"),
-                data.get("method", ""), data.get("latency_s"), data.get("throughput_per_s"))
-
-
 def even_split(batch: int, k: int) -> tuple:
     return tuple(batch // k + (1 if i < batch % k else 0) for i in range(k))
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
-import statistics
 from dataclasses import dataclass, field
 
 from .plan import Plan, PlanCost, rows_moved
@@ -77,9 +76,6 @@ class SimResult:
     def percentile_s(self, q: float) -> float:
         lat = sorted(self.latencies_s)
         return lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan")
-
-    def mean_s(self) -> float:
-        return statistics.fmean(self.latencies_s) if self.latencies_s else float("nan")
 
 
 def poisson_arrivals(rate_per_s: float, count: int, seed: int = 0, start: float = 0.0) -> list:

@@ -54,13 +54,6 @@ class SplitSearch:
             s = self._cache[key] = Stage(i, j, tuple(w for w, _ in active), tuple(b for _, b in active))
         return s
 
-    def water_fill(self, i: int, j: int, workers: tuple) -> tuple:
-        split = [0] * len(workers)
-        for _ in range(self.cost.batch):
-            k = min(range(len(workers)), key=lambda k: (self.cost.worker_s(workers[k], i, j, split[k] + 1), k))
-            split[k] += 1
-        return tuple(split)
-
     def best_split(self, i: int, j: int, workers: tuple) -> tuple:
         """Rows per worker. Workers of one kind are interchangeable, and for equal workers the slowest is
         fastest when their rows are balanced; so the search is over rows per kind, each kind's rows spread

@@ -85,10 +85,6 @@ class System:
     # run times; on "1,1" the less busy worker absorbed it.
     serving_on_worker_cores: bool = False
 
-    @property
-    def memory_nodes(self) -> list[str]:
-        return list(dict.fromkeys([HOST, *(w.memory_node for w in self.workers)]))
-
     def groups(self) -> list[list[int]]:
         """Worker indices by group, in order of first appearance; ungrouped workers form one group each."""
         by_group: dict[str, list[int]] = {}

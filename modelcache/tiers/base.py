@@ -1,12 +1,13 @@
-"""The contract every memory tier keeps (host shared memory, each GPU): what the caches ask of a tier.
+"""The contract every memory tier keeps (host shared memory, each GPU): what a tier's residency manager
+(daemon/residency.py) asks of it. tests/test_tier_contract.py runs one suite against both, unadapted.
 
-A promotion is two-phase, as in ServerlessLLM's store: `plan` (owner loop: decides where each tensor
-lives, dedups against what is resident, reserves the bytes) -> `write` (a loader thread: allocates
-and copies) -> `commit` or `abort` (owner loop). A tier frees only when told to (`free_model`): the
-caches decide when, after the model's record said nothing holds that copy (daemon/registry.py).
-Shared tensors are stored once; a region is freed when the last model using it goes. What a plan
-starts from differs by tier (the host tier reads the repository, a GPU tier the host tier), so
-`plan` is each tier's own; tests/test_tier_contract.py runs one suite against both.
+Each tier is given, at construction, the tier it is promoted from (`source`: the repository for the
+host tier, the host tier for a GPU). A promotion is two-phase, as in ServerlessLLM's store: `plan`
+(owner loop: decides where each tensor lives, dedups against what is resident, reserves the bytes) ->
+`write` (a loader thread: allocates and copies from the source) -> `commit` or `abort` (owner loop).
+A tier frees only when told to (`free_model`): the residency manager decides when, after the copy's
+record said nothing holds it (daemon/registry.py). Shared tensors are stored once; a region is freed
+when the last model using it goes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from typing import Protocol
 
 class Tier(Protocol):
     name: str                       # "host" or "gpu"
+    id: str                         # its copies' key in a model's record: "host", or the GPU's UUID
+    where: str                      # for messages: "the host tier", "the GPU tier of GPU 0"
+    capacity_setting: str           # the setting that sizes it: host_capacity, gpu_capacity
     capacity_bytes: int
 
     @property
@@ -28,8 +32,17 @@ class Tier(Protocol):
     def model_bytes(self, key: str) -> int:
         """Bytes of the regions a model uses (shared ones counted in full)."""
 
+    def check_model(self, key: str, manifest) -> None:
+        """Raise ModelCacheError when the model can never be in this tier (a GPU's: no GPU variant)."""
+
+    def tensors_of(self, manifest) -> list:
+        """The tensors of a model a lease on its copy here maps (this tier's variant of it)."""
+
+    def plan(self, key: str, manifest):
+        """Place the model's tensors and reserve their bytes; returns a plan (`plan.bytes`: what it places)."""
+
     def write(self, plan) -> float:
-        """Allocate and copy what `plan` says; a loader thread; returns seconds."""
+        """Allocate and copy what `plan` says from the source; a loader thread; returns seconds."""
 
     def commit(self, plan) -> None:
         """The model is resident: its tensors may be exported."""
@@ -39,3 +52,12 @@ class Tier(Protocol):
 
     def free_model(self, key: str) -> int:
         """Drop a resident model; returns the bytes freed (shared regions free with their last user)."""
+
+    def export(self, key: str, manifest) -> dict:
+        """What a lease on a resident model's copy maps, as the open reply's fields (protocol.OpenReply)."""
+
+    def lease_fds(self, key: str) -> list[int]:
+        """The descriptors a lease's reply carries (a GPU's allocations under read-only sharing; else none)."""
+
+    def describe(self) -> dict:
+        """The tier as `status` lists it (its kind, where it lives), beside its accounting."""

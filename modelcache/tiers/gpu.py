@@ -46,8 +46,9 @@ from typing import Protocol
 
 from ..config import GPU_SHARING, parse_fake_gpus
 from ..cuda import (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
-                    CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, DeviceError, fake_uuid, vmm_token)
-from ..errors import CapacityError
+                    CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, VMM_KINDS, DeviceError, fake_uuid,
+                    vmm_token)
+from ..errors import CapacityError, ModelCacheError
 from .files import copy_range
 
 log = logging.getLogger("modelcache.gpu")
@@ -726,15 +727,25 @@ class DevicePlan:
     copied_bytes: int = 0
     copy_s: float = 0.0
 
+    @property
+    def bytes(self) -> int:
+        """What the plan places on the device (reserved until commit or abort)."""
+        return self.arena_bytes
+
 
 class DeviceTier:
-    """Model weights on one device; same contract as HostTier (plan → write → commit/abort, free_model, export)."""
+    """Model weights on one device; same contract as HostTier (plan → write → commit/abort, free_model, export).
+    `source`: the host tier, which a copy here is promoted from (the GPU variant of its resident models)."""
 
     name = "gpu"
+    capacity_setting = "gpu_capacity"
 
-    def __init__(self, allocator: DeviceAllocator, capacity_bytes: int):
+    def __init__(self, allocator: DeviceAllocator, capacity_bytes: int, source=None):
+        self.source = source
         self.allocator = allocator
         self.device = allocator.device
+        self.id = self.device.uuid          # its copies' key in a model's record
+        self.where = f"the GPU tier of GPU {self.device.index}"
         self.capacity_bytes = min(capacity_bytes, self.device.total_bytes)
         self.arenas: dict[str, Arena] = {}
         self.index: dict[str, tuple[str, int]] = {}     # sha256 -> (arena, offset)
@@ -763,8 +774,31 @@ class DeviceTier:
         """Bytes of the arenas a model uses (shared ones counted in full)."""
         return sum(a.size for a in self.arenas.values() if key in a.users)
 
+    def tensors_of(self, manifest) -> list:
+        """The tensors of a model a lease here maps: its GPU variant's."""
+        return manifest.gpu_tensors
+
+    def check_model(self, key: str, manifest) -> None:
+        """Raise when the model can never be on a GPU (packed without a GPU variant)."""
+        if not manifest.gpu_tensors:
+            raise ModelCacheError(f"{key} was packed without a GPU variant (by an older modelcache); "
+                                  f"add it again to open it on a GPU")
+
+    def describe(self) -> dict:
+        return {"tier": "gpu", "device": self.device.uuid, "index": self.device.index, "name": self.device.name,
+                "kind": self.allocator.kind,
+                "sharing": self.allocator.sharing,            # as clients get it: ipc or vmm-read-only
+                "sharing_note": self.allocator.sharing_note,  # why not as set ("" when it is)
+                "promotion_bytes_per_s": self.promotion_bytes_per_s}   # of the last host -> GPU copy
+
     # -- promotion: plan (owner) -> write (loader) -> commit or abort (owner) -------------
-    def plan(self, key: str, tensors: list, host_locations: dict) -> DevicePlan:
+    def plan(self, key: str, manifest) -> DevicePlan:
+        """`plan_tensors` of the model's GPU variant, read from its copy in the host tier (`source`)."""
+        if not self.source.has_variant(key, "gpu"):
+            raise ModelCacheError(f"{key}: its GPU weights are not in the host tier")
+        return self.plan_tensors(key, manifest.gpu_tensors, self.source.file_locations(key, "gpu"))
+
+    def plan_tensors(self, key: str, tensors: list, host_locations: dict) -> DevicePlan:
         """Decide where each tensor will live on the device and reserve the new arena's bytes.
 
         `host_locations`: tensor name -> (host segment path, offset) of its resident host copy.
@@ -876,7 +910,22 @@ class DeviceTier:
         self.allocator.close()
 
     # -- what clients get ------------------------------------------------------------------
-    def export(self, key: str) -> tuple[list[bytes], list[list]]:
+    def export(self, key: str, manifest) -> dict:
+        """What a lease on this copy maps, as OpenReply's fields: the GPU skeleton (in the host tier), the
+        arenas' IPC handles, each tensor's place."""
+        handles, tensors = self.handles(key)
+        fields = {"skeleton_path": str(self.source.skeleton_path(key, "gpu")), "segments": [], "tensors": tensors,
+                  "device_uuid": self.device.uuid, "ipc_kind": self.allocator.kind, "ipc_handles": handles}
+        if self.allocator.kind in VMM_KINDS:
+            fields["ipc_fds"] = len(handles)
+        return fields
+
+    def lease_fds(self, key: str) -> list[int]:
+        """The descriptors a lease's reply carries, in handle order: the allocations', under read-only sharing
+        (the fd-shared kinds); else none. Still the allocator's: the lane passes copies."""
+        return self.export_fds(key) if self.allocator.kind in VMM_KINDS else []
+
+    def handles(self, key: str) -> tuple[list[bytes], list[list]]:
         """(handles of the arenas the model uses, [name, dtype, shape, handle index, offset, nbytes] per tensor)."""
         locations = self.models[key]
         arenas = self._arenas_of(key)

@@ -39,7 +39,7 @@ from pathlib import Path
 from .files import copy_hashed, copy_range
 from .. import integrity, prepack
 from ..format import ALIGN, GPU_SKELETON_FILE, PREPACKED_FILE, SKELETON_FILE, WEIGHTS_FILE, Manifest
-from ..storage import remove_tree, write_atomic
+from ..storage import remove_tree, storage_errors, write_atomic
 
 log = logging.getLogger("modelcache.host")
 PREFIX = "modelcache."
@@ -115,11 +115,23 @@ class Plan:
     prepacked: dict = field(default_factory=dict)     # tensor name -> [[key, [[segment offset, nbytes], ...]], ...]
     units: dict = field(default_factory=dict)         # new prepack.unit_key -> (segment, weight offset, packs)
 
+    @property
+    def bytes(self) -> int:
+        """What the plan places in the tier (reserved until commit or abort)."""
+        return self.segment_bytes
+
 
 class HostTier:
     name = "host"
+    id = "host"                         # its copies' key in a model's record (registry.HOST)
+    where = "the host tier"
+    capacity_setting = "host_capacity"
 
-    def __init__(self, shm_dir: str | Path, capacity_bytes: int, owner: str = "", verify: bool = True):
+    def __init__(self, shm_dir: str | Path, capacity_bytes: int, owner: str = "", verify: bool = True,
+                 source=None):
+        self.source = source              # tiers.disk.Repository: where promotions read a version's files
+        # Whether promotions copy a model's GPU variant too (a daemon with a GPU tier promotes from here).
+        self.gpu_variant = False
         self.capacity_bytes = capacity_bytes
         self.owner = owner                              # the daemon's socket: names the tier's instance
         self.verify = verify      # check checksums while promoting (off only to measure what checking costs)
@@ -200,9 +212,35 @@ class HostTier:
                 self._next_segment = max(self._next_segment, segment_number(seg_name) + 1)
         self.models[key] = locations
 
+    def variants(self, manifest: Manifest) -> tuple:
+        """What a promotion copies: the CPU weights, and the GPU ones when there is a GPU tier."""
+        return ("cpu", "gpu") if self.gpu_variant and manifest.gpu_tensors else ("cpu",)
+
+    def estimate_bytes(self, manifest: Manifest) -> int:
+        """About what a promotion would place, before planning it: its distinct tensors of the variants copied,
+        and pre-packed blobs (less what it shares with resident models, more the tensors' alignment)."""
+        distinct = {t.sha256: t.nbytes for v in self.variants(manifest) for t in variant_tensors(manifest, v)}
+        return sum(distinct.values()) + manifest.files.get(PREPACKED_FILE, {}).get("bytes", 0)
+
+    def tensors_of(self, manifest: Manifest) -> list:
+        """The tensors of a model a lease here maps: its CPU variant's."""
+        return manifest.tensors
+
+    def check_model(self, key: str, manifest: Manifest) -> None:
+        """Every packed model can be in the host tier."""
+
+    def describe(self) -> dict:
+        return {"tier": "host", "path": str(self.root)}
+
     # -- promotion: plan (owner) -> write (loader) -> commit or abort (owner) -------------
-    def plan(self, key: str, disk_dir: Path, manifest: Manifest, variants: tuple = ("cpu",)) -> Plan:
-        """Decide where each tensor of each variant will live and reserve the new segment's bytes."""
+    def plan(self, key: str, manifest: Manifest) -> Plan:
+        """Decide where each tensor of each variant will live and reserve the new segment's bytes; the
+        files are the repository's copy of the version (`source`)."""
+        return self.plan_from(key, self.source.model_dir(manifest.name, manifest.version), manifest,
+                              self.variants(manifest))
+
+    def plan_from(self, key: str, disk_dir: Path, manifest: Manifest, variants: tuple = ("cpu",)) -> Plan:
+        """`plan` of the version in `disk_dir`, of the `variants` given."""
         locations, copies, offset = {}, [], 0
         fresh: dict[str, int] = {}                  # sha -> offset in the new segment
         segment = f"seg-{self._next_segment}.bin"
@@ -254,7 +292,12 @@ class HostTier:
         return Plan(key, disk_dir, manifest, locations, copies, segment, offset, blob_copies, prepacked, units)
 
     def write(self, plan: Plan) -> float:
-        """Copy the plan's new tensors from disk into shared memory and write the skeleton. Loader thread."""
+        """Copy the plan's new tensors from disk into shared memory and write the skeleton. Loader thread;
+        a full or read-only /dev/shm raises StorageError saying so."""
+        with storage_errors(f"promoting {plan.key} to the host tier", self.root):
+            return self._write(plan)
+
+    def _write(self, plan: Plan) -> float:
         t0 = time.perf_counter()
         verify = self.verify and bool(plan.manifest.checksum)
         if not plan.manifest.checksum:
@@ -370,7 +413,18 @@ class HostTier:
         return freed
 
     # -- what clients get ------------------------------------------------------------------
-    def export(self, key: str, manifest: Manifest, variant: str = "cpu") -> tuple[str, list[str], list[list]]:
+    def export(self, key: str, manifest: Manifest) -> dict:
+        """What a lease on the host copy maps, as OpenReply's fields: the skeleton, the segments, each tensor's
+        place, and the tensors whose pre-packed blobs ORT maps from the skeleton."""
+        skeleton, segments, tensors = self.layout(key, manifest)
+        return {"skeleton_path": skeleton, "segments": segments, "tensors": tensors,
+                "prepacked": sorted(self.prepacked_tensors(key))}
+
+    def lease_fds(self, key: str) -> list[int]:
+        """No descriptors travel with a host lease: the client opens the segments by path."""
+        return []
+
+    def layout(self, key: str, manifest: Manifest, variant: str = "cpu") -> tuple[str, list[str], list[list]]:
         """(skeleton path, segment paths, [name, dtype, shape, segment index, offset, nbytes] per tensor)."""
         locations = self.models[key][variant]
         segments = sorted({seg for seg, _ in locations.values()})

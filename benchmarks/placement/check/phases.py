@@ -31,7 +31,7 @@ from pathlib import Path
 def main(argv=None) -> int:
     from modelcache import zoo
     from benchmarks.placement.check import cpuload
-    from modelcache.bench.common import managed_daemon
+    from modelcache.measure import managed_daemon
     from benchmarks.placement.check.run import OVERLOAD, balanced_plan, open_loop
     from modelcache.client.connection import connect
     from modelcache.placement.machine import cost_table, describe_machine

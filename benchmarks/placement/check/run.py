@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 
 from benchmarks.placement.check import cpuload
-from modelcache.bench.common import managed_daemon, save_results
+from modelcache.measure import managed_daemon, save_results
 
 OVERLOAD = 1.5
 

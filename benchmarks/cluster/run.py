@@ -1,6 +1,6 @@
 """Cluster benchmark: locality-aware multiplexed routing against Ray Serve's default routing (issue #19).
 
-    modelcache bench cluster [--models 12] [--requests 600] [--zipf 1.0] [--rate 8] [--repeats 3]
+    python benchmarks/cluster/run.py [--models 12] [--requests 600] [--zipf 1.0] [--rate 8] [--repeats 3]
                              [--seed 0] [--modes locality default serve-multiplexed] [--out benchmarks/cluster]
 
 A FaaS-style trace: model popularity Zipf over ranks (popularity of rank r ∝ 1/r^s, ranks shuffled against the
@@ -43,8 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import save_results, summary
-from ..usage import Parser
+from modelcache.measure import save_results, summary
+from modelcache.usage import Parser
 
 MODES = {  # mode -> (router, multiplexed)
     "locality": ("locality", True),
@@ -82,7 +82,7 @@ def embed_model(name: str, table_bytes: int, seed: int):
     """Gather IDS rows of a float32 (rows, EMBED_DIM) table, then sum them: open cost ~ bytes, run cost ~ 0."""
     from onnx import TensorProto, helper
 
-    from ..zoo import GraphBuilder
+    from modelcache.zoo import GraphBuilder
     g = GraphBuilder(name, seed)
     rows = max(IDS, table_bytes // (4 * EMBED_DIM))
     table = g.const("table", g.rng.standard_normal((rows, EMBED_DIM), dtype=np.float32))
@@ -99,9 +99,9 @@ def model_sizes(n: int, lo_mb: float = 8, hi_mb: float = 48) -> list:
 
 def build_store(store: Path, n: int, seed: int) -> dict:
     """Pack n embedding models into `store` and publish it; returns name -> weight bytes (as the store lists)."""
-    from .. import zoo
-    from ..packing import pack
-    from ..tiers.remote import publish
+    from modelcache import zoo
+    from modelcache.packing import pack
+    from modelcache.tiers.remote import publish
     store.mkdir(parents=True, exist_ok=True)
     src_dir = store.parent / "src"
     src_dir.mkdir(exist_ok=True)
@@ -121,7 +121,7 @@ def build_store(store: Path, n: int, seed: int) -> dict:
 def run_mode(mode: str, schedule: list, warmup: int, store: Path, work: Path, host_capacity: int) -> dict:
     from ray import serve
 
-    from ..cluster import local, rayserve
+    from modelcache.cluster import local, rayserve
     router, multiplexed = MODES[mode]
     work.mkdir(parents=True)
 
@@ -244,7 +244,7 @@ def report(data: dict, f=sys.stdout) -> None:
 
 
 def main(argv=None) -> int:
-    ap = Parser(prog="modelcache bench cluster", description=__doc__,
+    ap = Parser(prog="python benchmarks/cluster/run.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", type=int, default=12, help="embedding models, 8 to 48 MB (at least 12)")
     ap.add_argument("--requests", type=int, default=600, help="requests in the trace, warm-up included")
@@ -265,7 +265,7 @@ def main(argv=None) -> int:
 
     import os
 
-    from ..cluster import local
+    from modelcache.cluster import local
 
     tmp = Path(tempfile.mkdtemp(prefix="modelcache-cluster-"))
     runs = []
@@ -312,7 +312,7 @@ def main(argv=None) -> int:
     data = collect()
     print()
     report(data)
-    save_results(args.out, "cluster", argv, data, report)
+    save_results(args.out, "cluster", argv, data, report, command="python benchmarks/cluster/run.py")
     return 0
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import random
 
-from .trace import FunctionCounts
+from benchmarks.faas.trace import FunctionCounts
 
 PERIODS_MIN = (1, 2, 5, 10, 15, 30, 60, 120)
 

@@ -1,9 +1,9 @@
 """The README's tables from sweep folders: per trace, cold starts and memory-time of every policy at every
 capacity, each learned policy against the baselines' front, time to first result p99, and the targets.
 
-    python -m modelcache.faas.summary benchmarks/faas/synthetic-6h benchmarks/faas/synthetic-24h ...
+    python -m benchmarks.faas.summary benchmarks/faas/synthetic-6h benchmarks/faas/synthetic-24h ...
 
-It reads each folder's results.json (written by `python -m modelcache.faas.sweep --out DIR`) and prints
+It reads each folder's results.json (written by `python -m benchmarks.faas.sweep --out DIR`) and prints
 Markdown: what benchmarks/faas/README.md shows is what this prints, not figures copied by hand.
 """
 
@@ -13,8 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from ..usage import Parser
-from .sweep import ratio_text, verdict_line
+from modelcache.usage import Parser
+from benchmarks.faas.sweep import ratio_text, verdict_line
 
 
 def _k(gib_s: float) -> str:
@@ -56,7 +56,7 @@ def summarize(results: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = Parser(prog="python -m modelcache.faas.summary", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="python -m benchmarks.faas.summary", description=__doc__.split("\n\n")[0])
     ap.add_argument("folders", nargs="+", help="sweep output folders (each with results.json)")
     args = ap.parse_args(argv)
     sections = []
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
             results = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             ap.error(f"{path}: cannot read a sweep's results ({e}); make one with "
-                     f"`python -m modelcache.faas.sweep --out {folder}`")
+                     f"`python -m benchmarks.faas.sweep --out {folder}`")
         if "vs_baselines" not in results:
             ap.error(f"{path}: written by an older sweep (no vs_baselines); run the sweep again")
         sections.append(summarize(results))

@@ -1,6 +1,6 @@
 """Placement benchmark: the searched plan against the baselines, per model and system description.
 
-    modelcache bench placement [--models alexnet vgg16 resnet50 vit_b_16] [--systems FILE ...]
+    python benchmarks/placement/run.py [--models alexnet vgg16 resnet50 vit_b_16] [--systems FILE ...]
                                [--batch 8] [--time-budget 60] [--out benchmarks/placement]
 
 Each zoo model is packed into a scratch repository and profiled once on this machine's CPU (ORT's
@@ -19,8 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import save_results
-from ..usage import Parser
+from modelcache.measure import save_results
+from modelcache.usage import Parser
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "systems"
 DEFAULT_SYSTEMS = [str(EXAMPLES / "mars-8acc.toml"), str(EXAMPLES / "cpu-two-gpus.toml")]
@@ -69,14 +69,14 @@ def report(data: dict, f) -> None:
 def main(argv=None) -> int:
     import io
 
-    from .. import zoo
-    from ..packing import pack
-    from ..placement.command import report as place_report
-    from ..placement.machine import cost_table
-    from ..placement.search import place
-    from ..placement.system import load_system
+    from modelcache import zoo
+    from modelcache.packing import pack
+    from modelcache.placement.command import report as place_report
+    from modelcache.placement.machine import cost_table
+    from modelcache.placement.search import place
+    from modelcache.placement.system import load_system
 
-    ap = Parser(prog="modelcache bench placement", description=__doc__,
+    ap = Parser(prog="python benchmarks/placement/run.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
     ap.add_argument("--systems", nargs="+", default=DEFAULT_SYSTEMS)
@@ -107,15 +107,15 @@ def main(argv=None) -> int:
                 texts.append(buf.getvalue())
                 reports.append(rep)
                 if args.out:
-                    from ..placement.plots import plot_gantt
+                    from modelcache.placement.plots import plot_gantt
                     Path(args.out).mkdir(parents=True, exist_ok=True)
                     plot_gantt(placement, Path(args.out) / f"gantt-{name}-{_slug(system)}.png")
     data = {"batch": args.batch, "models": args.models, "systems": [s.name for s in systems],
             "reports": reports, "reports_text": texts, "summary": summarize(reports)}
     print_summary(data)
-    save_results(args.out, "placement", argv, data, report)
+    save_results(args.out, "placement", argv, data, report, command="python benchmarks/placement/run.py")
     if args.out:
-        from ..placement.plots import plot_bars
+        from modelcache.placement.plots import plot_bars
         for system in systems:
             plot_bars([r for r in reports if r["system"] == system.name], Path(args.out) / f"bars-{_slug(system)}.png")
     return 0

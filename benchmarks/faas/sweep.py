@@ -2,9 +2,9 @@
 table, compare `hybrid` (and `hybrid-sized`) with the best baseline, plot cold starts against memory-time (one line per
 policy, one point per capacity).
 
-    python -m modelcache.faas.sweep --trace synthetic --functions 200 --hours 6 --out DIR
-    python -m modelcache.faas.sweep --trace invocations.csv --minutes 540:900 --out DIR
-    python -m modelcache.faas.sweep ... --costs costs.json     costs measured by `modelcache bench faas`
+    python -m benchmarks.faas.sweep --trace synthetic --functions 200 --hours 6 --out DIR
+    python -m benchmarks.faas.sweep --trace invocations.csv --minutes 540:900 --out DIR
+    python -m benchmarks.faas.sweep ... --costs costs.json     costs measured by `benchmarks.faas.real_replay`
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import sys
 import time
 from pathlib import Path
 
-from ..eviction import make_policy
-from .simulate import GIB, Costs, replay
-from .synthetic import generate
-from .trace import assign_models, invocations, read_counts, write_counts, zoo_catalogue
-from ..usage import Parser
+from modelcache.usage import Parser
+
+from benchmarks.faas.simulate import GIB, Costs, replay, trace_policy
+from benchmarks.faas.synthetic import generate
+from benchmarks.faas.trace import assign_models, invocations, read_counts, write_counts, zoo_catalogue
 
 BASELINES = ("lru", "keepalive", "gdsf")
 LEARNED = ("hybrid", "hybrid-sized")   # compared with the baselines' front, against issue #29's targets
@@ -41,13 +41,13 @@ def table(rows: list[dict], columns=COLUMNS) -> str:
 
 
 def load_costs(path: str | Path) -> Costs:
-    """Costs from a JSON object of Costs' fields (what `modelcache bench faas` writes as costs.json)."""
+    """Costs from a JSON object of Costs' fields (what `benchmarks.faas.real_replay` writes as costs.json)."""
     try:
         data = json.loads(Path(path).read_text())
         return Costs(**data)
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"{path}: cannot read simulator costs ({e}); expected a JSON object with "
-                         f"{', '.join(vars(Costs()))}, as `modelcache bench faas --out DIR` writes in DIR/costs.json") from None
+                         f"{', '.join(vars(Costs()))}, as `python -m benchmarks.faas.real_replay --out DIR` writes in DIR/costs.json") from None
 
 
 def frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -140,7 +140,7 @@ def verdict_line(v: dict) -> str:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> bool:
-    from ..plotting import pyplot
+    from modelcache.plotting import pyplot
     plt = pyplot()
     if plt is None:
         return False
@@ -221,18 +221,18 @@ def load_trace(ap: argparse.ArgumentParser, args, out: Path | None):
 
 
 def main(argv=None) -> int:
-    ap = Parser(prog="python -m modelcache.faas.sweep", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="python -m benchmarks.faas.sweep", description=__doc__.split("\n\n")[0])
     trace_arguments(ap)
     ap.add_argument("--policies", default="lru,keepalive,gdsf,hybrid,hybrid-sized", help="comma-separated eviction policies")
     ap.add_argument("--costs", default="", help="a JSON file of the simulator's costs (Costs' fields), e.g. "
-                    "the costs.json `modelcache bench faas` measures on the real daemon; default: the README's figures")
+                    "the costs.json `benchmarks.faas.real_replay` measures on the real daemon; default: the README's figures")
     ap.add_argument("--out", default="", help="folder for trace.csv, results.json, pareto.png")
     args = ap.parse_args(argv)
     try:
         costs = load_costs(args.costs) if args.costs else Costs()
     except ValueError as e:
         ap.error(str(e))
-    print("python -m modelcache.faas.sweep " + " ".join(sys.argv[1:] if argv is None else argv))
+    print("python -m benchmarks.faas.sweep " + " ".join(sys.argv[1:] if argv is None else argv))
     out = Path(args.out) if args.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
@@ -243,7 +243,7 @@ def main(argv=None) -> int:
     for frac in (float(x) for x in args.capacities.split(",")):
         for name in args.policies.split(","):
             t0 = time.perf_counter()
-            r = replay(make_policy(name, time_scale=1 / args.compress), int(total * frac), calls, sizes, costs)
+            r = replay(trace_policy(name, args.compress), int(total * frac), calls, sizes, costs)
             rows.append(r.row())
             print(f"  {name} at {frac:g} of the models ({r.capacity_bytes / GIB:.2f} GiB): "
                   f"cold {r.cold_fraction:.3%}, {r.gib_s:.0f} GiB*s ({time.perf_counter() - t0:.1f} s)",

@@ -1,4 +1,4 @@
-"""`modelcache bench cluster`: the trace generator (pure), and the benchmark end to end at tiny scale."""
+"""benchmarks/cluster/run.py: the trace generator (pure), and the benchmark end to end at tiny scale."""
 
 import json
 from collections import Counter
@@ -6,7 +6,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from modelcache.bench.cluster import trace, zipf_weights
+from benchmarks.cluster.run import trace, zipf_weights
 
 MODELS = [f"m{i}" for i in range(12)]
 
@@ -49,7 +49,7 @@ def test_zipf_zero_is_uniform():
 @pytest.mark.slow
 def test_bench_cluster_end_to_end(tmp_path):
     pytest.importorskip("ray.serve")
-    from modelcache.bench import cluster
+    from benchmarks.cluster import run as cluster
     out = tmp_path / "out"
     assert cluster.main(["--models", "12", "--requests", "60", "--rate", "6", "--repeats", "1",
                          "--modes", "locality", "default", "--out", str(out)]) == 0
@@ -63,4 +63,4 @@ def test_bench_cluster_end_to_end(tmp_path):
         assert 0 < s["p50_ms"][0] <= s["p99_ms"][0] < 60000
         assert s["remote_fetches"][0] >= 1
     assert "warm_locality_over_default" in data["summary"]["ratios"]
-    assert (out / "report.txt").read_text().startswith("$ modelcache bench cluster")
+    assert (out / "report.txt").read_text().startswith("$ python benchmarks/cluster/run.py")

@@ -2,7 +2,7 @@
 for one policy at some capacities. What benchmarks/faas/README.md's "where hybrid's cold starts come
 from" is measured with.
 
-    python -m modelcache.faas.attribute --hours 6 --seed 0 --policy hybrid --capacities 0.1,0.3,1
+    python -m benchmarks.faas.attribute --hours 6 --seed 0 --policy hybrid --capacities 0.1,0.3,1
 
 A cold call's cause is why its model was not resident when it came: its function's first call; the
 model on its way up for an earlier call; evicted under pressure; unloaded by the policy's timer with a
@@ -19,11 +19,13 @@ from __future__ import annotations
 import sys
 from collections import Counter
 
-from ..eviction import make_policy
-from .simulate import GIB, LOADING, RESIDENT, WAITING, Costs, Replay
-from .sweep import load_trace, trace_arguments
-from .trace import FunctionCounts
-from ..usage import Parser
+from modelcache.daemon.registry import ModelState
+from modelcache.daemon.residency import Residency
+from modelcache.usage import Parser
+
+from benchmarks.faas.simulate import GIB, Costs, Replay, trace_policy
+from benchmarks.faas.sweep import load_trace, trace_arguments
+from benchmarks.faas.trace import FunctionCounts
 
 
 def function_classes(functions: list[FunctionCounts], models: dict[str, tuple[str, int]], calls: list,
@@ -37,12 +39,24 @@ def function_classes(functions: list[FunctionCounts], models: dict[str, tuple[st
 GAPS = ((60.0, "< 1 min"), (600.0, "1-10 min"), (3600.0, "10-60 min"), (float("inf"), "> 1 hour"))
 
 
+class ObservedResidency(Residency):
+    """The residency manager, telling `freeing(model, counter)` of each copy it is about to free, and why."""
+
+    freeing = None
+
+    def evict(self, model, counter: str = "evictions") -> int:
+        self.freeing(model, counter)
+        return super().evict(model, counter)
+
+
 class AttributedReplay(Replay):
     """A `Replay` that also counts cold calls and idle memory-time by (function class, cause)."""
 
-    def __init__(self, policy, capacity_bytes: int, sizes: dict[str, int], classes: dict[str, str],
+    def __init__(self, make_policy, capacity_bytes: int, sizes: dict[str, int], classes: dict[str, str],
                  costs: Costs = Costs()):
-        super().__init__(policy, capacity_bytes, sizes, costs)
+        super().__init__(make_policy, capacity_bytes, sizes, costs, residency=ObservedResidency)
+        self.residency.freeing = self._freeing
+        self.capacity = capacity_bytes
         self.classes = classes
         self.cold: Counter = Counter()
         self.idle_gib_s: Counter = Counter()
@@ -53,34 +67,35 @@ class AttributedReplay(Replay):
 
     def _arrive(self, inv) -> None:
         m = self.models[inv.model]
-        if m.state != RESIDENT and m.size <= self.capacity:
+        state, size = m.host.state, self.tier.sizes[m.key]
+        if state is not ModelState.RESIDENT and size <= self.capacity:
             cause = ("first call" if inv.model not in self._idle_since and inv.model not in self._freed_because
-                     else "on its way up" if m.state in (WAITING, LOADING) else self._freed_because[inv.model])
+                     else "on its way up" if state in (ModelState.WAITING, ModelState.LOADING)
+                     else self._freed_because[inv.model])
             self.cold[(self.classes.get(inv.model, "other"), cause)] += 1
-        elif m.state == RESIDENT and inv.model in self._idle_since:
+        elif state is ModelState.RESIDENT and inv.model in self._idle_since:
             gap = self.now - self._idle_since[inv.model]
             key = (self.classes.get(inv.model, "other"), next(b for limit, b in GAPS if gap < limit))
-            self.kept_gib_s[key] += m.size * gap / GIB
+            self.kept_gib_s[key] += size * gap / GIB
             self.kept_calls[key] += 1
         self._idle_since[inv.model] = self.now
         super()._arrive(inv)
 
-    def _loaded(self, m, prewarm: bool) -> None:
-        self._idle_since[m.key] = max(self._idle_since.get(m.key, self.now), self.now)
-        super()._loaded(m, prewarm)
+    def _loaded(self, key: str) -> None:
+        name = self.registry.by_key(key).name
+        self._idle_since[name] = max(self._idle_since.get(name, self.now), self.now)
 
-    def _free(self, m, counter: str) -> None:
+    def _freeing(self, model, counter: str) -> None:
         if counter == "unloads":
-            pending = m.key in getattr(self.policy, "prewarm_at", {})
+            pending = model.key in getattr(self.residency.policy, "prewarm_at", {})
             cause = "unloaded, pre-warm pending" if pending else "unloaded after its window"
         else:
             cause = "evicted"
-        if m.prewarmed:
+        if model.host.prewarmed:
             cause = "pre-warmed, " + cause
-        self._freed_because[m.key] = cause
-        idle_s = self.now - self._idle_since.get(m.key, self.now)
-        self.idle_gib_s[(self.classes.get(m.key, "other"), cause)] += m.size * idle_s / GIB
-        super()._free(m, counter)
+        self._freed_because[model.name] = cause
+        idle_s = self.now - self._idle_since.get(model.name, self.now)
+        self.idle_gib_s[(self.classes.get(model.name, "other"), cause)] += self.tier.placed[model.key] * idle_s / GIB
 
 
 def report(r: AttributedReplay) -> str:
@@ -99,7 +114,7 @@ def report(r: AttributedReplay) -> str:
 
 
 def main(argv=None) -> int:
-    ap = Parser(prog="python -m modelcache.faas.attribute", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="python -m benchmarks.faas.attribute", description=__doc__.split("\n\n")[0])
     trace_arguments(ap)
     ap.add_argument("--policy", default="hybrid", help="the eviction policy to replay")
     args = ap.parse_args(argv)
@@ -108,8 +123,7 @@ def main(argv=None) -> int:
     classes = function_classes(functions, models, calls, max(hours, 1.0))
     total = sum(sizes.values())
     for frac in (float(x) for x in args.capacities.split(",")):
-        policy = make_policy(args.policy, time_scale=1 / args.compress)
-        r = AttributedReplay(policy, int(total * frac), sizes, classes)
+        r = AttributedReplay(trace_policy(args.policy, args.compress), int(total * frac), sizes, classes)
         r.run(calls)
         print(report(r), flush=True)
     return 0

@@ -154,6 +154,6 @@ def invocations(functions: list[FunctionCounts], models: dict[str, tuple[str, in
 
 def zoo_catalogue() -> list[tuple[str, int]]:
     """The zoo's published architectures with their weights' size (fp32: 4 bytes a parameter, fp16: 2)."""
-    from ..zoo import ZOO
+    from modelcache.zoo import ZOO
     return [(name, p * (2 if name.endswith("fp16") else 4)) for name, e in ZOO.items()
             if (p := e.published_params) is not None]

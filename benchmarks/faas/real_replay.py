@@ -1,9 +1,9 @@
 """FaaS trace replay against the real daemon: cold starts, time to first result and memory-time per
 eviction policy and host-tier capacity, and how close the discrete-event simulator comes to it.
 
-    modelcache bench faas [--functions 50 --hours 1 --compress 12] [--policies lru,gdsf]
+    python -m benchmarks.faas.real_replay [--functions 50 --hours 1 --compress 12] [--policies lru,gdsf]
                           [--capacities 0.1,0.3] [--mode attach|serve] [--out DIR]
-    modelcache bench faas --trace invocations.csv --minutes 540:600 ...   an Azure Functions trace
+    python -m benchmarks.faas.real_replay --trace invocations.csv --minutes 540:600 ...   an Azure Functions trace
 
 Each function gets its own copy of a zoo model (`--models`, drawn with the seed as faas/trace.py
 does), added to the daemon's repository once. Per policy and capacity a fresh daemon replays the
@@ -17,14 +17,13 @@ Memory-time integrates the host tier's use, sampled from `stats` every --sample-
 Costs: before the replays, the same daemon measures what the simulator (faas/simulate.py) takes as
 parameters — an open that hits the host tier and the first run, as a fresh process sees them; a disk
 miss's extra time against the model's size (the promotion) — and writes them to OUT/costs.json
-(`python -m modelcache.faas.sweep --costs OUT/costs.json` sweeps with them). Then the simulator
+(`python -m benchmarks.faas.sweep --costs OUT/costs.json` sweeps with them). Then the simulator
 replays the same calls with those costs, and the report sets real and simulated side by side.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import statistics
@@ -35,17 +34,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..errors import InputError
-from ..faas.simulate import GIB, Costs, replay
-from ..faas.sweep import load_costs, minutes_window, plot, read_trace, table
-from ..faas.trace import Invocation, assign_models, invocations
-from ..usage import Parser
-from .common import compile_bytecode, managed_daemon, save_results
-from .fresh import spawn
+from modelcache import bench
+from modelcache.bench.fresh import spawn
+from modelcache.measure import compile_bytecode, managed_daemon, save_results
+from modelcache.usage import Parser
 
-CHILD = str(Path(__file__).with_name("coldstart_child.py"))
+from benchmarks.faas.simulate import GIB, Costs, replay, trace_policy
+from benchmarks.faas.sweep import load_costs, minutes_window, plot, read_trace, table
+from benchmarks.faas.trace import Invocation, assign_models, invocations
+
+CHILD = str(Path(bench.__file__).with_name("coldstart_child.py"))   # a fresh process per call, as coldstart's
 DEFAULT_MODELS = "squeezenet1_1,googlenet,resnet50"
-TIME_SCALE_SETTING = "policy_time_scale"   # the timed policies' scale, once the daemon has such a setting
 
 
 def daemon_name(model: str) -> str:
@@ -53,14 +52,15 @@ def daemon_name(model: str) -> str:
     return model.replace("#", ".f")
 
 
-def daemon_env(policy: str, capacity_bytes: int, compress: float) -> dict:
-    """The daemon's settings for one replay. A timed policy's windows are in trace time: the daemon scales
-    them by 1/compress where it has a setting for that (in this one place; until then it runs them unscaled)."""
-    from ..config import Settings
-    env = {"MODELCACHE_EVICTION_POLICY": policy, "MODELCACHE_HOST_CAPACITY": str(capacity_bytes)}
-    if TIME_SCALE_SETTING in {f.name for f in dataclasses.fields(Settings)}:
-        env[f"MODELCACHE_{TIME_SCALE_SETTING.upper()}"] = repr(1 / compress)
-    return env
+def daemon_env(policy: str, capacity_bytes: int) -> dict:
+    """The daemon's settings for one replay (its policy's windows are compressed by `daemon_command`)."""
+    return {"MODELCACHE_EVICTION_POLICY": policy, "MODELCACHE_HOST_CAPACITY": str(capacity_bytes)}
+
+
+def daemon_command(compress: float) -> list:
+    """A daemon whose policies' windows, in trace time, shrink with the trace (compressed_daemon.py)."""
+    return [sys.executable, "-m", "benchmarks.faas.compressed_daemon", "--compress", repr(compress),
+            "--log-level", "warning"]
 
 
 def pct(values: list[float], p: float) -> float:
@@ -78,7 +78,7 @@ def add_copies(client, models: dict[str, tuple[str, int]], work: Path, log) -> d
     the host tier stores equal tensors once, so identical copies would share memory no function shares);
     returns trace name -> the host tier's charge for it in bytes, read with it resident (the charge an
     eviction frees), one at a time."""
-    from .. import zoo
+    from modelcache import zoo
     work.mkdir(parents=True, exist_ok=True)
     have = {m["name"] for m in client.list()}
     keys = sorted({name for name, _ in models.values()})
@@ -171,7 +171,7 @@ class TierSampler(threading.Thread):
             self.error = e
 
     def _sample(self) -> None:
-        from ..client.connection import connect
+        from modelcache.client.connection import connect
         with connect(self.socket) as c:
             last, used = time.monotonic(), {}
             while True:
@@ -212,9 +212,9 @@ class _ServeClients:
     def call(self, name: str) -> dict:
         import numpy as np
 
-        from ..client.connection import connect
-        from ..client.serve import ServeSession
-        from .coldstart_child import ones_feeds
+        from modelcache.client.connection import connect
+        from modelcache.client.serve import ServeSession
+        from modelcache.bench.coldstart_child import ones_feeds
         if not hasattr(self.local, "client"):
             self.local.client, self.local.sessions = connect(self.socket), {}
             with self.lock:
@@ -236,7 +236,7 @@ class _ServeClients:
 
 def replay_real(socket: str, calls, mode: str, max_procs: int, sample_s: float) -> dict:
     """Replay `calls` (compressed times) against the daemon at `socket`; per call: hit, times, lateness."""
-    from ..client.connection import connect
+    from modelcache.client.connection import connect
     with connect(socket) as c:
         for m in c.list():   # every replay starts with nothing resident
             if m["tier"] != "disk":
@@ -366,7 +366,7 @@ def write_calls(path: Path, records: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    ap = Parser(prog="modelcache bench faas", description=__doc__,
+    ap = Parser(prog="python -m benchmarks.faas.real_replay", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default="synthetic", help="'synthetic' or an Azure Functions invocation-count CSV")
     ap.add_argument("--functions", type=int, default=20, help="synthetic: how many functions (default 20)")
@@ -390,9 +390,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-simulate", action="store_true", help="skip the simulator's replay and the agreement")
     ap.add_argument("--out", help="results.json, report.txt, costs.json, trace.csv and pareto.png here")
     args = ap.parse_args(argv)
-    # Wrong arguments: one line (InputError: the CLI's one-line failure), before any daemon starts.
+    # Wrong arguments: one line (the parser's usage error), before any daemon starts.
     if args.compress <= 0 or args.max_procs < 1 or args.sample_s <= 0:
-        raise InputError("bench faas: --compress and --sample-s must be positive and --max-procs at least 1")
+        ap.error("--compress and --sample-s must be positive and --max-procs at least 1")
     log = lambda s: print(s, file=sys.stderr, flush=True)   # noqa: E731
     out = Path(args.out) if args.out else None
     if out:
@@ -401,22 +401,21 @@ def main(argv=None) -> int:
         label, functions = read_trace(args, out)
         costs = load_costs(args.costs) if args.costs else None
     except ValueError as e:
-        raise InputError(f"bench faas: {e}") from None
+        ap.error(str(e))
     models = assign_models(functions, [(m.strip(), 0) for m in args.models.split(",") if m.strip()], args.seed)
     calls = invocations(functions, models, args.seed, args.compress, args.minutes)
     if not calls:
-        raise InputError("bench faas: the trace has no calls in the window replayed: choose more functions, hours or another window")
+        ap.error("the trace has no calls in the window replayed: choose more functions, hours or another window")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    from ..config import EVICTION_POLICIES   # what the daemon's eviction_policy setting accepts
+    from modelcache.config import EVICTION_POLICIES   # what the daemon's eviction_policy setting accepts
     if not policies or set(policies) - set(EVICTION_POLICIES):
-        raise InputError(f"bench faas: --policies {args.policies}: the daemon runs {', '.join(EVICTION_POLICIES)}; "
+        ap.error(f"--policies {args.policies}: the daemon runs {', '.join(EVICTION_POLICIES)}; "
                  f"not {', '.join(sorted(set(policies) - set(EVICTION_POLICIES))) or 'an empty list'}")
     fractions = [float(x) for x in args.capacities.split(",")]
     compile_bytecode()
 
-    from ..client.connection import connect
-    from ..config import MIN_CAPACITY
-    from ..eviction import make_policy
+    from modelcache.client.connection import connect
+    from modelcache.config import MIN_CAPACITY
     with tempfile.TemporaryDirectory(prefix="modelcache-faas-") as tmp:
         repo = f"{tmp}/repo"
         with managed_daemon(f"ipc://{tmp}/setup.sock", repo) as socket, connect(socket) as c:
@@ -435,7 +434,7 @@ def main(argv=None) -> int:
             for policy in policies:
                 log(f"replaying {len(calls)} calls ({calls[-1].t:.0f} s) with {policy} at {capacity / 2**20:.1f} MiB ...")
                 with managed_daemon(f"ipc://{tmp}/{policy}-{i}.sock", repo,
-                                    env=daemon_env(policy, capacity, args.compress)) as socket:
+                                    env=daemon_env(policy, capacity), command=daemon_command(args.compress)) as socket:
                     run = replay_real(socket, calls, args.mode, args.max_procs, args.sample_s)
                 rows.append(summarize(policy, capacity, run, args.mode, args.late_ms))
                 log(f"  cold {rows[-1]['cold_fraction']:.1%}, {rows[-1]['gib_s']:.2f} GiB*s, "
@@ -445,14 +444,14 @@ def main(argv=None) -> int:
                     started = sorted(Invocation(r["t"] + r["late_ms"] / 1e3, r["function"], r["model"])
                                      for r in run["records"])
                     for out_list, these in ((sims, calls), (sims_started, started)):
-                        sim = replay(make_policy(policy, time_scale=1 / args.compress), capacity, these, sizes, costs)
+                        sim = replay(trace_policy(policy, args.compress), capacity, these, sizes, costs)
                         out_list.append({**sim.row(), "gib_s": sim.gib_s})   # (row() rounds to 0.1 GiB*s)
     data = {"trace": label, "args": vars(args), "calls": len(calls), "trace_s": calls[-1].t * args.compress,
             "models": len(sizes), "total_bytes": total, "costs": vars(costs), "rows": rows, "simulated": sims,
             "agreement": [agreement(r, s) for r, s in zip(rows, sims)],
             "agreement_as_started": [agreement(r, s) for r, s in zip(rows, sims_started)]}
     report(data)
-    save_results(args.out, "faas", argv, data, report)
+    save_results(args.out, "faas", argv, data, report, command="python -m benchmarks.faas.real_replay")
     if out:
         write_calls(out / "calls.csv", records)
     if out and plot(rows, out / "pareto.png", f"real replay: {label}, compressed {args.compress:g}x"):

@@ -1,4 +1,5 @@
-"""Shared by the benchmarks: a daemon to measure against, zoo models in it, memory readings, summaries."""
+"""What the demo and the benchmarks measure with: a daemon to measure against, zoo models in it, fresh child
+processes, memory readings, summaries, and where results are saved."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from pathlib import Path
 
 @contextlib.contextmanager
 def managed_daemon(socket: str | None = None, repository: str | None = None, env: dict | None = None,
-                   log_path: str | None = None):
+                   log_path: str | None = None, command: list | None = None):
     """Yield the address of a running daemon: the one at `socket` if it answers, else one we start and stop
-    (with `env` added to its environment and its log in `log_path`, where given)."""
-    from ..client.connection import connect
-    from ..config import load
-    from ..errors import ModelCacheError
+    (with `env` added to its environment and its log in `log_path`, where given; `command`: the program
+    that runs it, which prints READY as `modelcache daemon` does)."""
+    from .client.connection import connect
+    from .config import load
+    from .errors import ModelCacheError
 
     settings = load(overrides={"socket": socket, "repository": repository})
     try:
@@ -32,7 +34,7 @@ def managed_daemon(socket: str | None = None, repository: str | None = None, env
     env = {**os.environ, "MODELCACHE_SOCKET": settings.socket, "MODELCACHE_REPOSITORY": settings.repository,
            **(env or {})}
     log = open(log_path, "ab") if log_path else None
-    proc = subprocess.Popen([sys.executable, "-m", "modelcache.cli", "daemon", "--log-level", "warning"],
+    proc = subprocess.Popen(command or [sys.executable, "-m", "modelcache.cli", "daemon", "--log-level", "warning"],
                             env=env, stdout=subprocess.PIPE, stderr=log)
     try:
         deadline = time.monotonic() + 60
@@ -92,7 +94,7 @@ def compile_bytecode() -> None:
     here) an editable install compiles every client module again in every fresh process: ~10 ms of an attach
     open that no installed package pays (pip compiles at install), and that plain ORT never pays."""
     import compileall
-    compileall.compile_dir(str(Path(__file__).resolve().parents[1]), quiet=2)
+    compileall.compile_dir(str(Path(__file__).resolve().parent), quiet=2)
 
 
 def plain_session(src: str):
@@ -110,7 +112,7 @@ def serve_one_lane_client(path: str, answer) -> None:
     hangs up or answer returns None."""
     import socket
 
-    from ..lane import CLIENT_READ_BYTES, FrameReader, frame, recv_chunk
+    from .lane import CLIENT_READ_BYTES, FrameReader, frame, recv_chunk
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -135,8 +137,8 @@ def serve_one_lane_client(path: str, answer) -> None:
 
 def ensure_models(socket: str, names: list[str], work: Path) -> dict[str, str]:
     """Add each zoo model to the daemon unless it holds it already; returns name -> .onnx path."""
-    from .. import zoo
-    from ..client.connection import connect
+    from . import zoo
+    from .client.connection import connect
 
     paths = {}
     work.mkdir(parents=True, exist_ok=True)

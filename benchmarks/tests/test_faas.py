@@ -6,12 +6,11 @@ from collections import Counter
 
 import pytest
 
-from modelcache.eviction import make_policy
-from modelcache.faas.attribute import AttributedReplay, function_classes, report
-from modelcache.faas.simulate import Costs, replay
-from modelcache.faas.sweep import compare, frontier, interpolate, main, verdict, verdict_line
-from modelcache.faas.synthetic import generate
-from modelcache.faas.trace import (FunctionCounts, Invocation, assign_models, invocations, read_counts,
+from benchmarks.faas.attribute import AttributedReplay, function_classes, report
+from benchmarks.faas.simulate import Costs, replay, trace_policy
+from benchmarks.faas.sweep import compare, frontier, interpolate, main, verdict, verdict_line
+from benchmarks.faas.synthetic import generate
+from benchmarks.faas.trace import (FunctionCounts, Invocation, assign_models, invocations, read_counts,
                                    write_counts, zoo_catalogue)
 
 AZURE = "HashOwner,HashApp,HashFunction,Trigger," + ",".join(str(m) for m in range(1, 6)) + "\n"
@@ -67,7 +66,7 @@ def test_the_committed_azure_slice_is_the_file_its_readme_names_and_reads_in_its
     it comes from); read in the consecutive minutes the benchmarks replay, it is 100 functions x 144 minutes."""
     import hashlib
     from pathlib import Path
-    folder = Path(__file__).resolve().parents[1] / "benchmarks" / "faas" / "azure-2019-slice"
+    folder = Path(__file__).resolve().parents[1] / "faas" / "azure-2019-slice"
     data = (folder / "invocations.csv").read_bytes()
     assert hashlib.sha256(data).hexdigest() in (folder / "README.md").read_text()
     rows = read_counts(folder / "invocations.csv", (546, 690))
@@ -164,7 +163,7 @@ def calls(*spec):
 
 
 def test_a_call_that_finds_the_tier_full_of_models_in_use_waits_for_room():
-    r = replay(make_policy("lru"), 100, calls((0.0, "A"), (0.1, "B")), {"A": 60, "B": 60}, COSTS)
+    r = replay(trace_policy("lru"), 100, calls((0.0, "A"), (0.1, "B")), {"A": 60, "B": 60}, COSTS)
     assert (r.disk_misses, r.host_hits, r.refused, r.unserved, r.waited_for_room) == (2, 0, 0, 0, 1)
     # A: loaded at 0.5, runs to 1.5; B waits for A's end, then loads (0.5) and runs (1)
     assert r.ttfr_s == pytest.approx([1.5, 1.5 + 0.5 + 1.0 - 0.1])
@@ -173,23 +172,23 @@ def test_a_call_that_finds_the_tier_full_of_models_in_use_waits_for_room():
 
 def test_waiting_calls_are_served_in_arrival_order():
     spec = calls((0.0, "A"), (0.1, "B"), (0.2, "C"))
-    r = replay(make_policy("lru"), 100, spec, {"A": 60, "B": 60, "C": 60}, COSTS)
+    r = replay(trace_policy("lru"), 100, spec, {"A": 60, "B": 60, "C": 60}, COSTS)
     assert r.ttfr_s == pytest.approx([1.5, 2.9, 4.3])   # B starts loading when A ends (1.5), C when B ends (3.0)
 
 
 def test_a_model_bigger_than_the_tier_is_refused_and_nothing_else_moves():
-    r = replay(make_policy("lru"), 100, calls((0.0, "A"), (1.0, "huge")), {"A": 60, "huge": 101}, COSTS)
+    r = replay(trace_policy("lru"), 100, calls((0.0, "A"), (1.0, "huge")), {"A": 60, "huge": 101}, COSTS)
     assert (r.refused, r.disk_misses, r.evictions, r.calls) == (1, 1, 0, 2)
 
 
 def test_memory_time_counts_bytes_while_resident():
     # keep-alive 10 min: A loads from 0 to 0.5 (its bytes count while they are copied), the call gets its
     # lease at 0.5 and runs to 1.5, A goes at 600.5 (10 minutes after the call)
-    r = replay(make_policy("keepalive"), 100, calls((0.0, "A"), (2000.0, "A")), {"A": 50}, COSTS)
+    r = replay(trace_policy("keepalive"), 100, calls((0.0, "A"), (2000.0, "A")), {"A": 50}, COSTS)
     assert r.unloads == 1 and r.disk_misses == 2
     # then loaded again at 2000 until the trace's end, 2001.5
     assert r.byte_s == pytest.approx(50 * 600.5 + 50 * 1.5)
-    lru = replay(make_policy("lru"), 100, calls((0.0, "A"), (2000.0, "A")), {"A": 50}, COSTS)
+    lru = replay(trace_policy("lru"), 100, calls((0.0, "A"), (2000.0, "A")), {"A": 50}, COSTS)
     assert (lru.disk_misses, lru.host_hits) == (1, 1) and lru.byte_s == pytest.approx(50 * 2001)   # a hit: no load
 
 
@@ -200,8 +199,8 @@ def periodic_calls(model, every_s, n, t0=0.0):
 def test_hybrid_prewarms_a_periodic_model_and_holds_it_only_around_its_calls():
     spec = calls(*periodic_calls("P", 30 * 60 + 10, 20))
     sizes = {"P": 50}
-    hybrid = replay(make_policy("hybrid"), 100, spec, sizes, COSTS)
-    keepalive = replay(make_policy("keepalive"), 100, spec, sizes, COSTS)
+    hybrid = replay(trace_policy("hybrid"), 100, spec, sizes, COSTS)
+    keepalive = replay(trace_policy("keepalive"), 100, spec, sizes, COSTS)
     # learning: 4 calls cold (3 concentrated idle times make it representative), then every call finds it
     # pre-warmed
     assert hybrid.disk_misses == 4 and hybrid.prewarms == 16 and hybrid.wasted_prewarms == 0
@@ -212,7 +211,7 @@ def test_hybrid_prewarms_a_periodic_model_and_holds_it_only_around_its_calls():
 
 def test_a_prewarm_nobody_calls_is_counted_wasted():
     spec = calls(*periodic_calls("P", 30 * 60 + 10, 7), (7 * 1810 + 3 * 3600, "Q"))   # P stops calling
-    r = replay(make_policy("hybrid"), 100, spec, {"P": 50, "Q": 10}, COSTS)
+    r = replay(trace_policy("hybrid"), 100, spec, {"P": 50, "Q": 10}, COSTS)
     # learned after the 4th call: the 5th to 7th find P pre-warmed; the pre-warm after the 7th waits in vain
     assert (r.prewarms, r.host_hits, r.wasted_prewarms) == (4, 3, 1)
 
@@ -223,7 +222,7 @@ def test_under_pressure_capacity_is_never_exceeded():
     sizes = dict(models.values())
     trace = invocations(rows, models, seed=1)
     for name in ("lru", "keepalive", "gdsf", "hybrid", "hybrid-sized"):
-        r = replay(make_policy(name), 200, trace, sizes, COSTS)
+        r = replay(trace_policy(name), 200, trace, sizes, COSTS)
         assert r.peak_bytes <= 200 and r.unserved == 0
         assert r.host_hits + r.disk_misses == r.calls == len(trace)
 
@@ -232,7 +231,7 @@ def test_each_cold_start_is_attributed_to_why_its_model_was_not_resident():
     """Keep-alive 10 min, room for one model: A's first call, a warm call 30 s later, B's first call
     (A goes), A again (evicted), A 20 minutes later (unloaded after its window)."""
     spec = calls((0.0, "A"), (30.0, "A"), (60.0, "B"), (100.0, "A"), (1300.0, "A"))
-    r = AttributedReplay(make_policy("keepalive"), 100, {"A": 60, "B": 60}, {"A": "timer"}, COSTS)
+    r = AttributedReplay(trace_policy("keepalive"), 100, {"A": 60, "B": 60}, {"A": "timer"}, COSTS)
     res = r.run(spec)
     assert r.cold == {("timer", "first call"): 1, ("other", "first call"): 1, ("timer", "evicted"): 1,
                       ("timer", "unloaded after its window"): 1}
@@ -292,14 +291,14 @@ def test_the_sweep_runs_end_to_end_on_a_tiny_trace(tmp_path, capsys):
     assert len(out["rows"]) == 10 and set(out["targets"]) == set(out["vs_baselines"]) == {"hybrid", "hybrid-sized"}
     assert read_counts(tmp_path / "trace.csv")                       # the trace it ran, in the Azure format
     printed = capsys.readouterr().out
-    assert "cold %" in printed and printed.count(" hybrid |") == 2 and printed.startswith("python -m modelcache.faas.sweep --functions 12")
+    assert "cold %" in printed and printed.count(" hybrid |") == 2 and printed.startswith("python -m benchmarks.faas.sweep --functions 12")
     assert "hybrid-sized: targets (issue #29)" in printed
     assert "hybrid at" in printed and "hybrid: targets (issue #29): cold starts at equal memory-time <= 0.5x" in printed
     assert set(out["targets"]["hybrid"]) == {"cold_ratio", "mem_ratio", "worse_than_lru_on_both_at_gib"}
 
 
 def test_the_summary_prints_the_readme_tables_from_a_sweeps_folder(tmp_path, capsys):
-    from modelcache.faas import summary
+    from benchmarks.faas import summary
     assert main(["--functions", "12", "--hours", "0.5", "--capacities", "0.3,1", "--out", str(tmp_path),
                  "--policies", "lru,gdsf,hybrid"]) == 0
     capsys.readouterr()
@@ -313,7 +312,7 @@ def test_the_summary_prints_the_readme_tables_from_a_sweeps_folder(tmp_path, cap
     assert "`hybrid`: targets (issue #29)" in printed
     with pytest.raises(SystemExit) as e:
         summary.main([str(tmp_path / "nosuch")])
-    assert e.value.code == 2 and "make one with `python -m modelcache.faas.sweep" in capsys.readouterr().err
+    assert e.value.code == 2 and "make one with `python -m benchmarks.faas.sweep" in capsys.readouterr().err
 
 
 def test_the_sweep_takes_measured_costs_from_a_file(tmp_path, capsys):
