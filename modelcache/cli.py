@@ -530,7 +530,6 @@ BENCHMARKS = {
     "executor": "serve mode: overhead over in-process ORT, throughput per worker layout and scheduler",
     "serve": "batching policies under open-loop Poisson load: latency and the highest sustainable rate",
     "http": "what the Open Inference Protocol (v2 HTTP) front adds over the serve lane",
-    "grpc": "Triton's gRPC front vs a KServe gRPC server and our HTTP front, with tritonclient's closed-loop load",
     "conformance": "ONNX's backend test models: what plain ORT runs, modelcache adds and runs, same outputs",
     "fuzz": "malformed messages on both sockets of a running daemon: it answers and stays up",
     "soak": "many clients, churn and eviction against one daemon for minutes: memory and latency slopes",

@@ -16,7 +16,8 @@ from ..errors import ConfigError
 from ..oip.lifecycle import SHUTDOWN_TIMEOUT_S, until_stopped
 from ..oip.link import DaemonLink
 from ..oip.operations import Operations
-from ..triton_protos import grpc_service_pb2_grpc, health_pb2_grpc
+from ..triton_protos import grpc_service_pb2, health_pb2
+from .handlers import add_service
 from .service import HealthService, InferenceService
 
 log = logging.getLogger("modelcache.grpc")
@@ -37,8 +38,8 @@ async def serve(settings, host: str, port: int, on_ready=None, reserved=None) ->
         ("grpc.so_reuseport", 1),   # beside the socket that holds the port (see address.reserve_tcp)
     ])
     ops = Operations(DaemonLink(settings.socket, settings.request_timeout_s, front="grpc"), settings)
-    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(ops), server)
-    health_pb2_grpc.add_HealthServicer_to_server(HealthService(ops), server)
+    add_service(server, grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"], InferenceService(ops))
+    add_service(server, health_pb2.DESCRIPTOR.services_by_name["Health"], HealthService(ops))
     try:
         bound = server.add_insecure_port(address(host, port))
     except RuntimeError:

@@ -18,8 +18,7 @@ from google.protobuf import json_format
 
 from ..errors import ModelCacheError, ModelNotFound
 from ..oip.operations import Operations, parse_version, status_of
-from ..triton_protos import grpc_service_pb2 as pb, grpc_service_pb2_grpc as pb_grpc, model_config_pb2
-from ..triton_protos import health_pb2, health_pb2_grpc
+from ..triton_protos import grpc_service_pb2 as pb, health_pb2, model_config_pb2
 from . import codec
 
 log = logging.getLogger("modelcache.grpc")
@@ -55,7 +54,7 @@ def _deadline_us(timeout_us: int | None, context) -> float | None:
     return remaining_us if timeout_us is None else min(timeout_us, remaining_us)
 
 
-class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
+class InferenceService:
     def __init__(self, ops: Operations):
         self.ops = ops
 
@@ -174,7 +173,7 @@ for _name in ("SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemS
     setattr(InferenceService, _name, _unimplemented)
 
 
-class HealthService(health_pb2_grpc.HealthServicer):
+class HealthService:
     """grpc.health.v1: SERVING while the daemon answers, for the server ("") and the inference service."""
 
     def __init__(self, ops: Operations):

@@ -1,4 +1,4 @@
-"""The peer of `modelcache bench grpc`: a KServe Python model server running plain ONNX Runtime, one model each.
+"""The peer of benchmarks/grpc/run.py: a KServe Python model server running plain ONNX Runtime, one model each.
 
 Run by path with the interpreter of a venv that has `kserve` and `onnxruntime` (modelcache is not needed
 there, nor imported):

@@ -1,8 +1,8 @@
 """gRPC front benchmark: Triton's gRPC protocol on modelcache against a KServe Python server, and against our
 own HTTP front, with the same stock client (tritonclient) and the same closed-loop load.
 
-    modelcache bench grpc [--models tiny-cnn resnet50] [--clients 1 4] [--seconds 5] [--rounds 3]
-                          [--kserve-python /path/to/venv/bin/python] [--out DIR]
+    python benchmarks/grpc/run.py [--models tiny-cnn resnet50] [--clients 1 4] [--seconds 5] [--rounds 3]
+                                  [--kserve-python /path/to/venv/bin/python] [--out DIR]
 
 A daemon of its own (in a temporary directory, default settings) serves the zoo models; `modelcache grpc` and
 `modelcache http` run in front of it on free loopback ports. With --kserve-python (a venv with `kserve` and
@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..usage import Parser
+from modelcache.usage import Parser
 
 SERVERS = ("modelcache-grpc", "kserve-grpc", "modelcache-http")
 GOALS = "goals: at 4 clients, modelcache-grpc >= 2x kserve-grpc requests/s and p99 <= 0.5x; tiny model p50 " \
@@ -78,7 +78,7 @@ def _pct(values: list[float], q: float) -> float:
 def closed_loop(server: str, address: str, model: str, io: tuple, clients: int, seconds: float) -> dict:
     """`clients` processes in a closed loop for `seconds`, started together: requests/s, p50 and p99 (us)."""
     start_at = time.time() + 3.0   # every client imports and connects before the clock starts
-    procs = [subprocess.Popen([sys.executable, "-m", "modelcache.bench.grpc", "--worker", server, address, model,
+    procs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", server, address, model,
                                json.dumps(io), str(start_at), str(seconds)], stdout=subprocess.PIPE, text=True)
              for _ in range(clients)]
     lat = []
@@ -100,7 +100,7 @@ def _start_kserve(python: str, paths: dict, log) -> tuple[subprocess.Popen, str]
     import tritonclient.grpc as client
     grpc_port, http_port = _free_port(), _free_port()
     peer = Path(__file__).with_name("kserve_peer.py")
-    # -I: not the script's directory on sys.path, where bench/http.py and bench/grpc.py would shadow http and grpc
+    # -I: the peer's own venv only, nothing of ours on its sys.path
     proc = subprocess.Popen([python, "-I", str(peer), "--grpc-port", str(grpc_port), "--http-port", str(http_port),
                              *(f"{m}={p}" for m, p in paths.items())], stdout=log, stderr=log,
                             start_new_session=True)   # (its uvicorn and grpc servers stop together on SIGTERM)
@@ -172,7 +172,7 @@ def report(res: dict, out=sys.stdout) -> None:
 
 
 def main(argv=None) -> int:
-    ap = Parser(prog="modelcache bench grpc", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="python benchmarks/grpc/run.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["tiny-cnn", "resnet50"], help="zoo names (one FP32 input)")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--seconds", type=float, default=5.0, help="closed-loop time per run")
@@ -184,8 +184,8 @@ def main(argv=None) -> int:
     if args.worker:
         _worker(*args.worker)
         return 0
-    from ..measure import ensure_models, managed_daemon, save_results
-    from .http import _io, _start_front
+    from modelcache.bench.http import _io, _start_front
+    from modelcache.measure import ensure_models, managed_daemon, save_results
     servers = [s for s in SERVERS if s != "kserve-grpc" or args.kserve_python]
     res = {"seconds": args.seconds, "rounds": args.rounds, "versions": _versions(args.kserve_python), "runs": {}}
     with tempfile.TemporaryDirectory(prefix="modelcache-bench-grpc-") as tmp:
@@ -223,7 +223,7 @@ def main(argv=None) -> int:
                 _stop(proc, group)
             log.close()
     report(res)
-    save_results(args.out, "grpc", argv, res, report)
+    save_results(args.out, "grpc", argv, res, report, command="python benchmarks/grpc/run.py")
     return 0
 
 

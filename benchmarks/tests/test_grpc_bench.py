@@ -1,0 +1,26 @@
+"""benchmarks/grpc/run.py, short and without the KServe peer (its venv is the benchmark's own)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RUN = Path(__file__).resolve().parents[1] / "grpc" / "run.py"
+
+
+def test_the_grpc_bench_alternates_servers_and_reports_ratios(tmp_path):
+    """Both our fronts through tritonclient, two rounds, and the ratio of each round."""
+    pytest.importorskip("tritonclient.grpc")
+    r = subprocess.run([sys.executable, str(RUN), "--models", "tiny-cnn", "--clients", "1", "--seconds", "1",
+                        "--rounds", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]["tiny-cnn"]["1"]
+    assert list(runs) == ["modelcache-grpc", "modelcache-http"]
+    assert all(len(v) == 2 and all(run["requests"] > 0 and run["p99_us"] >= run["p50_us"] for run in v)
+               for v in runs.values())
+    assert "modelcache-grpc / modelcache-http: requests/s x" in r.stdout
+    assert (tmp_path / "report.txt").read_text().startswith("$ python benchmarks/grpc/run.py --models tiny-cnn")
