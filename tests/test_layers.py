@@ -3,7 +3,7 @@ its own layer or a lower one, and no two modules import each other (directly or 
 package stands alone: it never imports the lab (benchmarks/) or the tests, and only the CLI reaches into
 modelcache.bench (the demo and the benchmarks share modelcache.measure).
 
-The table is the README's ("The layers"), bottom to top. A module not in it fails the test: a new
+The table is docs/internals.md's ("The layers"), bottom to top. A module not in it fails the test: a new
 module gets a place on purpose, not by accident.
 """
 
@@ -28,10 +28,10 @@ LAYERS = [
     ("fronts", ["placement", "oip", "http", "grpc", "triton_repo", "cluster", "measure", "bench", "demo"]),
     ("command line", ["cli"]),
 ]
-# Kept on purpose, each for a reason the README gives.
+# Kept on purpose, each for a reason docs/internals.md gives.
 ALLOWED = {
     # address.py resolves the socket from the settings only when none is given: the attach path imports
-    # address without loading the settings machinery (~40 ms of a fresh process, README "Serve lane").
+    # address without loading the settings machinery (docs/internals.md, "The layers").
     ("address", "config"),
 }
 # The client imports nothing of the daemon, the executor or the planner: a function process stays small.
@@ -89,7 +89,7 @@ def layer_of(module: str) -> int:
     for i, (_, members) in enumerate(LAYERS):
         if part in members:
             return i
-    raise AssertionError(f"{module} has no layer: give it a place in tests/test_layers.py and the README's table")
+    raise AssertionError(f"{module} has no layer: give it a place in tests/test_layers.py and docs/internals.md's table")
 
 
 def graph() -> dict[str, set[str]]:
