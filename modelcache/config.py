@@ -45,7 +45,7 @@ class Settings:
     add_timeout_s: float = 3600.0      # packing a big model takes longer than an ordinary call
     opt_level: str = "all"             # ORT optimization applied once, at add time
     prepack: bool = False              # add: also store MLAS-prepacked MatMul weights (prepack.py): warm runs as fast as
-                                       # plain ORT, but opens ~0.3 s slower and twice the host tier (README, Known limits)
+                                       # plain ORT, but opens ~0.3 s slower and twice the host tier (docs/sessions.md, Known limits)
     loader_threads: int = 2            # promotions and packs run here, off the owner loop
     workers: str = "auto"              # serve-mode CPU worker groups: threads per group, "1,1", "2"; auto = one of all cores
     gpus: str = "auto"                 # serve-mode GPU workers: auto = one per CUDA device (with onnxruntime-gpu), none, or "0,1"

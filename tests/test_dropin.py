@@ -1,6 +1,6 @@
 """The drop-in promise: code written for onnxruntime.InferenceSession runs on modelcache.InferenceSession.
 
-Each statement of README's "Differences from onnxruntime.InferenceSession" is checked here, against a
+Each statement of docs/sessions.md's "Differences from onnxruntime.InferenceSession" is checked here, against a
 real daemon and plain ONNX Runtime side by side.
 """
 

@@ -109,7 +109,7 @@ def test_without_blobs_a_client_would_copy(daemon, tmp_path):
 
 
 def test_blobs_are_made_only_when_asked_for(daemon, tmp_path):
-    """Off by default: blobs cost each open ~0.3 s and the host tier their size (README, Known limits)."""
+    """Off by default: blobs cost each open ~0.3 s and the host tier their size (docs/sessions.md, Known limits)."""
     src = mlp(tmp_path / "mlp.onnx")
     with daemon.client() as c:
         c.add(src, "mlp")

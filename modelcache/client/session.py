@@ -35,7 +35,7 @@ if TYPE_CHECKING:   # connection.py imports pyzmq: a drop-in session on the lane
 
 class InferenceSession:
     """`onnxruntime.InferenceSession`'s signature, `run`, `get_inputs`, `get_outputs` and the rest of its
-    surface (README, "Differences from onnxruntime.InferenceSession"), over a model opened by name.
+    surface (docs/sessions.md, "Differences from onnxruntime.InferenceSession"), over a model opened by name.
 
     mode="attach" (default): ORT runs in this process over the daemon's shared weights.
     mode="serve": the daemon runs the model; this process never imports onnxruntime.

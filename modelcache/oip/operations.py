@@ -146,7 +146,8 @@ class Operations:
 
     async def model_config(self, name: str, version: int | None) -> dict:
         """Triton's model configuration extension: what the model was imported with from a Triton repository
-        (`modelcache import-triton`), else what Triton's auto-complete would say of it."""
+        (`modelcache import-triton`), else the model's inputs and outputs with their whole shapes and
+        max_batch_size 0 (no batching dimension claimed)."""
         d = await self.describe(name, version)
         stored = getattr(d, "model_config", None)
         if stored:

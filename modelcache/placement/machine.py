@@ -27,7 +27,7 @@ GPU_PLACEHOLDER = dict(conv_gflop_s=10000.0, matmul_gflop_s=10000.0, other_gflop
 # medians 2.21 ms at 1 stage (1.80-2.52), 2.51 at 2 (2.23-2.92), 2.75 at 3 (2.53-3.10); a line through
 # them: 1.95 ms a request (client encode and decode, the lane round trip, the daemon's decode and
 # reply) + 0.27 ms a stage (the job to its worker's thread, the wake-up, the result back to the loop).
-# A tiny model's request costs less (0.3-0.5 ms, README): the 602 KB input is most of it here.
+# A tiny model's request costs less (0.44 ms over the lane: benchmarks/grpc/path): the 602 KB input is most of it here.
 # benchmarks/placement/check prints the measured figure beside the system's for each row.
 SERVE_REQUEST_US = 1950.0
 SERVE_HANDOFF_US = 270.0
