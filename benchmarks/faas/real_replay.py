@@ -355,10 +355,12 @@ def report(data: dict, out=sys.stdout) -> None:
 
 
 def write_calls(path: Path, records: list[dict]) -> None:
-    """Every call of every replay, one CSV row each (the function is its model's copy: not repeated)."""
+    """Every call of every replay, one CSV row each (the function is its model's copy: not repeated), gzipped:
+    the folder travels to the GPU machine with every device call, where each MiB counts."""
     import csv
+    import gzip
     fields = ["policy", "capacity_gib", "t", "model", "late_ms", "hit", "open_run_ms", "ttfr_ms", "error"]
-    with open(path, "w", newline="") as f:
+    with gzip.open(path, "wt", newline="") as f:
         w = csv.DictWriter(f, fields, extrasaction="ignore")
         w.writeheader()
         for r in sorted(records, key=lambda r: (r["policy"], r["capacity_gib"], r["t"])):
@@ -453,7 +455,7 @@ def main(argv=None) -> int:
     report(data)
     save_results(args.out, "faas", argv, data, report, command="python -m benchmarks.faas.real_replay")
     if out:
-        write_calls(out / "calls.csv", records)
+        write_calls(out / "calls.csv.gz", records)
     if out and plot(rows, out / "pareto.png", f"real replay: {label}, compressed {args.compress:g}x"):
         print(f"figure: {out / 'pareto.png'}")
     return 0

@@ -1,6 +1,7 @@
 """The real-daemon replay (benchmarks/faas/real_replay.py) on a tiny trace: the real daemon, a fresh process per call, the counts add up,
 and the simulator replays the same calls with the costs measured on the same daemon."""
 
+import gzip
 import json
 import os
 import subprocess
@@ -42,7 +43,7 @@ def test_a_tiny_trace_replays_against_the_real_daemon(tmp_path):
     (sim,) = data["simulated"]
     assert sim["calls"] == calls and sim["policy"] == "lru"
     assert data["agreement"][0]["cold_real"] == row["cold_fraction"] and len(data["agreement_as_started"]) == 1
-    assert len((out / "calls.csv").read_text().splitlines()) == calls + 1         # a row per call, and the header
+    assert len(gzip.open(out / "calls.csv.gz", "rt").read().splitlines()) == calls + 1         # a row per call, and the header
     costs = load_costs(out / "costs.json")                                  # what sweep.py --costs reads
     assert costs.open_host_s > 0 and set(costs.run_s) == {"squeezenet1_1", "tiny-cnn"}
     assert "real vs simulated" in r.stdout and "|    lru |" in r.stdout
