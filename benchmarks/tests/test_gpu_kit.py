@@ -490,10 +490,10 @@ def test_dry_run_prints_each_calls_steps_and_commands_and_runs_nothing(tmp_path)
         assert heads == list(call.steps)
     r = verify("--dry-run", "--budget", "225", "stage", "zmq", "tier", "ort", "probe", state=tmp_path / "state",
                out=tmp_path / "out")
-    assert "checks.py run --out" in r.stdout and "pytest -m gpu and not cuda_ep" in r.stdout
+    assert "checks.py run --out" in r.stdout and "pytest -o addopts= -m gpu and not cuda_ep" in r.stdout
     assert "ortkit.py unpack" in r.stdout and "== probe (up to 60 s; needs: ort)" in r.stdout
     r = verify("--dry-run", "tests", "bench", "dropin", state=tmp_path / "state", out=tmp_path / "out")
-    assert f"bench coldstart --device cuda {plan.BENCH_ARGS}" in r.stdout and "pytest -m gpu and cuda_ep" in r.stdout
+    assert f"bench coldstart --device cuda {plan.BENCH_ARGS}" in r.stdout and "pytest -o addopts= -m gpu and cuda_ep" in r.stdout
     assert "tests/test_gpu_tier.py" in r.stdout     # the files that hold gpu tests, found by their mark
     assert not (tmp_path / "state").exists() and not (tmp_path / "out").exists()
 
