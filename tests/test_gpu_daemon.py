@@ -128,14 +128,15 @@ def test_gpu_capacity_demotes_unleased_models_and_makes_an_open_wait_while_all_a
     conf.write_text(f'gpu_capacity = "{capacity}"\n')
     d = DaemonProcess(tmp_path, {"MODELCACHE_FAKE_GPUS": "1x64M", "MODELCACHE_CONFIG": str(conf)}).start()
     try:
-        with d.client() as c, d.client() as other, d.client(timeout_s=2.0) as hasty:
+        with d.client() as c, d.client() as other, d.client(timeout_s=5.0) as hasty:
             c.load("a", tier="gpu")
             c.load("b", tier="gpu")                 # does not fit beside a: a (unleased) is demoted
             assert model_info(c, "a")["tier"] == "host" and model_info(c, "b")["tier"] == "gpu"
             held = modelcache.InferenceSession("b", providers=CUDA, client=c)
-            with pytest.raises(CapacityError, match=r"^waited 1\.8 s for room, until the request's deadline: a@1 "
+            with pytest.raises(CapacityError, match=r"^waited 4\.5 s for room, until the request's deadline: a@1 "
                                                     r"needs .* b@1 \(in use by 1 GPU session\).*gpu_capacity"):
-                hasty.open("a", device="cuda")      # (its client's timeout, 2 s, less a margin: its deadline)
+                hasty.open("a", device="cuda")      # (its client's timeout, 5 s, less a margin: its deadline; with 2 s
+                                                    # the 0.2 s margin was too thin on a loaded machine)
             got = []
             t = threading.Thread(target=lambda: got.append(other.open("a", device="cuda")))
             t.start()
