@@ -278,7 +278,8 @@ def main(argv=None) -> int:
     from modelcache.bench.http import _io, _start_front
     from modelcache.measure import ensure_models, managed_daemon, save_results
     servers = [s for s in SERVERS if s != "kserve-grpc" or args.kserve_python]
-    res = {"seconds": args.seconds, "rounds": args.rounds, "kserve_spin": not args.kserve_no_spin, "versions": _versions(args.kserve_python), "runs": {}}
+    res = {"seconds": args.seconds, "rounds": args.rounds, "kserve_spin": not args.kserve_no_spin,
+           "versions": _versions(args.kserve_python), "runs": {}}
     with tempfile.TemporaryDirectory(prefix="modelcache-bench-grpc-") as tmp:
         socket_ = f"ipc://{tmp}/daemon.sock"
         env = {**os.environ, "MODELCACHE_SOCKET": socket_, "MODELCACHE_REPOSITORY": f"{tmp}/repo",
