@@ -18,13 +18,16 @@ from kserve import InferOutput, InferRequest, InferResponse, Model, ModelServer
 
 
 class OrtModel(Model):
-    def __init__(self, name: str, path: str):
+    def __init__(self, name: str, path: str, spin: bool = True):
         super().__init__(name)
-        self.path = path
+        self.path, self.spin = path, spin
         self.load()
 
     def load(self) -> bool:
-        self.session = ort.InferenceSession(self.path, providers=["CPUExecutionProvider"])
+        options = ort.SessionOptions()
+        if not self.spin:   # (ORT's default: the intra-op pool's threads spin between runs, burning idle cores)
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.session = ort.InferenceSession(self.path, options, providers=["CPUExecutionProvider"])
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.ready = True
         return True
@@ -45,9 +48,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--grpc-port", type=int, required=True)
     ap.add_argument("--http-port", type=int, required=True)
+    ap.add_argument("--no-spin", action="store_true", help="ORT's intra-op threads block rather than spin")
     ap.add_argument("models", nargs="+", help="NAME=PATH.onnx")
     args = ap.parse_args()
-    models = [OrtModel(*spec.split("=", 1)) for spec in args.models]
+    models = [OrtModel(*spec.split("=", 1), spin=not args.no_spin) for spec in args.models]
     ModelServer(http_port=args.http_port, grpc_port=args.grpc_port, workers=1,
                 enable_latency_logging=False).start(models)
 
