@@ -140,11 +140,12 @@ def test_model_config_and_stats_entries():
     assert [(i["name"], i["data_type"], i["dims"]) for i in cfg["input"]] == [("s", "TYPE_STRING", [-1]),
                                                                               ("h", "TYPE_FP16", [2, -1])]
     assert cfg["output"][0]["data_type"] == "TYPE_INVALID" and cfg["max_batch_size"] == 0
-    idle = types.model_stat("m", 3, None, now_ms=5000.0)
+    idle = types.model_stat("m", 3, None)
     assert (idle["version"], idle["last_inference"], idle["inference_stats"]["success"]) == \
         ("3", 0, {"count": 0, "ns": 0})
     used = types.model_stat("m", 3, {"success": 2, "success_s": 0.5, "samples": 5, "queue_s": 0.1, "run_s": 0.3,
-                                     "failed": 1, "failed_s": 0.01, "executions": 1, "idle_s": 2.0}, now_ms=5000.0)
+                                     "failed": 1, "failed_s": 0.01, "executions": 1, "idle_s": 2.0,
+                                     "last_unix_ms": 3000})
     s = used["inference_stats"]
     assert (used["last_inference"], used["inference_count"], used["execution_count"]) == (3000, 5, 1)
     assert s["success"] == {"count": 2, "ns": 500_000_000} and s["fail"] == {"count": 1, "ns": 10_000_000}

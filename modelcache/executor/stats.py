@@ -3,6 +3,8 @@ the HTTP front's statistics extension serves (counts, summed seconds, the latenc
 
 from __future__ import annotations
 
+import time
+
 from ..histogram import Histogram
 
 INFER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -12,7 +14,8 @@ class ModelServeStats:
     """One model version's requests since the daemon started. Times are the engine's (`timings`): a
     request's total, its queue wait (summed over stages) and its stages' run time."""
 
-    __slots__ = ("latency", "samples", "queue_s", "run_s", "failed", "failed_s", "executions", "last_at")
+    __slots__ = ("latency", "samples", "queue_s", "run_s", "failed", "failed_s", "executions", "last_at",
+                 "last_unix_ms")
 
     def __init__(self):
         self.latency = Histogram(INFER_BUCKETS_S)   # successful requests: their count, summed seconds, buckets
@@ -23,9 +26,12 @@ class ModelServeStats:
         self.failed_s = 0.0
         self.executions = 0       # batches that ran to the end (one per request without batching)
         self.last_at = None       # engine clock of the last answer, success or failure
+        self.last_unix_ms = None  # the same moment on the wall clock: Triton's last_inference, the same
+                                  # however often and from wherever it is asked (not now less idle_s)
 
     def finished(self, now: float, samples: int, timings: dict, ok: bool) -> None:
         self.last_at = now
+        self.last_unix_ms = int(time.time() * 1e3)
         total_s = timings["total_ms"] / 1e3
         if not ok:
             self.failed += 1
@@ -40,4 +46,5 @@ class ModelServeStats:
         return {"success": self.latency.n, "success_s": self.latency.total, "samples": self.samples,
                 "queue_s": self.queue_s, "run_s": self.run_s, "failed": self.failed, "failed_s": self.failed_s,
                 "executions": self.executions,
-                "idle_s": None if self.last_at is None else max(0.0, now - self.last_at)}
+                "idle_s": None if self.last_at is None else max(0.0, now - self.last_at),
+                "last_unix_ms": self.last_unix_ms}

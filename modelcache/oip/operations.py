@@ -11,7 +11,6 @@ model control. Answers are plain dicts shaped as v2's JSON, whose names are also
 from __future__ import annotations
 
 import os
-import time
 
 from .. import __version__, protocol as P, tensors
 from ..errors import InputError, ModelCacheError
@@ -161,7 +160,6 @@ class Operations:
         listing = await self.link.call(P.ListModels(req_id=0), (P.ModelList,))
         stats = await self.link.call(P.Stats(req_id=0), (P.StatsReply,))
         served = stats.executor.get("models") or {}
-        now_ms = time.time() * 1e3
-        return [types.model_stat(m["name"], m["version"], served.get(f"{m['name']}@{m['version']}"), now_ms)
+        return [types.model_stat(m["name"], m["version"], served.get(f"{m['name']}@{m['version']}"))
                 for m in listing.models
                 if (not name or m["name"] == name) and (version is None or m["version"] == version)]

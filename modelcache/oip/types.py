@@ -73,7 +73,7 @@ def model_config(name: str, inputs: list[dict], outputs: list[dict]) -> dict:
             "output": [entry(e) for e in outputs]}
 
 
-def model_stat(name: str, version: int, served: dict | None, now_ms: float) -> dict:
+def model_stat(name: str, version: int, served: dict | None) -> dict:
     """One version's entry of Triton's statistics extension from the engine's counters (executor/stats.py;
     None: no request yet). The daemon does not time input and output conversion apart from the run, so
     compute_input and compute_output have their counts and 0 ns; no per-batch-size stats (batch_stats)."""
@@ -83,9 +83,7 @@ def model_stat(name: str, version: int, served: dict | None, now_ms: float) -> d
     def stat(count: int, seconds: float) -> dict:
         return {"count": count, "ns": int(seconds * 1e9)}
 
-    idle_s = s.get("idle_s")
-    return {"name": name, "version": str(version),
-            "last_inference": 0 if idle_s is None else int(now_ms - idle_s * 1e3),
+    return {"name": name, "version": str(version), "last_inference": s.get("last_unix_ms") or 0,
             "inference_count": s.get("samples", 0), "execution_count": s.get("executions", 0),
             "inference_stats": {"success": stat(ok, s.get("success_s", 0.0)),
                                 "fail": stat(s.get("failed", 0), s.get("failed_s", 0.0)),
