@@ -44,65 +44,44 @@ def drive(checkout: str) -> None:
     """A driver (run from `checkout`): starts its daemon and front, then answers "PATH N" lines on stdin with
     one line of JSON: N latencies in microseconds, and the front's and the daemon's CPU time per call in
     microseconds; an empty line ends it."""
-    import tempfile
     import time
 
     import grpc
-    import numpy as np
     import tritonclient.grpc as tg
 
-    from modelcache.bench.http import _start_front
     from modelcache.client.serve import ServeSession
-    from modelcache.measure import ensure_models, managed_daemon
-    from modelcache.triton_protos import grpc_service_pb2 as pb
+    from path import model_infer, sample_input, tiny_cnn_served   # (beside this file: sys.path[0])
 
-    with tempfile.TemporaryDirectory(prefix="modelcache-grpc-ab-") as tmp:
-        sock = f"ipc://{tmp}/daemon.sock"
-        env = {**os.environ, "MODELCACHE_SOCKET": sock, "MODELCACHE_REPOSITORY": f"{tmp}/repo",
-               "MODELCACHE_CONFIG": ""}
-        with open(Path(tmp) / "front.log", "ab") as log, \
-                managed_daemon(sock, f"{tmp}/repo", env={"MODELCACHE_CONFIG": ""}):
-            ensure_models(sock, ["tiny-cnn"], Path(tmp) / "zoo")
-            front, where = _start_front(env, log, "grpc")
-            pids = {"front": front.pid, "daemon": _daemon_pid(sock)}
-            try:
-                lane = ServeSession("tiny-cnn", socket=sock)
-                i, o = lane.get_inputs()[0], lane.get_outputs()[0].name
-                x = np.random.default_rng(0).standard_normal(
-                    [d if isinstance(d, int) else 1 for d in i.shape]).astype(np.float32)
-                channel = grpc.insecure_channel(where)
-                infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
-                                            request_serializer=pb.ModelInferRequest.SerializeToString,
-                                            response_deserializer=pb.ModelInferResponse.FromString)
-                req = pb.ModelInferRequest(model_name="tiny-cnn", raw_input_contents=[x.tobytes()], inputs=[
-                    pb.ModelInferRequest.InferInputTensor(name=i.name, datatype="FP32", shape=list(x.shape))])
-                client = tg.InferenceServerClient(where)
-                ti = tg.InferInput(i.name, list(x.shape), "FP32")
-                ti.set_data_from_numpy(x)
-                touts = [tg.InferRequestedOutput(o)]
-                calls = {"lane": lambda: lane.run(None, {i.name: x}), "grpc ModelInfer": lambda: infer(req),
-                         "tritonclient infer": lambda: client.infer("tiny-cnn", [ti], outputs=touts).as_numpy(o)}
-                for call in calls.values():   # warm: sessions, channels, the engine's perf model
-                    for _ in range(300):
-                        call()
-                print("READY", flush=True)
-                for line in sys.stdin:
-                    if not line.strip():
-                        break
-                    path, n = line.rsplit(" ", 1)
-                    call, lat = calls[path], []
-                    cpu = {k: _cpu_s(p) for k, p in pids.items()}
-                    for _ in range(int(n)):
-                        t = time.perf_counter()
-                        call()
-                        lat.append((time.perf_counter() - t) * 1e6)
-                    cpu = {k: (_cpu_s(p) - cpu[k]) / len(lat) * 1e6 for k, p in pids.items()}
-                    print(json.dumps({"latency_us": lat, "cpu_us": cpu}), flush=True)
-                client.close()
-                channel.close()
-            finally:
-                front.terminate()
-                front.wait()
+    with tiny_cnn_served(("grpc",), "modelcache-grpc-ab-") as (sock, _, [(front, where)]):
+        pids = {"front": front.pid, "daemon": _daemon_pid(sock)}
+        lane = ServeSession("tiny-cnn", socket=sock)
+        i, o = lane.get_inputs()[0], lane.get_outputs()[0].name
+        x = sample_input(i)
+        channel = grpc.insecure_channel(where)
+        client = tg.InferenceServerClient(where)
+        ti = tg.InferInput(i.name, list(x.shape), "FP32")
+        ti.set_data_from_numpy(x)
+        touts = [tg.InferRequestedOutput(o)]
+        calls = {"lane": lambda: lane.run(None, {i.name: x}), "grpc ModelInfer": model_infer(channel, i.name, x),
+                 "tritonclient infer": lambda: client.infer("tiny-cnn", [ti], outputs=touts).as_numpy(o)}
+        for call in calls.values():   # warm: sessions, channels, the engine's perf model
+            for _ in range(300):
+                call()
+        print("READY", flush=True)
+        for line in sys.stdin:
+            if not line.strip():
+                break
+            path, n = line.rsplit(" ", 1)
+            call, lat = calls[path], []
+            cpu = {k: _cpu_s(p) for k, p in pids.items()}
+            for _ in range(int(n)):
+                t = time.perf_counter()
+                call()
+                lat.append((time.perf_counter() - t) * 1e6)
+            cpu = {k: (_cpu_s(p) - cpu[k]) / len(lat) * 1e6 for k, p in pids.items()}
+            print(json.dumps({"latency_us": lat, "cpu_us": cpu}), flush=True)
+        client.close()
+        channel.close()
 
 
 def measure(checkouts: dict, rounds: int, calls: int) -> dict:

@@ -28,7 +28,49 @@ import sys
 import tempfile
 import time
 from concurrent import futures
+from contextlib import contextmanager
 from pathlib import Path
+
+
+@contextmanager
+def tiny_cnn_served(kinds: tuple, prefix: str):
+    """A daemon of its own (a temporary directory, tiny-cnn added) with `modelcache KIND` in front of it for each
+    kind: yields (socket, the model's .onnx, [(front process, host:port)]); ab.py's drivers use it too."""
+    from modelcache.bench.http import _start_front
+    from modelcache.measure import ensure_models, managed_daemon
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        sock = f"ipc://{tmp}/daemon.sock"
+        env = {**os.environ, "MODELCACHE_SOCKET": sock, "MODELCACHE_REPOSITORY": f"{tmp}/repo",
+               "MODELCACHE_CONFIG": ""}
+        with open(Path(tmp) / "fronts.log", "ab") as log, \
+                managed_daemon(sock, f"{tmp}/repo", env={"MODELCACHE_CONFIG": ""}):
+            path = ensure_models(sock, ["tiny-cnn"], Path(tmp) / "zoo")["tiny-cnn"]
+            fronts = [_start_front(env, log, kind) for kind in kinds]
+            try:
+                yield sock, path, fronts
+            finally:
+                for proc, _ in fronts:
+                    proc.terminate()
+                    proc.wait()
+
+
+def sample_input(i):
+    """A batch-1 float32 input for the ONNX input `i` (its symbolic dimensions as 1)."""
+    import numpy as np
+    return np.random.default_rng(0).standard_normal([d if isinstance(d, int) else 1 for d in i.shape]) \
+        .astype(np.float32)
+
+
+def model_infer(channel, name: str, x):
+    """A bare grpc channel's ModelInfer of tiny-cnn with `x` as input `name`, as a call of no arguments."""
+    from modelcache.triton_protos import grpc_service_pb2 as pb
+    infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                request_serializer=pb.ModelInferRequest.SerializeToString,
+                                response_deserializer=pb.ModelInferResponse.FromString)
+    req = pb.ModelInferRequest(model_name="tiny-cnn", raw_input_contents=[x.tobytes()], inputs=[
+        pb.ModelInferRequest.InferInputTensor(name=name, datatype="FP32", shape=list(x.shape))])
+    return lambda: infer(req)
 
 
 def _timed(call, n: int) -> tuple[float, float]:
@@ -86,63 +128,41 @@ def _echo(kind: str, n: int) -> tuple[float, float]:
 
 
 def measure(n: int) -> dict:
-    import numpy as np
     import onnxruntime as ort
     import grpc
     import tritonclient.grpc as tg
     import tritonclient.http as th
-    from modelcache.bench.http import _start_front
     from modelcache.client.serve import ServeSession
-    from modelcache.measure import ensure_models, managed_daemon
     from modelcache.triton_protos import grpc_service_pb2 as pb
 
     res = {"grpc echo, sync server": _echo("sync", n), "grpc echo, aio server": _echo("aio", n)}
-    with tempfile.TemporaryDirectory(prefix="modelcache-grpc-path-") as tmp:
-        sock = f"ipc://{tmp}/daemon.sock"
-        env = {**os.environ, "MODELCACHE_SOCKET": sock, "MODELCACHE_REPOSITORY": f"{tmp}/repo",
-               "MODELCACHE_CONFIG": ""}
-        with open(Path(tmp) / "fronts.log", "ab") as log, \
-                managed_daemon(sock, f"{tmp}/repo", env={"MODELCACHE_CONFIG": ""}):
-            path = ensure_models(sock, ["tiny-cnn"], Path(tmp) / "zoo")["tiny-cnn"]
-            fronts = [_start_front(env, log, kind) for kind in ("grpc", "http")]
-            try:
-                (_, gaddr), (_, haddr) = fronts
-                s = ort.InferenceSession(path)
-                i, o = s.get_inputs()[0], s.get_outputs()[0].name
-                x = np.random.default_rng(0).standard_normal(
-                    [d if isinstance(d, int) else 1 for d in i.shape]).astype(np.float32)
-                res["ort in-process"] = _timed(lambda: s.run(None, {i.name: x}), n)
-                lane = ServeSession("tiny-cnn", socket=sock)
-                res["lane"] = _timed(lambda: lane.run(None, {i.name: x}), n)
-                with grpc.insecure_channel(gaddr) as ch:
-                    live = ch.unary_unary("/inference.GRPCInferenceService/ServerLive",
-                                          request_serializer=pb.ServerLiveRequest.SerializeToString,
-                                          response_deserializer=pb.ServerLiveResponse.FromString)
-                    res["grpc ServerLive"] = _timed(lambda: live(pb.ServerLiveRequest()), n)
-                    infer = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
-                                           request_serializer=pb.ModelInferRequest.SerializeToString,
-                                           response_deserializer=pb.ModelInferResponse.FromString)
-                    req = pb.ModelInferRequest(model_name="tiny-cnn", raw_input_contents=[x.tobytes()], inputs=[
-                        pb.ModelInferRequest.InferInputTensor(name=i.name, datatype="FP32", shape=list(x.shape))])
-                    res["grpc ModelInfer"] = _timed(lambda: infer(req), n)
-                c = tg.InferenceServerClient(gaddr)
-                res["tritonclient ServerLive"] = _timed(c.is_server_live, n)
-                ti = tg.InferInput(i.name, list(x.shape), "FP32")
-                ti.set_data_from_numpy(x)
-                touts = [tg.InferRequestedOutput(o)]
-                res["tritonclient infer"] = _timed(lambda: c.infer("tiny-cnn", [ti], outputs=touts).as_numpy(o), n)
-                c.close()
-                h = th.InferenceServerClient(haddr)
-                hi = th.InferInput(i.name, list(x.shape), "FP32")
-                hi.set_data_from_numpy(x)
-                houts = [th.InferRequestedOutput(o)]
-                res["tritonclient http infer"] = _timed(lambda: h.infer("tiny-cnn", [hi], outputs=houts)
-                                                        .as_numpy(o), n)
-                h.close()
-            finally:
-                for proc, _ in fronts:
-                    proc.terminate()
-                    proc.wait()
+    with tiny_cnn_served(("grpc", "http"), "modelcache-grpc-path-") as (sock, path, fronts):
+        (_, gaddr), (_, haddr) = fronts
+        s = ort.InferenceSession(path)
+        i, o = s.get_inputs()[0], s.get_outputs()[0].name
+        x = sample_input(i)
+        res["ort in-process"] = _timed(lambda: s.run(None, {i.name: x}), n)
+        lane = ServeSession("tiny-cnn", socket=sock)
+        res["lane"] = _timed(lambda: lane.run(None, {i.name: x}), n)
+        with grpc.insecure_channel(gaddr) as ch:
+            live = ch.unary_unary("/inference.GRPCInferenceService/ServerLive",
+                                  request_serializer=pb.ServerLiveRequest.SerializeToString,
+                                  response_deserializer=pb.ServerLiveResponse.FromString)
+            res["grpc ServerLive"] = _timed(lambda: live(pb.ServerLiveRequest()), n)
+            res["grpc ModelInfer"] = _timed(model_infer(ch, i.name, x), n)
+        c = tg.InferenceServerClient(gaddr)
+        res["tritonclient ServerLive"] = _timed(c.is_server_live, n)
+        ti = tg.InferInput(i.name, list(x.shape), "FP32")
+        ti.set_data_from_numpy(x)
+        touts = [tg.InferRequestedOutput(o)]
+        res["tritonclient infer"] = _timed(lambda: c.infer("tiny-cnn", [ti], outputs=touts).as_numpy(o), n)
+        c.close()
+        h = th.InferenceServerClient(haddr)
+        hi = th.InferInput(i.name, list(x.shape), "FP32")
+        hi.set_data_from_numpy(x)
+        houts = [th.InferRequestedOutput(o)]
+        res["tritonclient http infer"] = _timed(lambda: h.infer("tiny-cnn", [hi], outputs=houts).as_numpy(o), n)
+        h.close()
     return res
 
 
