@@ -89,10 +89,31 @@ def test_host_stores_shared_tensors_once(host, tmp_path):
     pb = promote(host, "b@1", db, mb)
     assert 0 < pb.segment_bytes < 0.15 * pa.segment_bytes     # b copied only what differs (~13 %)
     assert host.used_bytes == pa.segment_bytes + pb.segment_bytes
-    # The shared segment survives a's eviction while b uses it; b's outputs stay correct.
-    assert host.free_model("a@1") == 0
+    # The shared segment survives a's eviction while b uses it, less the tensors only a used: their pages are
+    # punched out of the file (issue 42), as much as bytes_freed_by said, and no more.
+    shared = host.segment_path(pa.segment)
+    frees = host.bytes_freed_by(["a@1"])
+    assert 0 < frees < 0.5 * pa.segment_bytes
+    blocks = os.stat(shared).st_blocks
+    assert host.free_model("a@1") == frees
+    assert (blocks - os.stat(shared).st_blocks) * 512 == frees
+    assert host.used_bytes == pa.segment_bytes + pb.segment_bytes - frees
+    assert host.model_bytes("b@1") == host.used_bytes
+    # A punched tensor is no longer offered for sharing: a comes back with those tensors copied again, every
+    # tensor of both models reads back as stored.
+    pa2 = promote(host, "a@1", da, ma)
+    assert pa2.segment_bytes >= frees
+    for key, d, m in (("a@1", da, ma), ("b@1", db, mb)):
+        blob = (d / "weights.bin").read_bytes()
+        _, segments, tensors = host.layout(key, m)
+        for (name, dtype, shape, seg, off, nbytes), t in zip(tensors, m.tensors):
+            with open(segments[seg], "rb") as f:
+                f.seek(off)
+                assert f.read(nbytes) == blob[t.offset:t.offset + nbytes], (key, name)
+    host.free_model("a@1")
     assert host.bytes_freed_by(["b@1"]) == host.used_bytes
-    assert host.free_model("b@1") == pa.segment_bytes + pb.segment_bytes
+    assert host.free_model("b@1") == pa.segment_bytes + pb.segment_bytes - frees
+    assert host.used_bytes == 0 and host.segments == {}
 
 
 def test_abort_releases_the_reservation(host, tmp_path):

@@ -107,6 +107,7 @@ def _readopt(tier: HostTier, manifests: dict, variants_needed: dict, found: Adop
     finally:
         views.close()
     _remove_unadopted(tier)
+    tier.trim()
     tier.write_owner()
 
 

@@ -74,3 +74,35 @@ def copy_hashed(src_fd: int, dst_fd: int, ranges, new_hasher, chunk: int = 1 << 
     if failure:
         raise failure[0]
     return digests
+
+
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_libc = None
+
+
+def punch_holes(path, spans) -> None:
+    """Give the pages of each (start, end) span of a file back to the filesystem: fallocate(2) with
+    FALLOC_FL_PUNCH_HOLE, the file's size kept (tmpfs frees the pages at once; a read there sees zeros).
+    The host tier's files are read-only (0440): made writable for the moment it takes, as the owner may."""
+    global _libc
+    spans = [(start, end) for start, end in spans if end > start]
+    if not spans:
+        return
+    if _libc is None:
+        import ctypes
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    mode = os.stat(path).st_mode & 0o777
+    os.chmod(path, mode | 0o200)
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    finally:
+        os.chmod(path, mode)
+    try:
+        for start, end in spans:
+            if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, start, end - start) != 0:
+                import ctypes
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err), str(path))
+    finally:
+        os.close(fd)

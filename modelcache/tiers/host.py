@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .files import copy_hashed, copy_range
+from .files import copy_hashed, copy_range, punch_holes
 from .. import integrity, prepack
 from ..format import ALIGN, GPU_SKELETON_FILE, PREPACKED_FILE, SKELETON_FILE, WEIGHTS_FILE, Manifest
 from ..storage import remove_tree, storage_errors, write_atomic
@@ -90,9 +90,59 @@ def read_owner(tier_dir: Path) -> str:
 
 @dataclass
 class Segment:
+    """One segment file and what lives in it: each tensor (or a weight with its pre-packed blobs) a range with
+    the models that use it. A range no model uses any more is punched out of the file (FALLOC_FL_PUNCH_HOLE:
+    tmpfs gives its pages back at once), so a model that shares one tensor with another keeps that tensor's
+    pages, not the whole segment (issue 42: a 9.5 MiB model kept a 528 MiB segment)."""
     name: str
-    size: int
-    users: set = field(default_factory=set)   # keys of models whose tensors live here (or are loading)
+    size: int                                   # the file's length
+    ranges: dict = field(default_factory=dict)  # offset -> [end, set of model keys using it (or loading it)]
+
+    @property
+    def users(self) -> set:
+        return set().union(*(users for _, users in self.ranges.values()))
+
+    def use(self, offset: int, end: int | None, key: str) -> None:
+        entry = self.ranges.setdefault(offset, [end, set()])
+        entry[1].add(key)
+        if end is not None and (entry[0] is None or end > entry[0]):
+            entry[0] = end
+
+    def resident_bytes(self, without=frozenset()) -> int:
+        """Bytes of the pages that ranges used by any model but those `without` lie in (what the file holds once
+        the rest is punched; all of it while every range is used)."""
+        live = _page_spans((off, end) for off, (end, users) in self.ranges.items() if users - without)
+        if not live:
+            return 0
+        if len(live) == 1 and live[0] == (0, _page_up(self.size)):
+            return self.size
+        return sum(min(end, self.size) - start for start, end in live)
+
+    def holes(self) -> list:
+        """The page-aligned spans of the file no used range lies in: what punching gives back."""
+        holes, at = [], 0
+        for start, end in _page_spans((off, end) for off, (end, users) in self.ranges.items() if users):
+            if start > at:
+                holes.append((at, start))
+            at = end
+        if at < self.size:
+            holes.append((at, _page_up(self.size)))
+        return holes
+
+
+def _page_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _page_spans(ranges) -> list:
+    """Byte ranges -> the sorted, merged spans of whole pages they touch."""
+    spans = []
+    for start, end in sorted((off // ALIGN * ALIGN, _page_up(end)) for off, end in ranges):
+        if spans and start <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], end))
+        else:
+            spans.append((start, end))
+    return spans
 
 
 def variant_tensors(manifest: Manifest, variant: str) -> list:
@@ -146,21 +196,26 @@ class HostTier:
     # -- accounting ----------------------------------------------------------------------
     @property
     def used_bytes(self) -> int:
-        """Bytes of all segments, including those being written (reserved by their plan)."""
-        return sum(s.size for s in self.segments.values())
+        """Bytes the segments hold, including those being written (reserved by their plan)."""
+        return sum(s.resident_bytes() for s in self.segments.values())
 
     @property
     def free_bytes(self) -> int:
         return self.capacity_bytes - self.used_bytes
 
     def bytes_freed_by(self, keys) -> int:
-        """What evicting all of `keys` together would free: segments no other model uses."""
-        keys = set(keys)
-        return sum(s.size for s in self.segments.values() if s.users and s.users <= keys)
+        """What evicting all of `keys` together would free: the ranges (page-rounded) no other model uses."""
+        keys = frozenset(keys)
+        return sum(s.resident_bytes() - s.resident_bytes(keys) for s in self.segments.values()
+                   if not keys.isdisjoint(s.users))
 
     def model_bytes(self, key: str) -> int:
-        """Bytes of the segments a model uses (shared ones counted in full)."""
-        return sum(s.size for s in self.segments.values() if key in s.users)
+        """Bytes of the ranges a model uses (page-rounded; shared ones counted in full)."""
+        total = 0
+        for s in self.segments.values():
+            spans = _page_spans((off, end) for off, (end, users) in s.ranges.items() if key in users)
+            total += sum(min(end, s.size) - start for start, end in spans)
+        return total
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -203,14 +258,29 @@ class HostTier:
 
     def restore(self, key: str, manifest: Manifest, locations: dict, segment_bytes: dict) -> None:
         """Take back a model a dead daemon left resident here (tiers/adopt.py has checked its bytes)."""
+        with_blobs = {r["tensor"] for r in manifest.prepacked}   # a weight stored with its pre-packed blobs
         for variant, where in locations.items():
             for t in variant_tensors(manifest, variant):
                 seg_name, offset = where[t.name]
                 seg = self.segments.setdefault(seg_name, Segment(seg_name, segment_bytes[seg_name]))
-                seg.users.add(key)
+                # (a weight's blobs follow it up to the next range: trim finds where that is)
+                seg.use(offset, None if variant == "cpu" and t.name in with_blobs else offset + t.nbytes, key)
                 self.index.setdefault(t.sha256, (seg_name, offset))
                 self._next_segment = max(self._next_segment, segment_number(seg_name) + 1)
         self.models[key] = locations
+
+    def trim(self) -> None:
+        """After re-adopting: give back every span of a segment no model uses (what the dead daemon died before
+        punching). A weight's pre-packed blobs stay with it (its range runs to the next one)."""
+        for seg in self.segments.values():
+            starts = sorted(seg.ranges) + [seg.size]
+            for i, start in enumerate(starts[:-1]):
+                if seg.ranges[start][0] is None:
+                    seg.ranges[start][0] = starts[i + 1]
+            try:
+                punch_holes(self.segment_path(seg.name), seg.holes())
+            except OSError as e:
+                log.error("could not give back unused ranges of %s: %s", seg.name, e.strerror or e)
 
     def variants(self, manifest: Manifest) -> tuple:
         """What a promotion copies: the CPU weights, and the GPU ones when there is a GPU tier."""
@@ -243,6 +313,7 @@ class HostTier:
         """`plan` of the version in `disk_dir`, of the `variants` given."""
         locations, copies, offset = {}, [], 0
         fresh: dict[str, int] = {}                  # sha -> offset in the new segment
+        new_ranges: dict[int, int] = {}             # the new segment's ranges: start -> end
         segment = f"seg-{self._next_segment}.bin"
         records = _prepacked_records(disk_dir, manifest) if "cpu" in variants else {}
         blob_copies, prepacked, units = [], {}, {}
@@ -269,6 +340,7 @@ class HostTier:
                                 offset += nbytes
                             packs.append([pack_key, placed])
                         unit = units[ukey] = (segment, weight_offset, packs)
+                        new_ranges[weight_offset] = offset   # the weight and its blobs: one range
                     where[t.name] = (unit[0], unit[1])
                     prepacked[t.name] = unit[2]
                 elif t.sha256 in self.index:
@@ -280,15 +352,20 @@ class HostTier:
                     fresh[t.sha256] = offset
                     copies.append((t.offset, offset, t.nbytes, t.sha256))
                     where[t.name] = (segment, offset)
+                    new_ranges[offset] = offset + t.nbytes
                     offset += t.nbytes
         if copies:
             self._next_segment += 1
-            self.segments[segment] = Segment(segment, offset, {key})   # reserved from now on
+            seg = self.segments[segment] = Segment(segment, offset)   # reserved from now on
+            for start, end in new_ranges.items():
+                seg.use(start, end, key)
         else:
             segment = None
-        for where in locations.values():            # keep reused segments alive while we load
-            for seg_name, _ in where.values():
-                self.segments[seg_name].users.add(key)
+        for where in locations.values():            # keep the reused ranges alive while we load
+            for seg_name, at in where.values():
+                if seg_name != segment:
+                    seg = self.segments[seg_name]
+                    seg.use(at, seg.ranges[at][0], key)
         return Plan(key, disk_dir, manifest, locations, copies, segment, offset, blob_copies, prepacked, units)
 
     def write(self, plan: Plan) -> float:
@@ -400,17 +477,41 @@ class HostTier:
             remove_quietly(path)
 
     def _drop_user(self, key: str) -> int:
+        """`key` uses nothing here any more: segments no model uses are removed, ranges punched. Bytes freed."""
         freed = 0
         for seg in list(self.segments.values()):
-            seg.users.discard(key)
+            if key not in seg.users:
+                continue
+            before = seg.resident_bytes()
+            for _, users in seg.ranges.values():
+                users.discard(key)
             if not seg.users:
+                freed += before
                 remove_quietly(self.segment_path(seg.name))
                 remove_quietly(self.segment_path(seg.name).with_suffix(".loading"))
                 del self.segments[seg.name]
                 self.index = {sha: loc for sha, loc in self.index.items() if loc[0] != seg.name}
                 self.units = {u: loc for u, loc in self.units.items() if loc[0] != seg.name}
-                freed += seg.size
+            else:
+                self._punch(seg)
+                freed += before - seg.resident_bytes()
         return freed
+
+    def _punch(self, seg: Segment) -> None:
+        """Forget the segment's ranges no model uses (a new promotion must not reuse them) and give their pages
+        back. Clients map only what their leases name, and a range goes only with its last model's copy."""
+        dead = {off for off, (_, users) in seg.ranges.items() if not users}
+        if not dead:
+            return
+        for off in dead:
+            del seg.ranges[off]
+        self.index = {sha: loc for sha, loc in self.index.items() if not (loc[0] == seg.name and loc[1] in dead)}
+        self.units = {u: loc for u, loc in self.units.items() if not (loc[0] == seg.name and loc[1] in dead)}
+        path = self.segment_path(seg.name)
+        try:
+            punch_holes(path, seg.holes())
+        except OSError as e:   # (a filesystem without hole punching: the pages stay until the segment goes)
+            log.error("could not give back unused ranges of %s: %s", path, e.strerror or e)
 
     # -- what clients get ------------------------------------------------------------------
     def export(self, key: str, manifest: Manifest) -> dict:
