@@ -19,7 +19,7 @@ def __getattr__(name):
         from . import errors
         return errors
     if name in ("ModelCacheError", "DaemonUnavailable", "RequestTimeout", "ModelNotFound", "InputError",
-                "PackError", "CapacityError", "ProtocolError", "LeaseError"):
+                "PackError", "CapacityError", "OutOfMemoryError", "ProtocolError", "LeaseError"):
         from . import errors
         return getattr(errors, name)
     raise AttributeError(f"module 'modelcache' has no attribute {name!r}")

@@ -124,20 +124,22 @@ def _in(ts: float) -> str:
 
 def print_models(models: list[dict], out=sys.stdout) -> None:
     """HOST and GPU: what each tier charges for the model, by its own accounting (HOST, for a model not in
-    the host tier: what loading it takes there); DISK: its stored weights, every variant. WHY: why it is in
+    the host tier: what loading it takes there); FREES: what evicting it alone would free in the host tier now
+    (less than HOST where it shares tensors with other resident models); DISK: its stored weights, every variant. WHY: why it is in
     the host tier (in use, pinned, pre-warmed, kept alive: its keep-alive window is open, cached: it stays
     until room is needed) or on its way there (loading, waiting for room); empty from an older daemon."""
     if not models:
         print("no models; add one with `modelcache add FILE.onnx --name NAME`", file=out)
         return
-    print(f"{'NAME':<20} {'VER':>4} {'HOST':>10} {'GPU':>10} {'DISK':>10} {'TIER':<6} {'STATE':<9} {'REFS':>4} "
-          f"{'HITS':>5} {'PIN':<3} {'LAST USE':<10} WHY", file=out)
+    print(f"{'NAME':<20} {'VER':>4} {'HOST':>10} {'FREES':>10} {'GPU':>10} {'DISK':>10} {'TIER':<6} {'STATE':<9} "
+          f"{'REFS':>4} {'HITS':>5} {'PIN':<3} {'LAST USE':<10} WHY", file=out)
     for m in models:
-        host, gpu = m.get("host_bytes", m["bytes"]), m.get("gpu_bytes", 0)
+        host, gpu, frees = m.get("host_bytes", m["bytes"]), m.get("gpu_bytes", 0), m.get("frees_bytes")
+        frees = "-" if not frees or m["tier"] in ("disk", "remote") else _human(frees)
         why = m.get("why") or ""
         if m.get("keep_alive_until") and "kept alive" in why:
             why += f" ({_in(m['keep_alive_until'])} left)"
-        print(f"{m['name']:<20} {m['version']:>4} {_human(host) if host else '-':>10} "
+        print(f"{m['name']:<20} {m['version']:>4} {_human(host) if host else '-':>10} {frees:>10} "
               f"{_human(gpu) if gpu else '-':>10} {_human(m['bytes']):>10} {m['tier']:<6} {m['state']:<9} "
               f"{m['refcount']:>4} {m['hits']:>5} {'yes' if m.get('pinned') else '':<3} {_ago(m['last_use']):<10} "
               f"{why}".rstrip(), file=out)
@@ -399,6 +401,13 @@ def format_status(st) -> str:
             where += (f"; {_count(waits['requests'], 'request')} waiting for room "
                       f"({_count(waits['models'], 'model')})")
         print(f"{t['tier']:<6} {_human(t['used_bytes']) + ' / ' + cap + pct:<24} {where}", file=out)
+    host = next((t for t in st.tiers if "memory_limit_bytes" in t), None)   # (an older daemon does not say)
+    if host is not None:
+        counters = st.counters
+        print(f"memory: limit {_human(host['memory_limit_bytes'])} ({host['memory_limit_source']}), "
+              f"{_human(max(0, host['headroom_bytes']))} free, {_human(host['memory_reserve_bytes'])} kept free "
+              f"(memory_reserve); {_count(counters.get('pressure_evictions', 0), 'idle model')} given back under "
+              "pressure", file=out)
     print(file=out)
     print_models(st.models, out)
     print_keep_alive(st.models, out)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .address import DEFAULT_REQUEST_TIMEOUT_S, check_address, default_config_file, default_socket, is_root
 from .errors import ConfigError
+from .memlimit import ram_bytes
 
 __all__ = ["ConfigError", "Settings", "load", "parse_size", "parse_policy_spec", "parse_fake_gpus"]
 
@@ -31,7 +32,10 @@ class Settings:
     socket: str = ""                  # ZeroMQ address of the daemon; default ipc://<runtime dir>/daemon.sock
     repository: str = ""              # packed models (the disk tier); default <state dir>/repository
     shm_dir: str = "/dev/shm"         # where the host tier's shared memory lives
-    host_capacity: str = "50%"        # bytes ("8G", "512M") or percent of RAM
+    host_capacity: str = "50%"        # bytes ("8G", "512M") or percent of the memory limit (RAM, or the cgroup's)
+    memory_reserve: str = "auto"      # headroom kept free under the memory limit: idle models are given back below it,
+                                      # and a promotion that would leave less fails; auto = 10% of the limit, 256M-25%
+    capacity_over_limit: str = "refuse"  # a host_capacity above the limit less memory_reserve: refuse to start, or warn
     gpu_capacity: str = "50%"         # per GPU: bytes, or percent of the device's memory
     fake_gpus: str = ""               # simulated GPUs in shared memory, for tests and development: "2x256M"
     gpu_sharing: str = "ipc"          # how clients map GPU weights: ipc (legacy CUDA IPC, read-write) or vmm-read-only
@@ -83,16 +87,22 @@ class Settings:
     def repository_path(self) -> Path:
         return Path(self.repository)
 
-    def host_capacity_bytes(self) -> int:
-        return parse_size(self.host_capacity, total=_ram_bytes())
+    def host_capacity_bytes(self, limit_bytes: int | None = None) -> int:
+        """host_capacity in bytes; a percentage is of `limit_bytes` (the memory limit, memlimit.read_limit)."""
+        return parse_size(self.host_capacity, total=limit_bytes if limit_bytes is not None else _ram_bytes())
+
+    def memory_reserve_bytes(self, limit_bytes: int) -> int:
+        """memory_reserve in bytes under a memory limit of `limit_bytes`."""
+        if self.memory_reserve == "auto":   # a tenth, but never under 256 MiB nor over a quarter of a small limit
+            return int(min(max(256 << 20, limit_bytes // 10), limit_bytes // 4))
+        return parse_size(self.memory_reserve, total=limit_bytes)
 
     def max_message_bytes(self) -> int:
         return parse_size(self.max_message_size)
 
 
 def _ram_bytes() -> int:
-    # sysconf, not psutil: validating host_capacity at every load should not import psutil
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return ram_bytes()
 
 
 MIN_CAPACITY = 64 << 10    # smaller holds no model worth caching: a typo ("10K" for "10G"), not a choice
@@ -266,6 +276,24 @@ def _capacity(of: str | None):
     return rule
 
 
+def _reserve(value) -> str:
+    """memory_reserve: auto, bytes, or a percentage of the memory limit below 90%."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return text
+    if text.endswith("%"):
+        try:
+            number(float, low=0, high=90)(text[:-1])
+        except ValueError:
+            raise ValueError("must be auto, a size such as 512M, or 0% to 90% of the memory limit") from None
+        return text
+    try:
+        parse_size(text)
+    except ConfigError:
+        raise ValueError("must be auto, a size such as 512M, or a percentage of the memory limit such as 10%") from None
+    return text
+
+
 def _int_list(words: tuple, low: int, form: str):
     """One of `words`, or whole numbers >= low separated by commas (a TOML list too): workers, gpus."""
     def rule(value):
@@ -325,7 +353,8 @@ _non_negative = number(float, low=0)
 
 RULES = {
     "socket": _address, "repository": _directory(False), "shm_dir": _directory(True),
-    "host_capacity": _capacity("RAM"), "gpu_capacity": _capacity("the device's memory"),
+    "host_capacity": _capacity("RAM"), "memory_reserve": _reserve,
+    "capacity_over_limit": _choice("refuse", "warn"), "gpu_capacity": _capacity("the device's memory"),
     "fake_gpus": _fake_gpus, "gpu_sharing": _choice(*GPU_SHARING), "remote": _remote,
     "eviction_policy": _choice(*EVICTION_POLICIES),
     "keep_alive_s": _positive,

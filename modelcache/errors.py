@@ -71,6 +71,13 @@ class CapacityError(ModelCacheError):
     code = "capacity"
 
 
+class OutOfMemoryError(CapacityError):
+    """A promotion would leave less memory free under the memory limit (RAM, or the cgroup's) than
+    memory_reserve, even with every idle model given back: refused rather than risk the OOM killer."""
+
+    code = "out_of_memory"
+
+
 class RemoteError(ModelCacheError):
     """The remote store could not be read, or what it sent does not match its index."""
 
@@ -102,8 +109,8 @@ class PermissionDenied(ModelCacheError, PermissionError):
 
 
 ERRORS_BY_CODE = {cls.code: cls for cls in (ModelCacheError, DaemonUnavailable, RequestTimeout, ProtocolError,
-                                            ModelNotFound, PackError, InputError, RunError, CapacityError, LeaseError,
-                                            StorageError, RemoteError, IntegrityError, PermissionDenied)}
+                                            ModelNotFound, PackError, InputError, RunError, CapacityError,
+                                            OutOfMemoryError, LeaseError, StorageError, RemoteError, IntegrityError, PermissionDenied)}
 
 
 def from_code(code: str, message: str) -> ModelCacheError:

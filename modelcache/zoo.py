@@ -280,6 +280,19 @@ def tiny_cnn(seed: int = 0) -> onnx.ModelProto:
     return _finish(g, g.linear(x, 32, 10), size=32, classes=10)
 
 
+def sized(nbytes: int, seed: int = 0) -> onnx.ModelProto:
+    """A lookup table of about `nbytes` of float32 weights, distinct per seed (no tensor shared with another
+    seed's): tests and benchmarks that fill tiers and memory limits by the byte. Input ids (int64), output rows."""
+    rows = max(1, nbytes // (256 * 4))
+    table = np.random.default_rng(seed).standard_normal((rows, 256), dtype=np.float32)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Gather", ["table", "ids"], ["rows"], axis=0)], f"sized_{seed}",
+        [onnx.helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["n"])],
+        [onnx.helper.make_tensor_value_info("rows", onnx.TensorProto.FLOAT, ["n", 256])],
+        [onnx.numpy_helper.from_array(table, "table")])
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+
+
 def tiny_vit(seed: int = 0) -> onnx.ModelProto:
     return _vit("tiny_vit", seed, size=32, patch=8, dim=64, depth=2, heads=4, mlp=128, classes=10)
 

@@ -32,7 +32,8 @@ class Parts:
     """The residency managers, models, sessions as the daemon wires them, over `tmp_path`."""
 
     def __init__(self, tmp_path, policy: str = "lru", host_capacity: str = "256M", fake_gpus: str = "1x64M",
-                 **settings):
+                 memory=None, **settings):
+        """memory: a daemon.memory.MemoryGuard for the host tier (its headroom measured as the test says)."""
         self.settings = Settings(socket=f"ipc://{tmp_path}/d.sock", repository=str(tmp_path / "repo"),
                                  shm_dir=str(tmp_path / "shm"), host_capacity=host_capacity, fake_gpus=fake_gpus,
                                  eviction_policy=policy, workers="1", gpus="auto", **settings)
@@ -51,7 +52,9 @@ class Parts:
                                counters=self.counters, jobs={}, reply=reply, redispatch=None)
         parts = dict(registry=self.registry, loaders=self.loaders, counters=self.counters, jobs={}, clock=self.clock)
         self.residency = Residency(tier=self.host, policy=policy_for(self.settings, self.clock),
-                                   settings=self.settings, source=self.fetcher, **parts)
+                                   settings=self.settings, source=self.fetcher, memory=memory, **parts)
+        if memory is not None:
+            memory.host = self.residency
         self.gpus = GpuTiers(host=self.residency, settings=self.settings, make_policy=policy_for, **parts)
         self.models = Models(registry=self.registry, host=self.residency, gpus=self.gpus, fetcher=self.fetcher,
                              repository=self.repository, loaders=self.loaders, settings=self.settings,

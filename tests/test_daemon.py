@@ -92,9 +92,10 @@ def test_ls_shows_each_tiers_own_charge_not_the_stored_variants(daemon, client, 
     assert after["bytes"] > used                                       # the stored file: both variants
     r = subprocess.run([sys.executable, "-m", "modelcache.cli", "ls"], env=daemon.env, capture_output=True, text=True)
     header, row = r.stdout.splitlines()
-    assert header.split()[:7] == ["NAME", "VER", "HOST", "GPU", "DISK", "TIER", "STATE"], header
-    assert row.split()[2:8] == [*f"{used / 1024:.1f} KiB".split(), "-", *f"{after['bytes'] / 1024:.1f} KiB".split(),
-                                "host"], row
+    assert header.split()[:8] == ["NAME", "VER", "HOST", "FREES", "GPU", "DISK", "TIER", "STATE"], header
+    # FREES: what evicting it would free; all of HOST, as it shares no tensor with another model.
+    assert row.split()[2:10] == [*f"{used / 1024:.1f} KiB".split(), *f"{used / 1024:.1f} KiB".split(), "-",
+                                 *f"{after['bytes'] / 1024:.1f} KiB".split(), "host"], row
 
 
 def test_ls_lists_the_remote_stores_models(tmp_path, zoo_file):
@@ -108,7 +109,8 @@ def test_ls_lists_the_remote_stores_models(tmp_path, zoo_file):
         r = subprocess.run([sys.executable, "-m", "modelcache.cli", "ls"], env=d.env, capture_output=True, text=True)
         assert r.returncode == 0 and "no models" not in r.stdout, r.stdout + r.stderr
         row = r.stdout.splitlines()[1].split()
-        assert (row[0], row[1], row[2], row[3], row[6], row[7]) == ("far", "3", "-", "-", "remote", "remote"), r.stdout
+        assert (row[0], row[1], row[2], row[3], row[4], row[7], row[8]) == ("far", "3", "-", "-", "-", "remote",
+                                                                            "remote"), r.stdout
     finally:
         stop_cleanly(d)
 

@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "modelcache"
 LAYERS = [
     ("foundation", ["errors", "format", "integrity", "storage", "tensors", "lane", "protocol", "cuda",
                     "session_options", "reservations", "histogram", "calibration", "plotting", "usage",
-                    "triton_protos"]),
+                    "memlimit", "triton_protos"]),
     ("settings", ["config", "address"]),
     ("model tooling", ["packing", "prepack", "sources", "zoo"]),
     ("tiers", ["tiers", "eviction", "scrub"]),

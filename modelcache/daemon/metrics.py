@@ -40,6 +40,17 @@ def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, 
            [f'modelcache_tier_used_bytes{{{_tier_labels(t)}}} {t["used_bytes"]}' for t in tiers])
     metric("modelcache_tier_capacity_bytes", "gauge", "Capacity per tier (0: unbounded).",
            [f'modelcache_tier_capacity_bytes{{{_tier_labels(t)}}} {t["capacity_bytes"]}' for t in tiers])
+    for t in tiers:
+        if "memory_limit_bytes" in t:   # the host tier's: the memory limit it lives under (daemon/memory.py)
+            for key, name, help_ in (
+                    ("memory_limit_bytes", "modelcache_memory_limit_bytes",
+                     "The memory limit the host tier lives under: RAM, or the cgroup's limit when smaller."),
+                    ("memory_reserve_bytes", "modelcache_memory_reserve_bytes",
+                     "Headroom kept free under the memory limit (memory_reserve): idle models are given back below it."),
+                    ("headroom_bytes", "modelcache_memory_headroom_bytes",
+                     "Memory free under the memory limit now (the limit less the cgroup's working set, or the "
+                     "machine's MemAvailable).")):
+                metric(name, "gauge", help_, [f"{name} {t[key]}"])
     metric("modelcache_tier_waiting_requests", "gauge", "Requests waiting for room in a tier full of models in use.",
            [f'modelcache_tier_waiting_requests{{{_tier_labels(t)}}} {t["waiting"]["requests"]}'
             for t in tiers if "waiting" in t])
@@ -82,7 +93,9 @@ def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, 
                        ("gpu_unloads", "Idle GPU copies demoted when their keep-alive ended."),
                        ("gpu_prewarms", "Models pre-warmed host -> GPU before their expected call."),
                        ("wasted_prewarms", "Pre-warmed host copies freed before any call used them."),
-                       ("gpu_wasted_prewarms", "Pre-warmed GPU copies freed before any call used them.")):
+                       ("gpu_wasted_prewarms", "Pre-warmed GPU copies freed before any call used them."),
+                       ("pressure_evictions", "Idle models given back because memory under the limit ran short."),
+                       ("pressure_reliefs", "Times memory under the limit ran short and idle models were given back.")):
         metric(f"modelcache_{key}_total", "counter", help_, [f"modelcache_{key}_total {counters.get(key, 0)}"])
     metric("modelcache_open_latency_seconds", "histogram", "Time from an open request to its reply.",
            open_latency.lines("modelcache_open_latency_seconds"))

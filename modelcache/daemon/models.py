@@ -260,6 +260,8 @@ class Models:
         why = ", ".join(filter(None, [model.why_resident(kept is not None and kept > now),
                                       *(r.waiting_text(model) for r in self.gpus)]))
         out = model.describe(host_bytes, gpu_bytes, why=why, keep_alive_until=as_wall(kept), next_call=as_wall(call))
+        # What evicting it alone would free in the host tier now (its tensors no other resident model uses).
+        out["frees_bytes"] = host.bytes_freed_by([model.key]) if model.state is ModelState.RESIDENT else 0
         for copy in out["gpu"]:   # (only under a timed policy: the copy's record is otherwise as it was)
             until = self.gpus.by_uuid[copy["device"]].policy.keep_alive_until(model.key)
             if until is not None:

@@ -25,7 +25,7 @@ log = logging.getLogger("modelcache.daemon")
 
 class Residency:
     def __init__(self, *, tier, policy, registry: Registry, loaders, counters: dict, jobs: dict, clock,
-                 settings, below: "Residency | None" = None, source=None):
+                 settings, below: "Residency | None" = None, source=None, memory=None):
         self.tier = tier                  # tiers.host.HostTier or tiers.gpu.DeviceTier (the Tier contract)
         self.id = tier.id                 # its copies' key in each model's record
         self.policy = policy              # eviction: it chooses, this frees
@@ -41,6 +41,8 @@ class Residency:
             below.above.append(self)
         # The bottom tier's: the repository side (fetch.py), which fetches a damaged version again.
         self.source = source
+        # The host tier's: the memory limit's headroom (memory.py), which a promotion must leave free.
+        self.memory = memory
         self.room = RoomQueue()
         self.resident: dict = {}          # key -> ModelRecord of each copy resident here: what room is made from
         self.needs: dict = {}             # key -> bytes its last promotion that found no room would have placed
@@ -150,6 +152,9 @@ class Residency:
             self.needs[model.key] = plan.bytes   # (for the refusal, should its request's deadline pass)
             return False
         self.needs.pop(model.key, None)
+        if self.memory is not None:
+            self._fit_memory(model, plan, prewarm)
+            self.memory.started(plan.bytes)
         copy.start_load(prewarm)
         job = f"load:{model.key}:{self.id}"
         self.jobs[job] = {"kind": f"{self._prefix}load".replace("_", "-"), "model": model.key, "tier": self.id,
@@ -157,6 +162,8 @@ class Residency:
 
         def done(seconds, error):
             self.jobs.pop(job, None)
+            if self.memory is not None:
+                self.memory.settled(plan.bytes)
             if error is not None:
                 tier.abort(plan)
                 waiters = copy.finish_load(ok=False)
@@ -319,6 +326,36 @@ class Residency:
         for key in victims:
             self.evict(by_key[key])
         return True
+
+    def _fit_memory(self, model: ModelRecord, plan, prewarm: bool) -> None:
+        """The memory limit's headroom must take the plan and still leave memory_reserve free: idle models are
+        given back for it (not for a pre-warm, which is dropped instead), else OutOfMemoryError (plan aborted)."""
+        short = self.memory.shortfall(plan.bytes)
+        if short > 0 and not prewarm:
+            self.give_back(short, counter="pressure_evictions", loading=model.key)
+            short = self.memory.shortfall(plan.bytes)
+        if short > 0:
+            self.tier.abort(plan)
+            held = sorted(f"{m.key} ({', '.join(why for why, _ in m.tier_copies[self.id].why_kept())})"
+                          for k, m in self.resident.items() if k != model.key and not m.tier_copies[self.id].evictable)
+            raise self.memory.refusal(model.key, plan.bytes, held)
+
+    def give_back(self, bytes_wanted: int, counter: str = "evictions", loading: str | None = None) -> tuple[list, int]:
+        """Free idle copies (unheld, unpinned, not `loading`) in the policy's order until `bytes_wanted` is freed
+        or none is left: the memory limit's pressure, not the tier's capacity, asks (memory.py). Unlike
+        _make_room it frees what it can even when that falls short. Returns (keys evicted, bytes freed)."""
+        by_key = {k: m for k, m in self.resident.items() if m.tier_copies[self.id].evictable and k != loading}
+        evicted, freed = [], 0
+        for key in self.policy.order(list(by_key)):
+            if freed >= bytes_wanted:
+                break
+            if self.tier.bytes_freed_by([key]) == 0:   # (shares all it holds with a model in use)
+                continue
+            before = self.tier.used_bytes
+            self.evict(by_key[key], counter=counter)
+            freed += before - self.tier.used_bytes
+            evicted.append(key)
+        return evicted, freed
 
     def adopted(self, model: ModelRecord) -> None:
         """A dead daemon's copy, found whole here after a restart (daemon/restart.py): resident again."""

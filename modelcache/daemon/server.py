@@ -35,6 +35,7 @@ from ..tiers.disk import Repository
 from ..tiers.host import HostTier
 from ..tiers.remote import RemoteStore
 from ..lane import lane_path
+from ..memlimit import read_limit
 from ..eviction import make_policy as named_policy
 from ..storage import remove_tree, storage_errors
 from .fds import FdBudget, raise_fd_limit
@@ -45,6 +46,7 @@ from .identity import Admins, Peer, credentials_from_peer_address
 from .lane import LaneConnection, LaneServer, check_socket_file
 from ..histogram import Histogram
 from .loaders import Loaders
+from .memory import MemoryGuard, PressureWatch, check_capacity
 from .metrics import MetricsServer, render
 from .models import Models
 from .notify import Notifier
@@ -84,7 +86,9 @@ class Daemon:
         self.wall = wall
         self.registry = Registry()
         self.repository = Repository(settings.repository_path)
-        self.host = HostTier(settings.shm_dir, settings.host_capacity_bytes(), owner=settings.socket,
+        # The memory limit (RAM, or the cgroup's) sizes the host tier and is watched (memory.py).
+        self.memory_limit = read_limit()
+        self.host = HostTier(settings.shm_dir, self._host_capacity(settings), owner=settings.socket,
                              verify=settings.verify_promotion, source=self.repository)
         self.remote = RemoteStore(settings.remote, settings.request_timeout_s) if settings.remote else None
         self._thread_sockets = threading.local()
@@ -94,7 +98,11 @@ class Daemon:
                          "clients_lost": 0, "bad_messages": 0, "promotions": 0, "evictions": 0,
                          "gpu_promotions": 0, "gpu_evictions": 0, "adopted": 0, "corrupt_detected": 0,
                          "refetched": 0, "fetched": 0, "unloads": 0, "prewarms": 0, "gpu_unloads": 0,
-                         "gpu_prewarms": 0, "wasted_prewarms": 0, "gpu_wasted_prewarms": 0}
+                         "gpu_prewarms": 0, "wasted_prewarms": 0, "gpu_wasted_prewarms": 0,
+                         "pressure_evictions": 0, "pressure_reliefs": 0}
+        self.memory = MemoryGuard(self.memory_limit, settings.memory_reserve_bytes(self.memory_limit.limit_bytes),
+                                  counters=self.counters)
+        self.pressure_watch: PressureWatch | None = None
         self.open_latency = Histogram()
         try:
             policy = make_policy(settings, clock)
@@ -109,7 +117,9 @@ class Daemon:
                                loaders=self.loaders, counters=self.counters, jobs=self.jobs, reply=self._reply,
                                redispatch=self._dispatch)
         parts = dict(registry=self.registry, loaders=self.loaders, counters=self.counters, jobs=self.jobs, clock=clock)
-        self.residency = Residency(tier=self.host, policy=policy, settings=settings, source=self.fetcher, **parts)
+        self.residency = Residency(tier=self.host, policy=policy, settings=settings, source=self.fetcher,
+                                   memory=self.memory, **parts)
+        self.memory.host = self.residency
         self.gpus = GpuTiers(host=self.residency, settings=settings, make_policy=make_policy, **parts)
         self.models = Models(registry=self.registry, host=self.residency, gpus=self.gpus, fetcher=self.fetcher,
                              repository=self.repository, loaders=self.loaders, settings=settings, admins=self.admins,
@@ -187,6 +197,9 @@ class Daemon:
             self.host.start()
             self.gpus.start()
         settle_adopted(self.residency, adoption)
+        # A dead daemon's tier is still charged to the cgroup: give back what the headroom needs before serving
+        # (promoting over it is what got a restarted daemon OOM-killed again, in a loop under systemd).
+        self.memory.relieve()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # replies to vanished clients are dropped, not raised
@@ -201,13 +214,24 @@ class Daemon:
         self.wake_rx = self.ctx.socket(zmq.PULL)
         self.wake_rx.bind(WAKE_ADDR)
         self.engine.start()
+        self.pressure_watch = PressureWatch(self.memory, self.loaders.post)
+        self.pressure_watch.start()
         if self.metrics is not None:
             self.metrics.start()
             self.publish_metrics()
             log.info("metrics on http://%s:%d/metrics", self.settings.metrics_host, self.metrics.port)
-        log.info("modelcache %s ready on %s: %d models in %s, host tier %s (%d MiB)", __version__, addr,
-                 len(self.registry.models), self.repository.root, self.host.root,
-                 self.host.capacity_bytes >> 20)
+        log.info("modelcache %s ready on %s: %d models in %s, host tier %s (%d MiB; memory limit %d MiB, %s, "
+                 "%d MiB kept free)", __version__, addr, len(self.registry.models), self.repository.root,
+                 self.host.root, self.host.capacity_bytes >> 20, self.memory_limit.limit_bytes >> 20,
+                 self.memory_limit.source, self.memory.reserve >> 20)
+
+    def _host_capacity(self, settings: Settings) -> int:
+        """host_capacity in bytes, a percentage of the memory limit; refused (or warned) above the limit less
+        memory_reserve (memory.py)."""
+        limit = self.memory_limit
+        capacity = settings.host_capacity_bytes(limit.limit_bytes)
+        check_capacity(capacity, limit, settings.memory_reserve_bytes(limit.limit_bytes), settings)
+        return capacity
 
     def _bind_router(self) -> None:
         addr = self.settings.socket
@@ -273,7 +297,7 @@ class Daemon:
                     log.warning("reload: %s %r -> %r needs a restart of the daemon; keeping %r until then",
                                 name, old, value, old)
             logging.getLogger("modelcache").setLevel(self.settings.log_level.upper())
-            self.host.capacity_bytes = self.settings.host_capacity_bytes()
+            self.host.capacity_bytes = self._host_capacity(self.settings)
             if "gpu_capacity" in changed:
                 self.gpus.set_capacity(self.settings.gpu_capacity)
             self.residency.admit()   # more room: requests waiting for it go now, in every tier
@@ -394,6 +418,7 @@ class Daemon:
         # From here each step on its own: one that fails (a full state directory, a disk answering EIO) is
         # logged, and the rest still run; the sockets and the host tier always go.
         self._each_step("stopping", (
+            lambda: self.pressure_watch is not None and self.pressure_watch.stop(),
             self.loaders.shutdown,
             self.engine.stop,      # (saves the performance models: a failure is logged there, once)
             lambda: self.lane is not None and self.lane.stop(),
@@ -427,6 +452,7 @@ class Daemon:
                       lambda: self.router_events is not None and self.router_events.close(linger=0),
                       lambda: self.router is not None and self.router.close(linger=0),
                       lambda: self.wake_rx is not None and self.wake_rx.close(linger=0),
+                      lambda: self.pressure_watch is not None and self.pressure_watch.stop(),
                       self.loaders.shutdown, self._remove_socket_file, self.gpus.stop,
                       lambda: self.host.stop(keep=self.settings.keep_host_tier), self.notifier.close):
             try:
@@ -544,7 +570,8 @@ class Daemon:
         return [self.residency, *self.gpus]
 
     def _describe_tiers(self) -> list[dict]:
-        return [*(r.describe() for r in self.tiers()),
+        host, *gpus = (r.describe() for r in self.tiers())
+        return [{**host, **self.memory.describe()}, *gpus,
                 {"tier": "disk", "path": str(self.repository.root),
                  "used_bytes": sum(m.manifest.weights_bytes for m in self.registry.models.values()),
                  "capacity_bytes": 0}]

@@ -22,7 +22,8 @@ EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "
 # RunError's "run") is a failure of the model or the daemon: 500, INTERNAL.
 STATUS_BY_CODE = {"not_found": (404, "NOT_FOUND"), "input": (400, "INVALID_ARGUMENT"),
                   "protocol": (400, "INVALID_ARGUMENT"), "permission": (403, "PERMISSION_DENIED"),
-                  "capacity": (503, "UNAVAILABLE"), "daemon_unavailable": (503, "UNAVAILABLE"),
+                  "capacity": (503, "UNAVAILABLE"),
+                  "out_of_memory": (503, "RESOURCE_EXHAUSTED"), "daemon_unavailable": (503, "UNAVAILABLE"),
                   "timeout": (504, "DEADLINE_EXCEEDED"), "run": (500, "INTERNAL")}
 INTERNAL = (500, "INTERNAL")
 

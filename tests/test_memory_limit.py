@@ -1,0 +1,215 @@
+"""The daemon inside a real memory cgroup (issue 42), as systemd's MemoryMax=, a container or a pod runs it: the
+host tier sized from the cgroup's limit, loads past it refused with a typed error, idle models given back to a
+process that grows beside it, a crash and restart inside the limit. Skipped, with one line, where no memory
+cgroup can be made (not root, no memory controller)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import onnx
+import pytest
+
+from conftest import DaemonProcess, stop_cleanly, wait_until
+from modelcache import memlimit, zoo
+from modelcache.errors import OutOfMemoryError
+from modelcache.packing import pack
+
+MiB = 1 << 20
+MODEL_BYTES = 48 * MiB
+MODELS = 6
+
+# A process that grows beside the daemon at a steady rate, touching every page, then holds it; "held" once all
+# of it is resident. The OOM killer ends it with SIGKILL (rc -9) where nothing gives memory back.
+GROWER = textwrap.dedent("""
+    import sys, time
+    total, rate = int(sys.argv[1]), int(sys.argv[2])
+    held, step, t0 = [], 4 << 20, time.monotonic()
+    while len(held) * step < total:
+        chunk = bytearray(step)
+        chunk[::4096] = b"\\1" * (step // 4096)
+        held.append(chunk)
+        ahead = len(held) * step / rate - (time.monotonic() - t0)
+        if ahead > 0:
+            time.sleep(ahead)
+    print("held", flush=True)
+    sys.stdin.read()
+""")
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory):
+    """MODELS packed models of MODEL_BYTES each, sharing no tensor, in one repository the tests' daemons use."""
+    root = tmp_path_factory.mktemp("memrepo")
+    for i in range(MODELS):
+        src = root / f"m{i}.onnx"
+        onnx.save(zoo.sized(MODEL_BYTES, seed=i), str(src))
+        pack(str(src), root / "repo", f"m{i}", 1)
+        src.unlink()
+    return root / "repo"
+
+
+@pytest.fixture
+def cgroup(tmp_path):
+    """cgroup(limit_bytes) -> a memory cgroup of that limit below this process's; removed after the test."""
+    made = []
+
+    def make(limit_bytes: int) -> memlimit.ChildCgroup:
+        cg = memlimit.ChildCgroup.make(f"mc-test-{os.getpid()}-{len(made)}-{tmp_path.name[-12:]}", limit_bytes)
+        if cg is None:
+            pytest.skip(f"no memory cgroup for this test: {memlimit.ChildCgroup.why}")
+        made.append(cg)
+        return cg
+
+    yield make
+    for cg in made:
+        cg.remove()
+
+
+def daemon_in(cg, root, repository, **settings) -> DaemonProcess:
+    env = {"MODELCACHE_REPOSITORY": str(repository), "MODELCACHE_LOG_LEVEL": "info",
+           **{f"MODELCACHE_{k.upper()}": str(v) for k, v in settings.items()}}
+    d = DaemonProcess(root, env)
+    d.preexec = cg.enter
+    return d
+
+
+def host_tier(client) -> dict:
+    return client.stats().tiers[0]
+
+
+def grow(cg, nbytes: int, rate: int = 128 * MiB) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", GROWER, str(nbytes), str(rate)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, preexec_fn=cg.enter)
+
+
+def test_the_host_tier_is_sized_from_the_cgroups_limit_and_a_larger_one_refused(tmp_path, cgroup, repository):
+    cg = cgroup(512 * MiB)
+    d = daemon_in(cg, tmp_path, repository).start()
+    try:
+        with d.client() as c:
+            host = host_tier(c)
+        assert host["memory_limit_bytes"] == 512 * MiB and "cgroup" in host["memory_limit_source"]
+        assert host["capacity_bytes"] == 256 * MiB               # the default 50 %: of the limit, not of RAM
+        assert host["memory_reserve_bytes"] == 128 * MiB         # auto: a tenth, at least 256M, at most a quarter
+        assert 0 < host["headroom_bytes"] < 512 * MiB - 20 * MiB  # (the daemon itself is in there)
+        r = subprocess.run([sys.executable, "-m", "modelcache.cli", "status"], env=d.env, capture_output=True,
+                           text=True)
+        assert "memory: limit 512.0 MiB (cgroup" in r.stdout, r.stdout
+    finally:
+        stop_cleanly(d)
+    # A capacity the limit cannot hold is refused at start, in one line that says what to do.
+    r = subprocess.run([sys.executable, "-m", "modelcache.cli", "daemon"], capture_output=True, text=True,
+                       env={**d.env, "MODELCACHE_HOST_CAPACITY": "1G"}, preexec_fn=cg.enter, timeout=60)
+    assert r.returncode != 0 and not r.stdout.startswith("READY")
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "host_capacity 1G (1024 MiB) is more than the memory limit allows" in lines[0] \
+        and "capacity_over_limit" in lines[0], r.stderr
+    # ... or, asked for, run with a warning.
+    d = daemon_in(cg, tmp_path, repository, host_capacity="1G", capacity_over_limit="warn").start()
+    try:
+        with d.client() as c:
+            assert host_tier(c)["capacity_bytes"] == 1 << 30
+        assert "running over it as capacity_over_limit = warn says" in d.log_path.read_text()
+    finally:
+        stop_cleanly(d)
+
+
+def test_loads_past_the_limit_fail_typed_and_the_daemon_lives(tmp_path, cgroup, repository):
+    """A tier allowed past the limit (warn) fills with models in use: the next load is an OutOfMemoryError naming
+    what holds the memory, never an OOM kill; once a session closes, the same load gives that model back."""
+    cg = cgroup(320 * MiB)
+    d = daemon_in(cg, tmp_path, repository, host_capacity="300M", capacity_over_limit="warn",
+                  memory_reserve="64M").start()
+    try:
+        with d.client() as c:
+            leases, refused = [], None
+            for i in range(MODELS):
+                try:
+                    leases.append(c.open(f"m{i}"))
+                except OutOfMemoryError as e:
+                    refused = (i, str(e))
+                    break
+            assert refused is not None, "every model fit: the limit did not bind"
+            i, message = refused
+            assert len(leases) >= 2 and f"m{i}@1 needs 48 MiB in the host tier" in message, message
+            assert "in use by 1 session" in message and "memory_reserve 64 MiB" in message, message
+            assert d.proc.poll() is None and cg.oom_kills() == 0
+            c.release(leases[0].lease_id)
+            c.load(f"m{i}")                                  # m0, idle now, is given back for it
+            listed = {m["name"]: m for m in c.list()}
+            assert listed["m0"]["tier"] == "disk" and listed[f"m{i}"]["tier"] == "host"
+            assert c.stats().counters["pressure_evictions"] >= 1
+            for lease in leases[1:]:
+                c.release(lease.lease_id)
+        assert cg.oom_kills() == 0
+    finally:
+        stop_cleanly(d)
+
+
+def test_idle_models_are_given_back_to_a_process_growing_beside_the_daemon(tmp_path, cgroup, repository):
+    """The tier holds idle models; a process in the same cgroup grows at 128 MiB/s past what is left: the daemon
+    gives models back in time, the process gets all it asked for, nobody is OOM-killed."""
+    cg = cgroup(640 * MiB)
+    d = daemon_in(cg, tmp_path, repository).start()
+    try:
+        with d.client() as c:
+            for i in range(5):
+                c.load(f"m{i}")
+            before = host_tier(c)
+            assert before["used_bytes"] >= 5 * MODEL_BYTES
+            wanted = before["headroom_bytes"] + 3 * MODEL_BYTES // 2   # more than is free: 2 models must go
+            grower = grow(cg, wanted)
+            try:
+                assert grower.stdout.readline().strip() == "held", f"the growing process died: rc {grower.poll()}"
+                assert cg.oom_kills() == 0 and d.proc.poll() is None
+                after = host_tier(c)
+                assert c.stats().counters["pressure_evictions"] >= 2
+                assert after["used_bytes"] <= before["used_bytes"] - 2 * MODEL_BYTES
+            finally:
+                grower.kill()
+                grower.wait()
+            # What was given back comes back on demand.
+            c.release(c.open("m0").lease_id)
+        assert "memory pressure:" in d.log_path.read_text()
+    finally:
+        stop_cleanly(d)
+
+
+def test_a_restart_inside_the_limit_gives_back_before_it_serves(tmp_path, cgroup, repository):
+    """A daemon killed with its tier full leaves that tier charged to the cgroup; something else now holds memory
+    there too. The restarted daemon re-adopts the tier, gives back idle models until the reserve is free, and
+    serves: no OOM kill, no loop."""
+    cg = cgroup(640 * MiB)
+    d = daemon_in(cg, tmp_path, repository, memory_reserve="96M").start()
+    daemon_bytes = memlimit.working_set_bytes(cg.limit)     # the daemon alone, tier empty
+    with d.client() as c:
+        for i in range(5):
+            c.load(f"m{i}")
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+    # Leave the restarted daemon about 40 MiB: room to start, less than its 96 MiB reserve.
+    ballast = grow(cg, memlimit.headroom_bytes(cg.limit) - daemon_bytes - 40 * MiB, rate=1 << 40)
+    try:
+        assert ballast.stdout.readline().strip() == "held"
+        d2 = daemon_in(cg, tmp_path, repository, memory_reserve="96M").start()
+        try:
+            log = d2.log_path.read_text()
+            assert "warm restart: re-adopted 5 models" in log and "memory pressure:" in log, log
+            with d2.client() as c:
+                host = host_tier(c)
+                assert host["headroom_bytes"] >= host["memory_reserve_bytes"]
+                assert c.stats().counters["pressure_evictions"] >= 1
+                c.release(c.open("m4").lease_id)
+            assert cg.oom_kills() == 0 and ballast.poll() is None
+        finally:
+            stop_cleanly(d2)
+    finally:
+        ballast.kill()
+        ballast.wait()
+        d.kill()
+    wait_until(lambda: not d.shm_dir.exists(), what="the dead daemon's tier removed")
