@@ -89,7 +89,9 @@ def grow(cg, nbytes: int, rate: int = 128 * MiB) -> subprocess.Popen:
 
 def test_the_host_tier_is_sized_from_the_cgroups_limit_and_a_larger_one_refused(tmp_path, cgroup, repository):
     cg = cgroup(512 * MiB)
-    d = daemon_in(cg, tmp_path, repository).start()
+    conf = tmp_path / "modelcache.toml"
+    conf.write_text("")
+    d = daemon_in(cg, tmp_path, repository, config=conf).start()
     try:
         with d.client() as c:
             host = host_tier(c)
@@ -100,11 +102,23 @@ def test_the_host_tier_is_sized_from_the_cgroups_limit_and_a_larger_one_refused(
         r = subprocess.run([sys.executable, "-m", "modelcache.cli", "status"], env=d.env, capture_output=True,
                            text=True)
         assert "memory: limit 512.0 MiB (cgroup" in r.stdout, r.stdout
+        # A reload reads the limit again (the pod resized) and checks a new capacity against it first.
+        (cg.path / ("memory.limit_in_bytes" if cg.version == 1 else "memory.max")).write_text(str(768 * MiB))
+        conf.write_text('host_capacity = "700M"\n')
+        d.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: "reload failed, keeping the old settings" in d.log_path.read_text(), what="a refusal")
+        conf.write_text('host_capacity = "60%"\n')
+        d.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: "reloaded settings: host_capacity applied" in d.log_path.read_text(), what="a reload")
+        with d.client() as c:
+            host = host_tier(c)
+        assert host["memory_limit_bytes"] == 768 * MiB and host["capacity_bytes"] == int(0.6 * 768 * MiB)
     finally:
         stop_cleanly(d)
     # A capacity the limit cannot hold is refused at start, in one line that says what to do.
     r = subprocess.run([sys.executable, "-m", "modelcache.cli", "daemon"], capture_output=True, text=True,
-                       env={**d.env, "MODELCACHE_HOST_CAPACITY": "1G"}, preexec_fn=cg.enter, timeout=60)
+                       env={**d.env, "MODELCACHE_HOST_CAPACITY": "1G", "MODELCACHE_CONFIG": ""}, preexec_fn=cg.enter,
+                       timeout=60)
     assert r.returncode != 0 and not r.stdout.startswith("READY")
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "host_capacity 1G (1024 MiB) is more than the memory limit allows" in lines[0] \

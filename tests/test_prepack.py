@@ -159,3 +159,34 @@ def test_malformed_record_is_a_damaged_manifest(tmp_path):
     format.write_manifest(model_dir, manifest)   # (its checksum recomputed: only the record is wrong)
     with pytest.raises(IntegrityError, match="prepacked record"):
         format.load_manifest(model_dir)
+
+
+def test_a_readopted_tier_keeps_each_weights_blobs_and_gives_back_nothing_in_use(tmp_path):
+    """A restart trims what no model uses from the re-adopted segments (tiers/host.py, issue 42): a weight's
+    pre-packed blobs lie after it, unnamed by the tensors' places, and must stay with it."""
+    from conftest import DaemonProcess, stop_cleanly
+    src = mlp(tmp_path / "mlp.onnx")
+    d = DaemonProcess(tmp_path).start()
+    with d.client() as c:
+        c.add(src, "mlp", prepack=True)
+        c.load("mlp")
+    tier = d.shm_dir
+
+    def held_bytes(directory):
+        return sum(p.stat().st_blocks * 512 for p in directory.glob("seg-*.bin"))
+    before = held_bytes(tier)
+    d.proc.kill()
+    d.proc.wait()
+    d2 = DaemonProcess(tmp_path).start()
+    try:
+        assert held_bytes(d2.shm_dir) == before > 48 * 2**20      # 32 MiB of weights and their blobs, whole
+        x = np.ones((4, HIDDEN), np.float32)
+        ref = ort.InferenceSession(src).run(None, {"x": x})[0]
+        with d2.client() as c:
+            assert c.stats().counters["adopted"] == 1
+            s = modelcache.InferenceSession("mlp", client=c)
+            assert s.was_cache_hit and np.abs(s.run(None, {"x": x})[0] - ref).max() < 1e-3
+            s.close()
+    finally:
+        stop_cleanly(d2)
+        d.kill()

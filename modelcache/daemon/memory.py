@@ -60,7 +60,7 @@ class MemoryGuard:
     def __init__(self, limit: MemoryLimit, reserve_bytes: int, measure=None, counters: dict | None = None):
         self.limit = limit
         self.reserve = reserve_bytes
-        self.measure = measure or (lambda: memlimit.headroom_bytes(limit))
+        self.measure = measure or (lambda: memlimit.headroom_bytes(self.limit))
         self.counters = counters if counters is not None else {}
         self.in_flight = 0            # bytes of promotions under way: reserved, not all charged yet
         self.headroom = self.measure()   # the last reading, for status and metrics

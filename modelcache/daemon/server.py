@@ -73,6 +73,7 @@ def policy_for(settings, clock):
 class Daemon:
     # Settings a reload (SIGHUP / systemctl reload) applies live; the others need a restart.
     LIVE_SETTINGS = ("log_level", "heartbeat_interval_s", "lease_timeout_s", "host_capacity", "gpu_capacity",
+                     "memory_reserve", "capacity_over_limit",
                      "batching", "max_batch", "t_opt_ms", "batch_window_ms", "max_queue_delay_ms",
                      "inline_run_ms")
 
@@ -225,10 +226,10 @@ class Daemon:
                  self.host.root, self.host.capacity_bytes >> 20, self.memory_limit.limit_bytes >> 20,
                  self.memory_limit.source, self.memory.reserve >> 20)
 
-    def _host_capacity(self, settings: Settings) -> int:
+    def _host_capacity(self, settings: Settings, limit=None) -> int:
         """host_capacity in bytes, a percentage of the memory limit; refused (or warned) above the limit less
         memory_reserve (memory.py)."""
-        limit = self.memory_limit
+        limit = limit or self.memory_limit
         capacity = settings.host_capacity_bytes(limit.limit_bytes)
         check_capacity(capacity, limit, settings.memory_reserve_bytes(limit.limit_bytes), settings)
         return capacity
@@ -284,6 +285,10 @@ class Daemon:
         self.notifier.reloading()
         try:
             new = self.reload_settings() if self.reload_settings else self.settings
+            # The memory limit again (systemctl set-property MemoryMax=, a pod resized), and the new host_capacity
+            # checked against it before anything changes: a refusal keeps every old setting.
+            limit = read_limit()
+            capacity = self._host_capacity(new, limit)
             changed = []
             for name in (f.name for f in dataclasses.fields(Settings)):
                 old, value = getattr(self.settings, name), getattr(new, name)
@@ -297,7 +302,9 @@ class Daemon:
                     log.warning("reload: %s %r -> %r needs a restart of the daemon; keeping %r until then",
                                 name, old, value, old)
             logging.getLogger("modelcache").setLevel(self.settings.log_level.upper())
-            self.host.capacity_bytes = self._host_capacity(self.settings)
+            self.memory_limit = self.memory.limit = limit
+            self.host.capacity_bytes = capacity
+            self.memory.reserve = self.settings.memory_reserve_bytes(limit.limit_bytes)
             if "gpu_capacity" in changed:
                 self.gpus.set_capacity(self.settings.gpu_capacity)
             self.residency.admit()   # more room: requests waiting for it go now, in every tier

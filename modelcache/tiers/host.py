@@ -97,12 +97,17 @@ class Segment:
     name: str
     size: int                                   # the file's length
     ranges: dict = field(default_factory=dict)  # offset -> [end, set of model keys using it (or loading it)]
+    held: int | None = None                     # resident_bytes() while no range changes (used_bytes is asked often)
 
     @property
     def users(self) -> set:
         return set().union(*(users for _, users in self.ranges.values()))
 
+    def changed(self) -> None:
+        self.held = None
+
     def use(self, offset: int, end: int | None, key: str) -> None:
+        self.held = None
         entry = self.ranges.setdefault(offset, [end, set()])
         entry[1].add(key)
         if end is not None and (entry[0] is None or end > entry[0]):
@@ -111,6 +116,14 @@ class Segment:
     def resident_bytes(self, without=frozenset()) -> int:
         """Bytes of the pages that ranges used by any model but those `without` lie in (what the file holds once
         the rest is punched; all of it while every range is used)."""
+        if not without and self.held is not None:
+            return self.held
+        held = self._resident(without)
+        if not without:
+            self.held = held
+        return held
+
+    def _resident(self, without) -> int:
         live = _page_spans((off, end) for off, (end, users) in self.ranges.items() if users - without)
         if not live:
             return 0
@@ -277,6 +290,7 @@ class HostTier:
             for i, start in enumerate(starts[:-1]):
                 if seg.ranges[start][0] is None:
                     seg.ranges[start][0] = starts[i + 1]
+            seg.changed()
             try:
                 punch_holes(self.segment_path(seg.name), seg.holes())
             except OSError as e:
@@ -485,6 +499,7 @@ class HostTier:
             before = seg.resident_bytes()
             for _, users in seg.ranges.values():
                 users.discard(key)
+            seg.changed()
             if not seg.users:
                 freed += before
                 remove_quietly(self.segment_path(seg.name))
@@ -505,6 +520,7 @@ class HostTier:
             return
         for off in dead:
             del seg.ranges[off]
+        seg.changed()
         self.index = {sha: loc for sha, loc in self.index.items() if not (loc[0] == seg.name and loc[1] in dead)}
         self.units = {u: loc for u, loc in self.units.items() if not (loc[0] == seg.name and loc[1] in dead)}
         path = self.segment_path(seg.name)
