@@ -199,6 +199,15 @@ class ChildCgroup:
         return MemoryLimit(_read_int(self.path / name) or 0, f"cgroup v{self.version} {name} of {self.path}",
                            self.path, self.version)
 
+    def grow(self, nbytes: int, rate_bytes_s: float):
+        """A process in the cgroup that grows by `nbytes` at a steady rate, touching every page, then holds it:
+        a neighbour of the daemon. It prints "held SECONDS" once all of it is resident and keeps it until its
+        stdin closes; the OOM killer ends it with SIGKILL where nothing gives memory back."""
+        import subprocess
+        import sys
+        return subprocess.Popen([sys.executable, "-c", _GROWER, str(nbytes), str(rate_bytes_s)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, preexec_fn=self.enter)
+
     def remove(self) -> None:
         """Kill what is still inside, then remove the cgroup (its charged tmpfs pages move to the parent)."""
         import signal
@@ -217,3 +226,19 @@ class ChildCgroup:
             self.path.rmdir()
         except OSError:
             pass
+
+
+_GROWER = """
+import sys, time
+total, rate = int(sys.argv[1]), float(sys.argv[2])
+held, step, t0 = [], 4 << 20, time.monotonic()
+while len(held) * step < total:
+    chunk = bytearray(step)
+    chunk[::4096] = b"\\1" * (step // 4096)
+    held.append(chunk)
+    ahead = len(held) * step / rate - (time.monotonic() - t0)
+    if ahead > 0:
+        time.sleep(ahead)
+print("held", round(time.monotonic() - t0, 2), flush=True)
+sys.stdin.read()
+"""

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 
 import onnx
 import pytest
@@ -22,23 +21,6 @@ from modelcache.packing import pack
 MiB = 1 << 20
 MODEL_BYTES = 48 * MiB
 MODELS = 6
-
-# A process that grows beside the daemon at a steady rate, touching every page, then holds it; "held" once all
-# of it is resident. The OOM killer ends it with SIGKILL (rc -9) where nothing gives memory back.
-GROWER = textwrap.dedent("""
-    import sys, time
-    total, rate = int(sys.argv[1]), int(sys.argv[2])
-    held, step, t0 = [], 4 << 20, time.monotonic()
-    while len(held) * step < total:
-        chunk = bytearray(step)
-        chunk[::4096] = b"\\1" * (step // 4096)
-        held.append(chunk)
-        ahead = len(held) * step / rate - (time.monotonic() - t0)
-        if ahead > 0:
-            time.sleep(ahead)
-    print("held", flush=True)
-    sys.stdin.read()
-""")
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +62,6 @@ def daemon_in(cg, root, repository, **settings) -> DaemonProcess:
 
 def host_tier(client) -> dict:
     return client.stats().tiers[0]
-
-
-def grow(cg, nbytes: int, rate: int = 128 * MiB) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", GROWER, str(nbytes), str(rate)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, preexec_fn=cg.enter)
 
 
 def test_the_host_tier_is_sized_from_the_cgroups_limit_and_a_larger_one_refused(tmp_path, cgroup, repository):
@@ -177,9 +154,9 @@ def test_idle_models_are_given_back_to_a_process_growing_beside_the_daemon(tmp_p
             before = host_tier(c)
             assert before["used_bytes"] >= 5 * MODEL_BYTES
             wanted = before["headroom_bytes"] + 3 * MODEL_BYTES // 2   # more than is free: 2 models must go
-            grower = grow(cg, wanted)
+            grower = cg.grow(wanted, 128 * MiB)
             try:
-                assert grower.stdout.readline().strip() == "held", f"the growing process died: rc {grower.poll()}"
+                assert grower.stdout.readline().startswith("held"), f"the growing process died: rc {grower.poll()}"
                 assert cg.oom_kills() == 0 and d.proc.poll() is None
                 after = host_tier(c)
                 assert c.stats().counters["pressure_evictions"] >= 2
@@ -207,9 +184,9 @@ def test_a_restart_inside_the_limit_gives_back_before_it_serves(tmp_path, cgroup
     d.proc.send_signal(signal.SIGKILL)
     d.proc.wait()
     # Leave the restarted daemon about 40 MiB: room to start, less than its 96 MiB reserve.
-    ballast = grow(cg, memlimit.headroom_bytes(cg.limit) - daemon_bytes - 40 * MiB, rate=1 << 40)
+    ballast = cg.grow(memlimit.headroom_bytes(cg.limit) - daemon_bytes - 40 * MiB, 1 << 40)
     try:
-        assert ballast.stdout.readline().strip() == "held"
+        assert ballast.stdout.readline().startswith("held")
         d2 = daemon_in(cg, tmp_path, repository, memory_reserve="96M").start()
         try:
             log = d2.log_path.read_text()

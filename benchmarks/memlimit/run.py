@@ -74,20 +74,6 @@ CLIENT = textwrap.dedent("""
         print(*counts, flush=True)
 """)
 
-GROWER = textwrap.dedent("""
-    import sys, time
-    total, rate = int(sys.argv[1]), int(sys.argv[2])
-    held, step, t0 = [], 4 << 20, time.monotonic()
-    while len(held) * step < total:
-        chunk = bytearray(step)
-        chunk[::4096] = b"\\1" * (step // 4096)
-        held.append(chunk)
-        ahead = len(held) * step / rate - (time.monotonic() - t0)
-        if ahead > 0:
-            time.sleep(ahead)
-    print("held", round(time.monotonic() - t0, 2), flush=True)
-    sys.stdin.read()
-""")
 
 
 class Daemon:
@@ -120,11 +106,6 @@ class Daemon:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(60)
-
-
-def grow(cg, nbytes: int, rate: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", GROWER, str(nbytes), str(rate)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, preexec_fn=cg.enter)
 
 
 def make_cgroup(name: str, limit: int):
@@ -223,7 +204,7 @@ def scenario_pressure(work: Path, out: list) -> dict:
                            "headroom_mib": round(before["headroom_bytes"] / MiB),
                            "reserve_mib": round(before["memory_reserve_bytes"] / MiB)}
             t0 = time.monotonic()
-            grower = grow(cg, 2 << 30, 128 * MiB)
+            grower = cg.grow(2 << 30, 128 * MiB)
             lowest, end = before["headroom_bytes"], time.monotonic() + 60
             while time.monotonic() < end:
                 ready, _, _ = select.select([grower.stdout], [], [], 0.1)
