@@ -1,6 +1,7 @@
 """`modelcache demo`, and the side-by-side measure it shares with `modelcache bench open`.
 
-Session-ready time, private memory and warm speed, plain ORT vs modelcache. Session-ready
+Session-ready time, private memory and warm speed: plain ORT, ORT's own memory-mapped .ort model (no daemon,
+the page cache shared: measure.ort_mmap_session) and modelcache. Session-ready
 time and memory are measured in fresh processes (`python -m modelcache.demo --child ...`),
 interleaved so machine drift hits both modes alike. For modelcache, the measuring process
 itself holds the model open and has run it once: the measured process is a *second*
@@ -16,7 +17,9 @@ import time
 from pathlib import Path
 
 from .measure import (alternate_runs, answer_child, compile_bytecode, ensure_models, managed_daemon,
-                           memory_mib, run_child, summary)
+                      memory_mib, ort_mmap_model, ort_mmap_session, run_child, summary)
+
+MODES = ("ort", "ort-mmap", "modelcache")
 
 
 def child_open(mode: str, name: str, src: str) -> dict:
@@ -28,6 +31,8 @@ def child_open(mode: str, name: str, src: str) -> dict:
     t_imports = time.perf_counter()
     if mode == "ort":
         sess = ort.InferenceSession(src, providers=["CPUExecutionProvider"])
+    elif mode == "ort-mmap":
+        sess = ort_mmap_session(src)
     else:
         sess = modelcache.InferenceSession(name)
     t_ready = time.perf_counter()
@@ -44,7 +49,7 @@ def child_warm(name: str, src: str, runs: int) -> dict:
     import modelcache
     from modelcache import zoo
     feeds = zoo.sample_inputs(src)
-    sessions = {"ort": ort.InferenceSession(src, providers=["CPUExecutionProvider"]),
+    sessions = {"ort": ort.InferenceSession(src, providers=["CPUExecutionProvider"]), "ort-mmap": ort_mmap_session(src),
                 "modelcache": modelcache.InferenceSession(name)}
     for s in sessions.values():
         s.run(None, feeds)
@@ -52,7 +57,7 @@ def child_warm(name: str, src: str, runs: int) -> dict:
     return {"model": name, "warm_ms": times}
 
 
-def measure(socket: str, paths: dict[str, str], runs: int, warm_runs: int, modes=("ort", "modelcache"),
+def measure(socket: str, paths: dict[str, str], runs: int, warm_runs: int, modes=MODES,
             module: str = "modelcache.demo") -> dict:
     """Per model, with a first client holding it: `runs` fresh processes per mode opening it (`module`'s
     child_open), then one process timing warm runs of every mode's session side by side (its child_warm)."""
@@ -60,6 +65,7 @@ def measure(socket: str, paths: dict[str, str], runs: int, warm_runs: int, modes
     from modelcache import zoo
     samples, warm = [], []
     for name, src in paths.items():
+        ort_mmap_model(src)
         holder = modelcache.InferenceSession(name, socket=socket)  # the first client: weights resident and touched
         holder.run(None, zoo.sample_inputs(src))
         for _ in range(runs):
@@ -75,17 +81,21 @@ def report(results: dict, out=sys.stdout) -> None:
     print(f"{'model':<14} {'mode':<11} {'ready ms':>22} {'USS MiB':>22} {'anon MiB':>9} {'warm ms':>20}", file=out)
     for name in dict.fromkeys(s["model"] for s in samples):
         ready = {}
-        for mode in ("ort", "modelcache"):
+        for mode in [m for m in MODES if any(s["model"] == name and s["mode"] == m for s in samples)]:
             rows = [s for s in samples if s["model"] == name and s["mode"] == mode]
             ready[mode] = statistics.median(r["ready_ms"] for r in rows)
             print(f"{name:<14} {mode:<11} {summary([r['ready_ms'] for r in rows]):>22} "
                   f"{summary([r['uss_mib'] for r in rows]):>22} {statistics.median(r['anon_mib'] for r in rows):>9.1f} "
                   f"{summary(warm[name][mode]):>20}", file=out)
-        # Each pair of runs was adjacent in time: the median of their ratios resists machine drift.
-        pairs = sorted(o / m for o, m in zip(warm[name]["ort"], warm[name]["modelcache"]))
-        q = lambda f: pairs[min(len(pairs) - 1, int(f * len(pairs)))]  # noqa: E731
-        print(f"{name:<14} -> session ready {_how_much_faster(ready['ort'], ready['modelcache'])}, warm speed "
-              f"{statistics.median(pairs):.2f}x plain ORT (pairs' quartiles {q(0.25):.2f}-{q(0.75):.2f})", file=out)
+        for ref, said in (("ort", "plain ORT"), ("ort-mmap", "ORT's mmap of .ort")):
+            if ref not in ready or ref not in warm[name]:
+                continue
+            # Each pair of runs was adjacent in time: the median of their ratios resists machine drift.
+            pairs = sorted(o / m for o, m in zip(warm[name][ref], warm[name]["modelcache"]))
+            q = lambda f: pairs[min(len(pairs) - 1, int(f * len(pairs)))]  # noqa: E731
+            print(f"{name:<14} -> vs {said}: session ready {_how_much_faster(ready[ref], ready['modelcache'])}, "
+                  f"warm speed {statistics.median(pairs):.2f}x (pairs' quartiles {q(0.25):.2f}-{q(0.75):.2f})",
+                  file=out)
 
 
 def _how_much_faster(baseline_ms: float, ours_ms: float) -> str:
@@ -96,7 +106,8 @@ def _how_much_faster(baseline_ms: float, ours_ms: float) -> str:
 
 
 def demo(args) -> int:
-    """`modelcache demo`: a daemon on the default settings, two zoo models, fresh clients vs plain ORT."""
+    """`modelcache demo`: a daemon on the default settings, two zoo models, fresh clients vs plain ORT and ORT's
+    own mmap of an .ort model."""
     from .config import load
     settings = load()
     compile_bytecode()   # the clients below are fresh processes: as installed, not compiling modelcache each time

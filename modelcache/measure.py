@@ -56,6 +56,27 @@ def managed_daemon(socket: str | None = None, repository: str | None = None, env
             log.close()
 
 
+def ort_mmap_model(src: str) -> str:
+    """ORT's own memory-mapped baseline's model: `src` converted to ORT format beside it, as its users do it
+    (onnxruntime.tools.convert_onnx_models_to_ort with its defaults: fixed optimizations at level all), once."""
+    ort_path = Path(src).with_suffix(".ort")
+    if not ort_path.exists():
+        subprocess.run([sys.executable, "-m", "onnxruntime.tools.convert_onnx_models_to_ort", src,
+                        "--output_dir", str(ort_path.parent)], check=True, capture_output=True)
+    return str(ort_path)
+
+
+def ort_mmap_session(src: str):
+    """A session over `src`'s .ort model (ort_mmap_model), memory-mapped with its initializers taken from the
+    mapping, no daemon: processes share the page cache's copy. Prepacking left on, as its users run it."""
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    for key in ("session.use_memory_mapped_ort_model", "session.use_ort_model_bytes_directly",
+                "session.use_ort_model_bytes_for_initializers"):
+        so.add_session_config_entry(key, "1")
+    return ort.InferenceSession(str(Path(src).with_suffix(".ort")), so, providers=["CPUExecutionProvider"])
+
+
 def alternate_runs(sessions: dict, feeds: dict, runs: int) -> dict[str, list[float]]:
     """Warm run times (ms) of each session, runs alternated so that every session sees the same machine."""
     times: dict[str, list[float]] = {k: [] for k in sessions}

@@ -31,7 +31,7 @@ def test_coldstart_quick_on_tiny_models(tmp_path):
     assert len(samples) == 2 * 2 * len(measured)
     assert all(float(s["total_ms"]) > 0 for s in samples)
     results = json.loads((out / "results.json").read_text())
-    assert {(r["mode"], r["clients"]) for r in results["memory"]} == {(m, k) for m in ("ort", "attach-hit")
+    assert {(r["mode"], r["clients"]) for r in results["memory"]} == {(m, k) for m in ("ort", "ort-mmap", "attach-hit")
                                                                        for k in (1, 2)}
     assert (out / "speedup.png").stat().st_size > 1000 and (out / "memory.png").stat().st_size > 1000
 
@@ -39,7 +39,9 @@ def test_coldstart_quick_on_tiny_models(tmp_path):
 @pytest.mark.slow
 def test_open_bench_on_a_tiny_model(tmp_path):
     text = run("open", "--models", "tiny-cnn", "--runs", "1", "--warm-runs", "3", "--out", str(tmp_path))
-    assert "tiny-cnn" in text and "x plain ORT" in text
+    assert "tiny-cnn" in text and "vs plain ORT: session ready" in text and "vs ORT's mmap of .ort" in text
+    assert {s["mode"] for s in json.loads((tmp_path / "results.json").read_text())["samples"]} == \
+        {"ort", "ort-mmap", "modelcache"}
     assert json.loads((tmp_path / "results.json").read_text())["samples"]
 
 

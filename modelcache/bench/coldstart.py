@@ -5,6 +5,10 @@
 
 Modes, interleaved round by round so machine drift hits them alike:
   ort          plain onnxruntime.InferenceSession(model.onnx) + one run
+  ort-mmap     ORT's own answer, no daemon: the model converted to .ort once (onnxruntime.tools.
+               convert_onnx_models_to_ort), each process memory-maps it and takes its initializers from the
+               mapping (session.use_memory_mapped_ort_model, use_ort_model_bytes_directly and
+               use_ort_model_bytes_for_initializers); the page cache shares it; prepacking on, as its users run it
   ort-tuned    skeleton + weights in /dev/shm by hand, optimizers and prepacking off (no daemon)
   attach-hit   modelcache.InferenceSession(name), model resident in host memory
   attach-miss  the same, model evicted to disk first
@@ -25,11 +29,11 @@ import time
 from pathlib import Path
 
 from ..plotting import pyplot
-from ..measure import compile_bytecode, ensure_models, managed_daemon, save_results, summary
+from ..measure import compile_bytecode, ensure_models, managed_daemon, ort_mmap_model, save_results, summary
 from .fresh import holding, sample, spawn
 from ..usage import Parser
 
-MODES = ["ort", "ort-tuned", "attach-hit", "attach-miss", "serve", "ideal"]
+MODES = ["ort", "ort-mmap", "ort-tuned", "attach-hit", "attach-miss", "serve", "ideal"]
 CHILD = str(Path(__file__).with_name("coldstart_child.py"))
 DEFAULT_MODELS = ["squeezenet1_1", "resnet50", "googlenet", "vgg16", "vit_b_16", "alexnet"]
 
@@ -62,7 +66,7 @@ def measure_latency(client, socket, paths, tuned, modes, runs, log) -> list[dict
     return samples
 
 
-def measure_memory(client, socket, name, src, tuned_dir, counts, log) -> list[dict]:
+def measure_memory(client, socket, name, src, tuned_dir, counts, log, modes=("ort", "attach-hit")) -> list[dict]:
     import psutil
     # Measure attach clients alone: free serve mode's sessions and every other model the daemon holds.
     for m in client.list():
@@ -71,7 +75,7 @@ def measure_memory(client, socket, name, src, tuned_dir, counts, log) -> list[di
     daemon_pid = client.stats().pid
     rows = []
     for k in counts:
-        for mode in ("ort", "attach-hit"):
+        for mode in [m for m in ("ort", "ort-mmap", "attach-hit") if m in modes]:
             with holding([spawn(mode, name, src, tuned_dir, socket, hold=True, child=CHILD) for _ in range(k)]) as procs:
                 infos = [psutil.Process(p.pid).memory_full_info() for p in procs]
                 daemon_pss = psutil.Process(daemon_pid).memory_full_info().pss if mode == "attach-hit" else 0
@@ -105,10 +109,10 @@ def report(samples: list[dict], memory: list[dict], out=sys.stdout) -> None:
                   f"{phase['imports_ms']:>8.0f} {phase['session_ms']:>8.1f} {phase['first_run_ms']:>8.1f}", file=out)
         if "attach-hit" in med:   # against each reference that ran
             said = ([f"{med['ort'] / med['attach-hit']:.2f}x faster than ort"] if "ort" in med else []) + \
-                [f"{med['attach-hit'] / med[ref]:.2f}x {ref}" for ref in ("ideal", "ort-tuned") if ref in med]
+                [f"{med['attach-hit'] / med[ref]:.2f}x {ref}" for ref in ("ideal", "ort-mmap", "ort-tuned") if ref in med]
             if said:
                 print(f"{name:<14} -> attach-hit is " + ", ".join(said), file=out)
-            paired = [f"{ref} {summary(r, '.2f')}" for ref in ("ideal", "ort-tuned", "ort")
+            paired = [f"{ref} {summary(r, '.2f')}" for ref in ("ideal", "ort-mmap", "ort-tuned", "ort")
                       if (r := paired_ratios(samples, name, "attach-hit", ref))]
             if paired:
                 print(f"{name:<14} -> paired by round, attach-hit over: " + ", ".join(paired), file=out)
@@ -119,10 +123,11 @@ def report(samples: list[dict], memory: list[dict], out=sys.stdout) -> None:
             print(f"{r['model']:<14} {r['mode']:<11} {r['clients']:>7} {r['total_pss_mib']:>14.0f} "
                   f"{r['daemon_pss_mib']:>9.0f} {r['uss_per_client_mib']:>15.0f}", file=out)
         kmax = max(r["clients"] for r in memory)
-        o = next(r for r in memory if r["clients"] == kmax and r["mode"] == "ort")
-        a = next(r for r in memory if r["clients"] == kmax and r["mode"] == "attach-hit")
-        print(f"{kmax} attach clients + daemon use {100 * a['total_pss_mib'] / o['total_pss_mib']:.0f}% of the "
-              f"memory of {kmax} ort processes", file=out)
+        top = {r["mode"]: r["total_pss_mib"] for r in memory if r["clients"] == kmax}
+        if "attach-hit" in top:
+            print(f"{kmax} attach clients + daemon use " + ", ".join(
+                f"{100 * top['attach-hit'] / top[ref]:.0f}% of the memory of {kmax} {ref} processes"
+                for ref in ("ort", "ort-mmap") if ref in top), file=out)
 
 
 def paired_ratios(samples: list[dict], model: str, mode: str, reference: str) -> list[float]:
@@ -230,9 +235,12 @@ def main(argv=None) -> int:
             paths = ensure_models(socket, models, Path(tmp) / "zoo")
             with connect(socket) as client:
                 tuned = {n: prepare_tuned(client, n, Path(shm)) for n in models}
+                if "ort-mmap" in modes:
+                    for src in paths.values():
+                        ort_mmap_model(src)
                 samples = measure_latency(client, socket, paths, tuned, modes, runs, log)
                 memory = measure_memory(client, socket, memory_model, paths[memory_model], tuned[memory_model],
-                                        counts, log) if counts != [0] else []
+                                        counts, log, modes=modes) if counts != [0] else []
     report(samples, memory)
     log(f"benchmark took {time.monotonic() - t0:.0f} s")
     save_results(args.out, "coldstart", argv, {"samples": samples, "memory": memory},

@@ -37,6 +37,14 @@ def main() -> None:
 
     if mode == "ort":
         sess = ort.InferenceSession(src, providers=["CPUExecutionProvider"])
+    elif mode == "ort-mmap":
+        # ORT's own mmap of an .ort model (bench/coldstart.py converted it beside the .onnx): no daemon, the
+        # page cache shared; prepacking left on, as its users run it.
+        so = ort.SessionOptions()
+        for key in ("session.use_memory_mapped_ort_model", "session.use_ort_model_bytes_directly",
+                    "session.use_ort_model_bytes_for_initializers"):
+            so.add_session_config_entry(key, "1")
+        sess = ort.InferenceSession(os.path.splitext(src)[0] + ".ort", so, providers=["CPUExecutionProvider"])
     elif mode == "ort-tuned":
         # The best a careful user does by hand: skeleton + weights in /dev/shm, ORT maps them.
         so = ort.SessionOptions()

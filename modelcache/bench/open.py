@@ -1,4 +1,4 @@
-"""Open benchmark: session ready time, private memory and warm speed, plain ORT vs modelcache.
+"""Open benchmark: session ready time, private memory and warm speed: plain ORT, ORT's mmap of .ort, modelcache.
 
     modelcache bench open [--models vgg16 resnet50] [--runs 5] [--out benchmarks/open]
 
