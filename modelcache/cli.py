@@ -20,7 +20,7 @@ def _setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=fmt, stream=sys.stderr)
 
 
-FLAG_SETTINGS = ("socket", "repository", "log_level", "host_capacity", "metrics_port", "gpu_sharing")
+FLAG_SETTINGS = ("socket", "repository", "log_level", "host_capacity", "memory_reserve", "metrics_port", "gpu_sharing")
 
 
 def _settings(args):
@@ -613,13 +613,20 @@ def build_parser() -> argparse.ArgumentParser:
                                    "SIGTERM or Ctrl-C stops it gracefully (running loads finish, waiting "
                                    "clients get answers), a second one at once; SIGHUP re-reads the "
                                    "settings that can change live (log_level, heartbeat_interval_s, "
-                                   "lease_timeout_s, host_capacity, and the batching settings). At start it "
+                                   "lease_timeout_s, host_capacity, memory_reserve, and the batching settings). "
+                                   "Inside a memory limit (a cgroup: systemd's MemoryMax=, a container) it sizes "
+                                   "its tier from that limit and gives idle models back when memory runs short "
+                                   "(docs/tiers.md, 'Inside a memory limit'). At start it "
                                    f"waits up to {LOCK_WAIT_S:.0f} s for the repository's lock "
                                    "(REPOSITORY/.lock) while another process holds it, logging which one every "
                                    f"{LOCK_SAY_EVERY_S:.0f} s; then it starts without sweeping the repository's "
                                    "half-written versions.")
     d.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    d.add_argument("--host-capacity", help="host-tier size: bytes (8G, 512M) or percent of RAM (50%%)")
+    d.add_argument("--host-capacity", help="host-tier size: bytes (8G, 512M) or percent of the memory limit, RAM or "
+                                           "the cgroup's (50%%); refused above the limit less --memory-reserve")
+    d.add_argument("--memory-reserve", help="memory kept free under the memory limit: idle models are given back "
+                                            "below it, and a load that would leave less fails (auto: a tenth of the "
+                                            "limit, 256M to a quarter)")
     d.add_argument("--metrics-port", type=_port_arg,
                    help="serve Prometheus metrics on this port (0: off, the default)")
     d.add_argument("--gpu-sharing", choices=["ipc", "vmm-read-only"],

@@ -131,6 +131,8 @@ def test_a_capacity_above_the_limit_less_the_reserve_is_refused_or_warned():
         "/sys/fs/cgroup/memory/x is 1536 MiB, less memory_reserve 256 MiB kept free for the daemon, its fronts and "
         "clients, leaves 1280 MiB; lower host_capacity, raise the limit, or set capacity_over_limit = \"warn\"")
     check_capacity(8 << 30, limit, reserve, Settings(host_capacity="8G", capacity_over_limit="warn"))
+    with pytest.raises(ConfigError, match="memory_reserve 2G .2048 MiB. leaves no room under the memory limit"):
+        check_capacity(64 * MiB, limit, 2 << 30, Settings(memory_reserve="2G"))
 
 
 def fake_proc(tmp_path, cgroup_lines: str, mount_lines: str):
