@@ -378,3 +378,70 @@ def test_a_restarted_daemon_adds_nothing_again(imported, tmp_path):
         assert f"{repo}: 0 versions imported, 3 unchanged" in d2.log_path.read_text()
     finally:
         stop_cleanly(d2)
+
+
+# As Triton's quickstart writes densenet_onnx: no batching, clients send [3, H, W], the model takes [1, 3, H, W].
+RESHAPE_CONFIG = """
+platform: "onnxruntime_onnx"
+max_batch_size: 0
+input [ { name: "input" data_type: TYPE_FP32 format: FORMAT_NCHW dims: [ 3, 32, 32 ]
+          reshape { shape: [ 1, 3, 32, 32 ] } } ]
+output [ { name: "logits" data_type: TYPE_FP32 dims: [ 10 ] reshape { shape: [ 1, 10 ] } } ]
+"""
+# With batching: each row a flat vector of 3072, the model's rows [3, 32, 32].
+FLAT_CONFIG = """
+platform: "onnxruntime_onnx"
+max_batch_size: 4
+input [ { name: "input" data_type: TYPE_FP32 dims: [ 3072 ] reshape { shape: [ 3, 32, 32 ] } } ]
+output [ { name: "logits" data_type: TYPE_FP32 dims: [ 10 ] } ]
+"""
+
+
+def test_reshape_is_served_as_triton_serves_it(tmp_path):
+    """Both fronts: metadata says the configured dims, a request shaped so runs on the model's shape, the outputs
+    come back in the configured dims, equal to plain ORT's; a request in the model's own shape is refused."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+    repo = tmp_path / "models"
+    for name, config in (("quick", RESHAPE_CONFIG), ("flat", FLAT_CONFIG)):
+        src = save("tiny-cnn", repo / name / "1" / "model.onnx")
+        (repo / name / "config.pbtxt").write_text(config)
+    assert plan_model(repo / "quick", model_io).not_honoured == []
+    bad = repo / "bad"
+    save("tiny-cnn", bad / "1" / "model.onnx")
+    (bad / "config.pbtxt").write_text(RESHAPE_CONFIG.replace("dims: [ 10 ]", "dims: [ 11 ]"))
+    with pytest.raises(InputError, match=r"dims \[11\] hold 11 elements, its reshape \[1, 10\] 10"):
+        plan_model(bad, model_io)
+    import shutil
+    shutil.rmtree(bad)
+    ports = {"grpc": free_port(), "http": free_port()}
+    d = DaemonProcess(tmp_path, extra_env={"MODELCACHE_TRITON_REPOSITORY": str(repo),
+                                           "MODELCACHE_GRPC_PORT": str(ports["grpc"]),
+                                           "MODELCACHE_HTTP_PORT": str(ports["http"])}).start()
+    x = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)
+    want = ort.InferenceSession(src).run(None, {"input": x})[0]
+    try:
+        wait_until(lambda: IMPORT_DONE in d.log_path.read_text(), 120, "the import at start")
+        for proto, client_mod in (("http", httpclient), ("grpc", grpcclient)):
+            c = client_mod.InferenceServerClient(f"127.0.0.1:{ports[proto]}")
+            try:
+                meta = c.get_model_metadata("quick")
+                shapes = [list(t["shape"]) if proto == "http" else list(t.shape)
+                          for t in (meta["inputs"] + meta["outputs"] if proto == "http" else
+                                    list(meta.inputs) + list(meta.outputs))]
+                assert shapes == [[3, 32, 32], [10]], (proto, shapes)
+                for name, feed, expect in (("quick", x[0], want[0]), ("flat", x.reshape(2, 3072), want)):
+                    i = client_mod.InferInput("input", list(feed.shape), "FP32")
+                    i.set_data_from_numpy(np.ascontiguousarray(feed))
+                    got = c.infer(name, [i]).as_numpy("logits")
+                    assert got.shape == expect.shape, (proto, name, got.shape)
+                    np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-5)
+                i = client_mod.InferInput("input", [1, 3, 32, 32], "FP32")   # the model's shape, not the config's
+                i.set_data_from_numpy(x[:1])
+                with pytest.raises(InferenceServerException, match=r"configuration's dims are \[3, 32, 32\]"):
+                    c.infer("quick", [i])
+            finally:
+                c.close()
+    finally:
+        stop_cleanly(d)

@@ -11,11 +11,13 @@ model control. Answers are plain dicts shaped as v2's JSON, whose names are also
 from __future__ import annotations
 
 import os
+import time
 
 from .. import __version__, protocol as P, tensors
 from ..errors import InputError, ModelCacheError
 from . import types
 from .link import DaemonLink
+from .reshape import Reshape
 
 EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "statistics"]
 # The daemon's error codes (modelcache/errors.py) -> (HTTP status, gRPC status code name); any other code (a
@@ -26,6 +28,7 @@ STATUS_BY_CODE = {"not_found": (404, "NOT_FOUND"), "input": (400, "INVALID_ARGUM
                   "out_of_memory": (503, "RESOURCE_EXHAUSTED"), "daemon_unavailable": (503, "UNAVAILABLE"),
                   "timeout": (504, "DEADLINE_EXCEEDED"), "run": (500, "INTERNAL")}
 INTERNAL = (500, "INTERNAL")
+RESHAPE_TTL_S = 2.0
 
 
 def status_of(e: ModelCacheError) -> tuple[int, str]:
@@ -54,6 +57,9 @@ class Operations:
         self.unloaded: set[str] = set()   # names this front unloaded: not ready until loaded again
         # Big inputs go through /dev/shm files as client.infer sends them; the daemon's group may read them.
         self.group_of = settings.socket[len("ipc://"):]
+        # (name, version) -> (when read, its Reshape or None): a describe per request would cost a round trip;
+        # a model imported again with another reshape is seen within RESHAPE_TTL_S.
+        self.reshapes: dict = {}
 
     async def ready(self) -> str | None:
         """None when the daemon answers; else why the server is not ready."""
@@ -75,8 +81,21 @@ class Operations:
         d = await self.describe(name, version)
         listing = await self.link.call(P.ListModels(req_id=0), (P.ModelList,))
         versions = sorted({m["version"] for m in listing.models if m["name"] == name} | {d.version})
+        inputs, outputs = types.tensor_metadata(d.inputs), types.tensor_metadata(d.outputs)
+        reshape = Reshape.of(getattr(d, "model_config", None) or {})
+        if reshape is not None:   # what clients send and get: the configuration's dims
+            inputs, outputs = reshape.metadata(inputs, "input"), reshape.metadata(outputs, "output")
         return {"name": d.name, "versions": [str(v) for v in versions], "platform": "onnxruntime_onnx",
-                "inputs": types.tensor_metadata(d.inputs), "outputs": types.tensor_metadata(d.outputs)}
+                "inputs": inputs, "outputs": outputs}
+
+    async def reshape_of(self, name: str, version: int | None) -> Reshape | None:
+        """The model's Triton reshape (oip/reshape.py), read from its description at most every RESHAPE_TTL_S."""
+        now = time.monotonic()
+        cached = self.reshapes.get((name, version))
+        if cached is None or now - cached[0] > RESHAPE_TTL_S:
+            d = await self.describe(name, version)
+            cached = self.reshapes[(name, version)] = (now, Reshape.of(getattr(d, "model_config", None) or {}))
+        return cached[1]
 
     def why_unloaded(self, name: str) -> str | None:
         """Why the model is not ready, when this front unloaded it."""
@@ -102,6 +121,9 @@ class Operations:
         why = self.why_unloaded(name)
         if why:
             raise InputError(why)
+        reshape = await self.reshape_of(name, version)
+        if reshape is not None:
+            feeds = reshape.to_model(feeds)
         wire, files = tensors.encode(feeds, group_of=self.group_of, model=name)
         try:
             deadline_ms = timeout_us / 1000 if timeout_us else None
@@ -112,6 +134,8 @@ class Operations:
             for f in files:
                 os.unlink(f)
         outputs, _ = tensors.decode(reply.outputs)
+        if reshape is not None:
+            outputs = reshape.to_client(outputs)
         return outputs, reply.version if reply.version is not None else version   # (an older daemon: None)
 
     async def repository_index(self, only_ready: bool) -> list[dict]:

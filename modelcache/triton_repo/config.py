@@ -11,6 +11,7 @@ model, naming both sides.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,8 +37,8 @@ OTHER_FILES = {"model.plan": "tensorrt_plan", "model.pt": "pytorch_libtorch", "m
                "model.xml": "openvino"}
 # Fields whose meaning modelcache carries out; a set field not here is listed in the model's one warning.
 HONOURED = {"name", "platform", "backend", "version_policy", "max_batch_size", "default_model_filename",
-            "input.name", "input.data_type", "input.dims", "input.format", "input.optional",
-            "output.name", "output.data_type", "output.dims",
+            "input.name", "input.data_type", "input.dims", "input.format", "input.optional", "input.reshape",
+            "output.name", "output.data_type", "output.dims", "output.reshape",
             "dynamic_batching.max_queue_delay_microseconds", "dynamic_batching.preferred_batch_size",
             "instance_group.name", "instance_group.kind"}
 CONTAINERS = {"input", "output", "dynamic_batching", "instance_group"}
@@ -228,9 +229,14 @@ def _check_against_model(config: mc.ModelConfig, inputs, outputs, where: str) ->
 
 def _check_tensor(kind: str, t, e, batch: int, where: str) -> None:
     wanted = mc.DataType.Name(t.data_type)
-    # reshape: the model's own shape (clients send dims); modelcache does not reshape (listed), so the model
-    # is checked against what it takes, and clients must send that
+    # reshape: the model takes (or makes) reshape.shape, clients send (or get) dims (the fronts reshape between
+    # the two, oip/reshape.py): the model is checked against the former, and the two must hold as many elements
     dims = ([-1] if batch else []) + list(t.reshape.shape if t.HasField("reshape") else t.dims)
+    if t.HasField("reshape"):
+        given, want = list(t.dims), list(t.reshape.shape)
+        if all(d >= 0 for d in given + want) and math.prod(given) != math.prod(want):
+            raise InputError(f"config.pbtxt {kind} {t.name!r}: dims {given} hold {math.prod(given)} elements, its "
+                             f"reshape {want} {math.prod(want)}: a reshape keeps the number of elements")
     shape = v2_shape(e.shape or [])
     mine = f"config.pbtxt {kind} {t.name!r} is {wanted} {dims}" + (f" (max_batch_size {batch})" if batch else "")
     theirs = f"{where} has {e.dtype} {shape}"
