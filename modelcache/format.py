@@ -95,6 +95,7 @@ class Manifest:
     prepacked_for: str = ""      # prepack.cpu_fingerprint() of the machine that made them
     serving: dict = field(default_factory=dict)  # its own batching policy (calibration.check_serving): from a Triton config
     model_config: dict = field(default_factory=dict)  # the Triton model configuration it was imported with (JSON)
+    labels: dict = field(default_factory=dict)   # output -> its classes' labels (a Triton output's label_filename)
 
     def to_json(self) -> str:
         """The manifest as stored, its checksum recomputed: every writer goes through here."""

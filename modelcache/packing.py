@@ -459,7 +459,8 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
     `with_prepacked` also stores MLAS's packed MatMul weights for clients to share, where the model's
     MatMul weights make it worth it (prepack.py; the `prepack` setting, `add --prepack`).
     `declared`: what the model's source declares beside the file, stored in the manifest as given:
-    {"serving": its batching policy, "model_config": its Triton configuration} (`modelcache import-triton`).
+    {"serving": its batching policy, "model_config": its Triton configuration, "labels": its outputs' class labels}
+    (`modelcache import-triton`).
 
     A crash at any point leaves at most a `.tmp-*` directory that the next sweep removes
     (modelcache/reservations.py); the model appears under its name only through the final rename.
@@ -518,7 +519,8 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
             ort_version=ort.__version__, opt_level=opt_level, created_unix=time.time(),
             gpu_skeleton=GPU_SKELETON_FILE, gpu_opt_level=gpu.opt_level, gpu_tensors=gpu_tensors,
             owner_uid=owner_uid, serving=dict((declared or {}).get("serving") or {}),
-            model_config=dict((declared or {}).get("model_config") or {}))
+            model_config=dict((declared or {}).get("model_config") or {}),
+            labels=dict((declared or {}).get("labels") or {}))
         write_gpu_stub(tmp, manifest)
         check_gpu_skeleton(tmp, manifest)
         if with_prepacked:

@@ -390,6 +390,7 @@ class Add(Message, kind="add"):
     prepack: Optional[bool] = None     # None: the daemon's `prepack` setting
     serving: dict = {}                 # the model's own batching policy (calibration.check_serving)
     model_config: dict = {}            # the Triton model configuration it comes with (`modelcache import-triton`)
+    labels: dict = {}                  # output -> its classes' labels, from the config's label_filename
 
     def _check_decoded(self) -> None:
         try:
@@ -398,6 +399,10 @@ class Add(Message, kind="add"):
             raise RecordError(str(e)) from None
         if not isinstance(self.model_config, dict):
             raise RecordError("model_config must be a map (a Triton model configuration as JSON)")
+        if not isinstance(self.labels, dict) or not all(
+                isinstance(k, str) and isinstance(v, list) and all(isinstance(x, str) for x in v)
+                for k, v in self.labels.items()):
+            raise RecordError("labels must map output names to lists of strings")
 
 
 class AddReply(Message, kind="add_ok"):
@@ -425,6 +430,7 @@ class DescribeReply(Message, kind="describe_ok"):
     weights_bytes: int = 0
     model_config: dict = {}            # the Triton configuration it was imported with ({}: added otherwise)
     source_sha256: str = ""            # of the .onnx file it was packed from
+    labels: dict = {}                  # output -> its classes' labels (label_filename; the classification extension)
 
 
 class SetBatching(Message, kind="set_batching"):

@@ -53,7 +53,9 @@ def test_binary_inputs_in_header_order_with_bytes_and_fp16():
     ({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]},
                  {"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]}, b"", "twice"),
     ({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}],
-      "outputs": [{"name": "y", "parameters": {"classification": 3}}]}, b"", "classification"),
+      "outputs": [{"name": "y", "parameters": {"classification": 0}}]}, b"", "classification 0: ask for a number"),
+    ({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}],
+      "outputs": [{"name": "y", "parameters": {"classification": "3"}}]}, b"", "classification '3'"),
 ])
 def test_malformed_requests_say_what_is_wrong(header, extra, why):
     body, n = binary_body(header, extra)

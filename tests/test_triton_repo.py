@@ -388,13 +388,14 @@ input [ { name: "input" data_type: TYPE_FP32 format: FORMAT_NCHW dims: [ 3, 32, 
           reshape { shape: [ 1, 3, 32, 32 ] } } ]
 output [ { name: "logits" data_type: TYPE_FP32 dims: [ 10 ] reshape { shape: [ 1, 10 ] } } ]
 """
-# With batching: each row a flat vector of 3072, the model's rows [3, 32, 32].
+# With batching: each row a flat vector of 3072, the model's rows [3, 32, 32]; its classes named in labels.txt.
 FLAT_CONFIG = """
 platform: "onnxruntime_onnx"
 max_batch_size: 4
 input [ { name: "input" data_type: TYPE_FP32 dims: [ 3072 ] reshape { shape: [ 3, 32, 32 ] } } ]
-output [ { name: "logits" data_type: TYPE_FP32 dims: [ 10 ] } ]
+output [ { name: "logits" data_type: TYPE_FP32 dims: [ 10 ] label_filename: "labels.txt" } ]
 """
+LABELS = [f"class {i}" for i in range(10)]
 
 
 def test_reshape_is_served_as_triton_serves_it(tmp_path):
@@ -407,7 +408,9 @@ def test_reshape_is_served_as_triton_serves_it(tmp_path):
     for name, config in (("quick", RESHAPE_CONFIG), ("flat", FLAT_CONFIG)):
         src = save("tiny-cnn", repo / name / "1" / "model.onnx")
         (repo / name / "config.pbtxt").write_text(config)
+    (repo / "flat" / "labels.txt").write_text("\n".join(LABELS) + "\n")
     assert plan_model(repo / "quick", model_io).not_honoured == []
+    assert plan_model(repo / "flat", model_io).declared["labels"] == {"logits": LABELS}
     bad = repo / "bad"
     save("tiny-cnn", bad / "1" / "model.onnx")
     (bad / "config.pbtxt").write_text(RESHAPE_CONFIG.replace("dims: [ 10 ]", "dims: [ 11 ]"))
@@ -441,7 +444,31 @@ def test_reshape_is_served_as_triton_serves_it(tmp_path):
                 i.set_data_from_numpy(x[:1])
                 with pytest.raises(InferenceServerException, match=r"configuration's dims are \[3, 32, 32\]"):
                     c.infer("quick", [i])
+                # Classification, as Triton's image_client -c 3 asks: the top 3, "value:index[:label]" per row.
+                for name, feed, labels in (("quick", x[0], None), ("flat", x.reshape(2, 3072), LABELS)):
+                    i = client_mod.InferInput("input", list(feed.shape), "FP32")
+                    i.set_data_from_numpy(np.ascontiguousarray(feed))
+                    top = client_mod.InferRequestedOutput("logits", class_count=3)
+                    got = c.infer(name, [i], outputs=[top]).as_numpy("logits")
+                    rows = want[:1] if name == "quick" else want
+                    expect = [[f"{r[k]:f}:{k}" + (f":{labels[k]}" if labels else "") for k in np.argsort(-r)[:3]]
+                              for r in rows]
+                    got_rows = [got.tolist()] if name == "quick" else got.tolist()
+                    assert [[s.decode() for s in row] for row in got_rows] == expect, (proto, name, got)
             finally:
                 c.close()
     finally:
         stop_cleanly(d)
+
+
+def test_classification_strings_are_tritons():
+    from modelcache.oip.classification import classify
+    scores = np.array([[0.5, 2.25, -1.0], [3.0, 3.0, 1.0]], np.float32)
+    assert classify(scores, 2, ["a", "b", "c"], True, "y").tolist() == [[b"2.250000:1:b", b"0.500000:0:a"],
+                                                                      [b"3.000000:0:a", b"3.000000:1:b"]]
+    # Not batching: one classification of the whole tensor; more classes asked than there are: all of them.
+    assert classify(np.array([1, 7, 3], np.int64), 5, None, False, "y").tolist() == [b"7:1", b"3:2", b"1:0"]
+    # Labels shorter than the classes: the index alone where none is given.
+    assert classify(np.array([0.0, 1.0], np.float32), 1, ["zero"], False, "y").tolist() == [b"1.000000:1"]
+    with pytest.raises(InputError, match="only numbers can be classified"):
+        classify(np.array([b"x"], dtype=object), 1, None, False, "y")

@@ -456,7 +456,7 @@ class Client:
         None: the daemon's `prepack` setting). This process opens the file and each external-data
         file it references, with its own rights (an OSError is its own), and passes the descriptors over a
         lane connection of their own: the daemon never opens a path a client names (see modelcache/sources.py).
-        `declared`: {"serving", "model_config"} a Triton configuration gives the model (triton_repo/)."""
+        `declared`: {"serving", "model_config", "labels"} a Triton configuration gives the model (triton_repo/)."""
         from ..sources import close_all, open_model_files
         names, fds = open_model_files(path)
         lane = None

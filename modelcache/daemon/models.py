@@ -216,7 +216,8 @@ class Models:
                                               progress, on_start=lambda p: (started.append(p), self.packers.add(p)),
                                               sources=(fds, msg.files), owner_uid=owner_uid,
                                               with_prepacked=with_prepacked,
-                                              declared={"serving": msg.serving, "model_config": msg.model_config})
+                                              declared={"serving": msg.serving, "model_config": msg.model_config,
+                                                        "labels": msg.labels})
             finally:
                 close_all(fds)
                 for p in started:

@@ -71,7 +71,8 @@ class Serving:
                                outputs=io["outputs"], weights_bytes=model.manifest.weights_bytes,
                                stages=[{k: e[k] for k in ("file", "inputs", "outputs", "cost_share", "workers")
                                         if k in e} for e in model.manifest.stages],
-                               model_config=model.manifest.model_config, source_sha256=model.manifest.source_sha256)
+                               model_config=model.manifest.model_config, source_sha256=model.manifest.source_sha256,
+                               labels=model.manifest.labels)
 
     def on_Partition(self, ident, msg: P.Partition):
         from ..executor.partition import check_request, partition

@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from ..errors import InputError
+from ..oip.classification import class_count
 from ..oip.types import NUMPY_BY_V2, array_datatype, decode_bytes_elements, encode_bytes_elements
 from ..triton_protos import grpc_service_pb2 as pb
 
@@ -26,13 +27,14 @@ TYPED_FIELD = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_co
 class InferRequest:
     """A decoded ModelInferRequest: what the shared infer operation takes."""
 
-    __slots__ = ("name", "version", "id", "feeds", "output_names", "timeout_us")
+    __slots__ = ("name", "version", "id", "feeds", "output_names", "timeout_us", "classes")
 
     def __init__(self, name: str, version: str, request_id: str):
         self.name, self.version, self.id = name, version, request_id
         self.feeds: dict = {}
         self.output_names: list | None = None   # None: every output
         self.timeout_us: int | None = None
+        self.classes: dict = {}                 # output -> its top N classes asked for (classification)
 
 
 def decode_request(msg: pb.ModelInferRequest) -> InferRequest:
@@ -63,7 +65,9 @@ def decode_request(msg: pb.ModelInferRequest) -> InferRequest:
         req.output_names = []
         for o in msg.outputs:
             if "classification" in o.parameters:
-                raise InputError("the classification extension is not supported; ask for the raw output")
+                p = o.parameters["classification"]
+                req.classes[o.name] = class_count(getattr(p, p.WhichOneof("parameter_choice") or "int64_param"),
+                                                  o.name)
             if "shared_memory_region" in o.parameters:
                 raise InputError(f"output {o.name!r}: shared-memory outputs are not supported")
             req.output_names.append(o.name)

@@ -15,12 +15,13 @@ import math
 import numpy as np
 
 from ..errors import InputError
+from ..oip.classification import class_count
 from ..oip.types import NUMPY_BY_V2, array_datatype, decode_bytes_elements, encode_bytes_elements
 
 class InferRequest:
     """A decoded v2 infer request: feeds, the outputs asked for, and how each is to come back."""
 
-    __slots__ = ("id", "feeds", "output_names", "binary_outputs", "binary_default", "timeout_us")
+    __slots__ = ("id", "feeds", "output_names", "binary_outputs", "binary_default", "timeout_us", "classes")
 
     def __init__(self):
         self.id = None
@@ -29,6 +30,7 @@ class InferRequest:
         self.binary_outputs: dict = {}            # name -> bool, for outputs named in the request
         self.binary_default = False               # the request-level binary_data_output
         self.timeout_us = None
+        self.classes: dict = {}                   # output -> its top N classes asked for (classification)
 
 
 def decode_request(body: bytes, header_length: str | None) -> InferRequest:
@@ -79,8 +81,8 @@ def decode_request(body: bytes, header_length: str | None) -> InferRequest:
             if not isinstance(o, dict) or not isinstance(o.get("name"), str):
                 raise InputError("each requested output needs a \"name\"")
             oparams = _parameters(o, f"output {o['name']!r}")
-            if oparams.get("classification"):
-                raise InputError("the classification extension is not supported; ask for the raw output")
+            if "classification" in oparams:
+                req.classes[o["name"]] = class_count(oparams["classification"], o["name"])
             req.output_names.append(o["name"])
             req.binary_outputs[o["name"]] = bool(oparams.get("binary_data", req.binary_default))
     return req

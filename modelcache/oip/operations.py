@@ -17,9 +17,10 @@ from .. import __version__, protocol as P, tensors
 from ..errors import InputError, ModelCacheError
 from . import types
 from .link import DaemonLink
+from .classification import classify
 from .reshape import Reshape
 
-EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "statistics"]
+EXTENSIONS = ["classification", "binary_tensor_data", "model_repository", "model_configuration", "statistics"]
 # The daemon's error codes (modelcache/errors.py) -> (HTTP status, gRPC status code name); any other code (a
 # RunError's "run") is a failure of the model or the daemon: 500, INTERNAL.
 STATUS_BY_CODE = {"not_found": (404, "NOT_FOUND"), "input": (400, "INVALID_ARGUMENT"),
@@ -88,13 +89,16 @@ class Operations:
         return {"name": d.name, "versions": [str(v) for v in versions], "platform": "onnxruntime_onnx",
                 "inputs": inputs, "outputs": outputs}
 
-    async def reshape_of(self, name: str, version: int | None) -> Reshape | None:
-        """The model's Triton reshape (oip/reshape.py), read from its description at most every RESHAPE_TTL_S."""
+    async def interface_of(self, name: str, version: int | None) -> tuple:
+        """(its Triton reshape or None (oip/reshape.py), its outputs' class labels, whether it batches), read from
+        the model's description at most every RESHAPE_TTL_S."""
         now = time.monotonic()
         cached = self.reshapes.get((name, version))
         if cached is None or now - cached[0] > RESHAPE_TTL_S:
             d = await self.describe(name, version)
-            cached = self.reshapes[(name, version)] = (now, Reshape.of(getattr(d, "model_config", None) or {}))
+            config = getattr(d, "model_config", None) or {}
+            cached = self.reshapes[(name, version)] = (now, (Reshape.of(config), getattr(d, "labels", None) or {},
+                                                             int(config.get("max_batch_size", 0)) > 0))
         return cached[1]
 
     def why_unloaded(self, name: str) -> str | None:
@@ -116,12 +120,13 @@ class Operations:
         return None
 
     async def infer(self, name: str, version: int | None, feeds: dict, output_names: list | None,
-                    timeout_us: float | None) -> tuple[dict, int | None]:
-        """(outputs by name, the version that ran) through the daemon's engine, as every client's request."""
+                    timeout_us: float | None, classes: dict | None = None) -> tuple[dict, int | None]:
+        """(outputs by name, the version that ran) through the daemon's engine, as every client's request.
+        `classes`: output -> how many top classes to answer with instead of its values (classification.py)."""
         why = self.why_unloaded(name)
         if why:
             raise InputError(why)
-        reshape = await self.reshape_of(name, version)
+        reshape, labels, batch = await self.interface_of(name, version)
         if reshape is not None:
             feeds = reshape.to_model(feeds)
         wire, files = tensors.encode(feeds, group_of=self.group_of, model=name)
@@ -136,6 +141,9 @@ class Operations:
         outputs, _ = tensors.decode(reply.outputs)
         if reshape is not None:
             outputs = reshape.to_client(outputs)
+        for output, count in (classes or {}).items():
+            if output in outputs:
+                outputs[output] = classify(outputs[output], count, labels.get(output), batch, output)
         return outputs, reply.version if reply.version is not None else version   # (an older daemon: None)
 
     async def repository_index(self, only_ready: bool) -> list[dict]:

@@ -38,7 +38,7 @@ OTHER_FILES = {"model.plan": "tensorrt_plan", "model.pt": "pytorch_libtorch", "m
 # Fields whose meaning modelcache carries out; a set field not here is listed in the model's one warning.
 HONOURED = {"name", "platform", "backend", "version_policy", "max_batch_size", "default_model_filename",
             "input.name", "input.data_type", "input.dims", "input.format", "input.optional", "input.reshape",
-            "output.name", "output.data_type", "output.dims", "output.reshape",
+            "output.name", "output.data_type", "output.dims", "output.reshape", "output.label_filename",
             "dynamic_batching.max_queue_delay_microseconds", "dynamic_batching.preferred_batch_size",
             "instance_group.name", "instance_group.kind"}
 CONTAINERS = {"input", "output", "dynamic_batching", "instance_group"}
@@ -57,10 +57,11 @@ class ModelPlan:
     serving: dict                # its batching policy (calibration.check_serving)
     not_honoured: list = field(default_factory=list)   # config fields set that modelcache does not carry out
     completed: list = field(default_factory=list)      # what auto-complete filled in
+    labels: dict = field(default_factory=dict)         # output -> its label_filename's lines (classification)
 
     @property
     def declared(self) -> dict:
-        return {"serving": self.serving, "model_config": self.config}
+        return {"serving": self.serving, "model_config": self.config, "labels": self.labels}
 
     def batching_text(self) -> str:
         s = self.serving
@@ -121,7 +122,22 @@ def _plan(model_dir: Path, name: str, model_io) -> ModelPlan:
         _check_against_model(config, *ios[v], f"{path.relative_to(model_dir.parent)}")
     serving = _serving(config)
     return ModelPlan(name, versions, config_to_json(config), serving,
-                     [] if given is None else _unhonoured(given), completed)
+                     [] if given is None else _unhonoured(given), completed, _labels(config, model_dir))
+
+
+def _labels(config: mc.ModelConfig, model_dir: Path) -> dict:
+    """Each output's label_filename (in the model's directory, one label a line): the classification extension
+    names classes with them, as Triton does."""
+    labels = {}
+    for t in config.output:
+        if t.label_filename:
+            path = model_dir / t.label_filename
+            try:
+                labels[t.name] = path.read_text().splitlines()
+            except (OSError, UnicodeDecodeError) as e:
+                raise InputError(f"output {t.name!r}: label_filename {t.label_filename}: cannot be read "
+                                 f"({getattr(e, 'strerror', None) or e})") from None
+    return labels
 
 
 def _copy(msg: mc.ModelConfig) -> mc.ModelConfig:
