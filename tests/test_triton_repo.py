@@ -148,6 +148,13 @@ def test_absent_config_is_auto_completed_as_triton_does(tmp_path):
                                                                             ("mask", "TYPE_BOOL", [-1])]
     assert plan.serving["policy"] == "dynamic" and plan.serving["max_batch"] == 4
     assert plan.completed[0] == "no config.pbtxt" and plan.not_honoured == []
+    # what Triton's core fills into every configuration (model_config_utils.cc): the file, an instance group
+    assert c["default_model_filename"] == "model.onnx"
+    assert c["instance_group"] == [{"name": "embed", "kind": "KIND_CPU", "count": 2, "gpus": [],
+                                    "secondary_devices": [], "profile": [], "passive": False, "host_policy": ""}]
+    assert "device" not in plan.serving        # (filled in, not asked for: the model may still run on a GPU)
+    cnn = plan_model(repo / "cnn", model_io).config   # a group given without a name gets model_<i>
+    assert [(g["name"], g["kind"], g["count"]) for g in cnn["instance_group"]] == [("cnn_0", "KIND_CPU", 2)]
     # a model whose first dim is fixed cannot batch: whole shapes, max_batch_size 0, serial
     save(fixed_batch_model(), tmp_path / "models" / "fixed" / "1" / "model.onnx")
     fixed = plan_model(tmp_path / "models" / "fixed", model_io)

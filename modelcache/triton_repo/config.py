@@ -120,9 +120,27 @@ def _plan(model_dir: Path, name: str, model_io) -> ModelPlan:
     completed = _complete(config, *ios[versions[-1][0]], given)
     for v, path in versions:
         _check_against_model(config, *ios[v], f"{path.relative_to(model_dir.parent)}")
-    serving = _serving(config)
+    serving = _serving(config)    # (from the groups given: those Triton fills in below do not limit the device)
+    _normalize(config)
     return ModelPlan(name, versions, config_to_json(config), serving,
                      [] if given is None else _unhonoured(given), completed, _labels(config, model_dir))
+
+
+def _normalize(config: mc.ModelConfig) -> None:
+    """What Triton's core fills into every ONNX model's configuration (model_config_utils.cc, r24.10), so that
+    ModelConfig answers as Triton would for the same directory: default_model_filename model.onnx; with no
+    instance_group, one named as the model; each group's missing name (model_<i>), kind (KIND_CPU: what
+    KIND_AUTO resolves to without a GPU) and count (2 for ONNX Runtime on the CPU, SetDefaultInstanceCount)."""
+    if not config.default_model_filename:
+        config.default_model_filename = ONNX_FILE
+    if not config.instance_group:
+        config.instance_group.add().name = config.name
+    for i, group in enumerate(config.instance_group):
+        group.name = group.name or f"{config.name}_{i}"
+        if group.kind == mc.ModelInstanceGroup.KIND_AUTO:
+            group.kind = mc.ModelInstanceGroup.KIND_CPU
+        if group.count < 1:
+            group.count = 2 if group.kind == mc.ModelInstanceGroup.KIND_CPU else 1
 
 
 def _labels(config: mc.ModelConfig, model_dir: Path) -> dict:
