@@ -14,7 +14,7 @@ import os
 import time
 
 from .. import __version__, protocol as P, tensors
-from ..errors import InputError, ModelCacheError
+from ..errors import InputError, ModelCacheError, ModelNotFound
 from . import types
 from .link import DaemonLink
 from .classification import classify
@@ -30,6 +30,13 @@ STATUS_BY_CODE = {"not_found": (404, "NOT_FOUND"), "input": (400, "INVALID_ARGUM
                   "timeout": (504, "DEADLINE_EXCEEDED"), "run": (500, "INTERNAL")}
 INTERNAL = (500, "INTERNAL")
 RESHAPE_TTL_S = 2.0
+
+
+def unknown_model(e: ModelNotFound, name: str, version: int | None) -> ModelNotFound:
+    """An unknown model or version said as Triton says it (its clients match the words: Triton's example
+    clients check them), then the daemon's own words."""
+    what = f"'{name}'" + (f" version {version}" if version is not None else "")
+    return ModelNotFound(f"Request for unknown model: {what} is not found; {e}")
 
 
 def status_of(e: ModelCacheError) -> tuple[int, str]:
@@ -76,7 +83,10 @@ class Operations:
 
     async def describe(self, name: str, version: int | None) -> P.DescribeReply:
         """The model's description; ModelNotFound (404, NOT_FOUND) for an unknown model or version."""
-        return await self.link.call(P.Describe(req_id=0, name=name, version=version), (P.DescribeReply,))
+        try:
+            return await self.link.call(P.Describe(req_id=0, name=name, version=version), (P.DescribeReply,))
+        except ModelNotFound as e:
+            raise unknown_model(e, name, version) from None
 
     async def model_metadata(self, name: str, version: int | None) -> dict:
         d = await self.describe(name, version)
@@ -135,6 +145,8 @@ class Operations:
             reply = await self.link.call(
                 P.Infer(req_id=0, client_id="", name=name, inputs=wire, version=version,
                         output_names=output_names, deadline_ms=deadline_ms), (P.InferReply,))
+        except ModelNotFound as e:
+            raise unknown_model(e, name, version) from None
         finally:
             for f in files:
                 os.unlink(f)
