@@ -89,7 +89,7 @@ class Settings:
 
     def host_capacity_bytes(self, limit_bytes: int | None = None) -> int:
         """host_capacity in bytes; a percentage is of `limit_bytes` (the memory limit, memlimit.read_limit)."""
-        return parse_size(self.host_capacity, total=limit_bytes if limit_bytes is not None else _ram_bytes())
+        return parse_size(self.host_capacity, total=limit_bytes if limit_bytes is not None else ram_bytes())
 
     def memory_reserve_bytes(self, limit_bytes: int) -> int:
         """memory_reserve in bytes under a memory limit of `limit_bytes`."""
@@ -99,10 +99,6 @@ class Settings:
 
     def max_message_bytes(self) -> int:
         return parse_size(self.max_message_size)
-
-
-def _ram_bytes() -> int:
-    return ram_bytes()
 
 
 MIN_CAPACITY = 64 << 10    # smaller holds no model worth caching: a typo ("10K" for "10G"), not a choice
@@ -270,8 +266,8 @@ def _capacity(of: str | None):
                              (f", or a percentage of {of} such as 50%" if of else "")) from None
         if n < MIN_CAPACITY:
             raise ValueError(f"must be at least 64K: {n} bytes holds no model")
-        if of == "RAM" and n > _ram_bytes():
-            raise ValueError(f"must be at most this machine's RAM ({_ram_bytes() / 2**30:.1f} GiB, or 100%)")
+        if of == "RAM" and n > ram_bytes():
+            raise ValueError(f"must be at most this machine's RAM ({ram_bytes() / 2**30:.1f} GiB, or 100%)")
         return text
     return rule
 

@@ -66,13 +66,17 @@ def ort_mmap_model(src: str) -> str:
     return str(ort_path)
 
 
+# What ORT's users set to map an .ort model and take its initializers from the mapping (no daemon).
+ORT_MMAP_KEYS = ("session.use_memory_mapped_ort_model", "session.use_ort_model_bytes_directly",
+                 "session.use_ort_model_bytes_for_initializers")
+
+
 def ort_mmap_session(src: str):
     """A session over `src`'s .ort model (ort_mmap_model), memory-mapped with its initializers taken from the
     mapping, no daemon: processes share the page cache's copy. Prepacking left on, as its users run it."""
     import onnxruntime as ort
     so = ort.SessionOptions()
-    for key in ("session.use_memory_mapped_ort_model", "session.use_ort_model_bytes_directly",
-                "session.use_ort_model_bytes_for_initializers"):
+    for key in ORT_MMAP_KEYS:
         so.add_session_config_entry(key, "1")
     return ort.InferenceSession(str(Path(src).with_suffix(".ort")), so, providers=["CPUExecutionProvider"])
 

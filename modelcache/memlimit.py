@@ -31,9 +31,6 @@ class MemoryLimit:
     cgroup: Path | None = None    # the cgroup whose limit binds (its usage counts against it); None: RAM
     version: int = 0              # that cgroup's version: 1 or 2; 0 when RAM binds
 
-    def describe(self) -> dict:
-        return {"limit_bytes": self.limit_bytes, "source": self.source}
-
 
 def ram_bytes() -> int:
     # sysconf, not psutil: settings are validated in every client, which should not import psutil

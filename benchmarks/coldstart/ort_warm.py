@@ -18,9 +18,9 @@ from pathlib import Path
 import onnxruntime as ort
 
 from modelcache import zoo
+from modelcache.measure import ORT_MMAP_KEYS
 
-MMAP = ["session.use_memory_mapped_ort_model", "session.use_ort_model_bytes_directly",
-        "session.use_ort_model_bytes_for_initializers"]
+MMAP = list(ORT_MMAP_KEYS)
 
 
 def session(path: Path, keys: list) -> ort.InferenceSession:

@@ -39,7 +39,8 @@ def main() -> None:
         sess = ort.InferenceSession(src, providers=["CPUExecutionProvider"])
     elif mode == "ort-mmap":
         # ORT's own mmap of an .ort model (bench/coldstart.py converted it beside the .onnx): no daemon, the
-        # page cache shared; prepacking left on, as its users run it.
+        # page cache shared; prepacking left on, as its users run it. measure.ORT_MMAP_KEYS, written out here:
+        # this child's imports are what it times, and it does not import modelcache for the ORT modes.
         so = ort.SessionOptions()
         for key in ("session.use_memory_mapped_ort_model", "session.use_ort_model_bytes_directly",
                     "session.use_ort_model_bytes_for_initializers"):

@@ -88,8 +88,8 @@ class Daemon:
         self.registry = Registry()
         self.repository = Repository(settings.repository_path)
         # The memory limit (RAM, or the cgroup's) sizes the host tier and is watched (memory.py).
-        self.memory_limit = read_limit()
-        self.host = HostTier(settings.shm_dir, self._host_capacity(settings), owner=settings.socket,
+        limit = read_limit()
+        self.host = HostTier(settings.shm_dir, self._host_capacity(settings, limit), owner=settings.socket,
                              verify=settings.verify_promotion, source=self.repository)
         self.remote = RemoteStore(settings.remote, settings.request_timeout_s) if settings.remote else None
         self._thread_sockets = threading.local()
@@ -101,8 +101,7 @@ class Daemon:
                          "refetched": 0, "fetched": 0, "unloads": 0, "prewarms": 0, "gpu_unloads": 0,
                          "gpu_prewarms": 0, "wasted_prewarms": 0, "gpu_wasted_prewarms": 0,
                          "pressure_evictions": 0, "pressure_reliefs": 0}
-        self.memory = MemoryGuard(self.memory_limit, settings.memory_reserve_bytes(self.memory_limit.limit_bytes),
-                                  counters=self.counters)
+        self.memory = MemoryGuard(limit, settings.memory_reserve_bytes(limit.limit_bytes), counters=self.counters)
         self.pressure_watch: PressureWatch | None = None
         self.open_latency = Histogram()
         try:
@@ -223,13 +222,13 @@ class Daemon:
             log.info("metrics on http://%s:%d/metrics", self.settings.metrics_host, self.metrics.port)
         log.info("modelcache %s ready on %s: %d models in %s, host tier %s (%d MiB; memory limit %d MiB, %s, "
                  "%d MiB kept free)", __version__, addr, len(self.registry.models), self.repository.root,
-                 self.host.root, self.host.capacity_bytes >> 20, self.memory_limit.limit_bytes >> 20,
-                 self.memory_limit.source, self.memory.reserve >> 20)
+                 self.host.root, self.host.capacity_bytes >> 20, self.memory.limit.limit_bytes >> 20,
+                 self.memory.limit.source, self.memory.reserve >> 20)
 
-    def _host_capacity(self, settings: Settings, limit=None) -> int:
+    @staticmethod
+    def _host_capacity(settings: Settings, limit) -> int:
         """host_capacity in bytes, a percentage of the memory limit; refused (or warned) above the limit less
         memory_reserve (memory.py)."""
-        limit = limit or self.memory_limit
         capacity = settings.host_capacity_bytes(limit.limit_bytes)
         check_capacity(capacity, limit, settings.memory_reserve_bytes(limit.limit_bytes), settings)
         return capacity
@@ -302,7 +301,7 @@ class Daemon:
                     log.warning("reload: %s %r -> %r needs a restart of the daemon; keeping %r until then",
                                 name, old, value, old)
             logging.getLogger("modelcache").setLevel(self.settings.log_level.upper())
-            self.memory_limit = self.memory.limit = limit
+            self.memory.limit = limit
             self.host.capacity_bytes = capacity
             self.memory.reserve = self.settings.memory_reserve_bytes(limit.limit_bytes)
             if "gpu_capacity" in changed:

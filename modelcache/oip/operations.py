@@ -29,7 +29,7 @@ STATUS_BY_CODE = {"not_found": (404, "NOT_FOUND"), "input": (400, "INVALID_ARGUM
                   "out_of_memory": (503, "RESOURCE_EXHAUSTED"), "daemon_unavailable": (503, "UNAVAILABLE"),
                   "timeout": (504, "DEADLINE_EXCEEDED"), "run": (500, "INTERNAL")}
 INTERNAL = (500, "INTERNAL")
-RESHAPE_TTL_S = 2.0
+INTERFACE_TTL_S = 2.0
 
 
 def unknown_model(e: ModelNotFound, name: str, version: int | None) -> ModelNotFound:
@@ -65,9 +65,9 @@ class Operations:
         self.unloaded: set[str] = set()   # names this front unloaded: not ready until loaded again
         # Big inputs go through /dev/shm files as client.infer sends them; the daemon's group may read them.
         self.group_of = settings.socket[len("ipc://"):]
-        # (name, version) -> (when read, its Reshape or None): a describe per request would cost a round trip;
-        # a model imported again with another reshape is seen within RESHAPE_TTL_S.
-        self.reshapes: dict = {}
+        # (name, version) -> (when read, interface_of's answer): a describe per request would cost a round trip;
+        # a model imported again with another reshape or labels is seen within INTERFACE_TTL_S.
+        self.interfaces: dict = {}
 
     async def ready(self) -> str | None:
         """None when the daemon answers; else why the server is not ready."""
@@ -101,13 +101,13 @@ class Operations:
 
     async def interface_of(self, name: str, version: int | None) -> tuple:
         """(its Triton reshape or None (oip/reshape.py), its outputs' class labels, whether it batches), read from
-        the model's description at most every RESHAPE_TTL_S."""
+        the model's description at most every INTERFACE_TTL_S."""
         now = time.monotonic()
-        cached = self.reshapes.get((name, version))
-        if cached is None or now - cached[0] > RESHAPE_TTL_S:
+        cached = self.interfaces.get((name, version))
+        if cached is None or now - cached[0] > INTERFACE_TTL_S:
             d = await self.describe(name, version)
             config = getattr(d, "model_config", None) or {}
-            cached = self.reshapes[(name, version)] = (now, (Reshape.of(config), getattr(d, "labels", None) or {},
+            cached = self.interfaces[(name, version)] = (now, (Reshape.of(config), getattr(d, "labels", None) or {},
                                                              int(config.get("max_batch_size", 0)) > 0))
         return cached[1]
 

@@ -107,7 +107,7 @@ class Segment:
         self.held = None
 
     def use(self, offset: int, end: int | None, key: str) -> None:
-        self.held = None
+        self.changed()
         entry = self.ranges.setdefault(offset, [end, set()])
         entry[1].add(key)
         if end is not None and (entry[0] is None or end > entry[0]):
@@ -124,12 +124,12 @@ class Segment:
         return held
 
     def _resident(self, without) -> int:
-        live = _page_spans((off, end) for off, (end, users) in self.ranges.items() if users - without)
-        if not live:
-            return 0
-        if len(live) == 1 and live[0] == (0, _page_up(self.size)):
-            return self.size
-        return sum(min(end, self.size) - start for start, end in live)
+        return self.span_bytes(_page_spans((off, end) for off, (end, users) in self.ranges.items()
+                                           if users - without))
+
+    def span_bytes(self, spans) -> int:
+        """Bytes of the file the page spans cover (the last page only up to the file's end)."""
+        return sum(min(end, self.size) - start for start, end in spans)
 
     def holes(self) -> list:
         """The page-aligned spans of the file no used range lies in: what punching gives back."""
@@ -224,11 +224,8 @@ class HostTier:
 
     def model_bytes(self, key: str) -> int:
         """Bytes of the ranges a model uses (page-rounded; shared ones counted in full)."""
-        total = 0
-        for s in self.segments.values():
-            spans = _page_spans((off, end) for off, (end, users) in s.ranges.items() if key in users)
-            total += sum(min(end, s.size) - start for start, end in spans)
-        return total
+        return sum(s.span_bytes(_page_spans((off, end) for off, (end, users) in s.ranges.items() if key in users))
+                   for s in self.segments.values())
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
