@@ -96,6 +96,9 @@ class Manifest:
     serving: dict = field(default_factory=dict)  # its own batching policy (calibration.check_serving): from a Triton config
     model_config: dict = field(default_factory=dict)  # the Triton model configuration it was imported with (JSON)
     labels: dict = field(default_factory=dict)   # output -> its classes' labels (a Triton output's label_filename)
+    # Initializers that are also graph inputs (IR >= 4): a request may feed them, overriding the stored weight
+    # (Triton's ORT backend serves them as optional inputs); [] for versions packed before this was recorded.
+    overridable: list = field(default_factory=list)
 
     def to_json(self) -> str:
         """The manifest as stored, its checksum recomputed: every writer goes through here."""
@@ -108,6 +111,7 @@ class Manifest:
         d = dict(d)
         d["inputs"] = [IOEntry(**e) for e in d["inputs"]]
         d["outputs"] = [IOEntry(**e) for e in d["outputs"]]
+        d["overridable"] = [IOEntry(**e) for e in d.get("overridable", [])]
         d["tensors"] = [TensorEntry(**e) for e in d["tensors"]]
         d["gpu_tensors"] = [TensorEntry(**e) for e in d.get("gpu_tensors", [])]
         return cls(**d)
@@ -117,7 +121,8 @@ class Manifest:
         cached = self.__dict__.get("_io_summary")
         if cached is None:
             cached = self.__dict__["_io_summary"] = {"inputs": [asdict(e) for e in self.inputs],
-                                                     "outputs": [asdict(e) for e in self.outputs]}
+                                                     "outputs": [asdict(e) for e in self.outputs],
+                                                     "overridable": [asdict(e) for e in self.overridable]}
         return cached
 
 

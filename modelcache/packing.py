@@ -225,15 +225,25 @@ def _point_external(t: TensorProto, location: str, offset: int, nbytes: int) -> 
         t.external_data.add(key=k, value=v)
 
 
-def model_io(src: str) -> tuple[list[IOEntry], list[IOEntry]]:
-    """A model file's inputs (those a caller feeds) and outputs, as its manifest will list them; PackError
-    when the file is no ONNX model (what `pack` would refuse first)."""
+def model_io(src: str) -> tuple[list[IOEntry], list[IOEntry], list[IOEntry]]:
+    """A model file's inputs (those a caller feeds), outputs and overridable initializers, as its manifest
+    will list them; PackError when the file is no ONNX model (what `pack` would refuse first)."""
     try:
         model = onnx.load(src, load_external_data=False)
     except Exception as e:  # protobuf DecodeError, a truncated file...
         raise PackError(f"{src} is not a valid ONNX model: {str(e).strip()[:200] or type(e).__name__}") from None
     fed = source_inputs(model)
-    return _io_entries(v for v in model.graph.input if v.name in fed), _io_entries(model.graph.output)
+    return (_io_entries(v for v in model.graph.input if v.name in fed), _io_entries(model.graph.output),
+            overridable_entries(model))
+
+
+def overridable_entries(model: onnx.ModelProto) -> list[IOEntry]:
+    """The main graph's inputs that have an initializer (a default): ORT lets a run feed them in its place
+    (get_overridable_initializers); IR 3 lists every initializer as an input, and ORT then overrides none."""
+    if model.ir_version < 4:
+        return []
+    init_names = {t.name for t in model.graph.initializer}
+    return _io_entries(v for v in model.graph.input if v.name in init_names)
 
 
 def source_inputs(model: onnx.ModelProto) -> set[str]:
@@ -514,7 +524,7 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
         manifest = Manifest(
             name=name, version=version,
             inputs=_io_entries(v for v in source_model.graph.input if v.name in fed),
-            outputs=_io_entries(source_model.graph.output),
+            outputs=_io_entries(source_model.graph.output), overridable=overridable_entries(source_model),
             tensors=tensors, weights_bytes=weights_bytes, source_sha256=_sha256_file(src),
             ort_version=ort.__version__, opt_level=opt_level, created_unix=time.time(),
             gpu_skeleton=GPU_SKELETON_FILE, gpu_opt_level=gpu.opt_level, gpu_tensors=gpu_tensors,

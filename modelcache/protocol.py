@@ -431,6 +431,7 @@ class DescribeReply(Message, kind="describe_ok"):
     model_config: dict = {}            # the Triton configuration it was imported with ({}: added otherwise)
     source_sha256: str = ""            # of the .onnx file it was packed from
     labels: dict = {}                  # output -> its classes' labels (label_filename; the classification extension)
+    overridable: list = []             # initializers a request may feed in their place (Manifest.overridable)
 
 
 class SetBatching(Message, kind="set_batching"):

@@ -479,3 +479,95 @@ def test_classification_strings_are_tritons():
     assert classify(np.array([0.0, 1.0], np.float32), 1, ["zero"], False, "y").tolist() == [b"1.000000:1"]
     with pytest.raises(InputError, match="only numbers can be classified"):
         classify(np.array([b"x"], dtype=object), 1, None, False, "y")
+
+
+def initializer_input_model() -> onnx.ModelProto:
+    """y = x @ W + b, where W and b are initializers that are also graph inputs (IR 8): ORT lets a run feed
+    them in place of the stored values; Triton's ORT backend serves them as (optional) inputs."""
+    rng = np.random.default_rng(7)
+    w = helper.make_tensor("W", TensorProto.FLOAT, [4, 3], rng.standard_normal(12).astype(np.float32).tolist())
+    b = helper.make_tensor("b", TensorProto.FLOAT, [3], [0.5, -1.0, 2.0])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["xw"]), helper.make_node("Add", ["xw", "b"], ["y"])], "overridable",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]),
+         helper.make_tensor_value_info("W", TensorProto.FLOAT, [4, 3]),
+         helper.make_tensor_value_info("b", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], initializer=[w, b])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+OPTIONAL_CONFIG = """
+max_batch_size: 0
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 2, 4 ] },
+        { name: "b" data_type: TYPE_FP32 dims: [ 3 ] optional: true },
+        { name: "W" data_type: TYPE_FP32 dims: [ 4, 3 ] } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ 2, 3 ] } ]
+"""
+
+
+def test_initializers_that_are_inputs_are_served_as_tritons_optional_inputs(tmp_path):
+    """An initializer listed as a graph input imports as an input Triton's way: `optional: true` may be left
+    out (the stored value is used), a listed one without it is required in Triton's words; fed, it overrides the
+    stored value. Outputs equal plain ORT's, over both fronts; and an optional input on a batching model is
+    refused as Triton refuses it."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+    repo = tmp_path / "models"
+    src = save(initializer_input_model(), repo / "affine" / "1" / "model.onnx")
+    (repo / "affine" / "config.pbtxt").write_text(OPTIONAL_CONFIG)
+    save(initializer_input_model(), repo / "needs_x" / "1" / "model.onnx")   # x said optional: the model needs it
+    (repo / "needs_x" / "config.pbtxt").write_text(OPTIONAL_CONFIG.replace('dims: [ 2, 4 ] }', 'dims: [ 2, 4 ] optional: true }'))
+    batching = repo / "batching"
+    save(initializer_input_model(), batching / "1" / "model.onnx")
+    (batching / "config.pbtxt").write_text(OPTIONAL_CONFIG.replace("max_batch_size: 0", "max_batch_size: 2"))
+    with pytest.raises(InputError, match="optional input 'b' is not supported for models that support batching"):
+        plan_model(batching, model_io)
+    import shutil
+    shutil.rmtree(batching)
+    ports = {"grpc": free_port(), "http": free_port()}
+    d = DaemonProcess(tmp_path, extra_env={"MODELCACHE_TRITON_REPOSITORY": str(repo),
+                                           "MODELCACHE_GRPC_PORT": str(ports["grpc"]),
+                                           "MODELCACHE_HTTP_PORT": str(ports["http"])}).start()
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 4)).astype(np.float32)
+    w2 = rng.standard_normal((4, 3)).astype(np.float32)
+    b2 = np.array([10.0, 20.0, 30.0], np.float32)
+    plain = ort.InferenceSession(src)
+    assert sorted(i.name for i in plain.get_overridable_initializers()) == ["W", "b"]
+    try:
+        wait_until(lambda: IMPORT_DONE in d.log_path.read_text(), 120, "the import at start")
+        for proto, client_mod in (("http", httpclient), ("grpc", grpcclient)):
+            c = client_mod.InferenceServerClient(f"127.0.0.1:{ports[proto]}")
+            try:
+                meta = c.get_model_metadata("affine")
+                names = [t["name"] for t in meta["inputs"]] if proto == "http" else [t.name for t in meta.inputs]
+                assert sorted(names) == ["W", "b", "x"], (proto, names)
+
+                def infer(**feeds):
+                    inputs = []
+                    for k, v in feeds.items():
+                        i = client_mod.InferInput(k, list(v.shape), "FP32")
+                        i.set_data_from_numpy(v)
+                        inputs.append(i)
+                    return c.infer("affine", inputs).as_numpy("y")
+                for feeds in ({"x": x, "W": w2}, {"x": x, "W": w2, "b": b2}):
+                    np.testing.assert_allclose(infer(**feeds), plain.run(None, feeds)[0], rtol=1e-5, atol=1e-6)
+                with pytest.raises(InferenceServerException,
+                                   match=r"expected number of inputs between 2 and 3 but got 2 inputs for model "
+                                         r"'affine'. Got input\(s\) \['x','b'\], but missing required input\(s\) "
+                                         r"\['W'\]"):
+                    infer(x=x, b=b2)
+                i = client_mod.InferInput("W", [4, 3], "FP32")
+                i.set_data_from_numpy(w2)
+                with pytest.raises(InferenceServerException, match="needs_x: missing input 'x'"):
+                    c.infer("needs_x", [i])
+            finally:
+                c.close()
+        with d.client() as mc:   # the daemon's own serve mode takes the override too
+            from modelcache.client.serve import ServeSession
+            s = ServeSession("affine", client=mc)
+            np.testing.assert_allclose(s.run(None, {"x": x, "b": b2})[0], plain.run(None, {"x": x, "b": b2})[0],
+                                       rtol=1e-5, atol=1e-6)
+    finally:
+        stop_cleanly(d)

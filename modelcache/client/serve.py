@@ -38,7 +38,7 @@ class ServeSession:
             info = self._client.describe(name, version)
         self.model_name, self.model_version = info.name, info.version
         self._inputs, self._outputs, self.stages = info.inputs, info.outputs, info.stages
-        self._feed_check = FeedCheck(self.model_name, self._inputs)
+        self._feed_check = FeedCheck(self.model_name, self._inputs, getattr(info, "overridable", None) or [])
         self.deadline_ms = deadline_ms
         self.last_timings: dict = {}
         self._closed = False

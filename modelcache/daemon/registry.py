@@ -216,7 +216,8 @@ class ModelRecord:
         check = self.__dict__.get("_feed_check")
         if check is None:
             from ..tensors import FeedCheck
-            check = self.__dict__["_feed_check"] = FeedCheck(self.name, self.manifest.io_summary()["inputs"])
+            io = self.manifest.io_summary()
+            check = self.__dict__["_feed_check"] = FeedCheck(self.name, io["inputs"], io["overridable"])
         return check
 
     # -- its copies ------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ class Serving:
                                stages=[{k: e[k] for k in ("file", "inputs", "outputs", "cost_share", "workers")
                                         if k in e} for e in model.manifest.stages],
                                model_config=model.manifest.model_config, source_sha256=model.manifest.source_sha256,
-                               labels=model.manifest.labels)
+                               labels=model.manifest.labels, overridable=io["overridable"])
 
     def on_Partition(self, ident, msg: P.Partition):
         from ..executor.partition import check_request, partition
@@ -194,6 +194,11 @@ class Serving:
         deadline = deadline_of(arrival, msg.deadline_ms)
         feeds, maps = tensors.decode(msg.inputs)
         model.feed_check.check(feeds)
+        if model.manifest.stages and model.manifest.overridable:
+            fed = sorted({o.name for o in model.manifest.overridable} & feeds.keys())
+            if fed:
+                raise InputError(f"{model.key}: {fed[0]!r} overrides an initializer, which a model split into "
+                                 f"stages cannot take; partition it back into one stage to feed it")
         first = next(iter(feeds.values()), None)
         samples = first.shape[0] if getattr(first, "ndim", 0) else 1   # (a sequence or None: 1)
         limit = model.manifest.serving.get("max_batch")
@@ -322,7 +327,10 @@ class Serving:
         cached = self.serve_specs.get(model.key)
         if cached is None:
             _, segments, all_tensors = self.host.tier.layout(model.key, model.manifest)
-            stages = model.manifest.stages or [{"file": "model.onnx", "inputs": [i.name for i in model.manifest.inputs],
+            # (a whole model's stage also takes the overridable initializers a request feeds: the engine passes
+            # on those of its inputs a request has)
+            whole_inputs = [i.name for i in model.manifest.inputs + model.manifest.overridable]
+            stages = model.manifest.stages or [{"file": "model.onnx", "inputs": whole_inputs,
                                                 "outputs": [o.name for o in model.manifest.outputs],
                                                 "tensors": [t[0] for t in all_tensors]}]
             specs = []
@@ -332,7 +340,8 @@ class Serving:
                               "outputs": e["outputs"], "tensors": [t for t in all_tensors if t[0] in wanted],
                               "worker_ids": self.engine.worker_ids(e.get("workers"), model.key)})
             io = model.manifest.inputs + model.manifest.outputs
-            batchable = all(e.shape and not isinstance(e.shape[0], int) for e in io)
+            # (an overridable initializer fed by one request is no row of a batch: such models run requests alone)
+            batchable = all(e.shape and not isinstance(e.shape[0], int) for e in io) and not model.manifest.overridable
             self._check_stored_profile(model)
             cached = self.serve_specs[model.key] = (segments, specs, batchable)
         return cached

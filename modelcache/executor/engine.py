@@ -478,7 +478,7 @@ class Engine:
             return False
         req = batch.first
         spec = req.stages[batch.stage]
-        inputs = {k: batch.data[k] for k in spec["inputs"]}
+        inputs = {k: batch.data[k] for k in spec["inputs"] if k in batch.data}   # (overridables: when fed)
         for i, w in enumerate(self.workers):  # an idle worker's estimate is "free now"
             if self.outstanding[i] == 0:
                 w.state.free_at = now

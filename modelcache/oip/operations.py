@@ -18,6 +18,7 @@ from ..errors import InputError, ModelCacheError, ModelNotFound
 from . import types
 from .link import DaemonLink
 from .classification import classify
+from .inputs import RequiredInputs
 from .reshape import Reshape
 
 EXTENSIONS = ["classification", "binary_tensor_data", "model_repository", "model_configuration", "statistics"]
@@ -92,23 +93,28 @@ class Operations:
         d = await self.describe(name, version)
         listing = await self.link.call(P.ListModels(req_id=0), (P.ModelList,))
         versions = sorted({m["version"] for m in listing.models if m["name"] == name} | {d.version})
-        inputs, outputs = types.tensor_metadata(d.inputs), types.tensor_metadata(d.outputs)
-        reshape = Reshape.of(getattr(d, "model_config", None) or {})
+        config = getattr(d, "model_config", None) or {}
+        listed = {i["name"] for i in config.get("input") or []}   # overridable initializers served as inputs
+        inputs = types.tensor_metadata(d.inputs + [o for o in getattr(d, "overridable", None) or [] if o["name"] in listed])
+        outputs = types.tensor_metadata(d.outputs)
+        reshape = Reshape.of(config)
         if reshape is not None:   # what clients send and get: the configuration's dims
             inputs, outputs = reshape.metadata(inputs, "input"), reshape.metadata(outputs, "output")
         return {"name": d.name, "versions": [str(v) for v in versions], "platform": "onnxruntime_onnx",
                 "inputs": inputs, "outputs": outputs}
 
     async def interface_of(self, name: str, version: int | None) -> tuple:
-        """(its Triton reshape or None (oip/reshape.py), its outputs' class labels, whether it batches), read from
-        the model's description at most every INTERFACE_TTL_S."""
+        """(its Triton reshape or None (oip/reshape.py), its outputs' class labels, whether it batches, the inputs
+        its configuration requires or None (oip/inputs.py)), read from the model's description at most every
+        INTERFACE_TTL_S."""
         now = time.monotonic()
         cached = self.interfaces.get((name, version))
         if cached is None or now - cached[0] > INTERFACE_TTL_S:
             d = await self.describe(name, version)
             config = getattr(d, "model_config", None) or {}
             cached = self.interfaces[(name, version)] = (now, (Reshape.of(config), getattr(d, "labels", None) or {},
-                                                             int(config.get("max_batch_size", 0)) > 0))
+                                                             int(config.get("max_batch_size", 0)) > 0,
+                                                             RequiredInputs.of(config)))
         return cached[1]
 
     def why_unloaded(self, name: str) -> str | None:
@@ -136,7 +142,9 @@ class Operations:
         why = self.why_unloaded(name)
         if why:
             raise InputError(why)
-        reshape, labels, batch = await self.interface_of(name, version)
+        reshape, labels, batch, required = await self.interface_of(name, version)
+        if required is not None:
+            required.check(name, feeds)
         if reshape is not None:
             feeds = reshape.to_model(feeds)
         wire, files = tensors.encode(feeds, group_of=self.group_of, model=name)

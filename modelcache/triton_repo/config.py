@@ -89,8 +89,8 @@ def read_config(model_dir: Path) -> mc.ModelConfig | None:
 
 def plan_model(model_dir: Path, model_io) -> ModelPlan:
     """What importing `model_dir` adds. NotOnnx for another backend's model; InputError (one line naming the
-    model) for one that cannot be imported. `model_io(path) -> (inputs, outputs)` reads an ONNX file's
-    (packing.model_io: IOEntry lists)."""
+    model) for one that cannot be imported. `model_io(path) -> (inputs, outputs, overridable initializers)`
+    reads an ONNX file's (packing.model_io: IOEntry lists)."""
     name = model_dir.name
     try:
         return _plan(model_dir, name, model_io)
@@ -117,7 +117,7 @@ def _plan(model_dir: Path, name: str, model_io) -> ModelPlan:
             ios[v] = model_io(str(path))
         except ModelCacheError as e:
             raise InputError(f"version {v}: {e}") from None
-    completed = _complete(config, *ios[versions[-1][0]], given)
+    completed = _complete(config, *ios[versions[-1][0]][:2], given)
     for v, path in versions:
         _check_against_model(config, *ios[v], f"{path.relative_to(model_dir.parent)}")
     serving = _serving(config)    # (from the groups given: those Triton fills in below do not limit the device)
@@ -239,13 +239,19 @@ def _complete(config: mc.ModelConfig, inputs, outputs, given) -> list[str]:
     return filled
 
 
-def _check_against_model(config: mc.ModelConfig, inputs, outputs, where: str) -> None:
-    """Each configured input and output against the model's: names, types, dims. Inputs: the same set;
+def _check_against_model(config: mc.ModelConfig, inputs, outputs, overridable, where: str) -> None:
+    """Each configured input and output against the model's: names, types, dims. Inputs: the model's, and any
+    of its overridable initializers (what Triton's ORT backend merges into the inputs: an initializer that is
+    also a graph input, served as an input a request may leave out when the config says `optional: true`);
     outputs: any of the model's (Triton allows fewer)."""
     batch = config.max_batch_size
-    model_in = {e.name: e for e in inputs}
-    model_out = {e.name: e for e in outputs}
     configured = [t.name for t in config.input]
+    model_in = {e.name: e for e in inputs} | {e.name: e for e in overridable if e.name in configured}
+    model_out = {e.name: e for e in outputs}
+    for t in config.input:
+        if t.optional and batch:   # (Triton's backend refuses the load in these words)
+            raise InputError(f"optional input {t.name!r} is not supported for models that support batching "
+                             f"(max_batch_size {batch}); set max_batch_size: 0")
     if sorted(configured) != sorted(model_in):
         extra = sorted(set(configured) - set(model_in))
         lacking = sorted(set(model_in) - set(configured))
