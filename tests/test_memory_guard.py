@@ -86,6 +86,33 @@ def test_a_promotion_the_memory_cannot_take_fails_typed_and_reserves_nothing(mac
     assert OutOfMemoryError.code == "out_of_memory" and isinstance(refused.value, Exception)
 
 
+def test_a_serve_request_waits_for_memory_that_requests_in_flight_hold(machine):
+    """What an open is refused at once (leases may be held for hours) a serve request waits for, as for room:
+    the holds on the other models end in milliseconds; at its deadline it is refused saying it waited."""
+    parts, (a, b, c, d) = machine.parts, machine.models
+    for model in (a, b, c):
+        resident(parts, model)
+        parts.residency.hold(model)              # requests in flight on each
+    machine.neighbour = machine.headroom() - machine.guard.reserve
+    answers = []
+    parts.residency.when_resident(d, lambda error, hit: answers.append(error), memory_wait=True)
+    parts.loaders.settle()
+    assert answers == [] and d.key not in parts.residency.resident   # waiting, nothing reserved
+    parts.residency.release(a)                   # a's request answered: a is idle, given back for d
+    parts.loaders.settle()
+    assert answers == [None] and host_keys(parts) == {b.key, c.key, d.key}
+    # Nothing to give back before the deadline: refused, saying how long it waited for memory.
+    parts.residency.evict(d)
+    machine.neighbour += machine.headroom() - machine.guard.reserve
+    parts.residency.when_resident(d, lambda error, hit: answers.append(error), deadline=parts.clock() + 5,
+                                  memory_wait=True)
+    parts.clock.now += 6
+    parts.residency.on_timer(parts.clock())
+    assert isinstance(answers[-1], OutOfMemoryError), answers
+    assert str(answers[-1]).startswith("waited 6.0 s for memory, until the request's deadline: m3@1 needs")
+    assert machine.guard.in_flight == 0 and parts.residency.short_of_memory == {}
+
+
 def test_pressure_gives_idle_models_back_in_the_policys_order_until_the_reserve_is_free(machine, caplog):
     parts, (a, b, c, d) = machine.parts, machine.models
     for model in (a, b, c, d):

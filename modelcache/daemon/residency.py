@@ -46,6 +46,9 @@ class Residency:
         self.room = RoomQueue()
         self.resident: dict = {}          # key -> ModelRecord of each copy resident here: what room is made from
         self.needs: dict = {}             # key -> bytes its last promotion that found no room would have placed
+        # key -> the OutOfMemoryError of a serve request's promotion that waits for memory (requests in flight
+        # hold it, and let go in milliseconds): said, with how long it waited, if its deadline passes first
+        self.short_of_memory: dict = {}
         # Called with (model key, tier id) when a copy here is freed or replaced: what was built over it goes.
         self.forget: list = []
         self._prefix = "" if tier.name == "host" else "gpu_"   # its counters: promotions, gpu_promotions, ...
@@ -61,13 +64,16 @@ class Residency:
         return model.copy_in(self.id).state is ModelState.RESIDENT
 
     # -- bringing a model in ----------------------------------------------------------------------
-    def when_resident(self, model: ModelRecord, then, deadline: float | None = None, wait: bool = True) -> bool:
+    def when_resident(self, model: ModelRecord, then, deadline: float | None = None, wait: bool = True,
+                      memory_wait: bool = False) -> bool:
         """Call then(error, hit) once `model` is resident here: now on a hit (returns True), else after the
         one promotion (from the tier below first, where it is not there either). With a tier full of models
         in use the request waits for room, in each tier, until `deadline` (clock time; None:
         request_timeout_s from now); `wait=False`: here it is refused at once instead (a serve request, which
-        the CPU serves). A model that can never be here, or is larger than the whole tier, raises
-        ModelCacheError at once when its tier is the first one missing it."""
+        the CPU serves). `memory_wait` (a serve request): where the memory limit cannot take it while other
+        models are held, it waits for their holds to end as for room, rather than fail at once (a lease may be
+        held for hours: an open fails at once). A model that can never be here, or is larger than the whole
+        tier, raises ModelCacheError at once when its tier is the first one missing it."""
         copy = self.copy(model)
         if copy.state is ModelState.RESIDENT:
             then(None, True)
@@ -78,7 +84,7 @@ class Residency:
             if refusal is not None:   # (through `then`: a serve request's hold is released there)
                 then(refusal, False)
                 return False
-            self._join(model, copy, then, deadline, wait)
+            self._join(model, copy, then, deadline, wait, memory_wait)
             return False
 
         def on_below(error, _hit):
@@ -93,7 +99,8 @@ class Residency:
         self.below.when_resident(model, on_below, deadline)
         return False
 
-    def _join(self, model: ModelRecord, copy: TierCopy, then, deadline: float | None, wait: bool) -> None:
+    def _join(self, model: ModelRecord, copy: TierCopy, then, deadline: float | None, wait: bool,
+              memory_wait: bool = False) -> None:
         """Wait on the load in flight, or start it, or wait for room for it."""
         def wake(err):
             then(err, False)
@@ -105,14 +112,15 @@ class Residency:
             copy.wait_for_load(wake)
             self._refetch(model, copy)
         else:
-            self._promote_or_wait(model, copy, wake, deadline, wait)
+            self._promote_or_wait(model, copy, wake, deadline, wait, memory_wait)
 
-    def _promote_or_wait(self, model: ModelRecord, copy: TierCopy, wake, deadline: float | None, wait: bool) -> None:
+    def _promote_or_wait(self, model: ModelRecord, copy: TierCopy, wake, deadline: float | None, wait: bool,
+                         memory_wait: bool = False) -> None:
         """Start the copy's promotion if there is room and no request waits for room before it; else queue
         `wake` for room (room.py), in arrival order."""
         queued = bool(self.room)
         if copy.state is ModelState.ON_DISK:
-            if not queued and self._start(model, copy):
+            if not queued and self._start(model, copy, memory_wait=memory_wait):
                 copy.wait_for_load(wake)
                 return
             needs = self._needs(model)
@@ -138,7 +146,7 @@ class Residency:
         self.tier.abort(plan)
         return plan.bytes
 
-    def _start(self, model: ModelRecord, copy: TierCopy, prewarm: bool = False) -> bool:
+    def _start(self, model: ModelRecord, copy: TierCopy, prewarm: bool = False, memory_wait: bool = False) -> bool:
         """Plan the model's place here, make room if needed, and copy it on a loader thread. False: no room
         now (nothing reserved; the caller queues the request, or drops the pre-warm, whose room comes only from
         its policy's prewarm_victims); CapacityError: the model alone exceeds the tier."""
@@ -153,7 +161,16 @@ class Residency:
             return False
         self.needs.pop(model.key, None)
         if self.memory is not None:
-            self._fit_memory(model, plan, prewarm)
+            try:
+                self._fit_memory(model, plan, prewarm)
+            except CapacityError as e:   # (OutOfMemoryError; the plan is given back)
+                if not (memory_wait and self._held_elsewhere(model)):
+                    self.short_of_memory.pop(model.key, None)
+                    raise
+                self.short_of_memory[model.key] = e
+                self.needs[model.key] = plan.bytes
+                return False
+            self.short_of_memory.pop(model.key, None)
             self.memory.started(plan.bytes)
         copy.start_load(prewarm)
         job = f"load:{model.key}:{self.id}"
@@ -234,7 +251,7 @@ class Residency:
     def admit(self) -> None:
         """Room may have appeared (a release, an eviction, more capacity, an unpin): start the promotions
         waiting for it, the oldest first (room.py); then the tiers above, as freeing here frees there too."""
-        self.room.admit(lambda copy: self._start(copy.model, copy))
+        self.room.admit(lambda copy: self._start(copy.model, copy, memory_wait=copy.model.key in self.short_of_memory))
         for tier in self.above:
             tier.admit()
 
@@ -253,7 +270,11 @@ class Residency:
                                 kept, self.tier.capacity_setting)
 
     def _room_refusal(self, model: ModelRecord, waited_s: float) -> CapacityError:
-        """A request's deadline passed while it waited for room: how long, and what held the tier then."""
+        """A request's deadline passed while it waited for room: how long, and what held the tier then (or the
+        memory, for a serve request that waited for memory)."""
+        short = self.short_of_memory.pop(model.key, None)
+        if short is not None:
+            return type(short)(f"waited {waited_s:.1f} s for memory, until the request's deadline: {short}")
         return CapacityError(f"waited {waited_s:.1f} s for room, until the request's deadline: "
                              f"{self._refusal(model, self._needs(model))}")
 
@@ -339,6 +360,10 @@ class Residency:
             held = sorted(f"{m.key} ({', '.join(why for why, _ in m.tier_copies[self.id].why_kept())})"
                           for k, m in self.resident.items() if k != model.key and not m.tier_copies[self.id].evictable)
             raise self.memory.refusal(model.key, plan.bytes, held)
+
+    def _held_elsewhere(self, model: ModelRecord) -> bool:
+        """Whether another model's copy here is held (a request in flight, a lease): memory that may come back."""
+        return any(m is not model and m.tier_copies[self.id].holds for m in self.resident.values())
 
     def give_back(self, bytes_wanted: int, counter: str = "evictions", loading: str | None = None) -> tuple[list, int]:
         """Free idle copies (unheld, unpinned, not `loading`) in the policy's order until `bytes_wanted` is freed

@@ -276,7 +276,8 @@ class Serving:
                     on_device(e, uuid)
 
         try:
-            self.host.when_resident(model, start, deadline)
+            # (memory_wait: where the memory limit cannot take it beside the requests in flight, it waits for them)
+            self.host.when_resident(model, start, deadline, memory_wait=True)
         except ModelCacheError as e:   # no room to load it, say: the answer, and the request's hold released
             finish(None, {}, e)
         return None
