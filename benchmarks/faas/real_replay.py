@@ -40,7 +40,7 @@ from modelcache.measure import compile_bytecode, managed_daemon, save_results
 from modelcache.usage import Parser
 
 from benchmarks.faas.simulate import GIB, Costs, replay, trace_policy
-from benchmarks.faas.sweep import load_costs, minutes_window, plot, read_trace, table
+from benchmarks.faas.sweep import load_costs, plot, read_trace, table, trace_source_arguments
 from benchmarks.faas.trace import Invocation, assign_models, invocations
 
 CHILD = str(Path(bench.__file__).with_name("coldstart_child.py"))   # a fresh process per call, as coldstart's
@@ -370,12 +370,7 @@ def write_calls(path: Path, records: list[dict]) -> None:
 def main(argv=None) -> int:
     ap = Parser(prog="python -m benchmarks.faas.real_replay", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", default="synthetic", help="'synthetic' or an Azure Functions invocation-count CSV")
-    ap.add_argument("--functions", type=int, default=20, help="synthetic: how many functions (default 20)")
-    ap.add_argument("--hours", type=float, default=0.5, help="synthetic: trace length (default 0.5)")
-    ap.add_argument("--minutes", type=minutes_window, default=None,
-                    help="a CSV's window, FIRST:STOP in its minute numbers")
-    ap.add_argument("--seed", type=int, default=0, help="the trace, the models' draw, the spread in a minute")
+    trace_source_arguments(ap, 20, 0.5)
     ap.add_argument("--models", default=DEFAULT_MODELS, help=f"zoo models the functions draw from (default {DEFAULT_MODELS})")
     ap.add_argument("--policies", default="lru,gdsf",
                     help="comma-separated eviction policies the daemon runs (keepalive, hybrid: where it accepts them)")

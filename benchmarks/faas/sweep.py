@@ -165,14 +165,21 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
     return True
 
 
-def trace_arguments(ap: argparse.ArgumentParser) -> None:
-    """The options that say which trace to replay and how (shared with `attribute`)."""
+def trace_source_arguments(ap: argparse.ArgumentParser, functions: int, hours: float,
+                           functions_help: str = "synthetic: how many functions") -> None:
+    """The options that say which trace: --trace, --functions, --hours, --minutes, --seed (the sweep's, the real
+    replay's and the systems benchmark's, each with its own defaults)."""
     ap.add_argument("--trace", default="synthetic", help="'synthetic' or an Azure Functions invocation-count CSV")
-    ap.add_argument("--functions", type=int, default=200, help="synthetic: how many functions")
-    ap.add_argument("--hours", type=float, default=6.0, help="synthetic: trace length")
+    ap.add_argument("--functions", type=int, default=functions, help=f"{functions_help} (default {functions})")
+    ap.add_argument("--hours", type=float, default=hours, help=f"synthetic: trace length (default {hours:g})")
     ap.add_argument("--minutes", type=minutes_window, default=None,
                     help="a CSV's window, FIRST:STOP in its minute numbers")
     ap.add_argument("--seed", type=int, default=0, help="the trace, the models' draw, the spread in a minute")
+
+
+def trace_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options that say which trace to replay and how (shared with `attribute`)."""
+    trace_source_arguments(ap, 200, 6.0)
     ap.add_argument("--capacities", default="0.02,0.05,0.1,0.2,0.3,0.5,1.0",
                     help="host-tier capacities as fractions of all the trace's models together")
     ap.add_argument("--compress", type=float, default=1.0,

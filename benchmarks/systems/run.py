@@ -42,7 +42,7 @@ from pathlib import Path
 
 from modelcache.usage import Parser
 
-from benchmarks.faas.sweep import minutes_window, read_trace, table
+from benchmarks.faas.sweep import read_trace, table, trace_source_arguments
 from benchmarks.faas.trace import assign_models, invocations
 from benchmarks.systems.box import Box, forget
 
@@ -309,7 +309,7 @@ def verdict(rows: list[dict]) -> list[str]:
 
 def report(data: dict, out=sys.stdout) -> None:
     a = data["args"]
-    print(f"{data['trace']}: {data['calls']} calls over {data['trace_s']:.0f} s of trace time, compressed "
+    print(f"{data['trace']}, {data.get('functions', '?')} functions replayed: {data['calls']} calls over {data['trace_s']:.0f} s of trace time, compressed "
           f"{a['compress']:g}x (at most {a['per_minute']} a function-minute); {data['models']} models "
           f"({data['mix']}), {data['model_bytes'] / GIB:.2f} GiB of .onnx together; keep-alive "
           f"{a['keep_alive_s']:g} s of trace time, at most {a['max_instances']} instances or calls in flight", file=out)
@@ -340,7 +340,7 @@ def plots(data: dict, records: list[dict], out: Path) -> list[Path]:
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("fraction of answered calls")
     axes[0][-1].legend(fontsize=7)
-    fig.suptitle(data["trace"], fontsize=9)
+    fig.suptitle(f"{data['trace']}, {data.get('functions', '?')} functions replayed", fontsize=9)
     fig.tight_layout()
     cdf = out / "latency-cdf.png"
     fig.savefig(cdf, dpi=110)
@@ -355,7 +355,7 @@ def plots(data: dict, records: list[dict], out: Path) -> list[Path]:
     ax.set_yscale("log")
     ax.set_xlabel("memory budget (GiB, enforced)")
     ax.set_ylabel("p99 arrival to result (ms)")
-    ax.set_title(data["trace"], fontsize=9)
+    ax.set_title(f"{data['trace']}, {data.get('functions', '?')} functions replayed", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -368,11 +368,7 @@ def plots(data: dict, records: list[dict], out: Path) -> list[Path]:
 def main(argv=None) -> int:
     ap = Parser(prog="python -m benchmarks.systems.run", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", default="synthetic", help="'synthetic' or an Azure Functions invocation-count CSV")
-    ap.add_argument("--functions", type=int, default=24, help="how many functions (a CSV: drawn from those called)")
-    ap.add_argument("--hours", type=float, default=0.5, help="synthetic: trace length (default 0.5)")
-    ap.add_argument("--minutes", type=minutes_window, default=None, help="a CSV's window, FIRST:STOP")
-    ap.add_argument("--seed", type=int, default=0)
+    trace_source_arguments(ap, 24, 0.5, "how many functions (a CSV: drawn from those it calls)")
     ap.add_argument("--models", default=DEFAULT_MODELS, help=f"zoo models drawn from (default {DEFAULT_MODELS})")
     ap.add_argument("--per-minute", type=int, default=2, help="calls a function-minute at most (default 2)")
     ap.add_argument("--compress", type=float, default=15.0, help="divide trace time by this (default 15)")
@@ -438,7 +434,7 @@ def main(argv=None) -> int:
         for k in keys:
             mix[k.split("#")[0]] = mix.get(k.split("#")[0], 0) + 1
         data = {"trace": label, "args": {**vars(args), "minutes": args.minutes}, "calls": len(calls),
-                "trace_s": calls[-1].t * args.compress, "models": len(keys),
+                "trace_s": calls[-1].t * args.compress, "models": len(keys), "functions": len(functions),
                 "mix": ", ".join(f"{n} {a}" for a, n in mix.items()),
                 "model_bytes": sum(p.stat().st_size for p in paths.values()), "rows": rows}
     report(data)
