@@ -62,14 +62,6 @@ class Box:
         """The cgroup's charge (anonymous memory, tmpfs and page cache): what its limit is enforced on."""
         return int((self.memory.path / "memory.usage_in_bytes").read_text())
 
-    def kernel_peak(self, reset: bool = False) -> int:
-        """The highest usage the kernel saw since the last reset (memory.max_usage_in_bytes): a load's
-        transient peak, which the OOM killer judges, where sampling would miss it."""
-        path = self.memory.path / "memory.max_usage_in_bytes"
-        if reset:
-            path.write_text("0")
-        return int(path.read_text())
-
     def working_set(self) -> int:
         return memlimit.working_set_bytes(self.memory.limit)
 

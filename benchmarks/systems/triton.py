@@ -8,9 +8,11 @@ model's config sets only `backend: "onnxruntime"` and one CPU instance (Triton's
 own session and copy of the weights: one is what a memory-bound deployment sets); the rest is Triton's
 autocomplete (max_batch_size 4 with dynamic batching where the model allows it), ORT's defaults in the backend.
 
-The controller's model sizes are ModelMesh's: a first estimate (the .onnx file's size times 3: a load's
-peak, measured for ResNet-50 under jemalloc), replaced by what loading it really took (its peak over the
-usage before, or what it kept, whichever is more), the last such figure kept per model. Triton runs with jemalloc preloaded where the machine has it, as
+The controller's model sizes are ModelMesh's: a first estimate (the .onnx file's size times 2), replaced by
+what loading it really kept (the box's working set before and after), the last such figure kept per model;
+the 15 % of the budget it leaves free takes a load's transient (measured under jemalloc, its peak over what
+it kept: ResNet-50 +93 MiB, ViT-B/16 +10 MiB). (A first version took the box's peak during the load: with
+calls running beside it, that charged ViT-B/16 990 MiB and refused it at 1.5 GiB.) Triton runs with jemalloc preloaded where the machine has it, as
 Triton's docs advise for loading and unloading models: measured here, glibc's malloc kept 1,152 MiB after
 ResNet-50, SqueezeNet and ViT-B/16 were loaded and unloaded again.
 """
@@ -182,7 +184,7 @@ class LruController:
         are busy, wait for their calls to end (up to `wait_s`); a model that cannot fit even alone is refused,
         rather than loaded for the OOM killer to end the server (ModelMesh does not place it either)."""
         with self.load_lock:
-            need = self.footprint.get(name, 3 * self.file_bytes[name])
+            need = self.footprint.get(name, 2 * self.file_bytes[name])
             deadline = time.monotonic() + self.wait_s
             while self.box.working_set() + need > self.fill * self.box.budget:
                 with self.lock:
@@ -199,12 +201,10 @@ class LruController:
                     raise RuntimeError(f"{name}: waited {self.wait_s:.0f} s for the models in use to go idle")
                 else:
                     time.sleep(0.02)
-            before, usage = self.box.working_set(), self.box.usage()
-            self.box.kernel_peak(reset=True)
+            before = self.box.working_set()
             self.client().load_model(name, client_timeout=120)
             self.loads += 1
-            self.footprint[name] = max(self.box.working_set() - before, self.box.kernel_peak() - usage,
-                                       self.file_bytes[name])
+            self.footprint[name] = max(self.box.working_set() - before, self.file_bytes[name])
             with self.lock:
                 self.loaded[name] = None
 
