@@ -116,7 +116,7 @@ def test_runs_like_plain_ort(daemon_with_cases, case, mode):
 
 
 @pytest.mark.parametrize("override", sorted(OVERRIDES))
-def test_an_overridable_initializer_can_be_fed_in_attach_mode(daemon_with_cases, override):
+def test_an_overridable_initializer_can_be_fed_in_attach_and_serve_mode(daemon_with_cases, override):
     client, paths = daemon_with_cases
     plain = ort.InferenceSession(paths["overridable-not-fed"], providers=["CPUExecutionProvider"])
     session = modelcache.InferenceSession("overridable-not-fed", client=client)
@@ -125,6 +125,6 @@ def test_an_overridable_initializer_can_be_fed_in_attach_mode(daemon_with_cases,
     np.testing.assert_allclose(session.run(None, feeds)[0], plain.run(None, feeds)[0], rtol=1e-5, atol=1e-5)
     with pytest.raises(modelcache.errors.InputError, match="must be float32"):
         session.run(None, {**feeds, "W": np.zeros((64, 64), np.float64)})
-    serve = modelcache.InferenceSession("overridable-not-fed", client=client, mode="serve")
-    with pytest.raises(modelcache.errors.InputError, match="unknown input"):
-        serve.run(None, feeds)
+    serve = modelcache.InferenceSession("overridable-not-fed", client=client, mode="serve")   # the daemon takes it too
+    assert [i.name for i in serve.get_overridable_initializers()] == ["W", "shape"]
+    np.testing.assert_allclose(serve.run(None, feeds)[0], plain.run(None, feeds)[0], rtol=1e-5, atol=1e-5)

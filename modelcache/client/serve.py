@@ -38,7 +38,8 @@ class ServeSession:
             info = self._client.describe(name, version)
         self.model_name, self.model_version = info.name, info.version
         self._inputs, self._outputs, self.stages = info.inputs, info.outputs, info.stages
-        self._feed_check = FeedCheck(self.model_name, self._inputs, getattr(info, "overridable", None) or [])
+        self._overridable = getattr(info, "overridable", None) or []   # (a daemon before they were served: none)
+        self._feed_check = FeedCheck(self.model_name, self._inputs, self._overridable)
         self.deadline_ms = deadline_ms
         self.last_timings: dict = {}
         self._closed = False
@@ -59,8 +60,8 @@ class ServeSession:
         return [NodeArg(o["name"], o["shape"], ORT_TYPES.get(o["dtype"], o["dtype"])) for o in self._outputs]
 
     def get_overridable_initializers(self):
-        """Empty: the daemon runs the stored weights, and refuses a feed that names one."""
-        return []
+        """The initializers a run may feed in place of the stored weights (IR >= 4), as ORT lists them."""
+        return [NodeArg(i["name"], i["shape"], ORT_TYPES.get(i["dtype"], i["dtype"])) for i in self._overridable]
 
     def __getattr__(self, name: str):
         """The rest of onnxruntime.InferenceSession's methods need an ORT session in this process."""
