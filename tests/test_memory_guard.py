@@ -113,6 +113,24 @@ def test_a_serve_request_waits_for_memory_that_requests_in_flight_hold(machine):
     assert machine.guard.in_flight == 0 and parts.residency.short_of_memory == {}
 
 
+def test_a_serve_request_waits_for_memory_that_a_promotion_under_way_reserved(machine):
+    """Two serve requests' promotions at once, the memory enough for one: the second waits for the first's
+    (whose request then lets go), where it was refused at once with nothing resident held."""
+    parts, (a, b, c, d) = machine.parts, machine.models
+    machine.neighbour += machine.headroom() - machine.guard.reserve - int(1.5 * a.manifest.weights_bytes)
+    answers = []
+    for model in (a, b):
+        parts.residency.hold(model)              # each request holds its model, as serving.py does
+        parts.residency.when_resident(model, lambda error, hit, m=model: answers.append((m.key, error)),
+                                      memory_wait=True)
+    assert answers == [] and parts.residency.short_of_memory.keys() == {b.key}
+    parts.loaders.settle()
+    assert answers == [(a.key, None)]
+    parts.residency.release(a)                   # a's request answered: a is idle, given back for b
+    parts.loaders.settle()
+    assert answers == [(a.key, None), (b.key, None)] and host_keys(parts) == {b.key}
+
+
 def test_pressure_gives_idle_models_back_in_the_policys_order_until_the_reserve_is_free(machine, caplog):
     parts, (a, b, c, d) = machine.parts, machine.models
     for model in (a, b, c, d):

@@ -362,8 +362,10 @@ class Residency:
             raise self.memory.refusal(model.key, plan.bytes, held)
 
     def _held_elsewhere(self, model: ModelRecord) -> bool:
-        """Whether another model's copy here is held (a request in flight, a lease): memory that may come back."""
-        return any(m is not model and m.tier_copies[self.id].holds for m in self.resident.values())
+        """Whether memory here may come back: another model's copy held (a request in flight, a lease), or a
+        promotion under way (its bytes reserved; its requests hold it, then let go)."""
+        return (self.memory is not None and self.memory.in_flight > 0) or any(
+            m is not model and m.tier_copies[self.id].holds for m in self.resident.values())
 
     def give_back(self, bytes_wanted: int, counter: str = "evictions", loading: str | None = None) -> tuple[list, int]:
         """Free idle copies (unheld, unpinned, not `loading`) in the policy's order until `bytes_wanted` is freed
