@@ -232,6 +232,11 @@ def model_io(src: str) -> tuple[list[IOEntry], list[IOEntry], list[IOEntry]]:
         model = onnx.load(src, load_external_data=False)
     except Exception as e:  # protobuf DecodeError, a truncated file...
         raise PackError(f"{src} is not a valid ONNX model: {str(e).strip()[:200] or type(e).__name__}") from None
+    return manifest_io(model)
+
+
+def manifest_io(model: onnx.ModelProto) -> tuple[list[IOEntry], list[IOEntry], list[IOEntry]]:
+    """(inputs a caller feeds, outputs, overridable initializers) of a loaded model, as its manifest lists them."""
     fed = source_inputs(model)
     return (_io_entries(v for v in model.graph.input if v.name in fed), _io_entries(model.graph.output),
             overridable_entries(model))
@@ -521,11 +526,9 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
         error = remove_tree(work)       # (it must go: the version is published as this directory holds it)
         if error is not None:
             raise error
+        inputs, outputs, overridable = manifest_io(source_model)
         manifest = Manifest(
-            name=name, version=version,
-            inputs=_io_entries(v for v in source_model.graph.input if v.name in fed),
-            outputs=_io_entries(source_model.graph.output), overridable=overridable_entries(source_model),
-            tensors=tensors, weights_bytes=weights_bytes, source_sha256=_sha256_file(src),
+            name=name, version=version, inputs=inputs, outputs=outputs, overridable=overridable, tensors=tensors, weights_bytes=weights_bytes, source_sha256=_sha256_file(src),
             ort_version=ort.__version__, opt_level=opt_level, created_unix=time.time(),
             gpu_skeleton=GPU_SKELETON_FILE, gpu_opt_level=gpu.opt_level, gpu_tensors=gpu_tensors,
             owner_uid=owner_uid, serving=dict((declared or {}).get("serving") or {}),

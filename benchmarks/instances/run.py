@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,14 +31,9 @@ import numpy as np
 
 from modelcache import memlimit, zoo
 
+from benchmarks.systems.triton import PEER, free_port   # (run with PYTHONPATH=., as its docstring says)
+
 MiB = 1 << 20
-PEER = Path(__file__).resolve().parents[3] / "shared" / "peers" / "triton-native"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -33,11 +33,13 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import random
 import sys
 import tempfile
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 from modelcache.usage import Parser
@@ -120,7 +122,6 @@ class System:
 
     def __init__(self, kind: str, box: Box, work: Path, paths: dict[str, Path], repo: Path, compress: float,
                  keep_alive_s: float, max_instances: int, log_file):
-        import os
         self.kind, self.box, self.paths = kind, box, paths
         self.daemon = self.platform = self.serve = self.triton = self.controller = None
         self.before: dict = {}
@@ -206,7 +207,6 @@ def replay(system: System, calls, concurrency: int, grace_s: float) -> tuple[lis
     """Every call at its (compressed) time; each record's `ms` from its arrival to its result. A call still
     unanswered `grace_s` after the last arrival fails (a system that thrashes would otherwise hold the replay
     for as long as it crawls); the caller then stops the system."""
-    import threading
     records, lock, over = {}, threading.Lock(), threading.Event()
 
     def one(i, inv, due: float) -> None:
@@ -222,7 +222,6 @@ def replay(system: System, calls, concurrency: int, grace_s: float) -> tuple[lis
     for i, inv in enumerate(calls):
         time.sleep(max(0.0, t0 + inv.t - time.monotonic()))
         futures.append(pool.submit(one, i, inv, t0 + inv.t))
-    from concurrent.futures import wait
     wait(futures, timeout=max(0.0, t0 + calls[-1].t + grace_s - time.monotonic()))
     with lock:
         over.set()
@@ -235,7 +234,6 @@ def replay(system: System, calls, concurrency: int, grace_s: float) -> tuple[lis
 
 
 def run_one(kind: str, budget: int, args, work: Path, paths, repo: Path, calls, log) -> tuple[dict, list[dict]]:
-    import os
     box = Box.make(f"mc-systems-{kind}-{os.getpid()}", budget)
     if box is None:
         sys.exit(f"no memory cgroup for the budget: {Box.why} (run as root where a memory controller is mounted)")

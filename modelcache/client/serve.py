@@ -54,14 +54,14 @@ class ServeSession:
         return [outputs[n] for n in names]
 
     def get_inputs(self):
-        return [NodeArg(i["name"], i["shape"], ORT_TYPES.get(i["dtype"], i["dtype"])) for i in self._inputs]
+        return _node_args(self._inputs)
 
     def get_outputs(self):
-        return [NodeArg(o["name"], o["shape"], ORT_TYPES.get(o["dtype"], o["dtype"])) for o in self._outputs]
+        return _node_args(self._outputs)
 
     def get_overridable_initializers(self):
         """The initializers a run may feed in place of the stored weights (IR >= 4), as ORT lists them."""
-        return [NodeArg(i["name"], i["shape"], ORT_TYPES.get(i["dtype"], i["dtype"])) for i in self._overridable]
+        return _node_args(self._overridable)
 
     def __getattr__(self, name: str):
         """The rest of onnxruntime.InferenceSession's methods need an ORT session in this process."""
@@ -78,3 +78,8 @@ class ServeSession:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _node_args(entries: list[dict]) -> list[NodeArg]:
+    """Manifest entries ({name, shape, dtype}) as ORT's NodeArgs, the type in ORT's words."""
+    return [NodeArg(e["name"], e["shape"], ORT_TYPES.get(e["dtype"], e["dtype"])) for e in entries]

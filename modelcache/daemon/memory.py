@@ -22,6 +22,7 @@ import logging
 import threading
 
 from .. import memlimit
+from ..config import MIN_CAPACITY
 from ..errors import ConfigError, OutOfMemoryError
 from ..memlimit import MemoryLimit
 from .registry import plural
@@ -32,7 +33,6 @@ log = logging.getLogger("modelcache.daemon")
 # beside the daemon, polling every 50 ms noticed the crossing 25 ms [5-96] after it, with 251-255 of a 256 MiB reserve
 # left, where PSI and memory.pressure_level fired only at the limit (benchmarks/memlimit/reaction.txt).
 POLL_S = 0.05
-MIN_ROOM = 64 << 10     # config.MIN_CAPACITY: a reserve that leaves less than the smallest tier leaves none
 
 
 def mib(n: int) -> str:
@@ -44,7 +44,7 @@ def check_capacity(capacity_bytes: int, limit: MemoryLimit, reserve_bytes: int, 
     """Refuse (capacity_over_limit = refuse) or warn about a host tier that could fill the memory limit less the
     reserve: it would be OOM-killed, or have others killed, before it ever filled."""
     room = limit.limit_bytes - reserve_bytes
-    if room < MIN_ROOM:
+    if room < MIN_CAPACITY:   # (a reserve that leaves less than the smallest tier leaves none)
         raise ConfigError(f"memory_reserve {settings.memory_reserve} ({mib(reserve_bytes)}) leaves no room under the "
                           f"memory limit: {limit.source} is {mib(limit.limit_bytes)}; lower memory_reserve")
     if capacity_bytes <= room:

@@ -164,7 +164,7 @@ class Residency:
             try:
                 self._fit_memory(model, plan, prewarm)
             except CapacityError as e:   # (OutOfMemoryError; the plan is given back)
-                if not (memory_wait and self._held_elsewhere(model)):
+                if not (memory_wait and self._memory_may_come_back(model)):
                     self.short_of_memory.pop(model.key, None)
                     raise
                 self.short_of_memory[model.key] = e
@@ -361,7 +361,7 @@ class Residency:
                           for k, m in self.resident.items() if k != model.key and not m.tier_copies[self.id].evictable)
             raise self.memory.refusal(model.key, plan.bytes, held)
 
-    def _held_elsewhere(self, model: ModelRecord) -> bool:
+    def _memory_may_come_back(self, model: ModelRecord) -> bool:
         """Whether memory here may come back: another model's copy held (a request in flight, a lease), or a
         promotion under way (its bytes reserved; its requests hold it, then let go)."""
         return (self.memory is not None and self.memory.in_flight > 0) or any(
