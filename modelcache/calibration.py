@@ -167,7 +167,7 @@ def request_overhead(profile: dict | None) -> float:
 
 SERVING_POLICIES = ("serial", "dynamic")   # what a model's own configuration can ask for
 SERVING_MAX_BATCH = 1 << 16
-_SERVING_FIELDS = {"policy", "max_batch", "max_queue_delay_ms", "preferred_batch_sizes", "device"}
+_SERVING_FIELDS = {"policy", "max_batch", "max_queue_delay_ms", "preferred_batch_sizes", "device", "sequence"}
 
 
 def check_serving(serving: dict) -> None:
@@ -195,3 +195,6 @@ def check_serving(serving: dict) -> None:
         raise ValueError("preferred_batch_sizes must be a list of at most 64 batch sizes >= 1")
     if serving.get("device", "cpu") != "cpu":
         raise ValueError("a model's serving device may only be \"cpu\" (its Triton instance_group KIND_CPU)")
+    if serving.get("sequence") is not None:   # Triton's sequence batching: its controls and states
+        from .executor.sequences import SequenceSpec
+        SequenceSpec.from_wire(serving["sequence"])

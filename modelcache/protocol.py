@@ -501,6 +501,9 @@ class Infer(Message, kind="infer"):
     output_names: Optional[list] = None
     deadline_ms: Optional[float] = None  # give up (with an error) if not done this long after arrival
     client_name: str = ""              # as Open's: names a lane connection's client (client_id "") in `status`
+    # A stateful model's request (Triton's sequence batcher, executor/sequences.py): {"id": a uint64 or a
+    # string, "start": bool, "end": bool}; ignored by a model without sequence batching, as Triton ignores it.
+    sequence: Optional[dict] = None
 
 
 class InferReply(Message, kind="infer_ok"):

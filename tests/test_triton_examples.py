@@ -1,6 +1,8 @@
 """Triton's own Python example clients, run as they are against a daemon that imported a repository of the
 models they ask for (issue 44, part 7): `simple` (INT32 add and subtract), `simple_string` (the same on numbers
-written as strings) and `simple_identity` (strings back as sent), built here as ONNX models. The scripts are
+written as strings), `simple_identity` (strings back as sent), and the sequence clients' `simple_sequence`,
+`simple_dyna_sequence` and `simple_string_dyna_sequence` (Triton's QA custom backends; here ONNX models over
+the control inputs and the implicit state the server fills), built here as ONNX models. The scripts are
 copied unchanged from triton-inference-server/client (tests/triton_examples/README.md: the revision, the licence);
 CI runs without GitHub, so they live here. Each exits non-zero, or prints an error, when an answer is not
 Triton's.
@@ -54,6 +56,62 @@ def simple(strings: bool) -> onnx.ModelProto:
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
 
 
+SEQUENCE_CONFIG = """
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+input [ {{ name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [ {{ name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+sequence_batching {{
+  max_sequence_idle_microseconds: 5000000
+  {strategy}
+  control_input [
+{controls}
+  ]
+  {state}
+}}
+"""
+CONTROL = """    {{ name: "{name}" control [ {{ kind: {kind} {values} }} ] }}"""
+
+
+def sequence_model(name: str) -> tuple[onnx.ModelProto, str]:
+    """The model and config.pbtxt of one of Triton's QA sequence models, as ONNX, as its example clients expect:
+    `simple_sequence`: OUTPUT = INPUT + START; `simple_dyna_sequence`: the same, + CORRID on the END request;
+    `simple_string_dyna_sequence`: the running sum of INPUT (an implicit state), + its string CORRID as a number
+    on the END request."""
+    i32 = lambda n: helper.make_tensor_value_info(n, TensorProto.INT32, ["batch", 1])   # noqa: E731
+    flag = lambda n, k: CONTROL.format(name=n, kind=k, values="int32_false_true: [ 0, 1 ]")   # noqa: E731
+    inputs, nodes, controls, state = [i32("INPUT"), i32("START"), i32("READY")], [], \
+        [flag("START", "CONTROL_SEQUENCE_START"), flag("READY", "CONTROL_SEQUENCE_READY")], ""
+    if name == "simple_sequence":
+        nodes.append(helper.make_node("Add", ["INPUT", "START"], ["OUTPUT"]))
+        outputs = [i32("OUTPUT")]
+    else:
+        string = name == "simple_string_dyna_sequence"
+        corrid = TensorProto.STRING if string else TensorProto.UINT64
+        inputs += [i32("END"), helper.make_tensor_value_info("CORRID", corrid, ["batch", 1])]
+        controls += [flag("END", "CONTROL_SEQUENCE_END"),
+                     CONTROL.format(name="CORRID", kind="CONTROL_SEQUENCE_CORRID",
+                                    values=f"data_type: {'TYPE_STRING' if string else 'TYPE_UINT64'}")]
+        nodes += [helper.make_node("Cast", ["CORRID"], ["id"], to=TensorProto.INT32),
+                  helper.make_node("Mul", ["END", "id"], ["at_end"])]
+        if string:   # a running sum kept by the server between requests
+            inputs.append(i32("STATE_IN"))
+            nodes += [helper.make_node("Add", ["STATE_IN", "INPUT"], ["sum"]),
+                      helper.make_node("Add", ["sum", "at_end"], ["OUTPUT"]),
+                      helper.make_node("Identity", ["OUTPUT"], ["STATE_OUT"])]
+            outputs = [i32("OUTPUT"), i32("STATE_OUT")]
+            state = ('state [ { input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_INT32 dims: [ 1 ] '
+                     '} ]')
+        else:
+            nodes += [helper.make_node("Add", ["INPUT", "START"], ["first"]),
+                      helper.make_node("Add", ["first", "at_end"], ["OUTPUT"])]
+            outputs = [i32("OUTPUT")]
+    g = helper.make_graph(nodes, name, inputs, outputs)
+    config = SEQUENCE_CONFIG.format(strategy="oldest { max_candidate_sequences: 4 }" if name == "simple_sequence"
+                                    else "direct { }", controls=",\n".join(controls), state=state)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]), config
+
+
 def identity() -> onnx.ModelProto:
     g = helper.make_graph([helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"])], "simple_identity",
                           [helper.make_tensor_value_info("INPUT0", TensorProto.STRING, ["batch", "n"])],
@@ -66,9 +124,12 @@ def serving(tmp_path_factory):
     """(daemon, gRPC host:port, HTTP host:port): a daemon that imported simple, simple_string, simple_identity."""
     root = tmp_path_factory.mktemp("examples")
     repo = root / "models"
-    for name, model, config in (("simple", simple(False), SIMPLE_CONFIG.format(t="TYPE_INT32")),
-                                ("simple_string", simple(True), SIMPLE_CONFIG.format(t="TYPE_STRING")),
-                                ("simple_identity", identity(), IDENTITY_CONFIG)):
+    models = [("simple", simple(False), SIMPLE_CONFIG.format(t="TYPE_INT32")),
+              ("simple_string", simple(True), SIMPLE_CONFIG.format(t="TYPE_STRING")),
+              ("simple_identity", identity(), IDENTITY_CONFIG)]
+    models += [(name, *sequence_model(name))
+               for name in ("simple_sequence", "simple_dyna_sequence", "simple_string_dyna_sequence")]
+    for name, model, config in models:
         (repo / name / "1").mkdir(parents=True)
         onnx.save(model, str(repo / name / "1" / "model.onnx"))
         (repo / name / "config.pbtxt").write_text(config)
@@ -78,17 +139,21 @@ def serving(tmp_path_factory):
                                        "MODELCACHE_HTTP_PORT": str(ports["http"])}).start()
     try:
         wait_until(lambda: IMPORT_DONE in d.log_path.read_text(), 120, "the import at start")
-        assert "3 versions imported" in d.log_path.read_text()
+        assert "6 versions imported" in d.log_path.read_text()
         yield d, f"127.0.0.1:{ports['grpc']}", f"127.0.0.1:{ports['http']}"
     finally:
         stop_cleanly(d)
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py")))
-def test_tritons_example_client_runs_unchanged(serving, script):
+RUNS = [(p.name, []) for p in sorted(EXAMPLES.glob("*.py"))] + \
+    [(p.name, ["-d"]) for p in sorted(EXAMPLES.glob("*sequence*.py"))]   # -d: the CORRID ("dyna") models
+
+
+@pytest.mark.parametrize("script, args", RUNS, ids=[" ".join([s, *a]) for s, a in RUNS])
+def test_tritons_example_client_runs_unchanged(serving, script, args):
     _, grpc_at, http_at = serving
     url = http_at if "_http_" in script else grpc_at
-    r = subprocess.run([sys.executable, str(EXAMPLES / script), "-u", url], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, str(EXAMPLES / script), "-u", url, *args], capture_output=True, text=True,
                        timeout=120)
     said = r.stdout + r.stderr
     assert r.returncode == 0 and not re.search(r"^(error|FAILED)", said, re.MULTILINE | re.IGNORECASE), said[-3000:]

@@ -360,6 +360,7 @@ class Daemon:
                     next_watchdog = self.clock() + self.notifier.watchdog_interval_s
                 # A batching window ends; a keep-alive, a pre-warm or a request's wait for room is due (residency.py).
                 wake_at = min([next_sweep, self.engine.next_wakeup() or next_sweep,
+                               self.serving.next_timer() or next_sweep,
                                *(t for r in self.tiers() if (t := r.next_timer()) is not None)])
                 timeout_ms = max(0, int((wake_at - self.clock()) * 1000 + 0.999))
                 events = dict(poller.poll(min(timeout_ms, 250)))
@@ -389,6 +390,7 @@ class Daemon:
                     if type(key) is int:   # a raw file descriptor: the lane's
                         self.lane.on_ready(key, ready, self._handle)
                 self.engine.on_timer(self.clock())
+                self.serving.on_timer(self.clock())   # sequences idle too long end (executor/sequences.py)
                 for residency in self.tiers():
                     residency.on_timer(self.clock())
                 if self.clock() >= next_sweep:

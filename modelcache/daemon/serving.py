@@ -18,6 +18,7 @@ import logging
 from .. import protocol as P, tensors
 from ..errors import CapacityError, InputError, ModelCacheError
 from ..executor.engine import ServeRequest
+from ..executor.sequences import SequenceSpec, SequenceTable
 from ..storage import storage_errors
 from ..executor.workers import select_gpus
 from .registry import HOST, ModelRecord, ModelState, Registry, plural
@@ -40,6 +41,8 @@ class Serving:
         self.touch = touch                # (client_id, ident) -> the caller's client record, kept alive
         self.serve_specs: dict = {}             # model key -> (segments, stage specs), see _serve_specs
         self.serve_device_specs: dict = {}      # (model key, device UUID) -> its GPU stage specs
+        self.sequence_specs: dict = {}          # model key -> (its manifest's serving["sequence"], SequenceSpec)
+        self.sequence_tables: dict = {}         # model key -> its sequences (executor/sequences.py)
         host.forget.append(self.forget_copy)   # (every tier's managers share the host's list: daemon/gpus.py)
 
     def handlers(self) -> dict:
@@ -193,7 +196,16 @@ class Serving:
         arrival = self.clock()
         deadline = deadline_of(arrival, msg.deadline_ms)
         feeds, maps = tensors.decode(msg.inputs)
-        model.feed_check.check(feeds)
+        spec = self._sequence_spec(model)
+        if spec is not None:   # a stateful model: the server fills its controls and states (executor/sequences.py)
+            served = spec.hidden_inputs & feeds.keys()
+            if served:
+                raise InputError(f"{model.key}: input {sorted(served)[0]!r} is a sequence control or state, which "
+                                 "the server fills: do not send it")
+            model.feed_check.check({**feeds, **spec.feeds(True, True, spec.corrid(1) if msg.sequence is None
+                                                          else spec.corrid(msg.sequence.get("id") or 1), None)})
+        else:
+            model.feed_check.check(feeds)
         if model.manifest.stages and model.manifest.overridable:
             fed = sorted({o.name for o in model.manifest.overridable} & feeds.keys())
             if fed:
@@ -204,16 +216,30 @@ class Serving:
         limit = model.manifest.serving.get("max_batch")
         if limit and samples > limit:   # its configuration's max_batch_size bounds a request's rows, as Triton's
             raise InputError(f"{model.key}: a request of {samples} rows; its max_batch_size is {limit}")
+        if spec is not None and limit and samples != 1:   # (Triton's words)
+            raise InputError(f"inference request to model '{model.name}' must specify batch-size 1 due to "
+                             "requirements of sequence batcher")
+        outputs = [o.name for o in model.manifest.outputs]
         if msg.output_names:
-            outputs = [o.name for o in model.manifest.outputs]
             unknown = [n for n in msg.output_names if n not in outputs]
             if unknown:
                 raise InputError(f"{model.name}: unknown output {unknown[0]!r}; the model has {outputs}")
+        wanted = output_names = msg.output_names
+        if spec is not None:   # the state outputs always run; a client gets them only when it asks
+            wanted = msg.output_names or [o for o in outputs if o not in spec.state_outputs
+                                          or any(s.returned for s in spec.states if s.output == o)]
+            output_names = None if not msg.output_names else \
+                list(dict.fromkeys(msg.output_names + sorted(spec.state_outputs)))
         self.host.hold(model)  # a request in flight holds the model like a lease: it is not evicted under it
         held_devices: list = []   # GPU tiers whose copies it holds (see submit), released with the model
+        sequence_done: list = []  # the sequence's done(states), once the request runs
 
         def finish(result, timings, error):
+            states = None
             try:  # the answer first: releasing the request's hold is bookkeeping the client need not wait for
+                if error is None and spec is not None:
+                    states = {o: result[o] for o in spec.state_outputs if o in result}
+                    result = {k: result[k] for k in wanted if k in result}
                 if error is None:
                     try:
                         wire, _ = tensors.encode(result, inline_only=True)
@@ -221,6 +247,7 @@ class Serving:
                         error = e if isinstance(e, ModelCacheError) else \
                             ModelCacheError(f"{model.key}: cannot send its outputs: {type(e).__name__}: {e}")
                 if error is not None:
+                    states = None
                     self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
                 else:
                     self.reply(ident, P.InferReply(req_id=msg.req_id, outputs=wire, timings=timings,
@@ -230,8 +257,10 @@ class Serving:
                 for residency in held_devices:   # (first: the model's release may evict it, its GPU copies first)
                     residency.release(model)     # (and the host copy each GPU copy held)
                 self.host.release(model)
+                if sequence_done:   # the sequence's next request may go now, with this one's state
+                    sequence_done[0](states)
 
-        def submit():
+        def submit(request_feeds):
             segments, specs, batchable = self._serve_specs(model)
             devices = {}
             for residency in self._serve_tiers(model):
@@ -244,43 +273,89 @@ class Serving:
             for residency in held_devices:   # a serve request is a call, as an open is: the timed policies count it
                 residency.accessed(model)
             self.host.accessed(model)
-            self.engine.submit(ServeRequest(model.key, specs, segments, dict(feeds), msg.output_names, arrival,
+            self.engine.submit(ServeRequest(model.key, specs, segments, request_feeds, output_names, arrival,
                                             deadline, finish, samples=samples, batchable=batchable,
                                             profile=model.manifest.batching or None, devices=devices,
                                             serving=model.manifest.serving or None))
 
-        def start(error, hit):
-            if error is not None:
-                finish(None, {}, error)
-                return
-            waiting = [r for r in self._serve_tiers(model) if not r.is_resident(model)]
-            if not waiting:
-                submit()
-                return
-            left = [len(waiting)]
-
-            def on_device(error, uuid):   # a device that cannot take the model does not serve it: the CPU does
+        def run(request_feeds):
+            def start(error, hit):
                 if error is not None:
-                    log.info("%s: served without GPU %s: %s", model.key, uuid, error)
-                left[0] -= 1
-                if left[0] == 0:
-                    submit()
+                    finish(None, {}, error)
+                    return
+                waiting = [r for r in self._serve_tiers(model) if not r.is_resident(model)]
+                if not waiting:
+                    submit(request_feeds)
+                    return
+                left = [len(waiting)]
 
-            for residency in waiting:
-                uuid = residency.id
-                try:
-                    # (wait=False: with the device full of models in use, the CPU serves it now, not later)
-                    residency.when_resident(model, lambda error, _hit, uuid=uuid: on_device(error, uuid), deadline,
-                                            wait=False)
-                except ModelCacheError as e:
-                    on_device(e, uuid)
+                def on_device(error, uuid):   # a device that cannot take the model does not serve it: the CPU does
+                    if error is not None:
+                        log.info("%s: served without GPU %s: %s", model.key, uuid, error)
+                    left[0] -= 1
+                    if left[0] == 0:
+                        submit(request_feeds)
 
+                for residency in waiting:
+                    uuid = residency.id
+                    try:
+                        # (wait=False: with the device full of models in use, the CPU serves it now, not later)
+                        residency.when_resident(model, lambda error, _hit, uuid=uuid: on_device(error, uuid),
+                                                deadline, wait=False)
+                    except ModelCacheError as e:
+                        on_device(e, uuid)
+
+            try:
+                # (memory_wait: where the memory limit cannot take it beside the requests in flight, it waits for them)
+                self.host.when_resident(model, start, deadline, memory_wait=True)
+            except ModelCacheError as e:   # no room to load it, say: the answer, and the request's hold released
+                finish(None, {}, e)
+
+        if spec is None:
+            run(dict(feeds))
+            return None
+
+        def go(extra, done):   # the sequence's turn: its controls and state join the client's feeds
+            sequence_done.append(done)
+            run({**feeds, **extra})
+
+        sequence = msg.sequence or {}
         try:
-            # (memory_wait: where the memory limit cannot take it beside the requests in flight, it waits for them)
-            self.host.when_resident(model, start, deadline, memory_wait=True)
-        except ModelCacheError as e:   # no room to load it, say: the answer, and the request's hold released
+            self._sequence_table(model, spec).submit(sequence.get("id"), bool(sequence.get("start")),
+                                                     bool(sequence.get("end")), deadline, go,
+                                                     lambda error: finish(None, {}, error))
+        except ModelCacheError as e:   # refused (no id, no START): answered, the hold released
             finish(None, {}, e)
         return None
+
+    def _sequence_spec(self, model: ModelRecord):
+        """The model's sequence batching (a SequenceSpec), or None for a stateless model."""
+        wire = model.manifest.serving.get("sequence") if model.manifest.serving else None
+        if wire is None:
+            return None
+        cached = self.sequence_specs.get(model.key)
+        if cached is None or cached[0] is not wire:
+            cached = self.sequence_specs[model.key] = (wire, SequenceSpec.from_wire(wire))
+        return cached[1]
+
+    def _sequence_table(self, model: ModelRecord, spec) -> SequenceTable:
+        table = self.sequence_tables.get(model.key)
+        if table is None or table.spec is not spec:
+            if table is not None:   # imported again with another configuration: its sequences start over
+                table.close(InputError(f"{model.key}: its sequence batching changed; start the sequence again"))
+            table = self.sequence_tables[model.key] = SequenceTable(model.key, spec, self.clock)
+        return table
+
+    def next_timer(self) -> float | None:
+        """When a sequence may have idled out."""
+        times = [t for table in self.sequence_tables.values() if (t := table.next_timer()) is not None]
+        return min(times) if times else None
+
+    def on_timer(self, now: float) -> None:
+        for key, table in list(self.sequence_tables.items()):
+            table.on_timer(now)
+            if not table.sequences:   # (a model's table comes back with its next sequence)
+                del self.sequence_tables[key]
 
     def _serve_tiers(self, model: ModelRecord) -> list:
         """The GPU tiers whose device has a serve-mode GPU worker, when the model has GPU weights."""

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..oip.classification import class_count
+from ..oip.inputs import sequence_of
 from ..oip.types import NUMPY_BY_V2, array_datatype, decode_bytes_elements, encode_bytes_elements
 from ..triton_protos import grpc_service_pb2 as pb
 
@@ -27,7 +28,7 @@ TYPED_FIELD = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_co
 class InferRequest:
     """A decoded ModelInferRequest: what the shared infer operation takes."""
 
-    __slots__ = ("name", "version", "id", "feeds", "output_names", "timeout_us", "classes")
+    __slots__ = ("name", "version", "id", "feeds", "output_names", "timeout_us", "classes", "sequence")
 
     def __init__(self, name: str, version: str, request_id: str):
         self.name, self.version, self.id = name, version, request_id
@@ -35,6 +36,7 @@ class InferRequest:
         self.output_names: list | None = None   # None: every output
         self.timeout_us: int | None = None
         self.classes: dict = {}                 # output -> its top N classes asked for (classification)
+        self.sequence = None                    # a stateful model's {id, start, end} (oip/inputs.sequence_of)
 
 
 def decode_request(msg: pb.ModelInferRequest) -> InferRequest:
@@ -48,6 +50,7 @@ def decode_request(msg: pb.ModelInferRequest) -> InferRequest:
         if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 0:
             raise InputError(f"parameter timeout {timeout!r}: give microseconds, an int64_param >= 0")
         req.timeout_us = timeout or None
+    req.sequence = sequence_of(*(_param(params, k) for k in ("sequence_id", "sequence_start", "sequence_end")))
     if not msg.inputs:
         raise InputError("the request has no inputs")
     raw = msg.raw_input_contents
@@ -72,6 +75,15 @@ def decode_request(msg: pb.ModelInferRequest) -> InferRequest:
                 raise InputError(f"output {o.name!r}: shared-memory outputs are not supported")
             req.output_names.append(o.name)
     return req
+
+
+def _param(params, key: str):
+    """A request parameter's value, whichever of InferParameter's fields carries it; None when absent."""
+    if key not in params:
+        return None
+    p = params[key]
+    choice = p.WhichOneof("parameter_choice")
+    return None if choice is None else getattr(p, choice)
 
 
 def _decode_input(tensor, raw: bytes | None) -> np.ndarray:

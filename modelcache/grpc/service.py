@@ -112,7 +112,7 @@ class InferenceService:
     async def _infer(self, request, context) -> pb.ModelInferResponse:
         req = codec.decode_request(request)
         outputs, ran = await self.ops.infer(req.name, parse_version(req.version), req.feeds, req.output_names,
-                                            _deadline_us(req.timeout_us, context), req.classes)
+                                            _deadline_us(req.timeout_us, context), req.classes, req.sequence)
         return codec.encode_response(req, ran, outputs)
 
     @answers

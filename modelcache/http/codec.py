@@ -16,12 +16,14 @@ import numpy as np
 
 from ..errors import InputError
 from ..oip.classification import class_count
+from ..oip.inputs import sequence_of
 from ..oip.types import NUMPY_BY_V2, array_datatype, decode_bytes_elements, encode_bytes_elements
 
 class InferRequest:
     """A decoded v2 infer request: feeds, the outputs asked for, and how each is to come back."""
 
-    __slots__ = ("id", "feeds", "output_names", "binary_outputs", "binary_default", "timeout_us", "classes")
+    __slots__ = ("id", "feeds", "output_names", "binary_outputs", "binary_default", "timeout_us", "classes",
+                 "sequence")
 
     def __init__(self):
         self.id = None
@@ -31,6 +33,7 @@ class InferRequest:
         self.binary_default = False               # the request-level binary_data_output
         self.timeout_us = None
         self.classes: dict = {}                   # output -> its top N classes asked for (classification)
+        self.sequence = None                      # a stateful model's {id, start, end} (oip/inputs.sequence_of)
 
 
 def decode_request(body: bytes, header_length: str | None) -> InferRequest:
@@ -60,6 +63,7 @@ def decode_request(body: bytes, header_length: str | None) -> InferRequest:
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0:
             raise InputError(f"parameter timeout {timeout!r}: give microseconds, a number >= 0")
         req.timeout_us = timeout
+    req.sequence = sequence_of(params.get("sequence_id"), params.get("sequence_start"), params.get("sequence_end"))
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise InputError("the request needs \"inputs\": a list of tensors")

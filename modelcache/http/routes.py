@@ -91,7 +91,8 @@ async def infer(request: web.Request) -> web.Response:
         return error(400, why)
     body = await request.read()
     req = codec.decode_request(body, request.headers.get("Inference-Header-Content-Length"))
-    outputs, ran = await ops.infer(name, version, req.feeds, req.output_names, req.timeout_us, req.classes)
+    outputs, ran = await ops.infer(name, version, req.feeds, req.output_names, req.timeout_us, req.classes,
+                                   req.sequence)
     order = req.output_names if req.output_names is not None else list(outputs)
     payload, head_len = codec.encode_response(name, ran, req.id, outputs, order, req.binary_outputs,
                                               req.binary_default)

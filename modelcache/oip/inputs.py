@@ -2,7 +2,10 @@
 every input the model's configuration lists that is not `optional: true`. An optional input left out runs on
 what the model holds for it: an overridable initializer's stored weight (Triton's ORT backend serves such an
 initializer as an optional input). Models added without a Triton configuration are checked by the engine's own
-feed check alone."""
+feed check alone.
+
+And what a request says of its sequence (a stateful model's): Triton's sequence_id, sequence_start and
+sequence_end parameters, the same over HTTP and gRPC (`sequence_of`)."""
 
 from __future__ import annotations
 
@@ -34,3 +37,21 @@ class RequiredInputs:
                  f"expected number of inputs between {len(self.required)} and {len(self.listed)}")
         raise InputError(f"{count} but got {len(fed)} inputs for model '{model}'. Got input(s) {got}, but missing "
                          f"required input(s) {lacking}. Please provide all required input(s).")
+
+
+UINT64_MAX = (1 << 64) - 1
+
+
+def sequence_of(seq_id, start, end) -> dict | None:
+    """A request's sequence parameters (Triton's sequence_id, sequence_start, sequence_end, from either front) as
+    the daemon takes them; None for a request of no sequence. InputError for values Triton would refuse."""
+    if isinstance(seq_id, bool) or not (seq_id is None or isinstance(seq_id, (int, str))):
+        raise InputError(f"parameter sequence_id {seq_id!r}: give an unsigned integer or a string")
+    if isinstance(seq_id, int) and not 0 <= seq_id <= UINT64_MAX:
+        raise InputError(f"parameter sequence_id {seq_id}: an integer id must be within 0..2^64-1")
+    for what, flag in (("sequence_start", start), ("sequence_end", end)):
+        if flag is not None and not isinstance(flag, bool):
+            raise InputError(f"parameter {what} {flag!r}: give true or false")
+    if seq_id in (None, 0, "") and not start and not end:
+        return None
+    return {"id": seq_id, "start": bool(start), "end": bool(end)}

@@ -44,6 +44,14 @@ def status_of(e: ModelCacheError) -> tuple[int, str]:
     return STATUS_BY_CODE.get(e.code, INTERNAL)
 
 
+def _configured(entries: list[dict], configured: list | None) -> list[dict]:
+    """The model's tensors a configuration lists, in its order; all of them where it lists none."""
+    if not configured:
+        return entries
+    by_name = {e["name"]: e for e in entries}
+    return [by_name[t["name"]] for t in configured if t.get("name") in by_name]
+
+
 def parse_version(text: str | None) -> int | None:
     """A version as the protocol gives it (a string; "" or None: the latest) -> an int >= 1."""
     if text is None or text == "":
@@ -94,9 +102,11 @@ class Operations:
         listing = await self.link.call(P.ListModels(req_id=0), (P.ModelList,))
         versions = sorted({m["version"] for m in listing.models if m["name"] == name} | {d.version})
         config = getattr(d, "model_config", None) or {}
-        listed = {i["name"] for i in config.get("input") or []}   # overridable initializers served as inputs
-        inputs = types.tensor_metadata(d.inputs + [o for o in getattr(d, "overridable", None) or [] if o["name"] in listed])
-        outputs = types.tensor_metadata(d.outputs)
+        # A configured model lists what its configuration does, as Triton: its overridable initializers served as
+        # inputs, never a stateful model's control and state tensors, which the server fills.
+        inputs = types.tensor_metadata(_configured(d.inputs + (getattr(d, "overridable", None) or []),
+                                                   config.get("input")))
+        outputs = types.tensor_metadata(_configured(d.outputs, config.get("output")))
         reshape = Reshape.of(config)
         if reshape is not None:   # what clients send and get: the configuration's dims
             inputs, outputs = reshape.metadata(inputs, "input"), reshape.metadata(outputs, "output")
@@ -136,9 +146,11 @@ class Operations:
         return None
 
     async def infer(self, name: str, version: int | None, feeds: dict, output_names: list | None,
-                    timeout_us: float | None, classes: dict | None = None) -> tuple[dict, int | None]:
+                    timeout_us: float | None, classes: dict | None = None,
+                    sequence: dict | None = None) -> tuple[dict, int | None]:
         """(outputs by name, the version that ran) through the daemon's engine, as every client's request.
-        `classes`: output -> how many top classes to answer with instead of its values (classification.py)."""
+        `classes`: output -> how many top classes to answer with instead of its values (classification.py);
+        `sequence`: a stateful model's {id, start, end} (inputs.sequence_of)."""
         why = self.why_unloaded(name)
         if why:
             raise InputError(why)
@@ -152,7 +164,7 @@ class Operations:
             deadline_ms = timeout_us / 1000 if timeout_us else None
             reply = await self.link.call(
                 P.Infer(req_id=0, client_id="", name=name, inputs=wire, version=version,
-                        output_names=output_names, deadline_ms=deadline_ms), (P.InferReply,))
+                        output_names=output_names, deadline_ms=deadline_ms, sequence=sequence), (P.InferReply,))
         except ModelNotFound as e:
             raise unknown_model(e, name, version) from None
         finally:

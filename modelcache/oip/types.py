@@ -48,9 +48,18 @@ def triton_type(numpy_name: str) -> str:
     return "TYPE_INVALID" if v2 is None else "TYPE_STRING" if v2 == "BYTES" else f"TYPE_{v2}"
 
 
+def numpy_type_of(triton_name: str) -> str | None:
+    """A Triton DataType enum name (TYPE_FP32, TYPE_STRING) as a manifest's dtype (float32, object); None for one
+    ONNX has no tensor of."""
+    return _NUMPY_BY_TRITON.get(triton_name)
+
+
 def v2_shape(shape: list) -> list[int]:
     """Fixed dims as they are, symbolic ones (a name or None) as -1."""
     return [d if isinstance(d, int) and d >= 0 else -1 for d in shape]
+
+
+_NUMPY_BY_TRITON = {triton_type(n): n for n in V2_BY_NUMPY if n != "str"}
 
 
 def tensor_metadata(entries: list[dict]) -> list[dict]:

@@ -19,8 +19,9 @@ from google.protobuf import json_format, text_format
 from google.protobuf.descriptor import FieldDescriptor
 
 from ..errors import InputError, ModelCacheError
-from ..oip.types import V2_BY_NUMPY, triton_type, v2_shape
+from ..oip.types import numpy_type_of, triton_type, v2_shape
 from ..triton_protos import model_config_pb2 as mc
+from . import sequence
 
 CONFIG_FILE = "config.pbtxt"
 ONNX_PLATFORM, ONNX_BACKEND, ONNX_FILE = "onnxruntime_onnx", "onnxruntime", "model.onnx"
@@ -40,9 +41,22 @@ HONOURED = {"name", "platform", "backend", "version_policy", "max_batch_size", "
             "input.name", "input.data_type", "input.dims", "input.format", "input.optional", "input.reshape",
             "output.name", "output.data_type", "output.dims", "output.reshape", "output.label_filename",
             "dynamic_batching.max_queue_delay_microseconds", "dynamic_batching.preferred_batch_size",
-            "instance_group.name", "instance_group.kind"}
-CONTAINERS = {"input", "output", "dynamic_batching", "instance_group"}
-_NUMPY_BY_TRITON = {triton_type(n): n for n in V2_BY_NUMPY if n != "str"}
+            "instance_group.name", "instance_group.kind",
+            # sequence_batching (sequence.py, executor/sequences.py)
+            "sequence_batching.max_sequence_idle_microseconds", "sequence_batching.control_input.name",
+            "sequence_batching.control_input.control.kind", "sequence_batching.control_input.control.int32_false_true",
+            "sequence_batching.control_input.control.fp32_false_true",
+            "sequence_batching.control_input.control.bool_false_true",
+            "sequence_batching.control_input.control.data_type", "sequence_batching.state.input_name",
+            "sequence_batching.state.output_name", "sequence_batching.state.data_type", "sequence_batching.state.dims",
+            "sequence_batching.state.initial_state.data_type", "sequence_batching.state.initial_state.dims",
+            "sequence_batching.state.initial_state.zero_data", "sequence_batching.state.initial_state.data_file",
+            "sequence_batching.state.initial_state.name", "sequence_batching.direct.max_queue_delay_microseconds",
+            "sequence_batching.oldest.max_candidate_sequences", "sequence_batching.oldest.preferred_batch_size",
+            "sequence_batching.oldest.max_queue_delay_microseconds"}
+CONTAINERS = {"input", "output", "dynamic_batching", "instance_group", "sequence_batching",
+              "sequence_batching.control_input", "sequence_batching.control_input.control", "sequence_batching.state",
+              "sequence_batching.state.initial_state", "sequence_batching.direct", "sequence_batching.oldest"}
 
 
 class NotOnnx(Exception):
@@ -117,11 +131,20 @@ def _plan(model_dir: Path, name: str, model_io) -> ModelPlan:
             ios[v] = model_io(str(path))
         except ModelCacheError as e:
             raise InputError(f"version {v}: {e}") from None
-    completed = _complete(config, *ios[versions[-1][0]][:2], given)
+    hidden = sequence.hidden_names(config)   # (a stateful model's control and state tensors)
+    completed = _complete(config, *ios[versions[-1][0]][:2], given, hidden)
     for v, path in versions:
-        _check_against_model(config, *ios[v], f"{path.relative_to(model_dir.parent)}")
+        _check_against_model(config, *ios[v], f"{path.relative_to(model_dir.parent)}", hidden[0])
     serving = _serving(config)    # (from the groups given: those Triton fills in below do not limit the device)
     _normalize(config)
+    if config.WhichOneof("scheduling_choice") == "sequence_batching":
+        sequence.normalize(config)
+        specs = {sequence.spec_of(config, *ios[v][:2], model_dir, f"{path.relative_to(model_dir.parent)}")
+                 for v, path in versions}
+        if len(specs) > 1:
+            raise InputError("its versions' models differ in their sequence control or state tensors; import "
+                             "them as separate models")
+        serving["sequence"] = specs.pop().to_wire()
     return ModelPlan(name, versions, config_to_json(config), serving,
                      [] if given is None else _unhonoured(given), completed, _labels(config, model_dir))
 
@@ -215,18 +238,20 @@ def _free_first(entries) -> bool:
     return all(e.shape and not isinstance(e.shape[0], int) for e in entries)
 
 
-def _complete(config: mc.ModelConfig, inputs, outputs, given) -> list[str]:
+def _complete(config: mc.ModelConfig, inputs, outputs, given, hidden=(set(), set())) -> list[str]:
     """Fill what the configuration leaves out from the model, as Triton's onnxruntime backend does; returns
-    what was filled in, for the import's line."""
+    what was filled in, for the import's line. `hidden`: (inputs, outputs) a stateful model's server fills and
+    keeps (sequence.hidden_names), never configured as the client's."""
     filled = []
     if not config.input and not config.output and config.max_batch_size == 0 and _free_first(inputs) \
             and _free_first(outputs):
         config.max_batch_size = DEFAULT_MAX_BATCH_SIZE
         filled.append(f"max_batch_size {DEFAULT_MAX_BATCH_SIZE}")
     batch = config.max_batch_size > 0
-    for entries, repeated, what in ((inputs, config.input, "inputs"), (outputs, config.output, "outputs")):
+    for entries, repeated, what, skip in ((inputs, config.input, "inputs", hidden[0]),
+                                          (outputs, config.output, "outputs", hidden[1])):
         if not repeated:
-            for e in entries:
+            for e in (e for e in entries if e.name not in skip):
                 t = repeated.add()
                 t.name, t.data_type = e.name, mc.DataType.Value(triton_type(e.dtype))
                 t.dims.extend(v2_shape(e.shape[1:] if batch else e.shape))
@@ -239,14 +264,17 @@ def _complete(config: mc.ModelConfig, inputs, outputs, given) -> list[str]:
     return filled
 
 
-def _check_against_model(config: mc.ModelConfig, inputs, outputs, overridable, where: str) -> None:
+def _check_against_model(config: mc.ModelConfig, inputs, outputs, overridable, where: str,
+                         hidden: set = frozenset()) -> None:
     """Each configured input and output against the model's: names, types, dims. Inputs: the model's, and any
     of its overridable initializers (what Triton's ORT backend merges into the inputs: an initializer that is
-    also a graph input, served as an input a request may leave out when the config says `optional: true`);
+    also a graph input, served as an input a request may leave out when the config says `optional: true`),
+    less the `hidden` ones a stateful model's server fills (its controls and states: sequence.py checks them);
     outputs: any of the model's (Triton allows fewer)."""
     batch = config.max_batch_size
     configured = [t.name for t in config.input]
-    model_in = {e.name: e for e in inputs} | {e.name: e for e in overridable if e.name in configured}
+    model_in = {e.name: e for e in inputs if e.name not in hidden} | \
+        {e.name: e for e in overridable if e.name in configured}
     model_out = {e.name: e for e in outputs}
     for t in config.input:
         if t.optional and batch:   # (Triton's backend refuses the load in these words)
@@ -280,7 +308,7 @@ def _check_tensor(kind: str, t, e, batch: int, where: str) -> None:
     shape = v2_shape(e.shape or [])
     mine = f"config.pbtxt {kind} {t.name!r} is {wanted} {dims}" + (f" (max_batch_size {batch})" if batch else "")
     theirs = f"{where} has {e.dtype} {shape}"
-    if _NUMPY_BY_TRITON.get(wanted) != e.dtype:
+    if numpy_type_of(wanted) != e.dtype:
         raise InputError(f"{mine}; {theirs}: the types differ")
     if batch and (not e.shape or isinstance(e.shape[0], int)):
         raise InputError(f"{mine}; {theirs}: its first dimension is fixed, so it cannot batch; set max_batch_size: 0 "
@@ -307,6 +335,8 @@ def _serving(config: mc.ModelConfig) -> dict:
                              f"{batch}")
         serving.update(policy="dynamic", max_queue_delay_ms=db.max_queue_delay_microseconds / 1000,
                        preferred_batch_sizes=sorted(set(db.preferred_batch_size)))
+    if config.WhichOneof("scheduling_choice") == "sequence_batching":
+        serving.update(sequence.serving(config))
     kinds = {g.kind for g in config.instance_group}
     if kinds == {mc.ModelInstanceGroup.KIND_CPU}:
         serving["device"] = "cpu"   # never on a GPU worker; KIND_GPU serves where the daemon has GPU workers
