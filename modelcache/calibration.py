@@ -173,8 +173,9 @@ _SERVING_FIELDS = {"policy", "max_batch", "max_queue_delay_ms", "preferred_batch
 def check_serving(serving: dict) -> None:
     """Refuse anything but a model's batching policy as `modelcache import-triton` stores it (its manifest's
     `serving`): {"policy": "serial" or "dynamic", "max_batch": the largest request and batch (0: no limit),
-    "max_queue_delay_ms", "preferred_batch_sizes", "device": "cpu" to keep it off GPU workers}, each field
-    optional. ValueError says which field is wrong."""
+    "max_queue_delay_ms", "preferred_batch_sizes", "device": "cpu" to keep it off GPU workers, "sequence": a
+    stateful model's controls and states (executor/sequences.SequenceSpec)}, each field optional. ValueError says
+    which field is wrong."""
     if not isinstance(serving, dict):
         raise ValueError("a model's serving policy is a map of its fields")
     unknown = sorted(set(serving) - _SERVING_FIELDS)

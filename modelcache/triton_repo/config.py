@@ -222,7 +222,7 @@ def _versions(config: mc.ModelConfig, model_dir: Path, filename: str) -> list:
         n = max(1, config.version_policy.latest.num_versions) if policy == "latest" else 1
         chosen = present[-n:]
     if not chosen:
-        raise InputError(f"no version directory (1/, 2/, ...) to import")
+        raise InputError("no version directory (1/, 2/, ...) to import")
     out = []
     for v in chosen:
         path = model_dir / str(v) / filename
