@@ -158,3 +158,59 @@ def test_close_answers_every_queued_request():
         runs.request(table, seq, start=True)
     table.close(InputError("gone"))
     assert sorted(s for s, _ in runs.failed) == [1, 3] and table.sequences == {}
+
+
+# -- at import: the configuration checked against the model (triton_repo/sequence.py) ---------------------------
+
+def plan(tmp_path, config: str):
+    from test_triton_examples import sequence_model
+
+    from modelcache.packing import model_io
+    from modelcache.triton_repo.config import plan_model
+    model, _ = sequence_model("simple_string_dyna_sequence")
+    import onnx
+    (tmp_path / "m" / "1").mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(tmp_path / "m" / "1" / "model.onnx"))
+    (tmp_path / "m" / "config.pbtxt").write_text(config)
+    return plan_model(tmp_path / "m", model_io)
+
+
+def config_of(controls: str, state: str = 'state [ { input_name: "STATE_IN" output_name: "STATE_OUT" '
+                                          'data_type: TYPE_INT32 dims: [ 1 ] } ]') -> str:
+    return f"""max_batch_size: 8
+input [ {{ name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [ {{ name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+sequence_batching {{ control_input [ {controls} ] {state} }}"""
+
+
+FLAGS = ('{ name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] }, '
+         '{ name: "READY" control [ { kind: CONTROL_SEQUENCE_READY int32_false_true: [ 0, 1 ] } ] }, '
+         '{ name: "END" control [ { kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] } ] }')
+CORRID = '{ name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_STRING } ] }'
+
+
+def test_a_stateful_config_imports_with_its_spec(tmp_path):
+    p = plan(tmp_path, config_of(f"{FLAGS}, {CORRID}"))
+    spec = SequenceSpec.from_wire(p.serving["sequence"])
+    assert {c.kind for c in spec.controls} == {"start", "ready", "end", "corrid"}
+    assert spec.states[0].shape == (1, 1) and spec.slots == 8 * 2    # 8 slots per instance, 2 CPU instances
+    assert p.serving["policy"] == "dynamic" and "sequence_batching" not in p.not_honoured
+    assert p.config["sequence_batching"]["max_sequence_idle_microseconds"] == 1_000_000
+
+
+@pytest.mark.parametrize("controls, state, words", [
+    (FLAGS, None, "the model's input 'CORRID' is not configured"),
+    (FLAGS.replace("int32_false_true", "fp32_false_true", 1) + f", {CORRID}", None,
+     "control 'START' is float32; m/1/model.onnx has int32 for it"),
+    (f"{FLAGS}, {CORRID.replace('TYPE_STRING', 'TYPE_UINT64')}", None, "control 'CORRID' is uint64"),
+    (f"{FLAGS}, {CORRID}", 'state [ { input_name: "STATE_IN" output_name: "NOPE" data_type: TYPE_INT32 '
+     'dims: [ 1 ] } ]', "no input 'STATE_IN' in the model|state output 'NOPE'"),
+    (f"{FLAGS}, {CORRID}", 'state [ { input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_INT32 '
+     'dims: [ 2 ] } ]', "the dims differ"),
+    (f"{FLAGS}, {CORRID}", 'state [ { input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_INT32 '
+     'dims: [ 1 ] initial_state { data_type: TYPE_INT32 dims: [ 1 ] data_file: "missing" name: "s" } } ]',
+     "cannot be read"),
+])
+def test_a_stateful_config_the_model_contradicts_is_refused(tmp_path, controls, state, words):
+    with pytest.raises(InputError, match=words):
+        plan(tmp_path, config_of(controls, state) if state else config_of(controls))
