@@ -193,3 +193,28 @@ def test_metadata_and_config_say_what_triton_says(served):
     assert [int(b) for b in sb["oldest"]["preferred_batch_size"]] == [8]
     assert int(idle["sequence_batching"]["max_sequence_idle_microseconds"]) == 300_000
     assert [i["name"] for i in idle["input"]] == ["x"]                  # auto-completed, without START and h
+
+
+def test_a_grpc_stream_keeps_each_sequences_order(served):
+    """Two sequences of 100 requests each, interleaved on one gRPC stream with no wait between them: the front
+    sends them to the daemon in the order read (a request waiting on the way must not let the next one pass)."""
+    import queue
+    rng = np.random.default_rng(4)
+    xs = {s: [rng.normal(size=(1, WIDTH)).astype(np.float32) for _ in range(100)] for s in (31, 32)}
+    got: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(served["grpc"]) as client:
+        client.start_stream(callback=lambda result, error: got.put((result, error)))
+        for k in range(100):
+            for s in (31, 32):
+                t = grpcclient.InferInput("x", [1, WIDTH], "FP32")
+                t.set_data_from_numpy(xs[s][k])
+                client.async_stream_infer("rnn", [t], request_id=f"{s}_{k}", sequence_id=s, sequence_start=k == 0,
+                                          sequence_end=k == 99)
+        answers = [got.get(timeout=60) for _ in range(200)]
+        client.stop_stream()
+    assert not [e for _, e in answers if e is not None]
+    outputs = {tuple(map(int, r.get_response().id.split("_"))): r.as_numpy("y") for r, _ in answers}
+    path = served["repo"] / "rnn" / "1" / "model.onnx"
+    for s in (31, 32):
+        for k, want in enumerate(plain_ort(path, xs[s])):
+            np.testing.assert_allclose(outputs[(s, k)], want, rtol=1e-5, atol=1e-6, err_msg=f"sequence {s}, step {k}")

@@ -109,10 +109,11 @@ class InferenceService:
         await self.ops.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
-    async def _infer(self, request, context) -> pb.ModelInferResponse:
+    async def _infer(self, request, context, order: tuple | None = None) -> pb.ModelInferResponse:
         req = codec.decode_request(request)
         outputs, ran = await self.ops.infer(req.name, parse_version(req.version), req.feeds, req.output_names,
-                                            _deadline_us(req.timeout_us, context), req.classes, req.sequence)
+                                            _deadline_us(req.timeout_us, context), req.classes, req.sequence,
+                                            order)
         return codec.encode_response(req, ran, outputs)
 
     @answers
@@ -121,25 +122,32 @@ class InferenceService:
 
     async def ModelStreamInfer(self, request_iterator, context):
         """Every request read is answered as soon as it is done, in whatever order they finish (each reply
-        carries its request's id, as Triton's); the stream ends once the client closed its side and every
-        request is answered."""
+        carries its request's id, as Triton's), and reaches the daemon in the order it was read (a sequence's
+        requests must); the stream ends once the client closed its side and every request is answered."""
         replies: asyncio.Queue = asyncio.Queue()
         in_flight: set = set()
+        loop = asyncio.get_running_loop()
 
-        async def answer(request):
+        async def answer(request, order):
             try:
-                reply = pb.ModelStreamInferResponse(infer_response=await self._infer(request, context))
+                reply = pb.ModelStreamInferResponse(infer_response=await self._infer(request, context, order))
             except ModelCacheError as e:
                 reply = self._stream_error(request, one_line(e))
             except Exception as e:
                 log.error("internal error in ModelStreamInfer", exc_info=True)
                 reply = self._stream_error(request, f"internal error: {type(e).__name__}")
+            finally:
+                if not order[1].done():   # (refused before it was sent: the next one may go)
+                    order[1].set_result(None)
             replies.put_nowait(reply)
 
         async def read():
+            previous = None   # set once the request read before this one was sent to the daemon
             try:
                 async for request in request_iterator:
-                    task = asyncio.create_task(answer(request))
+                    sent = loop.create_future()
+                    task = asyncio.create_task(answer(request, (previous, sent)))
+                    previous = sent
                     in_flight.add(task)
                     task.add_done_callback(in_flight.discard)
                 while in_flight:

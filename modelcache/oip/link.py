@@ -32,8 +32,9 @@ class DaemonLink:
         self.timeout_s = timeout_s
         self._channel = Channel(address, lane_connection(self.path, address), timeout_s, reader_thread=True)
 
-    async def call(self, msg, expect: tuple, timeout_s: float | None = None):
-        """Send `msg`, wait for its reply; a typed ModelCacheError for an error reply, a lost daemon or a timeout."""
+    async def call(self, msg, expect: tuple, timeout_s: float | None = None, on_sent=None):
+        """Send `msg`, wait for its reply; a typed ModelCacheError for an error reply, a lost daemon or a timeout.
+        `on_sent()`: called once the message is on its way, before the reply (a stream's order, Operations.infer)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
@@ -50,6 +51,8 @@ class DaemonLink:
             req_id = await loop.run_in_executor(None, self._channel.submit, msg, answered, timeout_s)
         else:
             req_id = self._channel.submit(msg, answered, timeout_s)
+        if on_sent is not None:
+            on_sent()
         # call_later rather than asyncio.wait_for: no task per request on the hot path
         timer = loop.call_later(timeout_s, _expire, fut)
         try:

@@ -110,7 +110,8 @@ class Operations:
         reshape = Reshape.of(config)
         if reshape is not None:   # what clients send and get: the configuration's dims
             inputs, outputs = reshape.metadata(inputs, "input"), reshape.metadata(outputs, "output")
-        return {"name": d.name, "versions": [str(v) for v in versions], "platform": "onnxruntime_onnx",
+        return {"name": d.name, "versions": [str(v) for v in versions],
+                "platform": config.get("platform") or "onnxruntime_onnx",
                 "inputs": inputs, "outputs": outputs}
 
     async def interface_of(self, name: str, version: int | None) -> tuple:
@@ -146,11 +147,21 @@ class Operations:
         return None
 
     async def infer(self, name: str, version: int | None, feeds: dict, output_names: list | None,
-                    timeout_us: float | None, classes: dict | None = None,
-                    sequence: dict | None = None) -> tuple[dict, int | None]:
+                    timeout_us: float | None, classes: dict | None = None, sequence: dict | None = None,
+                    order: tuple | None = None) -> tuple[dict, int | None]:
         """(outputs by name, the version that ran) through the daemon's engine, as every client's request.
         `classes`: output -> how many top classes to answer with instead of its values (classification.py);
-        `sequence`: a stateful model's {id, start, end} (inputs.sequence_of)."""
+        `sequence`: a stateful model's {id, start, end} (inputs.sequence_of). `order`: (the future set once the
+        request before this one was sent, or None; this one's): a stream's requests reach the daemon in the
+        order they were read, whatever each waits for on the way (a sequence's order is its state's)."""
+        after, sent = order or (None, None)
+        try:
+            return await self._infer(name, version, feeds, output_names, timeout_us, classes, sequence, after, sent)
+        finally:
+            if sent is not None and not sent.done():   # (refused before it was sent: the next one may go)
+                sent.set_result(None)
+
+    async def _infer(self, name, version, feeds, output_names, timeout_us, classes, sequence, after, sent):
         why = self.why_unloaded(name)
         if why:
             raise InputError(why)
@@ -162,9 +173,12 @@ class Operations:
         wire, files = tensors.encode(feeds, group_of=self.group_of, model=name)
         try:
             deadline_ms = timeout_us / 1000 if timeout_us else None
+            if after is not None:
+                await after
             reply = await self.link.call(
                 P.Infer(req_id=0, client_id="", name=name, inputs=wire, version=version,
-                        output_names=output_names, deadline_ms=deadline_ms, sequence=sequence), (P.InferReply,))
+                        output_names=output_names, deadline_ms=deadline_ms, sequence=sequence), (P.InferReply,),
+                on_sent=None if sent is None else (lambda: sent.done() or sent.set_result(None)))
         except ModelNotFound as e:
             raise unknown_model(e, name, version) from None
         finally:
@@ -187,7 +201,8 @@ class Operations:
             elif m["name"] in self.unloaded:
                 state, reason = "UNAVAILABLE", "unloaded"
             else:   # every stored version serves; the tier says how soon
-                state, reason = "READY", ("in memory" if m["tier"] != "disk" else "on disk: promoted on first request")
+                state, reason = "READY", {"disk": "on disk: promoted on first request",
+                                          "ensemble": m.get("why") or "an ensemble"}.get(m["tier"], "in memory")
             if not only_ready or state == "READY":
                 index.append({"name": m["name"], "version": str(m["version"]), "state": state, "reason": reason})
         return index
@@ -196,13 +211,18 @@ class Operations:
         if any(k == "config" or k.startswith("file:") for k in parameters):
             raise InputError("load takes no config or files here: add models with `modelcache add` or "
                              "`modelcache import-triton`")
-        await self.link.call(P.Load(req_id=0, name=name), (P.Ack,), timeout_s=self.settings.add_timeout_s)
+        listing = await self.link.call(P.ListModels(req_id=0), (P.ModelList,))
+        if not any(m["name"] == name and m["tier"] == "ensemble" for m in listing.models):   # (no weights to load)
+            await self.link.call(P.Load(req_id=0, name=name), (P.Ack,), timeout_s=self.settings.add_timeout_s)
         self.unloaded.discard(name)
 
     async def unload(self, name: str) -> None:
         # Every version in memory goes: an Evict without a version names only the latest, and a model
         # the front calls unloaded must not keep an older version resident.
         listing = await self.link.call(P.ListModels(req_id=0), (P.ModelList,))
+        if any(m["name"] == name and m["tier"] == "ensemble" for m in listing.models):   # (no weights to evict)
+            self.unloaded.add(name)
+            return
         resident = [m["version"] for m in listing.models if m["name"] == name and m["tier"] != "disk"]
         for version in resident or [None]:   # none resident: still one Evict, so an unknown name is NOT_FOUND
             await self.link.call(P.Evict(req_id=0, name=name, version=version), (P.Ack,))
