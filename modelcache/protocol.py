@@ -331,6 +331,15 @@ class Remove(Message, kind="remove"):
     version: int
 
 
+class AddEnsemble(Message, kind="add_ensemble"):
+    """Add a Triton ensemble whose steps are models the daemon has (daemon/ensembles.py): `config` is its
+    configuration as Triton's JSON (`platform: "ensemble"`, `ensemble_scheduling`, inputs and outputs)."""
+    req_id: int
+    name: str
+    version: int
+    config: dict
+
+
 class Evict(Message, kind="evict"):
     """Drop a model from a tier now (refused while clients hold it there)."""
     req_id: int

@@ -377,6 +377,10 @@ class Client:
         """Delete a model version from the repository; refused while it is in use."""
         self._call(P.Remove(req_id=0, name=name, version=version), expect=(P.Ack,))
 
+    def add_ensemble(self, name: str, version: int, config: dict) -> None:
+        """Add a Triton ensemble (its configuration as Triton's JSON) whose steps are models the daemon has."""
+        self._call(P.AddEnsemble(req_id=0, name=name, version=version, config=config), expect=(P.Ack,))
+
     def describe(self, name: str, version: int | None = None) -> P.DescribeReply:
         """A model's inputs, outputs and stages (no weights are touched)."""
         return self._call(P.Describe(req_id=0, name=name, version=version), expect=(P.DescribeReply,))

@@ -53,6 +53,7 @@ from .notify import Notifier
 from .registry import ModelState, Registry, describe_unreadable, plural
 from .residency import Residency
 from .restart import SocketLock, adopt_resident_models, settle_adopted
+from .ensembles import Ensembles, EnsembleStore
 from .serving import Serving, serve_gpu_devices
 from .sessions import Sessions
 
@@ -128,12 +129,14 @@ class Daemon:
         self.sessions = Sessions(registry=self.registry, host=self.residency, gpus=self.gpus, fetcher=self.fetcher,
                                  settings=settings, counters=self.counters, clock=clock, wall=wall, reply=self._reply,
                                  open_latency=self.open_latency)
+        self.ensembles = Ensembles(EnsembleStore(self.repository.root), resolve=self.fetcher.resolve,
+                                   model_names=lambda: {n for n, _ in self.registry.models}, admins=self.admins)
         self.serving = Serving(registry=self.registry, host=self.residency, gpus=self.gpus, fetcher=self.fetcher,
                                engine=self.engine, loaders=self.loaders, admins=self.admins, clock=clock,
-                               reply=self._reply, touch=self.sessions.touch)
+                               reply=self._reply, touch=self.sessions.touch, ensembles=self.ensembles)
         # Message type -> handler(ident, message): each returns its reply, or None when it answers later.
         self.handlers = {**self.sessions.handlers(), **self.models.handlers(), **self.serving.handlers(),
-                         P.ListModels: self.on_ListModels, P.Stats: self.on_Stats}
+                         P.ListModels: self.on_ListModels, P.Stats: self.on_Stats, P.Remove: self.on_Remove}
         self.started = wall()
         # When the owner loop last came back from not listening (see serve_forever): silence before it is not counted.
         self.listening_since = float("-inf")
@@ -552,7 +555,12 @@ class Daemon:
 
     def _describe_models(self) -> list[dict]:
         return [self.models.describe(m) for _, m in sorted(self.registry.models.items())] + \
-            [describe_unreadable(n, v, why) for (n, v), why in sorted(self.repository.unreadable.items())]
+            [describe_unreadable(n, v, why) for (n, v), why in sorted(self.repository.unreadable.items())] + \
+            self.ensembles.listing()
+
+    def on_Remove(self, ident, msg: P.Remove):
+        """A model's version, or an ensemble's (daemon/ensembles.py)."""
+        return self.ensembles.remove(ident, msg) or self.models.on_Remove(ident, msg)
 
     def on_Stats(self, ident, msg: P.Stats):
         now = self.clock()

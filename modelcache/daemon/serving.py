@@ -28,7 +28,8 @@ log = logging.getLogger("modelcache.daemon")
 
 
 class Serving:
-    def __init__(self, *, registry: Registry, host, gpus, fetcher, engine, loaders, admins, clock, reply, touch):
+    def __init__(self, *, registry: Registry, host, gpus, fetcher, engine, loaders, admins, clock, reply, touch,
+                 ensembles):
         self.registry = registry
         self.host = host                  # the host tier's Residency
         self.gpus = gpus                  # daemon/gpus.py: the GPU tiers' Residency, by UUID
@@ -39,6 +40,8 @@ class Serving:
         self.clock = clock
         self.reply = reply                # (ident, message): answer a request later
         self.touch = touch                # (client_id, ident) -> the caller's client record, kept alive
+        self.ensembles = ensembles        # daemon/ensembles.py: pipelines of models served here
+        ensembles.serve = self.serve
         self.serve_specs: dict = {}             # model key -> (segments, stage specs), see _serve_specs
         self.serve_device_specs: dict = {}      # (model key, device UUID) -> its GPU stage specs
         self.sequence_specs: dict = {}          # model key -> (its manifest's serving["sequence"], SequenceSpec)
@@ -47,7 +50,7 @@ class Serving:
 
     def handlers(self) -> dict:
         return {P.Describe: self.on_Describe, P.Partition: self.on_Partition, P.SetBatching: self.on_SetBatching,
-                P.Profile: self.on_Profile, P.Infer: self.on_Infer}
+                P.Profile: self.on_Profile, P.Infer: self.on_Infer, P.AddEnsemble: self.ensembles.on_AddEnsemble}
 
     def forget_model(self, key: str) -> None:
         """The model's host copy is gone or stale: its stage sessions and specs go with it."""
@@ -66,6 +69,9 @@ class Serving:
         return sum(1 for _, k in self.engine.device_holds if k == key)
 
     def on_Describe(self, ident, msg: P.Describe):
+        ensemble = self.ensembles.find(msg.name, msg.version)
+        if ensemble is not None:
+            return self.ensembles.describe(ensemble, msg.req_id)
         model = self.fetcher.resolve_or_fetch(ident, msg)   # (as infer does: a serve session describes first)
         if model is None:
             return None
@@ -190,20 +196,48 @@ class Serving:
     def on_Infer(self, ident, msg: P.Infer):
         self.touch(msg.client_id, ident, msg.client_name)
         deadline_of(0.0, msg.deadline_ms)   # checked before anything is fetched
-        model = self.fetcher.resolve_or_fetch(ident, msg)
-        if model is None:
+        ensemble = self.ensembles.find(msg.name, msg.version)
+        model = None if ensemble is not None else self.fetcher.resolve_or_fetch(ident, msg)
+        if model is None and ensemble is None:
             return None
         arrival = self.clock()
         deadline = deadline_of(arrival, msg.deadline_ms)
         feeds, maps = tensors.decode(msg.inputs)
+
+        def answer(result, timings, error):
+            try:
+                if error is None:
+                    try:
+                        wire, _ = tensors.encode(result, inline_only=True)
+                    except Exception as e:  # an output serve mode cannot carry (a sequence): say so, never hang
+                        error = e if isinstance(e, ModelCacheError) else \
+                            ModelCacheError(f"{msg.name}: cannot send its outputs: {type(e).__name__}: {e}")
+                if error is not None:
+                    self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
+                else:
+                    self.reply(ident, P.InferReply(req_id=msg.req_id, outputs=wire, timings=timings,
+                                                   version=(model or ensemble).version))
+            finally:
+                maps.clear()  # the input mappings go with the request
+
+        if ensemble is not None:   # its steps, each a request of its model (daemon/ensembles.py)
+            self.ensembles.run(ensemble, feeds, msg.output_names, arrival, deadline, answer)
+            return None
+        self.serve(model, feeds, msg.output_names, arrival, deadline, msg.sequence, answer)
+        return None
+
+    def serve(self, model: ModelRecord, feeds: dict, output_names: list | None, arrival: float,
+              deadline: float | None, sequence: dict | None, answer) -> None:
+        """Run one request of `model` on the engine: `answer(outputs, timings, error)` once, when it is done.
+        InputError (and the like), raised here, for a request refused before anything is held."""
         spec = self._sequence_spec(model)
         if spec is not None:   # a stateful model: the server fills its controls and states (executor/sequences.py)
             served = spec.hidden_inputs & feeds.keys()
             if served:
                 raise InputError(f"{model.key}: input {sorted(served)[0]!r} is a sequence control or state, which "
                                  "the server fills: do not send it")
-            model.feed_check.check({**feeds, **spec.feeds(True, True, spec.corrid(1) if msg.sequence is None
-                                                          else spec.corrid(msg.sequence.get("id") or 1), None)})
+            model.feed_check.check({**feeds, **spec.feeds(True, True, spec.corrid((sequence or {}).get("id") or 1),
+                                                          None)})
         else:
             model.feed_check.check(feeds)
         if model.manifest.stages and model.manifest.overridable:
@@ -220,16 +254,15 @@ class Serving:
             raise InputError(f"inference request to model '{model.name}' must specify batch-size 1 due to "
                              "requirements of sequence batcher")
         outputs = [o.name for o in model.manifest.outputs]
-        if msg.output_names:
-            unknown = [n for n in msg.output_names if n not in outputs]
+        if output_names:
+            unknown = [n for n in output_names if n not in outputs]
             if unknown:
                 raise InputError(f"{model.name}: unknown output {unknown[0]!r}; the model has {outputs}")
-        wanted = output_names = msg.output_names
+        wanted = output_names
         if spec is not None:   # the state outputs always run; a client gets them only when it asks
-            wanted = msg.output_names or [o for o in outputs if o not in spec.state_outputs
-                                          or any(s.returned for s in spec.states if s.output == o)]
-            output_names = None if not msg.output_names else \
-                list(dict.fromkeys(msg.output_names + sorted(spec.state_outputs)))
+            wanted = output_names or [o for o in outputs if o not in spec.state_outputs
+                                      or any(s.returned for s in spec.states if s.output == o)]
+            output_names = None if not output_names else list(dict.fromkeys(output_names + sorted(spec.state_outputs)))
         self.host.hold(model)  # a request in flight holds the model like a lease: it is not evicted under it
         held_devices: list = []   # GPU tiers whose copies it holds (see submit), released with the model
         sequence_done: list = []  # the sequence's done(states), once the request runs
@@ -240,20 +273,8 @@ class Serving:
                 if error is None and spec is not None:
                     states = {o: result[o] for o in spec.state_outputs if o in result}
                     result = {k: result[k] for k in wanted if k in result}
-                if error is None:
-                    try:
-                        wire, _ = tensors.encode(result, inline_only=True)
-                    except Exception as e:  # an output serve mode cannot carry (a sequence): say so, never hang
-                        error = e if isinstance(e, ModelCacheError) else \
-                            ModelCacheError(f"{model.key}: cannot send its outputs: {type(e).__name__}: {e}")
-                if error is not None:
-                    states = None
-                    self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
-                else:
-                    self.reply(ident, P.InferReply(req_id=msg.req_id, outputs=wire, timings=timings,
-                                                   version=model.version))
+                answer(result, timings, error)
             finally:
-                maps.clear()  # the input mappings go with the request
                 for residency in held_devices:   # (first: the model's release may evict it, its GPU copies first)
                     residency.release(model)     # (and the host copy each GPU copy held)
                 self.host.release(model)
@@ -313,20 +334,19 @@ class Serving:
 
         if spec is None:
             run(dict(feeds))
-            return None
+            return
 
         def go(extra, done):   # the sequence's turn: its controls and state join the client's feeds
             sequence_done.append(done)
             run({**feeds, **extra})
 
-        sequence = msg.sequence or {}
+        sequence = sequence or {}
         try:
             self._sequence_table(model, spec).submit(sequence.get("id"), bool(sequence.get("start")),
                                                      bool(sequence.get("end")), deadline, go,
                                                      lambda error: finish(None, {}, error))
         except ModelCacheError as e:   # refused (no id, no START): answered, the hold released
             finish(None, {}, e)
-        return None
 
     def _sequence_spec(self, model: ModelRecord):
         """The model's sequence batching (a SequenceSpec), or None for a stateless model."""

@@ -21,7 +21,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from ..errors import InputError, ModelCacheError
 from ..oip.types import numpy_type_of, triton_type, v2_shape
 from ..triton_protos import model_config_pb2 as mc
-from . import sequence
+from . import ensemble, sequence
 
 CONFIG_FILE = "config.pbtxt"
 ONNX_PLATFORM, ONNX_BACKEND, ONNX_FILE = "onnxruntime_onnx", "onnxruntime", "model.onnx"
@@ -60,7 +60,11 @@ CONTAINERS = {"input", "output", "dynamic_batching", "instance_group", "sequence
 
 
 class NotOnnx(Exception):
-    """The model is another backend's: skipped, with this one line."""
+    """The model is another backend's: skipped, with this one line. `what` says what it is ("a TensorRT plan")."""
+
+    def __init__(self, line: str, what: str = ""):
+        super().__init__(line)
+        self.what = what
 
 
 @dataclass
@@ -101,19 +105,21 @@ def read_config(model_dir: Path) -> mc.ModelConfig | None:
         raise InputError(f"{path}: cannot be read: {e}") from None
 
 
-def plan_model(model_dir: Path, model_io) -> ModelPlan:
-    """What importing `model_dir` adds. NotOnnx for another backend's model; InputError (one line naming the
-    model) for one that cannot be imported. `model_io(path) -> (inputs, outputs, overridable initializers)`
-    reads an ONNX file's (packing.model_io: IOEntry lists)."""
+def plan_model(model_dir: Path, model_io):
+    """What importing `model_dir` adds: a ModelPlan, or an EnsemblePlan (ensemble.py) for an ensemble. NotOnnx
+    for another backend's model; InputError (one line naming the model) for one that cannot be imported.
+    `model_io(path) -> (inputs, outputs, overridable initializers)` reads an ONNX file's (packing.model_io)."""
     name = model_dir.name
     try:
-        return _plan(model_dir, name, model_io)
+        given = read_config(model_dir)
+        if ensemble.is_ensemble(given):
+            return ensemble.plan_ensemble(model_dir, given, config_to_json(given))
+        return _plan(model_dir, name, model_io, given)
     except ModelCacheError as e:
         raise InputError(f"{name}: {e}") from None
 
 
-def _plan(model_dir: Path, name: str, model_io) -> ModelPlan:
-    given = read_config(model_dir)
+def _plan(model_dir: Path, name: str, model_io, given) -> ModelPlan:
     config = mc.ModelConfig() if given is None else _copy(given)
     if config.name and config.name != name:
         raise InputError(f"config.pbtxt names the model {config.name!r}, but its directory is {name!r}: "
@@ -122,7 +128,7 @@ def _plan(model_dir: Path, name: str, model_io) -> ModelPlan:
     filename = config.default_model_filename or ONNX_FILE
     other = _other_backend(config, model_dir, filename)
     if other:
-        raise NotOnnx(f"{name}: skipped: {other}; modelcache serves ONNX models only")
+        raise NotOnnx(f"{name}: skipped: {other}; modelcache serves ONNX models only", other)
     config.platform, config.backend = ONNX_PLATFORM, ONNX_BACKEND
     versions = _versions(config, model_dir, filename)
     ios = {}

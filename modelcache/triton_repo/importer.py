@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..errors import DaemonUnavailable, InputError, ModelCacheError, ModelNotFound, PermissionDenied
 from .config import NotOnnx, ModelPlan, plan_model
+from .ensemble import EnsemblePlan, StepNotServed, check_steps
 
 log = logging.getLogger("modelcache.triton")
 
@@ -51,18 +52,26 @@ def import_repository(root, settings, only=None, dry_run: bool = False, out=prin
         names = [n for n in names if n in only]
     target = None if dry_run else _target(settings)
     report = Report()
+    planned: dict = {}        # name -> ModelPlan: the ONNX models imported (or unchanged), for ensembles' steps
+    skipped: dict = {}        # name -> what it is (another backend's model)
+    ensembles: list = []      # EnsemblePlans, imported once every model they may name is
     try:
         for name in names:
             try:
                 plan = plan_model(root / name, model_io)
             except NotOnnx as e:
                 report.skipped.append(name)
+                skipped[name] = e.what
                 out(str(e))
                 continue
             except ModelCacheError as e:
                 report.failed.append(name)
                 out(f"{e}: not imported")
                 continue
+            if isinstance(plan, EnsemblePlan):
+                ensembles.append(plan)
+                continue
+            planned[name] = plan
             if plan.not_honoured:
                 out(f"warning: {name}: config.pbtxt fields modelcache does not honour (served as if absent): "
                     f"{', '.join(plan.not_honoured)}")
@@ -71,6 +80,9 @@ def import_repository(root, settings, only=None, dry_run: bool = False, out=prin
                     f"{', '.join(str(v) for v, _ in plan.versions)} ({plan.batching_text()})")
                 continue
             _apply(plan, target, report, out)
+        for plan in ensembles:
+            _apply_ensemble(plan, target, report, out, {n: p for n, p in planned.items() if n not in report.failed},
+                            skipped, set(report.failed))
     finally:
         if target is not None:
             target.close()
@@ -119,6 +131,48 @@ def _apply(plan: ModelPlan, target, report: Report, out) -> None:
             f"({plan.batching_text()}{filled})")
 
 
+def _apply_ensemble(plan: EnsemblePlan, target, report: Report, out, planned: dict, skipped: dict,
+                    refused: set) -> None:
+    """Check the ensemble's steps, then add its versions (not again when the same configuration is there)."""
+    try:
+        check_steps(plan, planned, skipped, refused, known=(lambda name: None) if target is None else target.known)
+    except StepNotServed as e:
+        report.skipped.append(plan.name)
+        out(str(e))
+        return
+    except ModelCacheError as e:
+        report.failed.append(plan.name)
+        out(f"{plan.name}: {e}: not imported")
+        return
+    versions = ", ".join(map(str, plan.versions))
+    if target is None:
+        out(f"{plan.name}: would import ensemble version{'s' if len(plan.versions) > 1 else ''} {versions} "
+            f"({plan.steps_text()})")
+        return
+    added = []
+    try:
+        for version in plan.versions:
+            key = f"{plan.name}@{version}"
+            stored = target.stored_ensemble(plan.name, version)
+            if stored == plan.config:
+                report.unchanged.append(key)
+                out(f"{key}: unchanged, not imported again")
+                continue
+            if stored is not None:
+                raise InputError(f"{key} is already in modelcache with another configuration; remove it first "
+                                 f"(`modelcache rm {plan.name} --version {version}`) to import it again")
+            target.add_ensemble(plan.name, version, plan.config)
+            added.append(version)
+            report.imported.append(key)
+    except ModelCacheError as e:
+        report.failed.append(plan.name)
+        out(f"{plan.name}: {e}: not imported")
+        return
+    if added:
+        out(f"{plan.name}: imported ensemble version{'s' if len(added) > 1 else ''} {', '.join(map(str, added))} "
+            f"({plan.steps_text()})")
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -156,6 +210,23 @@ class _DaemonTarget:
     def remove(self, name: str, version: int) -> None:
         self.client.remove(name, version)
 
+    def known(self, name: str):
+        """(input names, output names) of the daemon's model `name` (its latest version); None when it has none."""
+        try:
+            d = self.client.describe(name)
+        except ModelNotFound:
+            return None
+        return {i["name"] for i in d.inputs + d.overridable}, {o["name"] for o in d.outputs}
+
+    def stored_ensemble(self, name: str, version: int):
+        try:
+            return self.client.describe(name, version).model_config
+        except ModelNotFound:
+            return None
+
+    def add_ensemble(self, name: str, version: int, config: dict) -> None:
+        self.client.add_ensemble(name, version, config)
+
     def close(self) -> None:
         self.client.close()
 
@@ -181,6 +252,24 @@ class _OfflineTarget:
 
     def remove(self, name: str, version: int) -> None:
         self.repo.remove(name, version)
+
+    def known(self, name: str):
+        from ..format import load_manifest
+        dirs = self.repo.version_dirs(name)
+        if not dirs:
+            return None
+        m = load_manifest(dirs[-1][2])
+        return {i.name for i in m.inputs + m.overridable}, {o.name for o in m.outputs}
+
+    def stored_ensemble(self, name: str, version: int):
+        from ..daemon.ensembles import EnsembleStore
+        e = EnsembleStore(self.repo.root).load().get((name, version))
+        return None if e is None else e.config
+
+    def add_ensemble(self, name: str, version: int, config: dict) -> None:
+        from ..daemon.ensembles import EnsembleStore
+        from ..executor.ensemble import Ensemble
+        EnsembleStore(self.repo.root).put(Ensemble.of(name, version, config, os.getuid()))
 
     def close(self) -> None:
         pass
