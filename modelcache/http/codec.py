@@ -113,7 +113,10 @@ def _decode_input(entry, binary: memoryview, offset: int) -> tuple[str, np.ndarr
     if dtype is None:
         raise InputError(f"input {name!r}: datatype {datatype!r} is not one of {', '.join(NUMPY_BY_V2)}")
     count = math.prod(shape)
-    size = _parameters(entry, f"input {name!r}").get("binary_data_size")
+    params = _parameters(entry, f"input {name!r}")
+    if "shared_memory_region" in params:   # (as the gRPC front says it)
+        raise InputError(f"input {name!r}: shared-memory inputs are not supported; send the data in the request")
+    size = params.get("binary_data_size")
     if size is not None:
         if "data" in entry:
             raise InputError(f"input {name!r} has both \"data\" and binary_data_size")
