@@ -17,7 +17,9 @@ from pathlib import Path
 
 import onnx
 import pytest
-from onnx import TensorProto, helper
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
 
 from conftest import DaemonProcess, stop_cleanly, wait_until
 from test_triton_repo import IMPORT_DONE, free_port
@@ -112,6 +114,35 @@ def sequence_model(name: str) -> tuple[onnx.ModelProto, str]:
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]), config
 
 
+DENSENET_CONFIG = """
+name: "densenet_onnx"
+platform: "onnxruntime_onnx"
+max_batch_size : 0
+input [ { name: "data_0" data_type: TYPE_FP32 format: FORMAT_NCHW dims: [ 3, 224, 224 ]
+          reshape { shape: [ 1, 3, 224, 224 ] } } ]
+output [ { name: "fc6_1" data_type: TYPE_FP32 dims: [ 1000 ] reshape { shape: [ 1, 1000, 1, 1 ] }
+           label_filename: "densenet_labels.txt" } ]
+"""
+
+
+def densenet_stand_in() -> onnx.ModelProto:
+    """The quickstart's densenet_onnx as image_client.py sees it (data_0 [1, 3, 224, 224] -> fc6_1
+    [1, 1000, 1, 1], the configuration Triton's docs give it), small: a 4x4 average pool, a 3x3 conv to 8
+    channels, global pooling and a 1x1 conv to 1,000 classes."""
+    rng = np.random.default_rng(7)
+    w1 = numpy_helper.from_array(rng.normal(size=(8, 3, 3, 3)).astype(np.float32), "w1")
+    w2 = numpy_helper.from_array(rng.normal(size=(1000, 8, 1, 1)).astype(np.float32), "w2")
+    nodes = [helper.make_node("AveragePool", ["data_0"], ["p"], kernel_shape=[4, 4], strides=[4, 4]),
+             helper.make_node("Conv", ["p", "w1"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"]), helper.make_node("GlobalAveragePool", ["r"], ["g"]),
+             helper.make_node("Conv", ["g", "w2"], ["fc6_1"])]
+    g = helper.make_graph(nodes, "densenet_stand_in",
+                          [helper.make_tensor_value_info("data_0", TensorProto.FLOAT, [1, 3, 224, 224])],
+                          [helper.make_tensor_value_info("fc6_1", TensorProto.FLOAT, [1, 1000, 1, 1])],
+                          initializer=[w1, w2])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+
+
 def identity() -> onnx.ModelProto:
     g = helper.make_graph([helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"])], "simple_identity",
                           [helper.make_tensor_value_info("INPUT0", TensorProto.STRING, ["batch", "n"])],
@@ -129,6 +160,9 @@ def serving(tmp_path_factory):
               ("simple_identity", identity(), IDENTITY_CONFIG)]
     models += [(name, *sequence_model(name))
                for name in ("simple_sequence", "simple_dyna_sequence", "simple_string_dyna_sequence")]
+    models.append(("densenet_onnx", densenet_stand_in(), DENSENET_CONFIG))
+    (repo / "densenet_onnx").mkdir(parents=True)
+    (repo / "densenet_onnx" / "densenet_labels.txt").write_text("".join(f"CLASS_{k}\n" for k in range(1000)))
     for name, model, config in models:
         (repo / name / "1").mkdir(parents=True)
         onnx.save(model, str(repo / name / "1" / "model.onnx"))
@@ -139,13 +173,13 @@ def serving(tmp_path_factory):
                                        "MODELCACHE_HTTP_PORT": str(ports["http"])}).start()
     try:
         wait_until(lambda: IMPORT_DONE in d.log_path.read_text(), 120, "the import at start")
-        assert "6 versions imported" in d.log_path.read_text()
+        assert "7 versions imported" in d.log_path.read_text()
         yield d, f"127.0.0.1:{ports['grpc']}", f"127.0.0.1:{ports['http']}"
     finally:
         stop_cleanly(d)
 
 
-RUNS = [(p.name, []) for p in sorted(EXAMPLES.glob("*.py"))] + \
+RUNS = [(p.name, []) for p in sorted(EXAMPLES.glob("*.py")) if "image" not in p.name] + \
     [(p.name, ["-d"]) for p in sorted(EXAMPLES.glob("*sequence*.py"))]   # -d: the CORRID ("dyna") models
 
 
@@ -157,3 +191,31 @@ def test_tritons_example_client_runs_unchanged(serving, script, args):
                        timeout=120)
     said = r.stdout + r.stderr
     assert r.returncode == 0 and not re.search(r"^(error|FAILED)", said, re.MULTILINE | re.IGNORECASE), said[-3000:]
+
+
+# (image_client.py's HTTP path imports `attrdict`, which no longer imports on Python >= 3.10: gRPC only)
+@pytest.mark.parametrize("script, protocol", [("image_client.py", "grpc"), ("grpc_image_client.py", "grpc")])
+def test_image_client_classifies_as_plain_ort_does(serving, tmp_path, script, protocol):
+    """The quickstart's `image_client.py -m densenet_onnx -c 3 -s INCEPTION IMAGE` (reshape and the
+    classification extension), unchanged: its three classes are plain ORT's top three, in order."""
+    from PIL import Image
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import image_client   # (its preprocessing, to run the same tensor through plain ORT)
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    image = tmp_path / "mug.jpg"
+    rng = np.random.default_rng(11)
+    Image.fromarray(rng.integers(0, 255, size=(96, 128, 3), dtype=np.uint8)).save(image)
+    _, grpc_at, http_at = serving
+    url = http_at if protocol == "http" else grpc_at
+    extra = ["-i", protocol] if script == "image_client.py" else []
+    r = subprocess.run([sys.executable, str(EXAMPLES / script), "-m", "densenet_onnx", "-c", "3", "-s", "INCEPTION",
+                        "-u", url, *extra, str(image)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    shown = [int(m) for m in re.findall(r"^\s+[-\d.e+]+ \((\d+)\) = CLASS_(?:\d+)$", r.stdout, re.MULTILINE)]
+    data = image_client.preprocess(Image.open(image), image_client.mc.ModelInput.FORMAT_NCHW, "FP32", 3, 224,
+                                   224, "INCEPTION", protocol)
+    model = serving[0].root / "models" / "densenet_onnx" / "1" / "model.onnx"
+    scores = ort.InferenceSession(str(model)).run(None, {"data_0": data[None]})[0].reshape(-1)
+    assert shown == list(np.argsort(-scores)[:3]), r.stdout
