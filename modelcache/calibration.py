@@ -196,6 +196,6 @@ def check_serving(serving: dict) -> None:
         raise ValueError("preferred_batch_sizes must be a list of at most 64 batch sizes >= 1")
     if serving.get("device", "cpu") != "cpu":
         raise ValueError("a model's serving device may only be \"cpu\" (its Triton instance_group KIND_CPU)")
-    if serving.get("sequence") is not None:   # Triton's sequence batching: its controls and states
-        from .executor.sequences import SequenceSpec
-        SequenceSpec.from_wire(serving["sequence"])
+    if serving.get("sequence") is not None and not isinstance(serving["sequence"], dict):
+        # (its fields are the executor's to check: executor/sequences.SequenceSpec.from_wire, when a model is added)
+        raise ValueError("a model's sequence batching is a map of its fields")

@@ -11,7 +11,8 @@ import logging
 import time
 
 from .. import protocol as P
-from ..errors import CapacityError, IntegrityError, ModelCacheError, ModelNotFound, PackError
+from ..errors import CapacityError, InputError, IntegrityError, ModelCacheError, ModelNotFound, PackError
+from ..executor.sequences import SequenceSpec
 from ..format import load_manifest
 from ..packing import pack_in_subprocess
 from ..scrub import DAMAGED, nothing_to_verify, verify_version
@@ -193,6 +194,11 @@ class Models:
 
     def _start_add(self, ident, msg: P.Add, fds: list[int]):
         """Pack on a loader thread; the descriptors are closed when it is done."""
+        if msg.serving.get("sequence") is not None:   # a stateful model's controls and states, checked before packing
+            try:
+                SequenceSpec.from_wire(msg.serving["sequence"])
+            except ValueError as e:
+                raise InputError(f"add {msg.name}: {e}") from None
         opt_level = msg.opt_level or self.settings.opt_level
         with_prepacked = self.settings.prepack if msg.prepack is None else msg.prepack
         version = msg.version if msg.version is not None else self.registry.next_version(msg.name, self.reserved_versions)

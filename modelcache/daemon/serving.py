@@ -355,7 +355,11 @@ class Serving:
             return None
         cached = self.sequence_specs.get(model.key)
         if cached is None or cached[0] is not wire:
-            cached = self.sequence_specs[model.key] = (wire, SequenceSpec.from_wire(wire))
+            try:
+                spec = SequenceSpec.from_wire(wire)
+            except ValueError as e:   # (a manifest edited by hand: said, never a trace)
+                raise ModelCacheError(f"{model.key}: its stored sequence batching cannot be used: {e}") from None
+            cached = self.sequence_specs[model.key] = (wire, spec)
         return cached[1]
 
     def _sequence_table(self, model: ModelRecord, spec) -> SequenceTable:

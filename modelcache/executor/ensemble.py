@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import InputError
-from ..oip.types import numpy_type_of
+from ..triton_protos.datatypes import numpy_type_of
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,8 @@ import struct
 import numpy as np
 
 from ..errors import InputError
+from ..triton_protos.datatypes import V2_BY_NUMPY, numpy_type_of, triton_type  # noqa: F401  (the fronts' names)
 
-# numpy dtype name (as manifests carry it) <-> v2 datatype name
-V2_BY_NUMPY = {"bool": "BOOL", "uint8": "UINT8", "uint16": "UINT16", "uint32": "UINT32", "uint64": "UINT64",
-               "int8": "INT8", "int16": "INT16", "int32": "INT32", "int64": "INT64", "float16": "FP16",
-               "float32": "FP32", "float64": "FP64", "object": "BYTES", "str": "BYTES", "bfloat16": "BF16"}
 NUMPY_BY_V2 = {"BOOL": np.dtype(bool), "UINT8": np.dtype("uint8"), "UINT16": np.dtype("uint16"),
                "UINT32": np.dtype("uint32"), "UINT64": np.dtype("uint64"), "INT8": np.dtype("int8"),
                "INT16": np.dtype("int16"), "INT32": np.dtype("int32"), "INT64": np.dtype("int64"),
@@ -41,25 +38,9 @@ def array_datatype(a: np.ndarray) -> str:
     return name
 
 
-def triton_type(numpy_name: str) -> str:
-    """Triton's DataType enum name: TYPE_ and the v2 name, BYTES being TYPE_STRING; TYPE_INVALID where v2
-    has none (a sequence or a map)."""
-    v2 = V2_BY_NUMPY.get(numpy_name)
-    return "TYPE_INVALID" if v2 is None else "TYPE_STRING" if v2 == "BYTES" else f"TYPE_{v2}"
-
-
-def numpy_type_of(triton_name: str) -> str | None:
-    """A Triton DataType enum name (TYPE_FP32, TYPE_STRING) as a manifest's dtype (float32, object); None for one
-    ONNX has no tensor of."""
-    return _NUMPY_BY_TRITON.get(triton_name)
-
-
 def v2_shape(shape: list) -> list[int]:
     """Fixed dims as they are, symbolic ones (a name or None) as -1."""
     return [d if isinstance(d, int) and d >= 0 else -1 for d in shape]
-
-
-_NUMPY_BY_TRITON = {triton_type(n): n for n in V2_BY_NUMPY if n != "str"}
 
 
 def tensor_metadata(entries: list[dict]) -> list[dict]:
