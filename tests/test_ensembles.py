@@ -14,10 +14,10 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import DaemonProcess, stop_cleanly, wait_until
+from conftest import stop_cleanly, wait_until
 from modelcache.errors import InputError
 from modelcache.executor.ensemble import Ensemble
-from test_triton_repo import IMPORT_DONE, free_port
+from test_triton_repo import put_model, start_importing
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 httpclient = pytest.importorskip("tritonclient.http")
@@ -113,23 +113,14 @@ def served(tmp_path_factory):
              "head": (linear("head", 4, 3, 3, "Softmax", second_input=True), 4, 3,
                       ', { name: "z" data_type: TYPE_FP32 dims: [ 3 ] }')}
     for name, (model, n_in, n_out, extra) in steps.items():
-        (repo / name / "1").mkdir(parents=True)
-        onnx.save(model, str(repo / name / "1" / "model.onnx"))
-        (repo / name / "config.pbtxt").write_text(STEP_CONFIG.format(n_in=n_in, n_out=n_out, extra=extra))
+        put_model(repo, name, model, STEP_CONFIG.format(n_in=n_in, n_out=n_out, extra=extra))
     for name, config in (("pipeline", ENSEMBLE), ("with_python", WITH_PYTHON)):
-        (repo / name / "1").mkdir(parents=True)
-        (repo / name / "config.pbtxt").write_text(config)
-    (repo / "preprocess" / "1").mkdir(parents=True)
+        put_model(repo, name, None, config)
+    put_model(repo, "preprocess", None, 'backend: "python"\n')
     (repo / "preprocess" / "1" / "model.py").write_text("# a Python backend model\n")
-    (repo / "preprocess" / "config.pbtxt").write_text('backend: "python"\n')
-    ports = {"grpc": free_port(), "http": free_port()}
-    d = DaemonProcess(root, extra_env={"MODELCACHE_TRITON_REPOSITORY": str(repo),
-                                       "MODELCACHE_GRPC_PORT": str(ports["grpc"]),
-                                       "MODELCACHE_HTTP_PORT": str(ports["http"])}).start()
+    d, grpc_at, http_at = start_importing(root, repo)
     try:
-        wait_until(lambda: IMPORT_DONE in d.log_path.read_text(), 120, "the import at start")
-        yield {"daemon": d, "grpc": f"127.0.0.1:{ports['grpc']}", "http": f"127.0.0.1:{ports['http']}",
-               "repo": repo, "root": root, "ports": ports}
+        yield {"daemon": d, "grpc": grpc_at, "http": http_at, "repo": repo, "root": root}
     finally:
         if d.proc is not None and d.proc.poll() is None:
             stop_cleanly(d)

@@ -14,8 +14,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import DaemonProcess, stop_cleanly, wait_until
-from test_triton_repo import IMPORT_DONE, free_port
+from conftest import stop_cleanly
+from test_triton_repo import put_model, start_importing
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 httpclient = pytest.importorskip("tritonclient.http")
@@ -66,18 +66,11 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("sequences")
     repo = root / "models"
     for name, model, config in (("rnn", rnn(True), RNN_CONFIG), ("rnn_idle", rnn(False), IDLE_CONFIG)):
-        (repo / name / "1").mkdir(parents=True)
-        onnx.save(model, str(repo / name / "1" / "model.onnx"))
-        (repo / name / "config.pbtxt").write_text(config)
-    ports = {"grpc": free_port(), "http": free_port()}
-    d = DaemonProcess(root, extra_env={"MODELCACHE_TRITON_REPOSITORY": str(repo),
-                                       "MODELCACHE_GRPC_PORT": str(ports["grpc"]),
-                                       "MODELCACHE_HTTP_PORT": str(ports["http"])}).start()
+        put_model(repo, name, model, config)
+    d, grpc_at, http_at = start_importing(root, repo)
     try:
-        wait_until(lambda: IMPORT_DONE in d.log_path.read_text(), 120, "the import at start")
         assert "2 versions imported" in d.log_path.read_text(), d.log_path.read_text()[-3000:]
-        yield {"daemon": d, "grpc": f"127.0.0.1:{ports['grpc']}", "http": f"127.0.0.1:{ports['http']}",
-               "repo": repo}
+        yield {"daemon": d, "grpc": grpc_at, "http": http_at, "repo": repo}
     finally:
         stop_cleanly(d)
 

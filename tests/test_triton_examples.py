@@ -15,14 +15,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import onnx
-import pytest
 import numpy as np
+import onnx
 import onnxruntime as ort
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import DaemonProcess, stop_cleanly, wait_until
-from test_triton_repo import IMPORT_DONE, free_port
+from conftest import stop_cleanly
+from test_triton_repo import put_model, start_importing
 
 EXAMPLES = Path(__file__).with_name("triton_examples")
 SIMPLE_CONFIG = """
@@ -164,17 +164,11 @@ def serving(tmp_path_factory):
     (repo / "densenet_onnx").mkdir(parents=True)
     (repo / "densenet_onnx" / "densenet_labels.txt").write_text("".join(f"CLASS_{k}\n" for k in range(1000)))
     for name, model, config in models:
-        (repo / name / "1").mkdir(parents=True)
-        onnx.save(model, str(repo / name / "1" / "model.onnx"))
-        (repo / name / "config.pbtxt").write_text(config)
-    ports = {"grpc": free_port(), "http": free_port()}
-    d = DaemonProcess(root, extra_env={"MODELCACHE_TRITON_REPOSITORY": str(repo),
-                                       "MODELCACHE_GRPC_PORT": str(ports["grpc"]),
-                                       "MODELCACHE_HTTP_PORT": str(ports["http"])}).start()
+        put_model(repo, name, model, config)
+    d, grpc_at, http_at = start_importing(root, repo)
     try:
-        wait_until(lambda: IMPORT_DONE in d.log_path.read_text(), 120, "the import at start")
         assert "7 versions imported" in d.log_path.read_text()
-        yield d, f"127.0.0.1:{ports['grpc']}", f"127.0.0.1:{ports['http']}"
+        yield d, grpc_at, http_at
     finally:
         stop_cleanly(d)
 

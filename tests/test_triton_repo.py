@@ -259,18 +259,37 @@ def free_port() -> int:
 IMPORT_DONE = "refused"   # the import's last line: "<repo>: N versions imported, ... N refused"
 
 
+def put_model(repo: Path, name: str, model: onnx.ModelProto | None, config: str) -> None:
+    """`repo/name/config.pbtxt`, and `repo/name/1/model.onnx` (an empty version directory for None: an ensemble)."""
+    (repo / name / "1").mkdir(parents=True, exist_ok=True)
+    if model is not None:
+        onnx.save(model, str(repo / name / "1" / "model.onnx"))
+    (repo / name / "config.pbtxt").write_text(config)
+
+
+def start_importing(root: Path, repo: Path, extra_env: dict | None = None) -> tuple[DaemonProcess, str, str]:
+    """(daemon, gRPC host:port, HTTP host:port): a daemon with both fronts that imported the Triton repository
+    `repo` at start, once the import's last line is in its log. The caller stops it (stop_cleanly)."""
+    ports = {"grpc": free_port(), "http": free_port()}
+    d = DaemonProcess(root, extra_env={"MODELCACHE_TRITON_REPOSITORY": str(repo),
+                                       "MODELCACHE_GRPC_PORT": str(ports["grpc"]),
+                                       "MODELCACHE_HTTP_PORT": str(ports["http"]), **(extra_env or {})}).start()
+    try:
+        wait_until(lambda: IMPORT_DONE in d.log_path.read_text(), 180, "the import at start")
+    except BaseException:
+        stop_cleanly(d)
+        raise
+    return d, f"127.0.0.1:{ports['grpc']}", f"127.0.0.1:{ports['http']}"
+
+
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """(daemon, triton repository, gRPC host:port, HTTP host:port): the daemon imported the repository at start."""
     root = tmp_path_factory.mktemp("triton")
     repo = write_repository(root / "models")
-    ports = {"grpc": free_port(), "http": free_port()}
-    env = {"MODELCACHE_TRITON_REPOSITORY": str(repo), "MODELCACHE_GRPC_PORT": str(ports["grpc"]),
-           "MODELCACHE_HTTP_PORT": str(ports["http"])}
-    d = DaemonProcess(root, extra_env=env).start()
+    d, grpc_at, http_at = start_importing(root, repo)
     try:
-        wait_until(lambda: IMPORT_DONE in d.log_path.read_text(), 180, "the import at start")
-        yield d, repo, f"127.0.0.1:{ports['grpc']}", f"127.0.0.1:{ports['http']}"
+        yield d, repo, grpc_at, http_at
     finally:
         stop_cleanly(d)
 
