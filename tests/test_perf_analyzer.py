@@ -61,8 +61,10 @@ def test_perf_analyzer_drives_both_fronts(tmp_path, zoo_file):
             for model, extra in (("fixed", []), ("cnn", ["--shape", "input:2,3,32,32"]),
                                  ("seq", ["--sequence-length", "8"])):
                 out = perf_analyzer("-m", model, "-u", urls[protocol], "-i", protocol, *extra)
-                rate = re.search(r"Concurrency: 2, throughput: ([\d.]+) infer/sec", out)
+                rate = re.search(r"Concurrency: 2, throughput: ([\d.]+) infer/sec, latency (\d+) usec", out)
                 assert rate and float(rate.group(1)) > 0, out
+                print(f"perf_analyzer -i {protocol} -m {model} {' '.join(extra)}: {rate.group(1)} infer/s, "
+                      f"latency {int(rate.group(2)) / 1000:.2f} ms (concurrency 2)")
         with d.client() as c:
             served = c.stats().executor["served"]
         assert served >= 6 * 50                       # every window's requests reached the daemon's engine
