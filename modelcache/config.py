@@ -135,7 +135,7 @@ EVICTION_POLICIES = ("lru", "lfu", "fifo", "gdsf", "never", "eager", "keepalive"
 SCHEDULERS = ("eager", "round-robin", "dmda")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 OPT_LEVELS = ("disable", "basic", "extended", "all")
-GPU_SHARING = ("ipc", "vmm-read-only")   # how tiers/gpu.py's allocators lend device memory
+GPU_SHARING = ("ipc", "vmm-read-only")   # how tiers/gpu/'s allocators lend device memory
 
 
 def parse_policy_spec(spec: str) -> dict[str, str]:

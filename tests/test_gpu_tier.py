@@ -22,7 +22,8 @@ import pytest
 
 from modelcache import zoo
 from modelcache.config import ConfigError
-from modelcache.cuda import vmm_token_size
+from modelcache.cuda import (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, DeviceError,
+                             CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, vmm_token_size)
 from modelcache.packing import pack
 from modelcache.tiers import gpu
 from modelcache.tiers.host import HostTier
@@ -198,8 +199,8 @@ class EmulatedCudaDriver:
     def __init__(self, runtime: EmulatedCudaRuntime, granularity: int = 4 << 10, vmm: int = 1, posix_fd: int = 1,
                  refuse_export: bool = False):
         self.rt, self.granularity_bytes, self.refuse_export = runtime, granularity, refuse_export
-        self.attributes = {gpu.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: vmm,
-                           gpu.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: posix_fd}
+        self.attributes = {CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: vmm,
+                           CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: posix_fd}
         self.physical: dict[int, ctypes.Array] = {}    # handle -> the memory
         self.mapped: dict[int, tuple] = {}             # address -> (handle, read_only)
         self.exported: list[tuple] = []                # (descriptor, its inode) of each one handed out
@@ -207,7 +208,7 @@ class EmulatedCudaDriver:
 
     @staticmethod
     def _error(status: int, call: str):
-        error = gpu.DeviceError(f"{call} failed: emulated CUDA error {status}")
+        error = DeviceError(f"{call} failed: emulated CUDA error {status}")
         error.status = status
         return error
 

@@ -2,7 +2,7 @@
 
     python3 benchmarks/gpu/check_ipc.py --out DIR        (checks.py runs it; the contract is there)
 
-A private daemon (its GPU tier: modelcache/tiers/gpu.py CudaAllocator over cupy) adds ResNet-50 and
+A private daemon (its GPU tier: modelcache/tiers/gpu/cuda_memory.py CudaAllocator over cupy) adds ResNet-50 and
 promotes it to the GPU. Two fresh processes open it with device="cuda", import the IPC handles with cupy and
 read every tensor back: the sha256 of each must be the manifest's (bit-identical bytes). Then: the daemon
 counts 2 leases; evicting the model from the GPU is refused and frees nothing; each importer is SIGKILLed

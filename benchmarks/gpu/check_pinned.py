@@ -3,7 +3,7 @@
     python3 benchmarks/gpu/check_pinned.py --out DIR     (checks.py runs it; the contract is there)
 
 The GPU tier promotes a model by mapping the host tier's /dev/shm segment read-only and registering the
-mapping with cudaHostRegister(ReadOnly), then copying at pinned speed (modelcache/tiers/gpu.py,
+mapping with cudaHostRegister(ReadOnly), then copying at pinned speed (modelcache/tiers/gpu/cuda_memory.py,
 CudaAllocator.copy_in); where the driver refuses the registration it copies through a ring of pinned
 staging buffers. Neither path has run on a GPU. Here, over one 512 MiB /dev/shm file: the tier's own
 copy_in (bytes checked), the registration alone, a pageable copy from the same mapping, a copy from

@@ -11,7 +11,7 @@ lease (the product's path; rehearsed here over fake devices): a private daemon w
   (the daemon's: "vmm-read-only", or the legacy fallback and why), lease_kind, lease_bytes_identical,
   lease_write_refused, lease_count.
 raw (GPU only): the parent plays the daemon with modelcache's ctypes driver binding (cuda.py CudaDriver, as
-  tiers/gpu.py CudaVmmAllocator does): cuMemCreate of RAW_MIB, its own read-write mapping, the bytes copied
+  tiers/gpu/cuda_memory.py CudaVmmAllocator does): cuMemCreate of RAW_MIB, its own read-write mapping, the bytes copied
   in, cuMemExportToShareableHandle. Figures, by the keys targets.py reads:
     bytes_identical                    a child's read-only mapping reads the parent's bytes (sha256)
     write_refused, write_memcpy, write_kernel

@@ -1,0 +1,280 @@
+"""The device tier itself: content-addressed arenas of model weights on one device (see the package's docstring)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ...cuda import VMM_KINDS
+from ...errors import ModelCacheError
+from .memory import DEVICE_ALIGN, Allocation, DeviceAllocator
+
+
+@dataclass
+class Arena:
+    """One allocation: the tensors one model brought to the device, shared by later models that reuse them."""
+    name: str
+    seq: int                        # creation order: export lists handles in it
+    size: int
+    users: set = field(default_factory=set)   # keys of models whose tensors live here (or are loading)
+    allocation: Allocation | None = None      # set at commit
+
+
+@dataclass
+class DevicePlan:
+    """How one model becomes resident on the device: tensors it reuses and those it copies into a new arena."""
+    key: str
+    tensors: list                   # TensorEntry of the model's (GPU variant) tensors
+    locations: dict                 # tensor name -> (arena name, offset)
+    host_files: list[str]           # host segment paths the copies read
+    copies: list                    # (host file index, host offset, arena offset, nbytes, sha256)
+    arena: str | None               # the new arena's name, None when every tensor is already on the device
+    arena_bytes: int
+    # Written by `write` on the loader thread, read by commit/abort once it has returned.
+    allocation: Allocation | None = None
+    copied_bytes: int = 0
+    copy_s: float = 0.0
+
+    @property
+    def bytes(self) -> int:
+        """What the plan places on the device (reserved until commit or abort)."""
+        return self.arena_bytes
+
+
+class DeviceTier:
+    """Model weights on one device; same contract as HostTier (plan → write → commit/abort, free_model, export).
+    `source`: the host tier, which a copy here is promoted from (the GPU variant of its resident models)."""
+
+    name = "gpu"
+    capacity_setting = "gpu_capacity"
+
+    def __init__(self, allocator: DeviceAllocator, capacity_bytes: int, source=None):
+        self.source = source
+        self.allocator = allocator
+        self.device = allocator.device
+        self.id = self.device.uuid          # its copies' key in a model's record
+        self.where = f"the GPU tier of GPU {self.device.index}"
+        self.capacity_bytes = min(capacity_bytes, self.device.total_bytes)
+        self.arenas: dict[str, Arena] = {}
+        self.index: dict[str, tuple[str, int]] = {}     # sha256 -> (arena, offset)
+        self.models: dict[str, dict] = {}               # resident key -> tensor name -> (arena, offset)
+        self._tensors: dict[str, list] = {}             # resident key -> its TensorEntry list (for export)
+        self._in_flight: dict[str, DevicePlan] = {}     # planned, not yet committed or aborted
+        self._next_arena = 0
+        self.promotion_bytes_per_s = 0.0                # of the last committed copy, for stats
+
+    # -- accounting ----------------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of all arenas, including those being written (reserved by their plan)."""
+        return sum(a.size for a in self.arenas.values())
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.used_bytes
+
+    def bytes_freed_by(self, keys) -> int:
+        """What evicting all of `keys` together would free: arenas no other model uses."""
+        keys = set(keys)
+        return sum(a.size for a in self.arenas.values() if a.users and a.users <= keys)
+
+    def model_bytes(self, key: str) -> int:
+        """Bytes of the arenas a model uses (shared ones counted in full)."""
+        return sum(a.size for a in self.arenas.values() if key in a.users)
+
+    def tensors_of(self, manifest) -> list:
+        """The tensors of a model a lease here maps: its GPU variant's."""
+        return manifest.gpu_tensors
+
+    def check_model(self, key: str, manifest) -> None:
+        """Raise when the model can never be on a GPU (packed without a GPU variant)."""
+        if not manifest.gpu_tensors:
+            raise ModelCacheError(f"{key} was packed without a GPU variant (by an older modelcache); "
+                                  f"add it again to open it on a GPU")
+
+    def describe(self) -> dict:
+        return {"tier": "gpu", "device": self.device.uuid, "index": self.device.index, "name": self.device.name,
+                "kind": self.allocator.kind,
+                "sharing": self.allocator.sharing,            # as clients get it: ipc or vmm-read-only
+                "sharing_note": self.allocator.sharing_note,  # why not as set ("" when it is)
+                "promotion_bytes_per_s": self.promotion_bytes_per_s}   # of the last host -> GPU copy
+
+    # -- promotion: plan (owner) -> write (loader) -> commit or abort (owner) -------------
+    def plan(self, key: str, manifest) -> DevicePlan:
+        """`plan_tensors` of the model's GPU variant, read from its copy in the host tier (`source`)."""
+        if not self.source.has_variant(key, "gpu"):
+            raise ModelCacheError(f"{key}: its GPU weights are not in the host tier")
+        return self.plan_tensors(key, manifest.gpu_tensors, self.source.file_locations(key, "gpu"))
+
+    def plan_tensors(self, key: str, tensors: list, host_locations: dict) -> DevicePlan:
+        """Decide where each tensor will live on the device and reserve the new arena's bytes.
+
+        `host_locations`: tensor name -> (host segment path, offset) of its resident host copy.
+        """
+        if key in self.models or key in self._in_flight:
+            raise ValueError(f"{key} is already on device {self.device.uuid} or loading there")
+        locations, copies, offset = {}, [], 0
+        fresh: dict[str, int] = {}                  # sha -> offset in the new arena
+        host_files: dict[str, int] = {}             # path -> index in plan.host_files
+        arena = f"arena-{self._next_arena}"
+        for t in tensors:
+            if t.sha256 in self.index:
+                locations[t.name] = self.index[t.sha256]
+            elif t.sha256 in fresh:                 # the same tensor twice in one model
+                locations[t.name] = (arena, fresh[t.sha256])
+            else:
+                if t.name not in host_locations:
+                    raise ValueError(f"{key}: tensor {t.name!r} is not resident in the host tier")
+                path, host_offset = host_locations[t.name]
+                offset = -(-offset // DEVICE_ALIGN) * DEVICE_ALIGN
+                fresh[t.sha256] = offset
+                file_index = host_files.setdefault(str(path), len(host_files))
+                copies.append((file_index, host_offset, offset, t.nbytes, t.sha256))
+                locations[t.name] = (arena, offset)
+                offset += t.nbytes
+        if copies:
+            offset = self.allocator.rounded(offset)   # what the allocation will take on the device
+            self.arenas[arena] = Arena(arena, self._next_arena, offset, {key})   # reserved from now on
+            self._next_arena += 1
+        else:
+            arena = None
+        for arena_name, _ in locations.values():    # keep reused arenas alive while we load
+            self.arenas[arena_name].users.add(key)
+        plan = DevicePlan(key, list(tensors), locations, list(host_files), copies, arena, offset if copies else 0)
+        self._in_flight[key] = plan
+        return plan
+
+    def write(self, plan: DevicePlan) -> float:
+        """Allocate the plan's arena and copy its tensors in from the host tier. Loader thread; returns seconds.
+
+        On failure nothing stays allocated; the owner then calls `abort`.
+        """
+        t0 = time.perf_counter()
+        if plan.arena is not None:
+            allocation = self.allocator.alloc(plan.arena_bytes)
+            try:
+                plan.copied_bytes, plan.copy_s = self.allocator.copy_in(
+                    allocation, _coalesce([c[:4] for c in plan.copies]), plan.host_files)
+            except BaseException:
+                self.allocator.free(allocation)
+                raise
+            plan.allocation = allocation
+        return time.perf_counter() - t0
+
+    def commit(self, plan: DevicePlan) -> None:
+        self._in_flight.pop(plan.key, None)
+        if plan.arena is not None:
+            if plan.allocation is None:
+                raise RuntimeError(f"commit of {plan.key} before its write finished")
+            self.arenas[plan.arena].allocation = plan.allocation
+            for _, _, dst_off, _, sha in plan.copies:
+                self.index.setdefault(sha, (plan.arena, dst_off))
+            if plan.copy_s > 0:
+                self.promotion_bytes_per_s = plan.copied_bytes / plan.copy_s
+        self.models[plan.key] = plan.locations
+        self._tensors[plan.key] = plan.tensors
+
+    def abort(self, plan: DevicePlan) -> None:
+        """A failed or refused load: free what write allocated and release what the plan reserved."""
+        self._in_flight.pop(plan.key, None)
+        if plan.allocation is not None:
+            self.allocator.free(plan.allocation)
+            plan.allocation = None
+        self._drop_user(plan.key)
+
+    def free_model(self, key: str) -> int:
+        """Forget a resident model; free the arenas nobody else uses. Returns bytes freed.
+
+        Only for models no live lease maps: a client's imported mapping keeps the memory
+        in use on the device whatever this frees.
+        """
+        self.models.pop(key, None)
+        self._tensors.pop(key, None)
+        return self._drop_user(key)
+
+    def _drop_user(self, key: str) -> int:
+        freed = 0
+        for arena in list(self.arenas.values()):
+            arena.users.discard(key)
+            if not arena.users:
+                if arena.allocation is not None:
+                    self.allocator.free(arena.allocation)
+                del self.arenas[arena.name]
+                self.index = {sha: loc for sha, loc in self.index.items() if loc[0] != arena.name}
+                freed += arena.size
+        return freed
+
+    def stop(self) -> None:
+        """Free everything. Call once no write is running (the loaders have stopped)."""
+        for plan in list(self._in_flight.values()):
+            self.abort(plan)
+        for arena in self.arenas.values():
+            if arena.allocation is not None:
+                self.allocator.free(arena.allocation)
+        self.arenas.clear()
+        self.index.clear()
+        self.models.clear()
+        self._tensors.clear()
+        self.allocator.close()
+
+    # -- what clients get ------------------------------------------------------------------
+    def export(self, key: str, manifest) -> dict:
+        """What a lease on this copy maps, as OpenReply's fields: the GPU skeleton (in the host tier), the
+        arenas' IPC handles, each tensor's place."""
+        handles, tensors = self.handles(key)
+        fields = {"skeleton_path": str(self.source.skeleton_path(key, "gpu")), "segments": [], "tensors": tensors,
+                  "device_uuid": self.device.uuid, "ipc_kind": self.allocator.kind, "ipc_handles": handles}
+        if self.allocator.kind in VMM_KINDS:
+            fields["ipc_fds"] = len(handles)
+        return fields
+
+    def lease_fds(self, key: str) -> list[int]:
+        """The descriptors a lease's reply carries, in handle order: the allocations', under read-only sharing
+        (the fd-shared kinds); else none. Still the allocator's: the lane passes copies."""
+        return self.export_fds(key) if self.allocator.kind in VMM_KINDS else []
+
+    def handles(self, key: str) -> tuple[list[bytes], list[list]]:
+        """(handles of the arenas the model uses, [name, dtype, shape, handle index, offset, nbytes] per tensor)."""
+        locations = self.models[key]
+        arenas = self._arenas_of(key)
+        slot = {name: i for i, name in enumerate(arenas)}
+        tensors = [[t.name, t.dtype, t.shape, slot[locations[t.name][0]], locations[t.name][1], t.nbytes]
+                   for t in self._tensors[key]]
+        return [self.arenas[name].allocation.handle for name in arenas], tensors
+
+    def export_fds(self, key: str) -> list[int]:
+        """The descriptors of the arenas the model uses, in `export`'s handle order (fd-shared kinds; -1 for others).
+        Still the allocator's: a sender passes copies (SCM_RIGHTS) and closes nothing."""
+        return [self.arenas[name].allocation.fd for name in self._arenas_of(key)]
+
+    def _arenas_of(self, key: str) -> list[str]:
+        return sorted({name for name, _ in self.models[key].values()}, key=lambda name: self.arenas[name].seq)
+
+    def local_tensors(self, key: str, names=None) -> list[list]:
+        """[name, dtype, shape, address, nbytes] per tensor of a resident model (those in `names`, when given),
+        at addresses of this process: what the daemon's own GPU workers build stage sessions over, no copy.
+
+        Valid while the model is resident here: the owner must hold a lease on this copy for as long as a
+        session over these addresses lives (the daemon's `free_model` really frees them, in its own process)."""
+        locations = self.models[key]
+        out = []
+        for t in self._tensors[key]:
+            if names is not None and t.name not in names:
+                continue
+            arena, offset = locations[t.name]
+            base = self.allocator.local_address(self.arenas[arena].allocation)
+            out.append([t.name, t.dtype, list(t.shape), base + offset, t.nbytes])
+        return out
+
+
+def _coalesce(copies: list) -> list:
+    """Merge copies from one host file that are contiguous on both sides: fewer, larger DMA transfers."""
+    merged = []
+    for index, src, dst, n in sorted(copies, key=lambda c: (c[0], c[2])):
+        if merged:
+            p_index, p_src, p_dst, p_n = merged[-1]
+            if p_index == index and p_src + p_n == src and p_dst + p_n == dst:
+                merged[-1] = (p_index, p_src, p_dst, p_n + n)
+                continue
+        merged.append((index, src, dst, n))
+    return merged
