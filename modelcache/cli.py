@@ -654,14 +654,17 @@ def build_parser() -> argparse.ArgumentParser:
         h.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
         h.set_defaults(func=cmd_front, uses=CLIENT_SETTINGS + ("log_level", f"{kind}_host", f"{kind}_port",
                                                                "max_message_size"))
-    it = sub.add_parser("import-triton", parents=[common], help="add the ONNX models of a Triton model repository",
+    it = sub.add_parser("import-triton", parents=[common],
+                        help="add the ONNX models (and their ensembles) of a Triton model repository",
                         description="Read a Triton model repository (MODEL/config.pbtxt, MODEL/VERSION/model.onnx) and "
                                     "add each ONNX model version its version_policy serves, with its configuration: "
-                                    "max_batch_size and dynamic_batching become its batching, and the fronts answer "
-                                    "ModelConfig with it. A version already imported unchanged is skipped; other "
-                                    "backends are skipped with one line each; fields not honoured are listed. Goes "
-                                    "through the daemon when one runs, else writes the repository directly. Exit "
-                                    "status 1 when a model could not be imported.")
+                                    "max_batch_size and dynamic_batching become its batching, sequence_batching its "
+                                    "sequences (control inputs, implicit state), and the fronts answer ModelConfig "
+                                    "with it. Ensembles whose steps are all ONNX models are added after them; one with "
+                                    "a step modelcache cannot serve is skipped with a line naming the step. A version "
+                                    "already imported unchanged is skipped; other backends are skipped with one line "
+                                    "each; fields not honoured are listed. Goes through the daemon when one runs, else "
+                                    "writes the repository directly. Exit status 1 when a model could not be imported.")
     it.add_argument("source", metavar="REPO", help="the Triton model repository (a directory of model directories)")
     it.add_argument("--model", action="append", help="import only this model (repeat for more)")
     it.add_argument("--dry-run", action="store_true", help="check and say what would be imported; add nothing")
