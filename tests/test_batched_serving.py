@@ -52,7 +52,9 @@ def send_all(c, name: str, feeds_list: list[dict], gap_s: float = 0.0) -> dict:
 def test_dynamic_batching_stacks_queued_requests_and_splits_outputs_back(tmp_path, zoo_file):
     src = zoo_file("tiny-cnn")
     ref = ort.InferenceSession(src, providers=["CPUExecutionProvider"])
-    with batching_daemon(tmp_path, "dynamic", max_batch=6) as (d, c):
+    # (a 50 ms wait for a fuller batch: on a busy machine the 12 requests may arrive further apart than a
+    # tiny model's run, and without it each would run as it came)
+    with batching_daemon(tmp_path, "dynamic", max_batch=6, max_queue_delay_ms=50) as (d, c):
         c.add(src, "cnn")
         c.infer("cnn", zoo.sample_inputs(src))          # resident, session built
         sizes = [1, 2, 1, 3, 1, 1, 2, 1, 1, 4, 1, 1]    # multi-sample requests are kept whole
