@@ -236,8 +236,7 @@ class Serving:
             if served:
                 raise InputError(f"{model.key}: input {sorted(served)[0]!r} is a sequence control or state, which "
                                  "the server fills: do not send it")
-            model.feed_check.check({**feeds, **spec.feeds(True, True, spec.corrid((sequence or {}).get("id") or 1),
-                                                          None)})
+            model.feed_check.check({**feeds, **spec.example_feeds})   # (the id is the table's to check)
         else:
             model.feed_check.check(feeds)
         if model.manifest.stages and model.manifest.overridable:
@@ -266,6 +265,7 @@ class Serving:
         self.host.hold(model)  # a request in flight holds the model like a lease: it is not evicted under it
         held_devices: list = []   # GPU tiers whose copies it holds (see submit), released with the model
         sequence_done: list = []  # the sequence's done(states), once the request runs
+        fed = [feeds]             # what the engine runs: the client's feeds (a sequence's: with its controls, state)
 
         def finish(result, timings, error):
             states = None
@@ -281,7 +281,7 @@ class Serving:
                 if sequence_done:   # the sequence's next request may go now, with this one's state
                     sequence_done[0](states)
 
-        def submit(request_feeds):
+        def submit():
             segments, specs, batchable = self._serve_specs(model)
             devices = {}
             for residency in self._serve_tiers(model):
@@ -294,38 +294,38 @@ class Serving:
             for residency in held_devices:   # a serve request is a call, as an open is: the timed policies count it
                 residency.accessed(model)
             self.host.accessed(model)
-            self.engine.submit(ServeRequest(model.key, specs, segments, request_feeds, output_names, arrival,
+            self.engine.submit(ServeRequest(model.key, specs, segments, dict(fed[0]), output_names, arrival,
                                             deadline, finish, samples=samples, batchable=batchable,
                                             profile=model.manifest.batching or None, devices=devices,
                                             serving=model.manifest.serving or None))
 
-        def run(request_feeds):
-            def start(error, hit):
+        def start(error, hit):
+            if error is not None:
+                finish(None, {}, error)
+                return
+            waiting = [r for r in self._serve_tiers(model) if not r.is_resident(model)]
+            if not waiting:
+                submit()
+                return
+            left = [len(waiting)]
+
+            def on_device(error, uuid):   # a device that cannot take the model does not serve it: the CPU does
                 if error is not None:
-                    finish(None, {}, error)
-                    return
-                waiting = [r for r in self._serve_tiers(model) if not r.is_resident(model)]
-                if not waiting:
-                    submit(request_feeds)
-                    return
-                left = [len(waiting)]
+                    log.info("%s: served without GPU %s: %s", model.key, uuid, error)
+                left[0] -= 1
+                if left[0] == 0:
+                    submit()
 
-                def on_device(error, uuid):   # a device that cannot take the model does not serve it: the CPU does
-                    if error is not None:
-                        log.info("%s: served without GPU %s: %s", model.key, uuid, error)
-                    left[0] -= 1
-                    if left[0] == 0:
-                        submit(request_feeds)
+            for residency in waiting:
+                uuid = residency.id
+                try:
+                    # (wait=False: with the device full of models in use, the CPU serves it now, not later)
+                    residency.when_resident(model, lambda error, _hit, uuid=uuid: on_device(error, uuid), deadline,
+                                            wait=False)
+                except ModelCacheError as e:
+                    on_device(e, uuid)
 
-                for residency in waiting:
-                    uuid = residency.id
-                    try:
-                        # (wait=False: with the device full of models in use, the CPU serves it now, not later)
-                        residency.when_resident(model, lambda error, _hit, uuid=uuid: on_device(error, uuid),
-                                                deadline, wait=False)
-                    except ModelCacheError as e:
-                        on_device(e, uuid)
-
+        def run():
             try:
                 # (memory_wait: where the memory limit cannot take it beside the requests in flight, it waits for them)
                 self.host.when_resident(model, start, deadline, memory_wait=True)
@@ -333,12 +333,13 @@ class Serving:
                 finish(None, {}, e)
 
         if spec is None:
-            run(dict(feeds))
+            run()
             return
 
         def go(extra, done):   # the sequence's turn: its controls and state join the client's feeds
             sequence_done.append(done)
-            run({**feeds, **extra})
+            fed[0] = {**feeds, **extra}
+            run()
 
         sequence = sequence or {}
         try:

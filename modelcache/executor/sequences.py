@@ -27,6 +27,7 @@ import base64
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -84,6 +85,13 @@ class SequenceSpec:
     strategy: str = "direct"
     idle_us: int = DEFAULT_IDLE_US
     slots: int = 1
+
+    @cached_property
+    def example_feeds(self) -> dict:
+        """What the server adds to a request's feeds, with placeholder values: checks a request's own feeds against
+        the model before the sequence's turn (the real ones differ in value only)."""
+        return self.feeds(True, True, "" if any(c.kind == "corrid" and c.dtype == "object" for c in self.controls)
+                          else 0, None)
 
     @property
     def state_outputs(self) -> set:
