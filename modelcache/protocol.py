@@ -514,6 +514,28 @@ class Infer(Message, kind="infer"):
     # string, "start": bool, "end": bool}; ignored by a model without sequence batching, as Triton ignores it.
     sequence: Optional[dict] = None
 
+    def _check_decoded(self) -> None:
+        if self.sequence is not None:
+            why = sequence_problem(self.sequence.get("id"), self.sequence.get("start"), self.sequence.get("end"))
+            if why:
+                raise RecordError(f"sequence: {why}")
+
+
+UINT64_MAX = (1 << 64) - 1
+
+
+def sequence_problem(seq_id, start, end) -> str | None:
+    """Why a request's sequence is not one Triton takes (its id an unsigned 64-bit integer or a string, its start
+    and end flags booleans), or None; the fronts say it of Triton's parameters, the daemon of an Infer's field."""
+    if isinstance(seq_id, bool) or not (seq_id is None or isinstance(seq_id, (int, str))):
+        return f"sequence_id {seq_id!r}: give an unsigned integer or a string"
+    if isinstance(seq_id, int) and not 0 <= seq_id <= UINT64_MAX:
+        return f"sequence_id {seq_id}: an integer id must be within 0..2^64-1"
+    for what, flag in (("sequence_start", start), ("sequence_end", end)):
+        if flag is not None and not isinstance(flag, bool):
+            return f"{what} {flag!r}: give true or false"
+    return None
+
 
 class InferReply(Message, kind="infer_ok"):
     req_id: int

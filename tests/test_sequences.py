@@ -214,3 +214,14 @@ def test_a_stateful_config_imports_with_its_spec(tmp_path):
 def test_a_stateful_config_the_model_contradicts_is_refused(tmp_path, controls, state, words):
     with pytest.raises(InputError, match=words):
         plan(tmp_path, config_of(controls, state) if state else config_of(controls))
+
+
+@pytest.mark.parametrize("sequence, words", [({"id": [1], "start": True}, "give an unsigned integer or a string"),
+                                             ({"id": 5, "start": "yes"}, "sequence_start 'yes'"),
+                                             ({"id": -1}, r"within 0\.\.2\^64-1")])
+def test_an_infer_with_a_malformed_sequence_is_refused_as_it_is_decoded(sequence, words):
+    """(before anything holds the model: an unhashable id once reached the table with the model held)"""
+    from modelcache import protocol as P
+    from modelcache.errors import RecordError
+    with pytest.raises(RecordError, match=words):
+        P.decode(P.encode(P.Infer(req_id=1, client_id="", name="m", inputs=[], sequence=sequence)))

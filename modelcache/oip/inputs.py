@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import InputError
+from ..protocol import sequence_problem
 
 
 @dataclass(frozen=True)
@@ -39,19 +40,12 @@ class RequiredInputs:
                          f"required input(s) {lacking}. Please provide all required input(s).")
 
 
-UINT64_MAX = (1 << 64) - 1
-
-
 def sequence_of(seq_id, start, end) -> dict | None:
     """A request's sequence parameters (Triton's sequence_id, sequence_start, sequence_end, from either front) as
     the daemon takes them; None for a request of no sequence. InputError for values Triton would refuse."""
-    if isinstance(seq_id, bool) or not (seq_id is None or isinstance(seq_id, (int, str))):
-        raise InputError(f"parameter sequence_id {seq_id!r}: give an unsigned integer or a string")
-    if isinstance(seq_id, int) and not 0 <= seq_id <= UINT64_MAX:
-        raise InputError(f"parameter sequence_id {seq_id}: an integer id must be within 0..2^64-1")
-    for what, flag in (("sequence_start", start), ("sequence_end", end)):
-        if flag is not None and not isinstance(flag, bool):
-            raise InputError(f"parameter {what} {flag!r}: give true or false")
+    why = sequence_problem(seq_id, start, end)
+    if why:
+        raise InputError(f"parameter {why}")
     if seq_id in (None, 0, "") and not start and not end:
         return None
     return {"id": seq_id, "start": bool(start), "end": bool(end)}
