@@ -37,6 +37,7 @@ def test_the_wiring_is_checked():
     ok = Ensemble.of("e", 1, ensemble_config([step("b", {"x": "mid"}, {"y": "OUT"}),
                                                step("a", {"x": "RAW"}, {"y": "mid"})]))
     assert [s.model for s in ok.order()] == ["a", "b"]           # in the order their tensors allow
+    assert ok.version == 1 and Ensemble.of("e", 3, ok.config).version == 3   # (not a step's model_version)
     with pytest.raises(InputError, match="takes ensemble tensor 'nowhere'"):
         Ensemble.of("e", 1, ensemble_config([step("a", {"x": "nowhere"}, {"y": "OUT"})]))
     with pytest.raises(InputError, match="output 'OUT' is made by no step"):

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 from .. import protocol as P
 from ..errors import InputError, ModelCacheError, ModelNotFound, from_code
 from ..executor.ensemble import Ensemble, Step
 from ..storage import storage_errors, write_atomic
+from .registry import blank_listing
 
 log = logging.getLogger("modelcache.daemon")
 
@@ -36,7 +36,8 @@ class EnsembleStore:
         self.dir = Path(repository_root) / ENSEMBLES_DIR
 
     def load(self) -> dict:
-        out = {}
+        """name -> version -> Ensemble, of every file that can be read."""
+        out: dict = {}
         if not self.dir.is_dir():
             return out
         for path in sorted(self.dir.glob("*@*.json")):
@@ -47,7 +48,7 @@ class EnsembleStore:
             except (OSError, ValueError, KeyError, TypeError, ModelCacheError) as e:   # one bad file: that one only
                 log.error("ensemble %s: %s cannot be used: %s", path.stem, path, e)
                 continue
-            out[(e.name, e.version)] = e
+            out.setdefault(e.name, {})[e.version] = e
         return out
 
     def put(self, e: Ensemble) -> None:
@@ -72,29 +73,25 @@ class Ensembles:
         self.resolve = resolve
         self.model_names = model_names
         self.admins = admins
-        self.table: dict = store.load()   # (name, version) -> Ensemble
+        self.table: dict = store.load()   # name -> version -> Ensemble (by name: `find` runs on every request)
         self.serve = None                 # set by Serving
 
     def find(self, name: str, version: int | None) -> Ensemble | None:
         """The ensemble a request names, when the name is an ensemble's (a model of that name wins)."""
-        versions = sorted(v for n, v in self.table if n == name)
+        versions = self.table.get(name)
         if not versions or name in self.model_names():
             return None
-        if version is None:
-            return self.table[(name, versions[-1])]
-        e = self.table.get((name, version))
+        e = versions[max(versions)] if version is None else versions.get(version)
         if e is None:
-            raise ModelNotFound(f"ensemble {name} has no version {version}; it has {versions}")
+            raise ModelNotFound(f"ensemble {name} has no version {version}; it has {sorted(versions)}")
         return e
 
     def listing(self) -> list[dict]:
         """As ListModels lists a model: tier "ensemble" (it holds no weights; its steps' models are listed)."""
-        return [{"name": e.name, "version": e.version, "bytes": 0, "host_bytes": 0, "gpu_bytes": 0,
-                 "tier": "ensemble", "state": "ready", "refcount": 0, "hits": 0, "misses": 0, "last_use": 0.0,
-                 "pinned": False, "tensors": 0, "opt_level": "", "gpu": [],
-                 "why": f"ensemble of {', '.join(s.model for s in e.order())}",
-                 "keep_alive_until": None, "next_call": None, "steps": [s.model for s in e.steps]}
-                for _, e in sorted(self.table.items())]
+        return [blank_listing(e.name, e.version, tier="ensemble", state="ready",
+                              why=f"ensemble of {', '.join(s.model for s in e.order())}",
+                              steps=[s.model for s in e.steps])
+                for name in sorted(self.table) for _, e in sorted(self.table[name].items())]
 
     def describe(self, e: Ensemble, req_id: int) -> P.DescribeReply:
         return P.DescribeReply(req_id=req_id, name=e.name, version=e.version, inputs=e.io("input"),
@@ -104,8 +101,9 @@ class Ensembles:
         e = Ensemble.of(msg.name, msg.version, msg.config, -1 if ident.uid is None else ident.uid)
         if msg.name in self.model_names():
             raise InputError(f"{msg.name} is a model's name; an ensemble needs a name of its own")
-        if (e.name, e.version) in self.table:
-            if self.table[(e.name, e.version)].config == e.config:
+        stored = self.table.get(e.name, {}).get(e.version)
+        if stored is not None:
+            if stored.config == e.config:
                 return P.Ack(req_id=msg.req_id)
             raise InputError(f"ensemble {e.key} already exists with another configuration; remove it first "
                              f"(`modelcache rm {e.name} --version {e.version}`)")
@@ -114,26 +112,25 @@ class Ensembles:
             if (model.manifest.serving or {}).get("sequence"):
                 raise InputError(f"{e.name}: {s.label} is a stateful model (sequence batching); ensembles of "
                                  "stateful models are not served")
-            have_in = {i.name for i in model.manifest.inputs + model.manifest.overridable}
-            have_out = {o.name for o in model.manifest.outputs}
-            for kind, pairs, have in (("input", s.inputs, have_in), ("output", s.outputs, have_out)):
-                for name, _ in pairs:
-                    if name not in have:
-                        raise InputError(f"{e.name}: {s.label} maps {kind} {name!r}, which {model.key} does not have "
-                                         f"(its {kind}s: {sorted(have)})")
+            why = s.unmapped({i.name for i in model.manifest.inputs + model.manifest.overridable},
+                             {o.name for o in model.manifest.outputs}, model.key)
+            if why:
+                raise InputError(f"{e.name}: {why}")
         self.store.put(e)   # stored first: one that cannot be written is not served either
-        self.table[(e.name, e.version)] = e
+        self.table.setdefault(e.name, {})[e.version] = e
         log.info("ensemble added: %s (%s)", e.key, " -> ".join(s.model for s in e.order()))
         return P.Ack(req_id=msg.req_id)
 
     def remove(self, ident, msg: P.Remove) -> P.Ack | None:
         """Remove an ensemble `modelcache rm` names; None when it names no ensemble."""
-        e = self.table.get((msg.name, msg.version))
+        e = self.table.get(msg.name, {}).get(msg.version)
         if e is None or msg.name in self.model_names():
             return None
-        self.admins.check_model_owner(ident, _Owned(e), "remove")
+        self.admins.check_owner(ident, e.key, e.owner_uid, "remove")
         self.store.remove(e)
-        del self.table[(e.name, e.version)]
+        del self.table[e.name][e.version]
+        if not self.table[e.name]:
+            del self.table[e.name]
         log.info("ensemble removed: %s", e.key)
         return P.Ack(req_id=msg.req_id)
 
@@ -194,21 +191,3 @@ class _Run:
         for name, tensor in step.outputs:
             self.tensors[tensor] = result[name]
         self.advance()
-
-
-@dataclass(frozen=True)
-class _Owned:
-    """An ensemble as identity.check_model_owner reads a model: its key and who added it."""
-    e: Ensemble
-
-    @property
-    def key(self) -> str:
-        return self.e.key
-
-    @property
-    def manifest(self):
-        return self
-
-    @property
-    def owner_uid(self) -> int:
-        return self.e.owner_uid

@@ -138,14 +138,17 @@ class Admins:
 
     def check_model_owner(self, peer, model, action: str) -> None:
         """Raise PermissionDenied unless `peer` added `model` or is an admin."""
+        self.check_owner(peer, model.key, getattr(model.manifest, "owner_uid", -1), action)
+
+    def check_owner(self, peer, key: str, owner: int, action: str) -> None:
+        """Raise PermissionDenied unless `peer` is uid `owner` (-1: unrecorded) or an admin; `key` names what."""
         if self.is_admin(peer):
             return
-        owner = getattr(model.manifest, "owner_uid", -1)
         if peer.uid is not None and peer.uid == owner:
             return
         who = "a tcp:// client (no credentials)" if peer.uid is None else f"uid {peer.uid}"
         added_by = f"uid {owner}" if owner >= 0 else "an unrecorded user (packed before owners were kept)"
-        raise PermissionDenied(f"permission denied: {who} may not {action} model {model.key}: it was added by "
+        raise PermissionDenied(f"permission denied: {who} may not {action} model {key}: it was added by "
                                f"{added_by}; only its owner and admins (root, the daemon's user, admin_group) may")
 
 

@@ -327,12 +327,16 @@ class ModelRecord:
                 "corrupt": self.damage, **policy_view}
 
 
-def describe_unreadable(name: str, version: int, why: str) -> dict:
-    """A version on disk whose manifest cannot be used, shaped like ModelRecord.describe for listings."""
+def blank_listing(name: str, version: int, **fields) -> dict:
+    """An entry of a listing shaped like ModelRecord.describe, for what holds no copy anywhere: `fields` say it."""
     return {"name": name, "version": version, "bytes": 0, "host_bytes": 0, "gpu_bytes": 0, "tier": "disk",
-            "state": "corrupt", "refcount": 0,
-            "hits": 0, "misses": 0, "last_use": 0.0, "pinned": False, "tensors": 0, "opt_level": "",
-            "gpu": [], "corrupt": why, "why": "", "keep_alive_until": None, "next_call": None}
+            "state": "", "refcount": 0, "hits": 0, "misses": 0, "last_use": 0.0, "pinned": False, "tensors": 0,
+            "opt_level": "", "gpu": [], "why": "", "keep_alive_until": None, "next_call": None, **fields}
+
+
+def describe_unreadable(name: str, version: int, why: str) -> dict:
+    """A version on disk whose manifest cannot be used."""
+    return blank_listing(name, version, state="corrupt", corrupt=why)
 
 
 @dataclass

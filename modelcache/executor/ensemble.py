@@ -25,6 +25,15 @@ class Step:
     def label(self) -> str:
         return f"step {self.model!r}" + (f" (version {self.version})" if self.version else "")
 
+    def unmapped(self, inputs: set, outputs: set, model: str) -> str | None:
+        """Why the step's maps do not fit its model (`inputs`, `outputs`: the names `model` has), or None."""
+        for kind, pairs, names in (("input", self.inputs, inputs), ("output", self.outputs, outputs)):
+            for name, _ in pairs:
+                if name not in names:
+                    return f"{self.label} maps {kind} {name!r}, which {model} does not have (its {kind}s: " \
+                           f"{sorted(names)})"
+        return None
+
 
 @dataclass(frozen=True)
 class Ensemble:
@@ -40,19 +49,23 @@ class Ensemble:
 
     @classmethod
     def of(cls, name: str, version: int, config: dict, owner_uid: int = -1) -> "Ensemble":
-        """From its configuration; InputError when its steps do not wire up."""
+        """From its configuration; InputError when it is malformed or its steps do not wire up."""
         if not isinstance(config, dict) or config.get("platform") != "ensemble":
             raise InputError(f"{name}: not an ensemble configuration (platform \"ensemble\")")
-        raw = (config.get("ensemble_scheduling") or {}).get("step") or []
-        if not raw:
+        try:
+            raw = (config.get("ensemble_scheduling") or {}).get("step") or []
+            steps = []
+            for s in raw:
+                step_version = int(s.get("model_version", -1) or -1)
+                steps.append(Step(str(s.get("model_name", "")), None if step_version < 1 else step_version,
+                                  tuple(sorted((s.get("input_map") or {}).items())),
+                                  tuple(sorted((s.get("output_map") or {}).items()))))
+            e = cls(name, version, config, tuple(steps), owner_uid)
+            e.io("input"), e.io("output")   # (each with a name and dims)
+        except (AttributeError, KeyError, TypeError, ValueError) as error:   # (a message's config, not Triton's JSON)
+            raise InputError(f"{name}: a malformed ensemble configuration: {error!r}") from None
+        if not steps:
             raise InputError(f"{name}: ensemble_scheduling has no step")
-        steps = []
-        for s in raw:
-            version = int(s.get("model_version", -1) or -1)
-            steps.append(Step(str(s.get("model_name", "")), None if version < 1 else version,
-                              tuple(sorted((s.get("input_map") or {}).items())),
-                              tuple(sorted((s.get("output_map") or {}).items()))))
-        e = cls(name, version, config, tuple(steps), owner_uid)
         e.order()   # (checks the wiring)
         return e
 

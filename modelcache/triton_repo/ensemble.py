@@ -87,8 +87,6 @@ def check_steps(plan: EnsemblePlan, planned: dict, skipped: dict, refused: set, 
                 raise StepNotServed(f"{plan.name}: skipped: its {s.label} is neither in this repository nor in "
                                     "modelcache")
             ins, outs = have
-        for kind, pairs, names in (("input", s.inputs, ins), ("output", s.outputs, outs)):
-            for name, _ in pairs:
-                if name not in names:
-                    raise InputError(f"{s.label} maps {kind} {name!r}, which {s.model} does not have (its "
-                                     f"{kind}s: {sorted(names)})")
+        why = s.unmapped(ins, outs, s.model)
+        if why:
+            raise InputError(why)

@@ -263,7 +263,7 @@ class _OfflineTarget:
 
     def stored_ensemble(self, name: str, version: int):
         from ..daemon.ensembles import EnsembleStore
-        e = EnsembleStore(self.repo.root).load().get((name, version))
+        e = EnsembleStore(self.repo.root).load().get(name, {}).get(version)
         return None if e is None else e.config
 
     def add_ensemble(self, name: str, version: int, config: dict) -> None:
