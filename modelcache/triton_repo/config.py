@@ -22,6 +22,7 @@ from ..errors import InputError, ModelCacheError
 from ..oip.types import numpy_type_of, triton_type, v2_shape
 from ..triton_protos import model_config_pb2 as mc
 from . import ensemble, sequence
+from .versions import present as present_versions, served as served_versions
 
 CONFIG_FILE = "config.pbtxt"
 ONNX_PLATFORM, ONNX_BACKEND, ONNX_FILE = "onnxruntime_onnx", "onnxruntime", "model.onnx"
@@ -215,18 +216,11 @@ def _other_backend(config: mc.ModelConfig, model_dir: Path, filename: str) -> st
 
 def _versions(config: mc.ModelConfig, model_dir: Path, filename: str) -> list:
     """[(version, .onnx path)] that version_policy serves: latest N (default 1), all, or specific ones."""
-    present = sorted(int(d.name) for d in model_dir.iterdir() if d.is_dir() and d.name.isdigit() and int(d.name) > 0)
-    policy = config.version_policy.WhichOneof("policy_choice")
-    if policy == "all":
-        chosen = present
-    elif policy == "specific":
-        chosen = sorted(set(config.version_policy.specific.versions))
-        missing = [v for v in chosen if v not in present]
-        if missing:
-            raise InputError(f"version_policy specific names version {missing[0]}, which has no directory")
-    else:
-        n = max(1, config.version_policy.latest.num_versions) if policy == "latest" else 1
-        chosen = present[-n:]
+    there = present_versions(model_dir)
+    chosen = served_versions(config, there)
+    missing = [v for v in chosen if v not in there]
+    if missing:
+        raise InputError(f"version_policy specific names version {missing[0]}, which has no directory")
     if not chosen:
         raise InputError("no version directory (1/, 2/, ...) to import")
     out = []

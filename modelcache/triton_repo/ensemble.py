@@ -11,6 +11,7 @@ from pathlib import Path
 from ..errors import InputError
 from ..executor.ensemble import Ensemble
 from ..triton_protos import model_config_pb2 as mc
+from .versions import present, served
 
 ENSEMBLE_PLATFORM = "ensemble"
 
@@ -42,20 +43,12 @@ def plan_ensemble(model_dir: Path, config: mc.ModelConfig, config_json: dict) ->
     config_json = {**config_json, "name": name}
     if not config.input or not config.output:
         raise InputError("an ensemble's config.pbtxt must list its inputs and outputs")
-    present = sorted(int(d.name) for d in model_dir.iterdir() if d.is_dir() and d.name.isdigit() and int(d.name) > 0)
-    policy = config.version_policy.WhichOneof("policy_choice")
-    if policy == "all":
-        versions = present or [1]
-    elif policy == "specific":
-        versions = sorted(set(config.version_policy.specific.versions))
-    else:
-        n = max(1, config.version_policy.latest.num_versions) if policy == "latest" else 1
-        versions = present[-n:] or [1]
+    chosen = served(config, present(model_dir)) or [1]   # (an ensemble without version directories: version 1)
     try:
-        ensemble = Ensemble.of(name, versions[-1], config_json)
+        ensemble = Ensemble.of(name, chosen[-1], config_json)
     except InputError as e:
         raise InputError(str(e).removeprefix(f"{name}: ")) from None
-    return EnsemblePlan(name, versions, config_json, ensemble)
+    return EnsemblePlan(name, chosen, config_json, ensemble)
 
 
 def check_steps(plan: EnsemblePlan, planned: dict, skipped: dict, refused: set, known) -> None:
