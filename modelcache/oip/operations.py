@@ -152,16 +152,10 @@ class Operations:
         """(outputs by name, the version that ran) through the daemon's engine, as every client's request.
         `classes`: output -> how many top classes to answer with instead of its values (classification.py);
         `sequence`: a stateful model's {id, start, end} (inputs.sequence_of). `order`: (the future set once the
-        request before this one was sent, or None; this one's): a stream's requests reach the daemon in the
-        order they were read, whatever each waits for on the way (a sequence's order is its state's)."""
+        request before this one was sent, or None; this one's, set here once it is sent, and by the caller if
+        it never is): a stream's requests reach the daemon in the order they were read, whatever each waits for
+        on the way (a sequence's order is its state's)."""
         after, sent = order or (None, None)
-        try:
-            return await self._infer(name, version, feeds, output_names, timeout_us, classes, sequence, after, sent)
-        finally:
-            if sent is not None and not sent.done():   # (refused before it was sent: the next one may go)
-                sent.set_result(None)
-
-    async def _infer(self, name, version, feeds, output_names, timeout_us, classes, sequence, after, sent):
         why = self.why_unloaded(name)
         if why:
             raise InputError(why)
