@@ -41,10 +41,6 @@ STRATEGIES = ("direct", "oldest")
 DEFAULT_IDLE_US = 1_000_000   # Triton's SEQUENCE_IDLE_DEFAULT_MICROSECONDS
 
 
-def _dtype(name: str):
-    return np.dtype(name)
-
-
 @dataclass(frozen=True)
 class Control:
     name: str
@@ -59,7 +55,7 @@ class Control:
             v = corrid
         else:
             v = self.true if {"start": start, "end": end, "ready": True}[self.kind] else self.false
-        return np.full((1,) * self.rank, v, dtype=_dtype(self.dtype))
+        return np.full((1,) * self.rank, v, dtype=self.dtype)
 
 
 @dataclass(frozen=True)
@@ -72,7 +68,7 @@ class State:
     returned: bool = False    # also one of the model's configured outputs: a client may ask for it
 
     def initial_value(self) -> np.ndarray:
-        dtype = _dtype(self.dtype)
+        dtype = np.dtype(self.dtype)
         if self.initial is None:
             return np.full(self.shape, "", dtype=object) if dtype.kind == "O" else np.zeros(self.shape, dtype)
         return np.frombuffer(self.initial, dtype=dtype).reshape(self.shape).copy()
@@ -222,7 +218,7 @@ class SequenceTable:
                 self._after(seq, req, None)
                 continue
             seq.busy = True
-            feeds = self.spec.feeds(req.start, req.end, req.corrid, None if req.start else seq.state)
+            feeds = self.spec.feeds(req.start, req.end, req.corrid, seq.state)
             answered = []
 
             def done(states, seq=seq, req=req):
