@@ -97,7 +97,7 @@ def cmd_import_triton(args) -> int:
 
 
 def _count(n: int, noun: str, nouns: str = "") -> str:
-    from .daemon.registry import plural
+    from .daemon.wording import plural
     return plural(n, noun, nouns)
 
 

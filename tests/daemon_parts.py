@@ -1,6 +1,6 @@
 """The daemon's parts built by hand, in process, over a real host tier and a simulated GPU (the fake
 allocator), stepped with a fake clock: what tests/test_lifecycle.py, test_tier_contract.py and
-test_keepalive.py use. One residency manager per tier (daemon/residency.py): `residency` the host
+test_keepalive.py use. One residency manager per tier (daemon/residency/): `residency` the host
 tier's, `device` the GPU's; `tiers` both, the host's first, as the owner loop runs them."""
 
 from __future__ import annotations
@@ -79,15 +79,11 @@ class Parts:
 
     def lease(self, client, model, residency=None):
         """A lease as an open grants it, on the copy in `residency`'s tier (default: the host's)."""
-        residency = residency or self.residency
-        lease = self.registry.grant(client, model, self.clock(), residency.id)
-        residency.lease(model)
-        return lease
+        return (residency or self.residency).grant(client, model, self.clock())
 
     def release(self, lease) -> None:
         """A close of `lease`, as the daemon takes it."""
-        self.registry.release(lease.lease_id)
-        self.sessions.residency_of(lease.tier).release(lease.model)
+        self.residency.close(lease.lease_id)
 
     def next_timer(self):
         """When the owner loop next wakes for a tier's timer (any tier)."""

@@ -342,7 +342,7 @@ def tracked_names() -> set[str]:
 
 
 def test_every_repository_path_the_docs_name_in_code_exists():
-    """A path in code (`modelcache/daemon/residency.py`, `tiers/base.py`, `benchmarks/faas`) exists relative to
+    """A path in code (`modelcache/daemon/residency/`, `tiers/base.py`, `benchmarks/faas`) exists relative to
     the repository, the package or the doc's folder, where its first part is a folder there; a bare module file
     (`cuda.py`) exists somewhere in the repository. Placeholders (<...>, CAPITALS, *) are patterns: skipped."""
     names, failures = tracked_names(), []

@@ -377,14 +377,24 @@ class DroppingGpuWorker(FakeGpuWorker):
         self.drops.append((model_key, then))
 
 
-def test_the_engine_holds_a_device_lease_while_a_gpu_worker_may_have_sessions():
+def test_the_engine_holds_a_device_copy_while_a_gpu_worker_may_have_sessions():
+    """The daemon holds a GPU worker's copy (worker_hold: once per worker, however often the engine asks, as
+    the daemon's residency manager does) from its first stage there until the worker dropped its sessions."""
     from modelcache.tiers.gpu import GpuDevice
-    leases, answers = [], {}
+    held, events, answers = {}, [], {}
+
+    def worker_hold(key, uuid, wid, holds):
+        if holds:
+            if (key, uuid, wid) not in held:
+                held[(key, uuid, wid)] = True
+                events.append(("hold", key, uuid))
+            return None
+        return (lambda: events.append(("end", key, uuid))) if held.pop((key, uuid, wid), None) else None
+
     engine = Engine(Settings(socket="ipc:///unused", repository="/unused", workers="1", scheduler="dmda",
                              inline_run_ms=0), None, post=lambda fn, r, e: fn(r, e), clock=lambda: 0.0,
                     worker_factory=FakeWorker, gpu_devices=[GpuDevice(0, "GPU-1234", "Fake GPU", 1 << 30)],
-                    gpu_worker_factory=DroppingGpuWorker,
-                    device_lease=lambda key, uuid, delta: leases.append((key, uuid, delta)))
+                    gpu_worker_factory=DroppingGpuWorker, worker_hold=worker_hold)
     cpu, gpu = engine.workers
 
     def submit(tag, devices=ON_GPU, stages=ONE_STAGE):
@@ -393,29 +403,31 @@ def test_the_engine_holds_a_device_lease_while_a_gpu_worker_may_have_sessions():
         engine.submit(ServeRequest("m@1", stages, [], {"x": np.full((1, 1), tag, np.float32)}, None, 0.0,
                                    None, finish, samples=1, batchable=True, devices=devices))
 
-    for tag in (1, 2):                  # calibrate the CPU group: no lease
+    for tag in (1, 2):                  # calibrate the CPU group: no hold
         submit(tag)
         cpu.run_next()
-    assert leases == []
-    submit(3)                           # explored on the GPU: the engine takes a lease on the copy there
+    assert events == []
+    submit(3)                           # explored on the GPU: the copy there is held for the worker
     job = gpu.run_next()
     assert job.device == ON_GPU["GPU-1234"][0] and not job.keep_on_device
-    assert leases == [("m@1", "GPU-1234", +1)]
+    assert events == [("hold", "m@1", "GPU-1234")]
     submit(4)
     gpu.run_next() if gpu.jobs else cpu.run_next()
-    assert leases == [("m@1", "GPU-1234", +1)]   # one per (worker, model), however many stages run there
+    assert events == [("hold", "m@1", "GPU-1234")]   # one per (worker, model), however many stages run there
     submit(5, devices={})               # a request whose model is not on the device: CPU only
     assert not gpu.jobs and len(cpu.jobs) == 1
     cpu.run_next()
 
-    engine.drop_model("m@1")            # eviction: the lease goes back once the worker dropped its sessions
+    engine.drop_model("m@1")            # eviction: the hold ends once the worker dropped its sessions
     [(key, then)] = gpu.drops
-    assert key == "m@1" and leases == [("m@1", "GPU-1234", +1)]
-    submit(6)                           # placed there meanwhile: a new lease, its own
+    assert key == "m@1" and events == [("hold", "m@1", "GPU-1234")]
+    submit(6)                           # placed there meanwhile: a new hold, its own
+    on_gpu = bool(gpu.jobs)
     while gpu.jobs or cpu.jobs:
         (gpu if gpu.jobs else cpu).run_next()
     then()
-    assert leases[-1] == ("m@1", "GPU-1234", -1)
+    assert events[-1] == ("end", "m@1", "GPU-1234")
+    assert events.count(("hold", "m@1", "GPU-1234")) == 1 + on_gpu
     assert all(answers[t][2] is None for t in range(1, 7))
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from modelcache import protocol as P
-from modelcache.daemon.registry import ModelState
+from modelcache.daemon.residency import ModelState
 from modelcache.errors import CapacityError
 
 from daemon_parts import Parts, on_device, resident
@@ -111,9 +111,9 @@ def test_a_serve_request_counts_as_a_call(make, tmp_path):
     resident(parts, model)          # created without a call: the fallback keep-alive, from its load
     assert parts.models.describe(model)["keep_alive_until"] == parts.wall() + 60
     tick(parts, 30)
-    parts.residency.hold(model)
+    request = parts.residency.hold_request(model)
     parts.residency.accessed(model)
-    parts.residency.release(model)
+    parts.residency.end(request)
     tick(parts, 59)
     assert model.state is ModelState.RESIDENT
     tick(parts, 1)

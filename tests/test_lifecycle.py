@@ -2,7 +2,7 @@
 GPU (the fake allocator) and real packed models, stepped with a fake clock; no subprocess, no socket.
 
 The rules, each run against every tier (the host tier's residency manager and the GPU's: one type,
-daemon/residency.py): one promotion however many ask (`TierCopy.start_load` / `finish_load`); memory a
+daemon/residency/): one promotion however many ask (`TierCopy.start_load` / `finish_load`); memory a
 lease maps is never freed (`TierCopy.check_freeable`, asked in `Residency.evict`, the one method that
 frees); the policy chooses, the manager frees; refusals say what holds the tier. Then what only the
 chain of tiers has: a GPU copy holds the host copy it came from, and goes first when that is freed.
@@ -15,9 +15,9 @@ import re
 
 import pytest
 
-from modelcache.daemon.registry import ModelState
-from modelcache.daemon.residency import size_text
-from modelcache.errors import CapacityError, IntegrityError
+from modelcache.daemon.residency import REQUEST, WORKER, Hold, ModelState
+from modelcache.daemon.wording import size_text
+from modelcache.errors import CapacityError, IntegrityError, LeaseError
 from modelcache.format import WEIGHTS_FILE
 
 from daemon_parts import Parts, counting, on_device, resident
@@ -106,16 +106,73 @@ def test_a_leased_copy_is_never_freed(parts, tmp_path, which):
 
 
 @pytest.mark.parametrize("which", TIERS)
-def test_releasing_more_than_was_held_is_a_bug_caught_at_once(parts, tmp_path, which):
+def test_letting_go_without_holding_is_a_bug_caught_at_once(parts, tmp_path, which):
+    """A copy is let go only by a holder that holds it; a hold ended twice lets go once."""
     residency = tier_of(parts, which)
     model = parts.add(tmp_path, "tiny-cnn", "m")
     resident(parts, model, residency)
-    with pytest.raises(AssertionError):
-        residency.release(model)
-    assert model.tier_copies[residency.id].holds == 0
+    copy = model.tier_copies[residency.id]
+    with pytest.raises(AssertionError, match="does not hold it"):
+        copy.let_go(Hold(REQUEST, model))
+    hold = residency.hold_request(model)
+    other = residency.hold_request(model)
+    residency.end(hold)
+    residency.end(hold)
+    assert copy.holds == 1 and list(copy.holders) == [other]
+    residency.end(other)
+    assert copy.holds == 0 and model.host.holds == 0
 
 
 # -- the policy chooses, the manager frees (with the clock injected) ----------------------------------------
+
+def test_every_hold_names_its_holder_and_a_refusal_says_each_kind(parts, tmp_path):
+    """Leases, requests in flight and serve-mode GPU workers hold copies alike; what a refusal says (and what it
+    advises) comes from the holders themselves, and re-partitioning minds all but the GPU workers."""
+    model = parts.add(tmp_path, "tiny-cnn", "m")
+    on_device(parts, model)
+    client = parts.registry.new_client(1, "c", parts.clock())
+    lease = parts.lease(client, model)
+    request = parts.residency.hold_request(model)
+    with pytest.raises(CapacityError, match=r"in use by 1 session and 1 request in flight; .*requests in flight"):
+        parts.residency.demote(model)
+    parts.release(lease)
+    parts.residency.end(request)
+    parts.device.hold_for_worker(model, worker_id=7)
+    parts.device.hold_for_worker(model, worker_id=7)          # (once per worker, however often asked)
+    assert model.tier_copies[parts.uuid].holds == 1 and model.host.holds == 1
+    with pytest.raises(CapacityError, match=r"in use by 1 serve-mode GPU worker on .*serve_idle_s"):
+        parts.device.demote(model)
+    parts.residency.check_unheld(model, "partition", ignoring=WORKER)   # its sessions go with the old stages
+    with pytest.raises(CapacityError, match="1 serve-mode GPU worker hold it"):
+        parts.residency.check_unheld(model, "partition")
+    end = parts.device.worker_done(model.key, worker_id=7)
+    assert parts.device.worker_done(model.key, worker_id=7) is None   # (detached at once: a new hold is its own)
+    end()
+    assert model.tier_copies[parts.uuid].holds == 0 and model.host.holds == 0
+    assert parts.device.demote(model) > 0 and parts.residency.demote(model) > 0
+
+
+def test_a_clients_leases_end_in_every_tier_when_it_leaves(parts, tmp_path):
+    """One lease table for every tier: a close names a lease of the caller's own, and a client that leaves
+    ends each lease it held, on the host and on a GPU."""
+    model = parts.add(tmp_path, "tiny-cnn", "m")
+    on_device(parts, model)
+    client = parts.registry.new_client(1, "c", parts.clock())
+    other = parts.registry.new_client(2, "d", parts.clock())
+    host_lease, gpu_lease = parts.lease(client, model), parts.lease(client, model, parts.device)
+    theirs = parts.lease(other, model)
+    assert (model.host.holds, model.tier_copies[parts.uuid].holds) == (3, 1)
+    with pytest.raises(LeaseError):
+        parts.residency.close(theirs.lease_id, client.client_id)    # another client's lease
+    with pytest.raises(LeaseError):
+        parts.residency.close("l0-none", client.client_id)
+    assert {lease.lease_id for lease in parts.residency.drop_client(client.client_id)} == \
+        {host_lease.lease_id, gpu_lease.lease_id}
+    assert (model.host.holds, model.tier_copies[parts.uuid].holds) == (1, 0)
+    assert len(parts.residency.leases) == 1 and parts.device.leases is parts.residency.leases
+    parts.residency.close(theirs.lease_id, other.client_id)
+    assert model.host.holds == 0 and len(parts.residency.leases) == 0
+
 
 @pytest.mark.parametrize("which", TIERS)
 def test_room_is_made_from_the_least_recently_used_unheld_copy_and_a_full_tier_says_what_holds_it(tmp_path, which):
@@ -198,11 +255,11 @@ def test_a_model_larger_than_the_whole_tier_is_told_to_raise_the_setting_alone(p
 def test_a_host_copy_under_a_request_or_a_gpu_load_is_not_freed(parts, tmp_path):
     model = parts.add(tmp_path, "tiny-cnn", "m")
     resident(parts, model)
-    parts.residency.hold(model)               # a serve request in flight
-    with pytest.raises(CapacityError):
+    request = parts.residency.hold_request(model)   # a serve request in flight
+    with pytest.raises(CapacityError, match="in use by 1 request in flight"):
         parts.residency.evict(model)
     assert not parts.residency._make_room(1, loading="")
-    parts.residency.release(model)
+    parts.residency.end(request)
     gpu_copy = model.copy_in(parts.uuid)
     gpu_copy.start_load()                     # a GPU copy reads the host copy meanwhile
     assert not model.host.evictable

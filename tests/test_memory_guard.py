@@ -90,15 +90,16 @@ def test_a_serve_request_waits_for_memory_that_requests_in_flight_hold(machine):
     """What an open is refused at once (leases may be held for hours) a serve request waits for, as for room:
     the holds on the other models end in milliseconds; at its deadline it is refused saying it waited."""
     parts, (a, b, c, d) = machine.parts, machine.models
+    requests = {}
     for model in (a, b, c):
         resident(parts, model)
-        parts.residency.hold(model)              # requests in flight on each
+        requests[model.key] = parts.residency.hold_request(model)   # requests in flight on each
     machine.neighbour = machine.headroom() - machine.guard.reserve
     answers = []
     parts.residency.when_resident(d, lambda error, hit: answers.append(error), memory_wait=True)
     parts.loaders.settle()
     assert answers == [] and d.key not in parts.residency.resident   # waiting, nothing reserved
-    parts.residency.release(a)                   # a's request answered: a is idle, given back for d
+    parts.residency.end(requests[a.key])         # a's request answered: a is idle, given back for d
     parts.loaders.settle()
     assert answers == [None] and host_keys(parts) == {b.key, c.key, d.key}
     # Nothing to give back before the deadline: refused, saying how long it waited for memory.
@@ -118,15 +119,15 @@ def test_a_serve_request_waits_for_memory_that_a_promotion_under_way_reserved(ma
     (whose request then lets go), where it was refused at once with nothing resident held."""
     parts, (a, b, c, d) = machine.parts, machine.models
     machine.neighbour += machine.headroom() - machine.guard.reserve - int(1.5 * a.manifest.weights_bytes)
-    answers = []
+    answers, requests = [], {}
     for model in (a, b):
-        parts.residency.hold(model)              # each request holds its model, as serving.py does
+        requests[model.key] = parts.residency.hold_request(model)   # each request holds its model, as serving.py does
         parts.residency.when_resident(model, lambda error, hit, m=model: answers.append((m.key, error)),
                                       memory_wait=True)
     assert answers == [] and parts.residency.short_of_memory.keys() == {b.key}
     parts.loaders.settle()
     assert answers == [(a.key, None)]
-    parts.residency.release(a)                   # a's request answered: a is idle, given back for b
+    parts.residency.end(requests[a.key])         # a's request answered: a is idle, given back for b
     parts.loaders.settle()
     assert answers == [(a.key, None), (b.key, None)] and host_keys(parts) == {b.key}
 

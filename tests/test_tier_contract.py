@@ -1,6 +1,6 @@
 """One contract, two tiers: the host tier (shared memory) and a GPU tier (over the fake allocator) keep the
 same promises (modelcache/tiers/base.py), checked by the same tests with the same calls, through the one
-residency manager type (daemon/residency.py) each tier has; no adapter stands between a test and a tier.
+residency manager type (daemon/residency/) each tier has; no adapter stands between a test and a tier.
 
 plan reserves and abort releases; write + commit make a model exportable; a tensor already resident is
 stored once; regions free with their last user; a copy under a lease is never freed, and freeing it once
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from modelcache.daemon.registry import ModelState
+from modelcache.daemon.residency import ModelState
 from modelcache.errors import CapacityError
 from modelcache.tiers.base import Tier
 

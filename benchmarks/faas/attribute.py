@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 from collections import Counter
 
-from modelcache.daemon.registry import ModelState
+from modelcache.daemon.residency import ModelState
 from modelcache.daemon.residency import Residency
 from modelcache.usage import Parser
 

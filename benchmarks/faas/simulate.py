@@ -1,5 +1,5 @@
 """A discrete-event replay of invocations against the daemon's own residency manager
-(modelcache/daemon/residency.py), with its own eviction policy objects (modelcache/eviction), over a tier
+(modelcache/daemon/residency/), with its own eviction policy objects (modelcache/eviction), over a tier
 that holds sizes only, virtual loader threads and a virtual clock; costs are parameters.
 
 Nothing here decides what is resident: the manager does, as it does in the daemon. The tier is a host
@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-from modelcache.daemon.registry import ModelState, Registry
-from modelcache.daemon.residency import Residency
+from modelcache.daemon.registry import Registry
+from modelcache.daemon.residency import ModelState, Residency
 from modelcache.errors import CapacityError
 
 GIB = 2**30
+REPLAY_CLIENT = SimpleNamespace(client_id="replay")   # whose leases the replay's calls hold
 
 # Run times a call (batch 1, this repository's 2-core machine, README "Measured here": `bench serve`).
 RUN_S = {"resnet50": 0.0655, "resnet50-fp16": 0.0655, "alexnet": 0.0285}
@@ -241,10 +242,10 @@ class Replay:
 
     def _grant(self, model, arrived: float) -> None:
         """The open's answer: a lease for the call's run, let go when it ends."""
-        self.residency.lease(model)
+        lease = self.residency.grant(REPLAY_CLIENT, model, self.now)
         done = self.now + self.costs.open_host_s + self.costs.run_of(model.name)
         self.result.ttfr_s.append(done - arrived)
-        self.at(done, self.residency.release, model)
+        self.at(done, self.residency.end, lease)
 
     def _loaded(self, key: str) -> None:
         """A copy became resident (the tier's commit); a subclass may observe it."""

@@ -1,4 +1,4 @@
-"""The daemon's GPU tiers: one residency manager per device (daemon/residency.py) over a tiers.gpu.DeviceTier,
+"""The daemon's GPU tiers: one residency manager per device (daemon/residency/) over a tiers.gpu.DeviceTier,
 above the host tier's; which devices get one, how a request names one, what a lease on one needs of
 its transport and its client, their capacity on reload, and their stop."""
 
@@ -60,7 +60,7 @@ class GpuTiers:
         from ..config import parse_size
         for residency in self:
             tier = residency.tier
-            tier.capacity_bytes = min(parse_size(spec, total=tier.device.total_bytes), tier.device.total_bytes)
+            residency.set_capacity(min(parse_size(spec, total=tier.device.total_bytes), tier.device.total_bytes))
             log.info("GPU tier on device %d: %d MiB", tier.device.index, tier.capacity_bytes >> 20)
 
     def stop(self) -> None:

@@ -25,8 +25,7 @@ from .. import memlimit
 from ..config import MIN_CAPACITY
 from ..errors import ConfigError, OutOfMemoryError
 from ..memlimit import MemoryLimit
-from .registry import plural
-from .residency import size_text
+from .wording import plural, size_text
 
 log = logging.getLogger("modelcache.daemon")
 # How often the watch reads the headroom: a read costs ~56 us (0.1 % of a core at this rate); at 128 MiB/s of growth

@@ -1,7 +1,7 @@
 """The model requests of the wire — load, evict, pin, remove, add, verify — and how a model is listed.
 
 `Models` runs on the owner loop. Its handlers translate a message into calls of the tiers' residency
-managers (daemon/residency.py: the host tier's, and the GPUs' in `gpus`) and their outcomes into
+managers (daemon/residency/: the host tier's, and the GPUs' in `gpus`) and their outcomes into
 replies; the managers decide. Add packs on a loader thread and verify scrubs on one.
 """
 
@@ -11,20 +11,21 @@ import logging
 import time
 
 from .. import protocol as P
-from ..errors import CapacityError, InputError, IntegrityError, ModelCacheError, ModelNotFound, PackError
+from ..errors import InputError, IntegrityError, ModelCacheError, ModelNotFound, PackError
 from ..executor.sequences import SequenceSpec
 from ..format import load_manifest
 from ..packing import pack_in_subprocess
 from ..scrub import DAMAGED, nothing_to_verify, verify_version
 from ..sources import check_regular_files, check_source_names, close_all
-from .registry import ModelRecord, ModelState, Registry, plural
+from .registry import ModelRecord, Registry
+from .residency import ModelState
 
 log = logging.getLogger("modelcache.daemon")
 
 
 class Models:
     def __init__(self, *, registry: Registry, host, gpus, fetcher, repository, loaders, settings, admins,
-                 counters: dict, jobs: dict, clock, wall, reply, serve_holds=lambda key: 0):
+                 counters: dict, jobs: dict, clock, wall, reply):
         self.registry = registry
         self.host = host                  # the host tier's Residency
         self.gpus = gpus                  # daemon/gpus.py: the GPU tiers' (by UUID), `named`
@@ -38,8 +39,6 @@ class Models:
         self.clock = clock
         self.wall = wall                  # wall time: when a keep-alive ends, as `ls` and `status` show it
         self.reply = reply                # (ident, message): answer a request later
-        # key -> how many serve-mode GPU workers hold the model (said when they keep it from being evicted)
-        self.serve_holds = serve_holds
         self.reserved_versions: set = set()     # versions being packed, not yet in the registry
         # Packing subprocesses, so an immediate stop can kill them. Loader threads add and remove
         # entries (single set operations, atomic under the GIL); only the signal handler reads it.
@@ -76,26 +75,10 @@ class Models:
     def on_Evict(self, ident, msg: P.Evict):
         model = self.fetcher.resolve(msg.name, msg.version)
         self.admins.check_model_owner(ident, model, "evict")
-        before, freed = model.copies, 0
-        if msg.tier == "host":
-            model.host.check_freeable()
-            if model.state is ModelState.RESIDENT:
-                freed = self.host.evict(model)
-                self.host.admit()
-        else:   # demote from the GPU named, or from all of them (a daemon without one says so)
-            named = self.tier_named(msg.tier)
-            for residency in (self.gpus if msg.tier in ("gpu", "cuda") else [named]):
-                copy = model.tier_copies.get(residency.id)
-                if copy is None or copy.state in (ModelState.ON_DISK, ModelState.WAITING):   # (no copy there yet)
-                    continue
-                if copy.holds and self.serve_holds(model.key):
-                    serving = self.serve_holds(model.key)
-                    raise CapacityError(
-                        f"{model.key} is in use by {plural(copy.holds, 'GPU session')} on {residency.id} ({serving} of "
-                        f"them serve-mode GPU workers', which let go once the model had no request for serve_idle_s = "
-                        f"{self.settings.serve_idle_s:g} s); it cannot be evicted from that GPU")
-                freed += residency.evict(model)   # (the copy's record refuses one in use or loading)
-                residency.admit()
+        before = model.copies
+        # The host tier, the GPU named, or every GPU (a daemon without one says so): each refuses a copy in use.
+        named = self.tier_named(msg.tier)
+        freed = sum(r.demote(model) for r in (self.gpus if msg.tier in ("gpu", "cuda") else [named]))
         return outcome(msg, model, before, freed_bytes=freed)
 
     def on_Pin(self, ident, msg: P.Pin):
@@ -115,16 +98,8 @@ class Models:
             return P.Ack(req_id=msg.req_id)
         model = self.fetcher.resolve(msg.name, msg.version)
         self.admins.check_model_owner(ident, model, "remove")
-        try:
-            model.host.check_freeable()
-        except CapacityError:
-            raise CapacityError(f"{model.key} is in use or loading; it cannot be removed now") from None
         # From disk first: a removal that fails there (StorageError) leaves the version as it was, served.
-        self.repository.remove(model.name, model.version)
-        if model.state is ModelState.RESIDENT:
-            self.host.evict(model)
-            self.host.admit()
-        self.registry.remove_model(model)
+        self.host.remove(model, lambda: self.repository.remove(model.name, model.version))
         log.info("model removed: %s", model.key)
         return P.Ack(req_id=msg.req_id)
 

@@ -1,194 +1,23 @@
-"""The daemon's tables: models with their lifecycle, clients, and leases. Owned by the owner loop alone.
+"""The daemon's tables: models with their lifecycle, and clients. Owned by the owner loop alone.
 
-A model's record owns its transitions (as sllm-store's `Model` and plasma's lifecycle manager do), and
-so does its copy in each memory tier (`TierCopy`: the host tier's, and one per GPU): holding and letting
-go (leases, requests in flight), waiting for room, starting and finishing the one load every waiter
-shares, marking damage, being freed. Their fields change only through these methods
-(tests/test_layers.py checks every module). The rule that matters most on a GPU — memory a lease maps
-is never freed — is `TierCopy.check_freeable`, which each tier's residency manager asks in its one
-method that frees (daemon/residency.py).
+A model's record owns its transitions (as sllm-store's `Model` and plasma's lifecycle manager do): pins,
+hits, damage, its manifest's changes (a new partition, calibrated batching). Its copies in each memory
+tier, and the leases and other holds on them, are the residency managers' (daemon/residency/). Their
+fields change only through their own methods (tests/test_layers.py checks every module).
 """
 
 from __future__ import annotations
 
 import bisect
-import enum
 import itertools
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import CapacityError, LeaseError, ModelNotFound
+from ..errors import LeaseError, ModelNotFound
 from ..format import Manifest
-
-HOST = "host"   # the host tier's copy; a GPU's is keyed by the device's UUID
-
-
-def plural(n: int, noun: str, nouns: str = "") -> str:
-    """'1 session', '2 sessions': a count that reads right in a message."""
-    return f"{n} {noun}" if n == 1 else f"{n} {nouns or noun + 's'}"
-
-
-# What to do about each reason a copy is kept in its tier: capacity errors end with these.
-CLOSE_SESSIONS, UNPIN, WAIT = "close sessions", "unpin", "wait for the load to finish"
-
-
-class ModelState(enum.Enum):
-    ON_DISK = "on_disk"      # not in the tier (the host tier's: only in the repository)
-    WAITING = "waiting"      # requests want it in a tier full of models in use: queued for room (room.py)
-    LOADING = "loading"      # a loader thread is copying it into the tier
-    RESIDENT = "resident"    # in the tier; clients may map it
-
-
-@dataclass(eq=False)   # a record with an identity (queues find it by `is`), not a value
-class TierCopy:
-    """A model's copy in one memory tier: the host tier's (HOST), or one GPU's (its UUID).
-
-    The tiers are inclusive: a GPU copy is promoted from the host copy, and holds it (a GPU lease
-    holds both; the host copy is not freed while a GPU copy waits for room or is being made from it).
-    `holds` counts leases and requests in flight on this copy: memory they map is not reclaimed by
-    freeing it (on a GPU, measured: shared/GPU.md), so a held copy is never freed.
-    """
-    model: "ModelRecord" = field(repr=False)
-    tier: str                                     # HOST, or the GPU's UUID
-    state: ModelState = ModelState.ON_DISK
-    holds: int = 0
-    waiters: list = field(default_factory=list)   # callbacks(error) waiting for room, then on the one load
-    prewarmed: bool = False   # loaded by its policy's pre-warm, and nothing has held it since
-
-    # -- holding -----------------------------------------------------------------------------
-    def hold(self) -> None:
-        """A lease or a request in flight: the copy is not freed under it."""
-        self.holds += 1
-        self.prewarmed = False
-
-    def let_go(self) -> None:
-        if self.holds <= 0:
-            raise AssertionError(f"{self.where}: released more often than it was held")
-        self.holds -= 1
-
-    @property
-    def idle(self) -> bool:
-        """Resident with nothing holding it: the moment its tier's policy hears it was released."""
-        return self.holds == 0 and self.state is ModelState.RESIDENT
-
-    @property
-    def busy_above(self) -> bool:
-        """A copy in a tier above is waiting for room or being made from this one: this one must stay."""
-        copies = self.model.tier_copies
-        return self.tier == HOST and len(copies) > 1 and \
-            any(c.state in (ModelState.WAITING, ModelState.LOADING) for t, c in copies.items() if t != HOST)
-
-    @property
-    def freeable(self) -> bool:
-        return self.idle and not self.busy_above
-
-    @property
-    def evictable(self) -> bool:
-        """A candidate its policy may choose: resident, unheld, unpinned, nothing above busy with it."""
-        return self.freeable and not self.model.pinned
-
-    # -- the one load ------------------------------------------------------------------------
-    def wait_for_load(self, wake) -> None:
-        """`wake(error)` runs once the load in flight (or the room it waits for, then that load) ends."""
-        self.waiters.append(wake)
-
-    def queue_for_room(self) -> None:
-        """ON_DISK -> WAITING: its waiters wait for room in the tier (its residency's room queue)."""
-        if self.state is not ModelState.ON_DISK:
-            raise AssertionError(f"{self.where}: queued for room while {self.state.value}")
-        self.state = ModelState.WAITING
-
-    def give_up(self, wake) -> None:
-        """One waiter's deadline passed: it no longer waits; the last one to go takes the copy out of the
-        queue (leave_room_queue)."""
-        self.waiters.remove(wake)
-        if not self.waiters:
-            self.leave_room_queue()
-
-    def leave_room_queue(self) -> list:
-        """WAITING -> ON_DISK: no request waits for room for it any more (the last one gave up, or it was
-        refused); returns the waiters to wake, no longer waiting."""
-        if self.state is not ModelState.WAITING:
-            raise AssertionError(f"{self.where}: left the room queue while {self.state.value}")
-        self.state = ModelState.ON_DISK
-        waiters, self.waiters = self.waiters, []
-        return waiters
-
-    def start_load(self, prewarm: bool = False) -> None:
-        """ON_DISK or WAITING -> LOADING: a promotion (or the host copy's fetch of a damaged version) is on its
-        way; `prewarm`: its policy's, which no request asked for (yet)."""
-        if self.state not in (ModelState.ON_DISK, ModelState.WAITING):
-            raise AssertionError(f"{self.where}: a load started while {self.state.value}")
-        self.state = ModelState.LOADING
-        self.prewarmed = prewarm and not self.waiters
-
-    def finish_load(self, ok: bool) -> list:
-        """LOADING -> RESIDENT (ok) or ON_DISK; returns the waiters to wake, no longer waiting."""
-        if self.state is not ModelState.LOADING:
-            raise AssertionError(f"{self.where}: a load finished while {self.state.value}")
-        self.state = ModelState.RESIDENT if ok else ModelState.ON_DISK
-        if not ok:
-            self.prewarmed = False
-        waiters, self.waiters = self.waiters, []
-        return waiters
-
-    def refetched(self) -> None:
-        """The host copy's fetch of a fresh version ended (LOADING -> ON_DISK): its promotion comes next."""
-        if self.state is not ModelState.LOADING:
-            raise AssertionError(f"{self.where}: fetched again while {self.state.value}")
-        self.state = ModelState.ON_DISK
-
-    # -- freeing -----------------------------------------------------------------------------
-    def check_freeable(self) -> None:
-        """Raise unless this copy may be freed now (an explicit evict; pins do not count): never memory a
-        lease maps, nor a copy that is waiting, loading, or that a copy above is being made from."""
-        host = self.tier == HOST
-        on = "" if host else f" on {self.tier}"
-        if self.holds:
-            raise CapacityError(f"{self.model.key} is in use by {plural(self.holds, self.session)}{on}; it cannot "
-                                f"be evicted{'' if host else ' from that GPU'}")
-        if self.state is ModelState.WAITING:
-            raise CapacityError(f"{self.model.key} is waiting for room in {self.where} (requests wait for it); "
-                                + ("evict it once it is resident" if host else "there is no copy there to evict yet"))
-        if any(c.state is ModelState.WAITING for c in self.model.gpu_copies()) and host:
-            raise CapacityError(f"{self.model.key} is waiting for room on a GPU (requests wait for it there); "
-                                "evict it once they are served")
-        if self.state is ModelState.LOADING or self.busy_above:
-            raise CapacityError(f"{self.model.key} is loading; evict it once it is resident" if host else
-                                f"{self.model.key} is being copied to GPU {self.tier}; evict it once it is there")
-
-    def freed(self) -> bool:
-        """RESIDENT -> ON_DISK, raising (so that nothing is freed) while anything holds it; returns whether it
-        had been pre-warmed and no call used it."""
-        self.check_freeable()
-        if self.state is not ModelState.RESIDENT:
-            raise AssertionError(f"{self.where}: freed while {self.state.value}")
-        wasted, self.prewarmed = self.prewarmed, False
-        self.state = ModelState.ON_DISK
-        return wasted
-
-    # -- what it says --------------------------------------------------------------------------
-    @property
-    def session(self) -> str:
-        return "session" if self.tier == HOST else "GPU session"
-
-    @property
-    def where(self) -> str:
-        return "the host tier" if self.tier == HOST else f"GPU {self.tier}"
-
-    def why_kept(self) -> list:
-        """[(reason, what to do)] that keep this copy in its tier when room is needed; [] when none does."""
-        if self.state is ModelState.WAITING:
-            return []                 # (no copy: it holds no room)
-        if self.state is ModelState.LOADING:
-            return [("loading" if self.tier == HOST else "being copied there", WAIT)]
-        reasons = [(f"in use by {plural(self.holds, self.session)}", CLOSE_SESSIONS)] if self.holds else []
-        if self.busy_above and not self.holds:     # (a GPU lease holds the host copy too)
-            waiting = any(c.state is ModelState.WAITING for c in self.model.gpu_copies())
-            reasons.append(("waiting for room on a GPU" if waiting else "being copied to a GPU", WAIT))
-        return reasons + ([("pinned", UNPIN)] if self.model.pinned else [])
-
+from .residency.copy import HOST, ModelState, TierCopy
+from .wording import plural
 
 @dataclass(eq=False)
 class ModelRecord:
@@ -296,6 +125,18 @@ class ModelRecord:
         self.host.refetched()
         self.damage, self.refetched = "", True
 
+    def repartitioned(self, result: dict) -> None:
+        """A partition was stored (executor/partition.py's result): its stages, their cuts and files' checksums;
+        a batching profile calibrated for the old stages no longer holds."""
+        self.manifest.stages, self.manifest.stage_cuts = result["stages"], result.get("cuts", [])
+        self.manifest.batching = {}
+        self.manifest.files = result.get("files", self.manifest.files)
+
+    def calibrated(self, batching: dict, checksum: str) -> None:
+        """A batching profile was stored (`checksum`: the manifest's as written), or ({}, unchanged) one found
+        unusable is set aside."""
+        self.manifest.batching, self.manifest.checksum = batching, checksum
+
     def promoted(self) -> None:
         """Its host copy is resident: damage found from now on is the store's own copy's."""
         self.refetched = False
@@ -345,18 +186,9 @@ class ClientRecord:
     pid: int
     name: str
     last_seen: float
-    leases: set = field(default_factory=set)
     uid: int | None = None           # the kernel's, with pid (see daemon/identity.py); None: a tcp:// client
     gid: int | None = None
     connection: object = None        # a lane connection that is this client: it lives as long as that does
-
-
-@dataclass
-class Lease:
-    lease_id: str
-    client_id: str
-    model: ModelRecord
-    tier: str = HOST                 # whose copy it maps: HOST, or a GPU's UUID
 
 
 class Registry:
@@ -364,7 +196,6 @@ class Registry:
         self.models: dict[tuple[str, int], ModelRecord] = {}
         self._versions: dict[str, list[int]] = {}   # name -> its versions, ascending: resolve runs per request
         self.clients: dict[str, ClientRecord] = {}
-        self.leases: dict[str, Lease] = {}
         self._ids = itertools.count(1)
 
     # -- models ----------------------------------------------------------------------
@@ -410,7 +241,7 @@ class Registry:
         taken = set(self.versions(name)) | {v for (n, v) in reserved if n == name}
         return max(taken, default=0) + 1
 
-    # -- clients and leases ----------------------------------------------------------
+    # -- clients ---------------------------------------------------------------------
     def new_client(self, pid: int, name: str, now: float, uid: int | None = None,
                    gid: int | None = None, connection=None) -> ClientRecord:
         cid = f"c{next(self._ids)}-{secrets.token_hex(4)}"
@@ -424,29 +255,6 @@ class Registry:
             raise LeaseError(f"unknown client {client_id!r}: its lease expired or the daemon restarted; reconnect")
         return rec
 
-    def grant(self, client: ClientRecord, model: ModelRecord, now: float, tier: str = HOST) -> Lease:
-        """A lease on the model's copy in `tier` (HOST, or a GPU's UUID), for the table; its residency
-        manager holds the copy (Residency.lease)."""
-        lease = Lease(f"l{next(self._ids)}-{secrets.token_hex(4)}", client.client_id, model, tier)
-        self.leases[lease.lease_id] = lease
-        client.leases.add(lease.lease_id)
-        model.used(now)
-        return lease
-
-    def release(self, lease_id: str, client_id: str | None = None) -> Lease:
-        """Take a lease off the table; the caller lets its copy go (Residency.release)."""
-        lease = self.leases.get(lease_id)
-        if lease is None or (client_id is not None and lease.client_id != client_id):
-            raise LeaseError(f"unknown lease {lease_id!r}")
-        del self.leases[lease_id]
-        client = self.clients.get(lease.client_id)
-        if client is not None:  # a dropped client is already gone from the table
-            client.leases.discard(lease_id)
-        return lease
-
-    def drop_client(self, client_id: str) -> list[Lease]:
-        """Forget a client and take every lease it held off the table; returns them (to be let go)."""
-        rec = self.clients.pop(client_id, None)
-        if rec is None:
-            return []
-        return [self.release(lease_id) for lease_id in list(rec.leases)]
+    def forget_client(self, client_id: str) -> ClientRecord | None:
+        """Take a client off the table (its leases are its residency managers' to end: Residency.drop_client)."""
+        return self.clients.pop(client_id, None)

@@ -65,15 +65,10 @@ def settle_adopted(host, found: Adoption) -> None:
     resident, or free those that lack the GPU variant this daemon's promotions copy."""
     models = _by_key(host)
     for key in found.adopted:
-        model = models[key]
-        missing = set(host.tier.variants(model.manifest)) - set(host.tier.models[key])
-        if missing:
-            host.tier.free_model(key)
-            found.rejected[key] = f"its {', '.join(sorted(missing))} weights were not resident"
-            log.info("warm restart: %s re-promotes: %s", key, found.rejected[key])
-            continue
-        host.adopted(model)
-        host.counters["adopted"] += 1
+        rejected = host.adopt(models[key])
+        if rejected:
+            found.rejected[key] = rejected
+            log.info("warm restart: %s re-promotes: %s", key, rejected)
     found.adopted = [k for k in found.adopted if k not in found.rejected]
 
 

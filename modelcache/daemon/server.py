@@ -2,7 +2,7 @@
 
 The daemon is composed of objects that each own one thing, each handed its collaborators:
 `Loaders` (loader threads, loaders.py), one `Residency` per memory tier (what is resident there,
-residency.py: the host tier's, and each GPU's in `GpuTiers`, gpus.py), `Fetcher` (the remote store,
+residency/: the host tier's, and each GPU's in `GpuTiers`, gpus.py), `Fetcher` (the remote store,
 fetch.py), `Models` (load, evict, pin, remove, add, verify, models.py), `Serving` (serve mode over the
 executor's engine, serving.py) and `Sessions` (clients, leases, liveness, sessions.py). This file
 holds the owner loop, the sockets, start and stop, the dispatch table from message type to handler,
@@ -50,7 +50,9 @@ from .memory import MemoryGuard, PressureWatch, check_capacity
 from .metrics import MetricsServer, render
 from .models import Models
 from .notify import Notifier
-from .registry import ModelState, Registry, describe_unreadable, plural
+from .registry import Registry, describe_unreadable
+from .residency import ModelState
+from .wording import plural
 from .residency import Residency
 from .restart import SocketLock, adopt_resident_models, settle_adopted
 from .ensembles import Ensembles, EnsembleStore
@@ -111,7 +113,7 @@ class Daemon:
             # (the engine's GPU workers hold device copies through serving, built below)
             self.engine = Engine(settings, Path(settings.state_dir) / "perfmodels.json", self.loaders.post, clock,
                                  gpu_devices=serve_gpu_devices(settings),
-                                 device_lease=lambda key, uuid, delta: self.serving.device_lease(key, uuid, delta))
+                                 worker_hold=lambda *args: self.serving.worker_hold(*args))
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.fetcher = Fetcher(registry=self.registry, repository=self.repository, remote=self.remote,
@@ -124,8 +126,7 @@ class Daemon:
         self.gpus = GpuTiers(host=self.residency, settings=settings, make_policy=make_policy, **parts)
         self.models = Models(registry=self.registry, host=self.residency, gpus=self.gpus, fetcher=self.fetcher,
                              repository=self.repository, loaders=self.loaders, settings=settings, admins=self.admins,
-                             counters=self.counters, jobs=self.jobs, clock=clock, wall=wall, reply=self._reply,
-                             serve_holds=lambda key: self.serving.serve_holds(key))
+                             counters=self.counters, jobs=self.jobs, clock=clock, wall=wall, reply=self._reply)
         self.sessions = Sessions(registry=self.registry, host=self.residency, gpus=self.gpus, fetcher=self.fetcher,
                                  settings=settings, counters=self.counters, clock=clock, wall=wall, reply=self._reply,
                                  open_latency=self.open_latency)
@@ -305,7 +306,7 @@ class Daemon:
                                 name, old, value, old)
             logging.getLogger("modelcache").setLevel(self.settings.log_level.upper())
             self.memory.limit = limit
-            self.host.capacity_bytes = capacity
+            self.residency.set_capacity(capacity)
             self.memory.reserve = self.settings.memory_reserve_bytes(limit.limit_bytes)
             if "gpu_capacity" in changed:
                 self.gpus.set_capacity(self.settings.gpu_capacity)
@@ -361,7 +362,7 @@ class Daemon:
                 if self.notifier.watchdog_interval_s and self.clock() >= next_watchdog:
                     self.notifier.watchdog()  # only while the owner loop turns: a stuck loop gets restarted
                     next_watchdog = self.clock() + self.notifier.watchdog_interval_s
-                # A batching window ends; a keep-alive, a pre-warm or a request's wait for room is due (residency.py).
+                # A batching window ends; a keep-alive, a pre-warm or a request's wait for room is due (daemon/residency/).
                 wake_at = min([next_sweep, self.engine.next_wakeup() or next_sweep,
                                self.serving.next_timer() or next_sweep,
                                *(t for r in self.tiers() if (t := r.next_timer()) is not None)])
@@ -416,7 +417,7 @@ class Daemon:
         for child in self.children:   # first: the drain below answers the fronts' requests in flight
             child.terminate()
         log.info("stopping: %d clients, %d leases, %d jobs in flight", len(self.registry.clients),
-                 len(self.registry.leases), len(self.jobs))
+                 len(self.residency.leases), len(self.jobs))
         for residency in self.tiers():
             residency.stop_waiting()
         deadline = self.clock() + 60
@@ -567,7 +568,7 @@ class Daemon:
         admin = self.admins.is_admin(ident)
         clients = []
         for c in self.registry.clients.values():
-            entry = {"client_id": c.client_id, "pid": c.pid, "name": c.name, "leases": len(c.leases),
+            entry = {"client_id": c.client_id, "pid": c.pid, "name": c.name, "leases": len(self.residency.leases.of_client(c.client_id)),
                      "idle_s": round(now - c.last_seen, 2)}
             if not (admin or (c.uid is not None and c.uid == ident.uid)):
                 # Others' client ids are what `bye` and lease calls name: only admins see them (and their programs).

@@ -5,8 +5,8 @@ request in flight holds its model. It is handed the tiers' residency managers th
 (the host tier's, and the GPUs').
 
 With GPU workers, a request first brings its model to their devices' GPU tier (one promotion,
-however many requests and stage sessions), and holds a lease on each device copy while in
-flight; the engine holds one per GPU worker that may have sessions over it (`_serve_device_lease`).
+however many requests and stage sessions), and holds each device copy while in flight; each GPU
+worker that may have sessions over a copy holds it too (`worker_hold`, which the engine calls).
 Stage sessions there run over the tier's arena in this process: nothing is copied per session.
 """
 
@@ -16,13 +16,15 @@ import dataclasses
 import logging
 
 from .. import protocol as P, tensors
-from ..errors import CapacityError, InputError, ModelCacheError
+from ..errors import InputError, ModelCacheError
 from ..executor.engine import ServeRequest
 from ..executor.sequences import SequenceSpec, SequenceTable
 from ..storage import storage_errors
 from ..executor.workers import select_gpus
-from .registry import HOST, ModelRecord, ModelState, Registry, plural
-from .room import deadline_of
+from .registry import HOST, ModelRecord, Registry
+from .residency import WORKER
+from .residency.room import deadline_of
+from .wording import plural
 
 log = logging.getLogger("modelcache.daemon")
 
@@ -64,10 +66,6 @@ class Serving:
         else:
             self.serve_device_specs.pop((key, tier), None)
 
-    def serve_holds(self, key: str) -> int:
-        """How many serve-mode GPU workers hold the model's device copies."""
-        return sum(1 for _, k in self.engine.device_holds if k == key)
-
     def on_Describe(self, ident, msg: P.Describe):
         ensemble = self.ensembles.find(msg.name, msg.version)
         if ensemble is not None:
@@ -93,17 +91,11 @@ class Serving:
             self.engine.check_plan_workers(msg.plan)
         # A serve-mode GPU worker's hold does not count: its sessions are dropped with the old stages (below),
         # and the device copy they run over is the same for any partition.
-        if model.refcount > self.serve_holds(model.key) or model.state is ModelState.LOADING:
-            what = "it is loading" if model.state is ModelState.LOADING else \
-                f"{plural(model.refcount, 'session or request', 'sessions or requests')} hold it"
-            raise CapacityError(f"{model.key} is in use ({what}); partition it when no session or request holds it")
+        self.host.check_unheld(model, "partition", ignoring=WORKER)
 
         def done(result, error):
             if error is None:
-                model.manifest.stages = result["stages"]
-                model.manifest.stage_cuts = result.get("cuts", [])
-                model.manifest.batching = {}            # calibrated for the old stages
-                model.manifest.files = result.get("files", model.manifest.files)  # the stage files' checksums
+                model.repartitioned(result)
                 self.forget_model(model.key)  # old stage sessions are stale
                 log.info("model partitioned: %s into %s", model.key, plural(max(1, len(result["stages"])), "stage"))
                 self.reply(ident, P.DescribeReply(req_id=msg.req_id, name=model.name, version=model.version,
@@ -130,7 +122,7 @@ class Serving:
         # Stored first, then used: a manifest that cannot be written (StorageError) leaves the old profile in force.
         stored = dataclasses.replace(model.manifest, batching=dict(msg.profile))
         write_manifest(model.disk_dir, stored, f"storing the batching profile of {model.key}")
-        model.manifest.batching, model.manifest.checksum = stored.batching, stored.checksum
+        model.calibrated(stored.batching, stored.checksum)
         self.forget_model(model.key)  # its batching policy is rebuilt with the new profile
         log.info("batching profile stored: %s, N_opt %s at t_opt %.0f ms", model.key, msg.profile.get("n_opt"),
                  msg.profile.get("t_opt_ms", 0))
@@ -150,7 +142,7 @@ class Serving:
         worker = self.engine.cpu_worker(msg.worker)
         feeds, maps = tensors.decode(msg.inputs)
         model.feed_check.check(feeds)
-        self.host.hold(model)        # held like a request in flight: not evicted under the worker's session
+        held = self.host.hold_request(model, profile=True)   # not evicted under the worker's session
         answered = []
 
         def finish(result, error):
@@ -169,7 +161,7 @@ class Serving:
                                                       args=args, wake_s=wake))
             finally:
                 maps.clear()
-                self.host.release(model)
+                self.host.end(held)
 
         def start(error, hit):
             # Called by the load's waiters too: whatever fails here is this request's answer, never the loop's.
@@ -262,8 +254,7 @@ class Serving:
             wanted = output_names or [o for o in outputs if o not in spec.state_outputs
                                       or any(s.returned for s in spec.states if s.output == o)]
             output_names = None if not output_names else list(dict.fromkeys(output_names + sorted(spec.state_outputs)))
-        self.host.hold(model)  # a request in flight holds the model like a lease: it is not evicted under it
-        held_devices: list = []   # GPU tiers whose copies it holds (see submit), released with the model
+        held = self.host.hold_request(model)   # not evicted under it (nor its GPU copies, submit: held.also)
         sequence_done: list = []  # the sequence's done(states), once the request runs
         fed = [feeds]             # what the engine runs: the client's feeds (a sequence's: with its controls, state)
 
@@ -275,9 +266,7 @@ class Serving:
                     result = {k: result[k] for k in wanted if k in result}
                 answer(result, timings, error)
             finally:
-                for residency in held_devices:   # (first: the model's release may evict it, its GPU copies first)
-                    residency.release(model)     # (and the host copy each GPU copy held)
-                self.host.release(model)
+                self.host.end(held)
                 if sequence_done:   # the sequence's next request may go now, with this one's state
                     sequence_done[0](states)
 
@@ -288,11 +277,8 @@ class Serving:
                 if residency.is_resident(model):
                     stages = self._serve_device_specs(model, residency, specs)
                     if stages is not None:
-                        residency.hold(model)
-                        held_devices.append(residency)
+                        residency.also(held)     # (a call there too, as an open is: the timed policies count it)
                         devices[residency.id] = stages
-            for residency in held_devices:   # a serve request is a call, as an open is: the timed policies count it
-                residency.accessed(model)
             self.host.accessed(model)
             self.engine.submit(ServeRequest(model.key, specs, segments, dict(fed[0]), output_names, arrival,
                                             deadline, finish, samples=samples, batchable=batchable,
@@ -409,15 +395,15 @@ class Serving:
         self.serve_device_specs[(model.key, uuid)] = (specs, stages)
         return stages
 
-    def device_lease(self, key: str, uuid: str, delta: int) -> None:
-        """The engine's lease on a model's copy on one GPU, held while a GPU worker may have sessions over it:
-        like a client's GPU lease, it holds the model and that copy (on the owner loop, from the engine)."""
-        name, _, version = key.rpartition("@")
-        model = self.registry.models[(name, int(version))]
-        if delta > 0:
-            self.gpus.by_uuid[uuid].hold(model)
-        else:
-            self.gpus.by_uuid[uuid].release(model)
+    def worker_hold(self, key: str, uuid: str, worker_id: int, holds: bool):
+        """The engine, on the owner loop: GPU worker `worker_id` may have sessions over the model's copy on
+        device `uuid` (holds), held once per worker like a client's GPU lease; or it drops them (not holds):
+        returns what ends its hold once they are gone, or None when it held none."""
+        residency = self.gpus.by_uuid[uuid]
+        if not holds:
+            return residency.worker_done(key, worker_id)
+        residency.hold_for_worker(self.registry.by_key(key), worker_id)
+        return None
 
     def _serve_specs(self, model: ModelRecord) -> tuple[list, list, bool]:
         """(segments, per-stage {skeleton, inputs, outputs, tensors}, batchable) of a resident model; cached
@@ -457,7 +443,7 @@ class Serving:
                 check_profile(model.manifest.batching, stages=max(1, len(model.manifest.stages)))
             except ValueError as e:
                 log.warning("%s: ignoring its stored batching profile: %s", model.key, e)
-                model.manifest.batching = {}
+                model.calibrated({}, model.manifest.checksum)
 
 
 def serve_gpu_devices(settings) -> list | None:

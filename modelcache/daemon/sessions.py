@@ -1,9 +1,9 @@
 """Clients and their sessions: hello, heartbeats, open and close (leases), goodbye, and client liveness.
 
-`Sessions` runs on the owner loop. It is handed the registry (clients, leases, model records), the tiers'
-residency managers that bring a model in for an open and hold its copy for a lease (the host tier's, and
-the GPUs'), and `reply` to answer an open once its load lands. A client that stops beating, whose process
-is gone or whose lane connection closed loses its leases here, and each copy's manager hears of its release.
+`Sessions` runs on the owner loop. It is handed the registry (clients, model records), the tiers' residency
+managers that bring a model in for an open and own its leases (the host tier's, and the GPUs'; one lease
+table), and `reply` to answer an open once its load lands. A client that stops beating, whose process is
+gone or whose lane connection closed is dropped here, and the managers end its leases.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from .. import __version__, protocol as P, tensors
 from ..errors import CapacityError, LeaseError, ModelCacheError, ProtocolError
 from .identity import check_client_owner
 from .lane import LaneConnection
-from .registry import HOST, ModelRecord, Registry, plural
-from .room import deadline_of
+from .registry import ModelRecord, Registry
+from .residency.room import deadline_of
+from .wording import plural
 
 log = logging.getLogger("modelcache.daemon")
 PID_MAX = 1 << 22          # Linux's PID_MAX_LIMIT: no pid_max setting goes higher
@@ -74,16 +75,10 @@ class Sessions:
                   " on the lane" if connection is not None else "")
         return client
 
-    def residency_of(self, tier: str):
-        """The residency manager of the tier a lease is in: HOST, or a GPU's UUID."""
-        return self.host if tier == HOST else self.gpus.by_uuid[tier]
-
     def _drop(self, client_id: str) -> list:
-        """Forget a client; every lease it held is released, and each copy's manager hears of it."""
-        released = self.registry.drop_client(client_id)
-        for lease in released:
-            self.residency_of(lease.tier).release(lease.model)
-        return released
+        """Forget a client; every lease it held ends (in whichever tier: the managers share one lease table)."""
+        self.registry.forget_client(client_id)
+        return self.host.drop_client(client_id)
 
     def connection_closed(self, conn: LaneConnection) -> None:
         """A lane connection that was a client went away: that client left, with its leases."""
@@ -139,20 +134,17 @@ class Sessions:
             if error is not None:
                 self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
                 return
-            if self.registry.clients.get(client.client_id) is not client:  # left while we were loading
-                residency.hold(model)      # (as if a lease came and went: its policy hears the copy is idle)
-                residency.release(model)
+            if self.registry.clients.get(client.client_id) is not client:   # left while we were loading
+                residency.unclaimed(model)     # (its policy hears the call, and that the copy is idle)
                 return
             if residency is not self.host:
                 try:
                     self.gpus.check_may_map(ident, model, residency)
-                except ModelCacheError as e:    # no lease, no descriptor
-                    residency.hold(model)       # (as if a lease came and went, as above)
-                    residency.release(model)
+                except ModelCacheError as e:   # no lease, no descriptor
+                    residency.unclaimed(model)
                     self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=e.code, message=str(e)))
                     return
-            lease = self.registry.grant(client, model, self.wall(), residency.id)
-            residency.lease(model)
+            lease = residency.grant(client, model, self.wall())
             self.reply(ident, self._open_reply(msg.req_id, lease.lease_id, model, hit, residency.tier))
 
         hit = residency.when_resident(model, answer, deadline)
@@ -171,8 +163,7 @@ class Sessions:
 
     def on_Close(self, ident, msg: P.Close):
         client = self.touch(msg.client_id, ident)
-        lease = self.registry.release(msg.lease_id, client.client_id)
-        self.residency_of(lease.tier).release(lease.model)
+        self.host.close(msg.lease_id, client.client_id)   # (whichever tier's: one table)
         self.counters["closes"] += 1
         return P.Ack(req_id=msg.req_id)
 

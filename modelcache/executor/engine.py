@@ -16,10 +16,10 @@ Stage work already in flight goes first: a finished stage hands its batch to the
 stage before any new batch is formed, so requests in flight are not overtaken.
 
 GPU workers run a stage only over its model's copy on their device (ServeRequest.devices,
-which the daemon fills once the copy is resident there). The engine holds a lease on that
-copy for each (GPU worker, model) from the first stage it places there until the worker
-confirms it dropped the model's sessions: the daemon's own process really frees device
-memory, so a copy is never freed under a session that may still run (`device_lease`).
+which the daemon fills once the copy is resident there). The daemon holds that copy for each
+(GPU worker, model) from the first stage the engine places there until the worker confirms it
+dropped the model's sessions: the daemon's own process really frees device memory, so a copy
+is never freed under a session that may still run (`worker_hold`).
 A stage's output that a later stage reads stays on the GPU that made it (a DeviceValue);
 it comes to host memory only where a CPU worker, a batch merge or the answer needs it.
 """
@@ -120,7 +120,7 @@ def same_shape_rows(a: dict, b: dict) -> bool:
 
 class Engine:
     def __init__(self, settings, perf_path: Path | None, post, clock, worker_factory=None, gpu_devices=None,
-                 gpu_worker_factory=None, device_lease=None):
+                 gpu_worker_factory=None, worker_hold=None):
         # "auto": one group of every core this process may use.
         spec = settings.workers
         self.groups = parse_groups(str(len(os.sched_getaffinity(0))) if spec == "auto" else spec)
@@ -167,10 +167,10 @@ class Engine:
         self.latencies_ms: deque = deque(maxlen=1000)
         self.last_used: dict[str, float] = {}   # model key -> when a request last touched it
         self.model_stats: dict[str, ModelServeStats] = {}   # model key -> its requests' counts and times
-        # device_lease(model key, device UUID, +1 or -1): take or give back a lease on the model's copy on
-        # that device (the daemon's), for as long as a GPU worker may hold sessions over it.
-        self.device_lease = device_lease or (lambda key, uuid, delta: None)
-        self.device_holds: set = set()            # (worker id, model key) whose lease the engine holds
+        # worker_hold(model key, device UUID, worker id, holds): the daemon's hold on the model's copy on that
+        # device for a GPU worker, taken (holds: once, however often asked) as a stage is placed there, for as
+        # long as the worker may have sessions over it; not holds: returns what ends it, or None (none held).
+        self.worker_hold = worker_hold or (lambda key, uuid, wid, holds: None)
         self._post = post
 
     def start(self) -> None:
@@ -258,16 +258,14 @@ class Engine:
         self.last_used.pop(model_key, None)
         self.batchers.pop(model_key, None)
         for w in self.workers:
-            wid = w.state.worker_id
-            if (wid, model_key) not in self.device_holds:
+            uuid = w.state.memory_node
+            end = None if uuid == "cpu" else self.worker_hold(model_key, uuid, w.state.worker_id, False)
+            if end is None:
                 w.drop_model(model_key)
                 continue
-            # The lease goes back once the worker's sessions are gone (on its thread, after any job
-            # queued before the drop); a stage placed there meanwhile takes a new one.
-            self.device_holds.discard((wid, model_key))
-            uuid = w.state.memory_node
-            release = lambda key=model_key, uuid=uuid: self.device_lease(key, uuid, -1)  # noqa: E731
-            w.drop_model(model_key, then=lambda release=release: self._post(lambda *_: release(), None, None))
+            # The hold ends once the worker's sessions are gone (on its thread, after any job queued before
+            # the drop); a stage placed there meanwhile takes a new one, as the hold is no longer the worker's.
+            w.drop_model(model_key, then=lambda end=end: self._post(lambda *_: end(), None, None))
 
     def settings_changed(self) -> None:
         """Batching settings were reloaded: policies are rebuilt on the next batch of each model."""
@@ -515,10 +513,7 @@ class Engine:
             return
         job.device = req.devices[uuid][stage]
         job.keep_on_device = stage + 1 < len(req.stages)
-        hold = (worker.state.worker_id, req.model_key)
-        if hold not in self.device_holds:
-            self.device_lease(req.model_key, uuid, +1)
-            self.device_holds.add(hold)
+        self.worker_hold(req.model_key, uuid, worker.state.worker_id, True)
 
     def _may_inline(self, worker, job: StageJob) -> bool:
         """Run this stage on the owner loop rather than hand it to its worker's thread?

@@ -1,5 +1,5 @@
 """The contract every memory tier keeps (host shared memory, each GPU): what a tier's residency manager
-(daemon/residency.py) asks of it. tests/test_tier_contract.py runs one suite against both, unadapted.
+(daemon/residency/) asks of it. tests/test_tier_contract.py runs one suite against both, unadapted.
 
 Each tier is given, at construction, the tier it is promoted from (`source`: the repository for the
 host tier, the host tier for a GPU). A promotion is two-phase, as in ServerlessLLM's store: `plan`

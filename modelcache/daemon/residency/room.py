@@ -16,8 +16,8 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
-from ..errors import InputError, ModelCacheError
-from .registry import ModelState
+from ...errors import InputError, ModelCacheError
+from .copy import ModelState
 
 
 def deadline_of(arrival: float, deadline_ms: float | None) -> float | None:

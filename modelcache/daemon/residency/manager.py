@@ -3,10 +3,12 @@
 A `Residency` runs on the owner loop over one `Tier` (tiers/base.py): the host tier's, and one per GPU
 above it (`below`: the tier a copy here is promoted from; a GPU copy holds the host copy it came from,
 and goes first when the host copy is freed). It alone owns, for its tier: the models' copies there
-(registry.TierCopy) and what holds them, the requests waiting for room (room.py), the one promotion
+(copy.py) and every hold on them (holds.py: leases, with the lease table every tier shares; requests in
+flight; profile runs; serve-mode GPU workers), the requests waiting for room (room.py), the one promotion
 however many ask, refusals that name what holds the tier, victims chosen through its eviction policy
 (which only chooses), the policy's keep-alive and pre-warm timers, and every notification the policy
-hears. `evict` is the one method that frees memory in any tier, and it frees nothing a lease maps.
+hears; adoption after a restart, capacity changes, an operator's evict and remove. `evict` is the one
+method that frees memory in any tier, and it frees nothing a holder maps.
 
 The same object runs the FaaS replay (benchmarks/faas/simulate.py) over a sizes-only tier, virtual
 loaders and a virtual clock: the replay's states are these.
@@ -15,10 +17,17 @@ loaders and a virtual clock: the replay's states are these.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-from ..errors import CapacityError, DaemonUnavailable, IntegrityError, ModelCacheError
-from .registry import ModelRecord, ModelState, Registry, TierCopy, plural
+from ...errors import CapacityError, DaemonUnavailable, IntegrityError, ModelCacheError
 from .room import RoomQueue
+from ..wording import plural
+from .copy import ModelState, TierCopy
+from .holds import PROFILE, REQUEST, SESSION, WORKER, Hold, Lease, LeaseTable
+from .victims import capacity_refusal, choose_victims
+
+if TYPE_CHECKING:   # (the registry's records hold their copies: copy.py, which this package owns)
+    from ..registry import ModelRecord, Registry
 
 log = logging.getLogger("modelcache.daemon")
 
@@ -44,6 +53,9 @@ class Residency:
         # The host tier's: the memory limit's headroom (memory.py), which a promotion must leave free.
         self.memory = memory
         self.room = RoomQueue()
+        # The daemon's leases, in whichever tier: one table, the bottom tier's, which the tiers above share.
+        self.leases: LeaseTable = below.leases if below is not None else LeaseTable()
+        self.workers: dict = {}           # (serve-mode GPU worker id, model key) -> its Hold on the copy here
         self.resident: dict = {}          # key -> ModelRecord of each copy resident here: what room is made from
         self.needs: dict = {}             # key -> bytes its last promotion that found no room would have placed
         # key -> the OutOfMemoryError of a serve request's promotion that waits for memory (requests in flight
@@ -58,7 +70,8 @@ class Residency:
         self.counters[key] = self.counters.get(key, 0) + 1
 
     def copy(self, model: ModelRecord) -> TierCopy:
-        return model.copy_in(self.id)
+        """The model's copy here: its record makes one (ON_DISK) the first time a tier asks."""
+        return model.tier_copies.get(self.id) or model.copy_in(self.id)
 
     def is_resident(self, model: ModelRecord) -> bool:
         return model.copy_in(self.id).state is ModelState.RESIDENT
@@ -278,31 +291,86 @@ class Residency:
         return CapacityError(f"waited {waited_s:.1f} s for room, until the request's deadline: "
                              f"{self._refusal(model, self._needs(model))}")
 
-    # -- holding and letting go ----------------------------------------------------------------------
-    def hold(self, model: ModelRecord) -> None:
-        """A lease or a request in flight on the copy here (resident or not yet): not freed under it, nor the
-        copies below it."""
-        self.copy(model).hold()
-        if self.below is not None:
-            self.below.hold(model)
-
-    def accessed(self, model: ModelRecord) -> None:
-        """A call of the model used its copy here (a lease granted, a serve request run): the policy hears it."""
-        self.policy.accessed(model.key)
-
-    def lease(self, model: ModelRecord) -> None:
-        """An open's lease on the copy here: held, and a call in every tier it holds."""
-        self.hold(model)
+    # -- holding and letting go: leases, requests, profile runs, serve-mode GPU workers ------------------------
+    def grant(self, client, model: ModelRecord, now: float) -> Lease:
+        """A client's lease on the copy here (resident): held until close, drop_client or end; the open is a
+        call of the model in every tier it holds, and its last use (wall time `now`)."""
+        lease = self.leases.new(client.client_id, model)
+        self._take(lease)
         tier = self
         while tier is not None:
-            tier.accessed(model)
+            tier.policy.accessed(model.key)
             tier = tier.below
+        model.used(now)
+        return lease
 
-    def release(self, model: ModelRecord) -> None:
-        """A hold on the copy here ended (and on those below it): the policies hear of each copy left idle,
-        and free it if they say so now; a request waiting for room may take its place."""
+    def close(self, lease_id: str, client_id: str | None = None) -> Lease:
+        """A client closed its lease (LeaseError: no such lease of that client's): its copy is let go."""
+        lease = self.leases.take(lease_id, client_id)
+        self.end(lease)
+        return lease
+
+    def drop_client(self, client_id: str) -> list:
+        """A client left (goodbye, death, silence, its connection closed): each lease it held ends."""
+        leases = [self.leases.take(lease_id) for lease_id in self.leases.of_client(client_id)]
+        for lease in leases:
+            self.end(lease)
+        return leases
+
+    def unclaimed(self, model: ModelRecord) -> None:
+        """An open's copy came in for a client that left meanwhile, or may not map it: no lease is granted,
+        but its policies hear the call and its copy is idle, as if a lease had come and gone."""
+        self.end(self._take(Hold(SESSION, model)))
+
+    def hold_request(self, model: ModelRecord, profile: bool = False) -> Hold:
+        """A serve request (or a profile run) in flight on the model: its copy here is not freed until `end`."""
+        return self._take(Hold(PROFILE if profile else REQUEST, model))
+
+    def also(self, hold: Hold) -> None:
+        """`hold` holds the model's copy here too (a request whose stages may run on this GPU), until its end."""
+        self._take(hold)
+        self.policy.accessed(hold.model.key)   # (a serve request is a call, as an open is)
+
+    def hold_for_worker(self, model: ModelRecord, worker_id: int) -> None:
+        """A serve-mode GPU worker may have sessions over the copy here: held (once per worker) until
+        worker_done. The engine asks as it places each stage there."""
+        if (worker_id, model.key) not in self.workers:
+            self.workers[(worker_id, model.key)] = self._take(Hold(WORKER, model))
+
+    def worker_done(self, model_key: str, worker_id: int):
+        """The worker drops its sessions over the copy: returns a callable that ends its hold, to run once they
+        are gone (a stage placed there meanwhile takes a new hold); None when it held none."""
+        hold = self.workers.pop((worker_id, model_key), None)
+        return None if hold is None else (lambda: self.end(hold))
+
+    def end(self, hold: Hold) -> None:
+        """The holder let go: each copy it held (here and in the tiers below each) is released; the policies
+        hear of each copy left idle, and free it if they say so now; a request waiting for room may take
+        its place."""
+        if isinstance(hold, Lease):
+            self.leases.discard(hold)     # (ended by its manager, not its client: off the table too)
+        tiers, hold.tiers = hold.tiers, []
+        for tier in reversed(tiers):     # (a GPU copy first: the host copy's release may evict it)
+            tier._release(hold.model, hold)
+
+    def _take(self, hold: Hold) -> Hold:
+        self._hold(hold.model, hold)
+        hold.tiers.append(self)
+        return hold
+
+    def _hold(self, model: ModelRecord, hold: Hold) -> None:
+        """Not freed under `hold`, here nor in the tiers below."""
+        self.copy(model).hold(hold)
+        if self.below is not None:
+            self.below._hold(model, hold)
+
+    def accessed(self, model: ModelRecord) -> None:
+        """A call of the model used its copy here (a serve request run): the policy hears it."""
+        self.policy.accessed(model.key)
+
+    def _release(self, model: ModelRecord, hold: Hold) -> None:
         copy = self.copy(model)
-        copy.let_go()
+        copy.let_go(hold)
         if copy.idle:
             self.policy.released(model.key)
             if self.policy.evict_on_release and copy.evictable:
@@ -310,7 +378,19 @@ class Residency:
         if self.room:
             self.admit()
         if self.below is not None:
-            self.below.release(model)
+            self.below._release(model, hold)
+
+    def check_unheld(self, model: ModelRecord, doing: str, ignoring=None) -> None:
+        """Raise unless nothing but holders of kind `ignoring` holds the model's copy here and it is not loading:
+        what re-partitioning it needs (its serve-mode GPU workers' sessions are dropped with the old stages)."""
+        copy = self.copy(model)
+        if copy.state is ModelState.LOADING:
+            raise CapacityError(f"{model.key} is in use (it is loading); {doing} it when no session or request "
+                                "holds it")
+        held = copy.holders_text(ignoring=ignoring)
+        if held:
+            raise CapacityError(f"{model.key} is in use ({held} hold it); {doing} it when no session or request "
+                                "holds it")
 
     # -- freeing ----------------------------------------------------------------------------------------
     def evict(self, model: ModelRecord, counter: str = "evictions") -> int:
@@ -384,13 +464,51 @@ class Residency:
             evicted.append(key)
         return evicted, freed
 
-    def adopted(self, model: ModelRecord) -> None:
-        """A dead daemon's copy, found whole here after a restart (daemon/restart.py): resident again."""
+    def demote(self, model: ModelRecord) -> int:
+        """An operator's evict: free the model's copy here (and above) if there is one, or say what holds it
+        (CapacityError, freeing nothing); then admit what waits for the room. Returns the bytes freed."""
+        copy = self.copy(model)
+        if self.below is not None and copy.state in (ModelState.ON_DISK, ModelState.WAITING):
+            return 0      # (no copy on this GPU yet)
+        copy.check_freeable()
+        freed = self.evict(model) if copy.state is ModelState.RESIDENT else 0
+        self.admit()
+        return freed
+
+    def remove(self, model: ModelRecord, from_disk) -> None:
+        """An operator's remove (the bottom tier's): refused while anything holds or loads the model; else
+        `from_disk()` (a failure there, StorageError, leaves the version as it was, served), then its copies
+        are freed, room admitted, and the record forgotten."""
+        try:
+            self.copy(model).check_freeable()
+        except CapacityError:
+            raise CapacityError(f"{model.key} is in use or loading; it cannot be removed now") from None
+        from_disk()
+        if self.is_resident(model):
+            self.evict(model)
+            self.admit()
+        self.registry.remove_model(model)
+
+    def set_capacity(self, capacity_bytes: int) -> None:
+        """A reload's new capacity. Lowered below what the tier holds, nothing is freed now: the next promotion
+        evicts, as ever. Raised: the requests waiting for room are admitted."""
+        self.tier.capacity_bytes = capacity_bytes
+        self.admit()
+
+    def adopt(self, model: ModelRecord) -> str:
+        """A dead daemon's copy, found whole here after a restart (daemon/restart.py): resident again, or, where
+        it lacks a variant this daemon's promotions copy, freed; then returns why ("" when adopted)."""
+        missing = set(self.tier.variants(model.manifest)) - set(self.tier.models[model.key])
+        if missing:
+            self.tier.free_model(model.key)
+            return f"its {', '.join(sorted(missing))} weights were not resident"
         copy = self.copy(model)
         copy.start_load()                 # (its load is the dead daemon's)
         copy.finish_load(ok=True)
         self.resident[model.key] = model
         self.policy.created(model.key, self.tier.model_bytes(model.key))
+        self.counters["adopted"] = self.counters.get("adopted", 0) + 1
+        return ""
 
     # -- timers: the policy's keep-alive and pre-warm deadlines, and those of requests waiting for room --------
     def next_timer(self) -> float | None:
@@ -449,51 +567,3 @@ class Residency:
             return ""
         return f"waiting for room on {self.tier.where.removeprefix('the GPU tier of ')} " \
                f"({plural(len(copy.waiters), 'request')})"
-
-
-def size_text(n: int) -> str:
-    """Bytes as a message shows them: MiB, or KiB below one."""
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.0f} KiB"
-
-
-def capacity_refusal(key: str, needs: int, where: str, capacity: int, used: int, kept: dict,
-                     setting: str) -> CapacityError:
-    """The capacity error of every tier, from the tier's own accounting (`used`: its bytes without this
-    model's reservation): a model larger than the whole tier only needs the setting raised; otherwise
-    it names what holds the tier and why (`kept`: key -> TierCopy.why_kept), and what would free it."""
-    if needs > capacity:
-        return CapacityError(f"{key} needs {size_text(needs)} in {where}, more than the whole tier ({setting} = "
-                             f"{size_text(capacity)}): the model alone does not fit; raise {setting}")
-    held = [(k, reasons) for k, reasons in sorted(kept.items()) if reasons]
-    advice = list(dict.fromkeys(todo for _, reasons in held for _, todo in reasons))
-    holders = ", ".join(f"{k} ({', '.join(why for why, _ in reasons)})" for k, reasons in held)
-    return CapacityError(f"{key} needs {size_text(needs)} in {where} ({size_text(capacity)}, "
-                         f"{size_text(used)} used), and "
-                         + (f"the models there cannot be evicted now: {holders}" if held else
-                            "evicting the unused models there would not free enough (they share memory with "
-                            "models in use)")
-                         + f"; {', '.join(advice + [f'or raise {setting}'])}")
-
-
-def choose_victims(policy, candidates: dict, bytes_freed_by, bytes_over: int,
-                   prewarm_of: str | None = None) -> list | None:
-    """The keys to evict from one tier to free `bytes_over`, or None when all candidates together fall short.
-    For a pre-warm of `prewarm_of`, only the victims the policy's prewarm_victims offers (demand comes first).
-
-    Shared segments free only when all their users go, so when the policy's per-model choice
-    falls short we walk its order and count what a growing prefix frees together."""
-    sizes = {k: bytes_freed_by([k]) for k in candidates}
-    if prewarm_of is not None:
-        victims = policy.prewarm_victims(prewarm_of, bytes_over, sizes)
-    else:
-        victims = policy.choose_victims(bytes_over, sizes)
-    if not victims and prewarm_of is None:
-        prefix = []
-        for key in policy.order(list(candidates)):
-            prefix.append(key)
-            if bytes_freed_by(prefix) >= bytes_over:
-                victims = prefix
-                break
-    if not victims or bytes_freed_by(victims) < bytes_over:
-        return None
-    return victims
