@@ -30,7 +30,8 @@ Devices are named by UUID on the wire, never by index (indices change with
 CUDA_VISIBLE_DEVICES). Without cupy or a CUDA device, `probe()` returns [].
 
 The package: `devices` (what devices there are), `memory` (the allocator interface and what allocators share),
-`fake` and `cuda_memory` (the allocators), `allocators` (which one a device gets), `tier` (the DeviceTier).
+`fake` and `cuda_memory` (the allocators), `allocators` (which one a device gets), `tier` (the DeviceTier,
+its arenas the regions of a store shared with the host tier: tiers/regions.py).
 """
 
 from .allocators import allocator_for
