@@ -175,11 +175,10 @@ class Replay:
         self.now = 0.0
         self.costs = costs
         self.registry = Registry()
-        # Trace names ("resnet50#3") are the models' names, each at version 1.
-        self.models = {name: self.registry.add_model(Path(name), SimpleNamespace(name=name, version=1))
-                       for name in sizes}
-        self.tier = SizesTier(capacity_bytes, {m.key: sizes[n] for n, m in self.models.items()}, costs,
-                              committed=self._loaded)
+        self.tier = SizesTier(capacity_bytes, {}, costs, committed=self._loaded)
+        self.models: dict = {}
+        for name, size in sizes.items():
+            self.add(name, size)
         self.counters: dict = {}
         clock = lambda: self.now   # noqa: E731
         self.residency = residency(tier=self.tier, policy=make_policy(clock), registry=self.registry,
@@ -188,6 +187,13 @@ class Replay:
         self.result = Result(self.residency.policy.name, capacity_bytes)
         self._events: list = []
         self._seq = 0
+
+    def add(self, name: str, size: int):
+        """A model of the trace, `size` bytes in the tier: its record. Trace names ("resnet50#3") are the
+        models' names, each at version 1."""
+        model = self.models[name] = self.registry.add_model(Path(name), SimpleNamespace(name=name, version=1))
+        self.tier.sizes[model.key] = size
+        return model
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self, invocations) -> Result:

@@ -402,7 +402,9 @@ class Serving:
         residency = self.gpus.by_uuid[uuid]
         if not holds:
             return residency.worker_done(key, worker_id)
-        residency.hold_for_worker(self.registry.by_key(key), worker_id)
+        model = self.registry.by_key(key)
+        if model is not None:   # (a request in flight holds its model: it cannot have been removed)
+            residency.hold_for_worker(model, worker_id)
         return None
 
     def _serve_specs(self, model: ModelRecord) -> tuple[list, list, bool]:

@@ -22,8 +22,10 @@ from pathlib import Path
 
 from .. import integrity
 from ..format import Manifest
-from .host import (OWNER_FILE, WHERE_SUFFIX, HostTier, dead_tiers, read_owner, remove_quietly, segment_number,
-                   variant_tensors)
+from .files import remove_quietly
+from .host import WHERE_SUFFIX, HostTier, segment_number
+from .host_plan import variant_tensors
+from .stale import OWNER_FILE, dead_tiers, read_owner
 
 log = logging.getLogger("modelcache.host")
 

@@ -1,5 +1,6 @@
 """The contract every memory tier keeps (host shared memory, each GPU): what a tier's residency manager
-(daemon/residency/) asks of it. tests/test_tier_contract.py runs one suite against both, unadapted.
+(daemon/residency/) asks of it. tests/test_tier_contract.py runs one suite against both, unadapted, and
+against the FaaS replay's sizes-only tier (benchmarks/faas/simulate.py) where a test needs no bytes.
 
 Each tier is given, at construction, the tier it is promoted from (`source`: the repository for the
 host tier, the host tier for a GPU). A promotion is two-phase, as in ServerlessLLM's store: `plan`
@@ -7,7 +8,8 @@ host tier, the host tier for a GPU). A promotion is two-phase, as in ServerlessL
 `write` (a loader thread: allocates and copies from the source) -> `commit` or `abort` (owner loop).
 A tier frees only when told to (`free_model`): the residency manager decides when, after the copy's
 record said nothing holds it (daemon/registry.py). Shared tensors are stored once; a region is freed
-when the last model using it goes.
+when the last model using it goes (the host tier gives back a segment's unused pages before that): both
+memory tiers keep their regions in one store, tiers/regions.py.
 """
 
 from __future__ import annotations

@@ -1,8 +1,22 @@
-"""Copying byte ranges between files, kernel to kernel: the host tier's promotion and the simulated GPUs'."""
+"""The tiers' file work: copying byte ranges between files, kernel to kernel (the host tier's promotion and
+the simulated GPUs'), giving a file's pages back, removing a tier's files without failing half way."""
 
 from __future__ import annotations
 
+import logging
 import os
+
+from ..storage import remove_tree
+
+log = logging.getLogger("modelcache.host")
+
+
+def remove_quietly(path) -> None:
+    """Remove a file or directory of the host tier, never raising: freeing memory must not fail half way through
+    the tables (a transient failure is tried again; what still stays is logged, and goes with the tier)."""
+    error = remove_tree(path)
+    if error is not None:
+        log.error("could not remove %s from the host tier: %s", path, error)
 
 
 def copy_range(src_fd: int, dst_fd: int, src_off: int, dst_off: int, nbytes: int) -> None:

@@ -22,6 +22,10 @@ pulls memory from under a running session.
 Threads: `plan`, `commit`, `abort` and `free_model` run on the owner loop and alone
 touch the tables; `write` runs on a loader thread and only does the I/O of one plan.
 
+The tables are a region store (regions.py) that gives back pages: a range of a segment no model
+uses any more is punched out of the file. Writing a plan is host_plan.py's, the skeletons are
+skeletons.py's, the tiers dead daemons left are stale.py's, and re-adopting one is adopt.py's.
+
 Integrity: `write` checks the version's files against the checksums written at add time
 before it uses them (skeletons whole, the weights' size) and hashes each tensor as it copies
 it (integrity.py); a mismatch raises IntegrityError naming the model, version and file.
@@ -29,22 +33,24 @@ it (integrity.py); a mismatch raises IntegrityError naming the model, version an
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from .files import copy_hashed, copy_range, punch_holes
-from .. import integrity, prepack
-from ..format import ALIGN, GPU_SKELETON_FILE, PREPACKED_FILE, SKELETON_FILE, WEIGHTS_FILE, Manifest
+from .files import punch_holes, remove_quietly
+from .host_plan import Plan, variant_tensors, write_plan
+from .regions import RegionStore, StoredTier
+from .stale import OWNER_FILE, PREFIX, remove_stale
+from .. import prepack
+from ..format import ALIGN, PREPACKED_FILE, Manifest
 from ..storage import remove_tree, storage_errors, write_atomic
 
 log = logging.getLogger("modelcache.host")
-PREFIX = "modelcache."
-OWNER_FILE = "owner"
 WHERE_SUFFIX = ".where.json"
+
+
+def segment_name(n: int) -> str:
+    return f"seg-{n}.bin"
 
 
 def segment_number(name: str) -> int:
@@ -54,137 +60,7 @@ def segment_number(name: str) -> int:
     return int(name[4:-4])
 
 
-def write_json_atomic(path: Path, data) -> None:
-    write_atomic(path, json.dumps(data), mode=0o440)
-
-
-def remove_quietly(path: Path) -> None:
-    """Remove a file or directory of the tier, never raising: freeing memory must not fail half way through
-    the tables (a transient failure is tried again; what still stays is logged, and goes with the tier)."""
-    error = remove_tree(path)
-    if error is not None:
-        log.error("could not remove %s from the host tier: %s", path, error)
-
-
-def read_owner(tier_dir: Path) -> str:
-    """The socket named in a tier's `owner` file; "" when it has none, or one no daemon can have written
-    (random bytes, an unreadable file: said once, naming the file)."""
-    path = Path(tier_dir) / OWNER_FILE
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return ""
-    except OSError as e:
-        log.warning("the owner file %s cannot be read (%s): no daemon re-adopts that tier", path, e.strerror)
-        return ""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        text = None
-    if text is None or not text.isprintable():
-        log.warning("the owner file %s holds %d bytes that name no socket: no daemon re-adopts that tier",
-                    path, len(raw))
-        return ""
-    return text
-
-
-@dataclass
-class Segment:
-    """One segment file and what lives in it: each tensor (or a weight with its pre-packed blobs) a range with
-    the models that use it. A range no model uses any more is punched out of the file (FALLOC_FL_PUNCH_HOLE:
-    tmpfs gives its pages back at once), so a model that shares one tensor with another keeps that tensor's
-    pages, not the whole segment (issue 42: a 9.5 MiB model kept a 528 MiB segment)."""
-    name: str
-    size: int                                   # the file's length
-    ranges: dict = field(default_factory=dict)  # offset -> [end, set of model keys using it (or loading it)]
-    held: int | None = None                     # resident_bytes() while no range changes (used_bytes is asked often)
-
-    @property
-    def users(self) -> set:
-        return set().union(*(users for _, users in self.ranges.values()))
-
-    def changed(self) -> None:
-        self.held = None
-
-    def use(self, offset: int, end: int | None, key: str) -> None:
-        self.changed()
-        entry = self.ranges.setdefault(offset, [end, set()])
-        entry[1].add(key)
-        if end is not None and (entry[0] is None or end > entry[0]):
-            entry[0] = end
-
-    def resident_bytes(self, without=frozenset()) -> int:
-        """Bytes of the pages that ranges used by any model but those `without` lie in (what the file holds once
-        the rest is punched; all of it while every range is used)."""
-        if not without and self.held is not None:
-            return self.held
-        held = self._resident(without)
-        if not without:
-            self.held = held
-        return held
-
-    def _resident(self, without) -> int:
-        return self.span_bytes(_page_spans((off, end) for off, (end, users) in self.ranges.items()
-                                           if users - without))
-
-    def span_bytes(self, spans) -> int:
-        """Bytes of the file the page spans cover (the last page only up to the file's end)."""
-        return sum(min(end, self.size) - start for start, end in spans)
-
-    def holes(self) -> list:
-        """The page-aligned spans of the file no used range lies in: what punching gives back."""
-        holes, at = [], 0
-        for start, end in _page_spans((off, end) for off, (end, users) in self.ranges.items() if users):
-            if start > at:
-                holes.append((at, start))
-            at = end
-        if at < self.size:
-            holes.append((at, _page_up(self.size)))
-        return holes
-
-
-def _page_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def _page_spans(ranges) -> list:
-    """Byte ranges -> the sorted, merged spans of whole pages they touch."""
-    spans = []
-    for start, end in sorted((off // ALIGN * ALIGN, _page_up(end)) for off, end in ranges):
-        if spans and start <= spans[-1][1]:
-            spans[-1] = (spans[-1][0], max(spans[-1][1], end))
-        else:
-            spans.append((start, end))
-    return spans
-
-
-def variant_tensors(manifest: Manifest, variant: str) -> list:
-    """The tensors of one variant of a packed model: "cpu" or "gpu"."""
-    return manifest.gpu_tensors if variant == "gpu" else manifest.tensors
-
-
-@dataclass
-class Plan:
-    """How one model becomes resident: which tensors it reuses and which it copies into a new segment."""
-    key: str
-    disk_dir: Path
-    manifest: Manifest
-    locations: dict                 # variant -> tensor name -> (segment name, offset)
-    copies: list                    # (disk offset, segment offset, nbytes, sha256) for the new segment
-    segment: str | None             # the new segment's name, None when every tensor is already resident
-    segment_bytes: int
-    # Pre-packed MatMul blobs (prepack.py), each in its weight's segment (ORT maps a blob from its weight's file):
-    blob_copies: list = field(default_factory=list)   # (PREPACKED_FILE offset, segment offset, nbytes, xxh3, tensor)
-    prepacked: dict = field(default_factory=dict)     # tensor name -> [[key, [[segment offset, nbytes], ...]], ...]
-    units: dict = field(default_factory=dict)         # new prepack.unit_key -> (segment, weight offset, packs)
-
-    @property
-    def bytes(self) -> int:
-        """What the plan places in the tier (reserved until commit or abort)."""
-        return self.segment_bytes
-
-
-class HostTier:
+class HostTier(StoredTier):
     name = "host"
     id = "host"                         # its copies' key in a model's record (registry.HOST)
     where = "the host tier"
@@ -199,33 +75,17 @@ class HostTier:
         self.owner = owner                              # the daemon's socket: names the tier's instance
         self.verify = verify      # check checksums while promoting (off only to measure what checking costs)
         self.root = Path(shm_dir) / f"{PREFIX}{os.getuid()}.{os.getpid()}"
-        self.segments: dict[str, Segment] = {}
-        self.index: dict[str, tuple[str, int]] = {}     # sha256 -> (segment, offset)
+        # Segments give back the pages of ranges no model uses (issue 42: a 9.5 MiB model that shared one
+        # tensor with a 528 MiB one kept the whole segment): the store counts and frees in pages.
+        self.store = RegionStore(segment_name, page=ALIGN)
         self.models: dict[str, dict] = {}               # resident key -> variant -> tensor name -> (segment, offset)
         self.units: dict[str, tuple] = {}               # prepack.unit_key -> (segment, weight offset, packs placed)
         self.prepacked: dict[str, dict] = {}            # resident key -> tensor name -> packs placed (cpu variant)
-        self._next_segment = 0
-
-    # -- accounting ----------------------------------------------------------------------
-    @property
-    def used_bytes(self) -> int:
-        """Bytes the segments hold, including those being written (reserved by their plan)."""
-        return sum(s.resident_bytes() for s in self.segments.values())
 
     @property
-    def free_bytes(self) -> int:
-        return self.capacity_bytes - self.used_bytes
-
-    def bytes_freed_by(self, keys) -> int:
-        """What evicting all of `keys` together would free: the ranges (page-rounded) no other model uses."""
-        keys = frozenset(keys)
-        return sum(s.resident_bytes() - s.resident_bytes(keys) for s in self.segments.values()
-                   if not keys.isdisjoint(s.users))
-
-    def model_bytes(self, key: str) -> int:
-        """Bytes of the ranges a model uses (page-rounded; shared ones counted in full)."""
-        return sum(s.span_bytes(_page_spans((off, end) for off, (end, users) in s.ranges.items() if key in users))
-                   for s in self.segments.values())
+    def segments(self) -> dict:
+        """Segment name -> its Region (regions.py)."""
+        return self.store.regions
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -263,8 +123,8 @@ class HostTier:
 
     def forget_all(self) -> None:
         """Empty the tables (a re-adoption that failed part way: `start` then clears the directory)."""
-        self.segments, self.index, self.models, self.units, self.prepacked = {}, {}, {}, {}, {}
-        self._next_segment = 0
+        self.store.clear()
+        self.models, self.units, self.prepacked = {}, {}, {}
 
     def restore(self, key: str, manifest: Manifest, locations: dict, segment_bytes: dict) -> None:
         """Take back a model a dead daemon left resident here (tiers/adopt.py has checked its bytes)."""
@@ -272,11 +132,10 @@ class HostTier:
         for variant, where in locations.items():
             for t in variant_tensors(manifest, variant):
                 seg_name, offset = where[t.name]
-                seg = self.segments.setdefault(seg_name, Segment(seg_name, segment_bytes[seg_name]))
+                seg = self.store.restore(seg_name, segment_number(seg_name), segment_bytes[seg_name])
                 # (a weight's blobs follow it up to the next range: trim finds where that is)
                 seg.use(offset, None if variant == "cpu" and t.name in with_blobs else offset + t.nbytes, key)
-                self.index.setdefault(t.sha256, (seg_name, offset))
-                self._next_segment = max(self._next_segment, segment_number(seg_name) + 1)
+                self.store.publish(seg_name, [(t.sha256, offset)])
         self.models[key] = locations
 
     def trim(self) -> None:
@@ -288,10 +147,7 @@ class HostTier:
                 if seg.ranges[start][0] is None:
                     seg.ranges[start][0] = starts[i + 1]
             seg.changed()
-            try:
-                punch_holes(self.segment_path(seg.name), seg.holes())
-            except OSError as e:
-                log.error("could not give back unused ranges of %s: %s", seg.name, e.strerror or e)
+            self._give_back(seg)
 
     def variants(self, manifest: Manifest) -> tuple:
         """What a promotion copies: the CPU weights, and the GPU ones when there is a GPU tier."""
@@ -322,10 +178,8 @@ class HostTier:
 
     def plan_from(self, key: str, disk_dir: Path, manifest: Manifest, variants: tuple = ("cpu",)) -> Plan:
         """`plan` of the version in `disk_dir`, of the `variants` given."""
-        locations, copies, offset = {}, [], 0
-        fresh: dict[str, int] = {}                  # sha -> offset in the new segment
-        new_ranges: dict[int, int] = {}             # the new segment's ranges: start -> end
-        segment = f"seg-{self._next_segment}.bin"
+        locations, copies = {}, []
+        placing = self.store.placement(ALIGN)
         records = _prepacked_records(disk_dir, manifest) if "cpu" in variants else {}
         blob_copies, prepacked, units = [], {}, {}
         for variant in variants:
@@ -336,135 +190,37 @@ class HostTier:
                     ukey = prepack.unit_key(t.sha256, record)
                     unit = self.units.get(ukey) or units.get(ukey)
                     if unit is None:
-                        offset = -(-offset // ALIGN) * ALIGN
-                        weight_offset = offset
-                        copies.append((t.offset, offset, t.nbytes, t.sha256))
-                        fresh.setdefault(t.sha256, offset)
-                        offset += t.nbytes
+                        weight_offset = placing.new(t.nbytes, t.sha256)
+                        copies.append((t.offset, weight_offset, t.nbytes, t.sha256))
                         packs = []
                         for pack_key, blobs in record["packs"]:
                             placed = []
-                            for src_off, nbytes, xxh3 in blobs:
-                                offset = -(-offset // ALIGN) * ALIGN
+                            for src_off, nbytes, xxh3 in blobs:    # (in the weight's range: they go with it)
+                                offset = placing.grow(weight_offset, nbytes)
                                 blob_copies.append((src_off, offset, nbytes, xxh3, t.name))
                                 placed.append([offset, nbytes])
-                                offset += nbytes
                             packs.append([pack_key, placed])
-                        unit = units[ukey] = (segment, weight_offset, packs)
-                        new_ranges[weight_offset] = offset   # the weight and its blobs: one range
+                        unit = units[ukey] = (placing.region, weight_offset, packs)
                     where[t.name] = (unit[0], unit[1])
                     prepacked[t.name] = unit[2]
-                elif t.sha256 in self.index:
-                    where[t.name] = self.index[t.sha256]
-                elif t.sha256 in fresh:             # the same tensor twice in one model, or in both variants
-                    where[t.name] = (segment, fresh[t.sha256])
+                elif (reused := placing.find(t.sha256)) is not None:
+                    where[t.name] = reused
                 else:
-                    offset = -(-offset // ALIGN) * ALIGN
-                    fresh[t.sha256] = offset
-                    copies.append((t.offset, offset, t.nbytes, t.sha256))
-                    where[t.name] = (segment, offset)
-                    new_ranges[offset] = offset + t.nbytes
-                    offset += t.nbytes
-        if copies:
-            self._next_segment += 1
-            seg = self.segments[segment] = Segment(segment, offset)   # reserved from now on
-            for start, end in new_ranges.items():
-                seg.use(start, end, key)
-        else:
-            segment = None
-        for where in locations.values():            # keep the reused ranges alive while we load
-            for seg_name, at in where.values():
-                if seg_name != segment:
-                    seg = self.segments[seg_name]
-                    seg.use(at, seg.ranges[at][0], key)
-        return Plan(key, disk_dir, manifest, locations, copies, segment, offset, blob_copies, prepacked, units)
+                    where[t.name] = (placing.region, placing.new(t.nbytes, t.sha256))
+                    copies.append((t.offset, where[t.name][1], t.nbytes, t.sha256))
+        segment = placing.reserve(key, (at for where in locations.values() for at in where.values()))
+        return Plan(key, disk_dir, manifest, locations, copies, segment, placing.end,
+                    blob_copies, prepacked, units)
 
     def write(self, plan: Plan) -> float:
         """Copy the plan's new tensors from disk into shared memory and write the skeleton. Loader thread;
         a full or read-only /dev/shm raises StorageError saying so."""
         with storage_errors(f"promoting {plan.key} to the host tier", self.root):
-            return self._write(plan)
-
-    def _write(self, plan: Plan) -> float:
-        t0 = time.perf_counter()
-        verify = self.verify and bool(plan.manifest.checksum)
-        if not plan.manifest.checksum:
-            log.warning("%s: unverified (packed before file checksums); add it again to have it checked", plan.key)
-        self._check_files(plan, verify)
-        if plan.segment is not None:
-            path = self.segment_path(plan.segment)
-            tmp = path.with_suffix(".loading")
-            src_fd = os.open(plan.disk_dir / WEIGHTS_FILE, os.O_RDONLY)
-            dst_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
-            try:
-                os.ftruncate(dst_fd, plan.segment_bytes)
-                if verify:
-                    self._copy_verified(plan, src_fd, dst_fd)
-                else:
-                    for src_off, dst_off, nbytes, _ in _coalesce(plan.copies):
-                        copy_range(src_fd, dst_fd, src_off, dst_off, nbytes)
-                if plan.blob_copies:
-                    self._copy_blobs(plan, dst_fd, verify)
-            finally:
-                os.close(src_fd)
-                os.close(dst_fd)
-            os.chmod(tmp, 0o440)
-            os.rename(tmp, path)
-        _write_skeleton(plan.disk_dir / SKELETON_FILE, self.skeleton_path(plan.key), plan.locations["cpu"], plan.key,
-                        plan.prepacked)
-        if "gpu" in plan.locations:
-            _write_gpu_skeleton(plan.disk_dir / GPU_SKELETON_FILE, self.skeleton_path(plan.key, "gpu"),
-                                plan.manifest, plan.key)
-        # Last, once every file it names is in place: a daemon that dies later leaves a record to re-adopt.
-        write_json_atomic(self.where_path(plan.key), {"key": plan.key, "locations": plan.locations})
-        return time.perf_counter() - t0
-
-    @staticmethod
-    def _check_files(plan: Plan, verify: bool) -> None:
-        """The weights have their recorded size; with `verify`, every other recorded file its checksum
-        (skeletons are small: checked whole, whichever variants this daemon uses)."""
-        integrity.check_size(plan.key, plan.disk_dir / WEIGHTS_FILE, plan.manifest.weights_bytes)
-        if plan.blob_copies and PREPACKED_FILE in plan.manifest.files:
-            integrity.check_size(plan.key, plan.disk_dir / PREPACKED_FILE, plan.manifest.files[PREPACKED_FILE]["bytes"])
-        if verify:
-            for fname, record in plan.manifest.files.items():
-                if fname not in (WEIGHTS_FILE, PREPACKED_FILE):   # those two: per tensor and blob, as they copy
-                    integrity.check_file(plan.key, plan.disk_dir, fname, record)
-
-    @staticmethod
-    def _copy_verified(plan: Plan, src_fd: int, dst_fd: int) -> None:
-        """Copy the plan's tensors, each hashed on the way, against the manifest's per-tensor xxh3."""
-        by_sha = {t.sha256: t for variant in plan.locations for t in variant_tensors(plan.manifest, variant)}
-        digests = copy_hashed(src_fd, dst_fd, [(src, dst, n) for src, dst, n, _ in plan.copies],
-                              integrity.new_hasher)
-        for (src_off, _, _, sha), got in zip(plan.copies, digests):
-            t = by_sha[sha]
-            if got != t.xxh3:
-                raise integrity.damaged(plan.key, WEIGHTS_FILE, f"tensor {t.name!r} at offset {src_off}: "
-                                        f"{integrity.HASH_NAME} {got[:12]}..., {t.xxh3[:12]}... recorded at add time")
-
-    @staticmethod
-    def _copy_blobs(plan: Plan, dst_fd: int, verify: bool) -> None:
-        """Copy the plan's pre-packed blobs from PREPACKED_FILE, each checked against its recorded xxh3."""
-        src_fd = os.open(plan.disk_dir / PREPACKED_FILE, os.O_RDONLY)
-        try:
-            if not verify:
-                for src_off, dst_off, nbytes, _, _ in plan.blob_copies:
-                    copy_range(src_fd, dst_fd, src_off, dst_off, nbytes)
-                return
-            digests = copy_hashed(src_fd, dst_fd, [(src, dst, n) for src, dst, n, _, _ in plan.blob_copies],
-                                  integrity.new_hasher)
-        finally:
-            os.close(src_fd)
-        for (src_off, _, _, xxh3, name), got in zip(plan.blob_copies, digests):
-            if got != xxh3:
-                raise integrity.damaged(plan.key, PREPACKED_FILE, f"a blob of tensor {name!r} at offset {src_off}: "
-                                        f"{integrity.HASH_NAME} {got[:12]}..., {xxh3[:12]}... recorded at add time")
+            return write_plan(plan, self)
 
     def commit(self, plan: Plan) -> None:
         if plan.segment is not None:
-            for _, dst_off, _, sha in plan.copies:
-                self.index.setdefault(sha, (plan.segment, dst_off))   # an older copy stays the one reused
+            self.store.publish(plan.segment, ((sha, dst_off) for _, dst_off, _, sha in plan.copies))
         self.units.update(plan.units)
         self.models[plan.key] = plan.locations
         if plan.prepacked:
@@ -488,43 +244,24 @@ class HostTier:
             remove_quietly(path)
 
     def _drop_user(self, key: str) -> int:
-        """`key` uses nothing here any more: segments no model uses are removed, ranges punched. Bytes freed."""
-        freed = 0
-        for seg in list(self.segments.values()):
-            if key not in seg.users:
-                continue
-            before = seg.resident_bytes()
-            for _, users in seg.ranges.values():
-                users.discard(key)
-            seg.changed()
-            if not seg.users:
-                freed += before
-                remove_quietly(self.segment_path(seg.name))
-                remove_quietly(self.segment_path(seg.name).with_suffix(".loading"))
-                del self.segments[seg.name]
-                self.index = {sha: loc for sha, loc in self.index.items() if loc[0] != seg.name}
-                self.units = {u: loc for u, loc in self.units.items() if loc[0] != seg.name}
-            else:
-                self._punch(seg)
-                freed += before - seg.resident_bytes()
-        return freed
+        """`key` uses nothing here any more: segments no model uses are removed, the pages of ranges no model
+        uses given back. Clients map only what their leases name, and a range goes only with its last model's
+        copy; an unlinked segment stays valid for the clients that still map it. Bytes freed."""
+        freed = self.store.drop_user(key)
+        self.units = {u: loc for u, loc in self.units.items() if not freed.covers(loc)}
+        for seg in freed.regions:
+            remove_quietly(self.segment_path(seg.name))
+            remove_quietly(self.segment_path(seg.name).with_suffix(".loading"))
+        for name in freed.ranges:
+            self._give_back(self.segments[name])
+        return freed.bytes
 
-    def _punch(self, seg: Segment) -> None:
-        """Forget the segment's ranges no model uses (a new promotion must not reuse them) and give their pages
-        back. Clients map only what their leases name, and a range goes only with its last model's copy."""
-        dead = {off for off, (_, users) in seg.ranges.items() if not users}
-        if not dead:
-            return
-        for off in dead:
-            del seg.ranges[off]
-        seg.changed()
-        self.index = {sha: loc for sha, loc in self.index.items() if not (loc[0] == seg.name and loc[1] in dead)}
-        self.units = {u: loc for u, loc in self.units.items() if not (loc[0] == seg.name and loc[1] in dead)}
-        path = self.segment_path(seg.name)
+    def _give_back(self, seg) -> None:
+        """Punch the segment's pages no used range lies in."""
         try:
-            punch_holes(path, seg.holes())
+            punch_holes(self.segment_path(seg.name), seg.holes())
         except OSError as e:   # (a filesystem without hole punching: the pages stay until the segment goes)
-            log.error("could not give back unused ranges of %s: %s", path, e.strerror or e)
+            log.error("could not give back unused ranges of %s: %s", seg.name, e.strerror or e)
 
     # -- what clients get ------------------------------------------------------------------
     def export(self, key: str, manifest: Manifest) -> dict:
@@ -557,114 +294,9 @@ class HostTier:
         return {name: (str(self.segment_path(seg)), off) for name, (seg, off) in self.models[key][variant].items()}
 
 
-def _coalesce(copies):
-    """Merge copies that are contiguous on both sides (the usual case: a model nothing shares with)."""
-    merged = []
-    for src, dst, n, sha in sorted(copies, key=lambda c: c[1]):
-        if merged and merged[-1][0] + merged[-1][2] <= src and src - merged[-1][0] == dst - merged[-1][1]:
-            prev = merged[-1]
-            merged[-1] = (prev[0], prev[1], src + n - prev[0], None)
-        else:
-            merged.append((src, dst, n, sha))
-    return merged
-
-
-def _load_skeleton(src: Path, key: str):
-    """The packed skeleton's graph; a file that does not parse is a damaged file of `key`, not a decode error."""
-    import onnx
-    try:
-        return onnx.load(str(src), load_external_data=False)
-    except FileNotFoundError:
-        raise integrity.damaged(key, src.name, "the file is missing") from None
-    except Exception as e:  # protobuf's DecodeError, UnicodeDecodeError on a damaged string...
-        raise integrity.damaged(key, src.name, f"not an ONNX graph: {type(e).__name__}: {str(e)[:200]}") from None
-
 
 def _prepacked_records(disk_dir: Path, manifest: Manifest) -> dict:
     """tensor name -> prepack record, when this machine can use the model's blobs and has the file."""
     if not prepack.usable(manifest) or not (Path(disk_dir) / PREPACKED_FILE).exists():
         return {}
     return {r["tensor"]: r for r in manifest.prepacked}
-
-
-def _write_skeleton(src: Path, dst: Path, locations: dict, key: str, prepacked: dict | None = None) -> None:
-    """The packed skeleton with each external tensor pointing at its segment and offset.
-
-    Clients hand ORT most weights with add_initializer, but ORT still checks that the
-    external data a skeleton names exists; pointing it at the real bytes keeps the
-    skeleton correct on its own as well. A weight in `prepacked` also names its blobs
-    (ORT's `prepacked_<i>` entries, offsets in the same segment): clients let ORT map it.
-    """
-    import onnx
-    from ..format import iter_graphs
-
-    model = _load_skeleton(src, key)
-    for graph in iter_graphs(model.graph):
-        for t in graph.initializer:
-            if t.name in locations and t.data_location == onnx.TensorProto.EXTERNAL:
-                seg, offset = locations[t.name]
-                for entry in t.external_data:
-                    if entry.key == "location":
-                        entry.value = seg
-                    elif entry.key == "offset":
-                        entry.value = str(offset)
-                for name, value in prepack.external_entries((prepacked or {}).get(t.name, [])):
-                    t.external_data.add(key=name, value=value)
-    _save_graph(model, dst)
-
-
-def _save_graph(model, dst: Path) -> None:
-    """Save an ONNX graph to `dst` whole (0440): written beside it and renamed; a failure leaves no temp file."""
-    write_atomic(dst, model.SerializeToString(), mode=0o440)
-
-
-def _write_gpu_skeleton(src: Path, dst: Path, manifest: Manifest, key: str) -> None:
-    """The GPU skeleton, its stubs pointing at `<dst>.stub`: a sparse file of zeros as large as the
-    largest stub (ORT checks the external data a graph names exists; it never reads it, because
-    every stub is overridden by add_initializer). Sparse on tmpfs: it costs no memory."""
-    import onnx
-    from ..format import iter_graphs
-
-    stub = dst.with_suffix(".stub")
-    model = _load_skeleton(src, key)
-    for graph in iter_graphs(model.graph):
-        for t in graph.initializer:
-            if t.data_location == onnx.TensorProto.EXTERNAL:
-                for entry in t.external_data:
-                    if entry.key == "location":
-                        entry.value = stub.name
-    with open(stub, "wb") as f:
-        f.truncate(max((t.nbytes for t in manifest.gpu_tensors), default=0))
-    os.chmod(stub, 0o440)
-    _save_graph(model, dst)
-
-
-def _pid_is_daemon(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"modelcache" in f.read()
-    except OSError:
-        return False
-
-
-def dead_tiers(shm_dir: Path) -> list[tuple[Path, str]]:
-    """(directory, owner socket) of each host tier of this user's daemons that died without cleaning up
-    (SIGKILL, crash, or a stop that kept it: keep_host_tier); owner "" for tiers made before owners."""
-    found = []
-    for d in Path(shm_dir).glob(f"{PREFIX}{os.getuid()}.*"):
-        try:
-            pid = int(d.name.rsplit(".", 1)[1])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not _pid_is_daemon(pid):
-            found.append((d, read_owner(d)))
-    return found
-
-
-def remove_stale(shm_dir: Path, owner: str) -> None:
-    """Remove the dead host tiers that are ours to remove: our own socket's (what adoption did not take)
-    and those with no owner. Another socket's stays for its own daemon to re-adopt when it restarts."""
-    for d, their_owner in dead_tiers(shm_dir):
-        if their_owner in ("", owner):
-            log.info("removing stale host tier %s of a dead daemon", d)
-            remove_quietly(d)

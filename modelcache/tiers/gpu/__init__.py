@@ -30,7 +30,8 @@ Devices are named by UUID on the wire, never by index (indices change with
 CUDA_VISIBLE_DEVICES). Without cupy or a CUDA device, `probe()` returns [].
 
 The package: `devices` (what devices there are), `memory` (the allocator interface and what allocators share),
-`fake` and `cuda_memory` (the allocators), `allocators` (which one a device gets), `tier` (the DeviceTier).
+`fake` and `cuda_memory` (the allocators), `allocators` (which one a device gets), `tier` (the DeviceTier,
+its arenas the regions of a store shared with the host tier: tiers/regions.py).
 """
 
 from .allocators import allocator_for
@@ -40,9 +41,9 @@ from .fake import FakeAllocator, FakeVmmAllocator
 from .memory import (CUDA_DEV_ATTR_HOST_REGISTER_READ_ONLY, CUDA_ERROR_MEMORY_ALLOCATION, CUDA_HOST_REGISTER_READ_ONLY,
                      DEVICE_ALIGN, F_SEAL_FUTURE_WRITE, SHARING_MODES, Allocation, DeviceAllocator, DeviceMemoryError,
                      _mmap_read_only, _munmap)
-from .tier import Arena, DevicePlan, DeviceTier, _coalesce
+from .tier import DevicePlan, DeviceTier, _coalesce
 
-__all__ = ["Allocation", "Arena", "CudaAllocator", "CudaVmmAllocator", "DeviceAllocator", "DeviceMemoryError",
+__all__ = ["Allocation", "CudaAllocator", "CudaVmmAllocator", "DeviceAllocator", "DeviceMemoryError",
            "DevicePlan", "DeviceTier", "FakeAllocator", "FakeVmmAllocator", "GpuDevice", "SHARING_MODES",
            "allocator_for", "device_uuid", "fake_devices", "probe", "DEVICE_ALIGN",
            "CUDA_DEV_ATTR_HOST_REGISTER_READ_ONLY", "CUDA_ERROR_MEMORY_ALLOCATION", "CUDA_HOST_REGISTER_READ_ONLY",

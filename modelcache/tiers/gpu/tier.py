@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ...cuda import VMM_KINDS
 from ...errors import ModelCacheError
+from ..regions import RegionStore, StoredTier
 from .memory import DEVICE_ALIGN, Allocation, DeviceAllocator
 
 
-@dataclass
-class Arena:
-    """One allocation: the tensors one model brought to the device, shared by later models that reuse them."""
-    name: str
-    seq: int                        # creation order: export lists handles in it
-    size: int
-    users: set = field(default_factory=set)   # keys of models whose tensors live here (or are loading)
-    allocation: Allocation | None = None      # set at commit
+def arena_name(n: int) -> str:
+    return f"arena-{n}"
 
 
 @dataclass
@@ -41,7 +36,7 @@ class DevicePlan:
         return self.arena_bytes
 
 
-class DeviceTier:
+class DeviceTier(StoredTier):
     """Model weights on one device; same contract as HostTier (plan → write → commit/abort, free_model, export).
     `source`: the host tier, which a copy here is promoted from (the GPU variant of its resident models)."""
 
@@ -55,32 +50,18 @@ class DeviceTier:
         self.id = self.device.uuid          # its copies' key in a model's record
         self.where = f"the GPU tier of GPU {self.device.index}"
         self.capacity_bytes = min(capacity_bytes, self.device.total_bytes)
-        self.arenas: dict[str, Arena] = {}
-        self.index: dict[str, tuple[str, int]] = {}     # sha256 -> (arena, offset)
+        # An arena is one allocation, freed whole with its last user (page None): until then a tensor in it
+        # nobody uses stays on the device, and a later model that needs it reuses it.
+        self.store = RegionStore(arena_name)
         self.models: dict[str, dict] = {}               # resident key -> tensor name -> (arena, offset)
         self._tensors: dict[str, list] = {}             # resident key -> its TensorEntry list (for export)
         self._in_flight: dict[str, DevicePlan] = {}     # planned, not yet committed or aborted
-        self._next_arena = 0
         self.promotion_bytes_per_s = 0.0                # of the last committed copy, for stats
 
-    # -- accounting ----------------------------------------------------------------------
     @property
-    def used_bytes(self) -> int:
-        """Bytes of all arenas, including those being written (reserved by their plan)."""
-        return sum(a.size for a in self.arenas.values())
-
-    @property
-    def free_bytes(self) -> int:
-        return self.capacity_bytes - self.used_bytes
-
-    def bytes_freed_by(self, keys) -> int:
-        """What evicting all of `keys` together would free: arenas no other model uses."""
-        keys = set(keys)
-        return sum(a.size for a in self.arenas.values() if a.users and a.users <= keys)
-
-    def model_bytes(self, key: str) -> int:
-        """Bytes of the arenas a model uses (shared ones counted in full)."""
-        return sum(a.size for a in self.arenas.values() if key in a.users)
+    def arenas(self) -> dict:
+        """Arena name -> its Region (tiers/regions.py): one allocation each, `allocation` set at commit."""
+        return self.store.regions
 
     def tensors_of(self, manifest) -> list:
         """The tensors of a model a lease here maps: its GPU variant's."""
@@ -113,34 +94,22 @@ class DeviceTier:
         """
         if key in self.models or key in self._in_flight:
             raise ValueError(f"{key} is already on device {self.device.uuid} or loading there")
-        locations, copies, offset = {}, [], 0
-        fresh: dict[str, int] = {}                  # sha -> offset in the new arena
+        locations, copies = {}, []
+        placing = self.store.placement(DEVICE_ALIGN)
         host_files: dict[str, int] = {}             # path -> index in plan.host_files
-        arena = f"arena-{self._next_arena}"
         for t in tensors:
-            if t.sha256 in self.index:
-                locations[t.name] = self.index[t.sha256]
-            elif t.sha256 in fresh:                 # the same tensor twice in one model
-                locations[t.name] = (arena, fresh[t.sha256])
-            else:
-                if t.name not in host_locations:
-                    raise ValueError(f"{key}: tensor {t.name!r} is not resident in the host tier")
-                path, host_offset = host_locations[t.name]
-                offset = -(-offset // DEVICE_ALIGN) * DEVICE_ALIGN
-                fresh[t.sha256] = offset
-                file_index = host_files.setdefault(str(path), len(host_files))
-                copies.append((file_index, host_offset, offset, t.nbytes, t.sha256))
-                locations[t.name] = (arena, offset)
-                offset += t.nbytes
-        if copies:
-            offset = self.allocator.rounded(offset)   # what the allocation will take on the device
-            self.arenas[arena] = Arena(arena, self._next_arena, offset, {key})   # reserved from now on
-            self._next_arena += 1
-        else:
-            arena = None
-        for arena_name, _ in locations.values():    # keep reused arenas alive while we load
-            self.arenas[arena_name].users.add(key)
-        plan = DevicePlan(key, list(tensors), locations, list(host_files), copies, arena, offset if copies else 0)
+            if (at := placing.find(t.sha256)) is not None:
+                locations[t.name] = at
+                continue
+            if t.name not in host_locations:
+                raise ValueError(f"{key}: tensor {t.name!r} is not resident in the host tier")
+            path, host_offset = host_locations[t.name]
+            locations[t.name] = (placing.region, placing.new(t.nbytes, t.sha256))
+            file_index = host_files.setdefault(str(path), len(host_files))
+            copies.append((file_index, host_offset, locations[t.name][1], t.nbytes, t.sha256))
+        size = self.allocator.rounded(placing.end) if copies else 0   # what the allocation will take on the device
+        arena = placing.reserve(key, locations.values(), size)
+        plan = DevicePlan(key, list(tensors), locations, list(host_files), copies, arena, size)
         self._in_flight[key] = plan
         return plan
 
@@ -167,8 +136,7 @@ class DeviceTier:
             if plan.allocation is None:
                 raise RuntimeError(f"commit of {plan.key} before its write finished")
             self.arenas[plan.arena].allocation = plan.allocation
-            for _, _, dst_off, _, sha in plan.copies:
-                self.index.setdefault(sha, (plan.arena, dst_off))
+            self.store.publish(plan.arena, ((sha, dst_off) for _, _, dst_off, _, sha in plan.copies))
             if plan.copy_s > 0:
                 self.promotion_bytes_per_s = plan.copied_bytes / plan.copy_s
         self.models[plan.key] = plan.locations
@@ -193,16 +161,12 @@ class DeviceTier:
         return self._drop_user(key)
 
     def _drop_user(self, key: str) -> int:
-        freed = 0
-        for arena in list(self.arenas.values()):
-            arena.users.discard(key)
-            if not arena.users:
-                if arena.allocation is not None:
-                    self.allocator.free(arena.allocation)
-                del self.arenas[arena.name]
-                self.index = {sha: loc for sha, loc in self.index.items() if loc[0] != arena.name}
-                freed += arena.size
-        return freed
+        """`key` uses nothing here any more: the arenas no model uses are freed. Bytes freed."""
+        freed = self.store.drop_user(key)
+        for arena in freed.regions:
+            if arena.allocation is not None:   # (None: an aborted plan's, whose write freed or never allocated)
+                self.allocator.free(arena.allocation)
+        return freed.bytes
 
     def stop(self) -> None:
         """Free everything. Call once no write is running (the loaders have stopped)."""
@@ -211,8 +175,7 @@ class DeviceTier:
         for arena in self.arenas.values():
             if arena.allocation is not None:
                 self.allocator.free(arena.allocation)
-        self.arenas.clear()
-        self.index.clear()
+        self.store.clear()
         self.models.clear()
         self._tensors.clear()
         self.allocator.close()
