@@ -9,7 +9,6 @@ import logging
 from ..cuda import VMM_KINDS, DeviceError, normalize_uuid
 from ..errors import ModelCacheError
 from .identity import check_may_read
-from .lane import LaneConnection
 from .residency import Residency
 
 log = logging.getLogger("modelcache.daemon")
@@ -97,7 +96,7 @@ class GpuTiers:
     def check_transport(self, ident, residency: Residency) -> None:
         """Under read-only sharing a GPU lease is descriptors, which only the lane carries (not ZeroMQ, not tcp)."""
         tier = residency.tier
-        if tier.allocator.kind in VMM_KINDS and type(ident) is not LaneConnection:
+        if tier.allocator.kind in VMM_KINDS and not ident.carries_fds:
             raise ModelCacheError(f"GPU {tier.device.index} shares its weights read-only (gpu_sharing = "
                                   "vmm-read-only), as file descriptors that only the daemon's lane (the ipc:// "
                                   "socket's .lane) carries; open GPU sessions over it (modelcache.InferenceSession "

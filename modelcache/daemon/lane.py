@@ -53,6 +53,8 @@ def check_socket_file(path: Path) -> None:
 
 
 class LaneConnection:
+    carries_fds = True   # a reply may pass file descriptors (SCM_RIGHTS): see identity.Peer's, which may not
+
     __slots__ = ("sock", "fd", "reader", "out", "out_fds", "server", "polling_out", "uid", "gid", "pid", "fds",
                  "client_id")
 
