@@ -179,7 +179,7 @@ def _remote_models(url: str, local: list[dict]) -> list[dict]:
     if not url:
         return []
     from .errors import RemoteError
-    from .format import WEIGHTS_FILE
+    from .store.format import WEIGHTS_FILE
     from .tiers.remote import RemoteStore
     try:
         index = RemoteStore(url, timeout_s=10).index()
@@ -248,7 +248,7 @@ def cmd_verify(args) -> int:
     --repository named on the command line, read here."""
     from .client.connection import connect
     from .errors import DaemonUnavailable, ModelNotFound
-    from .scrub import DAMAGED, VersionReport, nothing_to_verify, verify_repository
+    from .store.scrub import DAMAGED, VersionReport, nothing_to_verify, verify_repository
     settings = _settings(args)
     client = None
     if not args.repository:
@@ -275,7 +275,7 @@ def cmd_verify(args) -> int:
 
 def cmd_publish(args) -> int:
     from pathlib import Path
-    from .format import MANIFEST_FILE
+    from .store.format import MANIFEST_FILE
     from .tiers.remote import publish
     if not list(Path(args.directory).glob(f"*/*/{MANIFEST_FILE}")):   # (an empty index would serve nothing)
         raise ModelCacheError(f"{args.directory} is not a repository: no NAME/VERSION/{MANIFEST_FILE} under it; "
@@ -449,7 +449,7 @@ def cmd_add(args) -> int:
             raise
         client = None
     if client is None:  # no daemon: pack straight into the repository; a daemon finds it when it starts
-        from .packing import pack
+        from .store.packing import pack
         from .tiers.disk import Repository
         repo = Repository(settings.repository_path)
         t0 = time.perf_counter()  # (no version given: pack reserves the next free one, safe against other adds)
@@ -580,7 +580,7 @@ class _DaemonsRepository(argparse.Action):
 
 def build_parser() -> argparse.ArgumentParser:
     from .config import CLIENT_SETTINGS
-    from .reservations import LOCK_SAY_EVERY_S, LOCK_WAIT_S
+    from .store.reservations import LOCK_SAY_EVERY_S, LOCK_WAIT_S
     # The settings each kind of command reads (set_defaults(uses=...)); the others keep their defaults unread, so
     # that a daemon-only setting that is wrong in the config file never breaks a command that asks the daemon.
     add_settings = CLIENT_SETTINGS + ("repository", "opt_level", "prepack")

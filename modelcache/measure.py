@@ -137,7 +137,7 @@ def serve_one_lane_client(path: str, answer) -> None:
     hangs up or answer returns None."""
     import socket
 
-    from .lane import CLIENT_READ_BYTES, FrameReader, frame, recv_chunk
+    from .wire.lane import CLIENT_READ_BYTES, FrameReader, frame, recv_chunk
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)

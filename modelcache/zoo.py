@@ -481,7 +481,7 @@ def save(model: onnx.ModelProto, path: str, external_data: bool | None = None) -
 
 def sample_inputs(model_or_path, batch: int = 1, seed: int = 0) -> dict[str, np.ndarray]:
     """Random feeds matching a model's declared inputs (symbolic dims: batch, or 8 for others)."""
-    from .tensors import random_feeds
+    from .wire.tensors import random_feeds
     model = onnx.load(model_or_path, load_external_data=False) if isinstance(model_or_path, str) else model_or_path
     init_names = {t.name for t in model.graph.initializer}
     inputs = [{"name": vi.name,

@@ -19,7 +19,7 @@ from modelcache.daemon.residency import Residency
 from modelcache.daemon.server import policy_for
 from modelcache.daemon.sessions import Sessions
 from modelcache.histogram import Histogram
-from modelcache.packing import pack
+from modelcache.store.packing import pack
 from modelcache.tiers.disk import Repository
 from modelcache.tiers.host import HostTier
 

@@ -26,8 +26,8 @@ def become(uid: int, gid: int, groups: list[int]) -> None:
     import zmq.utils.monitor  # noqa: F401
     import modelcache.client.connection  # noqa: F401  (the client itself: connect runs after the switch,
     import modelcache.config  # noqa: F401             and reads the settings then)
-    import modelcache.packing  # noqa: F401
-    import modelcache.sources  # noqa: F401
+    import modelcache.store.packing  # noqa: F401
+    import modelcache.store.sources  # noqa: F401
     os.setgroups(groups)
     os.setgid(gid)
     os.setuid(uid)
@@ -35,8 +35,8 @@ def become(uid: int, gid: int, groups: list[int]) -> None:
 
 def main() -> int:
     import modelcache
-    from modelcache import protocol as P
     from modelcache.errors import from_code
+    from modelcache.wire import protocol as P
 
     uid, gid, groups = int(sys.argv[1]), int(sys.argv[2]), [int(g) for g in sys.argv[3].split(",") if g]
     socket, actions = sys.argv[4], json.loads(sys.argv[5])

@@ -10,10 +10,11 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from modelcache import tensors, zoo
+from modelcache import zoo
 from modelcache.client.calibrate import calibrate
 from modelcache.client.stream import InferStream
 from modelcache.errors import InputError
+from modelcache.wire import tensors
 from conftest import DaemonProcess
 
 

@@ -138,7 +138,7 @@ def test_models_sharing_most_tensors_cost_barely_more_than_one(tmp_path):
         with d.client() as c:
             c.add(str(a), "base")
             c.add(str(b), "finetuned")
-            from modelcache.format import load_manifest
+            from modelcache.store.format import load_manifest
             ma, mb = (load_manifest(d.repository / n / "1") for n in ("base", "finetuned"))
             shared = sum(t.nbytes for t in mb.tensors if t.sha256 in {x.sha256 for x in ma.tensors})
             cpu_bytes = sum(t.nbytes for t in mb.tensors)   # (the blob also holds the GPU variant)
@@ -178,7 +178,7 @@ def test_eager_policy_frees_on_last_close(tmp_path, vits):
 def http_store(tmp_path, vits):
     """A remote store: packed models + index.json, served by http.server on a loopback ephemeral port."""
     store = tmp_path / "store"
-    from modelcache.packing import pack
+    from modelcache.store.packing import pack
     for n in ("vit0", "vit1"):
         pack(vits[n], store, n, 1)
     subprocess.run([sys.executable, "-m", "modelcache.cli", "publish", str(store)], check=True, capture_output=True)

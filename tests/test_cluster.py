@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 from modelcache import zoo  # noqa: E402
 from modelcache.cluster import local, rayserve  # noqa: E402
 from modelcache.client.connection import connect  # noqa: E402
-from modelcache.packing import pack  # noqa: E402
+from modelcache.store.packing import pack  # noqa: E402
 from modelcache.tiers.remote import publish  # noqa: E402
 
 MODELS = ("tiny-cnn", "tiny-vit", "tiny-if")

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from modelcache import tensors
 from modelcache.bench import conformance as C
 from modelcache.errors import ProtocolError
+from modelcache.wire import tensors
 from conftest import DaemonProcess, stop_cleanly
 
 SAMPLE = 60

@@ -16,9 +16,9 @@ import pytest
 import zmq
 
 import modelcache
-from modelcache import protocol as P
 from modelcache import zoo
 from modelcache.errors import DaemonUnavailable, InputError, LeaseError, ModelNotFound, PackError
+from modelcache.wire import protocol as P
 from conftest import HERE, TINY, DaemonProcess, run_client, stop_cleanly, wait_until
 
 FULL_ZOO = ["squeezenet1_1", "resnet50", "googlenet", "alexnet", "vit_b_16", "vgg16"]
@@ -99,7 +99,7 @@ def test_ls_shows_each_tiers_own_charge_not_the_stored_variants(daemon, client, 
 
 
 def test_ls_lists_the_remote_stores_models(tmp_path, zoo_file):
-    from modelcache.packing import pack
+    from modelcache.store.packing import pack
     from modelcache.tiers.remote import publish
     store = tmp_path / "store"
     pack(zoo_file("tiny-cnn"), store, "far", 3)
@@ -425,12 +425,12 @@ def test_load_and_pin_say_what_they_did_to_which_version(daemon, client, zoo_fil
 
 def test_a_model_that_crashes_the_packer_costs_only_the_packer(zoo_file, tmp_path):
     # Stand-in for ORT crashing on a hostile file: a packing process that dies by SIGSEGV.
-    # The daemon's packing process is `python -m modelcache.packing`; sitecustomize makes it crash.
+    # The daemon's packing process is `python -m modelcache.store.packing`; sitecustomize makes it crash.
     crash = tmp_path / "crash"
     crash.mkdir()
     (crash / "sitecustomize.py").write_text(
         "import os, signal, sys\n"
-        "if sys.argv[0].endswith('packing.py') or 'modelcache.packing' in ' '.join(sys.orig_argv):\n"
+        "if sys.argv[0].endswith('packing.py') or 'modelcache.store.packing' in ' '.join(sys.orig_argv):\n"
         "    os.kill(os.getpid(), signal.SIGSEGV)\n")
     d2 = DaemonProcess(tmp_path / "d2", {"PYTHONPATH": f"{crash}:{os.environ.get('PYTHONPATH', '')}"})
     (tmp_path / "d2").mkdir()

@@ -193,7 +193,7 @@ def test_an_ir3_model_zoo_file_runs_with_only_its_real_input_fed(models, mode):
 def test_an_ir3_model_packed_before_the_fix_says_to_add_it_again(tmp_path, monkeypatch):
     """What an older modelcache packed (the optimizer's value-less inputs kept) is found at open."""
     from conftest import DaemonProcess, stop_cleanly
-    from modelcache import packing
+    from modelcache.store import packing
 
     src = str(tmp_path / "ir3.onnx")
     zoo.save(zoo.build("tiny-ir3"), src)

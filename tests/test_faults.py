@@ -22,14 +22,16 @@ import numpy as np
 import pytest
 import zmq
 
-from modelcache import protocol as P
+from modelcache.wire import protocol as P
 from modelcache.bench.fuzz import peak_rss_bytes, reset_peak_rss, rss_bytes
 from modelcache.bench.fuzz_messages import array_of
-from modelcache import integrity, tensors, zoo
+from modelcache import zoo
+from modelcache.store import integrity
+from modelcache.wire import tensors
 from modelcache.errors import CapacityError, DaemonUnavailable, InputError, PackError
 from modelcache.executor.workers import Worker
-from modelcache import lane
-from modelcache.lane import HEADER, frame
+from modelcache.wire import lane
+from modelcache.wire.lane import HEADER, frame
 from conftest import HERE, DaemonProcess, wait_until
 from test_daemon import raw_socket
 from test_lane import raw_lane, read_frame

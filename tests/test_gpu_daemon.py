@@ -110,7 +110,7 @@ def test_gpu_capacity_demotes_unleased_models_and_makes_an_open_wait_while_all_a
 
     import onnx
     from modelcache import zoo
-    from modelcache.packing import pack
+    from modelcache.store.packing import pack
     monkeypatch.setenv("MODELCACHE_FAKE_GPUS", "1x64M")
     repo = tmp_path / "repo"
     sizes = []

@@ -24,8 +24,8 @@ from modelcache import zoo
 from modelcache.errors import CapacityError
 from modelcache.executor.partition import partition
 from modelcache.executor.workers import DeviceValue, GpuWorker, StageJob, Worker, WorkerUnavailable, discover_gpus
-from modelcache.format import load_manifest
-from modelcache.packing import pack
+from modelcache.store.format import load_manifest
+from modelcache.store.packing import pack
 from modelcache.tiers import gpu
 
 from conftest import HERE, DaemonProcess, stop_cleanly, wait_until

@@ -17,10 +17,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from modelcache import zoo
 from modelcache.errors import PackError
-from modelcache.format import (ALIGN, GPU_SKELETON_FILE, GPU_STUB_FILE, MANIFEST_FILE, WEIGHTS_FILE, Manifest,
-                               iter_graphs, load_manifest)
-from modelcache.packing import INLINE_MAX_BYTES, OPT_LEVELS, check_gpu_skeleton, is_gpu_shared_weight, pack
 from modelcache.session_options import attach_session_options, bind_weights
+from modelcache.store.format import (ALIGN, GPU_SKELETON_FILE, GPU_STUB_FILE, MANIFEST_FILE, WEIGHTS_FILE, Manifest,
+                                     iter_graphs, load_manifest)
+from modelcache.store.packing import INLINE_MAX_BYTES, OPT_LEVELS, check_gpu_skeleton, is_gpu_shared_weight, pack
 from conftest import TINY
 
 

@@ -24,7 +24,7 @@ from modelcache import zoo
 from modelcache.config import ConfigError
 from modelcache.cuda import (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, DeviceError,
                              CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, vmm_token_size)
-from modelcache.packing import pack
+from modelcache.store.packing import pack
 from modelcache.tiers import gpu
 from modelcache.tiers.host import HostTier
 

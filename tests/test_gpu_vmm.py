@@ -29,12 +29,12 @@ import pytest
 import zmq
 
 import modelcache
-from modelcache import protocol as P
 from modelcache.client.device import attach_weights, handle_cache
 from modelcache.cuda import vmm_token
 from modelcache.daemon.identity import may_read
 from modelcache.errors import CapacityError, ProtocolError
-from modelcache.format import load_manifest
+from modelcache.store.format import load_manifest
+from modelcache.wire import protocol as P
 
 from conftest import HERE, DaemonProcess, stop_cleanly, wait_until
 from vmm_worker import memfd_links
@@ -296,8 +296,8 @@ def _check_may_read(top: Path) -> None:
 def test_descriptors_leave_with_their_reply_also_behind_a_full_socket(tmp_path):
     """A reply with descriptors queued behind a big one keeps them: each reply's descriptors arrive with it, in
     order, and the connection's own duplicates go once they are sent (or it drops)."""
-    from modelcache.daemon.lane import LaneConnection, LaneServer
-    from modelcache.lane import LaneClient
+    from modelcache.daemon.lane_server import LaneConnection, LaneServer
+    from modelcache.wire.lane import LaneClient
 
     path = str(tmp_path / "x.lane")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

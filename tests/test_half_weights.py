@@ -16,9 +16,9 @@ import pytest
 
 import modelcache
 from modelcache import zoo
-from modelcache.format import ALIGN, SKELETON_FILE, WEIGHTS_FILE, iter_graphs, tensor_nbytes
-from modelcache.packing import (HALF_TO_FLOAT_FUSION, INLINE_MAX_BYTES, _half_weight_exclusions, is_gpu_shared_weight,
-                                pack)
+from modelcache.store.format import ALIGN, SKELETON_FILE, WEIGHTS_FILE, iter_graphs, tensor_nbytes
+from modelcache.store.packing import (HALF_TO_FLOAT_FUSION, INLINE_MAX_BYTES, _half_weight_exclusions,
+                                      is_gpu_shared_weight, pack)
 from modelcache.tiers.host import HostTier
 from conftest import daemon_with_models
 

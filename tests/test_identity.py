@@ -20,11 +20,11 @@ import pytest
 import zmq
 
 import modelcache
-from modelcache import protocol as P
 from modelcache.daemon.identity import Admins, check_client_owner, credentials_from_peer_address, socket_credentials
 from modelcache.errors import PackError, PermissionDenied
-from modelcache.lane import recv_chunk_with_fds
-from modelcache.sources import check_source_names, open_model_files
+from modelcache.store.sources import check_source_names, open_model_files
+from modelcache.wire import protocol as P
+from modelcache.wire.lane import recv_chunk_with_fds
 
 from conftest import DaemonProcess, stop_cleanly, wait_until
 
@@ -263,8 +263,8 @@ def test_a_non_member_is_told_permission_denied_at_once(root_daemon, shared_root
 
 
 def test_a_manifest_from_before_owners_loads_as_the_admins(tmp_path, zoo_file):
-    from modelcache.format import Manifest, load_manifest
-    from modelcache.packing import pack
+    from modelcache.store.format import Manifest, load_manifest
+    from modelcache.store.packing import pack
     manifest = pack(zoo_file("tiny-if"), tmp_path, "m", 1, "basic", owner_uid=4242)
     assert load_manifest(tmp_path / "m" / "1").owner_uid == 4242
     old = {k: v for k, v in json.loads((tmp_path / "m" / "1" / "manifest.json").read_text()).items() if k != "owner_uid"}
@@ -275,7 +275,7 @@ def test_a_manifest_from_before_owners_loads_as_the_admins(tmp_path, zoo_file):
 def test_the_daemon_checks_the_descriptors_it_is_passed(root_daemon, shared_root, zoo_file):
     """A client that skips modelcache's own checks: the daemon still packs only regular files, as named."""
     import time
-    from modelcache.lane import connect as lane_connect
+    from modelcache.wire.lane import connect as lane_connect
     fifo = shared_root / "fifo"
     os.mkfifo(fifo)
     good = os.open(zoo_file("tiny-cnn"), os.O_RDONLY)
@@ -304,7 +304,7 @@ def test_the_daemon_checks_the_descriptors_it_is_passed(root_daemon, shared_root
 
 
 def test_the_packer_copies_whole_files_whatever_the_descriptors_offset(tmp_path):
-    from modelcache.sources import copy_sources
+    from modelcache.store.sources import copy_sources
     (tmp_path / "m.onnx").write_bytes(b"model" * 1000)
     (tmp_path / "w.bin").write_bytes(bytes(range(256)) * 4096)
     fds = [os.open(tmp_path / n, os.O_RDONLY) for n in ("m.onnx", "w.bin")]
@@ -324,8 +324,8 @@ def test_the_packer_copies_whole_files_whatever_the_descriptors_offset(tmp_path)
 def test_descriptors_held_for_unfinished_messages_are_bounded_and_released(tmp_path):
     """One open file sent 253 times on many connections that never finish a message: the lane drops
     connections past its budget instead of holding thousands of descriptors, and frees them all."""
-    from modelcache.daemon.lane import MAX_HELD_FDS, LaneServer
-    from modelcache.lane import MAX_FDS
+    from modelcache.daemon.lane_server import MAX_HELD_FDS, LaneServer
+    from modelcache.wire.lane import MAX_FDS
     poller = zmq.Poller()
     server = LaneServer(str(tmp_path / "d.sock.lane"), {"bad_messages": 0})
     server.start(poller)

@@ -20,10 +20,11 @@ import onnxruntime as ort
 import pytest
 
 import modelcache
-from modelcache import integrity, zoo
+from modelcache import zoo
 from modelcache.errors import IntegrityError
-from modelcache.format import parse_manifest
-from modelcache.packing import pack
+from modelcache.store import integrity
+from modelcache.store.format import parse_manifest
+from modelcache.store.packing import pack
 from modelcache.tiers.files import copy_hashed
 from modelcache.tiers.remote import publish
 from conftest import DaemonProcess, stop_cleanly, wait_until

@@ -224,7 +224,7 @@ def test_garbage_left_by_others_is_swept_or_refused_in_one_line(tmp_path, zoo_fi
 def test_a_full_dev_shm_under_a_clients_inputs_is_a_storage_error(small_tmpfs):
     """A serve request's big input goes through a file in /dev/shm: when it cannot be written, the client gets
     a StorageError naming the input, the model and the file, and none of the call's files stays."""
-    from modelcache import tensors
+    from modelcache.wire import tensors
     shm = small_tmpfs("1m", "shm")
     feeds = {"a": np.ones(100_000, np.float32), "b": np.ones(400_000, np.float32)}   # 0.4 MB fits, 1.6 MB not
     with pytest.raises(StorageError) as e:
@@ -507,7 +507,7 @@ def test_campaign_remove(campaign, zoo_file):
 
 def test_campaign_publish_and_fetch(campaign, zoo_file):
     """`modelcache publish` writing a store's index, then the daemon fetching from it on a miss."""
-    from modelcache.packing import pack
+    from modelcache.store.packing import pack
     pack(zoo_file("tiny-if"), campaign.remote, "far", 1)
     env = {**os.environ, "MODELCACHE_CONFIG": "", **campaign.faults.env}
     index = campaign.remote / "index.json"

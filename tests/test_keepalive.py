@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from modelcache import protocol as P
 from modelcache.daemon.residency import ModelState
 from modelcache.errors import CapacityError
+from modelcache.wire import protocol as P
 
 from daemon_parts import Parts, on_device, resident
 

@@ -12,11 +12,11 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from modelcache import tensors
-from modelcache import protocol as P
 from modelcache import zoo
 from modelcache.errors import DaemonUnavailable, InputError
-from modelcache.lane import HEADER, FrameReader, LaneError, frame, lane_path
+from modelcache.wire import tensors
+from modelcache.wire import protocol as P
+from modelcache.wire.lane import HEADER, FrameReader, LaneError, frame, lane_path
 from conftest import DaemonProcess, wait_until
 
 

@@ -16,12 +16,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "modelcache"
 
 # Bottom to top; an entry names a module or a whole subpackage.
 LAYERS = [
-    ("foundation", ["errors", "format", "integrity", "storage", "tensors", "lane", "protocol", "cuda",
-                    "session_options", "reservations", "histogram", "calibration", "plotting", "usage",
-                    "memlimit", "triton_protos"]),
+    ("foundation", ["errors", "storage", "cuda", "session_options", "histogram", "calibration", "plotting",
+                    "usage", "memlimit", "triton_protos"]),
+    ("wire", ["wire"]),
     ("settings", ["config", "address"]),
-    ("model tooling", ["packing", "prepack", "sources", "zoo"]),
-    ("tiers", ["tiers", "eviction", "scrub"]),
+    ("store", ["store"]),
+    ("model tooling", ["zoo"]),
+    ("tiers", ["tiers", "eviction"]),
     ("executor", ["executor"]),
     ("daemon", ["daemon"]),
     ("client", ["client"]),
@@ -225,7 +226,7 @@ def test_record_fields_change_only_through_the_records_own_methods():
 
     from modelcache.daemon.registry import ModelRecord
     from modelcache.daemon.residency import TierCopy
-    from modelcache.format import Manifest
+    from modelcache.store.format import Manifest
     names = {f.name for cls in (ModelRecord, TierCopy, Manifest) for f in fields(cls)}
     assert {"state", "holds", "holders", "waiters", "pinned", "hits", "damage", "tier_copies", "stages",
             "batching", "checksum", "files"} <= names

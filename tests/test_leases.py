@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 import modelcache
-from modelcache import lane, protocol as P, zoo
+from modelcache import zoo
 from modelcache.client.leases import LeaseClient, NoLaneOpen, shared_lease_client
 from modelcache.errors import DaemonUnavailable, LeaseError, ModelNotFound
+from modelcache.wire import lane, protocol as P
 
 from conftest import DaemonProcess, stop_cleanly, wait_until
 

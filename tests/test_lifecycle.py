@@ -18,7 +18,7 @@ import pytest
 from modelcache.daemon.residency import REQUEST, WORKER, Hold, ModelState
 from modelcache.daemon.wording import size_text
 from modelcache.errors import CapacityError, IntegrityError, LeaseError
-from modelcache.format import WEIGHTS_FILE
+from modelcache.store.format import WEIGHTS_FILE
 
 from daemon_parts import Parts, counting, on_device, resident
 
@@ -281,8 +281,8 @@ def test_evicting_from_host_demotes_the_gpu_copies_first(parts, tmp_path):
 
 
 def test_an_evict_reply_says_which_version_and_where_it_was_and_is(parts, tmp_path):
-    from modelcache import protocol as P
     from modelcache.daemon.identity import Peer
+    from modelcache.wire import protocol as P
     model = parts.add(tmp_path, "tiny-cnn", "m")
     on_device(parts, model)
     me = Peer(b"me", (os.getuid(), os.getgid(), 1))

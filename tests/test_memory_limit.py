@@ -16,7 +16,7 @@ import pytest
 from conftest import DaemonProcess, stop_cleanly, wait_until
 from modelcache import memlimit, zoo
 from modelcache.errors import OutOfMemoryError
-from modelcache.packing import pack
+from modelcache.store.packing import pack
 
 MiB = 1 << 20
 MODEL_BYTES = 48 * MiB

@@ -11,9 +11,9 @@ import pytest
 
 from modelcache import zoo
 from modelcache.errors import PackError
-from modelcache.format import ALIGN, SKELETON_FILE, WEIGHTS_FILE, iter_graphs, load_manifest
-from modelcache.packing import pack
 from modelcache.session_options import attach_session_options
+from modelcache.store.format import ALIGN, SKELETON_FILE, WEIGHTS_FILE, iter_graphs, load_manifest
+from modelcache.store.packing import pack
 from modelcache.tiers.disk import Repository
 from conftest import TINY
 
@@ -148,7 +148,7 @@ def test_existing_version_is_not_overwritten(zoo_file, tmp_path):
 def test_kill_during_add_never_leaves_a_half_model(zoo_file, tmp_path):
     src = zoo_file("resnet50")
     repo = tmp_path / "repo"
-    code = f"from modelcache.packing import pack; pack({src!r}, __import__('pathlib').Path({str(repo)!r}), 'r', 1)"
+    code = f"from modelcache.store.packing import pack; pack({src!r}, __import__('pathlib').Path({str(repo)!r}), 'r', 1)"
     proc = subprocess.Popen([sys.executable, "-c", code])
     # Kill it once the temp dir exists, i.e. in the middle of packing.
     import time
@@ -166,7 +166,7 @@ def test_kill_during_add_never_leaves_a_half_model(zoo_file, tmp_path):
 
 def test_format_element_types_agree_with_onnx():
     # format.py sizes tensors without onnx: its table must say what onnx's numpy dtypes say.
-    from modelcache.format import ONNX_ELEMENT_TYPES
+    from modelcache.store.format import ONNX_ELEMENT_TYPES
 
     known = {v for _, v in onnx.TensorProto.DataType.items() if v != onnx.TensorProto.UNDEFINED}
     assert set(ONNX_ELEMENT_TYPES) == known
@@ -176,10 +176,10 @@ def test_format_element_types_agree_with_onnx():
 
 
 def test_what_only_reads_a_stored_model_imports_neither_onnx_nor_the_packer():
-    readers = ["modelcache.format", "modelcache.tiers.host", "modelcache.tiers.disk", "modelcache.tiers.remote",
-               "modelcache.tiers.adopt", "modelcache.daemon.registry", "modelcache.scrub"]
+    readers = ["modelcache.store.format", "modelcache.tiers.host", "modelcache.tiers.disk", "modelcache.tiers.remote",
+               "modelcache.tiers.adopt", "modelcache.daemon.registry", "modelcache.store.scrub"]
     code = ("import sys\n" + "".join(f"import {m}\n" for m in readers) +
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('onnx', 'onnxruntime')"
-            " or m == 'modelcache.packing'))")
+            " or m == 'modelcache.store.packing'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

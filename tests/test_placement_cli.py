@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from modelcache.cli import main
-from modelcache.packing import pack
+from modelcache.store.packing import pack
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "systems"
 

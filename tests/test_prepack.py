@@ -1,4 +1,4 @@
-"""Pre-packed MatMul weights shared through the host tier (modelcache/prepack.py), with a real daemon and ORT.
+"""Pre-packed MatMul weights shared through the host tier (modelcache/store/prepack.py), with a real daemon and ORT.
 
 A MatMul-heavy model gets its blobs at add time; clients build sessions with prepacking on over a
 skeleton that names the blobs in the host tier, get plain ORT's outputs, and make no private packed
@@ -20,8 +20,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import modelcache
-from modelcache import format, packing, prepack
 from modelcache.errors import IntegrityError
+from modelcache.store import format, packing, prepack
 
 # Two dense layers of 1024x4096 and 4096x1024: 32 MiB of MatMul weights, so a private packed
 # copy (another 32 MiB) stands out from the noise of a process's own allocations.

@@ -1,8 +1,8 @@
 import msgpack
 import pytest
 
-from modelcache import protocol as P
 from modelcache.errors import ProtocolError
+from modelcache.wire import protocol as P
 
 
 def test_roundtrip_every_field():
@@ -58,14 +58,14 @@ def test_req_id_recovered_from_a_bad_message_when_possible():
     {"name": "x", "dtype": "float32", "shape": [2**40, 2**40], "data": b"\0" * 8},
 ])
 def test_malformed_tensors_are_protocol_errors(entry):
-    from modelcache import tensors
+    from modelcache.wire import tensors
     with pytest.raises(ProtocolError, match="malformed tensor"):
         tensors.decode([entry])
 
 
 def test_tensors_roundtrip_read_only():
     import numpy as np
-    from modelcache import tensors
+    from modelcache.wire import tensors
     feeds = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros((0, 4), np.int64)}
     wire, files = tensors.encode(feeds)
     out, maps = tensors.decode(msgpack.unpackb(msgpack.packb(wire)))

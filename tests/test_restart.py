@@ -191,7 +191,7 @@ def test_a_stray_reply_of_any_kind_is_dropped_by_request_id(tmp_path):
     d = DaemonProcess(tmp_path).start()
     try:
         c = d.client()
-        from modelcache import protocol as P
+        from modelcache.wire import protocol as P
         conn = c._zmq.connect()                # the client's connection; an id no call of it waits for
         conn.send(*P.encode(P.ListModels(req_id=10**9)), time.monotonic() + 5)
         assert c.stats().pid == d.pid          # reads past the stray list_ok, no ProtocolError

@@ -11,9 +11,10 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from modelcache import lane, protocol as P, zoo
+from modelcache import zoo
 from modelcache.client.rpc import Channel, lane_connection
 from modelcache.errors import DaemonUnavailable, RequestTimeout
+from modelcache.wire import lane, protocol as P
 from conftest import DaemonProcess, wait_until
 from test_batched_serving import batching_daemon
 

@@ -165,7 +165,7 @@ def test_close_answers_every_queued_request():
 def plan(tmp_path, config: str):
     from test_triton_examples import sequence_model
 
-    from modelcache.packing import model_io
+    from modelcache.store.packing import model_io
     from modelcache.triton_repo.config import plan_model
     model, _ = sequence_model("simple_string_dyna_sequence")
     import onnx
@@ -221,7 +221,7 @@ def test_a_stateful_config_the_model_contradicts_is_refused(tmp_path, controls, 
                                              ({"id": -1}, r"within 0\.\.2\^64-1")])
 def test_an_infer_with_a_malformed_sequence_is_refused_as_it_is_decoded(sequence, words):
     """(before anything holds the model: an unhashable id once reached the table with the model held)"""
-    from modelcache import protocol as P
     from modelcache.errors import RecordError
+    from modelcache.wire import protocol as P
     with pytest.raises(RecordError, match=words):
         P.decode(P.encode(P.Infer(req_id=1, client_id="", name="m", inputs=[], sequence=sequence)))

@@ -13,9 +13,9 @@ import onnxruntime as ort
 import pytest
 
 import modelcache
-from modelcache import protocol as P
 from modelcache import zoo
 from modelcache.errors import InputError, ModelNotFound, PackError, RequestTimeout
+from modelcache.wire import protocol as P
 from conftest import HERE, DaemonProcess
 from test_daemon import raw_socket
 

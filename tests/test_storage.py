@@ -16,9 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from modelcache import reservations, zoo
+from modelcache import zoo
 from modelcache.errors import PackError, StorageError
-from modelcache.packing import pack
+from modelcache.store import reservations
+from modelcache.store.packing import pack
 from modelcache.tiers.disk import Repository
 from conftest import HERE, DaemonProcess, stop_cleanly
 
@@ -55,7 +56,7 @@ def test_a_version_being_written_is_neither_taken_nor_swept(tmp_path, zoo_file):
 
 def test_a_killed_writer_is_swept_and_its_version_reused(tmp_path):
     repo = tmp_path / "repo"
-    code = ("import pathlib, sys; from modelcache import reservations; "
+    code = ("import pathlib, sys; from modelcache.store import reservations; "
             f"r = reservations.reserve(pathlib.Path({str(repo)!r}), 'm', None); print(r.tmp, flush=True); "
             "sys.stdin.read()")
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,

@@ -11,7 +11,7 @@ import onnx
 import pytest
 
 from modelcache import zoo
-from modelcache.packing import pack
+from modelcache.store.packing import pack
 from modelcache.tiers import gpu
 
 

@@ -25,7 +25,7 @@ from modelcache import zoo
 from modelcache.calibration import check_serving
 from modelcache.errors import InputError
 from modelcache.executor.batching import Dynamic, Pending
-from modelcache.packing import model_io
+from modelcache.store.packing import model_io
 from modelcache.triton_repo.config import NotOnnx, config_to_json, plan_model, read_config
 
 from conftest import DaemonProcess, stop_cleanly, wait_until

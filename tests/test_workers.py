@@ -12,7 +12,7 @@ import pytest
 
 from modelcache import zoo
 from modelcache.executor.workers import StageJob, Worker, discover_gpus, gpu_kind, select_gpus
-from modelcache.packing import pack
+from modelcache.store.packing import pack
 from modelcache.tiers.gpu import GpuDevice
 
 A = GpuDevice(0, "GPU-aaaa", "Fake A100", 40 << 30)

@@ -54,7 +54,7 @@ def child(candidate: str, src: str, packed: str, warm_runs: int) -> dict:
         sess = ort.InferenceSession(os.path.join(packed, "model.onnx"), attach_session_options(),
                                     providers=["CPUExecutionProvider"])
     elif candidate == "add-initializer":
-        from modelcache.format import load_manifest
+        from modelcache.store.format import load_manifest
         manifest = load_manifest(Path(packed))
         blob = np.memmap(os.path.join(packed, "weights.bin"), dtype=np.uint8, mode="r")
         so = attach_session_options()
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
 
     from modelcache import zoo
     from modelcache.measure import save_results
-    from modelcache.packing import pack
+    from modelcache.store.packing import pack
 
     work = Path(tempfile.mkdtemp(prefix="modelcache-binding-"))
     shm = Path(tempfile.mkdtemp(prefix="modelcache-binding-", dir="/dev/shm"))

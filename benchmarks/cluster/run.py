@@ -100,7 +100,7 @@ def model_sizes(n: int, lo_mb: float = 8, hi_mb: float = 48) -> list:
 def build_store(store: Path, n: int, seed: int) -> dict:
     """Pack n embedding models into `store` and publish it; returns name -> weight bytes (as the store lists)."""
     from modelcache import zoo
-    from modelcache.packing import pack
+    from modelcache.store.packing import pack
     from modelcache.tiers.remote import publish
     store.mkdir(parents=True, exist_ok=True)
     src_dir = store.parent / "src"

@@ -173,7 +173,7 @@ def check(r) -> None:
     from modelcache.measure import ensure_models, managed_daemon
     from modelcache.client.connection import connect
     from modelcache.errors import CapacityError
-    from modelcache.format import load_manifest
+    from modelcache.store.format import load_manifest
 
     nvml, env, model = None, dict(DAEMON_ENV), MODEL
     if r.rehearse:     # here, without a GPU: fake devices (files), a tiny model, no device memory to read

@@ -80,7 +80,7 @@ def check(r) -> None:
 
         fd = os.open(path, os.O_RDONLY)
         try:
-            addr = gpu._mmap_read_only(fd, SIZE, 0)
+            addr = gpu.mmap_read_only(fd, SIZE, 0)
         finally:
             os.close(fd)
         try:
@@ -104,7 +104,7 @@ def check(r) -> None:
                 r.set("registered_memcpy_gb_s", gb_s(SIZE, statistics.median(copies)))
             r.set("read_only_register_accepted", bool(regs))
         finally:
-            gpu._munmap(addr, SIZE)
+            gpu.munmap(addr, SIZE)
 
         # pinned: cudaHostAlloc memory, the bandwidth a promotion is held to (issue #36: >= 0.8x of it)
         t = time.perf_counter()

@@ -263,7 +263,7 @@ def lease(r, Child) -> None:
     """The daemon's read-only lease, through the client's own mapping code."""
     from modelcache.measure import ensure_models, managed_daemon
     from modelcache.client.connection import connect
-    from modelcache.format import load_manifest
+    from modelcache.store.format import load_manifest
 
     env = {"MODELCACHE_GPU_SHARING": "vmm-read-only", "MODELCACHE_GPUS": "auto"}
     if r.rehearse:

@@ -36,7 +36,7 @@ from pathlib import Path
 def tiny_cnn_served(kinds: tuple, prefix: str):
     """A daemon of its own (a temporary directory, tiny-cnn added) with `modelcache KIND` in front of it for each
     kind: yields (socket, the model's .onnx, [(front process, host:port)]); ab.py's drivers use it too."""
-    from modelcache.bench.http import _start_front
+    from modelcache.bench.http import start_front
     from modelcache.measure import ensure_models, managed_daemon
 
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
@@ -46,7 +46,7 @@ def tiny_cnn_served(kinds: tuple, prefix: str):
         with open(Path(tmp) / "fronts.log", "ab") as log, \
                 managed_daemon(sock, f"{tmp}/repo", env={"MODELCACHE_CONFIG": ""}):
             path = ensure_models(sock, ["tiny-cnn"], Path(tmp) / "zoo")["tiny-cnn"]
-            fronts = [_start_front(env, log, kind) for kind in kinds]
+            fronts = [start_front(env, log, kind) for kind in kinds]
             try:
                 yield sock, path, fronts
             finally:

@@ -275,7 +275,7 @@ def main(argv=None) -> int:
     if args.worker:
         _worker(*args.worker)
         return 0
-    from modelcache.bench.http import _io, _start_front
+    from modelcache.bench.http import one_input_io, start_front
     from modelcache.measure import ensure_models, managed_daemon, save_results
     servers = [s for s in SERVERS if s != "kserve-grpc" or args.kserve_python]
     res = {"seconds": args.seconds, "rounds": args.rounds, "kserve_spin": not args.kserve_no_spin,
@@ -289,11 +289,11 @@ def main(argv=None) -> int:
         try:
             with managed_daemon(socket_, f"{tmp}/repo", env={"MODELCACHE_CONFIG": ""}):
                 paths = ensure_models(socket_, args.models, Path(tmp) / "zoo")
-                io = {m: _io(p) for m, p in paths.items()}
+                io = {m: one_input_io(p) for m, p in paths.items()}
                 from ab import _daemon_pid
                 address, pids = {}, {}
                 for kind in ("grpc", "http"):
-                    proc, address[f"modelcache-{kind}"] = _start_front(env, log, kind)
+                    proc, address[f"modelcache-{kind}"] = start_front(env, log, kind)
                     procs.append((proc, False))
                     pids[f"modelcache-{kind}"] = {"front": proc.pid, "daemon": _daemon_pid(socket_)}
                 if args.kserve_python:

@@ -55,8 +55,8 @@ def fold_at_open_session(name: str, repository: Path):
     import onnxruntime as ort
     from modelcache.client.connection import shared_client
     from modelcache.client.leases import shared_lease_client
-    from modelcache.format import SKELETON_FILE, WEIGHTS_FILE, load_manifest
     from modelcache.session_options import attach_session_options, map_readonly
+    from modelcache.store.format import SKELETON_FILE, WEIGHTS_FILE, load_manifest
 
     lease_client = shared_lease_client(None) or shared_client()   # the path attach mode's open takes
     lease = lease_client.open(name, None, device="cpu")
@@ -118,16 +118,16 @@ def child_warm(name: str, src: str, repository: str, runs: int) -> dict:
 def half_weight_bytes(src: str, min_bytes: int = 0) -> int:
     """Bytes of the model's fp16/bf16 initializers of at least `min_bytes` each, every (sub)graph."""
     import onnx
-    from modelcache.format import iter_graphs, tensor_nbytes
-    from modelcache.packing import _HALF_TYPES
+    from modelcache.store.format import iter_graphs, tensor_nbytes
+    from modelcache.store.packing import HALF_TYPES
     model = onnx.load(src, load_external_data=False)
-    sizes = [tensor_nbytes(t) for g in iter_graphs(model.graph) for t in g.initializer if t.data_type in _HALF_TYPES]
+    sizes = [tensor_nbytes(t) for g in iter_graphs(model.graph) for t in g.initializer if t.data_type in HALF_TYPES]
     return sum(n for n in sizes if n >= min_bytes)
 
 
 def pack_both(src: str, repository: Path, name: str) -> None:
     """`name`: packed as `add` packs it; `name`-upcast: with ORT's fp16 -> fp32 weight fusion left on."""
-    from modelcache.packing import pack
+    from modelcache.store.packing import pack
     pack(src, repository, name, 1)
     pack(src, repository, name + UPCAST_SUFFIX, 1, keep_half_weights=False)
 
@@ -135,7 +135,7 @@ def pack_both(src: str, repository: Path, name: str) -> None:
 def host_tier_bytes_with_gpu(repository: Path, name: str) -> int:
     """The segment bytes a fresh host tier would hold for the model with both variants (a GPU open
     promotes the GPU skeleton's weights through the host tier): the tier's own plan, nothing written."""
-    from modelcache.format import load_manifest
+    from modelcache.store.format import load_manifest
     from modelcache.tiers.host import HostTier
     with tempfile.TemporaryDirectory() as shm:
         model_dir = repository / name / "1"
@@ -145,7 +145,7 @@ def host_tier_bytes_with_gpu(repository: Path, name: str) -> int:
 def measure(socket: str, paths: dict[str, str], runs: int, warm_runs: int, repository: Path) -> dict:
     import modelcache
     from modelcache import zoo
-    from modelcache.packing import INLINE_MAX_BYTES
+    from modelcache.store.packing import INLINE_MAX_BYTES
     samples, warm, host = [], [], []
     for name, src in paths.items():
         holders = []

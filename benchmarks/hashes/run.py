@@ -54,7 +54,7 @@ def _gb_s(make, view: memoryview, chunked: bool) -> float:
 
 def _copy_runs(src: Path, size: int, runs: int) -> dict:
     """MB/s and CPU ms of copying `src` into /dev/shm, without and with hashing on the way."""
-    from modelcache import integrity
+    from modelcache.store import integrity
     from modelcache.tiers.files import copy_hashed, copy_range
 
     dst = Path("/dev/shm") / f"modelcache-bench-copy-{os.getpid()}"

@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 
 from modelcache import connect, memlimit, zoo
-from modelcache.packing import pack
+from modelcache.store.packing import pack
 
 MiB = 1 << 20
 

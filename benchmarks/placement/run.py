@@ -70,11 +70,11 @@ def main(argv=None) -> int:
     import io
 
     from modelcache import zoo
-    from modelcache.packing import pack
     from modelcache.placement.command import report as place_report
     from modelcache.placement.machine import cost_table
     from modelcache.placement.search import place
     from modelcache.placement.system import load_system
+    from modelcache.store.packing import pack
 
     ap = Parser(prog="python benchmarks/placement/run.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

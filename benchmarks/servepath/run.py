@@ -35,14 +35,14 @@ WARMUP = 300
 def run_daemon(socket: str, repository: str, out: str, profile: bool) -> None:
     """The daemon, with the lane's read handler timed (wall and thread CPU) and maybe profiled."""
     from modelcache.config import load
-    from modelcache.daemon import lane, server
+    from modelcache.daemon import lane_server, server
 
     stamps: list[tuple[float, float]] = []
     profiler = None
     if profile:
         import cProfile
         profiler = cProfile.Profile()
-    handle_ready = lane.LaneServer.on_ready
+    handle_ready = lane_server.LaneServer.on_ready
 
     def timed_on_ready(self, fd, events, handle):
         if profiler:
@@ -53,7 +53,7 @@ def run_daemon(socket: str, repository: str, out: str, profile: bool) -> None:
         if profiler:
             profiler.disable()
 
-    lane.LaneServer.on_ready = timed_on_ready
+    lane_server.LaneServer.on_ready = timed_on_ready
     daemon = server.Daemon(load(overrides={"socket": socket, "repository": repository, "workers": "1",
                                            "gpus": "none"}))
     signal.signal(signal.SIGTERM, daemon.request_stop)

@@ -12,7 +12,7 @@ ZeroMQ passes every message through an I/O thread on both ends (4 more thread wa
 per round trip than a plain socket); this is the measurement behind the serve lane.
 
 Also "reads": one 12 KB message (tiny-cnn's input) sent and read on a socket pair, read
-three ways; the measurement behind modelcache.lane.recv_chunk.
+three ways; the measurement behind modelcache.wire.lane.recv_chunk.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def measure(kind: str, address: str, calls: int, work_us: float) -> dict:
                 time.sleep(0.1)
                 sock.close()
         else:
-            from modelcache.lane import LaneClient
+            from modelcache.wire.lane import LaneClient
             lane = LaneClient(address)
 
             def call():
@@ -117,7 +117,7 @@ def reads(calls: int = 20000) -> dict:
     """Microseconds per send + read of one message, by how it is read (best of 5 blocks)."""
     import socket
 
-    from modelcache.lane import recv_chunk
+    from modelcache.wire.lane import recv_chunk
 
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     message = bytes(READ_MESSAGE_BYTES)

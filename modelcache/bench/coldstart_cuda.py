@@ -140,7 +140,7 @@ def demote(client, name: str, timeout_s: float = 600) -> None:
 
 def write_layouts(client, names: list[str], repository: Path, work: Path) -> dict[str, str]:
     """Per model, a JSON file with where the host tier holds its GPU variant (what host-attach maps)."""
-    from ..format import load_manifest
+    from ..store.format import load_manifest
     out = {}
     for name in names:
         lease = client.open(name)     # resident in the host tier while we read where it lies

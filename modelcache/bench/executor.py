@@ -65,7 +65,7 @@ def floor_server(path: str, src: str) -> None:
 
 class FloorClient:
     def __init__(self, tmp: Path, src: str):
-        from ..lane import LaneClient
+        from ..wire.lane import LaneClient
         path = str(tmp / "floor.sock")
         self.proc = subprocess.Popen([sys.executable, "-m", "modelcache.bench.executor", "--floor-server", path, src],
                                      stdout=subprocess.PIPE, text=True)

@@ -68,7 +68,7 @@ class Fuzzer:
                  strict: bool = True):
         import zmq
 
-        from ..lane import lane_path
+        from ..wire.lane import lane_path
         from .fuzz_messages import FuzzTarget
 
         self.address, self.pid, self.probe_fn, self.hang_s, self.strict = address, daemon_pid, probe, hang_s, strict
@@ -88,7 +88,7 @@ class Fuzzer:
     def hello(self) -> None:
         """Become a client, so fuzzed requests that name the id get past the lease check to their handler
         (a fuzzed `bye` may drop it: a new one comes with every batch)."""
-        from .. import protocol as P
+        from ..wire import protocol as P
         rid = self.next_id
         self.next_id += 1
         self.sock.send_multipart(P.encode(P.Hello(req_id=rid, protocol_version=P.PROTOCOL_VERSION, pid=os.getpid(),
@@ -115,7 +115,7 @@ class Fuzzer:
             self.fail(f"the daemon (pid {self.pid}) died", Crash)
 
     def check_reply(self, frames: list, sent_kind: bytes | None) -> None:
-        from .. import protocol as P
+        from ..wire import protocol as P
         from .fuzz_messages import REPLY_TO
         self.counts["replies"] += 1
         try:
@@ -153,7 +153,7 @@ class Fuzzer:
         """Send a marker request and read every reply up to its answer: the owner loop handled the batch.
         Replies of work handed to other threads (adds, loads, infers) may come later; they are checked
         whenever they come."""
-        from .. import protocol as P
+        from ..wire import protocol as P
         marker = SENTINEL_BASE + self.sentinels
         self.sentinels += 1
         self.sock.send_multipart(P.encode(P.ListModels(req_id=marker)))
@@ -173,7 +173,7 @@ class Fuzzer:
     # -- the lane ------------------------------------------------------------------------
     def lane_exchange(self, data: bytes, messages: list) -> None:
         """One connection: send `data`, half-close, and read replies until the daemon closes it."""
-        from ..lane import FrameReader, LaneError
+        from ..wire.lane import FrameReader, LaneError
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(self.hang_s)
         kinds = {m.req_id: m.kind for m in messages if m.req_id is not None}
@@ -202,7 +202,7 @@ class Fuzzer:
                 reader.feed(chunk)
                 try:
                     while (message := reader.next()) is not None:
-                        from .. import protocol as P
+                        from ..wire import protocol as P
                         self.check_reply(list(message), kinds.get(P.req_id_of(list(message))))
                 except LaneError as e:
                     return self.fail(f"the daemon's lane reply is not a frame: {e}")
@@ -245,9 +245,9 @@ class Fuzzer:
 
 def named_cases(fz: Fuzzer, model: str) -> None:
     """Send each once, on each socket where it fits; fz checks the replies as any other."""
-    from .. import protocol as P
-    from ..lane import frame
-    from ..tensors import IO_DIR, IO_PREFIX
+    from ..wire import protocol as P
+    from ..wire.lane import frame
+    from ..wire.tensors import IO_DIR, IO_PREFIX
     from .fuzz_messages import array_of
 
     rid = fz.next_id

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from .. import protocol as P
-from ..lane import HEADER, frame
+from ..wire import protocol as P
+from ..wire.lane import HEADER, frame
 
 REQUESTS = [cls for cls in P.MESSAGES.values() if not cls.KIND.endswith(b"_ok") and cls.KIND not in (b"ok", b"error")]
 REPLIES = [cls for cls in P.MESSAGES.values() if cls not in REQUESTS]
@@ -99,7 +99,7 @@ def hostile_value(rng: random.Random, depth: int = 0) -> bytes:
 
 
 def tensor_entry(rng: random.Random, target: FuzzTarget) -> bytes:
-    """An input tensor of serve mode (see modelcache.tensors) with some of its parts made wrong."""
+    """An input tensor of serve mode (see modelcache.wire.tensors) with some of its parts made wrong."""
     shape = rng.choice([[1, 3, 32, 32], [2, 3, 32, 32], [], [0], [-1, 3], [2**40, 2**40], [1] * 40,
                         [rng.randrange(-5, 70000)], ["a"], [1.5]])
     dtype = rng.choice(DTYPES)

@@ -176,7 +176,7 @@ def _worker(mode: str, socket: str, hostport: str, model: str, io: str, start_at
     print(n, flush=True)
 
 
-def _io(path: str) -> tuple:
+def one_input_io(path: str) -> tuple:
     """(input name, first output's name, input shape at batch 1) of a one-input model."""
     import onnx
     g = onnx.load(path, load_external_data=False).graph
@@ -186,7 +186,7 @@ def _io(path: str) -> tuple:
     return inp.name, g.output[0].name, shape
 
 
-def _start_front(env: dict, log, kind: str = "http") -> tuple[subprocess.Popen, str]:
+def start_front(env: dict, log, kind: str = "http") -> tuple[subprocess.Popen, str]:
     """`modelcache http` (or grpc) on a free port: (process, host:port)."""
     proc = subprocess.Popen([sys.executable, "-m", "modelcache.cli", kind, "--port", "0", "--log-level", "warning"],
                             env=env, stdout=subprocess.PIPE, stderr=log)
@@ -250,8 +250,8 @@ def main(argv=None) -> int:
         log = open(Path(tmp) / "http.log", "ab")
         with managed_daemon(socket, f"{tmp}/repo", env={"MODELCACHE_CONFIG": ""}):
             paths = ensure_models(socket, [args.model, args.big], Path(tmp) / "zoo")
-            io = {m: _io(path) for m, path in paths.items()}
-            front, hostport = _start_front(env, log)
+            io = {m: one_input_io(path) for m, path in paths.items()}
+            front, hostport = start_front(env, log)
             from ..client.connection import connect
             with connect(socket) as c:
                 daemon_pid = c.stats().pid

@@ -23,9 +23,9 @@ import time
 def run(cfg: dict) -> dict:
     import numpy as np
 
-    from .. import tensors
     from ..client.connection import connect
     from ..client.stream import InferStream
+    from ..wire import tensors
 
     rng = np.random.default_rng(cfg["seed"])
     schedule, t = [], 0.0
@@ -76,8 +76,8 @@ def closed_loop(cfg: dict) -> dict:
 
     import numpy as np  # noqa: F401  (the sessions' outputs)
 
-    from .. import tensors
     from ..client.session import InferenceSession
+    from ..wire import tensors
 
     sessions = [InferenceSession(cfg["model"], mode="serve", socket=cfg["socket"]) for _ in range(cfg["threads"])]
     feeds = tensors.random_feeds(sessions[0]._inputs, batch=1, seed=cfg.get("seed", 0))

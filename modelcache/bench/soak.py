@@ -142,7 +142,7 @@ def worker(role: str, socket: str, refs_path: str, seconds: float, seed: int, ch
 
 def shm_bytes(daemon_pid: int) -> int:
     """Bytes in /dev/shm of the daemon's host tier and of every modelcache I/O file (what clients leave)."""
-    from ..tensors import IO_DIR, IO_PREFIX
+    from ..wire.tensors import IO_DIR, IO_PREFIX
     total = 0
     tier = Path(IO_DIR) / f"modelcache.{os.getuid()}.{daemon_pid}"
     for f in tier.iterdir() if tier.is_dir() else ():

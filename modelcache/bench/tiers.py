@@ -57,7 +57,7 @@ def main(argv=None) -> int:
 
     from .. import zoo
     from ..client.connection import connect
-    from ..packing import pack
+    from ..store.packing import pack
     from ..tiers.remote import publish
 
     with tempfile.TemporaryDirectory(prefix="modelcache-tiers-") as tmp:

@@ -13,7 +13,7 @@ import statistics
 import time
 
 from ..calibration import calibration_profile
-from ..tensors import random_feeds
+from ..wire.tensors import random_feeds
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16)
 DEFAULT_T_OPT_FACTOR = 5.0   # without a t_opt: five times a batch-1 request's round trip

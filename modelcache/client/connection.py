@@ -4,7 +4,7 @@ Every call carries a request id and a timeout, so a dead or stuck daemon is a ty
 error, never a hang. Requests go through the request core (client/rpc.py) on two channels:
 ZeroMQ (a DEALER socket, not REQ, so the connection stays usable after a timeout) for
 hello, open and admin, and the daemon's serve lane for `infer` when it has one
-(modelcache/lane.py: the same messages on a plain Unix socket, a few thread wake-ups
+(modelcache/wire/lane.py: the same messages on a plain Unix socket, a few thread wake-ups
 shorter than ZeroMQ). The core matches replies by id, so any number of threads may have
 calls in flight at once (their serve requests can batch together in the daemon), and late
 replies to abandoned requests are dropped, whatever their kind.
@@ -31,9 +31,9 @@ import zmq
 
 import logging
 
-from .. import lane as _lane, protocol as P
 from ..address import check_can_connect, check_listening
 from ..errors import DaemonUnavailable, ModelCacheError, RequestTimeout, from_code
+from ..wire import lane as _lane, protocol as P
 from .lease_keeper import LeaseKeeper
 from .rpc import Channel, answer_within_ms, lane_connection
 
@@ -217,7 +217,7 @@ class Client:
     # -- transport ---------------------------------------------------------------------
     @property
     def uses_lane(self) -> bool:
-        """Whether serve-mode calls go over the serve lane (else ZeroMQ; see modelcache/lane.py)."""
+        """Whether serve-mode calls go over the serve lane (else ZeroMQ; see modelcache/wire/lane.py)."""
         return self._lane is not None
 
     def _say_hello(self, conn) -> None:
@@ -396,7 +396,7 @@ class Client:
     def infer(self, name: str, feeds: dict, output_names: list | None = None, version: int | None = None,
               deadline_ms: float | None = None) -> tuple[dict, dict]:
         """Serve mode: the daemon runs the model. Returns (name -> output array, timings)."""
-        from .. import tensors
+        from ..wire import tensors
         wire, files = tensors.encode(feeds, group_of=self._group_of, model=name)
         try:
             reply = self._call(P.Infer(req_id=0, client_id=self.client_id, name=name, inputs=wire, version=version,
@@ -415,8 +415,8 @@ class Client:
         sizes; reply.wake_s: the cold runs' extra seconds). The worker runs nothing else for the profile's span:
         at least `runs` back-to-back runs, a cold run (30 ms idle first) between each two, more until `min_s`;
         no run starts after MAX_PROFILE_S (60 s)."""
-        from .. import tensors
-        from ..protocol import MAX_PROFILE_S
+        from ..wire import tensors
+        from ..wire.protocol import MAX_PROFILE_S
         wire, files = tensors.encode(feeds, group_of=self._group_of, model=name)
         try:
             # Beyond the usual timeout: the worker starts no run after MAX_PROFILE_S, but first finishes the
@@ -459,9 +459,9 @@ class Client:
         """Pack an .onnx file into the daemon's repository (prepack: store shared MLAS-packed MatMul weights;
         None: the daemon's `prepack` setting). This process opens the file and each external-data
         file it references, with its own rights (an OSError is its own), and passes the descriptors over a
-        lane connection of their own: the daemon never opens a path a client names (see modelcache/sources.py).
+        lane connection of their own: the daemon never opens a path a client names (see modelcache/store/sources.py).
         `declared`: {"serving", "model_config", "labels"} a Triton configuration gives the model (triton_repo/)."""
-        from ..sources import close_all, open_model_files
+        from ..store.sources import close_all, open_model_files
         names, fds = open_model_files(path)
         lane = None
         try:

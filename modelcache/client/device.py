@@ -25,7 +25,7 @@ import threading
 from ..cuda import (DLPACK_DTYPES, KDL_CPU, KDL_CUDA, VMM_KINDS, DeviceError, cuda_driver, cuda_runtime, dlpack_value,
                     fake_index, map_fake, map_fake_fd, unmap_fake, vmm_token_size)
 from ..errors import ProtocolError
-from ..protocol import TensorPlacement
+from ..wire.protocol import TensorPlacement
 
 __all__ = [
     "HandleCache", "handle_cache", "DeviceWeights", "attach_weights", "requested_device", "cuda_device_id",

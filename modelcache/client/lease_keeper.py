@@ -10,7 +10,7 @@ mapping, only the daemon's accounting misses it, and releasing it sends nothing.
 
 from __future__ import annotations
 
-from .. import protocol as P
+from ..wire import protocol as P
 from .rpc import close_received_fds
 
 

@@ -3,7 +3,7 @@
 An attach-mode open in a fresh process should cost what a hand-tuned ORT session costs plus one
 round trip (issue #16). Through the full client (connection.py) it cost ~40 ms more: importing
 pyzmq, logging and the settings loader, a ZeroMQ context, a hello round trip, a heartbeat thread.
-Here the first `open` is the first message: on the lane (a plain Unix socket, modelcache/lane.py),
+Here the first `open` is the first message: on the lane (a plain Unix socket, modelcache/wire/lane.py),
 client id "" asks the daemon to make this connection its client, so the connection is the lease's
 liveness: when this process dies or closes it, the kernel closes it and the daemon releases the
 leases. No hello, no heartbeat, no ZeroMQ. The breakdown that led here is in benchmarks/coldstart.
@@ -24,10 +24,10 @@ import _thread  # not threading, which costs ~1 ms to import
 import os
 import sys
 
-from .. import protocol as P
 from ..address import client_settings
 from ..errors import from_code
-from ..lane import lane_path
+from ..wire import protocol as P
+from ..wire.lane import lane_path
 from .lease_keeper import LeaseKeeper
 from .rpc import Channel, answer_within_ms, lane_connection
 

@@ -25,9 +25,9 @@ import os
 import select
 import time
 
-from .. import protocol as P
 from ..errors import DaemonUnavailable, ProtocolError, RequestTimeout, from_code, ModelCacheError
-from ..lane import LaneClient, LaneError
+from ..wire import protocol as P
+from ..wire.lane import LaneClient, LaneError
 
 RECONNECT_BACKOFF_S = (0.05, 2.0)    # the watcher's first retry, and the longest wait between retries
 READER_WAIT_S = 3600.0               # a reader thread's wait for the next message (it ends with its connection)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import InputError
-from ..tensors import ORT_TYPES, FeedCheck
+from ..wire.tensors import ORT_TYPES, FeedCheck
 from .connection import Client, shared_client
 from .dropin import ORT_SESSION_METHODS, hint_if_a_file, model_name, model_version, refusal
 

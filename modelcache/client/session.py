@@ -18,8 +18,8 @@ import warnings
 from typing import TYPE_CHECKING
 
 from ..errors import InputError, ModelCacheError
-from ..tensors import NUMPY_TYPES, FeedCheck
 from ..session_options import attach_session_options, bind_weights
+from ..wire.tensors import NUMPY_TYPES, FeedCheck
 from .caller_options import copy_of
 from .dropin import (ORT_SESSION_METHODS, hint_if_a_file, model_name, model_version, refusal,
                      refuse_in_serve_mode, without_ort_kwargs)

@@ -19,9 +19,9 @@ import time
 
 import zmq
 
-from .. import lane as _lane
-from .. import protocol as P
 from ..errors import DaemonUnavailable, from_code
+from ..wire import lane as _lane
+from ..wire import protocol as P
 from .rpc import Channel, lane_connection
 
 SEND_TIMEOUT_S = 60.0   # a daemon that takes no bytes for this long is stalled

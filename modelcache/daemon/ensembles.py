@@ -18,10 +18,10 @@ import json
 import logging
 from pathlib import Path
 
-from .. import protocol as P
 from ..errors import InputError, ModelCacheError, ModelNotFound, from_code
 from ..executor.ensemble import Ensemble, Step
 from ..storage import storage_errors, write_atomic
+from ..wire import protocol as P
 from .registry import blank_listing
 
 log = logging.getLogger("modelcache.daemon")

@@ -42,7 +42,7 @@ class Fetcher:
         """The model a request names; if only the remote store has it (or has a good copy of a version whose
         manifest is damaged here), start one fetch and return None: the request runs again when it lands (or
         is answered with the fetch's error)."""
-        from .. import protocol as P
+        from ..wire import protocol as P
         try:
             return self.registry.resolve(msg.name, msg.version)
         except ModelNotFound:

@@ -27,7 +27,7 @@ SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)   # Linux 4.13; Python's so
 
 class Peer:
     """A ZeroMQ request's sender: where its reply goes (the routing id) and who it is.
-    The lane's connections (daemon/lane.py) carry the same uid, gid and pid attributes, and `carries_fds`:
+    The lane's connections (daemon/lane_server.py) carry the same uid, gid and pid attributes, and `carries_fds`:
     whether a reply to this requester can pass file descriptors (a GPU lease under read-only sharing).
     Only a lane connection, a Unix stream socket, can; a ZeroMQ peer cannot."""
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 import logging
 import time
 
-from .. import protocol as P
 from ..errors import InputError, IntegrityError, ModelCacheError, ModelNotFound, PackError
 from ..executor.sequences import SequenceSpec
-from ..format import load_manifest
-from ..packing import pack_in_subprocess
-from ..scrub import DAMAGED, nothing_to_verify, verify_version
-from ..sources import check_regular_files, check_source_names, close_all
+from ..store.format import load_manifest
+from ..store.packing import pack_in_subprocess
+from ..store.scrub import DAMAGED, nothing_to_verify, verify_version
+from ..store.sources import check_regular_files, check_source_names, close_all
+from ..wire import protocol as P
 from .registry import ModelRecord, Registry
 from .residency import ModelState
 
@@ -150,7 +150,7 @@ class Models:
         return None
 
     def on_Add(self, ident, msg: P.Add):
-        """Pack the files whose descriptors came with the request (daemon/lane.py): the daemon reads what
+        """Pack the files whose descriptors came with the request (daemon/lane_server.py): the daemon reads what
         the client could open, and never opens a path a client names (sources.py says why)."""
         take_fds = getattr(ident, "take_fds", None)
         fds = take_fds() if take_fds is not None else []

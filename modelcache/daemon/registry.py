@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import LeaseError, ModelNotFound
-from ..format import Manifest
+from ..store.format import Manifest
 from .residency.copy import HOST, ModelState, TierCopy
 from .wording import plural
 
@@ -44,7 +44,7 @@ class ModelRecord:
         """The check every serve-mode request's feeds go through, compiled once per model."""
         check = self.__dict__.get("_feed_check")
         if check is None:
-            from ..tensors import FeedCheck
+            from ..wire.tensors import FeedCheck
             io = self.manifest.io_summary()
             check = self.__dict__["_feed_check"] = FeedCheck(self.name, io["inputs"], io["overridable"])
         return check

@@ -27,14 +27,15 @@ from pathlib import Path
 
 import zmq
 
-from .. import __version__, protocol as P
+from .. import __version__
+from ..wire import protocol as P
 from ..config import ConfigError, Settings
 from ..executor.engine import Engine
 from ..errors import ModelCacheError, ProtocolError
 from ..tiers.disk import Repository
 from ..tiers.host import HostTier
 from ..tiers.remote import RemoteStore
-from ..lane import lane_path
+from ..wire.lane import lane_path
 from ..memlimit import read_limit
 from ..eviction import make_policy as named_policy
 from ..storage import remove_tree, storage_errors
@@ -43,7 +44,7 @@ from .fetch import Fetcher
 from .gpus import GpuTiers
 from ..address import bind_error
 from .identity import Admins, Peer, credentials_from_peer_address
-from .lane import LaneConnection, LaneServer, check_socket_file
+from .lane_server import LaneConnection, LaneServer, check_socket_file
 from ..histogram import Histogram
 from .loaders import Loaders
 from .memory import MemoryGuard, PressureWatch, check_capacity
@@ -157,7 +158,7 @@ class Daemon:
         self.router_events = None               # the ROUTER's accepted connections, to watch descriptors
         self.router_bound = False               # False while descriptors are short (see _check_fds)
         path = lane_path(settings.socket)
-        # serve-mode calls, see modelcache/lane.py
+        # serve-mode calls, see modelcache/wire/lane.py
         self.lane = LaneServer(path, self.counters, settings.max_message_bytes()) if path else None
         if self.lane is not None:
             self.lane.on_close = self.sessions.connection_closed

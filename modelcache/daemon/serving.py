@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from .. import protocol as P, tensors
+from ..wire import protocol as P, tensors
 from ..errors import InputError, ModelCacheError
 from ..executor.engine import ServeRequest
 from ..executor.sequences import SequenceSpec, SequenceTable
@@ -112,7 +112,7 @@ class Serving:
         return None
 
     def on_SetBatching(self, ident, msg: P.SetBatching):
-        from ..format import write_manifest
+        from ..store.format import write_manifest
         model = self.fetcher.resolve(msg.name, msg.version)
         self.admins.check_model_owner(ident, model, "set the batching profile of")
         stages = max(1, len(model.manifest.stages))
@@ -129,9 +129,9 @@ class Serving:
         return P.Ack(req_id=msg.req_id)
 
     def on_Profile(self, ident, msg: P.Profile):
-        from ..format import SKELETON_FILE
         from ..executor.profile import WAKE_GAP_S
-        from ..protocol import MAX_PROFILE_RUNS, MAX_PROFILE_S
+        from ..store.format import SKELETON_FILE
+        from ..wire.protocol import MAX_PROFILE_RUNS, MAX_PROFILE_S
 
         model = self.fetcher.resolve(msg.name, msg.version)
         # It takes a worker for seconds, from every user's requests: the model's owner or an admin only.

@@ -13,10 +13,11 @@ import traceback
 
 import psutil
 
-from .. import __version__, protocol as P, tensors
+from .. import __version__
 from ..errors import CapacityError, LeaseError, ModelCacheError, ProtocolError
+from ..wire import protocol as P, tensors
 from .identity import check_client_owner
-from .lane import LaneConnection
+from .lane_server import LaneConnection
 from .registry import ModelRecord, Registry
 from .residency.room import deadline_of
 from .wording import plural

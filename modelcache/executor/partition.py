@@ -31,9 +31,9 @@ from onnx import helper
 import logging
 
 from ..errors import PackError
-from .. import integrity
-from ..format import SKELETON_FILE, WEIGHTS_FILE, iter_graphs, load_manifest, write_manifest
 from ..storage import remove_tree, write_atomic
+from ..store import integrity
+from ..store.format import SKELETON_FILE, WEIGHTS_FILE, iter_graphs, load_manifest, write_manifest
 
 log = logging.getLogger("modelcache.executor")
 
@@ -224,7 +224,7 @@ def partition(model_dir: Path, stages: int | None = None, tail_fraction: float |
     """
     import onnxruntime as ort
     from ..session_options import attach_session_options
-    from ..tensors import random_feeds
+    from ..wire.tensors import random_feeds
 
     if plan is None:
         check_request(stages, tail_fraction)

@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from ..protocol import MAX_PROFILE_RUNS
+from ..wire.protocol import MAX_PROFILE_RUNS
 
 MIN_PROFILE_S = 1.0       # a node's runs span at least this long (placement/profile.py's profile_nodes)
 # Every other profiled run follows this much sleep: a worker's wake-up, measured (placement/profile.py says why).

@@ -330,7 +330,7 @@ class Worker:
         import tempfile
 
         import onnxruntime as ort
-        from ..protocol import MAX_PROFILE_S
+        from ..wire.protocol import MAX_PROFILE_S
         from .profile import profiling_options, run_profiled
         from ..session_options import bind_weights
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import InputError
-from ..protocol import sequence_problem
+from ..wire.protocol import sequence_problem
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import asyncio
 
-from .. import protocol as P
 from ..client.rpc import Channel, lane_connection
 from ..errors import DaemonUnavailable, ProtocolError, RequestTimeout, from_code
-from ..lane import lane_path
+from ..wire import protocol as P
+from ..wire.lane import lane_path
 
 BIG_REQUEST_BYTES = 1 << 20   # a request this big is written from a thread: the daemon may take it slowly
 

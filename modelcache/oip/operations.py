@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 import time
 
-from .. import __version__, protocol as P, tensors
+from .. import __version__
+from ..wire import protocol as P, tensors
 from ..errors import InputError, ModelCacheError, ModelNotFound
 from . import types
 from .link import DaemonLink

@@ -89,7 +89,7 @@ def daemon_profiles(args, settings, directory: Path, version: int, system) -> tu
     import onnx
     from ..client.connection import connect
     from ..errors import ModelCacheError
-    from ..format import SKELETON_FILE, load_manifest
+    from ..store.format import SKELETON_FILE, load_manifest
     from ..zoo import sample_inputs
     from .machine import profiled_threads
     from .profile import MIN_PROFILE_S, PooledProfile, daemon_source

@@ -124,7 +124,7 @@ def cost_table(model_dir: Path, model: str, system: System, batch: int, runs: in
 
     When no kind of the system is measured here, the modelled kinds are calibrated on this machine's
     CPU (its peak rates measured now). `measured_on` says where `profiles` ran (CostTable.source)."""
-    from ..format import SKELETON_FILE
+    from ..store.format import SKELETON_FILE
     from ..zoo import sample_inputs
     from .profile import MIN_PROFILE_S, PooledProfile
     skeleton = Path(model_dir) / SKELETON_FILE

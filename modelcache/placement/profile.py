@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..executor.profile import MIN_PROFILE_S, profiling_options, run_profiled
-from ..protocol import MAX_PROFILE_RUNS
+from ..wire.protocol import MAX_PROFILE_RUNS
 
 DTYPE_BYTES = {"float": 4, "float16": 2, "bfloat16": 2, "double": 8, "int64": 8, "int32": 4, "int16": 2,
                "int8": 1, "uint8": 1, "bool": 1, "uint16": 2, "uint32": 4, "uint64": 8}

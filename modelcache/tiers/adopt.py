@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import integrity
-from ..format import Manifest
+from ..store import integrity
+from ..store.format import Manifest
 from .files import remove_quietly
 from .host import WHERE_SUFFIX, HostTier, segment_number
 from .host_plan import variant_tensors

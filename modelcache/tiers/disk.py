@@ -6,10 +6,10 @@ import logging
 import tempfile
 from pathlib import Path
 
-from .. import reservations
 from ..errors import IntegrityError
-from ..format import Manifest, load_manifest, version_dirs
 from ..storage import remove_tree, storage_errors
+from ..store import reservations
+from ..store.format import Manifest, load_manifest, version_dirs
 
 log = logging.getLogger("modelcache.disk")
 

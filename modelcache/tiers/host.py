@@ -41,8 +41,8 @@ from .files import punch_holes, remove_quietly
 from .host_plan import Plan, variant_tensors, write_plan
 from .regions import RegionStore, StoredTier
 from .stale import OWNER_FILE, PREFIX, remove_stale
-from .. import prepack
-from ..format import ALIGN, PREPACKED_FILE, Manifest
+from ..store import prepack
+from ..store.format import ALIGN, PREPACKED_FILE, Manifest
 from ..storage import remove_tree, storage_errors, write_atomic
 
 log = logging.getLogger("modelcache.host")

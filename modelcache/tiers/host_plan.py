@@ -17,8 +17,8 @@ from pathlib import Path
 
 from .files import copy_hashed, copy_range
 from .skeletons import write_gpu_skeleton, write_skeleton
-from .. import integrity
-from ..format import GPU_SKELETON_FILE, PREPACKED_FILE, SKELETON_FILE, WEIGHTS_FILE, Manifest
+from ..store import integrity
+from ..store.format import GPU_SKELETON_FILE, PREPACKED_FILE, SKELETON_FILE, WEIGHTS_FILE, Manifest
 from ..storage import write_atomic
 
 log = logging.getLogger("modelcache.host")

@@ -16,12 +16,12 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from .. import reservations
 from ..errors import ModelNotFound, RemoteError
-from ..integrity import file_digest
 from ..storage import storage_error, storage_errors, write_atomic
-from ..format import (GPU_SKELETON_FILE, MANIFEST_FILE, PREPACKED_FILE, SKELETON_FILE, WEIGHTS_FILE, Manifest,
-                      load_manifest, write_gpu_stub)
+from ..store import reservations
+from ..store.format import (GPU_SKELETON_FILE, MANIFEST_FILE, PREPACKED_FILE, SKELETON_FILE, WEIGHTS_FILE, Manifest,
+                            load_manifest, write_gpu_stub)
+from ..store.integrity import file_digest
 
 INDEX_FILE = "index.json"
 # The GPU skeleton's stub file is not published: it is zeros, made again after a fetch (write_gpu_stub).

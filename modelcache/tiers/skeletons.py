@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .. import integrity, prepack
-from ..format import Manifest
 from ..storage import write_atomic
+from ..store import integrity, prepack
+from ..store.format import Manifest
 
 
 def load_skeleton(src: Path, key: str):
@@ -35,7 +35,7 @@ def write_skeleton(src: Path, dst: Path, locations: dict, key: str, prepacked: d
     (ORT's `prepacked_<i>` entries, offsets in the same segment): clients let ORT map it.
     """
     import onnx
-    from ..format import iter_graphs
+    from ..store.format import iter_graphs
 
     model = load_skeleton(src, key)
     for graph in iter_graphs(model.graph):
@@ -62,7 +62,7 @@ def write_gpu_skeleton(src: Path, dst: Path, manifest: Manifest, key: str) -> No
     largest stub (ORT checks the external data a graph names exists; it never reads it, because
     every stub is overridden by add_initializer). Sparse on tmpfs: it costs no memory."""
     import onnx
-    from ..format import iter_graphs
+    from ..store.format import iter_graphs
 
     stub = dst.with_suffix(".stub")
     model = load_skeleton(src, key)

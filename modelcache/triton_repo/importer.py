@@ -39,7 +39,7 @@ class Report:
 
 def import_repository(root, settings, only=None, dry_run: bool = False, out=print) -> Report:
     """Import every model directory of `root` (or those named in `only`); `out(line)` says what happened."""
-    from ..packing import model_io
+    from ..store.packing import model_io
     root = Path(root)
     if not root.is_dir():
         raise InputError(f"{root} is not a directory: give a Triton model repository (MODEL/config.pbtxt, "
@@ -238,7 +238,7 @@ class _OfflineTarget:
         self.repo = Repository(settings.repository_path)
 
     def stored(self, name: str, version: int):
-        from ..format import MANIFEST_FILE, load_manifest
+        from ..store.format import MANIFEST_FILE, load_manifest
         d = self.repo.model_dir(name, version)
         if not (d / MANIFEST_FILE).exists():
             return None
@@ -246,7 +246,7 @@ class _OfflineTarget:
         return m.source_sha256, m.model_config
 
     def add(self, path: str, name: str, version: int, declared: dict) -> None:
-        from ..packing import pack
+        from ..store.packing import pack
         pack(path, self.repo.root, name, version, self.settings.opt_level, owner_uid=os.getuid(),
              with_prepacked=self.settings.prepack, declared=declared)
 
@@ -254,7 +254,7 @@ class _OfflineTarget:
         self.repo.remove(name, version)
 
     def known(self, name: str):
-        from ..format import load_manifest
+        from ..store.format import load_manifest
         dirs = self.repo.version_dirs(name)
         if not dirs:
             return None

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     from modelcache.placement.plan import PlanCost
     from modelcache.placement.profile import fastest_runs, node_times
     from modelcache.placement.simulate import poisson_arrivals
-    from modelcache.format import SKELETON_FILE
+    from modelcache.store.format import SKELETON_FILE
     from modelcache.zoo import sample_inputs
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

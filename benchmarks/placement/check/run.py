@@ -74,8 +74,8 @@ def balanced_plan(table, system, stages: int) -> "Plan":
 def open_loop(client, name: str, arrivals: list, feeds: dict, drain_s: float = 60.0) -> list:
     """Send one request at each arrival time (s from now) whatever the answers do; returns per request
     (arrival, latency from its scheduled time or None, [run seconds per stage as the daemon timed them])."""
-    from modelcache import tensors
     from modelcache.client.stream import InferStream
+    from modelcache.wire import tensors
 
     group_of = client.address[len("ipc://"):] if client.address.startswith("ipc://") else None
     wire, files = tensors.encode(feeds, group_of=group_of)
@@ -130,11 +130,11 @@ def check_one(client, repo: Path, name: str, system, stages: int, args) -> dict:
     """One row: the model cut into `stages`, served, and simulated, in args.rounds interleaved rounds
     (a profile slice, solo requests, a load slice), so the profile and what it predicts sample the same
     stretch of this VM's time (its speed moves by ~20 % over tens of seconds with nothing else running)."""
-    from modelcache.format import SKELETON_FILE
     from modelcache.placement.machine import cost_table, profiled_threads
     from modelcache.placement.plan import PlanCost
     from modelcache.placement.profile import PooledProfile, daemon_source
     from modelcache.placement.simulate import one_at_a_time, poisson_arrivals, simulate
+    from modelcache.store.format import SKELETON_FILE
     from modelcache.zoo import sample_inputs
 
     model_dir = repo / name / "1"

@@ -40,11 +40,11 @@ from .devices import GpuDevice, _runtime_uuid, device_uuid, fake_devices, probe
 from .fake import FakeAllocator, FakeVmmAllocator
 from .memory import (CUDA_DEV_ATTR_HOST_REGISTER_READ_ONLY, CUDA_ERROR_MEMORY_ALLOCATION, CUDA_HOST_REGISTER_READ_ONLY,
                      DEVICE_ALIGN, F_SEAL_FUTURE_WRITE, SHARING_MODES, Allocation, DeviceAllocator, DeviceMemoryError,
-                     _mmap_read_only, _munmap)
+                     mmap_read_only, munmap)
 from .tier import DevicePlan, DeviceTier, _coalesce
 
 __all__ = ["Allocation", "CudaAllocator", "CudaVmmAllocator", "DeviceAllocator", "DeviceMemoryError",
            "DevicePlan", "DeviceTier", "FakeAllocator", "FakeVmmAllocator", "GpuDevice", "SHARING_MODES",
            "allocator_for", "device_uuid", "fake_devices", "probe", "DEVICE_ALIGN",
            "CUDA_DEV_ATTR_HOST_REGISTER_READ_ONLY", "CUDA_ERROR_MEMORY_ALLOCATION", "CUDA_HOST_REGISTER_READ_ONLY",
-           "F_SEAL_FUTURE_WRITE", "_coalesce", "_mmap_read_only", "_munmap", "_runtime_uuid"]
+           "F_SEAL_FUTURE_WRITE", "_coalesce", "mmap_read_only", "munmap", "_runtime_uuid"]

@@ -15,7 +15,7 @@ from ...cuda import (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPO
                      CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, DeviceError, vmm_token)
 from .devices import GpuDevice
 from .memory import (CUDA_DEV_ATTR_HOST_REGISTER_READ_ONLY, CUDA_ERROR_MEMORY_ALLOCATION, CUDA_HOST_REGISTER_READ_ONLY,
-                     Allocation, DeviceMemoryError, _check_range, _mmap_read_only, _munmap, _pread_into)
+                     Allocation, DeviceMemoryError, _check_range, mmap_read_only, munmap, _pread_into)
 
 log = logging.getLogger("modelcache.gpu")
 
@@ -127,7 +127,7 @@ class CudaAllocator:
             finally:
                 for addr, length, _ in registered:
                     self._rt.hostUnregister(addr)
-                    _munmap(addr, length)
+                    munmap(addr, length)
                 self._rt.streamDestroy(stream)
         return sum(n for *_, n in copies), time.perf_counter() - t0
 
@@ -149,13 +149,13 @@ class CudaAllocator:
         length = -(-(end - start) // mmap.PAGESIZE) * mmap.PAGESIZE   # the last page is the file's own
         fd = os.open(path, os.O_RDONLY)
         try:
-            addr = _mmap_read_only(fd, length, start)
+            addr = mmap_read_only(fd, length, start)
         finally:
             os.close(fd)                                  # the mapping keeps the file alive
         try:
             self._rt.hostRegister(addr, length, CUDA_HOST_REGISTER_READ_ONLY)
         except self._rt.CUDARuntimeError as e:
-            _munmap(addr, length)
+            munmap(addr, length)
             # Unmeasured on a /dev/shm mapping (GPU.md): remember a refusal, ask once.
             self._register_read_only = False
             log.warning("cudaHostRegister(ReadOnly) of a host-tier mapping refused on %s (%s): "

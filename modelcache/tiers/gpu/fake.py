@@ -15,7 +15,7 @@ from ...cuda import vmm_token
 from ..files import copy_range
 from .devices import GpuDevice
 from .memory import (F_SEAL_FUTURE_WRITE, Allocation, DeviceMemoryError, _check_range, _copy_from_host, _mmap,
-                     _mmap_read_only, _munmap, _pread_into)
+                     mmap_read_only, munmap, _pread_into)
 
 
 class FakeAllocator:
@@ -80,7 +80,7 @@ class FakeAllocator:
         with self._lock:
             local = self._local.pop(allocation.ptr, None)
         if local is not None:
-            _munmap(local, allocation.nbytes)
+            munmap(local, allocation.nbytes)
         self.path(allocation).unlink(missing_ok=True)
         self._unreserve(allocation.nbytes)
 
@@ -92,7 +92,7 @@ class FakeAllocator:
             if addr is None:
                 fd = os.open(self.path(allocation), os.O_RDONLY)
                 try:
-                    addr = self._local[allocation.ptr] = _mmap_read_only(fd, allocation.nbytes, 0)
+                    addr = self._local[allocation.ptr] = mmap_read_only(fd, allocation.nbytes, 0)
                 finally:
                     os.close(fd)
             return addr
@@ -159,7 +159,7 @@ class FakeVmmAllocator(FakeAllocator):
                         | fcntl.F_SEAL_SEAL)
         except BaseException:
             if addr is not None:
-                _munmap(addr, nbytes)
+                munmap(addr, nbytes)
             if fd >= 0:
                 os.close(fd)
             self._unreserve(nbytes)
@@ -172,7 +172,7 @@ class FakeVmmAllocator(FakeAllocator):
         with self._lock:
             addr = self._local.pop(allocation.ptr, None)
         if addr is not None:
-            _munmap(addr, allocation.nbytes)
+            munmap(addr, allocation.nbytes)
         os.close(allocation.fd)                 # clients' mappings keep the pages until they go
         self._unreserve(allocation.nbytes)
 

@@ -108,7 +108,7 @@ _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def _mmap_read_only(fd: int, length: int, offset: int) -> int:
+def mmap_read_only(fd: int, length: int, offset: int) -> int:
     # Through libc, not Python's mmap: cudaHostRegister needs the address, and a
     # read-only Python mmap gives none without a writable buffer.
     return _mmap(fd, length, offset, mmap.PROT_READ)
@@ -122,7 +122,7 @@ def _mmap(fd: int, length: int, offset: int, prot: int) -> int:
     return addr
 
 
-def _munmap(addr: int, length: int) -> None:
+def munmap(addr: int, length: int) -> None:
     if _libc.munmap(addr, length) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"munmap failed: {os.strerror(err)}")

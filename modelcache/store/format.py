@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from ..errors import IntegrityError
+from ..storage import storage_errors, write_atomic
 from . import integrity
-from .errors import IntegrityError
-from .storage import storage_errors, write_atomic
 
 MANIFEST_FORMAT = 1
 SKELETON_FILE = "model.onnx"

@@ -12,8 +12,8 @@ from typing import Any, Optional  # noqa: F401  (named in the string annotations
 
 import msgpack
 
-from .calibration import check_profile, check_serving
-from .errors import ProtocolError, RecordError
+from ..calibration import check_profile, check_serving
+from ..errors import ProtocolError, RecordError
 
 PROTOCOL_VERSION = 1
 
@@ -501,7 +501,7 @@ class ProfileReply(Message, kind="profile_ok"):
 
 
 class Infer(Message, kind="infer"):
-    """Serve mode: the daemon runs the model. Tensors as in modelcache.tensors (inline or a shm file)."""
+    """Serve mode: the daemon runs the model. Tensors as in modelcache.wire.tensors (inline or a shm file)."""
     req_id: int
     client_id: str
     name: str

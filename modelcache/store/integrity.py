@@ -24,7 +24,7 @@ import json
 import os
 from pathlib import Path
 
-from .errors import IntegrityError
+from ..errors import IntegrityError
 
 HASH_NAME = "xxh3_128"
 CHUNK = 1 << 22

@@ -1,4 +1,4 @@
-"""The daemon's end of the serve lane (see modelcache/lane.py): a listening Unix socket and
+"""The daemon's end of the serve lane (see modelcache/wire/lane.py): a listening Unix socket and
 its connections, driven by the owner loop's poller. Nothing here blocks.
 
 A connection stands in for a ZeroMQ routing id: handlers get it as `ident` and replies go
@@ -24,8 +24,8 @@ from pathlib import Path
 import zmq
 
 from ..errors import ModelCacheError
-from ..lane import MAX_BODY, MAX_FDS, FrameReader, LaneError, frame, recv_chunk, recv_chunk_with_fds, send_fds
 from ..storage import remove_tree
+from ..wire.lane import MAX_BODY, MAX_FDS, FrameReader, LaneError, frame, recv_chunk, recv_chunk_with_fds, send_fds
 from .identity import socket_credentials
 
 log = logging.getLogger("modelcache.daemon")

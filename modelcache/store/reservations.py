@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import PackError, StorageError
-from .storage import remove_tree, storage_error
+from ..errors import PackError, StorageError
+from ..storage import remove_tree, storage_error
 
 log = logging.getLogger("modelcache.repository")
 

@@ -13,8 +13,8 @@ import itertools
 import math
 import os
 
-from .errors import InputError, ProtocolError
-from .storage import remove_tree, storage_error
+from ..errors import InputError, ProtocolError
+from ..storage import remove_tree, storage_error
 
 INLINE_MAX_BYTES = 256 * 1024
 IO_DIR = "/dev/shm"        # where clients write the I/O files of large inputs, and the one place the daemon reads them

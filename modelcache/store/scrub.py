@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import IntegrityError
 from . import integrity
-from .errors import IntegrityError
 from .format import CHECKED_FILES, WEIGHTS_FILE, Manifest, TensorEntry, iter_graphs, load_manifest, version_dirs
 
 OK, UNVERIFIED, DAMAGED = "ok", "unverified", "DAMAGED"

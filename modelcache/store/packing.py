@@ -27,12 +27,12 @@ from typing import Callable
 import onnx
 from onnx import TensorProto
 
+from ..errors import ModelCacheError, PackError, StorageError, from_code
+from ..storage import explain_failed_write, remove_tree, storage_error, storage_errors
 from . import integrity, prepack, reservations
-from .errors import ModelCacheError, PackError, StorageError, from_code
 from .format import (ALIGN, CHECKED_FILES, GPU_SKELETON_FILE, GPU_STUB_FILE, MANIFEST_FILE, PREPACKED_FILE, SKELETON_FILE,
                      WEIGHTS_FILE, IOEntry, Manifest, TensorEntry, iter_graphs, load_manifest, tensor_nbytes,
                      write_gpu_stub)
-from .storage import explain_failed_write, remove_tree, storage_error, storage_errors
 
 log = logging.getLogger("modelcache.packing")
 
@@ -54,7 +54,7 @@ GPU_SHARED_MIN_ELEMENTS = 64
 # Casts InsertCastTransformer adds for ops the CPU EP lacks in fp16) by an fp32 copy named `FusedBack_<name>`.
 # Packing keeps it off for models with half-precision weights: see `_half_weight_exclusions`.
 HALF_TO_FLOAT_FUSION = "FuseFp16InitializerToFp32NodeTransformer"
-_HALF_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+HALF_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 Progress = Callable[[int, int], None]  # (bytes_done, bytes_total)
 
@@ -155,10 +155,10 @@ def _failed_write(src: str, so, out_dir: Path, doing: str, ort_says: str) -> Sto
 def has_half_weights(model: onnx.ModelProto) -> bool:
     """Whether any (sub)graph holds an fp16 or bf16 initializer or Constant."""
     for graph in iter_graphs(model.graph):
-        if any(t.data_type in _HALF_TYPES for t in graph.initializer):
+        if any(t.data_type in HALF_TYPES for t in graph.initializer):
             return True
         for node in graph.node:
-            if node.op_type == "Constant" and any(a.name == "value" and a.t.data_type in _HALF_TYPES
+            if node.op_type == "Constant" and any(a.name == "value" and a.t.data_type in HALF_TYPES
                                                   for a in node.attribute):
                 return True
     return False
@@ -478,7 +478,7 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
     (`modelcache import-triton`).
 
     A crash at any point leaves at most a `.tmp-*` directory that the next sweep removes
-    (modelcache/reservations.py); the model appears under its name only through the final rename.
+    (modelcache/store/reservations.py); the model appears under its name only through the final rename.
     """
     import onnxruntime as ort
 
@@ -563,7 +563,7 @@ def _fresh_dir(path: Path) -> Path:
 def _check_loads(model_dir: Path, fed: set[str]) -> None:
     """The packed skeleton builds with optimizers off, the way clients will build it, and asks for
     the inputs the source model does (`fed`), no more."""
-    from .session_options import attach_session_options
+    from ..session_options import attach_session_options
     import onnxruntime as ort
 
     try:
@@ -589,7 +589,7 @@ def check_gpu_skeleton(model_dir: Path, manifest: Manifest) -> None:
     The agreement is checked here because ORT checks none of it (measured, ORT 1.32): an override
     of the wrong shape builds, and a stub left without override silently reads the stub file's zeros.
     """
-    from .session_options import attach_session_options, bind_weights
+    from ..session_options import attach_session_options, bind_weights
     import onnxruntime as ort
 
     problems = _gpu_stub_mismatches(onnx.load(str(model_dir / GPU_SKELETON_FILE), load_external_data=False),
@@ -641,14 +641,14 @@ def pack_in_subprocess(src: str, repository: Path, name: str, version: int, opt_
     """`pack` in a child process: ORT's memory goes back to the OS when it exits, and a model that
     crashes ORT costs that child, not the caller (the daemon). `on_start(proc)` lets the caller kill it.
 
-    sources: (descriptors, names) of the model's files as the client opened them (modelcache/sources.py);
+    sources: (descriptors, names) of the model's files as the client opened them (modelcache/store/sources.py);
     the child copies them into a private directory and packs that copy: `src` then only names them."""
     import json
     import subprocess
     import sys
 
     fds, names = sources
-    cmd = [sys.executable, "-m", "modelcache.packing", src, str(repository), name, str(version), opt_level,
+    cmd = [sys.executable, "-m", "modelcache.store.packing", src, str(repository), name, str(version), opt_level,
            str(owner_uid), "prepack" if with_prepacked else "-", json.dumps(declared or {}),
            *(f"{fd}:{n}" for fd, n in zip(fds, names))]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, pass_fds=list(fds))

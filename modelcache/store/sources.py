@@ -12,8 +12,8 @@ import os
 import posixpath
 import stat
 
-from .errors import PackError
-from .lane import MAX_FDS
+from ..errors import PackError
+from ..wire.lane import MAX_FDS
 
 COPY_CHUNK = 8 << 20
 # O_NONBLOCK: opening a FIFO for reading would wait for a writer; a regular file ignores the flag.
