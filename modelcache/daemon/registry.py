@@ -132,10 +132,12 @@ class ModelRecord:
         self.manifest.batching = {}
         self.manifest.files = result.get("files", self.manifest.files)
 
-    def calibrated(self, batching: dict, checksum: str) -> None:
-        """A batching profile was stored (`checksum`: the manifest's as written), or ({}, unchanged) one found
-        unusable is set aside."""
-        self.manifest.batching, self.manifest.checksum = batching, checksum
+    def calibrated(self, batching: dict, checksum: str | None = None) -> None:
+        """A batching profile was stored (`checksum`: the manifest's as written), or ({}) one found unusable is
+        set aside for this run."""
+        self.manifest.batching = batching
+        if checksum is not None:
+            self.manifest.checksum = checksum
 
     def promoted(self) -> None:
         """Its host copy is resident: damage found from now on is the store's own copy's."""

@@ -445,7 +445,7 @@ class Serving:
                 check_profile(model.manifest.batching, stages=max(1, len(model.manifest.stages)))
             except ValueError as e:
                 log.warning("%s: ignoring its stored batching profile: %s", model.key, e)
-                model.calibrated({}, model.manifest.checksum)
+                model.calibrated({})
 
 
 def serve_gpu_devices(settings) -> list | None:

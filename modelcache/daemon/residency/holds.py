@@ -23,17 +23,16 @@ class Kind:
     noun: str
     nouns: str
     advice: str
-    gpu_noun: str = ""        # on a GPU copy (a GPU session), where it reads differently
+    gpu_prefix: str = ""      # said before the noun on a GPU copy ("GPU " session), where it reads differently
 
     def count(self, n: int, gpu: bool) -> str:
-        noun = self.gpu_noun if gpu and self.gpu_noun else self.noun
-        return f"{n} {noun}" if n == 1 else f"{n} {'GPU ' + self.nouns if gpu and self.gpu_noun else self.nouns}"
+        return f"{n} {self.gpu_prefix if gpu else ''}{self.noun if n == 1 else self.nouns}"
 
 
 # What to do about each reason a copy is kept in its tier: capacity errors end with these.
 CLOSE_SESSIONS, UNPIN, WAIT = "close sessions", "unpin", "wait for the load to finish"
 
-SESSION = Kind("session", "sessions", CLOSE_SESSIONS, gpu_noun="GPU session")
+SESSION = Kind("session", "sessions", CLOSE_SESSIONS, gpu_prefix="GPU ")
 REQUEST = Kind("request in flight", "requests in flight", "wait for the requests in flight")
 PROFILE = Kind("profile run", "profile runs", "wait for the profile run")
 WORKER = Kind("serve-mode GPU worker", "serve-mode GPU workers",
