@@ -47,11 +47,6 @@ class Hold:
     model: object = field(repr=False)            # the ModelRecord
     tiers: list = field(default_factory=list, repr=False)
 
-    @property
-    def tier(self) -> str:
-        """The tier it was first taken in: HOST or a GPU's UUID."""
-        return self.tiers[0].id
-
 
 @dataclass(eq=False)
 class Lease(Hold):
