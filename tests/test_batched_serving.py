@@ -32,8 +32,10 @@ def batching_daemon(tmp_path, policy: str, **env):
         d.kill()
 
 
-def send_all(c, name: str, feeds_list: list[dict], gap_s: float = 0.0) -> dict:
-    """Queue every request on one stream (gap_s apart), then collect: req_id -> (outputs, timings)."""
+def send_all(c, name: str, feeds_list: list[dict], gap_s: float = 0.0, first_alone: bool = False) -> dict:
+    """Queue every request on one stream (gap_s apart), then collect: req_id -> (outputs, timings).
+    first_alone: the rest are sent once the daemon has started the first (requests that reach the engine
+    together are batched together from the start)."""
     answers = {}
     with InferStream(c) as stream:
         for i, feeds in enumerate(feeds_list):
@@ -41,6 +43,9 @@ def send_all(c, name: str, feeds_list: list[dict], gap_s: float = 0.0) -> dict:
             stream.send(i, name, wire)
             if gap_s:
                 time.sleep(gap_s)
+            deadline = time.monotonic() + 30
+            while first_alone and i == 0 and not c.stats().executor["in_flight"] and time.monotonic() < deadline:
+                time.sleep(0.001)
         deadline = time.monotonic() + 60
         while len(answers) < len(feeds_list) and time.monotonic() < deadline:
             for req_id, wire, timings, error in stream.receive(1000):
@@ -86,7 +91,7 @@ def test_layer_to_layer_merges_late_requests_into_the_running_batch(tmp_path, zo
         # One request starts a batch alone (the worker is idle); three more queue while its first
         # stage runs, and join it at the next boundary after catching up.
         feeds_list = [zoo.sample_inputs(src, seed=i) for i in range(4)]
-        answers = send_all(c, "r50", feeds_list)
+        answers = send_all(c, "r50", feeds_list, first_alone=True)
         for i, feeds in enumerate(feeds_list):
             np.testing.assert_allclose(answers[i][0]["logits"], ref.run(None, feeds)[0], rtol=1e-3, atol=1e-4)
         first = [st["batch"] for st in answers[0][1]["stages"]]

@@ -55,8 +55,13 @@ class Harness:
         settings = {"workers": "2", **settings}
         self.engine = Engine(Settings(socket="ipc:///unused", repository="/unused", scheduler="eager",
                                       batching=policy, **settings),
-                             None, post=lambda fn, r, e: fn(r, e), clock=lambda: self.now, worker_factory=FakeWorker)
+                             None, post=self.post, clock=lambda: self.now, worker_factory=FakeWorker)
         self.worker = self.engine.workers[0]
+
+    def post(self, fn, result, error):
+        """A worker's result, as the daemon's loop applies it: then the turn's step."""
+        fn(result, error)
+        self.engine.step()
 
     def submit(self, tag, rows, deadline=None, profile=None, stages=STAGES, x=None):
         def finish(outputs, timings, error, tag=tag):
@@ -65,6 +70,7 @@ class Harness:
             x = np.arange(rows, dtype=np.float32).reshape(rows, 1) + 100 * tag
         self.engine.submit(ServeRequest("m@1", stages, [], {"x": x}, None, self.now, deadline, finish,
                                         samples=rows, batchable=True, profile=profile))
+        self.engine.step()   # (as the daemon's loop does once a turn)
 
     def y(self, tag):
         outputs, _, error = self.answers[tag]
@@ -294,7 +300,7 @@ def test_gpu_workers_follow_the_cpu_groups_and_dmda_weighs_them_by_calibrated_sp
     now = [0.0]
     answers = {}
     engine = Engine(Settings(socket="ipc:///unused", repository="/unused", workers="1", scheduler="dmda",
-                             inline_run_ms=0), None, post=lambda fn, r, e: fn(r, e), clock=lambda: now[0],
+                             inline_run_ms=0), None, post=lambda fn, r, e: (fn(r, e), engine.step()), clock=lambda: now[0],
                     worker_factory=FakeWorker, gpu_devices=[GpuDevice(0, "GPU-1234", "Fake GPU", 1 << 30)],
                     gpu_worker_factory=FakeGpuWorker)
     cpu, gpu = engine.workers
@@ -311,6 +317,7 @@ def test_gpu_workers_follow_the_cpu_groups_and_dmda_weighs_them_by_calibrated_sp
             answers[tag] = (outputs, timings, error)
         engine.submit(ServeRequest("m@1", ONE_STAGE, [], {"x": np.full((1, 1), tag, np.float32)}, None, now[0],
                                    None, finish, samples=1, batchable=True, devices=ON_GPU))
+        engine.step()
 
     for tag, worker, seconds in ((1, cpu, 0.010), (2, cpu, 0.010), (3, gpu, 0.002), (4, gpu, 0.002)):
         submit(tag)                     # dmda explores each kind it has never timed: CPU, then GPU
@@ -341,7 +348,7 @@ def test_a_worker_that_cannot_start_is_taken_out_and_its_stage_runs_elsewhere():
     from modelcache.tiers.gpu import GpuDevice
     answers = {}
     engine = Engine(Settings(socket="ipc:///unused", repository="/unused", workers="1", scheduler="dmda",
-                             inline_run_ms=0), None, post=lambda fn, r, e: fn(r, e), clock=lambda: 0.0,
+                             inline_run_ms=0), None, post=lambda fn, r, e: (fn(r, e), engine.step()), clock=lambda: 0.0,
                     worker_factory=FakeWorker, gpu_devices=[GpuDevice(0, "GPU-1234", "Fake GPU", 1 << 30)],
                     gpu_worker_factory=BrokenGpuWorker)
     cpu, gpu = engine.workers
@@ -351,6 +358,7 @@ def test_a_worker_that_cannot_start_is_taken_out_and_its_stage_runs_elsewhere():
             answers[tag] = (outputs, timings, error)
         engine.submit(ServeRequest("m@1", ONE_STAGE, [], {"x": np.full((1, 1), tag, np.float32)}, None, 0.0,
                                    None, finish, samples=1, batchable=True, devices=ON_GPU))
+        engine.step()
 
     for tag in (1, 2):                  # calibrate the CPU group
         submit(tag)
@@ -392,7 +400,7 @@ def test_the_engine_holds_a_device_copy_while_a_gpu_worker_may_have_sessions():
         return (lambda: events.append(("end", key, uuid))) if held.pop((key, uuid, wid), None) else None
 
     engine = Engine(Settings(socket="ipc:///unused", repository="/unused", workers="1", scheduler="dmda",
-                             inline_run_ms=0), None, post=lambda fn, r, e: fn(r, e), clock=lambda: 0.0,
+                             inline_run_ms=0), None, post=lambda fn, r, e: (fn(r, e), engine.step()), clock=lambda: 0.0,
                     worker_factory=FakeWorker, gpu_devices=[GpuDevice(0, "GPU-1234", "Fake GPU", 1 << 30)],
                     gpu_worker_factory=DroppingGpuWorker, worker_hold=worker_hold)
     cpu, gpu = engine.workers
@@ -402,6 +410,7 @@ def test_the_engine_holds_a_device_copy_while_a_gpu_worker_may_have_sessions():
             answers[tag] = (outputs, timings, error)
         engine.submit(ServeRequest("m@1", stages, [], {"x": np.full((1, 1), tag, np.float32)}, None, 0.0,
                                    None, finish, samples=1, batchable=True, devices=devices))
+        engine.step()
 
     for tag in (1, 2):                  # calibrate the CPU group: no hold
         submit(tag)
@@ -434,7 +443,7 @@ def test_the_engine_holds_a_device_copy_while_a_gpu_worker_may_have_sessions():
 def test_two_stage_requests_keep_the_crossing_tensor_on_the_gpu_that_made_it():
     from modelcache.tiers.gpu import GpuDevice
     engine = Engine(Settings(socket="ipc:///unused", repository="/unused", workers="1", scheduler="dmda",
-                             inline_run_ms=0), None, post=lambda fn, r, e: fn(r, e), clock=lambda: 0.0,
+                             inline_run_ms=0), None, post=lambda fn, r, e: (fn(r, e), engine.step()), clock=lambda: 0.0,
                     worker_factory=FakeWorker, gpu_devices=[GpuDevice(0, "GPU-1234", "Fake GPU", 1 << 30)],
                     gpu_worker_factory=FakeGpuWorker)
     cpu, gpu = engine.workers
@@ -443,6 +452,7 @@ def test_two_stage_requests_keep_the_crossing_tensor_on_the_gpu_that_made_it():
     engine.submit(ServeRequest("m@1", STAGES, [], {"x": np.ones((1, 1), np.float32)}, None, 0.0, None,
                                lambda o, t, e: answers.setdefault(1, (o, e)), samples=1, batchable=True,
                                devices={"GPU-1234": [spec, spec]}))
+    engine.step()
     worker = gpu if gpu.jobs else cpu
     job = worker.jobs[0]
     assert job.keep_on_device == (worker is gpu)   # a later stage reads it: a GPU worker leaves it there

@@ -25,7 +25,7 @@ import zmq
 
 from ..errors import ModelCacheError
 from ..storage import remove_tree
-from ..wire.lane import MAX_BODY, MAX_FDS, FrameReader, LaneError, frame, recv_chunk, recv_chunk_with_fds, send_fds
+from ..wire.lane import HEADER, MAX_BODY, MAX_FDS, FrameReader, LaneError, frame, recv_chunk, recv_chunk_with_fds, send_fds
 from .identity import socket_credentials
 
 log = logging.getLogger("modelcache.daemon")
@@ -33,6 +33,7 @@ log = logging.getLogger("modelcache.daemon")
 READ_CHUNK = 1 << 20            # one read buffer, shared by every connection (the owner loop reads)
 MAX_READ_PER_TURN = 16 << 20     # one busy client cannot hold the loop
 MAX_PENDING = 256 << 20          # unread replies a client may leave before it is cut off
+COALESCE_BYTES = 64 << 10        # a reply up to this size waits for the turn's end, to leave with the others
 # Descriptors held for first messages not yet whole, over all connections: one open file sent 253 times
 # is 253 of our descriptors, so many connections that never finish a message could exhaust them.
 MAX_HELD_FDS = 1024
@@ -56,7 +57,7 @@ class LaneConnection:
     carries_fds = True   # a reply may pass file descriptors (SCM_RIGHTS): see identity.Peer's, which may not
 
     __slots__ = ("sock", "fd", "reader", "out", "out_fds", "server", "polling_out", "uid", "gid", "pid", "fds",
-                 "client_id")
+                 "client_id", "queued")
 
     def __init__(self, sock: socket.socket, server: "LaneServer"):
         self.sock, self.fd, self.server = sock, sock.fileno(), server
@@ -65,6 +66,7 @@ class LaneConnection:
         # Descriptors of replies waiting in `out`: [position in out of the reply's first byte, our duplicates].
         self.out_fds: list[list] = []
         self.polling_out = False  # registered for POLLOUT: replies wait for room in the socket
+        self.queued = False       # in server.to_flush: replies wait for the end of the turn
         self.uid, self.gid, self.pid = socket_credentials(sock)
         self.fds: list | None = []  # descriptors come with the first message; None once it is handled
         self.client_id = ""         # the client this connection is, once it opened a lease with no hello
@@ -87,13 +89,15 @@ class LaneConnection:
             os.close(fd)
 
     def send(self, kind: bytes, body: bytes, fds=()) -> None:
-        """Queue a reply; `fds` (still the caller's: passed as copies) go with its first byte."""
+        """Queue a reply; `fds` (still the caller's: passed as copies) go with its first byte. A small reply
+        waits for the end of the loop's turn (LaneServer.flush_replies), so every reply a connection gets
+        in one turn leaves in one write, and wakes its reader once; a big one goes now, uncopied."""
         if self.sock is None:
             return  # the client went away; its answer has nowhere to go
-        data = frame(kind, body)
-        if not self.out:   # the usual case: the whole reply fits in the socket at once
+        if not self.out and not fds and len(body) > COALESCE_BYTES:
+            data = frame(kind, body)
             try:
-                sent = send_fds(self.sock, data, fds, 0) if fds else self.sock.send(data)
+                sent = self.sock.send(data)
             except BlockingIOError:
                 sent = 0
             except OSError as e:
@@ -101,13 +105,17 @@ class LaneConnection:
                 return
             if sent == len(data):
                 return
-            if sent:
-                fds = ()   # they went with the first part
-            data = memoryview(data)[sent:]
+            self.out += memoryview(data)[sent:]
+            self.flush()
+            return
         if fds:
             self.out_fds.append([len(self.out), [os.dup(fd) for fd in fds]])   # ours until sent: see the docstring
-        self.out += data
-        self.flush()
+        self.out += HEADER.pack(len(kind), len(body))
+        self.out += kind
+        self.out += body
+        if not self.queued:
+            self.queued = True
+            self.server.to_flush.append(self)
 
     def flush(self) -> None:
         try:
@@ -150,6 +158,7 @@ class LaneServer:
         self.budget = None               # daemon/fds.py FdBudget: accept only while it has room
         self.accepting = False
         self.on_close = None             # called with a connection that went away (its client leaves with it)
+        self.to_flush: list[LaneConnection] = []   # connections with replies queued this turn
 
     def set_accepting(self, on: bool) -> None:
         """Listen or not: a listener left in the poller with no descriptor to accept into wakes it forever."""
@@ -172,6 +181,14 @@ class LaneServer:
         self.listener.setblocking(False)
         self.poller = poller
         self.set_accepting(True)
+
+    def flush_replies(self) -> None:
+        """The end of the owner loop's turn: write what each connection was answered in it."""
+        conns, self.to_flush = self.to_flush, []
+        for conn in conns:
+            conn.queued = False
+            if conn.sock is not None:
+                conn.flush()
 
     def on_ready(self, fd: int, events: int, handle) -> None:
         """The poller says `fd` is ready; complete messages go to handle([connection, kind, body])."""

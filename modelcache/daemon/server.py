@@ -409,6 +409,11 @@ class Daemon:
                         child.check()
                     next_sweep = self.clock() + min(self.settings.heartbeat_interval_s,
                                                     self.notifier.watchdog_interval_s or 1e9)
+                # Everything that came this turn is queued (and whatever a timer or a completion let go): the engine
+                # batches what came together and runs what it can; then the turn's answers leave, one write a connection.
+                self.engine.step()
+                if self.lane is not None:
+                    self.lane.flush_replies()
         finally:
             self._cleanup()
 
@@ -427,7 +432,10 @@ class Daemon:
                 while self.wake_rx.poll(0):
                     self.wake_rx.recv()
             self.loaders.apply_completions()
+            self.engine.step()
             self.engine.on_timer(self.clock())
+            if self.lane is not None:
+                self.lane.flush_replies()
         # From here each step on its own: one that fails (a full state directory, a disk answering EIO) is
         # logged, and the rest still run; the sockets and the host tier always go.
         self._each_step("stopping", (

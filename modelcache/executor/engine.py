@@ -1,19 +1,24 @@
 """Serve-mode engine: requests are batched, and batches move stage by stage over worker groups.
 
-Runs on the daemon's owner loop (it is called from handlers, from posted worker results
-and from the loop's timer); workers only execute. The path of a request:
+Runs on the daemon's owner loop; workers only execute. It works in steps, as vLLM v1's EngineCore does:
+`submit` only queues a request, and the daemon calls `step()` once a loop turn, after it has read
+everything that arrived in that turn (and applied the workers' finished stages):
 
-  submit -> its model's queue -> the model's batching policy forms a batch when a worker
-  is idle (or when its window ends) -> each stage of the batch is a task that the scheduler
-  places on a worker -> the stage's measured time calibrates the performance model ->
-  after the last stage the outputs are split back per request.
+  schedule  each model's batching policy forms batches from everything queued, for the idle workers;
+            stage work already in flight goes first (a finished stage hands its batch on before any
+            new batch is formed), and the scheduler places each stage on a worker
+  execute   a short stage with nothing else in flight runs right here on the loop (_may_inline);
+            others go to their worker's thread, whose result comes back in a later turn
+  update    a finished stage calibrates the performance model; after the last stage the outputs
+            are split back per request and each is answered
+
+So there is one way in and one way out, whatever the load: requests that arrive together are batched
+together (the lane hands the daemon every request a front had ready in one read), and one ORT run serves
+them all.
 
 Layer-to-layer batching (LBCI): when a batch reaches a stage boundary k and requests are
 queued, the policy may admit some. They run stages 0..k-1 as a catch-up batch while the
 main batch waits; then the two merge and run the remaining stages as one batch.
-
-Stage work already in flight goes first: a finished stage hands its batch to the next
-stage before any new batch is formed, so requests in flight are not overtaken.
 
 GPU workers run a stage only over its model's copy on their device (ServeRequest.devices,
 which the daemon fills once the copy is resident there). The daemon holds that copy for each
@@ -154,8 +159,8 @@ class Engine:
         self.batches: dict[int, Batch] = {}           # formed, not finished (running, or waiting for a catch-up)
         self.batchers: dict[str, object] = {}         # model key -> its policy object
         self.wake_at: float | None = None             # a batching window ends: form batches then
-        self.inline: deque = deque()                  # (worker, job) the owner loop runs itself, see _run_inline
-        self._running_inline = False
+        self.inline: deque = deque()                  # (worker, job) the owner loop runs itself, in step()
+        self._stepping = False
         self._ids = itertools.count(1)
         self._batch_ids = itertools.count(1)
         self.served = 0
@@ -245,11 +250,7 @@ class Engine:
 
         def finished(result, error):
             self.outstanding[i] -= 1
-            try:
-                done(result, error)
-            finally:
-                self._form_batches()
-                self._run_inline()
+            done(result, error)   # (the worker is free again: the turn's step schedules it)
 
         worker.queue.put(WorkerCall(work, lambda result, error: self._post(lambda *_: finished(result, error),
                                                                            None, None)))
@@ -324,70 +325,39 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------
     def submit(self, req: ServeRequest) -> None:
+        """Queue a request; the next `step()` schedules it."""
         req.request_id = next(self._ids)
-        idle = not self.requests
         self.requests[req.request_id] = req
         self.last_used[req.model_key] = req.arrival
-        if idle and self._run_express(req):
+        queue = self.queues.get(req.model_key)
+        if queue is None:
+            queue = self.queues[req.model_key] = deque()
+        queue.append(req)
+
+    def step(self) -> None:
+        """Schedule, execute, update, until nothing more can start now: what runs on the loop runs here, and
+        what it frees (a worker, a stage boundary, an ensemble's next request) is scheduled in the same step.
+        Never nested (a request answered here may submit another): a backlog cannot grow the stack."""
+        if self._stepping:
             return
-        if idle and self._starts_alone(req):
-            self._start(Batch(next(self._batch_ids), [req], dict(req.data)))
-        else:
-            self.queues.setdefault(req.model_key, deque()).append(req)
-            self._form_batches()
-        self._run_inline()
-
-    def _run_express(self, req: ServeRequest) -> bool:
-        """Serve a request here and now, if the general path would run it alone and inline anyway:
-        one worker group (nothing to place), a one-stage model, no deadline, and a stage that may
-        run on the owner loop (_may_inline). Same run, perf record, timings and answer as the
-        general path, without its Batch, placement and stage bookkeeping: most of the engine's
-        work per request, which an idle daemon's latency pays in full (`benchmarks/servepath/run.py --profile`
-        shows the split). False: it does not qualify, and nothing was changed."""
-        if len(self.workers) != 1 or len(req.stages) != 1 or req.deadline is not None or self._running_inline:
-            return False
-        worker, spec = self.workers[0], req.stages[0]
-        now = self.clock()
-        job = StageJob(0, req.model_key, 0, spec["skeleton"], req.segments, spec["tensors"], req.data,
-                       spec["outputs"], self.perf.predict(req.model_key, 0, worker.state.kind, req.samples),
-                       queued_at=now)
-        self.outstanding[0] += 1   # in flight while it runs, as _may_inline counts
+        self._stepping = True
         try:
-            if not (self._may_inline(worker, job) and self._starts_alone(req)):
-                return False
-            error = worker.run(job)
+            while True:
+                self._form_batches()                       # schedule
+                if not self.inline:
+                    return
+                while self.inline:                          # execute, and update as each stage finishes
+                    worker, job = self.inline.popleft()
+                    self._stage_done(job, worker.run(job), inline=True)
         finally:
-            self.outstanding[0] -= 1
-        self.batches_formed += 1
-        self.batched_samples += req.samples
-        self.batched_requests += 1
-        if error is not None:
-            self._finish(req, None, stage_error(job.model_key, job.stage, error))
-            return True
-        req.timings["stages"].append(self._stage_entry(job, worker, req.samples, inline=True))
-        outputs = job.result["outputs"]
-        self._stats(req.model_key).executions += 1
-        self._finish(req, {n: outputs[n] for n in req.output_names or spec["outputs"]}, None)
-        self._record_stage(job, worker, req.samples)   # after the answer, which does not need it
-        return True
-
-    def _starts_alone(self, req: ServeRequest) -> bool:
-        """Whether a request that finds the engine idle (nothing queued or in flight) starts at once as
-        a batch of one: what _form_batches would decide for it, without a queue to go through.
-
-        Going through the queue (policy head, batch formation, sorting queues) was about a third of
-        the engine's own work per request, and a lone request on an idle daemon is the common case
-        of light load. A deadline takes the queue, where _expire_queued answers one that cannot be met."""
-        return (req.deadline is None and not self._running_inline and
-                bool(self._batcher(req).decide(self.clock(), [req.pending(self._t_opt_s(req))]).take))
+            self._stepping = False
 
     def next_wakeup(self) -> float | None:
         return self.wake_at
 
     def on_timer(self, now: float) -> None:
         if self.wake_at is not None and now >= self.wake_at:
-            self._form_batches()
-            self._run_inline()
+            self.step()
 
     def _form_batches(self) -> None:
         """Give each idle worker a new batch, oldest queue first, as the models' policies decide."""
@@ -440,6 +410,8 @@ class Engine:
         are dropped half-way and their work is wasted (measured: AlexNet's dynamic and layer batching
         fell to 18-24 req/s at 1.5x load, under serial's 35). Those put back run in a later batch, or
         are answered as soon as they cannot make it even alone (_expire_queued)."""
+        if len(members) == 1 or all(m.deadline is None for m in members):
+            return members
         while len(members) > 1:
             done_at = now + self._batch_time(members[0], sum(m.samples for m in members))
             if all(m.deadline is None or done_at <= m.deadline for m in members):
@@ -480,18 +452,26 @@ class Engine:
         for i, w in enumerate(self.workers):  # an idle worker's estimate is "free now"
             if self.outstanding[i] == 0:
                 w.state.free_at = now
-        on_device = next((v.device for v in inputs.values() if isinstance(v, DeviceValue)), "cpu")
-        task = Task(batch.batch_id, req.model_key, batch.stage, batch.samples,
-                    sum(getattr(v, "nbytes", 0) for v in inputs.values()), data_node=on_device, arrival=now)
         placeable = self._placeable_for(req, batch.stage)
         allowed = spec.get("worker_ids")   # a placement plan's set for this stage: dmda picks within it
         candidates = placeable if allowed is None else [w for w in placeable if w.worker_id in allowed] or placeable
-        [placement] = self.scheduler.place([task], candidates, now, self.perf.predict)
-        worker = self.workers[placement.worker_id]
-        self.outstanding[placement.worker_id] += 1
+        if len(candidates) == 1:   # (one worker group, the default: nothing to choose, only its clock to keep)
+            state = candidates[0]
+            worker_id, predicted = state.worker_id, self.perf.predict(req.model_key, batch.stage, state.kind,
+                                                                      batch.samples)
+            state.free_at = max(now, state.free_at) + (predicted or 0.0)
+        else:
+            on_device = next((v.device for v in inputs.values() if isinstance(v, DeviceValue)), "cpu")
+            task = Task(batch.batch_id, req.model_key, batch.stage, batch.samples,
+                        sum(getattr(v, "nbytes", 0) for v in inputs.values()), data_node=on_device, arrival=now)
+            [placement] = self.scheduler.place([task], candidates, now, self.perf.predict)
+            worker_id, predicted = placement.worker_id, placement.predicted_s
+        worker = self.workers[worker_id]
+        self.outstanding[worker_id] += 1
         job = StageJob(batch.batch_id, req.model_key, batch.stage, spec["skeleton"], req.segments,
-                       spec["tensors"], inputs, spec["outputs"], placement.predicted_s, queued_at=now)
+                       spec["tensors"], inputs, spec["outputs"], predicted, queued_at=now)
         self._on_device(job, worker, req, batch.stage)
+        job.short = job.predicted_s is not None and job.predicted_s <= self.settings.inline_run_ms / 1e3
         if self._may_inline(worker, job):
             self.inline.append((worker, job))
         else:
@@ -516,34 +496,22 @@ class Engine:
         self.worker_hold(req.model_key, uuid, worker.state.worker_id, True)
 
     def _may_inline(self, worker, job: StageJob) -> bool:
-        """Run this stage on the owner loop rather than hand it to its worker's thread?
+        """Run this stage on the owner loop (in step()) rather than hand it to its worker's thread?
 
         Handing a job to a worker thread and its result back costs two thread wake-ups: 0.25 ms a
         request on this 2-core VM by `bench executor` before stages ran inline, more than a tiny
         model's whole run. So a stage runs inline when it is short (predicted <= inline_run_ms),
         nothing else is in flight (blocking the loop then delays no other request, and no worker's
-        parallelism is lost), and its worker has built the session (which the loop must never do)."""
+        parallelism is lost), and its worker has built the session (which the loop must never do): for a group
+        of several cores, its single-threaded one (Worker._inline_session), which the worker builds after
+        running a stage this short on its thread."""
         limit_s = self.settings.inline_run_ms / 1e3
         return (job.predicted_s is not None and job.predicted_s <= limit_s and sum(self.outstanding) == 1
                 and worker.can_run_inline(job))
 
-    def _run_inline(self) -> None:
-        """Run the stages _may_inline kept for the owner loop, and what follows from them (the next
-        stage, a new batch), one after another: never nested, so a backlog cannot grow the stack."""
-        if self._running_inline:
-            return
-        self._running_inline = True
-        try:
-            while self.inline:
-                worker, job = self.inline.popleft()
-                self._stage_done(job, worker.run(job), inline=True)
-        finally:
-            self._running_inline = False
-
     def _worker_done(self, job: StageJob, error) -> None:
-        """A worker thread's result, posted to the owner loop."""
+        """A worker thread's result, posted to the owner loop (the turn's step schedules what it freed)."""
         self._stage_done(job, error)
-        self._run_inline()
 
     def _drop_expired(self, batch: Batch, now: float) -> bool:
         """Answer members whose deadline passed before this stage; False when none is left."""
@@ -572,7 +540,6 @@ class Engine:
                 self._fail(batch, stage_error(job.model_key, job.stage, error))
             else:
                 self._advance(batch, job, inline)
-        self._form_batches()
 
     def _disable(self, worker_id: int, error: Exception) -> bool:
         """Place no more stages on a worker that cannot run any; True while another worker can."""
