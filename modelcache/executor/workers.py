@@ -75,6 +75,9 @@ def parse_groups(spec: str, cpus: list[int] | None = None) -> list[list[int]]:
     return groups
 
 
+INLINE = "inline"   # a session key's third part: the stage's single-threaded session, for inline runs
+
+
 @dataclass
 class StageJob:
     batch_id: int
@@ -94,6 +97,9 @@ class StageJob:
     # address in this process, nbytes]]} of the device copy it runs over; None on a CPU worker.
     device: dict | None = None
     keep_on_device: bool = False   # a later stage reads the outputs: a GPU worker leaves them on its device
+    # The engine predicts it short enough to run inline (it did not only because something else was in flight,
+    # or the worker has no inline session yet): the worker builds the stage's inline session after the run.
+    short: bool = False
 
 
 @dataclass
@@ -272,7 +278,10 @@ class Worker:
                 if then is not None:
                     then()
                 continue
-            self.post(job, self.run(job))
+            error = self.run(job)
+            self.post(job, error)
+            if job.short and error is None:
+                self._inline_session(job)
 
     def run(self, job: StageJob) -> Exception | None:
         """Run one stage job; its outputs and time go into job.result. Returns the error, if any:
@@ -299,24 +308,43 @@ class Worker:
         mappings under a run."""
         if self.drops_done.get(job.model_key, 0) != self.drops_sent.get(job.model_key, 0):
             return False   # a drop is on its way to this thread: the session found now may be stale
-        job.session = self.sessions.get((job.model_key, job.stage))
+        job.session = self.sessions.get((job.model_key, job.stage, INLINE) if len(self.cores) > 1 else
+                                        (job.model_key, job.stage))
         return job.session is not None
+
+    def _inline_session(self, job: StageJob) -> None:
+        """Build the stage's inline session if it has none: the same stage over the same mapped weights, with
+        one intra-op thread. A stage runs inline only when it is short and nothing else is in flight; then the
+        group's other threads have nothing to do that pays for waking them: on the 2-core VM one 1-thread group
+        served tiny-cnn over HTTP at 4 clients with 20-28% less daemon CPU a request than one 2-thread group
+        (benchmarks/serve/NOTES.md). A 1-core group's own session is its inline session already. Only on this
+        worker's thread; a failure leaves the stage running on this thread, as before."""
+        key = (job.model_key, job.stage, INLINE)
+        if len(self.cores) <= 1 or key in self.sessions or (job.model_key, job.stage) not in self.sessions:
+            return
+        try:
+            self.sessions[key] = self._build_session(job, threads=1)
+        except Exception as e:
+            log.warning("%s stage %d: no single-threaded session to run inline: %s", job.model_key, job.stage, e)
 
     def _session(self, job: StageJob) -> StageSession:
         """The stage's session, built on first use. Only on this worker's thread."""
         key = (job.model_key, job.stage)
         stage = self.sessions.get(key)
         if stage is None:
-            import onnxruntime as ort
-            from ..session_options import attach_session_options, bind_weights
-
-            so = quiet_session_options(attach_session_options(spinning=False))
-            so.intra_op_num_threads = max(1, len(self.cores))
-            maps, values = bind_weights(so, job.segments, job.tensors)
-            sess = ort.InferenceSession(job.skeleton, so, providers=self._providers())
-            self._check_session(sess)
-            stage = self.sessions[key] = StageSession(sess, maps, values)
+            stage = self.sessions[key] = self._build_session(job, threads=max(1, len(self.cores)))
         return stage
+
+    def _build_session(self, job: StageJob, threads: int) -> StageSession:
+        import onnxruntime as ort
+        from ..session_options import attach_session_options, bind_weights
+
+        so = quiet_session_options(attach_session_options(spinning=False))
+        so.intra_op_num_threads = threads
+        maps, values = bind_weights(so, job.segments, job.tensors)
+        sess = ort.InferenceSession(job.skeleton, so, providers=self._providers())
+        self._check_session(sess)
+        return StageSession(sess, maps, values)
 
     def profile(self, skeleton: str, segments: list, tensors: list, feeds: dict, runs: int,
                 min_s: float) -> tuple[dict, dict, list]:
