@@ -27,7 +27,7 @@ import time
 
 from ..errors import DaemonUnavailable, ProtocolError, RequestTimeout, from_code, ModelCacheError
 from ..wire import protocol as P
-from ..wire.lane import LaneClient, LaneError
+from ..wire.lane import LaneClient, LaneError, frame
 
 RECONNECT_BACKOFF_S = (0.05, 2.0)    # the watcher's first retry, and the longest wait between retries
 READER_WAIT_S = 3600.0               # a reader thread's wait for the next message (it ends with its connection)
@@ -63,8 +63,8 @@ class _Waiter:
 class Channel:
     def __init__(self, address: str, open_connection, timeout_s: float, on_connect=None,
                  reader_thread: bool = False, on_lost=None):
-        """open_connection() -> a new connection (a lane.LaneClient, or anything with its send, receive_all,
-        fileno, shutdown and close), raising DaemonUnavailable when there is no daemon. on_lost(): called
+        """open_connection() -> a new connection (a lane.LaneClient, or anything with its send, send_frames,
+        receive_all, fileno, shutdown and close), raising DaemonUnavailable when there is no daemon. on_lost(): called
         once per lost connection, after its requests have failed."""
         self.address = address
         self.timeout_s = timeout_s
@@ -131,15 +131,33 @@ class Channel:
     def submit(self, msg, callback, deadline_s: float | None = None) -> int:
         """Send msg without waiting; callback(reply, error) runs on the reader thread when its answer
         comes or its connection is lost (never for a request forgotten first). Returns the req_id."""
+        return self.submit_all([(msg, callback)], deadline_s)[0]
+
+    def submit_all(self, requests: list, deadline_s: float | None = None) -> list[int]:
+        """submit() for several (msg, callback), in one write: the daemon reads them in one turn, and its
+        engine batches them together. Their req_ids, in order."""
         if not self._reader_thread:
             raise ValueError("submit needs a channel with reader_thread=True")
         conn = self._conn or self.connect()
-        waiter = _Waiter(conn, callback)
-        msg.req_id = req_id = next(self._ids)
-        with self._state:
-            self._pending[req_id] = waiter
-        self._send(conn, msg, time.monotonic() + (deadline_s or self.timeout_s))
-        return req_id
+        ids, frames = [], []
+        for msg, callback in requests:
+            msg.req_id = req_id = next(self._ids)
+            ids.append(req_id)
+            frames.append(P.encode(msg))
+            with self._state:
+                self._pending[req_id] = _Waiter(conn, callback)
+        try:
+            with self._write:
+                deadline = time.monotonic() + (deadline_s or self.timeout_s)
+                if len(frames) == 1:
+                    conn.send(*frames[0], deadline)
+                else:
+                    conn.send_frames(b"".join(frame(kind, body) for kind, body in frames), deadline)
+        except OSError:    # (a send timeout too: part of a frame may be out, the stream is unusable)
+            self._lost(conn)
+            raise DaemonUnavailable(f"lost the connection to the modelcache daemon at {self.address} "
+                                    "(it stopped, crashed or stalled)") from None
+        return ids
 
     def forget(self, req_id: int) -> None:
         """Give up on a submitted request: a late answer is dropped."""

@@ -12,6 +12,7 @@ requests on it (HTTP 503, gRPC UNAVAILABLE) and the next request connects again.
 from __future__ import annotations
 
 import asyncio
+import threading
 
 from ..client.rpc import Channel, lane_connection
 from ..errors import DaemonUnavailable, ProtocolError, RequestTimeout, from_code
@@ -31,15 +32,26 @@ class DaemonLink:
                                     f"{address} has none: run `modelcache {front}` on the daemon's host")
         self.timeout_s = timeout_s
         self._channel = Channel(address, lane_connection(self.path, address), timeout_s, reader_thread=True)
+        self._outbox: list = []   # (msg, answered, timeout_s, sent future) waiting for _flush
+        self._inbox: list = []    # (future, reply, error) from the reader thread, waiting for _settle_inbox
+        self._inbox_lock = threading.Lock()
 
     async def call(self, msg, expect: tuple, timeout_s: float | None = None, on_sent=None):
         """Send `msg`, wait for its reply; a typed ModelCacheError for an error reply, a lost daemon or a timeout.
-        `on_sent()`: called once the message is on its way, before the reply (a stream's order, Operations.infer)."""
+        `on_sent()`: called once the message is on its way, before the reply (a stream's order, Operations.infer).
+
+        A request waits in the outbox for the end of the loop's current pass (call_soon), then leaves with every
+        other one queued meanwhile in one write (_flush): requests that came together reach the daemon in one
+        turn, where its engine batches them, and cost it one wake-up."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
-        def answered(reply, error):   # on the core's reader thread
-            loop.call_soon_threadsafe(_settle, fut, reply, error)
+        def answered(reply, error):   # on the core's reader thread: replies read together wake the loop once
+            with self._inbox_lock:
+                self._inbox.append((fut, reply, error))
+                if len(self._inbox) > 1:
+                    return
+            loop.call_soon_threadsafe(self._settle_inbox)
 
         if getattr(msg, "client_name", None) == "":   # (an Infer's) names this front's client in `status`
             msg.client_name = self.client_name
@@ -48,9 +60,14 @@ class DaemonLink:
             > BIG_REQUEST_BYTES
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if big:
+            self._flush()   # (those queued before it go first: a stream's order)
             req_id = await loop.run_in_executor(None, self._channel.submit, msg, answered, timeout_s)
         else:
-            req_id = self._channel.submit(msg, answered, timeout_s)
+            sent = loop.create_future()
+            if not self._outbox:
+                loop.call_soon(self._flush)
+            self._outbox.append((msg, answered, timeout_s, sent))
+            req_id = await sent
         if on_sent is not None:
             on_sent()
         # call_later rather than asyncio.wait_for: no task per request on the hot path
@@ -65,6 +82,29 @@ class DaemonLink:
         if not isinstance(reply, expect):
             raise ProtocolError(f"unexpected reply {reply.KIND.decode()!r} to {msg.KIND.decode()!r}")
         return reply
+
+    def _settle_inbox(self) -> None:
+        with self._inbox_lock:
+            inbox, self._inbox = self._inbox, []
+        for fut, reply, error in inbox:
+            _settle(fut, reply, error)
+
+    def _flush(self) -> None:
+        """Send the outbox in one write; each caller learns its req_id, or the error that lost them all."""
+        outbox, self._outbox = self._outbox, []
+        if not outbox:
+            return
+        try:
+            ids = self._channel.submit_all([(msg, answered) for msg, answered, _, _ in outbox],
+                                           max(timeout_s for _, _, timeout_s, _ in outbox))
+        except Exception as e:
+            for *_, sent in outbox:
+                if not sent.done():
+                    sent.set_exception(e)
+            return
+        for (*_, sent), req_id in zip(outbox, ids):
+            if not sent.done():    # (a caller cancelled meanwhile: its answer is dropped by id)
+                sent.set_result(req_id)
 
     async def close(self) -> None:
         self._channel.close()
