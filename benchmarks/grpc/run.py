@@ -22,6 +22,7 @@ clients' window: where clients and servers share the cores, their ratio bounds t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -29,13 +30,17 @@ import socket
 import statistics
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 from pathlib import Path
 
 from modelcache.usage import Parser
 
-SERVERS = ("modelcache-grpc", "kserve-grpc", "modelcache-http")
+PROTOCOLS = ("grpc", "http")
+# Triton's two configurations, as serve.sh's environment: its defaults on CPU, and a tuned CPU deployment.
+TRITON_CONFIGS = {"triton": {"INSTANCES": "", "INTRA_OP": ""}, "triton-tuned": {"INSTANCES": "1", "INTRA_OP": "1"}}
+TRITON_SERVE = "/work/shared/peers/triton-native/serve.sh"
 GOALS = "goals: at 4 clients, modelcache-grpc >= 2x kserve-grpc requests/s and p99 <= 0.5x; tiny model p50 " \
         "through tritonclient.grpc <= 1.0 ms"
 
@@ -109,10 +114,19 @@ def closed_loop(server: str, address: str, model: str, io: tuple, clients: int, 
     procs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", server, address, model,
                                json.dumps(io)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
              for _ in range(clients)]
+    try:
+        return _measure(server, procs, seconds, pids or {})
+    finally:
+        for p in procs:   # (on an error or ^C: a client left behind would block on its full stdout)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _measure(server: str, procs: list, seconds: float, pids: dict) -> dict:
     for p in procs:   # every client has imported, connected and warmed before the clock starts
         if p.stdout.readline().strip() != "READY":
             raise RuntimeError(f"{server} client did not start (status {p.wait()})")
-    pids = pids or {}
     cpu = {name: _cpu_s(pid) for name, pid in pids.items()}
     threads = {name: _threads_cpu_s(pid) for name, pid in pids.items()}
     end = time.time() + seconds
@@ -168,6 +182,125 @@ def _start_kserve(python: str, paths: dict, log, spin: bool = True) -> tuple[sub
     raise RuntimeError("the KServe peer did not get ready; see its log")
 
 
+def _server_order(label: str) -> list[str]:
+    """Every server this benchmark knows, in the report's order: gRPC first, ours then its peers."""
+    families = ["modelcache", label, *TRITON_CONFIGS]
+    return [f"{f}-grpc" for f in families] + ["kserve-grpc"] + [f"{f}-http" for f in families]
+
+
+def _servers(args, ap) -> list[str]:
+    """The servers to run: --servers, else ours and those the flags set up; in the report's order."""
+    known = _server_order(args.baseline_label)
+    if args.servers:
+        unknown = [s for s in args.servers if s not in known]
+        if unknown:
+            ap.error(f"unknown servers {unknown}; known: {' '.join(known)}")
+        if "kserve-grpc" in args.servers and not args.kserve_python:
+            ap.error("kserve-grpc needs --kserve-python")
+        if any(s.startswith(f"{args.baseline_label}-") for s in args.servers) and not args.baseline:
+            ap.error(f"{args.baseline_label}-grpc and -http need --baseline")
+        return [s for s in known if s in args.servers]
+    family = {f"{f}-{p}": f for f in ("modelcache", args.baseline_label, *TRITON_CONFIGS) for p in PROTOCOLS}
+    on = {"modelcache": True, args.baseline_label: bool(args.baseline), "kserve": bool(args.kserve_python),
+          **dict.fromkeys(TRITON_CONFIGS, args.triton)}
+    return [s for s in known if on[family.get(s, "kserve")]]
+
+
+def _cli(env: dict, *args: str) -> str:
+    """`modelcache ARGS` under `env` (a checkout's PYTHONPATH: its own client for its own daemon): stdout."""
+    r = subprocess.run([sys.executable, "-m", "modelcache.cli", *args], env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"modelcache {args[0]} failed: {r.stderr[-2000:]}")
+    return r.stdout
+
+
+def _serve_modelcache(stack: contextlib.ExitStack, home: Path, family: str, protocols: list, paths: dict, log,
+                      checkout: str | None = None) -> dict:
+    """A daemon of its own (default settings) holding the zoo models, and its fronts for `protocols`, all run
+    from `checkout`'s code (PYTHONPATH, as ab.py runs two checkouts) or else this one's; stopped with `stack`.
+    {server: (host:port, {"front": pid, "daemon": pid})}."""
+    from modelcache.bench.http import start_front
+    from modelcache.measure import managed_daemon
+    home.mkdir(parents=True)
+    socket_ = f"ipc://{home}/daemon.sock"
+    own = {"MODELCACHE_CONFIG": "", **({"PYTHONPATH": str(Path(checkout).resolve())} if checkout else {})}
+    env = {**os.environ, "MODELCACHE_SOCKET": socket_, "MODELCACHE_REPOSITORY": f"{home}/repo", **own}
+    stack.enter_context(managed_daemon(socket_, f"{home}/repo", env=own))
+    for name, path in paths.items():
+        print(f"adding {name} to {family}'s daemon ...", file=sys.stderr, flush=True)
+        _cli(env, "add", path, "--name", name)
+    daemon = json.loads(_cli(env, "stats"))["pid"]
+    out = {}
+    for kind in protocols:
+        proc, address = start_front(env, log, kind)
+        stack.callback(_stop, proc)
+        out[f"{family}-{kind}"] = (address, {"front": proc.pid, "daemon": daemon})
+    return out
+
+
+def _py312() -> str | None:
+    """The Python 3.12 whose shared libpython serve.sh puts on tritonserver's library path: $PY312, else pyenv's."""
+    if os.environ.get("PY312"):
+        return os.environ["PY312"]
+    root = subprocess.run(["pyenv", "root"], capture_output=True, text=True).stdout.strip() \
+        if shutil.which("pyenv") else ""
+    found = sorted(Path(root).glob("versions/3.12*/bin/python3.12")) if root else []
+    return str(found[-1]) if found else None   # (None: serve.sh looks for itself)
+
+
+def _start_triton(stack: contextlib.ExitStack, serve: str, path: str, name: str, settings: dict, repo: Path,
+                  log) -> tuple[str, str, int]:
+    """Triton 2.51 with its C++ ONNX Runtime backend serving one model (serve.sh, `settings` its environment:
+    INSTANCES, INTRA_OP), on free ports; stopped with `stack`. (http host:port, grpc host:port, its pid)."""
+    http_port, grpc_port = _free_port(), _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}   # (nothing of ours in its Python)
+    env.update(settings, REPO=str(repo))
+    if _py312():
+        env["PY312"] = _py312()
+    ready = repo.with_suffix(".out")   # (serve.sh's stdout: its READY line; a file, so nothing can block on it)
+    with open(ready, "wb") as out:
+        # its own session: ^C stops it through us, and _stop ends its readiness watcher with it
+        proc = subprocess.Popen(["bash", serve, path, name, str(http_port), str(grpc_port)], env=env, stdout=out,
+                                stderr=log, start_new_session=True)
+    stack.callback(_stop, proc, True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        for line in ready.read_text().splitlines():
+            if line.startswith("READY "):
+                fields = dict(f.split("=", 1) for f in line.split()[1:])
+                return fields["http"], fields["grpc"], int(fields["pid"])
+        time.sleep(0.2)
+    raise RuntimeError(f"Triton did not get ready serving {name} ({' '.join(f'{k}={v}' for k, v in settings.items())})")
+
+
+def start_servers(stack: contextlib.ExitStack, args, servers: list, paths: dict, tmp: Path, log) -> dict:
+    """Start every server in `servers` (each once, for the whole run; stopped with `stack`):
+    {server: {model: (host:port, {process name: pid})}}; a server's CPU is read from those processes."""
+    targets = {}
+
+    def protocols(family):
+        return [p for p in PROTOCOLS if f"{family}-{p}" in servers]
+
+    for family, checkout in (("modelcache", None), (args.baseline_label, args.baseline)):
+        if protocols(family):
+            for server, where in _serve_modelcache(stack, tmp / family, family, protocols(family), paths, log,
+                                                   checkout).items():
+                targets[server] = dict.fromkeys(paths, where)
+    for config, settings in TRITON_CONFIGS.items():   # serve.sh serves one model: a Triton per model and config
+        for name, path in paths.items() if protocols(config) else ():
+            print(f"starting {config} for {name} ...", file=sys.stderr, flush=True)
+            http, grpc, pid = _start_triton(stack, args.triton_serve, path, name, settings,
+                                            tmp / f"{config}-{name}", log)
+            for kind in protocols(config):
+                targets.setdefault(f"{config}-{kind}", {})[name] = (http if kind == "http" else grpc,
+                                                                    {"tritonserver": pid})
+    if "kserve-grpc" in servers:
+        proc, address = _start_kserve(args.kserve_python, paths, log, spin=not args.kserve_no_spin)
+        stack.callback(_stop, proc, True)
+        targets["kserve-grpc"] = dict.fromkeys(paths, (address, {"kserve": proc.pid}))
+    return targets
+
+
 def _stop(proc: subprocess.Popen, group: bool = False) -> None:
     if proc.poll() is None:
         (os.killpg(proc.pid, signal.SIGTERM) if group else proc.send_signal(signal.SIGTERM))
@@ -178,14 +311,21 @@ def _stop(proc: subprocess.Popen, group: bool = False) -> None:
             proc.wait()
 
 
-def _versions(python: str | None) -> dict:
+def _versions(args) -> dict:
     from importlib.metadata import version
     out = {p: version(p) for p in ("grpcio", "protobuf", "tritonclient", "onnxruntime", "aiohttp")}
-    if python:
-        r = subprocess.run([python, "-c", "from importlib.metadata import version as v; "
-                                          "print(v('kserve'), v('grpcio'), v('onnxruntime'))"],
+    out["modelcache"] = _git(str(Path(__file__).resolve().parent))
+    if args.kserve_python:
+        r = subprocess.run([args.kserve_python, "-c", "from importlib.metadata import version as v; "
+                                                      "print(v('kserve'), v('grpcio'), v('onnxruntime'))"],
                            capture_output=True, text=True)
         out["kserve (peer venv: kserve grpcio onnxruntime)"] = r.stdout.strip()
+    if args.triton or any(s.startswith("triton") for s in args.servers or ()):
+        venv = os.environ.get("PYT_VENV") or f"{os.environ.get('TMPDIR') or '/tmp'}/pyt-venv"   # (serve.sh's)
+        r = subprocess.run([f"{venv}/bin/python", "-c", "from importlib.metadata import version as v; "
+                                                        "print(v('nvidia-pytriton'), v('onnxruntime'))"],
+                           capture_output=True, text=True)
+        out["triton 2.51 (its venv: nvidia-pytriton onnxruntime)"] = r.stdout.strip()
     return out
 
 
@@ -260,65 +400,81 @@ def report(res: dict, out=sys.stdout) -> None:
     print(f"machine: {os.cpu_count()} cores; " + "; ".join(f"{k} {v}" for k, v in res["versions"].items()), file=out)
 
 
+def _git(path: str) -> str:
+    r = subprocess.run(["git", "-C", path, "describe", "--always", "--dirty"], capture_output=True, text=True)
+    return r.stdout.strip() or "?"
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt   # (SIGTERM as ^C: every server started is stopped on the way out)
+
+
 def main(argv=None) -> int:
     ap = Parser(prog="python benchmarks/grpc/run.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["tiny-cnn", "resnet50"], help="zoo names (one FP32 input)")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--seconds", type=float, default=5.0, help="closed-loop time per run")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--triton", action="store_true",
+                    help="Triton 2.51 with its C++ ONNX Runtime backend, as its defaults (triton-grpc, triton-http) "
+                         "and tuned, INSTANCES=1 INTRA_OP=1 (triton-tuned-grpc, triton-tuned-http)")
+    ap.add_argument("--triton-serve", default=TRITON_SERVE, help="the peer's serve.sh (default: %(default)s)")
+    ap.add_argument("--baseline", metavar="CHECKOUT",
+                    help="another modelcache checkout: a daemon and fronts of its own, run from its code")
+    ap.add_argument("--baseline-label", default="base", help="its servers' names: LABEL-grpc, LABEL-http")
     ap.add_argument("--kserve-python", help="the python of a venv with kserve and onnxruntime: the KServe peer")
     ap.add_argument("--kserve-no-spin", action="store_true",
                     help="the peer's ORT sessions block between runs rather than spin (ORT's default)")
+    ap.add_argument("--servers", nargs="+", metavar="SERVER",
+                    help="only these (default: modelcache-grpc, modelcache-http and those the flags above set up; "
+                         "a Triton server named here needs no --triton)")
     ap.add_argument("--out")
     ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         _worker(*args.worker)
         return 0
-    from modelcache.bench.http import one_input_io, start_front
-    from modelcache.measure import ensure_models, managed_daemon, save_results
-    servers = [s for s in SERVERS if s != "kserve-grpc" or args.kserve_python]
+    if args.baseline_label in ("modelcache", "kserve", *TRITON_CONFIGS) or "-" in args.baseline_label:
+        ap.error(f"--baseline-label {args.baseline_label!r} would clash with another server's name")
+    servers = _servers(args, ap)
+    from modelcache import zoo
+    from modelcache.bench.http import one_input_io
+    from modelcache.measure import save_results
     res = {"seconds": args.seconds, "rounds": args.rounds, "kserve_spin": not args.kserve_no_spin,
-           "versions": _versions(args.kserve_python), "runs": {}}
-    with tempfile.TemporaryDirectory(prefix="modelcache-bench-grpc-") as tmp:
-        socket_ = f"ipc://{tmp}/daemon.sock"
-        env = {**os.environ, "MODELCACHE_SOCKET": socket_, "MODELCACHE_REPOSITORY": f"{tmp}/repo",
-               "MODELCACHE_CONFIG": ""}
-        log = open(Path(tmp) / "fronts.log", "ab")
-        procs = []
+           "servers": servers, "versions": _versions(args), "runs": {}}
+    if args.baseline:
+        res["baseline"] = {"label": args.baseline_label, "checkout": str(Path(args.baseline).resolve()),
+                           "commit": _git(args.baseline)}
+    signal.signal(signal.SIGTERM, _interrupt)
+    with tempfile.TemporaryDirectory(prefix="modelcache-bench-grpc-") as tmp, contextlib.ExitStack() as stack:
+        tmp = Path(tmp)
+        log = stack.enter_context(open(tmp / "servers.log", "ab"))   # (closed last: the servers' stderr)
         try:
-            with managed_daemon(socket_, f"{tmp}/repo", env={"MODELCACHE_CONFIG": ""}):
-                paths = ensure_models(socket_, args.models, Path(tmp) / "zoo")
-                io = {m: one_input_io(p) for m, p in paths.items()}
-                from ab import _daemon_pid
-                address, pids = {}, {}
-                for kind in ("grpc", "http"):
-                    proc, address[f"modelcache-{kind}"] = start_front(env, log, kind)
-                    procs.append((proc, False))
-                    pids[f"modelcache-{kind}"] = {"front": proc.pid, "daemon": _daemon_pid(socket_)}
-                if args.kserve_python:
-                    proc, address["kserve-grpc"] = _start_kserve(args.kserve_python, paths, log,
-                                                                   spin=not args.kserve_no_spin)
-                    procs.append((proc, True))
-                    pids["kserve-grpc"] = {"kserve": proc.pid}
-                for r in range(args.rounds):
-                    order = servers[r % len(servers):] + servers[:r % len(servers)]
-                    for model in args.models:
-                        for clients in args.clients:
-                            for server in order:
-                                print(f"round {r + 1}: {model}, {clients} clients, {server} ...", file=sys.stderr,
-                                      flush=True)
-                                run = closed_loop(server, address[server], model, io[model], clients, args.seconds,
-                                                  pids[server])
-                                res["runs"].setdefault(model, {}).setdefault(str(clients), {}) \
-                                    .setdefault(server, []).append(run)
-                for model in res["runs"]:   # (a fixed order of servers in the report)
-                    for clients, by_server in res["runs"][model].items():
-                        res["runs"][model][clients] = {s: by_server[s] for s in servers}
-        finally:
-            for proc, group in procs:
-                _stop(proc, group)
-            log.close()
+            paths = {}   # the zoo's .onnx files: what every server serves
+            for name in args.models:
+                paths[name] = str(tmp / f"{name}.onnx")
+                zoo.save(zoo.build(name), paths[name])
+            io = {m: one_input_io(p) for m, p in paths.items()}
+            targets = start_servers(stack, args, servers, paths, tmp, log)
+            for r in range(args.rounds):
+                order = servers[r % len(servers):] + servers[:r % len(servers)]
+                for model in args.models:
+                    for clients in args.clients:
+                        for server in order:
+                            print(f"round {r + 1}: {model}, {clients} clients, {server} ...", file=sys.stderr,
+                                  flush=True)
+                            address, pids = targets[server][model]
+                            run = closed_loop(server, address, model, io[model], clients, args.seconds, pids)
+                            res["runs"].setdefault(model, {}).setdefault(str(clients), {}) \
+                                .setdefault(server, []).append(run)
+        except Exception:
+            log.flush()
+            print("the servers' log, its end:\n" + (tmp / "servers.log").read_text(errors="replace")[-4000:],
+                  file=sys.stderr)
+            raise
+    for model in res["runs"]:   # (a fixed order of servers in the report)
+        for clients, by_server in res["runs"][model].items():
+            res["runs"][model][clients] = {s: by_server[s] for s in servers}
     report(res)
     save_results(args.out, "grpc", argv, res, report, command="python benchmarks/grpc/run.py")
     return 0
