@@ -41,8 +41,10 @@ PROTOCOLS = ("grpc", "http")
 # Triton's two configurations, as serve.sh's environment: its defaults on CPU, and a tuned CPU deployment.
 TRITON_CONFIGS = {"triton": {"INSTANCES": "", "INTRA_OP": ""}, "triton-tuned": {"INSTANCES": "1", "INTRA_OP": "1"}}
 TRITON_SERVE = "/work/shared/peers/triton-native/serve.sh"
-GOALS = "goals: at 4 clients, modelcache-grpc >= 2x kserve-grpc requests/s and p99 <= 0.5x; tiny model p50 " \
-        "through tritonclient.grpc <= 1.0 ms"
+GOALS = "goals (issue 46): tiny-cnn requests/s >= 0.7x Triton native (its defaults) at 1 and 4 clients, HTTP and " \
+        "gRPC; server CPU a tiny-cnn request <= 0.35 ms; tritonclient.grpc p50 at 1 client <= 1.0 ms; ResNet-50 " \
+        "at 4 clients >= 1.0x tuned Triton's requests/s with p99 <= its p99; >= 2x KServe's requests/s, its ORT " \
+        "not spinning"
 
 
 def _caller(server: str, address: str, model: str, x, io: tuple):
@@ -340,11 +342,11 @@ def cpu_report(by_server: dict, out) -> None:
 
     procs = list(dict.fromkeys(k for runs in by_server.values() for r in runs for k in r["server_cpu_us"]))
     print("  CPU a request, us (median [min-max] over rounds); cores = requests/s x CPU a request:", file=out)
-    print(f"  {'server':<16}" + "".join(f"{p:>18}" for p in procs) +
+    print(f"  {'server':<18}" + "".join(f"{p:>18}" for p in procs) +
           f"{'server, all':>18}{'clients':>18}{'cores':>8}", file=out)
     for server, runs in by_server.items():
         mine = runs[0]["server_cpu_us"]
-        print(f"  {server:<16}" + "".join(f"{cell([r['server_cpu_us'][p] for r in runs]) if p in mine else '':>18}"
+        print(f"  {server:<18}" + "".join(f"{cell([r['server_cpu_us'][p] for r in runs]) if p in mine else '':>18}"
                                           for p in procs) +
               f"{cell([total(r) for r in runs]):>18}{cell([r['client_cpu_us'] for r in runs]):>18}"
               f"{statistics.median(r['rps'] * (total(r) + r['client_cpu_us']) / 1e6 for r in runs):>8.2f}", file=out)
@@ -367,36 +369,96 @@ def cpu_report(by_server: dict, out) -> None:
               f"whatever the server does); now {cell([total(a) for a in ours])}", file=out)
 
 
+def _spread(values: list, fmt: str) -> str:
+    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
+
+
+def _pairs(servers, label: str | None) -> list[tuple[str, str]]:
+    """(ours, a peer) pairs, both in `servers`, whose per-round ratios the report gives."""
+    pairs = [("modelcache-grpc", "kserve-grpc"), ("modelcache-grpc", "modelcache-http")]
+    pairs += [(f"modelcache-{p}", f"{peer}-{p}") for p in PROTOCOLS for peer in (*TRITON_CONFIGS, label) if peer]
+    return [(a, b) for a, b in pairs if a in servers and b in servers]
+
+
+def _ratios(a: list, b: list, key: str) -> list[float]:
+    """a / b of `key`, round by round (the same round: the same machine)."""
+    return [x[key] / y[key] for x, y in zip(a, b)]
+
+
+def table(by_server: dict, label: str | None, out, rate: str = "requests/s") -> None:
+    """Each server's rate, p50 and p99 (median [min-max] over rounds), then each pair's ratios, round by round."""
+    print(f"  {'server':<18} {rate:>22} {'p50 ms':>22} {'p99 ms':>22}", file=out)
+    for server, runs in by_server.items():
+        failed = [r["error"] for r in runs if "error" in r]
+        if failed:
+            print(f"  {server:<18} failed ({len(failed)} of {len(runs)} rounds): {failed[-1]}", file=out)
+            continue
+        print(f"  {server:<18} {_spread([r['rps'] for r in runs], '.1f'):>22} "
+              f"{_spread([r['p50_us'] / 1e3 for r in runs], '.2f'):>22} "
+              f"{_spread([r['p99_us'] / 1e3 for r in runs], '.2f'):>22}", file=out)
+    for a, b in _pairs(by_server, label):
+        if any("error" in r for r in by_server[a] + by_server[b]):
+            continue
+        print(f"  {a} / {b}: {rate} x{_spread(_ratios(by_server[a], by_server[b], 'rps'), '.2f')}, "
+              f"p99 x{_spread(_ratios(by_server[a], by_server[b], 'p99_us'), '.2f')} (per round, same round)",
+              file=out)
+
+
+def goals(res: dict, out) -> None:
+    """Each of issue 46's goals against this run's closed loops: the median over rounds (of the per-round ratio,
+    for a ratio), its [min-max], met or not; "not measured" where the run lacks the servers or the model."""
+    def runs(model, clients, server):
+        return res["runs"].get(model, {}).get(str(clients), {}).get(server) or []
+
+    def ratio(model, clients, a, b, key="rps"):
+        return _ratios(runs(model, clients, a), runs(model, clients, b), key)
+
+    def cell(values, ok, prefix=""):
+        if not values:
+            return "not measured"
+        return f"{prefix}{_spread(values, '.2f')} {'met' if ok(statistics.median(values)) else 'NOT met'}"
+
+    def each(p, c):
+        return f"{p} {c} client{'s' if c > 1 else ''}"
+
+    tiny_rps = [f"{each(p, c)} {cell(ratio('tiny-cnn', c, f'modelcache-{p}', f'triton-{p}'), lambda v: v >= 0.7, 'x')}"
+                for p in PROTOCOLS for c in (1, 4)]
+    tiny_cpu = [f"{each(p, c)} " + cell([sum(r["server_cpu_us"].values()) / 1e3
+                                         for r in runs("tiny-cnn", c, f"modelcache-{p}")], lambda v: v <= 0.35)
+                for p in PROTOCOLS for c in (1, 4)]
+    p50 = [r["p50_us"] / 1e3 for r in runs("tiny-cnn", 1, "modelcache-grpc")]
+    big = [f"{p} " + cell(ratio("resnet50", 4, f"modelcache-{p}", f"triton-tuned-{p}"), lambda v: v >= 1.0, "x") +
+           (", p99 " + cell(ratio("resnet50", 4, f"modelcache-{p}", f"triton-tuned-{p}", "p99_us"),
+                            lambda v: v <= 1.0, "x") if runs("resnet50", 4, f"triton-tuned-{p}") else "")
+           for p in PROTOCOLS]
+    kserve = [f"{m} " + cell(ratio(m, 4, "modelcache-grpc", "kserve-grpc"), lambda v: v >= 2.0, "x")
+              for m in res["runs"]]
+    spun = res.get("kserve_spin", True) and any(runs(m, 4, "kserve-grpc") for m in res["runs"])
+    print("goals, this run (median [min-max] over rounds; a ratio per round, same round):", file=out)
+    print("  tiny-cnn requests/s >= x0.7 Triton (defaults): " + "; ".join(tiny_rps), file=out)
+    print("  server CPU a tiny-cnn request (front + daemon) <= 0.35 ms: " + "; ".join(tiny_cpu), file=out)
+    print(f"  tritonclient.grpc p50, tiny-cnn, 1 client, <= 1.0 ms: {cell(p50, lambda v: v <= 1.0)}", file=out)
+    print("  ResNet-50, 4 clients, requests/s >= x1.0 tuned Triton, p99 <= x1.0 its p99: " + "; ".join(big), file=out)
+    print("  requests/s >= x2 KServe, its ORT not spinning, 4 clients: " + ("; ".join(kserve) or "not measured") +
+          (" (KServe spun here: the goal wants --kserve-no-spin)" if spun else ""), file=out)
+
+
 def report(res: dict, out=sys.stdout) -> None:
-    def med(runs, key):
-        return statistics.median(r[key] for r in runs)
-
-    def spread(runs, key, scale=1.0, fmt=".0f"):
-        v = [r[key] * scale for r in runs]
-        return f"{statistics.median(v):{fmt}} [{min(v):{fmt}}-{max(v):{fmt}}]"
-
-    print(f"closed loop, tritonclient, batch 1, {res['seconds']:g} s per run, {res['rounds']} rounds alternating "
-          "the servers' order; median [min-max] over rounds" +
-          ("" if res.get("kserve_spin", True) else "; the KServe peer's ORT threads do not spin"), file=out)
+    label = res.get("baseline", {}).get("label")
+    if res["runs"]:
+        print(f"closed loop, tritonclient, batch 1, {res['seconds']:g} s per run, {res['rounds']} rounds alternating "
+              "the servers' order; median [min-max] over rounds" +
+              ("" if res.get("kserve_spin", True) else "; the KServe peer's ORT threads do not spin"), file=out)
+    if "baseline" in res:
+        print(f"{label}-*: {res['baseline']['checkout']} at {res['baseline']['commit']}", file=out)
     for model, by_clients in res["runs"].items():
         for clients, by_server in by_clients.items():
             print(f"\n{model}, {clients} client{'s' if clients != '1' else ''}:", file=out)
-            print(f"  {'server':<16} {'requests/s':>22} {'p50 ms':>22} {'p99 ms':>22}", file=out)
-            for server, runs in by_server.items():
-                print(f"  {server:<16} {spread(runs, 'rps', fmt='.1f'):>22} {spread(runs, 'p50_us', 1e-3, '.2f'):>22} "
-                      f"{spread(runs, 'p99_us', 1e-3, '.2f'):>22}", file=out)
-            ours = by_server.get("modelcache-grpc")
-            for peer in ("kserve-grpc", "modelcache-http"):
-                theirs = by_server.get(peer)
-                if ours and theirs:
-                    rps = [a["rps"] / b["rps"] for a, b in zip(ours, theirs)]
-                    p99 = [a["p99_us"] / b["p99_us"] for a, b in zip(ours, theirs)]
-                    print(f"  modelcache-grpc / {peer}: requests/s x{statistics.median(rps):.2f} "
-                          f"[{min(rps):.2f}-{max(rps):.2f}], p99 x{statistics.median(p99):.2f} "
-                          f"[{min(p99):.2f}-{max(p99):.2f}] (per round, same round)", file=out)
+            table(by_server, label, out)
             if all(r.get("server_cpu_us") for runs in by_server.values() for r in runs):
                 cpu_report(by_server, out)
     print(f"\n{GOALS}", file=out)
+    goals(res, out)
     print(f"machine: {os.cpu_count()} cores; " + "; ".join(f"{k} {v}" for k, v in res["versions"].items()), file=out)
 
 
@@ -410,7 +472,8 @@ def _interrupt(signum, frame):
 
 
 def main(argv=None) -> int:
-    ap = Parser(prog="python benchmarks/grpc/run.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="python benchmarks/grpc/run.py", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["tiny-cnn", "resnet50"], help="zoo names (one FP32 input)")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--seconds", type=float, default=5.0, help="closed-loop time per run")
