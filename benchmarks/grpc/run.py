@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import json
 import os
 import signal
@@ -41,6 +42,7 @@ PROTOCOLS = ("grpc", "http")
 # Triton's two configurations, as serve.sh's environment: its defaults on CPU, and a tuned CPU deployment.
 TRITON_CONFIGS = {"triton": {"INSTANCES": "", "INTRA_OP": ""}, "triton-tuned": {"INSTANCES": "1", "INTRA_OP": "1"}}
 TRITON_SERVE = "/work/shared/peers/triton-native/serve.sh"
+PERF_ANALYZER = f"{os.environ.get('TMPDIR') or '/tmp'}/triton-native/pa"   # (build.sh's: perf_analyzer, its libs)
 GOALS = "goals (issue 46): tiny-cnn requests/s >= 0.7x Triton native (its defaults) at 1 and 4 clients, HTTP and " \
         "gRPC; server CPU a tiny-cnn request <= 0.35 ms; tritonclient.grpc p50 at 1 client <= 1.0 ms; ResNet-50 " \
         "at 4 clients >= 1.0x tuned Triton's requests/s with p99 <= its p99; >= 2x KServe's requests/s, its ORT " \
@@ -151,6 +153,32 @@ def _measure(server: str, procs: list, seconds: float, pids: dict) -> dict:
     return {"rps": len(lat) / seconds, "p50_us": _pct(lat, 50), "p99_us": _pct(lat, 99), "requests": len(lat),
             "client_cpu_us": client_cpu / n * 1e6, "server_cpu_us": {k: v / n * 1e6 for k, v in cpu.items()},
             "thread_cpu_us": {k: {t: v / n * 1e6 for t, v in by.items() if v > 0} for k, by in threads.items()}}
+
+
+def perf_analyzer(pa_dir: str, server: str, address: str, model: str, io: tuple, concurrency: int,
+                  interval_ms: int, trials: int, csv_path: Path) -> dict:
+    """One run of perf_analyzer (Triton's C++ load generator; sync: `concurrency` threads, a request each at a time,
+    batch 1, random inputs) against `server`, over its protocol, until 3 windows of `interval_ms` agree (within
+    100%: its default 10% rarely settles on a shared machine) or `trials` windows: its figures (CSV) for the
+    last window, infer/s and p50 and p99 in us; {"error": its last line} where it fails."""
+    name, _, shape = io
+    command = [f"{pa_dir}/perf_analyzer", "-m", model, "-u", address, "-i", server.rsplit("-", 1)[1],
+               "--concurrency-range", f"{concurrency}:{concurrency}", "--measurement-interval", str(interval_ms),
+               "--max-trials", str(trials), "--stability-percentage", "100", "-f", str(csv_path)]
+    if not server.startswith("triton"):   # (serve.sh's max_batch_size 4: -b 1 adds the batch; ours say 0, [-1, ...])
+        command += ["--shape", f"{name}:{','.join(map(str, shape))}"]
+    csv_path.unlink(missing_ok=True)
+    try:
+        r = subprocess.run(command, env={**os.environ, "LD_LIBRARY_PATH": pa_dir}, capture_output=True, text=True,
+                           timeout=60 + 3 * trials * interval_ms / 1e3)
+    except subprocess.TimeoutExpired:
+        return {"error": "timed out"}
+    if r.returncode != 0 or not csv_path.exists():
+        return {"error": ((r.stdout + r.stderr).strip().splitlines() or [f"status {r.returncode}"])[-1][:200]}
+    with open(csv_path) as f:
+        row = next(csv.DictReader(f))
+    return {"rps": float(row["Inferences/Second"]), "p50_us": float(row["p50 latency"]),
+            "p99_us": float(row["p99 latency"]), "csv": row}
 
 
 def _free_port() -> int:
@@ -328,6 +356,10 @@ def _versions(args) -> dict:
                                                         "print(v('nvidia-pytriton'), v('onnxruntime'))"],
                            capture_output=True, text=True)
         out["triton 2.51 (its venv: nvidia-pytriton onnxruntime)"] = r.stdout.strip()
+    if args.perf_analyzer:
+        r = subprocess.run([f"{args.pa_dir}/perf_analyzer", "--version"], capture_output=True, text=True,
+                           env={**os.environ, "LD_LIBRARY_PATH": args.pa_dir})
+        out["perf_analyzer"] = (r.stdout + r.stderr).strip().removeprefix("Perf Analyzer Version ")
     return out
 
 
@@ -457,6 +489,17 @@ def report(res: dict, out=sys.stdout) -> None:
             table(by_server, label, out)
             if all(r.get("server_cpu_us") for runs in by_server.values() for r in runs):
                 cpu_report(by_server, out)
+    pa = res.get("perf_analyzer")
+    if pa:
+        print(f"\nperf_analyzer (Triton's C++ client, sync, batch 1, random inputs): {pa['interval_ms']} ms windows "
+              f"until 3 agree within 100% or {pa['trials']}, the last window's figures; {res['rounds']} rounds "
+              "alternating the servers' order; median [min-max] over rounds" +
+              ("; not KServe (no ModelConfig in its gRPC service: perf_analyzer asks for it)"
+               if "kserve-grpc" in res.get("servers", ()) else ""), file=out)
+        for model, by_concurrency in pa["runs"].items():
+            for concurrency, by_server in by_concurrency.items():
+                print(f"\n{model}, concurrency {concurrency}:", file=out)
+                table(by_server, label, out, rate="infer/s")
     print(f"\n{GOALS}", file=out)
     goals(res, out)
     print(f"machine: {os.cpu_count()} cores; " + "; ".join(f"{k} {v}" for k, v in res["versions"].items()), file=out)
@@ -491,6 +534,12 @@ def main(argv=None) -> int:
     ap.add_argument("--servers", nargs="+", metavar="SERVER",
                     help="only these (default: modelcache-grpc, modelcache-http and those the flags above set up; "
                          "a Triton server named here needs no --triton)")
+    ap.add_argument("--perf-analyzer", nargs="?", const="after", choices=("after", "only"),
+                    help="perf_analyzer against every server at each --clients concurrency, after the closed loops "
+                         "(or, with `only`, instead of them)")
+    ap.add_argument("--pa-dir", default=PERF_ANALYZER, help="perf_analyzer's folder (default: %(default)s)")
+    ap.add_argument("--pa-interval-ms", type=int, default=2000, help="perf_analyzer's measurement window")
+    ap.add_argument("--pa-trials", type=int, default=6, help="perf_analyzer's most windows a run")
     ap.add_argument("--out")
     ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -519,7 +568,7 @@ def main(argv=None) -> int:
                 zoo.save(zoo.build(name), paths[name])
             io = {m: one_input_io(p) for m, p in paths.items()}
             targets = start_servers(stack, args, servers, paths, tmp, log)
-            for r in range(args.rounds):
+            for r in range(args.rounds if args.perf_analyzer != "only" else 0):
                 order = servers[r % len(servers):] + servers[:r % len(servers)]
                 for model in args.models:
                     for clients in args.clients:
@@ -530,14 +579,30 @@ def main(argv=None) -> int:
                             run = closed_loop(server, address, model, io[model], clients, args.seconds, pids)
                             res["runs"].setdefault(model, {}).setdefault(str(clients), {}) \
                                 .setdefault(server, []).append(run)
+            # (not KServe: its gRPC service has no ModelConfig, which perf_analyzer asks for first)
+            pa_servers = [s for s in servers if s != "kserve-grpc"]
+            if args.perf_analyzer:
+                res["perf_analyzer"] = {"interval_ms": args.pa_interval_ms, "trials": args.pa_trials, "runs": {}}
+            for r in range(args.rounds if args.perf_analyzer and pa_servers else 0):
+                order = pa_servers[r % len(pa_servers):] + pa_servers[:r % len(pa_servers)]
+                for model in args.models:
+                    for concurrency in args.clients:
+                        for server in order:
+                            print(f"round {r + 1}: perf_analyzer, {model}, concurrency {concurrency}, {server} ...",
+                                  file=sys.stderr, flush=True)
+                            run = perf_analyzer(args.pa_dir, server, targets[server][model][0], model, io[model],
+                                                concurrency, args.pa_interval_ms, args.pa_trials, tmp / "pa.csv")
+                            res["perf_analyzer"]["runs"].setdefault(model, {}).setdefault(str(concurrency), {}) \
+                                .setdefault(server, []).append(run)
         except Exception:
             log.flush()
             print("the servers' log, its end:\n" + (tmp / "servers.log").read_text(errors="replace")[-4000:],
                   file=sys.stderr)
             raise
-    for model in res["runs"]:   # (a fixed order of servers in the report)
-        for clients, by_server in res["runs"][model].items():
-            res["runs"][model][clients] = {s: by_server[s] for s in servers}
+    for runs in (res["runs"], res.get("perf_analyzer", {}).get("runs", {})):   # (the servers in a fixed order)
+        for by_clients in runs.values():
+            for clients, by_server in by_clients.items():
+                by_clients[clients] = {s: by_server[s] for s in servers if s in by_server}
     report(res)
     save_results(args.out, "grpc", argv, res, report, command="python benchmarks/grpc/run.py")
     return 0
