@@ -1,22 +1,38 @@
-"""gRPC front benchmark: Triton's gRPC protocol on modelcache against a KServe Python server, and against our
-own HTTP front, with the same stock client (tritonclient) and the same closed-loop load.
+"""Triton's protocols served by modelcache, side by side with their peers: Triton itself (its C++ fronts and ONNX
+Runtime backend), KServe's Python server, and another modelcache checkout; the same stock client (tritonclient),
+the same closed-loop load, then optionally Triton's own load generator (perf_analyzer).
 
     python benchmarks/grpc/run.py [--models tiny-cnn resnet50] [--clients 1 4] [--seconds 5] [--rounds 3]
-                                  [--kserve-python /path/to/venv/bin/python] [--out DIR]
+                                  [--triton] [--baseline CHECKOUT [--baseline-label base]]
+                                  [--kserve-python /path/to/venv/bin/python [--kserve-no-spin]]
+                                  [--servers SERVER ...] [--perf-analyzer [only]] [--out DIR]
 
 A daemon of its own (in a temporary directory, default settings) serves the zoo models; `modelcache grpc` and
-`modelcache http` run in front of it on free loopback ports. With --kserve-python (a venv with `kserve` and
-`onnxruntime`: modelcache is not needed there), KServe's ModelServer serves the same .onnx files with plain
-ORT (kserve_peer.py), over gRPC. Each server, model and client count is one closed loop: N client processes,
-each calling tritonclient's infer (batch 1, inputs and outputs raw/binary) as fast as answers come, for
---seconds. Rounds alternate the servers' order, so every server sees the same machine; the report gives each
-figure's median over the rounds and its spread [min-max]. Beside requests/s and latency, the CPU time
-(/proc, user + system) a request cost each server process (and its busiest threads) and the clients, over the
-clients' window: where clients and servers share the cores, their ratio bounds the requests/s ratio.
+`modelcache http` run in front of it on free loopback ports. Each server, model and client count is one closed
+loop: N client processes, each calling tritonclient's infer (batch 1, inputs and outputs raw/binary) as fast as
+answers come, for --seconds. Rounds alternate the servers' order, so every server sees the same machine; the
+report gives each figure's median over the rounds and its spread [min-max], and modelcache's figure over each
+peer's on the same protocol, round by round. Beside requests/s and latency, the CPU time (/proc, user + system)
+a request cost each server process (and its busiest threads) and the clients, over the clients' window: where
+clients and servers share the cores, their ratio bounds the requests/s ratio. Last, issue 46's goals, each
+against this run's figures.
 
-  modelcache-grpc   tritonclient.grpc -> `modelcache grpc` -> the daemon's serve lane
-  kserve-grpc       tritonclient.grpc -> KServe's gRPC server -> onnxruntime in its process
-  modelcache-http   tritonclient.http (binary tensors) -> `modelcache http` -> the daemon's serve lane
+  modelcache-grpc     tritonclient.grpc -> `modelcache grpc` -> the daemon's serve lane
+  modelcache-http     tritonclient.http (binary tensors) -> `modelcache http` -> the daemon's serve lane
+  base-grpc, -http    (--baseline CHECKOUT) the same from another checkout's code (PYTHONPATH, as ab.py runs
+                      two): a daemon and fronts of its own, the same models; to A/B a change in the same rounds
+  triton-grpc, -http  (--triton) Triton 2.51, its C++ fronts -> its C++ ONNX Runtime backend, one process
+                      (/work/shared/peers/triton-native/serve.sh, one server a model): Triton's defaults on CPU
+                      (2 instances, dynamic batching up to 4, ORT's own thread counts)
+  triton-tuned-grpc, -http  (--triton) the same as a tuned CPU deployment: INSTANCES=1 INTRA_OP=1
+  kserve-grpc         (--kserve-python VENV_PYTHON: a venv with `kserve` and `onnxruntime`) tritonclient.grpc ->
+                      KServe's ModelServer -> plain ORT in its process (kserve_peer.py); --kserve-no-spin: its
+                      ORT threads block between runs
+
+--servers picks some of them (a Triton server named there needs no --triton). With --perf-analyzer, after the
+closed loops (or instead of them: `--perf-analyzer only`), perf_analyzer runs against each server over its
+protocol at each --clients concurrency, the servers alternating round by round, its windows bounded by
+--pa-interval-ms and --pa-trials; the report gives its infer/s, p50 and p99 and the same ratios.
 """
 
 from __future__ import annotations
@@ -374,13 +390,13 @@ def cpu_report(by_server: dict, out) -> None:
 
     procs = list(dict.fromkeys(k for runs in by_server.values() for r in runs for k in r["server_cpu_us"]))
     print("  CPU a request, us (median [min-max] over rounds); cores = requests/s x CPU a request:", file=out)
-    print(f"  {'server':<18}" + "".join(f"{p:>18}" for p in procs) +
-          f"{'server, all':>18}{'clients':>18}{'cores':>8}", file=out)
+    print(f"  {'server':<18}" + "".join(f"{p:>22}" for p in procs) +
+          f"{'server, all':>22}{'clients':>22}{'cores':>8}", file=out)
     for server, runs in by_server.items():
         mine = runs[0]["server_cpu_us"]
-        print(f"  {server:<18}" + "".join(f"{cell([r['server_cpu_us'][p] for r in runs]) if p in mine else '':>18}"
+        print(f"  {server:<18}" + "".join(f"{cell([r['server_cpu_us'][p] for r in runs]) if p in mine else '':>22}"
                                           for p in procs) +
-              f"{cell([total(r) for r in runs]):>18}{cell([r['client_cpu_us'] for r in runs]):>18}"
+              f"{cell([total(r) for r in runs]):>22}{cell([r['client_cpu_us'] for r in runs]):>22}"
               f"{statistics.median(r['rps'] * (total(r) + r['client_cpu_us']) / 1e6 for r in runs):>8.2f}", file=out)
     for server, runs in by_server.items():   # where a process's CPU goes: its threads of 10% and more
         busy = []
