@@ -301,9 +301,10 @@ def _start_triton(stack: contextlib.ExitStack, serve: str, path: str, name: str,
     http_port, grpc_port = _free_port(), _free_port()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}   # (nothing of ours in its Python)
     env.update(settings, REPO=str(repo))
-    if _py312():
-        env["PY312"] = _py312()
-    ready = repo.with_suffix(".out")   # (serve.sh's stdout: its READY line; a file, so nothing can block on it)
+    py312 = _py312()
+    if py312:
+        env["PY312"] = py312
+    ready = repo.parent / f"{repo.name}.out"   # (serve.sh's stdout: its READY line; a file, so nothing can block on it)
     with open(ready, "wb") as out:
         # its own session: ^C stops it through us, and _stop ends its readiness watcher with it
         proc = subprocess.Popen(["bash", serve, path, name, str(http_port), str(grpc_port)], env=env, stdout=out,
