@@ -22,7 +22,7 @@ against this run's figures.
   base-grpc, -http    (--baseline CHECKOUT) the same from another checkout's code (PYTHONPATH, as ab.py runs
                       two): a daemon and fronts of its own, the same models; to A/B a change in the same rounds
   triton-grpc, -http  (--triton) Triton 2.51, its C++ fronts -> its C++ ONNX Runtime backend, one process
-                      (/work/shared/peers/triton-native/serve.sh, one server a model): Triton's defaults on CPU
+                      (../shared/peers/triton-native/serve.sh, one server a model): Triton's defaults on CPU
                       (2 instances, dynamic batching up to 4, ORT's own thread counts)
   triton-tuned-grpc, -http  (--triton) the same as a tuned CPU deployment: INSTANCES=1 INTRA_OP=1
   kserve-grpc         (--kserve-python VENV_PYTHON: a venv with `kserve` and `onnxruntime`) tritonclient.grpc ->
@@ -57,7 +57,8 @@ from modelcache.usage import Parser
 PROTOCOLS = ("grpc", "http")
 # Triton's two configurations, as serve.sh's environment: its defaults on CPU, and a tuned CPU deployment.
 TRITON_CONFIGS = {"triton": {"INSTANCES": "", "INTRA_OP": ""}, "triton-tuned": {"INSTANCES": "1", "INTRA_OP": "1"}}
-TRITON_SERVE = "/work/shared/peers/triton-native/serve.sh"
+# (the project's shared folder sits beside the repository)
+TRITON_SERVE = str(Path(__file__).resolve().parents[3] / "shared" / "peers" / "triton-native" / "serve.sh")
 PERF_ANALYZER = f"{os.environ.get('TMPDIR') or '/tmp'}/triton-native/pa"   # (build.sh's: perf_analyzer, its libs)
 GOALS = "goals (issue 46): tiny-cnn requests/s >= 0.7x Triton native (its defaults) at 1 and 4 clients, HTTP and " \
         "gRPC; server CPU a tiny-cnn request <= 0.35 ms; tritonclient.grpc p50 at 1 client <= 1.0 ms; ResNet-50 " \
