@@ -90,8 +90,9 @@ class LaneConnection:
 
     def send(self, kind: bytes, body: bytes, fds=()) -> None:
         """Queue a reply; `fds` (still the caller's: passed as copies) go with its first byte. A small reply
-        waits for the end of the loop's turn (LaneServer.flush_replies), so every reply a connection gets
-        in one turn leaves in one write, and wakes its reader once; a big one goes now, uncopied."""
+        waits for LaneServer.flush_replies (after each batch the engine answers, and at the end of the loop's
+        turn), so the answers of one batch leave in one write a connection, and wake its reader once; a big
+        one goes now, uncopied."""
         if self.sock is None:
             return  # the client went away; its answer has nowhere to go
         if not self.out and not fds and len(body) > COALESCE_BYTES:

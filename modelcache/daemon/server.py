@@ -114,7 +114,8 @@ class Daemon:
             # (the engine's GPU workers hold device copies through serving, built below)
             self.engine = Engine(settings, Path(settings.state_dir) / "perfmodels.json", self.loaders.post, clock,
                                  gpu_devices=serve_gpu_devices(settings),
-                                 worker_hold=lambda *args: self.serving.worker_hold(*args))
+                                 worker_hold=lambda *args: self.serving.worker_hold(*args),
+                                 answered=lambda: self.lane is not None and self.lane.flush_replies())
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.fetcher = Fetcher(registry=self.registry, repository=self.repository, remote=self.remote,

@@ -125,7 +125,7 @@ def same_shape_rows(a: dict, b: dict) -> bool:
 
 class Engine:
     def __init__(self, settings, perf_path: Path | None, post, clock, worker_factory=None, gpu_devices=None,
-                 gpu_worker_factory=None, worker_hold=None):
+                 gpu_worker_factory=None, worker_hold=None, answered=None):
         # "auto": one group of every core this process may use.
         spec = settings.workers
         self.groups = parse_groups(str(len(os.sched_getaffinity(0))) if spec == "auto" else spec)
@@ -176,6 +176,10 @@ class Engine:
         # device for a GPU worker, taken (holds: once, however often asked) as a stage is placed there, for as
         # long as the worker may have sessions over it; not holds: returns what ends it, or None (none held).
         self.worker_hold = worker_hold or (lambda key, uuid, wid, holds: None)
+        # answered(): a batch's answers were handed over (its requests' finish callbacks ran): the daemon writes
+        # them now, one write a connection, while the loop goes on to the next batch; so the front works on
+        # these answers while the daemon runs the next (writing once a turn cost 8% of the requests/s at 4 clients).
+        self.answered = answered or (lambda: None)
         self._post = post
 
     def start(self) -> None:
@@ -349,6 +353,7 @@ class Engine:
                 while self.inline:                          # execute, and update as each stage finishes
                     worker, job = self.inline.popleft()
                     self._stage_done(job, worker.run(job), inline=True)
+                    self.answered()
         finally:
             self._stepping = False
 
