@@ -77,6 +77,8 @@ class Channel:
         self._write = _thread.allocate_lock()    # held only while one message is written
         self._connecting = _thread.allocate_lock()
         self._pending: dict[int, _Waiter] = {}
+        self._outbox: list = []              # (kind, body) queued for flush(), all for _outbox_conn
+        self._outbox_conn = None
         self._conn = None
         self._reading = False                # a caller is reading the socket for everyone
         self._reading_conn = None            # ... this connection: the reader closes it, once lost
@@ -130,22 +132,40 @@ class Channel:
 
     def submit(self, msg, callback, deadline_s: float | None = None) -> int:
         """Send msg without waiting; callback(reply, error) runs on the reader thread when its answer
-        comes or its connection is lost (never for a request forgotten first). Returns the req_id."""
-        return self.submit_all([(msg, callback)], deadline_s)[0]
-
-    def submit_all(self, requests: list, deadline_s: float | None = None) -> list[int]:
-        """submit() for several (msg, callback), in one write: the daemon reads them in one turn, and its
-        engine batches them together. Their req_ids, in order."""
+        comes or its connection is lost (never for a request forgotten first). Returns the req_id.
+        From any thread (queue() and flush() are one thread's)."""
         if not self._reader_thread:
             raise ValueError("submit needs a channel with reader_thread=True")
         conn = self._conn or self.connect()
-        ids, frames = [], []
-        for msg, callback in requests:
-            msg.req_id = req_id = next(self._ids)
-            ids.append(req_id)
-            frames.append(P.encode(msg))
-            with self._state:
-                self._pending[req_id] = _Waiter(conn, callback)
+        waiter = _Waiter(conn, callback)
+        msg.req_id = req_id = next(self._ids)
+        with self._state:
+            self._pending[req_id] = waiter
+        self._send(conn, msg, time.monotonic() + (deadline_s or self.timeout_s))
+        return req_id
+
+    def queue(self, msg, callback) -> int:
+        """submit(), but the message waits in the outbox for flush(): the requests queued meanwhile leave in one
+        write, so the daemon reads them in one turn (and batches them) at one wake-up. Returns the req_id.
+        queue() and flush() are for one thread (a front's event loop)."""
+        if not self._reader_thread:
+            raise ValueError("submit needs a channel with reader_thread=True")
+        conn = self._conn or self.connect()
+        msg.req_id = req_id = next(self._ids)
+        encoded = P.encode(msg)   # (first: a message that cannot be encoded leaves nothing behind)
+        with self._state:
+            self._pending[req_id] = _Waiter(conn, callback)
+        if self._outbox_conn is not conn:
+            self._outbox, self._outbox_conn = [], conn   # (what was queued on a lost connection failed with it)
+        self._outbox.append(encoded)
+        return req_id
+
+    def flush(self, deadline_s: float | None = None) -> None:
+        """Send what queue() queued, in one write. A lost connection fails every request in flight on it (their
+        callbacks are told) and raises DaemonUnavailable."""
+        frames, conn, self._outbox, self._outbox_conn = self._outbox, self._outbox_conn, [], None
+        if not frames or getattr(conn, "lost", False):
+            return
         try:
             with self._write:
                 deadline = time.monotonic() + (deadline_s or self.timeout_s)
@@ -157,7 +177,6 @@ class Channel:
             self._lost(conn)
             raise DaemonUnavailable(f"lost the connection to the modelcache daemon at {self.address} "
                                     "(it stopped, crashed or stalled)") from None
-        return ids
 
     def forget(self, req_id: int) -> None:
         """Give up on a submitted request: a late answer is dropped."""

@@ -15,7 +15,7 @@ import asyncio
 import threading
 
 from ..client.rpc import Channel, lane_connection
-from ..errors import DaemonUnavailable, ProtocolError, RequestTimeout, from_code
+from ..errors import DaemonUnavailable, ModelCacheError, ProtocolError, RequestTimeout, from_code
 from ..wire import protocol as P
 from ..wire.lane import lane_path
 
@@ -32,7 +32,7 @@ class DaemonLink:
                                     f"{address} has none: run `modelcache {front}` on the daemon's host")
         self.timeout_s = timeout_s
         self._channel = Channel(address, lane_connection(self.path, address), timeout_s, reader_thread=True)
-        self._outbox: list = []   # (msg, answered, timeout_s, sent future) waiting for _flush
+        self._flush_due = False   # a _flush is scheduled for the end of this pass of the loop
         self._inbox: list = []    # (future, reply, error) from the reader thread, waiting for _settle_inbox
         self._inbox_lock = threading.Lock()
 
@@ -40,9 +40,9 @@ class DaemonLink:
         """Send `msg`, wait for its reply; a typed ModelCacheError for an error reply, a lost daemon or a timeout.
         `on_sent()`: called once the message is on its way, before the reply (a stream's order, Operations.infer).
 
-        A request waits in the outbox for the end of the loop's current pass (call_soon), then leaves with every
-        other one queued meanwhile in one write (_flush): requests that came together reach the daemon in one
-        turn, where its engine batches them, and cost it one wake-up."""
+        A request waits in the channel's outbox for the end of the loop's current pass (call_soon), then leaves with
+        every other one queued meanwhile in one write (_flush): requests that came together reach the daemon in
+        one turn, where its engine batches them, and cost it one wake-up."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
@@ -63,11 +63,10 @@ class DaemonLink:
             self._flush()   # (those queued before it go first: a stream's order)
             req_id = await loop.run_in_executor(None, self._channel.submit, msg, answered, timeout_s)
         else:
-            sent = loop.create_future()
-            if not self._outbox:
+            if not self._flush_due:
+                self._flush_due = True
                 loop.call_soon(self._flush)
-            self._outbox.append((msg, answered, timeout_s, sent))
-            req_id = await sent
+            req_id = self._channel.queue(msg, answered)   # (DaemonUnavailable here: no daemon to connect to)
         if on_sent is not None:
             on_sent()
         # call_later rather than asyncio.wait_for: no task per request on the hot path
@@ -90,21 +89,13 @@ class DaemonLink:
             _settle(fut, reply, error)
 
     def _flush(self) -> None:
-        """Send the outbox in one write; each caller learns its req_id, or the error that lost them all."""
-        outbox, self._outbox = self._outbox, []
-        if not outbox:
-            return
+        """Send the requests queued in this pass of the loop, in one write. A lost connection has already
+        failed them through their callbacks (Channel.flush)."""
+        self._flush_due = False
         try:
-            ids = self._channel.submit_all([(msg, answered) for msg, answered, _, _ in outbox],
-                                           max(timeout_s for _, _, timeout_s, _ in outbox))
-        except Exception as e:
-            for *_, sent in outbox:
-                if not sent.done():
-                    sent.set_exception(e)
-            return
-        for (*_, sent), req_id in zip(outbox, ids):
-            if not sent.done():    # (a caller cancelled meanwhile: its answer is dropped by id)
-                sent.set_result(req_id)
+            self._channel.flush()
+        except ModelCacheError:
+            pass
 
     async def close(self) -> None:
         self._channel.close()
