@@ -145,13 +145,13 @@ def test_a_short_stage_runs_on_the_owner_loop_only_when_nothing_else_is_in_fligh
     np.testing.assert_array_equal(h.y(5), expected(5, 1))
 
 
-def test_express_one_group_one_stage_idle_is_answered_within_submit_with_the_same_records():
+def test_a_short_stage_on_an_idle_engine_is_answered_within_its_step_with_the_same_records():
     h = Harness("serial", workers="1", inline_run_ms=50)
     for tag in (1, 2):                  # uncalibrated: handed to the worker thread
         h.submit(tag, 1, stages=ONE_STAGE)
         assert tag not in h.answers
         h.worker.run_next()
-    h.submit(3, 2, stages=ONE_STAGE)    # batch 2 never measured: not predicted, so not express
+    h.submit(3, 2, stages=ONE_STAGE)    # batch 2 never measured: not predicted, so not inline
     assert 3 not in h.answers
     h.worker.run_next()
     h.submit(4, 1, stages=ONE_STAGE)    # calibrated at 10 ms, under 50: answered here and now
@@ -173,7 +173,7 @@ def test_express_one_group_one_stage_idle_is_answered_within_submit_with_the_sam
 
     h.engine.settings.batching = "batch"
     h.engine.settings_changed()
-    h.submit(6, 1, stages=ONE_STAGE)    # a window policy waits, express or not
+    h.submit(6, 1, stages=ONE_STAGE)    # a window policy waits, however short the stage
     assert 6 not in h.answers and h.engine.queues
 
 

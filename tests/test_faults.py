@@ -69,14 +69,14 @@ def test_a_session_taken_for_an_inline_run_outlives_its_drop(tmp_path, zoo_file)
         worker.stop()
 
 
-@pytest.mark.parametrize("workers", ["1", "1,1"])
+@pytest.mark.parametrize("workers", ["1", "1,1", "2"])
 def test_eviction_under_serve_load_never_crashes_or_serves_wrong_outputs(tmp_path, zoo_file, workers):
     """Serve clients (separate processes) run tiny models while another client evicts and reloads
     those same models.
 
     Eviction used to drop a worker's stage sessions (and unmap their weights) on the worker's
-    thread while the owner loop ran one of them inline: SIGSEGV. "1" exercises the express path
-    (one worker, one stage), "1,1" the general inline path, over a partitioned model too."""
+    thread while the owner loop ran one of them inline: SIGSEGV. "1" runs inline on the group's own session,
+    "2" on the stage's single-threaded inline session, "1,1" with two groups, over a partitioned model too."""
     d = DaemonProcess(tmp_path, {"MODELCACHE_WORKERS": workers, "MODELCACHE_STATE_DIR": str(tmp_path / "state"),
                                  "MODELCACHE_LOG_LEVEL": "info", "PYTHONFAULTHANDLER": "1"})
     d.start()

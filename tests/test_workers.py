@@ -6,6 +6,9 @@ tests/test_gpu_serve.py.
 
 from __future__ import annotations
 
+import queue
+import time
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -63,6 +66,40 @@ def test_cpu_worker_runs_a_stage_like_plain_ort(tmp_path, zoo_file):
     assert worker.run(job) is None and worker.can_run_inline(job)
     [want] = ort.InferenceSession(src, providers=["CPUExecutionProvider"]).run(None, feeds)
     np.testing.assert_allclose(job.result["outputs"][job.outputs[0]], want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_short_stage_runs_inline_on_a_single_threaded_session_of_a_multi_core_group(tmp_path, zoo_file):
+    """A group of 2 cores runs on its thread with 2 intra-op threads; once a stage the engine marks short has run
+    there, the owner loop gets a session of it with one thread (nothing to wake for a run that short)."""
+    src = zoo_file("tiny-cnn")
+    job, feeds = stage_job(tmp_path, src)
+    done = queue.Queue()
+    worker = Worker(0, [0, 0], post=lambda job, error: done.put(error))
+    worker.start()
+    try:
+        worker.queue.put(job)                       # not short (never measured): the group's session only
+        assert done.get(timeout=60) is None
+        assert not worker.can_run_inline(job)
+        [session] = worker.sessions.values()
+        assert session.session.get_session_options().intra_op_num_threads == 2
+        job.short = True                            # predicted within inline_run_ms: its inline session follows
+        worker.queue.put(job)
+        assert done.get(timeout=60) is None
+        worker.drop_model("other@1")                # (a job queued behind the build: it is there once this is done)
+        deadline = time.monotonic() + 60
+        while worker.drops_done.get("other@1") != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.can_run_inline(job)
+        assert job.session.session.get_session_options().intra_op_num_threads == 1
+        assert worker.run(job) is None              # what the loop does with it: the same answer
+        [want] = ort.InferenceSession(src, providers=["CPUExecutionProvider"]).run(None, feeds)
+        np.testing.assert_allclose(job.result["outputs"][job.outputs[0]], want, rtol=1e-4, atol=1e-5)
+        worker.drop_model("m@1")                    # a drop takes the inline session with the group's
+        while worker.sessions and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not worker.sessions and not worker.can_run_inline(job)
+    finally:
+        worker.stop()
 
 
 # GPU workers run over the GPU tier's device memory: tests/test_gpu_serve.py.
