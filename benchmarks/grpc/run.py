@@ -3,7 +3,7 @@ Runtime backend), KServe's Python server, and another modelcache checkout; the s
 the same closed-loop load, then optionally Triton's own load generator (perf_analyzer).
 
     python benchmarks/grpc/run.py [--models tiny-cnn resnet50] [--clients 1 4] [--seconds 5] [--rounds 3]
-                                  [--triton] [--baseline CHECKOUT [--baseline-label base]]
+                                  [--triton] [--baseline CHECKOUT [--baseline-label base] [--baseline-env N=V ...]]
                                   [--kserve-python /path/to/venv/bin/python [--kserve-no-spin]]
                                   [--servers SERVER ...] [--perf-analyzer [only]] [--out DIR]
 
@@ -262,15 +262,17 @@ def _cli(env: dict, *args: str) -> str:
 
 
 def _serve_modelcache(stack: contextlib.ExitStack, home: Path, family: str, protocols: list, paths: dict, log,
-                      checkout: str | None = None) -> dict:
+                      checkout: str | None = None, settings: dict | None = None) -> dict:
     """A daemon of its own (default settings) holding the zoo models, and its fronts for `protocols`, all run
-    from `checkout`'s code (PYTHONPATH, as ab.py runs two checkouts) or else this one's; stopped with `stack`.
+    from `checkout`'s code (PYTHONPATH, as ab.py runs two checkouts) or else this one's, with `settings` (environment
+    variables, MODELCACHE_BATCHING=dynamic say) added; stopped with `stack`.
     {server: (host:port, {"front": pid, "daemon": pid})}."""
     from modelcache.bench.http import start_front
     from modelcache.measure import managed_daemon
     home.mkdir(parents=True)
     socket_ = f"ipc://{home}/daemon.sock"
-    own = {"MODELCACHE_CONFIG": "", **({"PYTHONPATH": str(Path(checkout).resolve())} if checkout else {})}
+    own = {"MODELCACHE_CONFIG": "", **({"PYTHONPATH": str(Path(checkout).resolve())} if checkout else {}),
+           **(settings or {})}
     env = {**os.environ, "MODELCACHE_SOCKET": socket_, "MODELCACHE_REPOSITORY": f"{home}/repo", **own}
     stack.enter_context(managed_daemon(socket_, f"{home}/repo", env=own))
     for name, path in paths.items():
@@ -283,6 +285,13 @@ def _serve_modelcache(stack: contextlib.ExitStack, home: Path, family: str, prot
         stack.callback(_stop, proc)
         out[f"{family}-{kind}"] = (address, {"front": proc.pid, "daemon": daemon})
     return out
+
+
+def _setting(text: str) -> tuple[str, str]:
+    name, eq, value = text.partition("=")
+    if not eq or not name.startswith("MODELCACHE_"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give MODELCACHE_NAME=VALUE")
+    return name, value
 
 
 def _py312() -> str | None:
@@ -329,10 +338,11 @@ def start_servers(stack: contextlib.ExitStack, args, servers: list, paths: dict,
     def protocols(family):
         return [p for p in PROTOCOLS if f"{family}-{p}" in servers]
 
-    for family, checkout in (("modelcache", None), (args.baseline_label, args.baseline)):
+    for family, checkout, settings in (("modelcache", None, None),
+                                       (args.baseline_label, args.baseline, dict(args.baseline_env))):
         if protocols(family):
             for server, where in _serve_modelcache(stack, tmp / family, family, protocols(family), paths, log,
-                                                   checkout).items():
+                                                   checkout, settings).items():
                 targets[server] = dict.fromkeys(paths, where)
     for config, settings in TRITON_CONFIGS.items():   # serve.sh serves one model: a Triton per model and config
         for name, path in paths.items() if protocols(config) else ():
@@ -500,7 +510,8 @@ def report(res: dict, out=sys.stdout) -> None:
               "the servers' order; median [min-max] over rounds" +
               ("" if res.get("kserve_spin", True) else "; the KServe peer's ORT threads do not spin"), file=out)
     if "baseline" in res:
-        print(f"{label}-*: {res['baseline']['checkout']} at {res['baseline']['commit']}", file=out)
+        print(f"{label}-*: {res['baseline']['checkout']} at {res['baseline']['commit']}" +
+              "".join(f", {k}={v}" for k, v in res["baseline"].get("env", {}).items()), file=out)
     for model, by_clients in res["runs"].items():
         for clients, by_server in by_clients.items():
             print(f"\n{model}, {clients} client{'s' if clients != '1' else ''}:", file=out)
@@ -546,6 +557,9 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", metavar="CHECKOUT",
                     help="another modelcache checkout: a daemon and fronts of its own, run from its code")
     ap.add_argument("--baseline-label", default="base", help="its servers' names: LABEL-grpc, LABEL-http")
+    ap.add_argument("--baseline-env", nargs="+", default=[], metavar="NAME=VALUE", type=_setting,
+                    help="settings for the baseline's daemon and fronts (MODELCACHE_BATCHING=dynamic, "
+                         "MODELCACHE_WORKERS=1): with --baseline of this checkout, an A/B of a setting")
     ap.add_argument("--kserve-python", help="the python of a venv with kserve and onnxruntime: the KServe peer")
     ap.add_argument("--kserve-no-spin", action="store_true",
                     help="the peer's ORT sessions block between runs rather than spin (ORT's default)")
@@ -574,7 +588,7 @@ def main(argv=None) -> int:
            "servers": servers, "versions": _versions(args), "runs": {}}
     if args.baseline:
         res["baseline"] = {"label": args.baseline_label, "checkout": str(Path(args.baseline).resolve()),
-                           "commit": _git(args.baseline)}
+                           "commit": _git(args.baseline), "env": dict(args.baseline_env)}
     signal.signal(signal.SIGTERM, _interrupt)
     with tempfile.TemporaryDirectory(prefix="modelcache-bench-grpc-") as tmp, contextlib.ExitStack() as stack:
         tmp = Path(tmp)
