@@ -166,17 +166,8 @@ class Channel:
         frames, conn, self._outbox, self._outbox_conn = self._outbox, self._outbox_conn, [], None
         if not frames or getattr(conn, "lost", False):
             return
-        try:
-            with self._write:
-                deadline = time.monotonic() + (deadline_s or self.timeout_s)
-                if len(frames) == 1:
-                    conn.send(*frames[0], deadline)
-                else:
-                    conn.send_frames(b"".join(frame(kind, body) for kind, body in frames), deadline)
-        except OSError:    # (a send timeout too: part of a frame may be out, the stream is unusable)
-            self._lost(conn)
-            raise DaemonUnavailable(f"lost the connection to the modelcache daemon at {self.address} "
-                                    "(it stopped, crashed or stalled)") from None
+        self._written(conn, conn.send_frames, b"".join(frame(kind, body) for kind, body in frames),
+                      time.monotonic() + (deadline_s or self.timeout_s))
 
     def forget(self, req_id: int) -> None:
         """Give up on a submitted request: a late answer is dropped."""
@@ -225,9 +216,13 @@ class Channel:
     # -- one request ---------------------------------------------------------------------------
     def _send(self, conn, msg, deadline: float, fds=()) -> None:
         kind, body = P.encode(msg)
+        self._written(conn, conn.send, kind, body, deadline, fds)
+
+    def _written(self, conn, send, *args) -> None:
+        """send(*args) on conn, one writer at a time; a lost connection fails what waits on it."""
         try:
             with self._write:
-                conn.send(kind, body, deadline, fds)
+                send(*args)
         except OSError:    # (a send timeout too: part of a frame may be out, the stream is unusable)
             self._lost(conn)
             raise DaemonUnavailable(f"lost the connection to the modelcache daemon at {self.address} "

@@ -33,7 +33,7 @@ log = logging.getLogger("modelcache.daemon")
 READ_CHUNK = 1 << 20            # one read buffer, shared by every connection (the owner loop reads)
 MAX_READ_PER_TURN = 16 << 20     # one busy client cannot hold the loop
 MAX_PENDING = 256 << 20          # unread replies a client may leave before it is cut off
-COALESCE_BYTES = 64 << 10        # a reply up to this size waits for the turn's end, to leave with the others
+COALESCE_BYTES = 64 << 10        # a reply up to this size waits for flush_replies, to leave with its batch's others
 # Descriptors held for first messages not yet whole, over all connections: one open file sent 253 times
 # is 253 of our descriptors, so many connections that never finish a message could exhaust them.
 MAX_HELD_FDS = 1024

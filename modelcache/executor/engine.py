@@ -457,24 +457,17 @@ class Engine:
         for i, w in enumerate(self.workers):  # an idle worker's estimate is "free now"
             if self.outstanding[i] == 0:
                 w.state.free_at = now
+        on_device = next((v.device for v in inputs.values() if isinstance(v, DeviceValue)), "cpu")
+        task = Task(batch.batch_id, req.model_key, batch.stage, batch.samples,
+                    sum(getattr(v, "nbytes", 0) for v in inputs.values()), data_node=on_device, arrival=now)
         placeable = self._placeable_for(req, batch.stage)
         allowed = spec.get("worker_ids")   # a placement plan's set for this stage: dmda picks within it
         candidates = placeable if allowed is None else [w for w in placeable if w.worker_id in allowed] or placeable
-        if len(candidates) == 1:   # (one worker group, the default: nothing to choose, only its clock to keep)
-            state = candidates[0]
-            worker_id, predicted = state.worker_id, self.perf.predict(req.model_key, batch.stage, state.kind,
-                                                                      batch.samples)
-            state.free_at = max(now, state.free_at) + (predicted or 0.0)
-        else:
-            on_device = next((v.device for v in inputs.values() if isinstance(v, DeviceValue)), "cpu")
-            task = Task(batch.batch_id, req.model_key, batch.stage, batch.samples,
-                        sum(getattr(v, "nbytes", 0) for v in inputs.values()), data_node=on_device, arrival=now)
-            [placement] = self.scheduler.place([task], candidates, now, self.perf.predict)
-            worker_id, predicted = placement.worker_id, placement.predicted_s
-        worker = self.workers[worker_id]
-        self.outstanding[worker_id] += 1
+        [placement] = self.scheduler.place([task], candidates, now, self.perf.predict)
+        worker = self.workers[placement.worker_id]
+        self.outstanding[placement.worker_id] += 1
         job = StageJob(batch.batch_id, req.model_key, batch.stage, spec["skeleton"], req.segments,
-                       spec["tensors"], inputs, spec["outputs"], predicted, queued_at=now)
+                       spec["tensors"], inputs, spec["outputs"], placement.predicted_s, queued_at=now)
         self._on_device(job, worker, req, batch.stage)
         job.short = job.predicted_s is not None and job.predicted_s <= self.settings.inline_run_ms / 1e3
         if self._may_inline(worker, job):
@@ -510,9 +503,7 @@ class Engine:
         parallelism is lost), and its worker has built the session (which the loop must never do): for a group
         of several cores, its single-threaded one (Worker._inline_session), which the worker builds after
         running a stage this short on its thread."""
-        limit_s = self.settings.inline_run_ms / 1e3
-        return (job.predicted_s is not None and job.predicted_s <= limit_s and sum(self.outstanding) == 1
-                and worker.can_run_inline(job))
+        return job.short and sum(self.outstanding) == 1 and worker.can_run_inline(job)
 
     def _worker_done(self, job: StageJob, error) -> None:
         """A worker thread's result, posted to the owner loop (the turn's step schedules what it freed)."""

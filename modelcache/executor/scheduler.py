@@ -71,7 +71,10 @@ class Scheduler:
         transfer = transfer or _SAME_NODE
         out = []
         for task in tasks:
-            w, predicted = self.choose(task, workers, now, predict, transfer)
+            if len(workers) == 1:   # (one worker group, the default: nothing to choose, only its clock to keep)
+                w, predicted = workers[0], predict(task.model, task.stage, workers[0].kind, task.batch)
+            else:
+                w, predicted = self.choose(task, workers, now, predict, transfer)
             start = max(now, w.free_at) + transfer.seconds(task.input_bytes, task.data_node, w.memory_node)
             end = start + (predicted or 0.0)
             w.free_at = end

@@ -315,10 +315,10 @@ class Worker:
     def _inline_session(self, job: StageJob) -> None:
         """Build the stage's inline session if it has none: the same stage over the same mapped weights, with
         one intra-op thread. A stage runs inline only when it is short and nothing else is in flight; then the
-        group's other threads have nothing to do that pays for waking them: on the 2-core VM one 1-thread group
-        served tiny-cnn over HTTP at 4 clients with 20-28% less daemon CPU a request than one 2-thread group
-        (benchmarks/serve/NOTES.md). A 1-core group's own session is its inline session already. Only on this
-        worker's thread; a failure leaves the stage running on this thread, as before."""
+        group's other threads have nothing to do that pays for waking them: before this session, one 1-core group
+        served tiny-cnn with less daemon CPU a request than one group of both cores; with it, no difference is
+        left (benchmarks/grpc/NOTES.md, `onecore/`). A 1-core group's own session is its inline session already.
+        Only on this worker's thread; a failure leaves the stage running on this thread, as before."""
         key = (job.model_key, job.stage, INLINE)
         if len(self.cores) <= 1 or key in self.sessions or (job.model_key, job.stage) not in self.sessions:
             return
