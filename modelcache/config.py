@@ -61,6 +61,9 @@ class Settings:
     batch_window_ms: float = 50.0      # batch(m) waits this long for m requests
     max_queue_delay_ms: float = 0.0    # dynamic batching waits at most this long for a fuller batch
     inline_run_ms: float = 1.0         # a stage predicted this short runs on the daemon's loop when nothing else is in flight; 0 = never
+    front_runs: str = "short"          # short: the HTTP/gRPC fronts run a model whose run is that short themselves, over
+                                       # the daemon's shared weights (docs/serve.md, "Short models at the front"); never
+    front_hold_s: float = 2.0          # a front lets go of a model it runs this long after its last request
     state_dir: str = ""                # performance models persist here; default: the repository's parent
     metrics_port: int = 0              # Prometheus /metrics over HTTP; 0 = off
     metrics_host: str = "127.0.0.1"    # where /metrics listens
@@ -361,7 +364,8 @@ RULES = {
     "gpus": _int_list(("auto", "none", "off", ""), 0, "'auto', 'none' or device indices: '0', '0,1' or [0, 1]"),
     "scheduler": _choice(*SCHEDULERS), "serve_idle_s": _positive, "batching": _batching,
     "max_batch": number(int, 0), "t_opt_ms": _non_negative, "batch_window_ms": _non_negative,
-    "max_queue_delay_ms": _non_negative, "inline_run_ms": _non_negative, "state_dir": _directory(False),
+    "max_queue_delay_ms": _non_negative, "inline_run_ms": _non_negative,
+    "front_runs": _choice("short", "never"), "front_hold_s": _positive, "state_dir": _directory(False),
     "metrics_port": _port, "metrics_host": _nonempty, "http_port": _port, "http_host": _nonempty,
     "grpc_port": _port, "grpc_host": _nonempty, "triton_repository": _directory(True),
     "max_message_size": _message_size, "max_clients": number(int, 1), "keep_host_tier": _bool,

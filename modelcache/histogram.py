@@ -22,6 +22,14 @@ class Histogram:
         self.total += value
         self.n += 1
 
+    def merge(self, counts: list, total: float) -> None:
+        """Add another histogram's counts (the same buckets) and sum: one kept elsewhere, reported here."""
+        if len(counts) != len(self.counts):
+            raise ValueError(f"{len(counts)} bucket counts for a histogram of {len(self.counts)}")
+        self.counts = [a + int(b) for a, b in zip(self.counts, counts)]
+        self.total += float(total)
+        self.n += sum(int(b) for b in counts)
+
     def lines(self, name: str, labels: str = "") -> list[str]:
         sep = "," if labels else ""
         out, cum = [], 0

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 from ..wire import protocol as P, tensors
-from ..errors import InputError, ModelCacheError
+from ..errors import InputError, ModelCacheError, ProtocolError
 from ..executor.engine import ServeRequest
 from ..executor.sequences import SequenceSpec, SequenceTable
+from ..executor.stats import INFER_BUCKETS_S
 from ..storage import storage_errors
 from ..executor.workers import select_gpus
 from .registry import HOST, ModelRecord, Registry
@@ -52,7 +54,8 @@ class Serving:
 
     def handlers(self) -> dict:
         return {P.Describe: self.on_Describe, P.Partition: self.on_Partition, P.SetBatching: self.on_SetBatching,
-                P.Profile: self.on_Profile, P.Infer: self.on_Infer, P.AddEnsemble: self.ensembles.on_AddEnsemble}
+                P.Profile: self.on_Profile, P.Infer: self.on_Infer, P.AddEnsemble: self.ensembles.on_AddEnsemble,
+                P.FrontServed: self.on_FrontServed}
 
     def forget_model(self, key: str) -> None:
         """The model's host copy is gone or stale: its stage sessions and specs go with it."""
@@ -79,7 +82,30 @@ class Serving:
                                stages=[{k: e[k] for k in ("file", "inputs", "outputs", "cost_share", "workers")
                                         if k in e} for e in model.manifest.stages],
                                model_config=model.manifest.model_config, source_sha256=model.manifest.source_sha256,
-                               labels=model.manifest.labels, overridable=io["overridable"])
+                               labels=model.manifest.labels, overridable=io["overridable"],
+                               front_runs=self._front_runs(model))
+
+    def _front_runs(self, model: ModelRecord) -> dict:
+        """What a front needs to run the model itself ({max_batch}), when the engine says it may; else {}. Not a
+        stateful model (its state is the engine's), nor one whose initializers a request may override."""
+        if self._sequence_spec(model) is not None or model.manifest.overridable:
+            return {}
+        if not self.engine.front_may_run(model.key, model.manifest.serving or None, len(model.manifest.stages)):
+            return {}
+        return {"max_batch": model.manifest.serving.get("max_batch") or 0}
+
+    def on_FrontServed(self, ident, msg: P.FrontServed):
+        """A front's requests it ran itself: counted as the engine's, and a call of each model for its policy (the
+        keep-alive runs from the report, at most a second after the call). A model gone meanwhile is skipped."""
+        reports = {key: _front_report(key, report) for key, report in _items(msg.models, "models")}
+        for key, report in reports.items():
+            model = self.registry.by_key(key)
+            if model is None:
+                continue
+            self.engine.absorb_front(key, report)
+            if sum(report["counts"]) or report["failed"]:
+                self.host.accessed(model)
+        return P.Ack(req_id=msg.req_id)
 
     def on_Partition(self, ident, msg: P.Partition):
         from ..executor.partition import check_request, partition
@@ -455,3 +481,29 @@ def serve_gpu_devices(settings) -> list | None:
         return None
     from ..tiers.gpu import fake_devices
     return select_gpus(settings.gpus, fake_devices(settings.fake_gpus), cuda_provider=True)
+
+
+def _items(value, what: str):
+    if not isinstance(value, dict):
+        raise ProtocolError(f"front_served: {what} must be a map, not {type(value).__name__}")
+    return value.items()
+
+
+def _front_report(key, report) -> dict:
+    """One model's entry of a FrontServed, checked: ProtocolError names what is wrong."""
+    if not isinstance(key, str):
+        raise ProtocolError(f"front_served: a model key must be text, not {type(key).__name__}")
+    fields = dict(_items(report, f"{key[:80]}'s report"))
+    counts = fields.get("counts")
+    if not isinstance(counts, list) or len(counts) != len(INFER_BUCKETS_S) + 1 \
+            or not all(type(c) is int and c >= 0 for c in counts):
+        raise ProtocolError(f"front_served: {key[:80]}'s counts must be {len(INFER_BUCKETS_S) + 1} counts >= 0")
+    out = {"counts": counts}
+    for name, kind in (("success_s", float), ("samples", int), ("run_s", float), ("failed", int),
+                       ("failed_s", float), ("last_unix_ms", int)):
+        value = fields.get(name, 0)
+        if type(value) not in (int, float) or (kind is int and type(value) is not int) \
+                or not math.isfinite(value) or value < 0:
+            raise ProtocolError(f"front_served: {key[:80]}'s {name} must be a finite number >= 0")
+        out[name] = value
+    return out

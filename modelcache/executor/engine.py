@@ -244,6 +244,22 @@ class Engine:
         each = [self.perf.predict(model_key, s, kind, 1) for s in range(max(1, stages))]
         return None if None in each else sum(each)
 
+    def front_may_run(self, model_key: str, serving: dict | None, stages: int) -> bool:
+        """Whether a front may run the model in its own process (docs/serve.md, "Short models at the front"):
+        where all the engine would do is run it alone, inline, on the loop. One stage, serial batching (the
+        `batching` setting's and the model's own), CPU workers only, and a run it has measured within
+        `inline_run_ms`. A model the engine has not run yet is not: its first requests come here."""
+        if self.settings.front_runs != "short" or stages > 1 or self.settings.inline_run_ms <= 0:
+            return False
+        if any(w.state.memory_node != "cpu" for w in self.workers):   # (the scheduler may place it on a GPU)
+            return False
+        name = model_key.rsplit("@", 1)[0]
+        if (self.policies.get(name) or (serving or {}).get("policy") or self.policies["*"]) != "serial":
+            return False
+        kinds = dict.fromkeys(w.state.kind for w in self.workers)
+        predicted = [p for p in (self.predicted_run_s(model_key, 1, k) for k in kinds) if p is not None]
+        return bool(predicted) and min(predicted) <= self.settings.inline_run_ms / 1e3
+
     def run_on_worker(self, worker, work, done, expected_s: float) -> None:
         """Run work(worker) on that worker's thread, after the stages queued there; done(result, error) on the
         owner loop. Meanwhile the worker counts as busy, so no new batch waits behind it, and dmda expects
@@ -652,6 +668,12 @@ class Engine:
             self.failed += 1
             req.finish(None, req.timings, error)
         self._stats(req.model_key).finished(now, req.samples, req.timings, error is None)
+
+    def absorb_front(self, model_key: str, report: dict) -> None:
+        """A front's report of the model's requests it ran itself (Engine.front_may_run): in every count."""
+        self._stats(model_key).absorb(self.clock(), report)
+        self.served += sum(report["counts"])
+        self.failed += report["failed"]
 
     def _stats(self, model_key: str) -> ModelServeStats:
         stats = self.model_stats.get(model_key)

@@ -42,6 +42,20 @@ class ModelServeStats:
         self.queue_s += timings["queue_ms"] / 1e3
         self.run_s += sum(s["run_ms"] for s in timings["stages"]) / 1e3
 
+    def absorb(self, now: float, report: dict) -> None:
+        """Requests a front ran itself (oip/front_runs.py; FrontServed checked them): counted as the engine's own,
+        each its own execution, none queued."""
+        ok = sum(report["counts"])
+        self.latency.merge(report["counts"], report["success_s"])
+        self.samples += report["samples"]
+        self.run_s += report["run_s"]
+        self.failed += report["failed"]
+        self.failed_s += report["failed_s"]
+        self.executions += ok
+        if ok or report["failed"]:
+            self.last_at = now
+            self.last_unix_ms = max(self.last_unix_ms or 0, report["last_unix_ms"])
+
     def describe(self, now: float) -> dict:
         return {"success": self.latency.n, "success_s": self.latency.total, "samples": self.samples,
                 "queue_s": self.queue_s, "run_s": self.run_s, "failed": self.failed, "failed_s": self.failed_s,

@@ -441,6 +441,7 @@ class DescribeReply(Message, kind="describe_ok"):
     source_sha256: str = ""            # of the .onnx file it was packed from
     labels: dict = {}                  # output -> its classes' labels (label_filename; the classification extension)
     overridable: list = []             # initializers a request may feed in their place (Manifest.overridable)
+    front_runs: dict = {}              # {max_batch} when a front may run it itself (Engine.front_may_run); {}: the engine
 
 
 class SetBatching(Message, kind="set_batching"):
@@ -545,6 +546,14 @@ class InferReply(Message, kind="infer_ok"):
 
     def _check_decoded(self) -> None:
         self.timings = Timings.from_wire(self.timings)
+
+
+class FrontServed(Message, kind="front_served"):
+    """A front's report of the requests it ran itself (oip/front_runs.py), since its last: per "name@version",
+    what the engine counts of its own (executor/stats.py): latency bucket counts and their sum (s), rows, run
+    seconds, failures and their seconds, the last one's wall-clock time (ms)."""
+    req_id: int
+    models: dict = {}
 
 
 class Stats(Message, kind="stats"):
