@@ -55,7 +55,7 @@ async def serve(settings, host: str, port: int, on_ready=None, reserved=None) ->
         await until_stopped()
     finally:
         await server.stop(SHUTDOWN_TIMEOUT_S)   # in-flight calls finish, new ones are refused
-        await ops.link.close()
+        await ops.close()
         if reserved is not None:
             reserved.close()
     log.info("gRPC front stopped")

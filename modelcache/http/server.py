@@ -28,7 +28,7 @@ def build_app(settings) -> web.Application:
     async def link_ctx(app):
         app[OPS] = Operations(DaemonLink(settings.socket, settings.request_timeout_s, front="http"), settings)
         yield
-        await app[OPS].link.close()
+        await app[OPS].close()
 
     app.cleanup_ctx.append(link_ctx)
     return app

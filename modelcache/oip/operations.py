@@ -19,6 +19,7 @@ from ..errors import InputError, ModelCacheError, ModelNotFound
 from . import types
 from .link import DaemonLink
 from .classification import classify
+from .front_runs import FrontRunner
 from .inputs import RequiredInputs
 from .reshape import Reshape
 
@@ -72,6 +73,7 @@ class Operations:
     def __init__(self, link: DaemonLink, settings):
         self.link = link
         self.settings = settings
+        self.runner = FrontRunner(link, settings, link.client_name)   # short models, run here (front_runs.py)
         self.unloaded: set[str] = set()   # names this front unloaded: not ready until loaded again
         # Big inputs go through /dev/shm files as client.infer sends them; the daemon's group may read them.
         self.group_of = settings.socket[len("ipc://"):]
@@ -117,8 +119,9 @@ class Operations:
 
     async def interface_of(self, name: str, version: int | None) -> tuple:
         """(its Triton reshape or None (oip/reshape.py), its outputs' class labels, whether it batches, the inputs
-        its configuration requires or None (oip/inputs.py)), read from the model's description at most every
-        INTERFACE_TTL_S."""
+        its configuration requires or None (oip/inputs.py), (the version, what running it here needs) when the
+        daemon says this front may run it itself, else None (front_runs.py)), read from the model's description
+        at most every INTERFACE_TTL_S."""
         now = time.monotonic()
         cached = self.interfaces.get((name, version))
         if cached is None or now - cached[0] > INTERFACE_TTL_S:
@@ -126,7 +129,8 @@ class Operations:
             config = getattr(d, "model_config", None) or {}
             cached = self.interfaces[(name, version)] = (now, (Reshape.of(config), getattr(d, "labels", None) or {},
                                                              int(config.get("max_batch_size", 0)) > 0,
-                                                             RequiredInputs.of(config)))
+                                                             RequiredInputs.of(config),
+                                                             (d.version, d.front_runs) if d.front_runs else None))
         return cached[1]
 
     def why_unloaded(self, name: str) -> str | None:
@@ -157,14 +161,21 @@ class Operations:
         it never is): a stream's requests reach the daemon in the order they were read, whatever each waits for
         on the way (a sequence's order is its state's)."""
         after, sent = order or (None, None)
+        started = time.monotonic()
         why = self.why_unloaded(name)
         if why:
             raise InputError(why)
-        reshape, labels, batch, required = await self.interface_of(name, version)
+        reshape, labels, batch, required, here = await self.interface_of(name, version)
         if required is not None:
             required.check(name, feeds)
         if reshape is not None:
             feeds = reshape.to_model(feeds)
+        held = None if here is None or sequence is not None or after is not None else self.runner.session(name, here[0])
+        if held is not None:   # a short model this front runs itself, over the daemon's weights
+            deadline = started + timeout_us / 1e6 if timeout_us else None
+            outputs = self.runner.run(name, here[0], held, feeds, output_names, here[1].get("max_batch", 0),
+                                      deadline, started)
+            return self._answer(outputs, reshape, classes, labels, batch), here[0]
         wire, files = tensors.encode(feeds, group_of=self.group_of, model=name)
         try:
             deadline_ms = timeout_us / 1000 if timeout_us else None
@@ -180,12 +191,23 @@ class Operations:
             for f in files:
                 os.unlink(f)
         outputs, _ = tensors.decode(reply.outputs)
+        outputs = self._answer(outputs, reshape, classes, labels, batch)
+        return outputs, reply.version if reply.version is not None else version   # (an older daemon: None)
+
+    @staticmethod
+    def _answer(outputs: dict, reshape, classes: dict | None, labels: dict, batch: bool) -> dict:
+        """The model's outputs as the client asked for them: its configuration's dims, top classes."""
         if reshape is not None:
             outputs = reshape.to_client(outputs)
         for output, count in (classes or {}).items():
             if output in outputs:
                 outputs[output] = classify(outputs[output], count, labels.get(output), batch, output)
-        return outputs, reply.version if reply.version is not None else version   # (an older daemon: None)
+        return outputs
+
+    async def close(self) -> None:
+        """The front stops: the models it ran go back to the daemon, with the counts it has not reported."""
+        await self.runner.close()
+        await self.link.close()
 
     async def repository_index(self, only_ready: bool) -> list[dict]:
         listing = await self.link.call(P.ListModels(req_id=0), (P.ModelList,))
@@ -212,6 +234,7 @@ class Operations:
         self.unloaded.discard(name)
 
     async def unload(self, name: str) -> None:
+        await self.runner.let_go(name)   # (its sessions here would hold it in memory)
         # Every version in memory goes: an Evict without a version names only the latest, and a model
         # the front calls unloaded must not keep an older version resident.
         listing = await self.link.call(P.ListModels(req_id=0), (P.ModelList,))

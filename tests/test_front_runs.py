@@ -1,0 +1,204 @@
+"""Short models run by the fronts themselves, over the daemon's shared weights (modelcache/oip/front_runs.py).
+
+A real daemon and real `modelcache http` / `modelcache grpc` subprocesses, Triton's own clients; that a request
+ran at the front is read from the daemon: the model leased by the front's client, and the statistics counting
+requests the engine never ran. Engine.front_may_run, the decision, is pure: tested on the engine's harness.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+tritonhttp = pytest.importorskip("tritonclient.http")   # in the [test] extra
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+from conftest import DaemonProcess, stop_cleanly, wait_until  # noqa: E402
+from test_engine import Harness  # noqa: E402
+from test_http import HttpFront  # noqa: E402
+
+
+@pytest.fixture
+def front(tmp_path, zoo_file):
+    """(daemon, HTTP front, tiny-cnn's path) with the defaults a user has: serial batching, front_runs short; a
+    front lets go 0.5 s after a model's last request."""
+    d = DaemonProcess(tmp_path, extra_env={"MODELCACHE_FRONT_HOLD_S": "0.5"}).start()
+    f = None
+    try:
+        path = zoo_file("tiny-cnn")
+        with d.client() as c:
+            c.add(path, "cnn")
+        f = HttpFront(d)
+        yield d, f, path
+    finally:
+        if f is not None:
+            assert f.stop() == 0
+        stop_cleanly(d)
+
+
+def _infer(c, x, outputs=None):
+    inp = tritonhttp.InferInput("input", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    return c.infer("cnn", [inp], outputs=outputs)
+
+
+def _cnn(d) -> dict:
+    with d.client() as c:
+        return next(m for m in c.list() if m["name"] == "cnn")
+
+
+def _front_holds(d) -> bool:
+    """The front's lease on cnn: the only thing that holds it between requests."""
+    return _cnn(d)["refcount"] > 0
+
+
+def _run_at_front(d, c, x) -> None:
+    """Requests until the daemon has timed the model and the front has it open (Describe's answer lives 2 s)."""
+    def held():
+        _infer(c, x)
+        return _front_holds(d)
+    wait_until(held, timeout_s=20, what="the front running cnn itself")
+
+
+def test_a_short_model_runs_at_the_front_and_the_daemon_counts_every_request(front):
+    d, f, path = front
+    c = tritonhttp.InferenceServerClient(f.hostport)
+    rng = np.random.default_rng(0)
+    _run_at_front(d, c, rng.standard_normal((1, 3, 32, 32)).astype(np.float32))
+    plain = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    served_before = d.client().stats().executor["served"]
+    for rows in (1, 3):   # a free batch dimension: any rows
+        x = rng.standard_normal((rows, 3, 32, 32)).astype(np.float32)
+        got = _infer(c, x).as_numpy("logits")
+        np.testing.assert_allclose(got, plain.run(["logits"], {"input": x})[0], rtol=1e-5, atol=1e-6)
+    assert _front_holds(d)
+    [stats] = c.get_inference_statistics("cnn")["model_stats"]
+    sent = stats["inference_stats"]["success"]["count"]
+    # The engine ran none of the two above; the front's report (once a second) counts them as the engine's.
+    wait_until(lambda: d.client().stats().executor["served"] >= served_before + 2, timeout_s=10,
+               what="the front's report")
+    def counted():
+        [s] = c.get_inference_statistics("cnn")["model_stats"]
+        return s if s["inference_stats"]["success"]["count"] >= sent + 2 else None
+    s = wait_until(counted, timeout_s=10, what="statistics counting the front's requests")
+    assert s["inference_count"] >= 4 and s["inference_stats"]["compute_infer"]["ns"] > 0
+    assert abs(s["last_inference"] - time.time() * 1e3) < 10_000
+    # Idle past front_hold_s, the front lets go: the daemon may evict it again.
+    wait_until(lambda: not _front_holds(d), timeout_s=10, what="the front letting go of cnn")
+    with d.client() as mc:
+        mc.evict("cnn")
+    assert _cnn(d)["tier"] == "disk"
+    # ... and the next requests bring it back, through the daemon first.
+    x = rng.standard_normal((1, 3, 32, 32)).astype(np.float32)
+    np.testing.assert_allclose(_infer(c, x).as_numpy("logits"), plain.run(["logits"], {"input": x})[0],
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_a_bad_request_at_the_front_gets_the_daemons_answer(front):
+    d, f, _ = front
+    c = tritonhttp.InferenceServerClient(f.hostport)
+    _run_at_front(d, c, np.zeros((1, 3, 32, 32), np.float32))
+    cases = [(np.zeros((1, 3, 16, 16), np.float32), None, "input"),          # a shape the model refuses
+             (np.zeros((1, 3, 32, 32), np.float64), None, "input"),          # a dtype it does not take
+             (np.zeros((1, 3, 32, 32), np.float32), [tritonhttp.InferRequestedOutput("nope")], "nope")]
+    for x, outputs, named in cases:
+        inp = tritonhttp.InferInput("input", list(x.shape), "FP64" if x.dtype == np.float64 else "FP32")
+        inp.set_data_from_numpy(x)
+        with pytest.raises(InferenceServerException) as e:
+            c.infer("cnn", [inp], outputs=outputs)
+        assert int(e.value.status()) == 400 and named in str(e.value), e.value
+    assert _front_holds(d)   # still serving here
+    assert _infer(c, np.zeros((2, 3, 32, 32), np.float32)).as_numpy("logits").shape == (2, 10)
+
+
+def test_unload_lets_go_at_once_and_evicts(front):
+    d, f, _ = front
+    c = tritonhttp.InferenceServerClient(f.hostport)
+    _run_at_front(d, c, np.zeros((1, 3, 32, 32), np.float32))
+    c.unload_model("cnn")
+    assert _cnn(d)["tier"] == "disk" and not _front_holds(d)
+    assert not c.is_model_ready("cnn")
+    c.load_model("cnn")
+    assert _infer(c, np.zeros((1, 3, 32, 32), np.float32)).as_numpy("logits").shape == (1, 10)
+
+
+def test_with_front_runs_never_every_request_goes_to_the_daemon(tmp_path, zoo_file):
+    d = DaemonProcess(tmp_path, extra_env={"MODELCACHE_FRONT_RUNS": "never"}).start()
+    f = None
+    try:
+        with d.client() as mc:
+            mc.add(zoo_file("tiny-cnn"), "cnn")
+        f = HttpFront(d)
+        c = tritonhttp.InferenceServerClient(f.hostport)
+        end = time.monotonic() + 3   # past the front's 2 s view of the model's description
+        n = 0
+        while time.monotonic() < end:
+            _infer(c, np.zeros((1, 3, 32, 32), np.float32))
+            n += 1
+            assert not _front_holds(d)
+        assert d.client().stats().executor["served"] == n
+    finally:
+        if f is not None:
+            assert f.stop() == 0
+        stop_cleanly(d)
+
+
+# -- the decision: Engine.front_may_run ---------------------------------------------------------
+def _timed(h: Harness, seconds: float) -> None:
+    for _ in range(3):
+        h.engine.perf.record("m@1", 0, h.worker.state.kind, 1, seconds)
+
+
+def test_the_engine_lets_a_front_run_only_what_it_would_run_alone_inline():
+    h = Harness("serial")
+    assert not h.engine.front_may_run("m@1", None, 1)          # not timed yet: its first requests go to the daemon
+    _timed(h, 0.0002)
+    assert h.engine.front_may_run("m@1", None, 1)
+    assert h.engine.front_may_run("m@1", {}, 0)                # (an unpartitioned manifest lists no stages)
+    assert not h.engine.front_may_run("m@1", None, 2)          # split into stages: the scheduler places them
+    assert not h.engine.front_may_run("m@1", {"policy": "dynamic"}, 1)   # its own dynamic batching
+    h.engine.settings.front_runs = "never"
+    assert not h.engine.front_may_run("m@1", None, 1)
+    long = Harness("serial")
+    _timed(long, 0.005)                                        # over inline_run_ms (1 ms)
+    assert not long.engine.front_may_run("m@1", None, 1)
+    batching = Harness("dynamic")
+    _timed(batching, 0.0002)
+    assert not batching.engine.front_may_run("m@1", None, 1)
+    named = Harness("m=serial,*=dynamic")
+    _timed(named, 0.0002)
+    assert named.engine.front_may_run("m@1", {"policy": "dynamic"}, 1)   # the setting naming it wins
+
+
+def test_a_malformed_report_is_refused_and_a_good_one_counted(tmp_path, zoo_file):
+    """FrontServed from any lane client: checked field by field (ProtocolError), counted when sound."""
+    from modelcache.client.rpc import Channel, lane_connection
+    from modelcache.executor.stats import INFER_BUCKETS_S
+    from modelcache.wire import protocol as P
+    from modelcache.wire.lane import lane_path
+
+    d = DaemonProcess(tmp_path).start()
+    try:
+        with d.client() as mc:
+            mc.add(zoo_file("tiny-cnn"), "cnn")
+        ch = Channel(d.socket, lane_connection(lane_path(d.socket), d.socket), 10.0)
+        ok = [0] * (len(INFER_BUCKETS_S) + 1)
+        ok[0] = 3
+        good = {"counts": ok, "success_s": 0.002, "samples": 3, "run_s": 0.001, "failed": 1, "failed_s": 0.001,
+                "last_unix_ms": int(time.time() * 1e3)}
+        for bad in ([], {"cnn@1": []}, {"cnn@1": {**good, "counts": ok[:-1]}}, {"cnn@1": {**good, "counts": [-1] * len(ok)}},
+                    {"cnn@1": {**good, "run_s": float("nan")}}, {"cnn@1": {**good, "samples": 1.5}}, {7: good}):
+            reply = ch.exchange(P.FrontServed(req_id=0, models=bad), (P.Ack,))
+            assert isinstance(reply, P.ErrorReply) and reply.code == "protocol", (bad, reply)
+        reply = ch.exchange(P.FrontServed(req_id=0, models={"cnn@1": good, "gone@9": good}), (P.Ack,))
+        assert isinstance(reply, P.Ack), reply
+        ch.close()
+        executor = d.client().stats().executor
+        assert (executor["served"], executor["failed"]) == (3, 1)
+        m = executor["models"]["cnn@1"]
+        assert (m["success"], m["samples"], m["failed"], m["executions"]) == (3, 3, 1, 3)
+    finally:
+        stop_cleanly(d)
