@@ -507,7 +507,8 @@ def report(res: dict, out=sys.stdout) -> None:
     label = res.get("baseline", {}).get("label")
     if res["runs"]:
         print(f"closed loop, tritonclient, batch 1, {res['seconds']:g} s per run, {res['rounds']} rounds alternating "
-              "the servers' order; median [min-max] over rounds" +
+              "the servers' order" + (f", after {res['warm_s']:g} s of warm-up each" if res.get("warm_s") else "") +
+              "; median [min-max] over rounds" +
               ("" if res.get("kserve_spin", True) else "; the KServe peer's ORT threads do not spin"), file=out)
     if "baseline" in res:
         print(f"{label}-*: {res['baseline']['checkout']} at {res['baseline']['commit']}" +
@@ -547,6 +548,10 @@ def main(argv=None) -> int:
     ap = Parser(prog="python benchmarks/grpc/run.py", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["tiny-cnn", "resnet50"], help="zoo names (one FP32 input)")
+    ap.add_argument("--warm-s", type=float, default=3.0,
+                    help="an untimed closed loop of one client against each server and model first, this long: the "
+                         "servers measured warm (modelcache's fronts run a short model themselves once the daemon "
+                         "has timed it); 0 = none")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--seconds", type=float, default=5.0, help="closed-loop time per run")
     ap.add_argument("--rounds", type=int, default=3)
@@ -584,7 +589,7 @@ def main(argv=None) -> int:
     from modelcache import zoo
     from modelcache.bench.http import one_input_io
     from modelcache.measure import save_results
-    res = {"seconds": args.seconds, "rounds": args.rounds, "kserve_spin": not args.kserve_no_spin,
+    res = {"seconds": args.seconds, "rounds": args.rounds, "warm_s": args.warm_s, "kserve_spin": not args.kserve_no_spin,
            "servers": servers, "versions": _versions(args), "runs": {}}
     if args.baseline:
         res["baseline"] = {"label": args.baseline_label, "checkout": str(Path(args.baseline).resolve()),
@@ -600,6 +605,11 @@ def main(argv=None) -> int:
                 zoo.save(zoo.build(name), paths[name])
             io = {m: one_input_io(p) for m, p in paths.items()}
             targets = start_servers(stack, args, servers, paths, tmp, log)
+            for model in args.models if args.warm_s > 0 else []:   # steady state: what a serving server is in
+                for server in servers:
+                    print(f"warming: {model}, {server} ...", file=sys.stderr, flush=True)
+                    address, pids = targets[server][model]
+                    closed_loop(server, address, model, io[model], 1, args.warm_s, pids)
             for r in range(args.rounds if args.perf_analyzer != "only" else 0):
                 order = servers[r % len(servers):] + servers[:r % len(servers)]
                 for model in args.models:
