@@ -21,7 +21,7 @@ The placeholder rule:
 - An all-capitals word (NAME, FILE, DIR, REPO, V, N, UUID, ...) is a placeholder and becomes its sample value
   in PLACEHOLDERS; in the command's place (`modelcache COMMAND --help`) it stands for every command, and as
   the benchmark's name (`modelcache bench NAME`) for every benchmark. A capital word not in PLACEHOLDERS
-  fails the test: add it there, or write a real value.
+  fails the test: add it there, or write a real value. A setting's environment variable (MODELCACHE_...) is one.
 - A command with a `<...>` in it (`benchmarks/<name>/run.py`) is a pattern, not a command: skipped.
 - An inline span may leave out required arguments (prose names `modelcache add --prepack` for its option);
   everything it does give must parse. A code block's command must be complete.
@@ -163,10 +163,10 @@ def substitute(words: list[str], where: str) -> list[str]:
         if word == "...":
             continue
         for cap in re.findall(r"\b[A-Z][A-Z_]*\b", word):
-            if cap not in PLACEHOLDERS:
+            if cap not in PLACEHOLDERS and not cap.startswith("MODELCACHE_"):   # (a setting's variable: real)
                 raise AssertionError(f"{where}: {cap!r} reads as a placeholder: add it to PLACEHOLDERS in "
                                      "tests/test_docs.py or write a real value")
-        out.append(re.sub(r"\b[A-Z][A-Z_]*\b", lambda m: PLACEHOLDERS[m.group(0)], word))
+        out.append(re.sub(r"\b[A-Z][A-Z_]*\b", lambda m: PLACEHOLDERS.get(m.group(0), m.group(0)), word))
     return out
 
 

@@ -23,8 +23,10 @@ def test_the_grpc_bench_alternates_servers_and_reports_ratios(tmp_path):
     assert all(len(v) == 2 and all(run["requests"] > 0 and run["p99_us"] >= run["p50_us"] for run in v)
                for v in runs.values())
     assert "modelcache-grpc / modelcache-http: requests/s x" in r.stdout
-    # the CPU a request cost each process, over the clients' window: the front and the daemon both work
+    # the CPU a request cost each process, over the clients' window: the front works; the daemon may not at all,
+    # warm, where the front runs tiny-cnn itself (front_runs, docs/serve.md) and reports after the window
     assert all(run["client_cpu_us"] > 0 and set(run["server_cpu_us"]) == {"front", "daemon"}
-               and all(us > 0 for us in run["server_cpu_us"].values()) for v in runs.values() for run in v)
+               and run["server_cpu_us"]["front"] > 0 and run["server_cpu_us"]["daemon"] >= 0
+               for v in runs.values() for run in v)
     assert "CPU a request, us" in r.stdout
     assert (tmp_path / "report.txt").read_text().startswith("$ python benchmarks/grpc/run.py --models tiny-cnn")

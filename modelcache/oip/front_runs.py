@@ -96,7 +96,8 @@ class FrontRunner:
             return held
         if key not in self._opening and self.clock() - self._refused.get(key, -1e9) > self.hold_s:
             self._opening.add(key)
-            asyncio.get_running_loop().run_in_executor(None, self._open_now, key)
+            loop = asyncio.get_running_loop()
+            loop.run_in_executor(None, self._open_now, key, loop)
             self._start()
         return None
 
@@ -148,8 +149,9 @@ class FrontRunner:
             self._client.close()
 
     # -- in the background ---------------------------------------------------------------
-    def _open_now(self, key: tuple[str, int]) -> None:
-        """On an executor thread: the lease and the session (a round trip and ORT's session start)."""
+    def _open_now(self, key: tuple[str, int], loop) -> None:
+        """On an executor thread: the lease and the session (a round trip and ORT's session start); the loop
+        takes the outcome (_opened)."""
         from ..client.leases import LeaseClient
         from ..client.session import InferenceSession
         import onnxruntime as ort
@@ -165,11 +167,15 @@ class FrontRunner:
             sess = InferenceSession(key[0], so, version=key[1], client=self._client)
         except Exception as e:
             log.info("%s@%s runs on the daemon: it could not be opened here: %s", *key, e)
+            sess = None
+        loop.call_soon_threadsafe(self._opened, key, sess)
+
+    def _opened(self, key: tuple[str, int], sess) -> None:
+        self._opening.discard(key)
+        if sess is None:
             self._refused[key] = self.clock()
-            self._opening.discard(key)
             return
         self._open[key] = _Open(sess, self.clock())
-        self._opening.discard(key)
         log.debug("%s@%s runs at the front", *key)
 
     async def _close(self, keys: list) -> None:
@@ -187,9 +193,12 @@ class FrontRunner:
         """Once a second: report what ran here, and let go of what no request used for hold_s."""
         while True:
             await asyncio.sleep(REPORT_EVERY_S)
-            now = self.clock()
-            await self._close([k for k, held in self._open.items() if now - held.last > self.hold_s])
-            await self._report()
+            try:
+                now = self.clock()
+                await self._close([k for k, held in self._open.items() if now - held.last > self.hold_s])
+                await self._report()
+            except Exception:   # (never the end of the reports: the next second tries again)
+                log.exception("the front's sessions could not be tended")
 
     def _served_of(self, key: str) -> _Served:
         served = self._served.get(key)
