@@ -147,9 +147,9 @@ def test_with_front_runs_never_every_request_goes_to_the_daemon(tmp_path, zoo_fi
 
 
 # -- the decision: Engine.front_may_run ---------------------------------------------------------
-def _timed(h: Harness, seconds: float) -> None:
+def _timed(h: Harness, seconds: float, rows: int = 1) -> None:
     for _ in range(3):
-        h.engine.perf.record("m@1", 0, h.worker.state.kind, 1, seconds)
+        h.engine.perf.record("m@1", 0, h.worker.state.kind, rows, seconds)
 
 
 def test_the_engine_lets_a_front_run_only_what_it_would_run_alone_inline():
@@ -168,6 +168,9 @@ def test_the_engine_lets_a_front_run_only_what_it_would_run_alone_inline():
     batching = Harness("dynamic")
     _timed(batching, 0.0002)
     assert not batching.engine.front_may_run("m@1", None, 1)
+    fours = Harness("serial")
+    _timed(fours, 0.0004, rows=4)                              # its clients always send 4 rows: timed at those
+    assert fours.engine.front_may_run("m@1", None, 1)
     named = Harness("m=serial,*=dynamic")
     _timed(named, 0.0002)
     assert named.engine.front_may_run("m@1", {"policy": "dynamic"}, 1)   # the setting naming it wins
@@ -201,4 +204,70 @@ def test_a_malformed_report_is_refused_and_a_good_one_counted(tmp_path, zoo_file
         m = executor["models"]["cnn@1"]
         assert (m["success"], m["samples"], m["failed"], m["executions"]) == (3, 3, 1, 3)
     finally:
+        stop_cleanly(d)
+
+
+def test_the_daemons_own_grpc_front_runs_it_too(tmp_path, zoo_file):
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    from test_grpc import free_port, wait_live
+
+    port = free_port()
+    d = DaemonProcess(tmp_path, extra_env={"MODELCACHE_GRPC_PORT": str(port)}).start()
+    try:
+        path = zoo_file("tiny-cnn")
+        with d.client() as mc:
+            mc.add(path, "cnn")
+        c = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        wait_live(c)
+        plain = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        x = np.random.default_rng(1).standard_normal((2, 3, 32, 32)).astype(np.float32)
+        inp = grpcclient.InferInput("input", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+
+        def held():
+            got = c.infer("cnn", [inp]).as_numpy("logits")
+            np.testing.assert_allclose(got, plain.run(["logits"], {"input": x})[0], rtol=1e-5, atol=1e-6)
+            return _front_holds(d)
+        wait_until(held, timeout_s=20, what="the gRPC front running cnn itself")
+        with d.client() as mc:
+            clients = {cl["name"] for cl in mc.stats().clients}
+        assert "grpc-front" in clients, clients
+        c.close()
+    finally:
+        stop_cleanly(d)
+
+
+def test_a_front_running_a_model_rides_out_a_daemon_killed_and_restarted(tmp_path, zoo_file):
+    """Its mapping outlives the daemon; while the daemon is away requests are refused (503), not answered from a
+    model no daemon holds; once it is back the front runs the model again, and counts reach the new daemon."""
+    env = {"MODELCACHE_FRONT_HOLD_S": "0.5"}
+    d = DaemonProcess(tmp_path, extra_env=env).start()
+    f = None
+    try:
+        path = zoo_file("tiny-cnn")
+        with d.client() as mc:
+            mc.add(path, "cnn")
+        f = HttpFront(d)
+        c = tritonhttp.InferenceServerClient(f.hostport)
+        x = np.random.default_rng(2).standard_normal((1, 3, 32, 32)).astype(np.float32)
+        _run_at_front(d, c, x)
+        d.kill()
+
+        def refused():
+            try:
+                _infer(c, x)
+            except InferenceServerException as e:
+                return int(e.status()) == 503
+            return False
+        wait_until(refused, timeout_s=15, what="503 with the daemon gone")
+        d = DaemonProcess(tmp_path, extra_env=env).start()
+        plain = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        _run_at_front(d, c, x)
+        np.testing.assert_allclose(_infer(c, x).as_numpy("logits"), plain.run(["logits"], {"input": x})[0],
+                                   rtol=1e-5, atol=1e-6)
+        wait_until(lambda: d.client().stats().executor["models"].get("cnn@1", {}).get("success", 0) >= 3,
+                   timeout_s=10, what="the new daemon counting the front's requests")
+    finally:
+        if f is not None:
+            assert f.stop() == 0
         stop_cleanly(d)

@@ -248,7 +248,8 @@ class Engine:
         """Whether a front may run the model in its own process (docs/serve.md, "Short models at the front"):
         where all the engine would do is run it alone, inline, on the loop. One stage, serial batching (the
         `batching` setting's and the model's own), CPU workers only, and a run it has measured within
-        `inline_run_ms`. A model the engine has not run yet is not: its first requests come here."""
+        `inline_run_ms` (at the batch size its requests came in). A model the engine has not run yet is not:
+        its first requests come here."""
         if self.settings.front_runs != "short" or stages > 1 or self.settings.inline_run_ms <= 0:
             return False
         if any(w.state.memory_node != "cpu" for w in self.workers):   # (the scheduler may place it on a GPU)
@@ -257,7 +258,7 @@ class Engine:
         if (self.policies.get(name) or (serving or {}).get("policy") or self.policies["*"]) != "serial":
             return False
         kinds = dict.fromkeys(w.state.kind for w in self.workers)
-        predicted = [p for p in (self.predicted_run_s(model_key, 1, k) for k in kinds) if p is not None]
+        predicted = [p for p in (self.perf.shortest(model_key, 0, k) for k in kinds) if p is not None]
         return bool(predicted) and min(predicted) <= self.settings.inline_run_ms / 1e3
 
     def run_on_worker(self, worker, work, done, expected_s: float) -> None:

@@ -47,6 +47,13 @@ class PerfModels:
             median = self._medians[key] = statistics.median(h)
         return median
 
+    def shortest(self, model: str, stage: int, kind: str) -> float | None:
+        """The shortest predicted run of the stage at any batch size measured: a model whose clients always
+        send a few rows is timed at those, never at 1. None until one is calibrated."""
+        times = [self.predict(*key) for key in self.history if key[:3] == (model, stage, kind)]
+        times = [t for t in times if t is not None]
+        return min(times) if times else None
+
     def record(self, model: str, stage: int, kind: str, batch: int, seconds: float,
                predicted: float | None = None) -> None:
         if predicted is not None and seconds > 0:
