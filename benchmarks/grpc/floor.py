@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 
 SERVERS = ("raw-http", "aiohttp", "grpc-sync", "grpc-aio")
+UVLOOP = ("raw-http-uvloop", "aiohttp-uvloop")   # the same on uvloop's event loop (libuv), where it is installed
 
 
 def _session(path: str):
@@ -83,7 +84,19 @@ def serve_raw_http(sess, iname, oname, port: int) -> None:
         await asyncio.get_running_loop().create_server(V2, "127.0.0.1", port)
         print("READY", flush=True)
         await asyncio.Event().wait()
-    asyncio.run(main())
+    _run(main())
+
+
+def _run(main) -> None:
+    """asyncio's loop, or uvloop's where the server's name asks for it (UVLOOP_ON, set by _serve)."""
+    if UVLOOP_ON:
+        import uvloop
+        uvloop.run(main)
+    else:
+        asyncio.run(main)
+
+
+UVLOOP_ON = False
 
 
 def serve_aiohttp(sess, iname, oname, port: int) -> None:
@@ -109,7 +122,7 @@ def serve_aiohttp(sess, iname, oname, port: int) -> None:
         await web.TCPSite(runner, "127.0.0.1", port).start()
         print("READY", flush=True)
         await asyncio.Event().wait()
-    asyncio.run(main())
+    _run(main())
 
 
 def serve_grpc(sess, iname, oname, port: int, aio: bool) -> None:
@@ -159,7 +172,10 @@ def serve_grpc(sess, iname, oname, port: int, aio: bool) -> None:
 
 
 def _serve(kind: str, path: str, port: int) -> None:
+    global UVLOOP_ON
     sess, iname, oname = _session(path)
+    UVLOOP_ON = kind.endswith("-uvloop")
+    kind = kind.removesuffix("-uvloop")
     if kind == "raw-http":
         serve_raw_http(sess, iname, oname, port)
     elif kind == "aiohttp":
@@ -186,7 +202,7 @@ def report(res: dict, out=sys.stdout) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    ap.add_argument("--servers", nargs="+", choices=SERVERS + UVLOOP, default=list(SERVERS))
     ap.add_argument("--clients", nargs="+", type=int, default=[1, 4])
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=3)
