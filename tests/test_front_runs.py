@@ -7,6 +7,7 @@ requests the engine never ran. Engine.front_may_run, the decision, is pure: test
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -21,22 +22,42 @@ from test_engine import Harness  # noqa: E402
 from test_http import HttpFront  # noqa: E402
 
 
+class Served:
+    """A daemon with tiny-cnn added as "cnn" and a `modelcache http` front for it; `d` may be replaced by a test
+    (a restart): the one there at the end is stopped."""
+
+    def __init__(self, tmp_path, zoo_file, env: dict):
+        self.env = env
+        self.d = DaemonProcess(tmp_path, extra_env=env).start()
+        self.f = None
+        self.path = zoo_file("tiny-cnn")
+        with self.d.client() as c:
+            c.add(self.path, "cnn")
+        self.f = HttpFront(self.d)
+
+    def stop(self) -> None:
+        if self.f is not None:
+            assert self.f.stop() == 0
+        stop_cleanly(self.d)
+
+
+@contextlib.contextmanager
+def served(tmp_path, zoo_file, **env):
+    s = None
+    try:
+        s = Served(tmp_path, zoo_file, env)
+        yield s
+    finally:
+        if s is not None:
+            s.stop()
+
+
 @pytest.fixture
 def front(tmp_path, zoo_file):
     """(daemon, HTTP front, tiny-cnn's path) with the defaults a user has: serial batching, front_runs short; a
     front lets go 0.5 s after a model's last request."""
-    d = DaemonProcess(tmp_path, extra_env={"MODELCACHE_FRONT_HOLD_S": "0.5"}).start()
-    f = None
-    try:
-        path = zoo_file("tiny-cnn")
-        with d.client() as c:
-            c.add(path, "cnn")
-        f = HttpFront(d)
-        yield d, f, path
-    finally:
-        if f is not None:
-            assert f.stop() == 0
-        stop_cleanly(d)
+    with served(tmp_path, zoo_file, MODELCACHE_FRONT_HOLD_S="0.5") as s:
+        yield s.d, s.f, s.path
 
 
 def _infer(c, x, outputs=None):
@@ -126,24 +147,15 @@ def test_unload_lets_go_at_once_and_evicts(front):
 
 
 def test_with_front_runs_never_every_request_goes_to_the_daemon(tmp_path, zoo_file):
-    d = DaemonProcess(tmp_path, extra_env={"MODELCACHE_FRONT_RUNS": "never"}).start()
-    f = None
-    try:
-        with d.client() as mc:
-            mc.add(zoo_file("tiny-cnn"), "cnn")
-        f = HttpFront(d)
-        c = tritonhttp.InferenceServerClient(f.hostport)
+    with served(tmp_path, zoo_file, MODELCACHE_FRONT_RUNS="never") as s:
+        c = tritonhttp.InferenceServerClient(s.f.hostport)
         end = time.monotonic() + 3   # past the front's 2 s view of the model's description
         n = 0
         while time.monotonic() < end:
             _infer(c, np.zeros((1, 3, 32, 32), np.float32))
             n += 1
-            assert not _front_holds(d)
-        assert d.client().stats().executor["served"] == n
-    finally:
-        if f is not None:
-            assert f.stop() == 0
-        stop_cleanly(d)
+            assert not _front_holds(s.d)
+        assert s.d.client().stats().executor["served"] == n
 
 
 # -- the decision: Engine.front_may_run ---------------------------------------------------------
@@ -240,18 +252,11 @@ def test_the_daemons_own_grpc_front_runs_it_too(tmp_path, zoo_file):
 def test_a_front_running_a_model_rides_out_a_daemon_killed_and_restarted(tmp_path, zoo_file):
     """Its mapping outlives the daemon; while the daemon is away requests are refused (503), not answered from a
     model no daemon holds; once it is back the front runs the model again, and counts reach the new daemon."""
-    env = {"MODELCACHE_FRONT_HOLD_S": "0.5"}
-    d = DaemonProcess(tmp_path, extra_env=env).start()
-    f = None
-    try:
-        path = zoo_file("tiny-cnn")
-        with d.client() as mc:
-            mc.add(path, "cnn")
-        f = HttpFront(d)
-        c = tritonhttp.InferenceServerClient(f.hostport)
+    with served(tmp_path, zoo_file, MODELCACHE_FRONT_HOLD_S="0.5") as s:
+        c = tritonhttp.InferenceServerClient(s.f.hostport)
         x = np.random.default_rng(2).standard_normal((1, 3, 32, 32)).astype(np.float32)
-        _run_at_front(d, c, x)
-        d.kill()
+        _run_at_front(s.d, c, x)
+        s.d.kill()
 
         def refused():
             try:
@@ -260,14 +265,10 @@ def test_a_front_running_a_model_rides_out_a_daemon_killed_and_restarted(tmp_pat
                 return int(e.status()) == 503
             return False
         wait_until(refused, timeout_s=15, what="503 with the daemon gone")
-        d = DaemonProcess(tmp_path, extra_env=env).start()
-        plain = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-        _run_at_front(d, c, x)
+        s.d = DaemonProcess(tmp_path, extra_env=s.env).start()
+        plain = ort.InferenceSession(s.path, providers=["CPUExecutionProvider"])
+        _run_at_front(s.d, c, x)
         np.testing.assert_allclose(_infer(c, x).as_numpy("logits"), plain.run(["logits"], {"input": x})[0],
                                    rtol=1e-5, atol=1e-6)
-        wait_until(lambda: d.client().stats().executor["models"].get("cnn@1", {}).get("success", 0) >= 3,
+        wait_until(lambda: s.d.client().stats().executor["models"].get("cnn@1", {}).get("success", 0) >= 3,
                    timeout_s=10, what="the new daemon counting the front's requests")
-    finally:
-        if f is not None:
-            assert f.stop() == 0
-        stop_cleanly(d)

@@ -81,7 +81,8 @@ class FrontRunner:
         self._client = None               # client/leases.py LeaseClient, made with the first open
         self._client_lock = threading.Lock()   # (two models may open at once, on two executor threads)
         self._open: dict[tuple[str, int], _Open] = {}
-        self._opening: set = set()
+        self._opening: dict[tuple[str, int], asyncio.Future] = {}   # key -> its open, on an executor thread
+        self._letting_go: set[str] = set()   # names this front is unloading: none opens meanwhile
         self._refused: dict[tuple[str, int], float] = {}   # key -> when its open failed: the daemon serves it meanwhile
         self._served: dict[str, _Served] = {}              # "name@version" -> since the last report
         self._task: asyncio.Task | None = None
@@ -94,10 +95,10 @@ class FrontRunner:
         if held is not None:
             held.last = self.clock()
             return held
-        if key not in self._opening and self.clock() - self._refused.get(key, -1e9) > self.hold_s:
-            self._opening.add(key)
-            loop = asyncio.get_running_loop()
-            loop.run_in_executor(None, self._open_now, key, loop)
+        if key not in self._opening and name not in self._letting_go \
+                and self.clock() - self._refused.get(key, -1e9) > self.hold_s:
+            opening = self._opening[key] = asyncio.get_running_loop().run_in_executor(None, self._open_now, key)
+            opening.add_done_callback(lambda done: self._opened(key, done.result()))
             self._start()
         return None
 
@@ -137,21 +138,30 @@ class FrontRunner:
         return dict(zip(names, values))
 
     async def let_go(self, name: str) -> None:
-        """This front unloads the model: its sessions here go, so the daemon may evict it."""
-        await self._close([k for k in self._open if k[0] == name])
+        """This front unloads the model: its sessions here go, those opening too, so the daemon may evict it."""
+        self._letting_go.add(name)
+        try:
+            opening = [f for k, f in self._opening.items() if k[0] == name]
+            if opening:
+                await asyncio.wait(opening)   # (their _opened ran first: it was added to each before)
+            await self._close([k for k in self._open if k[0] == name])
+        finally:
+            self._letting_go.discard(name)
 
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        if self._opening:
+            await asyncio.wait(list(self._opening.values()))
         await self._close(list(self._open))
         await self._report()
         if self._client is not None:
             self._client.close()
 
     # -- in the background ---------------------------------------------------------------
-    def _open_now(self, key: tuple[str, int], loop) -> None:
-        """On an executor thread: the lease and the session (a round trip and ORT's session start); the loop
-        takes the outcome (_opened)."""
+    def _open_now(self, key: tuple[str, int]):
+        """On an executor thread: the lease and the session (a round trip and ORT's session start), or None;
+        the loop takes the outcome (_opened)."""
         from ..client.leases import LeaseClient
         from ..client.session import InferenceSession
         import onnxruntime as ort
@@ -167,11 +177,11 @@ class FrontRunner:
             sess = InferenceSession(key[0], so, version=key[1], client=self._client)
         except Exception as e:
             log.info("%s@%s runs on the daemon: it could not be opened here: %s", *key, e)
-            sess = None
-        loop.call_soon_threadsafe(self._opened, key, sess)
+            return None
+        return sess
 
     def _opened(self, key: tuple[str, int], sess) -> None:
-        self._opening.discard(key)
+        del self._opening[key]
         if sess is None:
             self._refused[key] = self.clock()
             return
