@@ -34,6 +34,7 @@ from pathlib import Path
 
 SERVERS = ("raw-http", "aiohttp", "grpc-sync", "grpc-aio")
 UVLOOP = ("raw-http-uvloop", "aiohttp-uvloop")   # the same on uvloop's event loop (libuv), where it is installed
+EXTRA = ("httptools",)                             # where httptools is installed (pip install httptools)
 
 
 def _session(path: str):
@@ -79,6 +80,44 @@ def serve_raw_http(sess, iname, oname, port: int) -> None:
                 self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
                                      b"Inference-Header-Content-Length: %d\r\nContent-Length: %d\r\n\r\n"
                                      % (len(head), len(head) + len(data)) + head + data)
+
+    async def main():
+        await asyncio.get_running_loop().create_server(V2, "127.0.0.1", port)
+        print("READY", flush=True)
+        await asyncio.Event().wait()
+    _run(main())
+
+
+def serve_httptools(sess, iname, oname, port: int) -> None:
+    import httptools
+
+    class V2(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.transport = transport
+            self.parser = httptools.HttpRequestParser(self)
+            self.headers, self.body = {}, []
+
+        def data_received(self, data):
+            self.parser.feed_data(data)
+
+        # httptools' callbacks, as llhttp parses
+        def on_header(self, name: bytes, value: bytes):
+            self.headers[name.lower()] = value
+
+        def on_body(self, body: bytes):
+            self.body.append(body)
+
+        def on_message_complete(self):
+            body, headers = b"".join(self.body), self.headers
+            self.headers, self.body = {}, []
+            if self.parser.get_method() == b"GET":
+                self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+                return
+            split = int(headers.get(b"inference-header-content-length", len(body)))
+            head, data = _v2_infer(sess, iname, oname, body[:split], body[split:])
+            self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
+                                 b"Inference-Header-Content-Length: %d\r\nContent-Length: %d\r\n\r\n"
+                                 % (len(head), len(head) + len(data)) + head + data)
 
     async def main():
         await asyncio.get_running_loop().create_server(V2, "127.0.0.1", port)
@@ -178,6 +217,8 @@ def _serve(kind: str, path: str, port: int) -> None:
     kind = kind.removesuffix("-uvloop")
     if kind == "raw-http":
         serve_raw_http(sess, iname, oname, port)
+    elif kind == "httptools":
+        serve_httptools(sess, iname, oname, port)
     elif kind == "aiohttp":
         serve_aiohttp(sess, iname, oname, port)
     else:
@@ -202,7 +243,7 @@ def report(res: dict, out=sys.stdout) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--servers", nargs="+", choices=SERVERS + UVLOOP, default=list(SERVERS))
+    ap.add_argument("--servers", nargs="+", choices=SERVERS + UVLOOP + EXTRA, default=list(SERVERS))
     ap.add_argument("--clients", nargs="+", type=int, default=[1, 4])
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=3)
