@@ -643,8 +643,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "infer and stream infer) and grpc.health.v1 for Triton and KServe gRPC clients")}
     for kind, (summary, what) in fronts.items():
         h = sub.add_parser(kind, parents=[asks], help=summary,
-                           description=f"{what}; requests go to the daemon's serve mode over its lane. Prints "
-                                       "'READY <address>' once listening; SIGTERM stops it after in-flight requests.")
+                           description=f"{what}; requests go to the daemon's serve mode over its lane, except those of a "
+                                       "model the daemon would only run alone inline, which the front runs itself over "
+                                       "the daemon's shared weights (setting front_runs). Prints 'READY <address>' once "
+                                       "listening; SIGTERM stops it after in-flight requests.")
         h.add_argument("--host", help=f"address to listen on (default: {kind}_host, 127.0.0.1)")
         h.add_argument("--port", type=_port_arg, help=f"port (default: {kind}_port if set, else {FRONT_PORTS[kind]}; "
                                                       "0 picks a free one)")
