@@ -72,20 +72,10 @@ def serve_raw_http(sess, iname, oname, port: int) -> None:
                 if len(self.buf) < end + 4 + n:
                     return
                 body, self.buf = self.buf[end + 4:end + 4 + n], self.buf[end + 4 + n:]
-                if lines[0].startswith("GET"):
-                    self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
-                    continue
-                split = int(headers.get("inference-header-content-length", n))
-                head, data = _v2_infer(sess, iname, oname, body[:split], body[split:])
-                self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
-                                     b"Inference-Header-Content-Length: %d\r\nContent-Length: %d\r\n\r\n"
-                                     % (len(head), len(head) + len(data)) + head + data)
+                _answer(self.transport, sess, iname, oname, lines[0].startswith("GET"), body,
+                        headers.get("inference-header-content-length"))
 
-    async def main():
-        await asyncio.get_running_loop().create_server(V2, "127.0.0.1", port)
-        print("READY", flush=True)
-        await asyncio.Event().wait()
-    _run(main())
+    _listen(V2, port)
 
 
 def serve_httptools(sess, iname, oname, port: int) -> None:
@@ -110,17 +100,27 @@ def serve_httptools(sess, iname, oname, port: int) -> None:
         def on_message_complete(self):
             body, headers = b"".join(self.body), self.headers
             self.headers, self.body = {}, []
-            if self.parser.get_method() == b"GET":
-                self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
-                return
-            split = int(headers.get(b"inference-header-content-length", len(body)))
-            head, data = _v2_infer(sess, iname, oname, body[:split], body[split:])
-            self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
-                                 b"Inference-Header-Content-Length: %d\r\nContent-Length: %d\r\n\r\n"
-                                 % (len(head), len(head) + len(data)) + head + data)
+            _answer(self.transport, sess, iname, oname, self.parser.get_method() == b"GET", body,
+                    headers.get(b"inference-header-content-length"))
 
+    _listen(V2, port)
+
+
+def _answer(transport, sess, iname, oname, get: bool, body: bytes, header_length) -> None:
+    """A hand-written response: 200 to a GET (health), the v2 binary reply to an infer."""
+    if get:
+        transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        return
+    split = int(header_length) if header_length is not None else len(body)
+    head, data = _v2_infer(sess, iname, oname, body[:split], body[split:])
+    transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
+                    b"Inference-Header-Content-Length: %d\r\nContent-Length: %d\r\n\r\n"
+                    % (len(head), len(head) + len(data)) + head + data)
+
+
+def _listen(protocol, port: int) -> None:
     async def main():
-        await asyncio.get_running_loop().create_server(V2, "127.0.0.1", port)
+        await asyncio.get_running_loop().create_server(protocol, "127.0.0.1", port)
         print("READY", flush=True)
         await asyncio.Event().wait()
     _run(main())
