@@ -262,19 +262,13 @@ class Serving:
             if fed:
                 raise InputError(f"{model.key}: {fed[0]!r} overrides an initializer, which a model split into "
                                  f"stages cannot take; partition it back into one stage to feed it")
-        first = next(iter(feeds.values()), None)
-        samples = first.shape[0] if getattr(first, "ndim", 0) else 1   # (a sequence or None: 1)
+        samples = tensors.request_rows(feeds)
         limit = model.manifest.serving.get("max_batch")
-        if limit and samples > limit:   # its configuration's max_batch_size bounds a request's rows, as Triton's
-            raise InputError(f"{model.key}: a request of {samples} rows; its max_batch_size is {limit}")
+        outputs = [o.name for o in model.manifest.outputs]
+        tensors.check_request(model.key, model.name, samples, limit, output_names, outputs)
         if spec is not None and limit and samples != 1:   # (Triton's words)
             raise InputError(f"inference request to model '{model.name}' must specify batch-size 1 due to "
                              "requirements of sequence batcher")
-        outputs = [o.name for o in model.manifest.outputs]
-        if output_names:
-            unknown = [n for n in output_names if n not in outputs]
-            if unknown:
-                raise InputError(f"{model.name}: unknown output {unknown[0]!r}; the model has {outputs}")
         wanted = output_names
         if spec is not None:   # the state outputs always run; a client gets them only when it asks
             wanted = output_names or [o for o in outputs if o not in spec.state_outputs
@@ -502,8 +496,7 @@ def _front_report(key, report) -> dict:
     for name, kind in (("success_s", float), ("samples", int), ("run_s", float), ("failed", int),
                        ("failed_s", float), ("last_unix_ms", int)):
         value = fields.get(name, 0)
-        if type(value) not in (int, float) or (kind is int and type(value) is not int) \
-                or not math.isfinite(value) or value < 0:
+        if type(value) not in ((int,) if kind is int else (int, float)) or not math.isfinite(value) or value < 0:
             raise ProtocolError(f"front_served: {key[:80]}'s {name} must be a finite number >= 0")
         out[name] = value
     return out

@@ -254,8 +254,7 @@ class Engine:
             return False
         if any(w.state.memory_node != "cpu" for w in self.workers):   # (the scheduler may place it on a GPU)
             return False
-        name = model_key.rsplit("@", 1)[0]
-        if (self.policies.get(name) or (serving or {}).get("policy") or self.policies["*"]) != "serial":
+        if self._policy_of(model_key, serving) != "serial":
             return False
         kinds = dict.fromkeys(w.state.kind for w in self.workers)
         predicted = [p for p in (self.perf.shortest(model_key, 0, k) for k in kinds) if p is not None]
@@ -311,12 +310,8 @@ class Engine:
     def _batcher(self, req: ServeRequest):
         batcher = self.batchers.get(req.model_key)
         if batcher is None:
-            name = req.model_key.rsplit("@", 1)[0]
-            # The `batching` setting naming the model wins; then the model's own policy (its Triton config's
-            # dynamic_batching); then the setting's default. The model's max_batch bounds every batch.
             own = req.serving or {}
-            policy = self.policies.get(name) or own.get("policy") or self.policies["*"]
-            policy = policy if req.batchable else "serial"
+            policy = self._policy_of(req.model_key, own) if req.batchable else "serial"
             max_batch = self.settings.max_batch or own.get("max_batch") or (req.profile or {}).get("n_opt") \
                 or DEFAULT_MAX_BATCH
             if own.get("max_batch"):
@@ -328,6 +323,12 @@ class Engine:
                 predict=lambda stage, b, key=req.model_key, profile=req.profile: self._predict_batch(key, profile, stage, b),
                 stages=len(req.stages), overhead_s=request_overhead(req.profile))
         return batcher
+
+    def _policy_of(self, model_key: str, serving: dict | None) -> str:
+        """The model's batching policy: the `batching` setting naming the model wins; then the model's own (its
+        Triton config's dynamic_batching); then the setting's default. (The model's max_batch bounds every
+        batch: _batcher.)"""
+        return self.policies.get(model_key.rsplit("@", 1)[0]) or (serving or {}).get("policy") or self.policies["*"]
 
     def _predict_batch(self, model_key: str, profile: dict | None, stage: int, samples: int) -> float:
         """Seconds for `stage` of the model at `samples` rows: history, else the calibration

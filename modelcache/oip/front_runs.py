@@ -20,10 +20,10 @@ import logging
 import threading
 import time
 
-from ..errors import InputError, ModelCacheError, RequestTimeout, RunError
+from ..errors import ModelCacheError, RequestTimeout, RunError
 from ..executor.stats import INFER_BUCKETS_S
 from ..histogram import Histogram
-from ..wire import protocol as P
+from ..wire import protocol as P, tensors
 
 log = logging.getLogger("modelcache.front")
 
@@ -109,14 +109,8 @@ class FrontRunner:
         try:
             if deadline is not None and self.clock() > deadline:
                 raise RequestTimeout(f"{key}: the request's deadline passed before it ran")
-            first = next(iter(feeds.values()), None)
-            samples = first.shape[0] if getattr(first, "ndim", 0) else 1
-            if max_batch and samples > max_batch:
-                raise InputError(f"{key}: a request of {samples} rows; its max_batch_size is {max_batch}")
-            if output_names:
-                unknown = [n for n in output_names if n not in held.outputs]
-                if unknown:
-                    raise InputError(f"{name}: unknown output {unknown[0]!r}; the model has {held.outputs}")
+            samples = tensors.request_rows(feeds)
+            tensors.check_request(key, name, samples, max_batch, output_names, held.outputs)
             names = output_names or held.outputs
             t0 = self.clock()
             try:

@@ -326,6 +326,24 @@ class FeedCheck:
                              f"{type(value).__name__} ({e}); pass a numpy array") from None
 
 
+def request_rows(feeds: dict) -> int:
+    """A request's rows: its first feed's first dimension (a sequence, a scalar or no feed: 1)."""
+    first = next(iter(feeds.values()), None)
+    return first.shape[0] if getattr(first, "ndim", 0) else 1
+
+
+def check_request(key: str, name: str, rows: int, max_batch: int | None, output_names: list | None,
+                  outputs: list) -> None:
+    """What the engine and a front running the model itself (oip/front_runs.py) refuse alike, with the same
+    words: more rows than its configuration's max_batch_size (as Triton's), an output the model lacks."""
+    if max_batch and rows > max_batch:
+        raise InputError(f"{key}: a request of {rows} rows; its max_batch_size is {max_batch}")
+    if output_names:
+        unknown = [n for n in output_names if n not in outputs]
+        if unknown:
+            raise InputError(f"{name}: unknown output {unknown[0]!r}; the model has {outputs}")
+
+
 def _numpy_dtype(name: str):
     """numpy's dtype of a declared input, or None for what numpy cannot name (a sequence, bfloat16
     without ml_dtypes...): those the feed check leaves to ORT."""
