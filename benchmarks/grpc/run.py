@@ -271,8 +271,10 @@ def _serve_modelcache(stack: contextlib.ExitStack, home: Path, family: str, prot
     from modelcache.measure import managed_daemon
     home.mkdir(parents=True)
     socket_ = f"ipc://{home}/daemon.sock"
-    own = {"MODELCACHE_CONFIG": "", **({"PYTHONPATH": str(Path(checkout).resolve())} if checkout else {}),
-           **(settings or {})}
+    # PYTHONSAFEPATH (3.11+): `python -m` would put the working directory before PYTHONPATH, and run this
+    # checkout's code under the other's name whenever the benchmark runs from this one's root.
+    code = {"PYTHONPATH": str(Path(checkout).resolve()), "PYTHONSAFEPATH": "1"} if checkout else {}
+    own = {"MODELCACHE_CONFIG": "", **code, **(settings or {})}
     env = {**os.environ, "MODELCACHE_SOCKET": socket_, "MODELCACHE_REPOSITORY": f"{home}/repo", **own}
     stack.enter_context(managed_daemon(socket_, f"{home}/repo", env=own))
     for name, path in paths.items():
