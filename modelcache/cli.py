@@ -53,7 +53,7 @@ def cmd_front(args) -> int:
 
     from .address import check_can_connect, check_listening, listen_tcp, reserve_tcp
     kind = args.cmd
-    try:   # aiohttp is the [http] extra, grpcio the [grpc] one
+    try:   # httptools is the [http] extra, grpcio the [grpc] one
         run = importlib.import_module(f"modelcache.{kind}.server").run
     except ImportError as e:
         raise ModelCacheError(f"the {kind} front needs the [{kind}] extra (pip install 'modelcache[{kind}]'): {e}") \

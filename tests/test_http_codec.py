@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-pytest.importorskip("aiohttp")   # the [http] extra; the codec itself needs only numpy
+pytest.importorskip("httptools")   # the [http] extra; the codec itself needs only numpy
 from modelcache.errors import InputError  # noqa: E402
 from modelcache.http import codec  # noqa: E402
 from modelcache.oip import types  # noqa: E402

@@ -164,7 +164,7 @@ def test_status_is_one_readable_screen(daemon, client, zoo_file):
 
 def test_status_names_the_http_fronts_client(tmp_path, zoo_file):
     """The HTTP front's lane connection is a client of the daemon: `status` names it, not a blank."""
-    pytest.importorskip("aiohttp")
+    pytest.importorskip("httptools")
     from test_http import HttpFront
     d = DaemonProcess(tmp_path).start()
     front = None

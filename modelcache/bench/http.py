@@ -13,7 +13,8 @@ interleaved in rounds so that all see the same machine:
   http-json     the same client, JSON tensors
   tritonclient  tritonclient.http's InferenceServerClient, binary tensors: what a Triton user runs
   http-floor    GET /v2/health/live on the minimal client: an HTTP round trip to the front that never
-                reaches the daemon (aiohttp, asyncio, the kernel's loopback TCP, and the wake-ups)
+                reaches the daemon (the front's HTTP server, asyncio, the kernel's loopback TCP, and the
+                wake-ups)
 
 The latency the front adds is an HTTP path's p50 (p99) less the lane's. Then throughput: --clients
 processes in a closed loop for --seconds each, over the lane and over http-binary.
@@ -222,7 +223,8 @@ def report(res: dict, out=sys.stdout) -> None:
                 print(f"    {m:<12} CPU per request: " + ", ".join(
                     f"{k} {v:.0f} us" for k, v in t["cpu_us_per_request"].items()), file=out)
     print(f"for scale, Triton's published HTTP figure: {TRITON_REF}", file=out)
-    print(f"machine: {os.cpu_count()} cores; library: aiohttp {res.get('aiohttp', '?')}", file=out)
+    front = res.get("front") or f"aiohttp {res.get('aiohttp', '?')}"   # runs before the front left aiohttp
+    print(f"machine: {os.cpu_count()} cores; the front's HTTP server: {front}", file=out)
 
 
 def main(argv=None) -> int:
@@ -240,7 +242,7 @@ def main(argv=None) -> int:
     if args.worker:
         _worker(*args.worker)
         return 0
-    import aiohttp
+    import httptools
 
     from ..measure import ensure_models, managed_daemon, save_results
     with tempfile.TemporaryDirectory(prefix="modelcache-bench-http-") as tmp:
@@ -256,8 +258,8 @@ def main(argv=None) -> int:
             with connect(socket) as c:
                 daemon_pid = c.stats().pid
             try:
-                res = {"aiohttp": aiohttp.__version__, "clients": args.clients, "seconds": args.seconds,
-                       "latency": {}, "throughput": {}}
+                res = {"front": f"llhttp (httptools {httptools.__version__})", "clients": args.clients,
+                       "seconds": args.seconds, "latency": {}, "throughput": {}}
                 for model, calls, block in ((args.model, args.calls, 20), (args.big, args.big_calls, 2)):
                     print(f"latency: {model} ...", file=sys.stderr, flush=True)
                     res["latency"][model] = latency(socket, hostport, model, io[model], calls, block, MODES)

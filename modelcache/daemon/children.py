@@ -85,7 +85,7 @@ class Child:
 class Front(Child):
     """A protocol front on `<kind>_port`: http (the v2 REST front) or grpc (Triton's gRPC service)."""
 
-    EXTRAS = {"http": "aiohttp", "grpc": "grpc"}   # the module each front's extra brings
+    EXTRAS = {"http": "httptools", "grpc": "grpc"}   # the module each front's extra brings
 
     def __init__(self, kind: str, socket: str, host: str, port: int):
         from ..address import listen_tcp, reserve_tcp

@@ -1,0 +1,282 @@
+"""HTTP/1.1 on asyncio, parsed by llhttp (httptools): connections, keep-alive, bodies and their limit.
+
+Why not aiohttp, which this front ran on before: a bare aiohttp server costs 296-363 µs of CPU a tiny
+request here, the same server on httptools 159-188 (benchmarks/grpc/floor), and a request the front runs
+itself (oip/front_runs.py) is otherwise mostly that cost. What aiohttp did for us is here, and nothing else:
+
+- requests on a connection are answered in the order they came (pipelining), one at a time; a connection
+  that queues more than PIPELINE_MAX stops being read until its answers catch up;
+- keep-alive as the request says (HTTP/1.0 and `Connection: close` close after the answer); an idle
+  connection closes after KEEPALIVE_S, as aiohttp's keepalive_timeout;
+- a body is read whole before its handler runs, and refused with 413 the moment it is declared, or (chunked)
+  grows, over `max_body`: a client that declared 16 GiB is not waited for;
+- `Expect: 100-continue` is answered, so a client that waits for it (curl, for bodies over 1 KiB) goes on;
+- a request that does not parse gets 400 and the connection closes; an `Upgrade` request is answered in
+  HTTP/1.1 and the connection closes (there is nothing to upgrade to);
+- at a stop, listening ends, idle connections close, and requests in flight are answered first.
+
+The handler is `async handler(Request) -> Response` and must not raise: the routes turn every failure into
+an answer (routes.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import http
+import logging
+from typing import Awaitable, Callable
+
+import httptools
+
+log = logging.getLogger("modelcache.http")
+
+KEEPALIVE_S = 75.0        # an idle keep-alive connection closes after this (aiohttp's keepalive_timeout)
+PIPELINE_MAX = 16         # requests queued on one connection before it stops being read
+REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
+
+
+class Request:
+    """One request, its body read. `target` is the raw request target (path and query, percent-encoded);
+    header names are lower case, repeated headers joined with ", "; `params` are the route's captures."""
+
+    __slots__ = ("method", "target", "headers", "body", "params")
+
+    def __init__(self, method: str, target: bytes, headers: dict, body: bytes):
+        self.method = method
+        self.target = target
+        self.headers = headers
+        self.body = body
+        self.params: dict = {}
+
+
+class Response:
+    __slots__ = ("status", "body", "content_type", "headers")
+
+    def __init__(self, status: int = 200, body: bytes = b"", content_type: str | None = None,
+                 headers: dict | None = None):
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+        self.headers = headers
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class _Refused(Exception):
+    """Raised from a parser callback to stop parsing a connection that was answered and is closing."""
+
+
+def encode(response: Response, keep_alive: bool, head_only: bool = False) -> bytes:
+    """The response's bytes; HEAD's answer keeps GET's Content-Length and drops the body."""
+    lines = [b"HTTP/1.1 %d %s\r\nContent-Length: %d\r\n"
+             % (response.status, REASONS.get(response.status, b"Unknown"), len(response.body))]
+    if response.content_type:
+        lines.append(b"Content-Type: %s\r\n" % response.content_type.encode("latin-1"))
+    if response.headers:
+        lines.extend(b"%s: %s\r\n" % (k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items())
+    if not keep_alive:
+        lines.append(b"Connection: close\r\n")
+    lines.append(b"\r\n")
+    if not head_only:
+        lines.append(response.body)
+    return b"".join(lines)
+
+
+class Connection(asyncio.Protocol):
+    """One client connection: llhttp's callbacks collect each request; one task answers them in order."""
+
+    def __init__(self, server: "Server"):
+        self.server = server
+        self.transport = None
+        self.parser = httptools.HttpRequestParser(self)
+        # (request, keep_alive, answer): parsed, not yet answered; `answer` is set for a refusal (request None)
+        self.queue: collections.deque = collections.deque()
+        self.answering: asyncio.Task | None = None
+        self.in_message = False          # between a request's first byte and its end
+        self.closing = False             # answer what is queued, then close
+        self.reading = True
+        self.writable: asyncio.Future | None = None   # set while the transport's buffer is over its mark
+        self.idle_timer = None           # one per connection, re-armed only when it fires (none per request)
+        self.idle_since = 0.0            # when the last answer went out
+        self._url = b""
+        self._headers: dict = {}
+        self._body: list = []
+        self._size = 0
+
+    # --- asyncio's callbacks
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.server.connections.add(self)
+        loop = asyncio.get_running_loop()
+        self.idle_since = loop.time()
+        self.idle_timer = loop.call_later(self.server.keepalive_s, self._idle_check)
+
+    def connection_lost(self, exc) -> None:
+        self.server.connections.discard(self)
+        self.closing = True
+        self.queue.clear()
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+        if self.writable is not None and not self.writable.done():
+            self.writable.set_result(None)
+
+    def pause_writing(self) -> None:
+        self.writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self.writable is not None and not self.writable.done():
+            self.writable.set_result(None)
+        self.writable = None
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return   # answered and closing (a refused body, an upgrade, a parse error): the rest is not read
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._close_after_answers()   # the request before the upgrade is answered, in HTTP/1.1
+        except httptools.HttpParserCallbackError as e:
+            if not isinstance(e.__context__, _Refused):
+                raise
+        except httptools.HttpParserError as e:
+            self._fail(self.server.error(400, f"the request is not valid HTTP/1.1: {e}"))
+
+    # --- llhttp's callbacks, in the order it parses
+
+    def on_message_begin(self) -> None:
+        self.in_message = True
+        self._url, self._headers, self._body, self._size = b"", {}, [], 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        key, text = name.decode("latin-1").lower(), value.decode("latin-1")
+        self._headers[key] = self._headers[key] + ", " + text if key in self._headers else text
+
+    def on_headers_complete(self) -> None:
+        declared = self._headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.server.max_body:
+            self._refuse(int(declared))
+        if self._headers.get("expect", "").lower() == "100-continue" and self.parser.get_http_version() == "1.1":
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        self._size += len(body)
+        if self._size > self.server.max_body:
+            self._refuse(None)   # chunked: no length was declared
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.in_message = False
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        request = Request(self.parser.get_method().decode("latin-1"), self._url, self._headers, body)
+        self.queue.append((request, self.parser.should_keep_alive(), None))
+        if self.answering is None:
+            self.answering = asyncio.get_running_loop().create_task(self._answer_queued())
+        elif len(self.queue) >= PIPELINE_MAX and self.reading:
+            self.reading = False
+            self.transport.pause_reading()
+
+    # --- answering
+
+    async def _answer_queued(self) -> None:
+        try:
+            while self.queue:
+                request, keep_alive, response = self.queue.popleft()
+                if response is None:
+                    response = await self.server.handler(request)
+                if self.transport.is_closing():
+                    return
+                keep_alive = keep_alive and not (self.closing and not self.queue)
+                self.transport.write(encode(response, keep_alive, request is not None and request.method == "HEAD"))
+                if not keep_alive:
+                    self.closing = True
+                    self.transport.close()
+                    return
+                if not self.reading and len(self.queue) < PIPELINE_MAX // 2:
+                    self.reading = True
+                    self.transport.resume_reading()
+                if self.writable is not None:
+                    await self.writable   # a slow reader: hold the next answer until the buffer drains
+        finally:
+            self.answering = None
+        if self.closing and not self.transport.is_closing():
+            self.transport.close()   # a stop or an upgrade came while these were answered
+        self.idle_since = asyncio.get_running_loop().time()
+
+    def _refuse(self, declared: int | None) -> None:
+        """A body over the limit: 413 at once (after what is queued), then close unread."""
+        self._fail(self.server.too_large(declared))
+        raise _Refused()
+
+    def _fail(self, response: Response) -> None:
+        """Answer `response` in turn, after the requests queued before it, then close; read nothing more."""
+        self.in_message = False
+        self.closing = True
+        if self.answering is None:
+            self.transport.write(encode(response, keep_alive=False))
+            self.transport.close()
+        else:
+            self.queue.append((None, False, response))
+
+    def _close_after_answers(self) -> None:
+        self.closing = True
+        if self.answering is None and not self.queue:
+            self.transport.close()
+
+    def _idle_check(self) -> None:
+        """Close the connection if nothing came or went for keepalive_s; else look again when it would be."""
+        loop = asyncio.get_running_loop()
+        busy = self.answering is not None or self.in_message
+        left = self.server.keepalive_s if busy else self.idle_since + self.server.keepalive_s - loop.time()
+        if left > 0:
+            self.idle_timer = loop.call_later(left, self._idle_check)
+        else:
+            self.idle_timer = None
+            self.transport.close()
+
+    def stop(self) -> None:
+        """At a stop: an idle connection closes now, a busy one after its answers."""
+        self.closing = True
+        if self.answering is None and not self.in_message:
+            self.transport.close()
+
+
+class Server:
+    """Connections of one listening socket, and what a stop waits for."""
+
+    def __init__(self, handler: Handler, max_body: int, error: Callable[[int, str], Response],
+                 too_large: Callable[[int | None], Response], keepalive_s: float = KEEPALIVE_S):
+        self.handler = handler
+        self.max_body = max_body
+        self.error = error
+        self.too_large = too_large
+        self.keepalive_s = keepalive_s
+        self.connections: set[Connection] = set()
+        self.listener: asyncio.Server | None = None
+
+    async def start(self, sock=None, host: str | None = None, port: int | None = None) -> tuple:
+        """Listen on `sock` (already bound and listening) or on host:port; the bound address."""
+        loop = asyncio.get_running_loop()
+        if sock is not None:
+            self.listener = await loop.create_server(lambda: Connection(self), sock=sock)
+        else:
+            self.listener = await loop.create_server(lambda: Connection(self), host, port, reuse_address=True)
+        return self.listener.sockets[0].getsockname()
+
+    async def stop(self, timeout_s: float) -> None:
+        """Stop listening; answer what is in flight (up to timeout_s), then close every connection."""
+        self.listener.close()
+        for conn in list(self.connections):
+            conn.stop()
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.connections and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        for conn in list(self.connections):
+            log.warning("closing a connection whose request did not finish within %.0f s of the stop", timeout_s)
+            conn.transport.abort()
+        await self.listener.wait_closed()
