@@ -123,6 +123,13 @@ class Connection(asyncio.Protocol):
         if self.writable is not None and not self.writable.done():
             self.writable.set_result(None)
 
+    def eof_received(self) -> bool:
+        """The client sent all it will (a half close): answer what came, then close."""
+        if self.in_message:   # a request cut short: nothing to answer it with
+            self.in_message = False
+        self._close_after_answers()
+        return True   # the transport stays open for the answers
+
     def pause_writing(self) -> None:
         self.writable = asyncio.get_running_loop().create_future()
 
@@ -139,8 +146,9 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._close_after_answers()   # the request before the upgrade is answered, in HTTP/1.1
         except httptools.HttpParserCallbackError as e:
-            if not isinstance(e.__context__, _Refused):
-                raise
+            if not isinstance(e.__context__, _Refused):   # a fault of ours: said, and this connection only ends
+                log.error("internal error parsing a request", exc_info=e.__context__)
+                self._fail(self.server.error(500, f"internal error: {type(e.__context__).__name__}"))
         except httptools.HttpParserError as e:
             self._fail(self.server.error(400, f"the request is not valid HTTP/1.1: {e}"))
 
@@ -159,7 +167,7 @@ class Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         declared = self._headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.server.max_body:
+        if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > self.server.max_body:
             self._refuse(int(declared))
         if self._headers.get("expect", "").lower() == "100-continue" and self.parser.get_http_version() == "1.1":
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
