@@ -305,3 +305,14 @@ def test_a_half_closed_connection_gets_its_answers(srv):
         buf = bytearray()
         assert [read_response(s, buf)[0] for _ in range(3)] == [200, 200, 200]
         assert closed(s)
+
+
+def test_a_client_that_stops_halfway_through_a_request_is_closed():
+    s = Running(keepalive_s=0.3)
+    try:
+        with s.connect() as c:
+            c.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc")   # 7 bytes never come
+            t0 = time.monotonic()
+            assert closed(c) and 0.2 < time.monotonic() - t0 < 3
+    finally:
+        s.stop()

@@ -6,8 +6,9 @@ itself (oip/front_runs.py) is otherwise mostly that cost. What aiohttp did for u
 
 - requests on a connection are answered in the order they came (pipelining), one at a time; a connection
   that queues more than PIPELINE_MAX stops being read until its answers catch up;
-- keep-alive as the request says (HTTP/1.0 and `Connection: close` close after the answer); an idle
-  connection closes after KEEPALIVE_S, as aiohttp's keepalive_timeout;
+- keep-alive as the request says (HTTP/1.0 and `Connection: close` close after the answer); a connection
+  closes once nothing came or went for KEEPALIVE_S (aiohttp's keepalive_timeout), between requests or
+  halfway through one;
 - a body is read whole before its handler runs, and refused with 413 the moment it is declared, or (chunked)
   grows, over `max_body`: a client that declared 16 GiB is not waited for;
 - `Expect: 100-continue` is answered, so a client that waits for it (curl, for bodies over 1 KiB) goes on;
@@ -89,6 +90,7 @@ class Connection(asyncio.Protocol):
 
     def __init__(self, server: "Server"):
         self.server = server
+        self.loop = None
         self.transport = None
         self.parser = httptools.HttpRequestParser(self)
         # (request, keep_alive, answer): parsed, not yet answered; `answer` is set for a refusal (request None)
@@ -99,7 +101,7 @@ class Connection(asyncio.Protocol):
         self.reading = True
         self.writable: asyncio.Future | None = None   # set while the transport's buffer is over its mark
         self.idle_timer = None           # one per connection, re-armed only when it fires (none per request)
-        self.idle_since = 0.0            # when the last answer went out
+        self.idle_since = 0.0            # when the last bytes came in or the last answer went out
         self._url = b""
         self._headers: dict = {}
         self._body: list = []
@@ -110,9 +112,9 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.server.connections.add(self)
-        loop = asyncio.get_running_loop()
-        self.idle_since = loop.time()
-        self.idle_timer = loop.call_later(self.server.keepalive_s, self._idle_check)
+        self.loop = asyncio.get_running_loop()
+        self.idle_since = self.loop.time()
+        self.idle_timer = self.loop.call_later(self.server.keepalive_s, self._idle_check)
 
     def connection_lost(self, exc) -> None:
         self.server.connections.discard(self)
@@ -125,8 +127,7 @@ class Connection(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         """The client sent all it will (a half close): answer what came, then close."""
-        if self.in_message:   # a request cut short: nothing to answer it with
-            self.in_message = False
+        self.in_message = False   # a request cut short has nothing to answer it with
         self._close_after_answers()
         return True   # the transport stays open for the answers
 
@@ -141,6 +142,7 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closing:
             return   # answered and closing (a refused body, an upgrade, a parse error): the rest is not read
+        self.idle_since = self.loop.time()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -214,7 +216,7 @@ class Connection(asyncio.Protocol):
             self.answering = None
         if self.closing and not self.transport.is_closing():
             self.transport.close()   # a stop or an upgrade came while these were answered
-        self.idle_since = asyncio.get_running_loop().time()
+        self.idle_since = self.loop.time()
 
     def _refuse(self, declared: int | None) -> None:
         """A body over the limit: 413 at once (after what is queued), then close unread."""
@@ -237,12 +239,13 @@ class Connection(asyncio.Protocol):
             self.transport.close()
 
     def _idle_check(self) -> None:
-        """Close the connection if nothing came or went for keepalive_s; else look again when it would be."""
-        loop = asyncio.get_running_loop()
-        busy = self.answering is not None or self.in_message
-        left = self.server.keepalive_s if busy else self.idle_since + self.server.keepalive_s - loop.time()
+        """Close the connection once nothing came or went for keepalive_s: idle between requests, or a client
+        that stopped sending halfway through one; else look again when that would be."""
+        left = self.server.keepalive_s
+        if self.answering is None:
+            left = self.idle_since + self.server.keepalive_s - self.loop.time()
         if left > 0:
-            self.idle_timer = loop.call_later(left, self._idle_check)
+            self.idle_timer = self.loop.call_later(left, self._idle_check)
         else:
             self.idle_timer = None
             self.transport.close()
