@@ -14,6 +14,7 @@ that library:
   aiohttp     aiohttp's web server, one route (what `modelcache http` runs)
   grpc-sync   grpc.server with one worker thread, Triton's ModelInfer
   grpc-aio    grpc.aio.server, the same (what `modelcache grpc` runs)
+  h2-grpc     gRPC's unary call over h2 (pure-Python HTTP/2) on an asyncio.Protocol, no grpcio
 
 The load is run.py's: tritonclient's infer (HTTP with binary tensors, or gRPC), batch 1, N client processes
 in a closed loop, the servers alternating round by round, and the CPU time (/proc) each request cost the
@@ -34,7 +35,7 @@ from pathlib import Path
 
 SERVERS = ("raw-http", "aiohttp", "grpc-sync", "grpc-aio")
 UVLOOP = ("raw-http-uvloop", "aiohttp-uvloop")   # the same on uvloop's event loop (libuv), where it is installed
-EXTRA = ("httptools",)                             # where httptools is installed (pip install httptools)
+EXTRA = ("httptools", "h2-grpc")                  # where httptools / h2 are installed (pip install httptools h2)
 
 
 def _session(path: str):
@@ -210,6 +211,57 @@ def serve_grpc(sess, iname, oname, port: int, aio: bool) -> None:
     asyncio.run(main())
 
 
+def serve_h2_grpc(sess, iname, oname, port: int) -> None:
+    """gRPC's unary call on asyncio over h2 (HTTP/2 in pure Python), no grpcio: HEADERS and DATA in, the reply's
+    HEADERS, DATA and trailers out. What a gRPC front costs without grpc.aio's machinery."""
+    import h2.config
+    import h2.connection
+    import h2.events
+    import numpy as np
+    from modelcache.triton_protos import grpc_service_pb2 as pb
+
+    def model_infer(request):
+        y = sess.run([oname], {iname: np.frombuffer(request.raw_input_contents[0], np.float32)
+                               .reshape(list(request.inputs[0].shape))})[0]
+        reply = pb.ModelInferResponse(model_name=request.model_name)
+        out = reply.outputs.add()
+        out.name, out.datatype = oname, "FP32"
+        out.shape.extend(y.shape)
+        reply.raw_output_contents.append(y.tobytes())
+        return reply
+
+    config = h2.config.H2Configuration(client_side=False, header_encoding=None)
+    reply_headers = [(b":status", b"200"), (b"content-type", b"application/grpc")]
+    trailers = [(b"grpc-status", b"0")]
+
+    class H2(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.transport = transport
+            self.conn = h2.connection.H2Connection(config)
+            self.conn.initiate_connection()
+            self.bodies = {}
+            transport.write(self.conn.data_to_send())
+
+        def data_received(self, data):
+            for event in self.conn.receive_data(data):
+                if isinstance(event, h2.events.RequestReceived):
+                    self.bodies[event.stream_id] = []
+                elif isinstance(event, h2.events.DataReceived):
+                    self.bodies[event.stream_id].append(event.data)
+                    self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                elif isinstance(event, h2.events.StreamEnded):
+                    body = b"".join(self.bodies.pop(event.stream_id))
+                    request = pb.ModelInferRequest.FromString(body[5:])
+                    raw = model_infer(request).SerializeToString()
+                    sid = event.stream_id
+                    self.conn.send_headers(sid, reply_headers)
+                    self.conn.send_data(sid, b"\0" + len(raw).to_bytes(4, "big") + raw)
+                    self.conn.send_headers(sid, trailers, end_stream=True)
+            self.transport.write(self.conn.data_to_send())
+
+    _listen(H2, port)
+
+
 def _serve(kind: str, path: str, port: int) -> None:
     global UVLOOP_ON
     sess, iname, oname = _session(path)
@@ -221,6 +273,8 @@ def _serve(kind: str, path: str, port: int) -> None:
         serve_httptools(sess, iname, oname, port)
     elif kind == "aiohttp":
         serve_aiohttp(sess, iname, oname, port)
+    elif kind == "h2-grpc":
+        serve_h2_grpc(sess, iname, oname, port)
     else:
         serve_grpc(sess, iname, oname, port, aio=kind == "grpc-aio")
 
@@ -280,7 +334,7 @@ def main(argv=None) -> int:
                     for kind in order:
                         print(f"round {r + 1}: {clients} clients, {kind} ...", file=sys.stderr, flush=True)
                         proc, address = procs[kind]
-                        run = closed_loop(f"floor-{'grpc' if kind.startswith('grpc') else 'http'}", address,
+                        run = closed_loop(f"floor-{'grpc' if 'grpc' in kind else 'http'}", address,
                                           "tiny-cnn", io, clients, args.seconds, {"server": proc.pid})
                         res["runs"].setdefault(str(clients), {}).setdefault(kind, []).append(run)
         finally:
