@@ -25,9 +25,9 @@ against this run's figures.
                       (../shared/peers/triton-native/serve.sh, one server a model): Triton's defaults on CPU
                       (2 instances, dynamic batching up to 4, ORT's own thread counts)
   triton-tuned-grpc, -http  (--triton) the same as a tuned CPU deployment: INSTANCES=1 INTRA_OP=1
-  kserve-grpc         (--kserve-python VENV_PYTHON: a venv with `kserve` and `onnxruntime`) tritonclient.grpc ->
-                      KServe's ModelServer -> plain ORT in its process (kserve_peer.py); --kserve-no-spin: its
-                      ORT threads block between runs
+  kserve-grpc, -http  (--kserve-python VENV_PYTHON: a venv with `kserve` and `onnxruntime`) tritonclient ->
+                      KServe's ModelServer (grpc.aio; FastAPI over uvicorn, binary tensors) -> plain ORT in its
+                      process (kserve_peer.py); --kserve-no-spin: its ORT threads block between runs
 
 --servers picks some of them (a Triton server named there needs no --triton). With --perf-analyzer, after the
 closed loops (or instead of them: `--perf-analyzer only`), perf_analyzer runs against each server over its
@@ -204,7 +204,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_kserve(python: str, paths: dict, log, spin: bool = True) -> tuple[subprocess.Popen, str]:
+def _start_kserve(python: str, paths: dict, log, spin: bool = True) -> tuple[subprocess.Popen, str, str]:
+    """The KServe peer serving `paths`: (process, its gRPC host:port, its HTTP host:port)."""
     import tritonclient.grpc as client
     grpc_port, http_port = _free_port(), _free_port()
     peer = Path(__file__).with_name("kserve_peer.py")
@@ -220,7 +221,7 @@ def _start_kserve(python: str, paths: dict, log, spin: bool = True) -> tuple[sub
             c = client.InferenceServerClient(address)
             if all(c.is_model_ready(m) for m in paths):
                 c.close()
-                return proc, address
+                return proc, address, f"127.0.0.1:{http_port}"
             c.close()
         except Exception:
             pass
@@ -232,7 +233,7 @@ def _start_kserve(python: str, paths: dict, log, spin: bool = True) -> tuple[sub
 def _server_order(label: str) -> list[str]:
     """Every server this benchmark knows, in the report's order: gRPC first, ours then its peers."""
     families = ["modelcache", label, *TRITON_CONFIGS]
-    return [f"{f}-grpc" for f in families] + ["kserve-grpc"] + [f"{f}-http" for f in families]
+    return [f"{f}-grpc" for f in families] + ["kserve-grpc"] + [f"{f}-http" for f in families] + ["kserve-http"]
 
 
 def _servers(args, ap) -> list[str]:
@@ -242,8 +243,8 @@ def _servers(args, ap) -> list[str]:
         unknown = [s for s in args.servers if s not in known]
         if unknown:
             ap.error(f"unknown servers {unknown}; known: {' '.join(known)}")
-        if "kserve-grpc" in args.servers and not args.kserve_python:
-            ap.error("kserve-grpc needs --kserve-python")
+        if any(s.startswith("kserve-") for s in args.servers) and not args.kserve_python:
+            ap.error("kserve-grpc and -http need --kserve-python")
         if any(s.startswith(f"{args.baseline_label}-") for s in args.servers) and not args.baseline:
             ap.error(f"{args.baseline_label}-grpc and -http need --baseline")
         return [s for s in known if s in args.servers]
@@ -354,10 +355,13 @@ def start_servers(stack: contextlib.ExitStack, args, servers: list, paths: dict,
             for kind in protocols(config):
                 targets.setdefault(f"{config}-{kind}", {})[name] = (http if kind == "http" else grpc,
                                                                     {"tritonserver": pid})
-    if "kserve-grpc" in servers:
-        proc, address = _start_kserve(args.kserve_python, paths, log, spin=not args.kserve_no_spin)
+    if any(s.startswith("kserve-") for s in servers):
+        proc, grpc_address, http_address = _start_kserve(args.kserve_python, paths, log,
+                                                         spin=not args.kserve_no_spin)
         stack.callback(_stop, proc, True)
-        targets["kserve-grpc"] = dict.fromkeys(paths, (address, {"kserve": proc.pid}))
+        for kind, address in (("grpc", grpc_address), ("http", http_address)):
+            if f"kserve-{kind}" in servers:
+                targets[f"kserve-{kind}"] = dict.fromkeys(paths, (address, {"kserve": proc.pid}))
     return targets
 
 
@@ -373,7 +377,7 @@ def _stop(proc: subprocess.Popen, group: bool = False) -> None:
 
 def _versions(args) -> dict:
     from importlib.metadata import version
-    out = {p: version(p) for p in ("grpcio", "protobuf", "tritonclient", "onnxruntime", "aiohttp")}
+    out = {p: version(p) for p in ("grpcio", "protobuf", "tritonclient", "onnxruntime", "httptools")}
     out["modelcache"] = _git(str(Path(__file__).resolve().parent))
     if args.kserve_python:
         r = subprocess.run([args.kserve_python, "-c", "from importlib.metadata import version as v; "
@@ -437,7 +441,8 @@ def _spread(values: list, fmt: str) -> str:
 
 def _pairs(servers, label: str | None) -> list[tuple[str, str]]:
     """(ours, a peer) pairs, both in `servers`, whose per-round ratios the report gives."""
-    pairs = [("modelcache-grpc", "kserve-grpc"), ("modelcache-grpc", "modelcache-http")]
+    pairs = [("modelcache-grpc", "kserve-grpc"), ("modelcache-http", "kserve-http"),
+             ("modelcache-grpc", "modelcache-http")]
     pairs += [(f"modelcache-{p}", f"{peer}-{p}") for p in PROTOCOLS for peer in (*TRITON_CONFIGS, label) if peer]
     return [(a, b) for a, b in pairs if a in servers and b in servers]
 
@@ -493,9 +498,9 @@ def goals(res: dict, out) -> None:
            (", p99 " + cell(ratio("resnet50", 4, f"modelcache-{p}", f"triton-tuned-{p}", "p99_us"),
                             lambda v: v <= 1.0, "x") if runs("resnet50", 4, f"triton-tuned-{p}") else "")
            for p in PROTOCOLS]
-    kserve = [f"{m} " + cell(ratio(m, 4, "modelcache-grpc", "kserve-grpc"), lambda v: v >= 2.0, "x")
-              for m in res["runs"]]
-    spun = res.get("kserve_spin", True) and any(runs(m, 4, "kserve-grpc") for m in res["runs"])
+    kserve = [f"{m} {p} " + cell(ratio(m, 4, f"modelcache-{p}", f"kserve-{p}"), lambda v: v >= 2.0, "x")
+              for m in res["runs"] for p in PROTOCOLS if runs(m, 4, f"kserve-{p}")]
+    spun = res.get("kserve_spin", True) and any(runs(m, 4, f"kserve-{p}") for m in res["runs"] for p in PROTOCOLS)
     print("goals, this run (median [min-max] over rounds; a ratio per round, same round):", file=out)
     print("  tiny-cnn requests/s >= x0.7 Triton (defaults): " + "; ".join(tiny_rps), file=out)
     print("  server CPU a tiny-cnn request (front + daemon) <= 0.35 ms: " + "; ".join(tiny_cpu), file=out)
@@ -527,7 +532,7 @@ def report(res: dict, out=sys.stdout) -> None:
               f"until 3 agree within 100% or {pa['trials']}, the last window's figures; {res['rounds']} rounds "
               "alternating the servers' order; median [min-max] over rounds" +
               ("; not KServe (no ModelConfig in its gRPC service: perf_analyzer asks for it)"
-               if "kserve-grpc" in res.get("servers", ()) else ""), file=out)
+               if any(s.startswith("kserve-") for s in res.get("servers", ())) else ""), file=out)
         for model, by_concurrency in pa["runs"].items():
             for concurrency, by_server in by_concurrency.items():
                 print(f"\n{model}, concurrency {concurrency}:", file=out)
@@ -624,7 +629,7 @@ def main(argv=None) -> int:
                             res["runs"].setdefault(model, {}).setdefault(str(clients), {}) \
                                 .setdefault(server, []).append(run)
             # (not KServe: its gRPC service has no ModelConfig, which perf_analyzer asks for first)
-            pa_servers = [s for s in servers if s != "kserve-grpc"]
+            pa_servers = [s for s in servers if not s.startswith("kserve-")]
             if args.perf_analyzer:
                 res["perf_analyzer"] = {"interval_ms": args.pa_interval_ms, "trials": args.pa_trials, "runs": {}}
             for r in range(args.rounds if args.perf_analyzer and pa_servers else 0):
