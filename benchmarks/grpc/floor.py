@@ -165,22 +165,28 @@ def serve_aiohttp(sess, iname, oname, port: int) -> None:
     _run(main())
 
 
+def _grpc_infer(sess, iname, oname, request):
+    """Triton's ModelInferRequest -> its ModelInferResponse, tiny-cnn run inline."""
+    import numpy as np
+    from modelcache.triton_protos import grpc_service_pb2 as pb
+    y = sess.run([oname], {iname: np.frombuffer(request.raw_input_contents[0], np.float32)
+                           .reshape(list(request.inputs[0].shape))})[0]
+    reply = pb.ModelInferResponse(model_name=request.model_name)
+    out = reply.outputs.add()
+    out.name, out.datatype = oname, "FP32"
+    out.shape.extend(y.shape)
+    reply.raw_output_contents.append(y.tobytes())
+    return reply
+
+
 def serve_grpc(sess, iname, oname, port: int, aio: bool) -> None:
     import grpc
-    import numpy as np
     from modelcache.grpc.handlers import method_handlers
     from modelcache.triton_protos import grpc_service_pb2 as pb
     service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 
     def model_infer(request):
-        y = sess.run([oname], {iname: np.frombuffer(request.raw_input_contents[0], np.float32)
-                               .reshape(list(request.inputs[0].shape))})[0]
-        reply = pb.ModelInferResponse(model_name=request.model_name)
-        out = reply.outputs.add()
-        out.name, out.datatype = oname, "FP32"
-        out.shape.extend(y.shape)
-        reply.raw_output_contents.append(y.tobytes())
-        return reply
+        return _grpc_infer(sess, iname, oname, request)
 
     class Sync:
         def ModelInfer(self, request, context):
@@ -217,18 +223,10 @@ def serve_h2_grpc(sess, iname, oname, port: int) -> None:
     import h2.config
     import h2.connection
     import h2.events
-    import numpy as np
     from modelcache.triton_protos import grpc_service_pb2 as pb
 
     def model_infer(request):
-        y = sess.run([oname], {iname: np.frombuffer(request.raw_input_contents[0], np.float32)
-                               .reshape(list(request.inputs[0].shape))})[0]
-        reply = pb.ModelInferResponse(model_name=request.model_name)
-        out = reply.outputs.add()
-        out.name, out.datatype = oname, "FP32"
-        out.shape.extend(y.shape)
-        reply.raw_output_contents.append(y.tobytes())
-        return reply
+        return _grpc_infer(sess, iname, oname, request)
 
     config = h2.config.H2Configuration(client_side=False, header_encoding=None)
     reply_headers = [(b":status", b"200"), (b"content-type", b"application/grpc")]
