@@ -90,14 +90,15 @@ def test_a_short_model_runs_at_the_front_and_the_daemon_counts_every_request(fro
     rng = np.random.default_rng(0)
     _run_at_front(d, c, rng.standard_normal((1, 3, 32, 32)).astype(np.float32))
     plain = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    # Both counts read before the two requests: the front's report may count them before the test looks.
     served_before = d.client().stats().executor["served"]
+    [stats] = c.get_inference_statistics("cnn")["model_stats"]
+    sent = stats["inference_stats"]["success"]["count"]
     for rows in (1, 3):   # a free batch dimension: any rows
         x = rng.standard_normal((rows, 3, 32, 32)).astype(np.float32)
         got = _infer(c, x).as_numpy("logits")
         np.testing.assert_allclose(got, plain.run(["logits"], {"input": x})[0], rtol=1e-5, atol=1e-6)
     assert _front_holds(d)
-    [stats] = c.get_inference_statistics("cnn")["model_stats"]
-    sent = stats["inference_stats"]["success"]["count"]
     # The engine ran none of the two above; the front's report (once a second) counts them as the engine's.
     wait_until(lambda: d.client().stats().executor["served"] >= served_before + 2, timeout_s=10,
                what="the front's report")
