@@ -16,6 +16,7 @@ import time
 import pytest
 
 pytest.importorskip("httptools")   # the [http] extra
+from conftest import wait_until  # noqa: E402
 from modelcache.http.http1 import Response, Server  # noqa: E402
 
 LIMIT = 1000
@@ -193,7 +194,7 @@ def test_idle_connection_closes_after_keepalive():
             assert read_response(c, bytearray())[0] == 200
             t0 = time.monotonic()
             assert closed(c) and 0.2 < time.monotonic() - t0 < 3
-        assert wait_for(lambda: not s.server.connections)
+        wait_until(lambda: not s.server.connections, 5, what="the server forgetting the closed connection")
     finally:
         s.stop()
 
@@ -215,15 +216,6 @@ def test_stop_answers_the_request_in_flight_and_closes_idle_connections():
     finally:
         idle.close()
         busy.close()
-
-
-def wait_for(cond, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_a_pipelined_flood_is_answered_whole_and_in_order(srv):

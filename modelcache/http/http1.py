@@ -32,7 +32,7 @@ import httptools
 
 log = logging.getLogger("modelcache.http")
 
-KEEPALIVE_S = 75.0        # an idle keep-alive connection closes after this (aiohttp's keepalive_timeout)
+KEEPALIVE_S = 75.0        # a connection with nothing in or out this long closes (aiohttp's keepalive_timeout)
 PIPELINE_MAX = 16         # requests queued on one connection before it stops being read
 REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 
@@ -128,11 +128,11 @@ class Connection(asyncio.Protocol):
     def eof_received(self) -> bool:
         """The client sent all it will (a half close): answer what came, then close."""
         self.in_message = False   # a request cut short has nothing to answer it with
-        self._close_after_answers()
+        self.close_after_answers()
         return True   # the transport stays open for the answers
 
     def pause_writing(self) -> None:
-        self.writable = asyncio.get_running_loop().create_future()
+        self.writable = self.loop.create_future()
 
     def resume_writing(self) -> None:
         if self.writable is not None and not self.writable.done():
@@ -146,7 +146,7 @@ class Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._close_after_answers()   # the request before the upgrade is answered, in HTTP/1.1
+            self.close_after_answers()   # the request before the upgrade is answered, in HTTP/1.1
         except httptools.HttpParserCallbackError as e:
             if not isinstance(e.__context__, _Refused):   # a fault of ours: said, and this connection only ends
                 log.error("internal error parsing a request", exc_info=e.__context__)
@@ -186,7 +186,7 @@ class Connection(asyncio.Protocol):
         request = Request(self.parser.get_method().decode("latin-1"), self._url, self._headers, body)
         self.queue.append((request, self.parser.should_keep_alive(), None))
         if self.answering is None:
-            self.answering = asyncio.get_running_loop().create_task(self._answer_queued())
+            self.answering = self.loop.create_task(self._answer_queued())
         elif len(self.queue) >= PIPELINE_MAX and self.reading:
             self.reading = False
             self.transport.pause_reading()
@@ -233,11 +233,6 @@ class Connection(asyncio.Protocol):
         else:
             self.queue.append((None, False, response))
 
-    def _close_after_answers(self) -> None:
-        self.closing = True
-        if self.answering is None and not self.queue:
-            self.transport.close()
-
     def _idle_check(self) -> None:
         """Close the connection once nothing came or went for keepalive_s: idle between requests, or a client
         that stopped sending halfway through one; else look again when that would be."""
@@ -250,8 +245,8 @@ class Connection(asyncio.Protocol):
             self.idle_timer = None
             self.transport.close()
 
-    def stop(self) -> None:
-        """At a stop: an idle connection closes now, a busy one after its answers."""
+    def close_after_answers(self) -> None:
+        """Close now if idle, else once what was asked is answered (a stop, an upgrade, a half close)."""
         self.closing = True
         if self.answering is None and not self.in_message:
             self.transport.close()
@@ -283,7 +278,7 @@ class Server:
         """Stop listening; answer what is in flight (up to timeout_s), then close every connection."""
         self.listener.close()
         for conn in list(self.connections):
-            conn.stop()
+            conn.close_after_answers()
         deadline = asyncio.get_running_loop().time() + timeout_s
         while self.connections and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
