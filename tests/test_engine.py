@@ -470,3 +470,36 @@ def test_the_mean_batch_counts_requests_not_their_samples():
         h.worker.run_next()
     batching = h.engine.describe()["batching"]
     assert batching["batches"] == 4 and batching["mean_batch"] == 1.0 and batching["mean_batch_samples"] == 13 / 4
+
+
+class DroppingWorker(FakeWorker):
+    """A CPU worker that remembers drops, to finish them when the test says."""
+
+    def __init__(self, worker_id, cores, post):
+        super().__init__(worker_id, cores, post)
+        self.drops = []
+
+    def drop_model(self, model_key, then=None):
+        self.drops.append((model_key, then))
+
+
+def test_a_drop_is_reported_once_every_worker_has_dropped_the_models_sessions():
+    """The daemon's memory limit waits for a model's sessions to be gone (daemon/serving.py): drop_model's `then`
+    runs on the owner loop once, after the last worker's drop, not before."""
+    posted, done = [], []
+    engine = Engine(Settings(socket="ipc:///unused", repository="/unused", workers="1,1", scheduler="eager"), None,
+                    post=lambda fn, r, e: posted.append((fn, r, e)), clock=lambda: 0.0,
+                    worker_factory=DroppingWorker)
+    engine.drop_model("m@1", then=lambda: done.append("m@1"))
+    first, second = engine.workers
+    [(key, then_first)], [(_, then_second)] = first.drops, second.drops
+    assert key == "m@1"
+    then_first()                          # on the worker's thread: posted to the owner loop
+    for fn, r, e in posted:
+        fn(r, e)
+    assert done == []                     # the other worker still has the sessions
+    posted.clear()
+    then_second()
+    for fn, r, e in posted:
+        fn(r, e)
+    assert done == ["m@1"]

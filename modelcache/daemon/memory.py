@@ -67,6 +67,9 @@ class MemoryGuard:
         self.measure = measure or (lambda: memlimit.headroom_bytes(self.limit))
         self.counters = counters if counters is not None else {}
         self.in_flight = 0            # bytes of promotions under way: reserved, not all charged yet
+        # Models whose serve sessions the workers are dropping (a model given back, say): what those sessions map
+        # and allocate still counts until they are gone, a run's length at most (daemon/serving.py).
+        self.dropping = 0
         self.headroom = self.measure()   # the last reading, for status and metrics
         self.short = False            # in a pressure episode: said once, not at every reading
         self.host = None              # the host tier's Residency (set by the daemon): what is given back

@@ -58,8 +58,19 @@ class Serving:
                 P.FrontServed: self.on_FrontServed}
 
     def forget_model(self, key: str) -> None:
-        """The model's host copy is gone or stale: its stage sessions and specs go with it."""
-        self.engine.drop_model(key)
+        """The model's host copy is gone or stale: its stage sessions and specs go with it. Until the workers
+        have dropped the sessions, what they map and allocate still counts against the memory limit: a serve
+        request short of memory waits for that (memory.dropping), and is admitted again once they are gone."""
+        memory = self.host.memory
+        if memory is not None:
+            memory.dropping += 1
+
+        def dropped():
+            if memory is not None:
+                memory.dropping -= 1
+                self.host.admit()
+
+        self.engine.drop_model(key, then=dropped)
         self.serve_specs.pop(key, None)
 
     def forget_copy(self, key: str, tier: str) -> None:

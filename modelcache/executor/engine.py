@@ -275,18 +275,30 @@ class Engine:
         worker.queue.put(WorkerCall(work, lambda result, error: self._post(lambda *_: finished(result, error),
                                                                            None, None)))
 
-    def drop_model(self, model_key: str) -> None:
+    def drop_model(self, model_key: str, then=None) -> None:
+        """Forget the model's stage sessions on every worker (each drops them on its thread, after any job
+        queued before the drop); `then()` runs on the owner loop once every worker has: what the sessions
+        mapped and allocated has been given back by then (the daemon's memory limit waits for it)."""
         self.last_used.pop(model_key, None)
         self.batchers.pop(model_key, None)
+        left = len(self.workers)
+
+        def dropped(end) -> None:   # on the owner loop, once per worker
+            nonlocal left
+            if end is not None:
+                end()
+            left -= 1
+            if left == 0 and then is not None:
+                then()
+
         for w in self.workers:
             uuid = w.state.memory_node
+            # A GPU worker's hold on the device copy ends with its sessions; a stage placed there meanwhile
+            # takes a new one, as the hold is no longer the worker's.
             end = None if uuid == "cpu" else self.worker_hold(model_key, uuid, w.state.worker_id, False)
-            if end is None:
-                w.drop_model(model_key)
-                continue
-            # The hold ends once the worker's sessions are gone (on its thread, after any job queued before
-            # the drop); a stage placed there meanwhile takes a new one, as the hold is no longer the worker's.
-            w.drop_model(model_key, then=lambda end=end: self._post(lambda *_: end(), None, None))
+            w.drop_model(model_key, then=lambda end=end: self._post(lambda *_: dropped(end), None, None))
+        if not self.workers and then is not None:
+            then()
 
     def settings_changed(self) -> None:
         """Batching settings were reloaded: policies are rebuilt on the next batch of each model."""

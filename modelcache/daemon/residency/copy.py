@@ -37,6 +37,9 @@ class TierCopy:
     holders: dict = field(default_factory=dict)   # Hold -> how many times it holds this copy
     waiters: list = field(default_factory=list)   # callbacks(error) waiting for room, then on the one load
     prewarmed: bool = False   # loaded by its policy's pre-warm, and nothing has held it since
+    # Queued for room with a serve request among its waiters: once room comes it also waits for memory that other
+    # requests hold (manager.py's memory_wait), rather than be refused for it at once.
+    memory_wait: bool = False
 
     # -- holding -----------------------------------------------------------------------------
     def hold(self, holder) -> None:
@@ -113,6 +116,7 @@ class TierCopy:
         if self.state is not ModelState.WAITING:
             raise AssertionError(f"{self.where}: left the room queue while {self.state.value}")
         self.state = ModelState.ON_DISK
+        self.memory_wait = False
         waiters, self.waiters = self.waiters, []
         return waiters
 
@@ -122,6 +126,7 @@ class TierCopy:
         if self.state not in (ModelState.ON_DISK, ModelState.WAITING):
             raise AssertionError(f"{self.where}: a load started while {self.state.value}")
         self.state = ModelState.LOADING
+        self.memory_wait = False
         self.prewarmed = prewarm and not self.waiters
 
     def finish_load(self, ok: bool) -> list:

@@ -142,6 +142,7 @@ class Residency:
             copy.queue_for_room()
         elif not wait:
             raise self._refusal(model, self._needs(model))
+        copy.memory_wait |= memory_wait   # (a serve request's wait for room goes on as a wait for memory)
         copy.wait_for_load(wake)
         now = self.clock()
         self.room.add(copy, wake, now + self.settings.request_timeout_s if deadline is None else deadline, now)
@@ -264,7 +265,7 @@ class Residency:
     def admit(self) -> None:
         """Room may have appeared (a release, an eviction, more capacity, an unpin): start the promotions
         waiting for it, the oldest first (room.py); then the tiers above, as freeing here frees there too."""
-        self.room.admit(lambda copy: self._start(copy.model, copy, memory_wait=copy.model.key in self.short_of_memory))
+        self.room.admit(lambda copy: self._start(copy.model, copy, memory_wait=copy.memory_wait))
         for tier in self.above:
             tier.admit()
 
@@ -442,9 +443,10 @@ class Residency:
             raise self.memory.refusal(model.key, plan.bytes, held)
 
     def _memory_may_come_back(self, model: ModelRecord) -> bool:
-        """Whether memory here may come back: another model's copy held (a request in flight, a lease), or a
-        promotion under way (its bytes reserved; its requests hold it, then let go)."""
-        return (self.memory is not None and self.memory.in_flight > 0) or any(
+        """Whether memory here may come back: another model's copy held (a request in flight, a lease), a
+        promotion under way (its bytes reserved; its requests hold it, then let go), or serve sessions being
+        dropped (a copy given back stays charged while they map it; admit() runs once they are gone)."""
+        return (self.memory is not None and (self.memory.in_flight > 0 or self.memory.dropping > 0)) or any(
             m is not model and m.tier_copies[self.id].holds for m in self.resident.values())
 
     def give_back(self, bytes_wanted: int, counter: str = "evictions", loading: str | None = None) -> tuple[list, int]:
