@@ -18,6 +18,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from ..errors import InputError, ModelCacheError
+from ..memlimit import release_freed_heap
 from ..session_options import attach_session_options, bind_weights
 from ..wire.tensors import NUMPY_TYPES, FeedCheck
 from .caller_options import copy_of
@@ -98,9 +99,11 @@ class InferenceSession:
                                                          [t for t in self._lease.tensors if t[0] not in skip])
             self._sess = ort.InferenceSession(self._lease.skeleton_path, so,
                                               providers=providers or ["CPUExecutionProvider"])
+            # ORT's one-off packings (computed to find each shared blob's key, then freed) stay resident as freed
+            # heap: given back after the session is built and after its first run; later runs stay trimmed.
             self._trim_after_run = self.prepacked
             if self.prepacked:
-                _release_freed_heap()
+                release_freed_heap()
             on_gpu = self._lease.ipc_kind in ("cuda", "cuda-vmm")
             if on_gpu and self._sess.get_providers()[0] != "CUDAExecutionProvider":
                 # ORT falls back to the CPU with only a warning; over device pointers that cannot run.
@@ -140,9 +143,9 @@ class InferenceSession:
         if self._sess is None:
             raise InputError("this session is closed")
         outputs = self._sess.run(output_names, self._feed_check.check(input_feed), run_options)
-        if self._trim_after_run:     # once: see _release_freed_heap
+        if self._trim_after_run:     # once: ORT's one-off packings freed (memlimit.release_freed_heap)
             self._trim_after_run = False
-            _release_freed_heap()
+            release_freed_heap()
         return outputs
 
     def __getattr__(self, name: str):
@@ -220,20 +223,6 @@ def _want_prepacked(prepacked: bool | None) -> bool:
     if prepacked is not None:
         return prepacked
     return os.environ.get("MODELCACHE_PREPACKED", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def _release_freed_heap() -> None:
-    """Give back to the OS the heap that ORT's one-off packings (computed to find each shared blob's key,
-    then freed) leave behind. glibc's dynamic mmap threshold rises to the size of the large blocks freed,
-    so the packings land in the brk heap, and freed heap stays resident: measured, +16 MiB anonymous
-    memory after the test's two 16 MiB packings; and for ViT-B/16, in about one session in four, the
-    first run made ~310 MiB of that freed heap resident again. Called after session creation and after
-    the first run (0.5-90 ms, the most when there is most to give back); later runs stay trimmed."""
-    try:
-        import ctypes
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim this way
-        pass
 
 
 def _ort_builds() -> str:

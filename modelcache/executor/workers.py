@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import InputError, ModelCacheError, RunError
+from ..memlimit import release_freed_heap
 from .scheduler import WorkerState
 
 log = logging.getLogger("modelcache.executor")
@@ -272,8 +273,11 @@ class Worker:
                 continue
             if isinstance(job, tuple):
                 _, model_key, then, n = job
-                for key in [k for k in self.sessions if k[0] == model_key]:
+                dropped = [k for k in self.sessions if k[0] == model_key]
+                for key in dropped:
                     del self.sessions[key]
+                if dropped:   # their arenas and buffers, freed, would stay resident as glibc's heap
+                    release_freed_heap()
                 self.drops_done[model_key] = n
                 if then is not None:
                     then()
