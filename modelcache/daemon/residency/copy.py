@@ -37,9 +37,7 @@ class TierCopy:
     holders: dict = field(default_factory=dict)   # Hold -> how many times it holds this copy
     waiters: list = field(default_factory=list)   # callbacks(error) waiting for room, then on the one load
     prewarmed: bool = False   # loaded by its policy's pre-warm, and nothing has held it since
-    # Queued for room with a serve request among its waiters: once room comes it also waits for memory that other
-    # requests hold (manager.py's memory_wait), rather than be refused for it at once.
-    memory_wait: bool = False
+    memory_wait: bool = False   # queued for room with a serve request among its waiters (wait_for_room)
 
     # -- holding -----------------------------------------------------------------------------
     def hold(self, holder) -> None:
@@ -102,6 +100,14 @@ class TierCopy:
         if self.state is not ModelState.ON_DISK:
             raise AssertionError(f"{self.where}: queued for room while {self.state.value}")
         self.state = ModelState.WAITING
+
+    def wait_for_room(self, wake, memory_wait: bool = False) -> None:
+        """WAITING: `wake(error)` waits for room, then on the load; `memory_wait` (a serve request's): once room
+        comes, the promotion waits for memory that is coming back too, rather than be refused for it at once."""
+        if self.state is not ModelState.WAITING:
+            raise AssertionError(f"{self.where}: waits for room while {self.state.value}")
+        self.memory_wait |= memory_wait
+        self.waiters.append(wake)
 
     def give_up(self, wake) -> None:
         """One waiter's deadline passed: it no longer waits; the last one to go takes the copy out of the

@@ -142,8 +142,7 @@ class Residency:
             copy.queue_for_room()
         elif not wait:
             raise self._refusal(model, self._needs(model))
-        copy.memory_wait |= memory_wait   # (a serve request's wait for room goes on as a wait for memory)
-        copy.wait_for_load(wake)
+        copy.wait_for_room(wake, memory_wait)
         now = self.clock()
         self.room.add(copy, wake, now + self.settings.request_timeout_s if deadline is None else deadline, now)
         log.debug("%s waits for room in %s (%d models queued)", model.key, self.tier.where, len(self.room.models))
