@@ -53,9 +53,9 @@ def revision(checkout: str) -> str:
     import subprocess
     git = ["git", "-C", checkout]
     rev = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                           text=True).stdout.strip()
-    return (rev or "not a git checkout") + (" + uncommitted changes" if dirty else "")
+    dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no", "--", "modelcache"],
+                           capture_output=True, text=True).stdout.strip()
+    return (rev or "not a git checkout") + (" + uncommitted changes to modelcache/" if dirty else "")
 
 
 def one_run(checkout: str, repo: Path, names: list[str], capacity: str, rounds: int) -> dict:
