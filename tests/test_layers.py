@@ -242,3 +242,21 @@ def test_the_record_check_sees_each_kind_of_write(tmp_path):
                       "    del model.tier_copies[key]\n    model.manifest.stages = []\n    self.state = 1\n"
                       "    self.manifest.stages = []\n")
     assert len(record_writes(module, {"pinned", "holds", "waiters", "tier_copies", "hits", "state", "stages"})) == 7
+
+
+def test_a_function_process_imports_little_beyond_numpy_and_onnxruntime_to_open_a_model():
+    """A FaaS cold start pays every import of the attach path (modelcache.InferenceSession: the drop-in session,
+    the lease client, the wire). Beside numpy and onnxruntime, which every ORT process imports, it adds no part
+    of the daemon and neither logging nor shutil (~10 ms of a fresh process's imports, `python -X importtime`:
+    storage.py imports them where they are used)."""
+    import subprocess
+    import sys
+    probe = ("import sys, numpy, onnxruntime\nbefore = set(sys.modules)\n"
+             "import modelcache.client.session, modelcache.client.leases\n"
+             "print(' '.join(sorted(set(sys.modules) - before)))")
+    added = set(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                               cwd=PACKAGE.parent).stdout.split())
+    assert "modelcache.client.session" in added
+    heavy = sorted(m for m in added if m in ("logging", "shutil", "dataclasses") or m.startswith(
+        ("modelcache.daemon", "modelcache.executor", "modelcache.store", "modelcache.placement", "zmq")))
+    assert not heavy, f"the attach path imports {heavy}"

@@ -18,7 +18,6 @@ import warnings
 from typing import TYPE_CHECKING
 
 from ..errors import InputError, ModelCacheError
-from ..memlimit import release_freed_heap
 from ..session_options import attach_session_options, bind_weights
 from ..wire.tensors import NUMPY_TYPES, FeedCheck
 from .caller_options import copy_of
@@ -103,6 +102,7 @@ class InferenceSession:
             # heap: given back after the session is built and after its first run; later runs stay trimmed.
             self._trim_after_run = self.prepacked
             if self.prepacked:
+                from ..memlimit import release_freed_heap   # (not at the top: a cold start without prepacks skips it)
                 release_freed_heap()
             on_gpu = self._lease.ipc_kind in ("cuda", "cuda-vmm")
             if on_gpu and self._sess.get_providers()[0] != "CUDAExecutionProvider":
@@ -145,6 +145,7 @@ class InferenceSession:
         outputs = self._sess.run(output_names, self._feed_check.check(input_feed), run_options)
         if self._trim_after_run:     # once: ORT's one-off packings freed (memlimit.release_freed_heap)
             self._trim_after_run = False
+            from ..memlimit import release_freed_heap
             release_freed_heap()
         return outputs
 
