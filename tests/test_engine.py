@@ -374,15 +374,20 @@ def test_a_worker_that_cannot_start_is_taken_out_and_its_stage_runs_elsewhere():
     assert engine.describe()["workers"][1]["disabled"] == "device 0 would not start"
 
 
-class DroppingGpuWorker(FakeGpuWorker):
-    """Remembers drops, to finish them when the test says (a real worker: on its thread, after queued jobs)."""
+class RemembersDrops:
+    """A fake worker that remembers drops, to finish them when the test says (a real worker: on its thread, after
+    the jobs queued before the drop)."""
 
-    def __init__(self, worker_id, device, post):
-        super().__init__(worker_id, device, post)
-        self.drops = []
+    @property
+    def drops(self) -> list:
+        return self.__dict__.setdefault("_drops", [])
 
     def drop_model(self, model_key, then=None):
         self.drops.append((model_key, then))
+
+
+class DroppingGpuWorker(RemembersDrops, FakeGpuWorker):
+    pass
 
 
 def test_the_engine_holds_a_device_copy_while_a_gpu_worker_may_have_sessions():
@@ -472,15 +477,8 @@ def test_the_mean_batch_counts_requests_not_their_samples():
     assert batching["batches"] == 4 and batching["mean_batch"] == 1.0 and batching["mean_batch_samples"] == 13 / 4
 
 
-class DroppingWorker(FakeWorker):
-    """A CPU worker that remembers drops, to finish them when the test says."""
-
-    def __init__(self, worker_id, cores, post):
-        super().__init__(worker_id, cores, post)
-        self.drops = []
-
-    def drop_model(self, model_key, then=None):
-        self.drops.append((model_key, then))
+class DroppingWorker(RemembersDrops, FakeWorker):
+    pass
 
 
 def test_a_drop_is_reported_once_every_worker_has_dropped_the_models_sessions():
