@@ -74,15 +74,15 @@ def available_bytes() -> int:
     return _stat("/proc/meminfo", "MemAvailable:") * 1024
 
 
-# -- reading /proc and the cgroup files ------------------------------------------------------------
 def release_freed_heap() -> None:
     """Give the heap that freed C allocations left resident back to the OS (glibc's malloc_trim(0), every arena).
     glibc keeps freed memory for reuse: its dynamic mmap threshold rises to the size of the large blocks freed,
     so later large blocks (ORT's packings, a session's arena) land in the heap, and a thread's arena returns
     only its top. Measured: +16 MiB anonymous memory after a client's two 16 MiB packings, and for ViT-B/16
-    ~310 MiB made resident again in about one session in four (client/session.py); in the daemon, stage
-    sessions dropped (executor/workers.py). Costs 0.5-90 ms, the most when there is most to give back.
-    Nothing to do off glibc."""
+    ~310 MiB made resident again in about one session in four (client/session.py); in the daemon, whose
+    workers trim after dropping a model's stage sessions (executor/workers.py), 159 MiB against 68 after
+    serving 15 models twice through a 512 MiB tier (benchmarks/memlimit/heap.txt). Costs 0.5-90 ms, the most
+    when there is most to give back. Nothing to do off glibc."""
     try:
         import ctypes
         ctypes.CDLL(None).malloc_trim(0)
@@ -90,6 +90,7 @@ def release_freed_heap() -> None:
         pass
 
 
+# -- reading /proc and the cgroup files ------------------------------------------------------------
 def _memory_cgroups(proc: Path):
     """(version, this process's memory cgroup directory, its mount point) for each hierarchy that has one."""
     try:
