@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import select
 import socket
 import threading
 import time
@@ -37,9 +38,10 @@ def error(status: int, message: str) -> Response:
 class Running:
     """A Server on a loop in a thread; `stop()` runs its stop from that loop."""
 
-    def __init__(self, keepalive_s: float = 75.0):
+    def __init__(self, keepalive_s: float = 75.0, header_timeout_s: float = 60.0):
         self.loop = asyncio.new_event_loop()
-        self.server = Server(echo, LIMIT, error, lambda n: error(413, f"too large: {n}"), keepalive_s)
+        self.server = Server(echo, LIMIT, error, lambda n: error(413, f"too large: {n}"), keepalive_s,
+                             header_timeout_s)
         ready = threading.Event()
 
         def main():
@@ -306,5 +308,39 @@ def test_a_client_that_stops_halfway_through_a_request_is_closed():
             c.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc")   # 7 bytes never come
             t0 = time.monotonic()
             assert closed(c) and 0.2 < time.monotonic() - t0 < 3
+    finally:
+        s.stop()
+
+
+def test_headers_trickled_past_their_deadline_get_408_and_a_close_a_slow_body_does_not():
+    """Slowloris: a byte now and then resets the keep-alive rule, so a request's headers have their own
+    deadline from its first byte. Only the headers: a body may come as slowly as keep-alive allows, and a
+    connection idle between requests is not a request."""
+    s = Running(header_timeout_s=0.4)
+    try:
+        with s.connect() as c:
+            t0 = time.monotonic()
+            c.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n")
+            status = None
+            for i in range(40):                       # a header line every 0.1 s, never the blank line
+                time.sleep(0.1)
+                try:
+                    c.sendall(b"X-Trickle-%d: 1\r\n" % i)
+                except OSError:                       # closed under us: the answer is in the socket
+                    break
+                if select.select([c], [], [], 0)[0]:
+                    break
+            status, _, body = read_response(c, bytearray())
+            assert status == 408 and b"did not arrive within 0.4 s" in body, (status, body)
+            assert closed(c) and 0.35 < time.monotonic() - t0 < 3
+        with s.connect() as c:
+            buf = bytearray()
+            c.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nabc")
+            time.sleep(0.8)                           # past the header deadline, within keep-alive
+            c.sendall(b"def")
+            assert read_response(c, buf)[0] == 200
+            time.sleep(0.8)                           # idle between requests: not a request's headers
+            c.sendall(b"GET /again HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert read_response(c, buf)[0] == 200
     finally:
         s.stop()

@@ -9,6 +9,9 @@ itself (oip/front_runs.py) is otherwise mostly that cost. What aiohttp did for u
 - keep-alive as the request says (HTTP/1.0 and `Connection: close` close after the answer); a connection
   closes once nothing came or went for KEEPALIVE_S (aiohttp's keepalive_timeout), between requests or
   halfway through one;
+- a request's headers must all arrive within HEADER_TIMEOUT_S of its first byte (nginx's and Node's
+  client_header_timeout/headersTimeout), else 408 and the connection closes: a client that trickles a byte
+  every few seconds (slowloris) is not kept forever by the keep-alive rule, which any byte resets;
 - a body is read whole before its handler runs, and refused with 413 the moment it is declared, or (chunked)
   grows, over `max_body`: a client that declared 16 GiB is not waited for;
 - `Expect: 100-continue` is answered, so a client that waits for it (curl, for bodies over 1 KiB) goes on;
@@ -33,6 +36,7 @@ import httptools
 log = logging.getLogger("modelcache.http")
 
 KEEPALIVE_S = 75.0        # a connection with nothing in or out this long closes (aiohttp's keepalive_timeout)
+HEADER_TIMEOUT_S = 60.0   # a request's headers arrive whole this long after its first byte, or 408 (nginx, Node)
 PIPELINE_MAX = 16         # requests queued on one connection before it stops being read
 REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 
@@ -102,6 +106,8 @@ class Connection(asyncio.Protocol):
         self.writable: asyncio.Future | None = None   # set while the transport's buffer is over its mark
         self.idle_timer = None           # one per connection, re-armed only when it fires (none per request)
         self.idle_since = 0.0            # when the last bytes came in or the last answer went out
+        self.message_since = 0.0         # when the request being read began (its first bytes came)
+        self.in_headers = False          # between a request's first byte and the end of its headers
         self._url = b""
         self._headers: dict = {}
         self._body: list = []
@@ -114,7 +120,7 @@ class Connection(asyncio.Protocol):
         self.server.connections.add(self)
         self.loop = asyncio.get_running_loop()
         self.idle_since = self.loop.time()
-        self.idle_timer = self.loop.call_later(self.server.keepalive_s, self._idle_check)
+        self.idle_timer = self.loop.call_later(self.server.check_every_s, self._idle_check)
 
     def connection_lost(self, exc) -> None:
         self.server.connections.discard(self)
@@ -127,7 +133,7 @@ class Connection(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         """The client sent all it will (a half close): answer what came, then close."""
-        self.in_message = False   # a request cut short has nothing to answer it with
+        self.in_message = self.in_headers = False   # a request cut short has nothing to answer it with
         self.close_after_answers()
         return True   # the transport stays open for the answers
 
@@ -157,7 +163,8 @@ class Connection(asyncio.Protocol):
     # --- llhttp's callbacks, in the order it parses
 
     def on_message_begin(self) -> None:
-        self.in_message = True
+        self.in_message = self.in_headers = True
+        self.message_since = self.idle_since   # (set as the bytes that begin it came in: data_received)
         self._url, self._headers, self._body, self._size = b"", {}, [], 0
 
     def on_url(self, url: bytes) -> None:
@@ -168,6 +175,7 @@ class Connection(asyncio.Protocol):
         self._headers[key] = self._headers[key] + ", " + text if key in self._headers else text
 
     def on_headers_complete(self) -> None:
+        self.in_headers = False
         declared = self._headers.get("content-length")
         if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > self.server.max_body:
             self._refuse(int(declared))
@@ -225,7 +233,7 @@ class Connection(asyncio.Protocol):
 
     def _fail(self, response: Response) -> None:
         """Answer `response` in turn, after the requests queued before it, then close; read nothing more."""
-        self.in_message = False
+        self.in_message = self.in_headers = False
         self.closing = True
         if self.answering is None:
             self.transport.write(encode(response, keep_alive=False))
@@ -234,13 +242,20 @@ class Connection(asyncio.Protocol):
             self.queue.append((None, False, response))
 
     def _idle_check(self) -> None:
-        """Close the connection once nothing came or went for keepalive_s: idle between requests, or a client
-        that stopped sending halfway through one; else look again when that would be."""
+        """Every check_every_s at most: 408 to a request whose headers are not all in header_timeout_s after its
+        first byte; close the connection once nothing came or went for keepalive_s (idle between requests, or
+        a client that stopped sending halfway through one); else look again when either could be due."""
+        now = self.loop.time()
+        if self.in_headers and now - self.message_since >= self.server.header_timeout_s:
+            self.idle_timer = None
+            self._fail(self.server.error(408, f"the request's headers did not arrive within "
+                                              f"{self.server.header_timeout_s:g} s of its first byte"))
+            return
         left = self.server.keepalive_s
         if self.answering is None:
-            left = self.idle_since + self.server.keepalive_s - self.loop.time()
+            left = self.idle_since + self.server.keepalive_s - now
         if left > 0:
-            self.idle_timer = self.loop.call_later(left, self._idle_check)
+            self.idle_timer = self.loop.call_later(min(left, self.server.check_every_s), self._idle_check)
         else:
             self.idle_timer = None
             self.transport.close()
@@ -256,12 +271,17 @@ class Server:
     """Connections of one listening socket, and what a stop waits for."""
 
     def __init__(self, handler: Handler, max_body: int, error: Callable[[int, str], Response],
-                 too_large: Callable[[int | None], Response], keepalive_s: float = KEEPALIVE_S):
+                 too_large: Callable[[int | None], Response], keepalive_s: float = KEEPALIVE_S,
+                 header_timeout_s: float = HEADER_TIMEOUT_S):
         self.handler = handler
         self.max_body = max_body
         self.error = error
         self.too_large = too_large
         self.keepalive_s = keepalive_s
+        self.header_timeout_s = header_timeout_s
+        # A connection's one timer looks this often at most, so slow headers are cut 1-1.5x header_timeout_s
+        # after their first byte, with no timer armed or cancelled per request.
+        self.check_every_s = min(keepalive_s, header_timeout_s / 2)
         self.connections: set[Connection] = set()
         self.listener: asyncio.Server | None = None
 
