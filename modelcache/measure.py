@@ -180,12 +180,13 @@ def ensure_models(socket: str, names: list[str], work: Path) -> dict[str, str]:
     return paths
 
 
-def memory_mib() -> dict:
-    """This process's memory: USS (pages only it maps), PSS, and anonymous (what it allocated itself)."""
+def memory_mib(pid: int | None = None) -> dict:
+    """A process's memory (this one's by default): USS (pages only it maps), PSS, and anonymous (what it
+    allocated itself)."""
     import psutil
-    info = psutil.Process().memory_full_info()
+    info = psutil.Process(pid).memory_full_info()
     anon = 0
-    with open("/proc/self/smaps_rollup") as f:
+    with open(f"/proc/{pid or 'self'}/smaps_rollup") as f:
         for line in f:
             if line.startswith("Anonymous:"):
                 anon = int(line.split()[1]) * 1024

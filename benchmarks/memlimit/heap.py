@@ -16,36 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
-import psutil
 
 MiB = 1 << 20
 MODELS = ",".join([f"resnet50#{i}" for i in range(4)] + [f"googlenet#{i}" for i in range(4)]
                   + [f"squeezenet1_1#{i}" for i in range(4)] + ["vit_b_16#0", "vit_b_16#1", "tiny-cnn#0"])
-
-
-def anonymous_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Anonymous:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no Anonymous line in /proc/{pid}/smaps_rollup")
-
-
-def daemon_pid(socket: str) -> int:
-    """The daemon serving `socket` (the one managed_daemon started: its environment names the socket)."""
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if "modelcache.cli" in (p.info["cmdline"] or []) and p.environ().get("MODELCACHE_SOCKET") == socket:
-                return p.pid
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    raise RuntimeError(f"no daemon process found for {socket}")
 
 
 def revision(checkout: str) -> str:
@@ -63,17 +42,17 @@ def one_run(checkout: str, repo: Path, names: list[str], capacity: str, rounds: 
     from modelcache.bench.coldstart_child import ones_feeds
     from modelcache.client.connection import connect
     from modelcache.client.serve import ServeSession
-    from modelcache.measure import managed_daemon
+    from modelcache.measure import managed_daemon, memory_mib
     env = {"MODELCACHE_HOST_CAPACITY": capacity, "PYTHONPATH": str(Path(checkout).resolve()), "PYTHONSAFEPATH": "1"}
     with tempfile.TemporaryDirectory(prefix="mc-heap-") as tmp, \
             managed_daemon(f"ipc://{tmp}/d.sock", str(repo), env=env) as sock, connect(sock) as c:
-        pid = daemon_pid(sock)
-        out = {"idle_mib": anonymous_mib(pid), "rounds_mib": []}
+        pid = c.stats().pid
+        out = {"idle_mib": memory_mib(pid)["anon_mib"], "rounds_mib": []}
         for _ in range(rounds):
             for name in names:
                 s = ServeSession(name, client=c)
                 s.run(None, ones_feeds(s, np))
-            out["rounds_mib"].append(anonymous_mib(pid))
+            out["rounds_mib"].append(memory_mib(pid)["anon_mib"])
         return out
 
 
@@ -89,6 +68,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="a folder for heap.txt and heap.json")
     args = ap.parse_args(argv)
     from benchmarks.systems.run import add_to_repository, build_models, name_of
+    from modelcache.measure import summary
     keys = [k.strip() for k in args.models.split(",") if k.strip()]
     work = Path(args.work)
     paths = build_models(keys, work / "models", False, print)
@@ -107,8 +87,8 @@ def main(argv=None) -> int:
              "| checkout | idle | after the last round, median [min-max] |", "|---|---|---|"]
     for checkout, runs in results.items():
         last = [r["rounds_mib"][-1] for r in runs]
-        lines.append(f"| {checkout} ({revision(checkout)}) | {statistics.median(r['idle_mib'] for r in runs):.0f} | "
-                     f"{statistics.median(last):.0f} [{min(last):.0f}-{max(last):.0f}] |")
+        lines.append(f"| {checkout} ({revision(checkout)}) | {summary([r['idle_mib'] for r in runs], '.0f')} | "
+                     f"{summary(last, '.0f')} |")
     print("\n".join(lines))
     if args.out:
         out = Path(args.out)
