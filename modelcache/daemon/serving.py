@@ -62,15 +62,16 @@ class Serving:
         have dropped the sessions, what they map and allocate still counts against the memory limit: a serve
         request short of memory waits for that (memory.dropping), and is admitted again once they are gone."""
         memory = self.host.memory
-        if memory is not None:
+        if memory is None:
+            self.engine.drop_model(key)
+        else:
             memory.dropping += 1
 
-        def dropped():
-            if memory is not None:
+            def dropped():
                 memory.dropping -= 1
                 self.host.admit()
 
-        self.engine.drop_model(key, then=dropped)
+            self.engine.drop_model(key, then=dropped)
         self.serve_specs.pop(key, None)
 
     def forget_copy(self, key: str, tier: str) -> None:
