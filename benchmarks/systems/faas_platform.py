@@ -80,7 +80,9 @@ class Platform:
         self.reaper.start()
 
     def call(self, function: str, path: str, name: str) -> dict:
+        asked = time.monotonic()
         instance, cold = self._take(function)
+        waited_ms = (time.monotonic() - asked) * 1e3       # for a slot: the platform's queue, not the system
         if instance is None:
             instance = Instance(self.wrap([sys.executable, FUNCTION, self.system, path, name]), self.env, self.log)
             with self.cond:
@@ -88,7 +90,7 @@ class Platform:
             r = instance.answer(self.timeout_s)
         else:
             r = instance.call(self.timeout_s)
-        r["cold"] = cold
+        r.update(cold=cold, wait_ms=waited_ms)
         with self.cond:
             if "error" in r or self.closed:
                 instance.stop()

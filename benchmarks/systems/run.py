@@ -469,7 +469,7 @@ def kept_from(out: Path, label: str, calls: int, rows: list[dict], records: list
 def write_calls(path: Path, records: list[dict]) -> None:
     import csv
     import gzip
-    fields = ["system", "budget_gib", "t", "model", "ms", "cold", "error"]
+    fields = ["system", "budget_gib", "t", "model", "ms", "cold", "wait_ms", "start_ms", "run_ms", "hit", "error"]
     with gzip.open(path, "wt", newline="") as f:
         w = csv.DictWriter(f, fields, extrasaction="ignore")
         w.writeheader()
