@@ -36,6 +36,9 @@ class Settings:
     memory_reserve: str = "auto"      # headroom kept free under the memory limit: idle models are given back below it,
                                       # and a promotion that would leave less fails; auto = 10% of the limit, 256M-25%
     capacity_over_limit: str = "refuse"  # a host_capacity above the limit less memory_reserve: refuse to start, or warn
+    open_when_full: str = "disk"      # an open the host tier cannot take now (full of models in use, or the memory limit
+                                      # short): disk = map the weights from the repository at once (the page cache holds
+                                      # them, as ORT's own mmap); wait = wait for room until the open's deadline
     gpu_capacity: str = "50%"         # per GPU: bytes, or percent of the device's memory
     fake_gpus: str = ""               # simulated GPUs in shared memory, for tests and development: "2x256M"
     gpu_sharing: str = "ipc"          # how clients map GPU weights: ipc (legacy CUDA IPC, read-write) or vmm-read-only
@@ -353,7 +356,7 @@ _non_negative = number(float, low=0)
 RULES = {
     "socket": _address, "repository": _directory(False), "shm_dir": _directory(True),
     "host_capacity": _capacity("RAM"), "memory_reserve": _reserve,
-    "capacity_over_limit": _choice("refuse", "warn"), "gpu_capacity": _capacity("the device's memory"),
+    "capacity_over_limit": _choice("refuse", "warn"), "open_when_full": _choice("disk", "wait"), "gpu_capacity": _capacity("the device's memory"),
     "fake_gpus": _fake_gpus, "gpu_sharing": _choice(*GPU_SHARING), "remote": _remote,
     "eviction_policy": _choice(*EVICTION_POLICIES),
     "keep_alive_s": _positive,

@@ -9,6 +9,7 @@ import collections
 
 from modelcache import zoo
 from modelcache.config import Settings
+from modelcache.daemon.disk_opens import DiskOpens
 from modelcache.daemon.fetch import Fetcher
 from modelcache.daemon.gpus import GpuTiers
 from modelcache.daemon.identity import Admins
@@ -22,10 +23,12 @@ from modelcache.histogram import Histogram
 from modelcache.store.packing import pack
 from modelcache.tiers.disk import Repository
 from modelcache.tiers.host import HostTier
+from modelcache.wire import protocol as P
 
 from fake_clock import FakeClock
 
 MiB = 1 << 20
+IDENT = object()    # who asks for an open: replies go to Parts.replies whatever it is
 
 
 class Parts:
@@ -61,8 +64,9 @@ class Parts:
                              admins=Admins(""), counters=self.counters, jobs={}, clock=self.clock, wall=self.wall,
                              reply=reply)
         # Opens and closes as the daemon takes them (a client here is the registry's, with no credentials).
+        self.disk = DiskOpens(loaders=self.loaders, counters=self.counters)
         self.sessions = Sessions(registry=self.registry, host=self.residency, gpus=self.gpus, fetcher=self.fetcher,
-                                 settings=self.settings, counters=self.counters, clock=self.clock, wall=self.wall,
+                                 disk=self.disk, settings=self.settings, counters=self.counters, clock=self.clock, wall=self.wall,
                                  reply=reply, open_latency=Histogram())
         self.host.start()
         self.gpus.start()
@@ -80,6 +84,14 @@ class Parts:
     def lease(self, client, model, residency=None):
         """A lease as an open grants it, on the copy in `residency`'s tier (default: the host's)."""
         return (residency or self.residency).grant(client, model, self.clock())
+
+    def open(self, client, name: str, deadline_ms: float | None = None, device: str = "cpu"):
+        """An open as the daemon takes it, its loads landed: its reply, or None while it waits."""
+        before = len(self.replies)
+        self.sessions.on_Open(IDENT, P.Open(req_id=1, client_id=client.client_id, name=name, device=device,
+                                            deadline_ms=deadline_ms))
+        self.loaders.settle()
+        return self.replies[before] if len(self.replies) > before else None
 
     def release(self, lease) -> None:
         """A close of `lease`, as the daemon takes it."""

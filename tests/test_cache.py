@@ -79,7 +79,9 @@ def test_oversubscribed_working_set_never_fails_and_never_overflows(tmp_path, vi
 
 
 def test_full_of_pinned_models_is_a_clear_capacity_error(tmp_path, vits):
-    d = start(tmp_path, host_capacity="1M")              # three of them (the least a tier may be)
+    """open_when_full = wait: the open waits for room (with disk, the default, it maps the repository's files:
+    test_disk_opens.py)."""
+    d = start(tmp_path, host_capacity="1M", open_when_full="wait")   # three of them (the least a tier may be)
     try:
         with d.client(timeout_s=5) as c:                 # (0.5 s between the daemon's answer and the client's end)
             for n in ("vit0", "vit1", "vit2", "vit3"):
@@ -112,7 +114,8 @@ def test_full_of_pinned_models_is_a_clear_capacity_error(tmp_path, vits):
 
 
 def test_model_bigger_than_the_tier_is_refused(tmp_path, vits):
-    d = start(tmp_path, host_capacity="1M")              # the least a tier may be; squeezenet needs ~4.7 MiB
+    """open_when_full = wait (with disk it is served from the repository's files: test_disk_opens.py)."""
+    d = start(tmp_path, host_capacity="1M", open_when_full="wait")   # the least a tier may be; squeezenet ~4.7 MiB
     big = tmp_path / "big.onnx"
     onnx.save(zoo.build("squeezenet1_1"), str(big))
     try:

@@ -15,18 +15,10 @@ from modelcache.daemon.residency import ModelState
 from modelcache.errors import CapacityError
 from modelcache.wire import protocol as P
 
-from daemon_parts import Parts, on_device, resident
-
-IDENT = object()    # who asks: replies go to parts.replies whatever it is
-
+from daemon_parts import IDENT, Parts, on_device, resident
 
 def call(parts: Parts, client, name: str, deadline_ms: float | None = None, device: str = "cpu"):
-    """An open as the daemon takes it, its loads landed: its reply, or None while it waits."""
-    before = len(parts.replies)
-    parts.sessions.on_Open(IDENT, P.Open(req_id=1, client_id=client.client_id, name=name, device=device,
-                                         deadline_ms=deadline_ms))
-    parts.loaders.settle()
-    return parts.replies[before] if len(parts.replies) > before else None
+    return parts.open(client, name, deadline_ms, device)
 
 
 def close(parts: Parts, client, reply: P.OpenReply) -> None:
@@ -55,7 +47,9 @@ def make(tmp_path):
     made = []
 
     def build(**kw):
-        parts = Parts(tmp_path, **kw)
+        # The room queue, seen through opens that wait for it (open_when_full = wait; serve requests always do).
+        # With the default an open the tier cannot take maps the repository's files: test_disk_opens.py.
+        parts = Parts(tmp_path, **{"open_when_full": "wait", **kw})
         made.append(parts)
         return parts
     yield build
@@ -314,7 +308,7 @@ def test_a_real_daemon_unloads_an_idle_model_and_makes_an_open_wait_for_room(tmp
     for name, seed in (("a", 0), ("b", 1)):   # ~4.7 MiB each, nothing shared: one fits in 6M, two do not
         zoo.save(zoo.build("squeezenet1_1", seed), str(tmp_path / f"{name}.onnx"))
     d = DaemonProcess(tmp_path, {"MODELCACHE_EVICTION_POLICY": "keepalive", "MODELCACHE_KEEP_ALIVE_S": "6",
-                                 "MODELCACHE_HOST_CAPACITY": "6M"}).start()
+                                 "MODELCACHE_HOST_CAPACITY": "6M", "MODELCACHE_OPEN_WHEN_FULL": "wait"}).start()
     try:
         def ls(command: str = "ls") -> str:
             return subprocess.run([sys.executable, "-m", "modelcache.cli", command], env={**os.environ,

@@ -10,12 +10,13 @@ import logging
 
 import pytest
 
-from daemon_parts import Parts, resident
+from daemon_parts import IDENT, Parts, resident
 from modelcache import memlimit
 from modelcache.config import ConfigError, Settings
 from modelcache.daemon.memory import MemoryGuard, check_capacity
 from modelcache.errors import OutOfMemoryError
 from modelcache.memlimit import MemoryLimit
+from modelcache.wire import protocol as P
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -84,6 +85,41 @@ def test_a_promotion_the_memory_cannot_take_fails_typed_and_reserves_nothing(mac
     assert machine.guard.in_flight == 0
     # The refusal crosses the wire as itself: a CapacityError too, with its own code.
     assert OutOfMemoryError.code == "out_of_memory" and isinstance(refused.value, Exception)
+
+
+@pytest.mark.parametrize("when_full", ["disk", "wait"])
+def test_an_open_the_memory_cannot_take_maps_the_repositorys_files_or_fails_at_once(tmp_path, when_full):
+    """open_when_full = disk: the open's lease is over the version's packed files, and nothing is reserved;
+    wait: refused at once (a lease may be held for hours: no memory it waits for is sure to come back)."""
+    machine = Machine(1 * MiB, 200 * KiB)
+    machine.parts = parts = Parts(tmp_path, memory=machine.guard, open_when_full=when_full)
+    try:
+        machine.guard.counters = parts.counters
+        a, b, c, d = (parts.add(tmp_path, "tiny-cnn", f"m{i}", seed=i) for i in range(4))
+        client = parts.registry.new_client(1, "c", parts.clock())
+        for model in (a, b, c):
+            resident(parts, model)
+            parts.lease(client, model)
+        machine.neighbour = machine.headroom() - machine.guard.reserve
+        used = parts.host.used_bytes
+        if when_full == "wait":
+            with pytest.raises(OutOfMemoryError):      # (the owner loop sends it as the open's error reply)
+                parts.open(client, d.name)
+        else:
+            reply = parts.open(client, d.name)
+        assert parts.host.used_bytes == used and d.key not in parts.residency.resident
+        assert machine.guard.in_flight == 0
+        if when_full == "wait":
+            return
+        assert isinstance(reply, P.OpenReply) and reply.hit is False, reply
+        assert reply.skeleton_path == str(d.disk_dir / "model.onnx")
+        assert reply.segments == [str(d.disk_dir / "weights.bin")]
+        assert [t[4] for t in reply.tensors] == [t.offset for t in d.manifest.tensors]
+        assert parts.counters["opens_from_disk"] == 1 and parts.residency.leases_over_files(d) == 1
+        parts.sessions.on_Close(IDENT, P.Close(req_id=2, client_id=client.client_id, lease_id=reply.lease_id))
+        assert parts.residency.leases_over_files(d) == 0 and len(parts.residency.leases) == 3
+    finally:
+        parts.stop()
 
 
 def test_a_serve_request_waits_for_memory_that_requests_in_flight_hold(machine):

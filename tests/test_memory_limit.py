@@ -115,7 +115,7 @@ def test_loads_past_the_limit_fail_typed_and_the_daemon_lives(tmp_path, cgroup, 
     what holds the memory, never an OOM kill; once a session closes, the same load gives that model back."""
     cg = cgroup(320 * MiB)
     d = daemon_in(cg, tmp_path, repository, host_capacity="300M", capacity_over_limit="warn",
-                  memory_reserve="64M").start()
+                  memory_reserve="64M", open_when_full="wait").start()
     try:
         with d.client() as c:
             leases, refused = [], None
@@ -136,6 +136,28 @@ def test_loads_past_the_limit_fail_typed_and_the_daemon_lives(tmp_path, cgroup, 
             assert listed["m0"]["tier"] == "disk" and listed[f"m{i}"]["tier"] == "host"
             assert c.stats().counters["pressure_evictions"] >= 1
             for lease in leases[1:]:
+                c.release(lease.lease_id)
+        assert cg.oom_kills() == 0
+    finally:
+        stop_cleanly(d)
+
+
+def test_opens_past_the_limit_map_the_repositorys_files(tmp_path, cgroup, repository):
+    """open_when_full = disk (the default): where the memory limit cannot take another model in use, its open is
+    answered at once with a lease over its packed files in the repository, not refused; nobody is OOM-killed."""
+    cg = cgroup(320 * MiB)
+    d = daemon_in(cg, tmp_path, repository, host_capacity="300M", capacity_over_limit="warn",
+                  memory_reserve="64M").start()
+    try:
+        with d.client() as c:
+            leases = [c.open(f"m{i}") for i in range(MODELS)]
+            from_disk = [lease for lease in leases if lease.segments[0].startswith(str(repository))]
+            assert 1 <= len(from_disk) < MODELS and c.stats().counters["opens_from_disk"] == len(from_disk)
+            assert all(lease.segments == [str(repository / lease.name / "1" / "weights.bin")] for lease in from_disk)
+            listed = {m["name"]: m for m in c.list()}
+            assert all(listed[lease.name]["tier"] == "disk" for lease in from_disk)
+            assert d.proc.poll() is None and cg.oom_kills() == 0
+            for lease in leases:
                 c.release(lease.lease_id)
         assert cg.oom_kills() == 0
     finally:

@@ -19,6 +19,7 @@ from ..store.sources import check_regular_files, check_source_names, close_all
 from ..wire import protocol as P
 from .registry import ModelRecord, Registry
 from .residency import ModelState
+from .wording import plural
 
 log = logging.getLogger("modelcache.daemon")
 
@@ -239,10 +240,13 @@ class Models:
             return None if t is None else wall + (t - now)
         kept = self.host.policy.keep_alive_until(model.key)
         call = self.host.policy.predicted_next_call(model.key)
+        over_files = self.host.leases_over_files(model)
         why = ", ".join(filter(None, [model.why_resident(kept is not None and kept > now),
-                                      *(r.waiting_text(model) for r in self.gpus)]))
+                                      *(r.waiting_text(model) for r in self.gpus),
+                                      over_files and f"{plural(over_files, 'session')} over its files"]))
         out = model.describe(host_bytes, gpu_bytes, why=why, keep_alive_until=as_wall(kept), next_call=as_wall(call))
         # What evicting it alone would free in the host tier now (its tensors no other resident model uses).
+        out["file_leases"] = over_files   # (open_when_full = disk: daemon/disk_opens.py)
         out["frees_bytes"] = host.bytes_freed_by([model.key]) if model.state is ModelState.RESIDENT else 0
         for copy in out["gpu"]:   # (only under a timed policy: the copy's record is otherwise as it was)
             until = self.gpus.by_uuid[copy["device"]].policy.keep_alive_until(model.key)

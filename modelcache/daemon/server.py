@@ -39,6 +39,7 @@ from ..wire.lane import lane_path
 from ..memlimit import read_limit
 from ..eviction import make_policy as named_policy
 from ..storage import remove_tree, storage_errors
+from .disk_opens import DiskOpens
 from .fds import FdBudget, raise_fd_limit
 from .fetch import Fetcher
 from .gpus import GpuTiers
@@ -104,7 +105,7 @@ class Daemon:
                          "gpu_promotions": 0, "gpu_evictions": 0, "adopted": 0, "corrupt_detected": 0,
                          "refetched": 0, "fetched": 0, "unloads": 0, "prewarms": 0, "gpu_unloads": 0,
                          "gpu_prewarms": 0, "wasted_prewarms": 0, "gpu_wasted_prewarms": 0,
-                         "pressure_evictions": 0, "pressure_reliefs": 0}
+                         "pressure_evictions": 0, "pressure_reliefs": 0, "opens_from_disk": 0}
         self.memory = MemoryGuard(limit, settings.memory_reserve_bytes(limit.limit_bytes), counters=self.counters)
         self.pressure_watch: PressureWatch | None = None
         self.open_latency = Histogram()
@@ -129,8 +130,9 @@ class Daemon:
         self.models = Models(registry=self.registry, host=self.residency, gpus=self.gpus, fetcher=self.fetcher,
                              repository=self.repository, loaders=self.loaders, settings=settings, admins=self.admins,
                              counters=self.counters, jobs=self.jobs, clock=clock, wall=wall, reply=self._reply)
+        self.disk_opens = DiskOpens(loaders=self.loaders, counters=self.counters)
         self.sessions = Sessions(registry=self.registry, host=self.residency, gpus=self.gpus, fetcher=self.fetcher,
-                                 settings=settings, counters=self.counters, clock=clock, wall=wall, reply=self._reply,
+                                 disk=self.disk_opens, settings=settings, counters=self.counters, clock=clock, wall=wall, reply=self._reply,
                                  open_latency=self.open_latency)
         self.ensembles = Ensembles(EnsembleStore(self.repository.root), resolve=self.fetcher.resolve,
                                    model_names=lambda: {n for n, _ in self.registry.models}, admins=self.admins)

@@ -16,6 +16,7 @@ import psutil
 from .. import __version__
 from ..errors import CapacityError, LeaseError, ModelCacheError, ProtocolError
 from ..wire import protocol as P, tensors
+from .disk_opens import DiskOpens
 from .identity import check_client_owner
 from .lane_server import LaneConnection
 from .registry import ModelRecord, Registry
@@ -28,12 +29,13 @@ MAX_CLIENT_NAME = 256      # a program's name, shown in stats
 
 
 class Sessions:
-    def __init__(self, *, registry: Registry, host, gpus, fetcher, settings, counters: dict, clock, wall, reply,
-                 open_latency):
+    def __init__(self, *, registry: Registry, host, gpus, fetcher, disk: DiskOpens, settings, counters: dict, clock,
+                 wall, reply, open_latency):
         self.registry = registry
         self.host = host                  # the host tier's Residency
         self.gpus = gpus                  # daemon/gpus.py: the GPU tiers' Residency, by UUID
         self.fetcher = fetcher            # daemon/fetch.py: a model only the remote store has
+        self.disk = disk                  # daemon/disk_opens.py: opens the host tier cannot take now
         self.settings = settings
         self.counters = counters
         self.clock = clock                # monotonic: liveness
@@ -148,19 +150,36 @@ class Sessions:
             lease = residency.grant(client, model, self.wall())
             self.reply(ident, self._open_reply(msg.req_id, lease.lease_id, model, hit, residency.tier))
 
-        hit = residency.when_resident(model, answer, deadline)
+        def from_disk(error: ModelCacheError | None):
+            self.open_latency.observe(self.clock() - t_request)
+            if error is not None:
+                self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
+            elif self.registry.clients.get(client.client_id) is client:   # (else it left meanwhile: no lease)
+                lease = residency.grant_unheld(client, model, self.wall())
+                self.reply(ident, self._reply_fields(msg.req_id, lease.lease_id, model, False, self.disk.export(model)))
+
+        def overflow():
+            self.counters["opens_from_disk"] += 1
+            self.disk.when_checked(model, from_disk)
+
+        disk = residency is self.host and self.settings.open_when_full == "disk"
+        hit = residency.when_resident(model, answer, deadline, overflow=overflow if disk else None)
         model.opened(hit)
         self.counters["hits" if hit else "misses"] += 1
         return None
 
     def _open_reply(self, req_id: int, lease_id: str, model: ModelRecord, hit: bool, tier) -> P.OpenReply:
-        m = model.manifest
-        io = m.io_summary()
-        reply = P.OpenReply(req_id=req_id, lease_id=lease_id, name=model.name, version=model.version,
-                            inputs=io["inputs"], outputs=io["outputs"], weights_bytes=m.weights_bytes, hit=hit,
-                            **tier.export(model.key, m))
+        reply = self._reply_fields(req_id, lease_id, model, hit, tier.export(model.key, model.manifest))
         reply.passed_fds = tier.lease_fds(model.key)   # (not a field: the lane sends them, server._reply)
         return reply
+
+    @staticmethod
+    def _reply_fields(req_id: int, lease_id: str, model: ModelRecord, hit: bool, mapped: dict) -> P.OpenReply:
+        """An open's reply: the model's inputs and outputs, and what its lease maps (`mapped`: a tier's export)."""
+        m = model.manifest
+        io = m.io_summary()
+        return P.OpenReply(req_id=req_id, lease_id=lease_id, name=model.name, version=model.version,
+                           inputs=io["inputs"], outputs=io["outputs"], weights_bytes=m.weights_bytes, hit=hit, **mapped)
 
     def on_Close(self, ident, msg: P.Close):
         client = self.touch(msg.client_id, ident)

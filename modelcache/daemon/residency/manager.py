@@ -78,7 +78,7 @@ class Residency:
 
     # -- bringing a model in ----------------------------------------------------------------------
     def when_resident(self, model: ModelRecord, then, deadline: float | None = None, wait: bool = True,
-                      memory_wait: bool = False) -> bool:
+                      memory_wait: bool = False, overflow=None) -> bool:
         """Call then(error, hit) once `model` is resident here: now on a hit (returns True), else after the
         one promotion (from the tier below first, where it is not there either). With a tier full of models
         in use the request waits for room, in each tier, until `deadline` (clock time; None:
@@ -86,7 +86,9 @@ class Residency:
         the CPU serves). `memory_wait` (a serve request): where the memory limit cannot take it while other
         models are held, it waits for their holds to end as for room, rather than fail at once (a lease may be
         held for hours: an open fails at once). A model that can never be here, or is larger than the whole
-        tier, raises ModelCacheError at once when its tier is the first one missing it."""
+        tier, raises ModelCacheError at once when its tier is the first one missing it. `overflow` (an attach
+        open, disk_opens.py): called instead where the request would wait for room, or be refused for room or
+        memory, in this tier (the bottom one: it maps the repository's files instead)."""
         copy = self.copy(model)
         if copy.state is ModelState.RESIDENT:
             then(None, True)
@@ -97,7 +99,7 @@ class Residency:
             if refusal is not None:   # (through `then`: a serve request's hold is released there)
                 then(refusal, False)
                 return False
-            self._join(model, copy, then, deadline, wait, memory_wait)
+            self._join(model, copy, then, deadline, wait, memory_wait, overflow)
             return False
 
         def on_below(error, _hit):
@@ -113,7 +115,7 @@ class Residency:
         return False
 
     def _join(self, model: ModelRecord, copy: TierCopy, then, deadline: float | None, wait: bool,
-              memory_wait: bool = False) -> None:
+              memory_wait: bool = False, overflow=None) -> None:
         """Wait on the load in flight, or start it, or wait for room for it."""
         def wake(err):
             then(err, False)
@@ -125,21 +127,35 @@ class Residency:
             copy.wait_for_load(wake)
             self._refetch(model, copy)
         else:
-            self._promote_or_wait(model, copy, wake, deadline, wait, memory_wait)
+            self._promote_or_wait(model, copy, wake, deadline, wait, memory_wait, overflow)
 
     def _promote_or_wait(self, model: ModelRecord, copy: TierCopy, wake, deadline: float | None, wait: bool,
-                         memory_wait: bool = False) -> None:
+                         memory_wait: bool = False, overflow=None) -> None:
         """Start the copy's promotion if there is room and no request waits for room before it; else queue
-        `wake` for room (room.py), in arrival order."""
+        `wake` for room (room.py), in arrival order; or, given `overflow`, call it instead of waiting or
+        refusing."""
         queued = bool(self.room)
         if copy.state is ModelState.ON_DISK:
-            if not queued and self._start(model, copy, memory_wait=memory_wait):
+            try:
+                started = not queued and self._start(model, copy, memory_wait=memory_wait)
+            except CapacityError:   # (the memory limit; or the model alone exceeds the tier)
+                if overflow is None:
+                    raise
+                overflow()
+                return
+            if started:
                 copy.wait_for_load(wake)
+                return
+            if overflow is not None:
+                overflow()
                 return
             needs = self._needs(model)
             if needs > self.tier.capacity_bytes or not wait:   # it would wait for nothing; or told not to wait
                 raise self._refusal(model, needs)
             copy.queue_for_room()
+        elif overflow is not None:   # (queued for room already, for other requests)
+            overflow()
+            return
         elif not wait:
             raise self._refusal(model, self._needs(model))
         copy.wait_for_room(wake, memory_wait)
@@ -303,6 +319,17 @@ class Residency:
             tier = tier.below
         model.used(now)
         return lease
+
+    def grant_unheld(self, client, model: ModelRecord, now: float) -> Lease:
+        """A client's lease on no copy: an open answered from the repository's files (disk_opens.py). It holds
+        nothing a tier frees; it is a lease so that close, goodbye and the client's end treat it as any other."""
+        lease = self.leases.new(client.client_id, model)
+        model.used(now)
+        return lease
+
+    def leases_over_files(self, model: ModelRecord) -> int:
+        """The model's leases that hold no copy (grant_unheld): sessions over the repository's files."""
+        return sum(1 for lease in self.leases.by_id.values() if lease.model is model and not lease.tiers)
 
     def close(self, lease_id: str, client_id: str | None = None) -> Lease:
         """A client closed its lease (LeaseError: no such lease of that client's): its copy is let go."""
