@@ -360,7 +360,8 @@ def format_status(st) -> str:
     print(f"modelcache {st.daemon_version}  pid {st.pid}  up {int(up // 3600)}h{int(up % 3600 // 60):02d}m"
           f"{int(up % 60):02d}s  {st.socket}", file=out)
     c = st.counters
-    print(f"opens {c.get('opens', 0)} (hits {c.get('hits', 0)}, misses {c.get('misses', 0)})  "
+    print(f"opens {c.get('opens', 0)} (hits {c.get('hits', 0)}, misses {c.get('misses', 0)}, "
+          f"from the repository's files {c.get('opens_from_disk', 0)})  "
           f"evictions {c.get('evictions', 0)}  unloads {c.get('unloads', 0)}  pre-warms {c.get('prewarms', 0)}  "
           f"clients lost {c.get('clients_lost', 0)}  "
           f"bad messages {c.get('bad_messages', 0)}", file=out)

@@ -4,6 +4,8 @@ the version's checksums first; `open_when_full = wait` keeps the wait for room."
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -48,6 +50,9 @@ def test_an_open_for_a_tier_full_of_models_in_use_maps_the_repository_at_once(tw
             assert holder.stats().counters["opens_from_disk"] == 1
             b = next(m for m in holder.listing().models if m["name"] == "b")
             assert b["file_leases"] == 1 and b["why"] == "1 session over its files"
+            status = subprocess.run([sys.executable, "-m", "modelcache.cli", "status"], env=d.env, capture_output=True,
+                                    text=True, timeout=60, check=True).stdout
+            assert "from the repository's files 1)" in status, status
             feeds, want = plain_output(str(tmp_path / "b.onnx"))
             got = sess.run(None, feeds)
             assert all(np.allclose(g, w, rtol=1e-4, atol=1e-5) for g, w in zip(got, want))
