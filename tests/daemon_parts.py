@@ -66,8 +66,8 @@ class Parts:
         # Opens and closes as the daemon takes them (a client here is the registry's, with no credentials).
         self.disk = DiskOpens(loaders=self.loaders, counters=self.counters)
         self.sessions = Sessions(registry=self.registry, host=self.residency, gpus=self.gpus, fetcher=self.fetcher,
-                                 disk=self.disk, settings=self.settings, counters=self.counters, clock=self.clock, wall=self.wall,
-                                 reply=reply, open_latency=Histogram())
+                                 disk=self.disk, settings=self.settings, counters=self.counters, clock=self.clock,
+                                 wall=self.wall, reply=reply, open_latency=Histogram())
         self.host.start()
         self.gpus.start()
         self.device = next(iter(self.gpus))

@@ -183,7 +183,7 @@ class System:
                 with connect(self.socket, timeout_s=5) as c:
                     after = c.stats().counters
                 out.update({k: after.get(k, 0) - self.before.get(k, 0)
-                            for k in ("promotions", "evictions", "pressure_evictions", "refused")})
+                            for k in ("promotions", "evictions", "pressure_evictions", "refused", "opens_from_disk")})
             except Exception as e:
                 out["daemon"] = f"not answering after the replay: {type(e).__name__}: {e}"
         return out

@@ -132,8 +132,8 @@ class Daemon:
                              counters=self.counters, jobs=self.jobs, clock=clock, wall=wall, reply=self._reply)
         self.disk_opens = DiskOpens(loaders=self.loaders, counters=self.counters)
         self.sessions = Sessions(registry=self.registry, host=self.residency, gpus=self.gpus, fetcher=self.fetcher,
-                                 disk=self.disk_opens, settings=settings, counters=self.counters, clock=clock, wall=wall, reply=self._reply,
-                                 open_latency=self.open_latency)
+                                 disk=self.disk_opens, settings=settings, counters=self.counters, clock=clock, wall=wall,
+                                 reply=self._reply, open_latency=self.open_latency)
         self.ensembles = Ensembles(EnsembleStore(self.repository.root), resolve=self.fetcher.resolve,
                                    model_names=lambda: {n for n, _ in self.registry.models}, admins=self.admins)
         self.serving = Serving(registry=self.registry, host=self.residency, gpus=self.gpus, fetcher=self.fetcher,
