@@ -111,6 +111,24 @@ def test_damaged_weights_are_refused_before_any_lease_over_them_and_the_daemon_s
         d.kill()
 
 
+def test_a_model_in_use_over_its_files_is_not_removed_until_its_sessions_close(two_models):
+    from modelcache.errors import CapacityError
+    tmp_path = two_models
+    d = DaemonProcess(tmp_path, {"MODELCACHE_HOST_CAPACITY": "2M"}).start()
+    try:
+        with d.client() as c:
+            c.add(str(tmp_path / "a.onnx"), "a")
+            sess = InferenceSession("a", socket=d.socket)
+            with pytest.raises(CapacityError, match="a@1 is in use or loading; it cannot be removed now"):
+                c.remove("a", 1)
+            sess.close()
+            c.remove("a", 1)
+            assert not (d.repository / "a" / "1").exists()
+        stop_cleanly(d)
+    finally:
+        d.kill()
+
+
 def test_open_when_full_wait_keeps_the_wait_for_room(two_models):
     tmp_path = two_models
     d = DaemonProcess(tmp_path, {"MODELCACHE_HOST_CAPACITY": "6M", "MODELCACHE_OPEN_WHEN_FULL": "wait"}).start()

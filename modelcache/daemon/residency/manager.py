@@ -509,6 +509,8 @@ class Residency:
         are freed, room admitted, and the record forgotten."""
         try:
             self.copy(model).check_freeable()
+            if self.leases_over_files(model):   # (sessions map its files in the repository)
+                raise CapacityError("")
         except CapacityError:
             raise CapacityError(f"{model.key} is in use or loading; it cannot be removed now") from None
         from_disk()
