@@ -38,15 +38,31 @@ class Machine:
         return self.limit.limit_bytes - used - self.neighbour
 
 
-@pytest.fixture
-def machine(tmp_path):
-    """Three tiny models (tiny-cnn, ~100 KiB each) under a 1 MiB limit with a 200 KiB reserve."""
+def make_machine(tmp_path, **settings) -> Machine:
+    """Four tiny models (tiny-cnn, ~100 KiB each) under a 1 MiB limit with a 200 KiB reserve."""
     m = Machine(1 * MiB, 200 * KiB)
-    m.parts = Parts(tmp_path, memory=m.guard)
+    m.parts = Parts(tmp_path, memory=m.guard, **settings)
     m.guard.counters = m.parts.counters
     m.models = [m.parts.add(tmp_path, "tiny-cnn", f"m{i}", seed=i) for i in range(4)]
+    return m
+
+
+@pytest.fixture
+def machine(tmp_path):
+    m = make_machine(tmp_path)
     yield m
     m.parts.stop()
+
+
+def held_to_the_reserve(machine: Machine):
+    """The first three models resident and leased, and the neighbour grown until no more fits: the client."""
+    parts = machine.parts
+    client = parts.registry.new_client(1, "c", parts.clock())
+    for model in machine.models[:3]:
+        resident(parts, model)
+        parts.lease(client, model)
+    machine.neighbour = machine.headroom() - machine.guard.reserve
+    return client
 
 
 def host_keys(parts: Parts) -> set:
@@ -69,11 +85,7 @@ def test_a_promotion_that_would_eat_the_reserve_gives_idle_models_back_first(mac
 
 def test_a_promotion_the_memory_cannot_take_fails_typed_and_reserves_nothing(machine):
     parts, (a, b, c, d) = machine.parts, machine.models
-    client = parts.registry.new_client(1, "c", parts.clock())
-    for model in (a, b, c):
-        resident(parts, model)
-        parts.lease(client, model)
-    machine.neighbour = machine.headroom() - machine.guard.reserve
+    held_to_the_reserve(machine)
     used = parts.host.used_bytes
     answers = []
     with pytest.raises(OutOfMemoryError) as refused:
@@ -91,16 +103,10 @@ def test_a_promotion_the_memory_cannot_take_fails_typed_and_reserves_nothing(mac
 def test_an_open_the_memory_cannot_take_maps_the_repositorys_files_or_fails_at_once(tmp_path, when_full):
     """open_when_full = disk: the open's lease is over the version's packed files, and nothing is reserved;
     wait: refused at once (a lease may be held for hours: no memory it waits for is sure to come back)."""
-    machine = Machine(1 * MiB, 200 * KiB)
-    machine.parts = parts = Parts(tmp_path, memory=machine.guard, open_when_full=when_full)
+    machine = make_machine(tmp_path, open_when_full=when_full)
+    parts, d = machine.parts, machine.models[3]
     try:
-        machine.guard.counters = parts.counters
-        a, b, c, d = (parts.add(tmp_path, "tiny-cnn", f"m{i}", seed=i) for i in range(4))
-        client = parts.registry.new_client(1, "c", parts.clock())
-        for model in (a, b, c):
-            resident(parts, model)
-            parts.lease(client, model)
-        machine.neighbour = machine.headroom() - machine.guard.reserve
+        client = held_to_the_reserve(machine)
         used = parts.host.used_bytes
         if when_full == "wait":
             with pytest.raises(OutOfMemoryError):      # (the owner loop sends it as the open's error reply)
