@@ -2,9 +2,10 @@
 its clients and a neighbour in one real memory cgroup (v1 or v2; root), as a pod or a MemoryMax= unit would.
 
 - limit:    a 1.5 GiB cgroup, host_capacity 8G (refused at start; then run with capacity_over_limit = warn): a
-            client inside opens and holds sessions on 128 MiB models until a load fails; then the daemon and
-            the client are SIGKILLed (the tier stays, charged) and the daemon restarts in the same cgroup and
-            serves a fresh client, which opens until a load fails again.
+            client inside opens and holds sessions on 12 128 MiB models, until one fails (the memory limit takes
+            9 in the tier; the default open_when_full = disk answers the rest over the repository's files, which
+            `from_files` counts); then the daemon and the client are SIGKILLed (the tier stays, charged) and the
+            daemon restarts in the same cgroup and serves a fresh client, which opens them all again.
 - pressure: a 3 GiB cgroup, defaults, the tier full of idle 128 MiB models, two clients running sessions on two
             of them; a neighbour grows 2 GiB at 128 MiB/s: does it get it, do the clients see an error, is
             anything OOM-killed, is every model intact after (`verify`)?
@@ -138,7 +139,7 @@ def scenario_limit(work: Path, out: list) -> dict:
                                  preexec_fn=cg.enter, timeout=120)
         r["refused_start"] = {"rc": refused.returncode, "stderr": refused.stderr.strip()}
         d = Daemon(work, repository, cg, host_capacity="8G", capacity_over_limit="warn").start()
-        r["first"] = hold_until_refused(d, 12)
+        r["first"] = hold_each(d, 12)
         r["first"].update(oom_kills=cg.oom_kills(), daemon_alive=d.proc.poll() is None)
         d.proc.send_signal(signal.SIGKILL)      # with its tier full and a client mapping it: a crash, a pod restart
         d.proc.wait()
@@ -152,7 +153,7 @@ def scenario_limit(work: Path, out: list) -> dict:
         log = d.log.read_text()
         r["restart_log"] = [line.split(": ", 1)[1][:300] for line in log.splitlines()[-40:]
                             if "warm restart: re-adopted" in line or "memory pressure" in line]
-        r["second"] = hold_until_refused(d, 12)
+        r["second"] = hold_each(d, 12)
         r["second"].update(oom_kills=cg.oom_kills(), daemon_alive=d.proc.poll() is None,
                            daemon_starts=log.count(" ready on "))
         d.stop()
@@ -162,8 +163,8 @@ def scenario_limit(work: Path, out: list) -> dict:
     return r
 
 
-def hold_until_refused(d: Daemon, n: int) -> dict:
-    """A client in the cgroup opens and holds m0, m1, ... until one fails; what each open got."""
+def hold_each(d: Daemon, n: int) -> dict:
+    """A client in the cgroup opens and holds m0, m1, ... until one fails; what the opens got."""
     client = d.client("hold")
     opened, failure = [], None
     try:
@@ -177,10 +178,12 @@ def hold_until_refused(d: Daemon, n: int) -> dict:
             opened.append(f"m{i}")
         with d.connect() as c:
             h = host(c)
+            from_files = c.stats().counters.get("opens_from_disk", 0)
     finally:
         client.stdin.close()
         client.wait(30)
-    return {"opened": opened, "failure": failure, "host_used_mib": round(h["used_bytes"] / MiB),
+    return {"opened": opened, "from_files": from_files, "failure": failure,
+            "host_used_mib": round(h["used_bytes"] / MiB),
             "headroom_mib": round(h["headroom_bytes"] / MiB), "reserve_mib": round(h["memory_reserve_bytes"] / MiB)}
 
 
