@@ -356,7 +356,8 @@ _non_negative = number(float, low=0)
 RULES = {
     "socket": _address, "repository": _directory(False), "shm_dir": _directory(True),
     "host_capacity": _capacity("RAM"), "memory_reserve": _reserve,
-    "capacity_over_limit": _choice("refuse", "warn"), "open_when_full": _choice("disk", "wait"), "gpu_capacity": _capacity("the device's memory"),
+    "capacity_over_limit": _choice("refuse", "warn"), "open_when_full": _choice("disk", "wait"),
+    "gpu_capacity": _capacity("the device's memory"),
     "fake_gpus": _fake_gpus, "gpu_sharing": _choice(*GPU_SHARING), "remote": _remote,
     "eviction_policy": _choice(*EVICTION_POLICIES),
     "keep_alive_s": _positive,

@@ -155,11 +155,11 @@ class Sessions:
             if error is not None:
                 self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
             elif self.registry.clients.get(client.client_id) is client:   # (else it left meanwhile: no lease)
+                self.counters["opens_from_disk"] += 1
                 lease = residency.grant_unheld(client, model, self.wall())
                 self.reply(ident, self._reply_fields(msg.req_id, lease.lease_id, model, False, self.disk.export(model)))
 
         def overflow():
-            self.counters["opens_from_disk"] += 1
             self.disk.when_checked(model, from_disk)
 
         disk = residency is self.host and self.settings.open_when_full == "disk"

@@ -137,25 +137,20 @@ class Residency:
         queued = bool(self.room)
         if copy.state is ModelState.ON_DISK:
             try:
-                started = not queued and self._start(model, copy, memory_wait=memory_wait)
+                if not queued and self._start(model, copy, memory_wait=memory_wait):
+                    copy.wait_for_load(wake)
+                    return
             except CapacityError:   # (the memory limit; or the model alone exceeds the tier)
                 if overflow is None:
                     raise
-                overflow()
-                return
-            if started:
-                copy.wait_for_load(wake)
-                return
-            if overflow is not None:
-                overflow()
-                return
+        if overflow is not None:    # no room now (or queued for it already, for other requests): not waited for
+            overflow()
+            return
+        if copy.state is ModelState.ON_DISK:
             needs = self._needs(model)
             if needs > self.tier.capacity_bytes or not wait:   # it would wait for nothing; or told not to wait
                 raise self._refusal(model, needs)
             copy.queue_for_room()
-        elif overflow is not None:   # (queued for room already, for other requests)
-            overflow()
-            return
         elif not wait:
             raise self._refusal(model, self._needs(model))
         copy.wait_for_room(wake, memory_wait)
@@ -507,12 +502,13 @@ class Residency:
         """An operator's remove (the bottom tier's): refused while anything holds or loads the model; else
         `from_disk()` (a failure there, StorageError, leaves the version as it was, served), then its copies
         are freed, room admitted, and the record forgotten."""
+        in_use = self.leases_over_files(model) > 0   # (sessions map its files in the repository)
         try:
             self.copy(model).check_freeable()
-            if self.leases_over_files(model):   # (sessions map its files in the repository)
-                raise CapacityError("")
         except CapacityError:
-            raise CapacityError(f"{model.key} is in use or loading; it cannot be removed now") from None
+            in_use = True
+        if in_use:
+            raise CapacityError(f"{model.key} is in use or loading; it cannot be removed now")
         from_disk()
         if self.is_resident(model):
             self.evict(model)
