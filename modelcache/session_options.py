@@ -27,22 +27,50 @@ def attach_session_options(base=None, spinning: bool | None = None, prepacked: b
     return so
 
 
-def map_readonly(path: str):
-    """A read-only, shared mapping of a whole file (a host-tier segment or a serve-mode I/O file)."""
+def map_readonly(path_or_fd):
+    """A read-only, shared mapping of a whole file (a host-tier segment or a serve-mode I/O file), by path or
+    by a descriptor (a lease's, passed over the lane: the caller's to close)."""
     import mmap
     import os
 
-    fd = os.open(path, os.O_RDONLY)
+    if isinstance(path_or_fd, int):
+        return mmap.mmap(path_or_fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+    fd = os.open(path_or_fd, os.O_RDONLY)
     try:
         return mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
     finally:
         os.close(fd)  # the mapping keeps the pages; the descriptor is not needed
 
 
+# A portable skeleton (store/format.py's PORTABLE_SKELETON_FILE) names this file, in this folder, as every
+# weight's external data. ORT checks that a graph's external data exists (a graph loaded from bytes: inside
+# the folder the session's config names), never reads a weight that add_initializer overrides, and every
+# weight of a portable skeleton is overridden: /dev/zero exists in every mount namespace, container or not.
+PORTABLE_FOLDER = "/dev"
+PORTABLE_LOCATION = "zero"
+
+
+def portable_session_options(so):
+    """`so` set to load a portable skeleton from bytes (every weight then handed over by bind_weights)."""
+    so.add_session_config_entry("session.model_external_initializers_file_folder_path", PORTABLE_FOLDER)
+    return so
+
+
+def read_whole(fd: int) -> bytes:
+    """A whole file's bytes through its descriptor (a portable skeleton passed over the lane), from offset 0."""
+    import os
+
+    chunks, offset = [], 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
 def bind_weights(so, segment_paths: list, tensors: list) -> tuple[list, list]:
     """Hand each tensor ([name, dtype, shape, segment index, offset, nbytes]) to `so` as an OrtValue over
-    a read-only mapping of its segment: no read, no copy. Returns (mappings, values); ORT keeps raw
-    pointers, so both must outlive every session built with `so`."""
+    a read-only mapping of its segment (a path, or a descriptor: map_readonly): no read, no copy. Returns
+    (mappings, values); ORT keeps raw pointers, so both must outlive every session built with `so`."""
     import numpy as np
     import onnxruntime as ort
 

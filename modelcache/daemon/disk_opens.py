@@ -3,7 +3,8 @@
 An attach open whose model is not in the host tier, where the tier is full of models in use (it would wait
 for room) or the memory limit is short (it would be refused), is answered at once with a lease over the
 version's packed files in the repository instead: the client maps `weights.bin` read-only and ORT loads
-the packed skeleton beside it, exactly as a host lease maps its segments. The weights then live in the
+the packed skeleton beside it, exactly as a host lease maps its segments (or, to a client that asks, the
+same files as descriptors: lease_files.py). The weights then live in the
 kernel's page cache, not in the tier: one copy for every client of the version, charged to the memory
 limit as ORT's own memory-mapped models are, and clean pages the kernel takes back under pressure (and
 reads again) instead of memory the tier must keep. That is what a FaaS platform's warm instances need
@@ -24,7 +25,7 @@ import weakref
 
 from ..errors import IntegrityError
 from ..store import integrity
-from ..store.format import SKELETON_FILE, WEIGHTS_FILE, Manifest
+from ..store.format import PORTABLE_SKELETON_FILE, SKELETON_FILE, WEIGHTS_FILE, Manifest
 
 log = logging.getLogger("modelcache.daemon")
 
@@ -78,6 +79,6 @@ def check_files(key: str, model_dir, manifest: Manifest) -> None:
     if WEIGHTS_FILE not in records:
         integrity.check_size(key, model_dir / WEIGHTS_FILE, manifest.weights_bytes)
         return
-    for fname in (WEIGHTS_FILE, SKELETON_FILE):
+    for fname in (WEIGHTS_FILE, SKELETON_FILE, PORTABLE_SKELETON_FILE):   # (the last: to a client that asks)
         if fname in records:
             integrity.check_file(key, model_dir, fname, records[fname])

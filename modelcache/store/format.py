@@ -28,9 +28,12 @@ GPU_SKELETON_FILE = "model.gpu.onnx"
 GPU_STUB_FILE = "model.gpu.stub"
 # MLAS's pre-packed MatMul weights (prepack.py), for MatMul-heavy models packed with them.
 PREPACKED_FILE = "prepacked.bin"
+# The skeleton that names no file of ours (portable.py): what a client given its lease's files as
+# descriptors loads, in any mount namespace. Absent from versions packed before it (their leases go by path).
+PORTABLE_SKELETON_FILE = "model.portable.onnx"
 # The stored files a version's checksums cover, besides manifest.json (which carries its own).
 # The GPU stub is not among them: it is sparse zeros that no session reads, made again after a fetch.
-CHECKED_FILES = (WEIGHTS_FILE, SKELETON_FILE, GPU_SKELETON_FILE)
+CHECKED_FILES = (WEIGHTS_FILE, SKELETON_FILE, GPU_SKELETON_FILE, PORTABLE_SKELETON_FILE)
 # Tensors are page-aligned in the blob: ORT maps each external tensor on its own, and
 # a page-aligned offset maps exactly the tensor's pages (and keeps GPU copies aligned).
 ALIGN = 4096

@@ -29,7 +29,7 @@ from onnx import TensorProto
 
 from ..errors import ModelCacheError, PackError, StorageError, from_code
 from ..storage import explain_failed_write, remove_tree, storage_error, storage_errors
-from . import integrity, prepack, reservations
+from . import integrity, portable, prepack, reservations
 from .format import (ALIGN, CHECKED_FILES, GPU_SKELETON_FILE, GPU_STUB_FILE, MANIFEST_FILE, PREPACKED_FILE, SKELETON_FILE,
                      WEIGHTS_FILE, IOEntry, Manifest, TensorEntry, iter_graphs, load_manifest, tensor_nbytes,
                      write_gpu_stub)
@@ -523,6 +523,7 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
                             src, opt_level, str(e)[:300], lower)
                 opt_level = lower
         gpu_tensors, weights_bytes = _write_gpu_skeleton(gpu, tmp, tensors, weights_bytes, progress)
+        portable.write(tmp, tensors)   # (for clients given their lease's files as descriptors: portable.py)
         error = remove_tree(work)       # (it must go: the version is published as this directory holds it)
         if error is not None:
             raise error

@@ -19,14 +19,15 @@ from pathlib import Path
 from ..errors import ModelNotFound, RemoteError
 from ..storage import storage_error, storage_errors, write_atomic
 from ..store import reservations
-from ..store.format import (GPU_SKELETON_FILE, MANIFEST_FILE, PREPACKED_FILE, SKELETON_FILE, WEIGHTS_FILE, Manifest,
-                            load_manifest, write_gpu_stub)
+from ..store.format import (GPU_SKELETON_FILE, MANIFEST_FILE, PORTABLE_SKELETON_FILE, PREPACKED_FILE, SKELETON_FILE,
+                            WEIGHTS_FILE, Manifest, load_manifest, write_gpu_stub)
 from ..store.integrity import file_digest
 
 INDEX_FILE = "index.json"
 # The GPU skeleton's stub file is not published: it is zeros, made again after a fetch (write_gpu_stub).
-FILES = (MANIFEST_FILE, SKELETON_FILE, WEIGHTS_FILE, GPU_SKELETON_FILE, PREPACKED_FILE)
-OPTIONAL_FILES = (GPU_SKELETON_FILE, PREPACKED_FILE)  # absent before the GPU variant; prepacked: MatMul-heavy only
+FILES = (MANIFEST_FILE, SKELETON_FILE, WEIGHTS_FILE, GPU_SKELETON_FILE, PREPACKED_FILE, PORTABLE_SKELETON_FILE)
+# Absent before the GPU variant / before portable skeletons; prepacked: MatMul-heavy models only.
+OPTIONAL_FILES = (GPU_SKELETON_FILE, PREPACKED_FILE, PORTABLE_SKELETON_FILE)
 CHUNK = 1 << 22
 
 
