@@ -110,6 +110,21 @@ def test_a_gpu_leases_placements_index_its_handles():
         P.decode(frames)
 
 
+
+@pytest.mark.parametrize("ipc_fds, kw, ok", [
+    (2, {}, True),                               # a host lease: its portable skeleton, then its one segment
+    (1, {}, False), (3, {}, False), (-1, {}, False),
+    (2, {"device_uuid": "GPU-x", "ipc_kind": "fake-vmm", "ipc_handles": [b"a", b"b"]}, True),   # one per handle
+    (3, {"device_uuid": "GPU-x", "ipc_kind": "fake-vmm", "ipc_handles": [b"a", b"b"]}, False),
+])
+def test_an_open_reply_declares_the_descriptors_its_lease_has(ipc_fds, kw, ok):
+    frames = _open_reply([["w", "float16", [4], 0, 0, 8]], ipc_fds=ipc_fds, **kw)
+    if ok:
+        assert P.decode(frames).ipc_fds == ipc_fds
+    else:
+        with pytest.raises(ProtocolError, match="file descriptors"):
+            P.decode(frames)
+
 # -- batching profiles, placement plans and timings: decoded into their records, checked once -----------
 
 PROFILE = {"kind": "cpu2", "batches": [1, 4], "stage_s": [[0.001, 0.002], [0.003, 0.004]],

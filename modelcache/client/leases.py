@@ -55,8 +55,10 @@ class LeaseClient:
 
     # -- API (what InferenceSession needs of a client) -------------------------------------
     def open(self, name: str, version: int | None = None, device: str = "cpu") -> P.OpenReply:
+        # descriptors: the lease's files come with the reply, so a client in another container maps them too.
         lease = self._call(P.Open(req_id=0, client_id="", name=name, version=version, device=device,
-                                  client_name=self._name, deadline_ms=answer_within_ms(self.timeout_s)),
+                                  client_name=self._name, deadline_ms=answer_within_ms(self.timeout_s),
+                                  descriptors=True),
                            (P.OpenReply,))
         self._leases.opened(lease, device)
         self._channel.watch()   # from the first lease: a process that holds none needs no watch

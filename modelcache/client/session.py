@@ -18,7 +18,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from ..errors import InputError, ModelCacheError
-from ..session_options import attach_session_options, bind_weights
+from ..session_options import attach_session_options, bind_weights, portable_session_options, read_whole
 from ..wire.tensors import NUMPY_TYPES, FeedCheck
 from .caller_options import copy_of
 from .dropin import (ORT_SESSION_METHODS, hint_if_a_file, model_name, model_version, refusal,
@@ -78,9 +78,12 @@ class InferenceSession:
         device = _device_for(providers, ort)
         with hint_if_a_file(path_or_name):
             self._lease = self._open(name, version, device or "cpu", socket)
+        host_fds = _take_host_fds(self._lease)
         try:
             # Shared pre-packed MatMul weights: faster warm runs, a slower session start (prepack.py).
             self.prepacked = bool(self._lease.prepacked) and not self._lease.device_uuid and _want_prepacked(prepacked)
+            if host_fds and self.prepacked and not os.path.exists(self._lease.skeleton_path):
+                self.prepacked = False   # ORT maps the blobs by path, and this process cannot see the tier's
             so = attach_session_options(so, prepacked=self.prepacked)
             # ORT keeps raw pointers into these mappings: they must outlive the session.
             if self._lease.device_uuid:
@@ -88,16 +91,15 @@ class InferenceSession:
                 fds, self._lease.received_fds = getattr(self._lease, "received_fds", []), []   # attach closes them
                 self._device_weights = attach_weights(so, self._lease.ipc_kind, self._lease.device_uuid,
                                                       self._lease.ipc_handles, self._lease.tensors, fds)
+                model = self._lease.skeleton_path
                 if not is_cuda_kind(self._lease.ipc_kind):   # a simulated GPU: its memory is host memory
                     providers = ["CPUExecutionProvider"]
                 else:
                     providers = cuda_first(providers)
             else:
-                skip = set(self._lease.prepacked) if self.prepacked else set()   # ORT maps these, with their blobs
-                self._maps, self._weights = bind_weights(so, self._lease.segments,
-                                                         [t for t in self._lease.tensors if t[0] not in skip])
-            self._sess = ort.InferenceSession(self._lease.skeleton_path, so,
-                                              providers=providers or ["CPUExecutionProvider"])
+                model, self._maps, self._weights = _host_weights(so, self._lease, host_fds, self.prepacked)
+                host_fds = []   # (closed)
+            self._sess = ort.InferenceSession(model, so, providers=providers or ["CPUExecutionProvider"])
             # ORT's one-off packings (computed to find each shared blob's key, then freed) stay resident as freed
             # heap: given back after the session is built and after its first run; later runs stay trimmed.
             self._trim_after_run = self.prepacked
@@ -120,6 +122,8 @@ class InferenceSession:
             self._feed_check = FeedCheck(self._lease.name, self._lease.inputs, overridable)
             _check_asks_for_the_model_inputs(self._sess, self._lease)
         except BaseException:
+            for fd in host_fds:
+                os.close(fd)
             self.close()
             raise
 
@@ -217,6 +221,34 @@ class InferenceSession:
                 self.close()
             except Exception:
                 pass
+
+
+def _take_host_fds(lease) -> list[int]:
+    """A host lease's files, when they came as descriptors (the portable skeleton, then each segment:
+    protocol.OpenReply.ipc_fds), taken off the lease: now the caller's to close. [] for a GPU lease."""
+    if lease.device_uuid:
+        return []
+    fds, lease.received_fds = getattr(lease, "received_fds", []), []
+    return fds
+
+
+def _host_weights(so, lease, fds: list[int], prepacked: bool) -> tuple:
+    """(the model for ORT, mappings, OrtValues) of a host lease, each weight handed to `so` over a read-only mapping.
+
+    Over descriptors (`fds`; closed here) where they came and the pre-packed blobs are not wanted: the portable
+    skeleton's bytes and the segments mapped through their descriptors, so no path of the daemon's is opened (a
+    client in another container sees none). Else by path: the tier's skeleton, which names the blobs ORT maps."""
+    try:
+        if fds and not prepacked:
+            portable_session_options(so)
+            maps, values = bind_weights(so, fds[1:], lease.tensors)
+            return read_whole(fds[0]), maps, values
+        skip = set(lease.prepacked) if prepacked else set()   # ORT maps these, with their blobs
+        maps, values = bind_weights(so, lease.segments, [t for t in lease.tensors if t[0] not in skip])
+        return lease.skeleton_path, maps, values
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _want_prepacked(prepacked: bool | None) -> bool:

@@ -543,12 +543,18 @@ class Daemon:
             self._reply(ident, reply)
 
     def _reply(self, ident, msg) -> None:
-        """Answer on the transport the request came by: a ZeroMQ routing id, or a lane connection."""
-        kind, body = P.encode(msg)
-        if type(ident) is LaneConnection:
-            ident.send(kind, body, getattr(msg, "passed_fds", ()))   # (a GPU lease's, under read-only sharing)
-            return
-        if getattr(msg, "passed_fds", None):   # refused before (GpuTiers.check_transport): never half an answer
+        """Answer on the transport the request came by: a ZeroMQ routing id, or a lane connection. A reply's
+        `passed_fds` (a lease's files, or GPU allocations) are its own: sent as copies, then closed."""
+        fds = getattr(msg, "passed_fds", ())
+        try:
+            kind, body = P.encode(msg)
+            if type(ident) is LaneConnection:
+                ident.send(kind, body, fds)
+                return
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if fds:   # refused before (GpuTiers.check_transport, lease_files.wanted): never half an answer
             log.error("a reply with file descriptors for a ZeroMQ peer was not sent")
             msg = P.ErrorReply(req_id=msg.req_id, code="internal", message="internal error: file descriptors cannot "
                                "go over ZeroMQ; open over the lane")

@@ -16,6 +16,7 @@ import psutil
 from .. import __version__
 from ..errors import CapacityError, LeaseError, ModelCacheError, ProtocolError
 from ..wire import protocol as P, tensors
+from . import lease_files
 from .disk_opens import DiskOpens
 from .identity import check_client_owner
 from .lane_server import LaneConnection
@@ -140,24 +141,36 @@ class Sessions:
             if self.registry.clients.get(client.client_id) is not client:   # left while we were loading
                 residency.unclaimed(model)     # (its policy hears the call, and that the copy is idle)
                 return
-            if residency is not self.host:
-                try:
+            tier = residency.tier
+            mapped = tier.export(model.key, model.manifest)
+            try:
+                if residency is self.host:
+                    fds = self._lease_files(ident, msg, model, mapped)
+                else:
                     self.gpus.check_may_map(ident, model, residency)
-                except ModelCacheError as e:   # no lease, no descriptor
-                    residency.unclaimed(model)
-                    self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=e.code, message=str(e)))
-                    return
+                    fds = tier.lease_fds(model.key)
+            except ModelCacheError as e:   # no lease, no descriptor
+                residency.unclaimed(model)
+                self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=e.code, message=str(e)))
+                return
             lease = residency.grant(client, model, self.wall())
-            self.reply(ident, self._open_reply(msg.req_id, lease.lease_id, model, hit, residency.tier))
+            self.reply(ident, self._open_reply(msg.req_id, lease.lease_id, model, hit, mapped, fds))
 
         def from_disk(error: ModelCacheError | None):
             self.open_latency.observe(self.clock() - t_request)
-            if error is not None:
-                self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
-            elif self.registry.clients.get(client.client_id) is client:   # (else it left meanwhile: no lease)
-                self.counters["opens_from_disk"] += 1
-                lease = residency.grant_unheld(client, model, self.wall())
-                self.reply(ident, self._reply_fields(msg.req_id, lease.lease_id, model, False, self.disk.export(model)))
+            if error is None and self.registry.clients.get(client.client_id) is not client:
+                return   # it left meanwhile: no lease
+            mapped = self.disk.export(model)
+            try:
+                if error is not None:
+                    raise error
+                fds = self._lease_files(ident, msg, model, mapped)
+            except ModelCacheError as e:
+                self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=e.code, message=str(e)))
+                return
+            self.counters["opens_from_disk"] += 1
+            lease = residency.grant_unheld(client, model, self.wall())
+            self.reply(ident, self._open_reply(msg.req_id, lease.lease_id, model, False, mapped, fds))
 
         def overflow():
             self.disk.when_checked(model, from_disk)
@@ -168,10 +181,27 @@ class Sessions:
         self.counters["hits" if hit else "misses"] += 1
         return None
 
-    def _open_reply(self, req_id: int, lease_id: str, model: ModelRecord, hit: bool, tier) -> P.OpenReply:
-        reply = self._reply_fields(req_id, lease_id, model, hit, tier.export(model.key, model.manifest))
-        reply.passed_fds = tier.lease_fds(model.key)   # (not a field: the lane sends them, server._reply)
+    def _open_reply(self, req_id: int, lease_id: str, model: ModelRecord, hit: bool, mapped: dict,
+                    fds: list[int]) -> P.OpenReply:
+        reply = self._reply_fields(req_id, lease_id, model, hit, mapped)
+        if fds and not reply.device_uuid:
+            reply.ipc_fds = len(fds)     # (a GPU tier's export declares its own)
+        reply.passed_fds = fds   # (not a field: the lane sends them and server._reply closes them)
         return reply
+
+    def _lease_files(self, ident, msg: P.Open, model: ModelRecord, mapped: dict) -> list[int]:
+        """A host lease's files as descriptors, for a client that asked over the lane (daemon/lease_files.py);
+        [] where it did not, or the version has no portable skeleton (its paths serve, as before)."""
+        if not lease_files.wanted(ident, msg):
+            return []
+        try:
+            return lease_files.open_lease_files(ident, model, mapped["segments"], self.host.tier.root)
+        except ModelCacheError:   # (PermissionDenied is an OSError too: refused, not a fall back to the paths)
+            raise
+        except OSError as e:   # a repository file gone under us: the paths say the rest
+            log.warning("%s: its files could not be passed as descriptors (%s); the client gets their paths",
+                        model.key, e)
+            return []
 
     @staticmethod
     def _reply_fields(req_id: int, lease_id: str, model: ModelRecord, hit: bool, mapped: dict) -> P.OpenReply:

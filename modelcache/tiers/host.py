@@ -272,7 +272,7 @@ class HostTier(StoredTier):
                 "prepacked": sorted(self.prepacked_tensors(key))}
 
     def lease_fds(self, key: str) -> list[int]:
-        """No descriptors travel with a host lease: the client opens the segments by path."""
+        """None of the tier's own: a client that asks gets the lease's files as descriptors (daemon/lease_files.py)."""
         return []
 
     def layout(self, key: str, manifest: Manifest, variant: str = "cpu") -> tuple[str, list[str], list[list]]:

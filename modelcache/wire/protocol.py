@@ -257,6 +257,9 @@ class Open(Message, kind="open"):
     # How long the client waits for the answer: while the tier is full of models in use, the open waits for
     # room this long, then fails with CapacityError (None: the daemon's request_timeout_s).
     deadline_ms: Optional[float] = None
+    # The client takes a host lease's files as descriptors (on the lane): the version's portable skeleton, then
+    # each segment (store/portable.py). An older daemon ignores it; an older client never asks.
+    descriptors: bool = False
 
 
 class OpenReply(Message, kind="open_ok"):
@@ -279,18 +282,22 @@ class OpenReply(Message, kind="open_ok"):
     # Host tier: the tensors whose pre-packed blobs the skeleton names (prepack.py). To share the blobs,
     # leave these out of add_initializer and build with prepacking on: ORT maps them from the skeleton.
     prepacked: list = []
-    # File descriptors that came with this message on the lane (SCM_RIGHTS), one per ipc_handle, in their order:
-    # the allocations of the fd-shared kinds ("cuda-vmm", "fake-vmm"), whose handles only name them. The
-    # receiver's copies are on `received_fds` (not a field: decoding sets it), the receiver's to close.
+    # File descriptors that came with this message on the lane (SCM_RIGHTS). A GPU lease: one per ipc_handle, in
+    # their order, the allocations of the fd-shared kinds ("cuda-vmm", "fake-vmm"), whose handles only name them.
+    # A host lease, to an Open that asked for `descriptors`: the portable skeleton, then one per segment, in
+    # their order (or none: a version packed before portable skeletons, and its paths serve). The receiver's
+    # copies are on `received_fds` (not a field: decoding sets it), the receiver's to close.
     ipc_fds: int = 0
 
     def _check_decoded(self) -> None:
         """Each tensor row a checked TensorPlacement, its index within the segments (host) or handles (GPU)."""
         n_indices = len(self.ipc_handles) if self.device_uuid else len(self.segments)
         self.tensors = [TensorPlacement.from_wire(row, n_indices) for row in self.tensors]
-        if self.ipc_fds and (self.ipc_fds != len(self.ipc_handles) or self.ipc_fds < 0):
-            raise ProtocolError(f"open reply declares {self.ipc_fds} file descriptors for "
-                                f"{len(self.ipc_handles)} handles")
+        if self.ipc_fds:
+            expected, of = (len(self.ipc_handles), "handles") if self.device_uuid else \
+                (1 + len(self.segments), "a skeleton and segments")
+            if self.ipc_fds != expected:
+                raise ProtocolError(f"open reply declares {self.ipc_fds} file descriptors for {expected} {of}")
 
 
 class Close(Message, kind="close"):

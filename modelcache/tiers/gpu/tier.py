@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -192,9 +193,9 @@ class DeviceTier(StoredTier):
         return fields
 
     def lease_fds(self, key: str) -> list[int]:
-        """The descriptors a lease's reply carries, in handle order: the allocations', under read-only sharing
-        (the fd-shared kinds); else none. Still the allocator's: the lane passes copies."""
-        return self.export_fds(key) if self.allocator.kind in VMM_KINDS else []
+        """The descriptors a lease's reply carries, in handle order: copies of the allocations', under read-only
+        sharing (the fd-shared kinds); else none. The caller's to close (the reply's: server._reply)."""
+        return [os.dup(fd) for fd in self.export_fds(key)] if self.allocator.kind in VMM_KINDS else []
 
     def handles(self, key: str) -> tuple[list[bytes], list[list]]:
         """(handles of the arenas the model uses, [name, dtype, shape, handle index, offset, nbytes] per tensor)."""
