@@ -57,14 +57,21 @@ def portable_session_options(so):
 
 
 def read_whole(fd: int) -> bytes:
-    """A whole file's bytes through its descriptor (a portable skeleton passed over the lane), from offset 0."""
+    """A whole file's bytes through its descriptor (a portable skeleton passed over the lane), from offset 0.
+
+    Read at its size, not in fixed chunks: a freed buffer above glibc's mmap threshold (128 KiB) raises the
+    threshold, and the process's later frees then stay on its heap (measured: +7 MiB anonymous in a fresh
+    client after ResNet-50's first run)."""
     import os
 
-    chunks, offset = [], 0
-    while chunk := os.pread(fd, 1 << 20, offset):
-        chunks.append(chunk)
-        offset += len(chunk)
-    return b"".join(chunks)
+    size = os.fstat(fd).st_size
+    data = os.pread(fd, size, 0)
+    while len(data) < size:   # (a short read: a file on a network file system, or a signal)
+        more = os.pread(fd, size - len(data), len(data))
+        if not more:
+            break
+        data += more
+    return data
 
 
 def bind_weights(so, segment_paths: list, tensors: list) -> tuple[list, list]:
