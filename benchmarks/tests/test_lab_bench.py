@@ -3,9 +3,12 @@ themselves come from full runs). Run from the repository root: PYTHONPATH=. pyth
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,3 +80,14 @@ def test_keep_oracle_keeps_exactly_the_gaps_cheaper_than_its_price(monkeypatch):
     assert cheap.disk_misses == 2 + 2
     everything = replay(lambda clock: KeepIfCheap(clock, calls, sizes, 1e6), 5 * GIB, calls, sizes, Costs())
     assert everything.disk_misses == 2 and everything.gib_s > cheap.gib_s
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="a private mount namespace needs root and unshare(1)")
+def test_containers_bench_opens_from_another_mount_namespace(tmp_path):
+    text = run("containers/run.py", "--models", "tiny-cnn", "--runs", "1", "--out", str(tmp_path))
+    assert "ready in a container" in text
+    samples = json.loads((tmp_path / "results.json").read_text())["samples"]
+    assert sorted(s["mode"] for s in samples) == ["container", "container-mmap", "here"]
+    assert all(s["ready_ms"] > 0 and s["first_run_ms"] > 0 for s in samples)
+    assert (tmp_path / "report.txt").read_text().startswith("$ PYTHONPATH=. python benchmarks/containers/run.py")
