@@ -8,7 +8,8 @@ may enter. So everything it will import is imported first, while root may still 
 The kernel then names the new user on every socket it connects, which is what the test needs.
 
 ACTIONS_JSON is a list of [label, kind, *args]: kind "call" runs Client.<args[0]>(*args[1:]);
-"raw" sends protocol.<args[0]>(**args[1]) (with req_id) and expects an Ack; "stats" lists
+"raw" sends protocol.<args[0]>(**args[1]) (with req_id) and expects an Ack; "session" opens a drop-in
+InferenceSession on model args[0] (its lease's files as descriptors); "stats" lists
 the client ids `stats` shows. Prints one JSON object: label -> {"ok": result} or
 {"error": exception class, "errno": errno or null, "message": text}, and "connect" with
 how long connecting took ("ms") and its error, if any.
@@ -28,6 +29,10 @@ def become(uid: int, gid: int, groups: list[int]) -> None:
     import modelcache.config  # noqa: F401             and reads the settings then)
     import modelcache.store.packing  # noqa: F401
     import modelcache.store.sources  # noqa: F401
+    import numpy  # noqa: F401
+    import onnxruntime  # noqa: F401
+    import modelcache.client.leases  # noqa: F401  (a drop-in session's: "session" below)
+    import modelcache.client.session  # noqa: F401
     os.setgroups(groups)
     os.setgid(gid)
     os.setuid(uid)
@@ -61,6 +66,9 @@ def main() -> int:
                 if isinstance(reply, P.ErrorReply):
                     raise from_code(reply.code, reply.message)
                 result = reply.to_dict()
+            elif kind == "session":   # a drop-in session: its lease's files come as descriptors, over the lane
+                with modelcache.InferenceSession(args[0], socket=socket) as s:
+                    result = {"hit": s.was_cache_hit, "inputs": [i.name for i in s.get_inputs()]}
             else:  # stats
                 result = [c["client_id"] for c in client.stats().clients]
             out[label] = {"ok": result}

@@ -262,6 +262,32 @@ def test_a_non_member_is_told_permission_denied_at_once(root_daemon, shared_root
         assert [c["client_id"] for c in admin.stats().clients] == [admin.client_id]
 
 
+@needs_root
+def test_a_lease_s_descriptors_go_to_whoever_may_read_the_host_tier_and_no_one_else(shared_root, zoo_file):
+    """A member maps a model served from the repository's files though the repository is closed to it (the
+    descriptors stand for the host tier's rights, not the repository's); with the host tier's directory
+    closed to it, the daemon refuses the open rather than hand over what the member could not read."""
+    d = DaemonProcess(shared_root, {"MODELCACHE_HOST_CAPACITY": "64K"}).start()   # every open: from the files
+    try:
+        with d.client() as admin:
+            admin.add(zoo_file("squeezenet1_1"), "cnn")   # 4.7 MiB: larger than the whole tier
+        d.repository.chmod(0o700)
+        out = run_as(d, [["session", "session", "cnn"]])
+        assert out["session"]["ok"]["hit"] is False, out
+        d.shm_dir.chmod(0o700)
+        try:
+            out = run_as(d, [["session", "session", "cnn"]])
+        finally:
+            d.shm_dir.chmod(0o750)
+        assert out["session"]["error"] == "PermissionDenied", out
+        assert "uid 65534 may not read" in out["session"]["message"] and "cnn@1" in out["session"]["message"]
+        with d.client() as admin:
+            assert admin.stats().counters["opens_from_disk"] == 1   # the refused one had no lease
+        stop_cleanly(d)
+    finally:
+        d.kill()
+
+
 def test_a_manifest_from_before_owners_loads_as_the_admins(tmp_path, zoo_file):
     from modelcache.store.format import Manifest, load_manifest
     from modelcache.store.packing import pack
