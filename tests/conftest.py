@@ -108,9 +108,10 @@ def stop_cleanly(d: DaemonProcess) -> None:
 
 
 @contextlib.contextmanager
-def daemon_with_models(root: Path, paths: dict):
-    """(daemon, client) with each {name: .onnx path} added; stopped cleanly, and checked, on exit."""
-    d = DaemonProcess(root).start()
+def daemon_with_models(root: Path, paths: dict, env: dict | None = None):
+    """(daemon, client) with each {name: .onnx path} added (`env`: the daemon's extra environment); stopped
+    cleanly, and checked, on exit."""
+    d = DaemonProcess(root, env).start()
     try:
         with d.client() as c:
             for name, path in paths.items():

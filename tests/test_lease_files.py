@@ -26,7 +26,7 @@ from modelcache.session_options import PORTABLE_FOLDER, PORTABLE_LOCATION
 from modelcache.store import format
 from modelcache.store.format import PORTABLE_SKELETON_FILE, iter_graphs
 
-from conftest import DaemonProcess, stop_cleanly
+from conftest import DaemonProcess, daemon_with_models, stop_cleanly
 
 needs_namespaces = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                                       reason="a private mount namespace needs root and unshare(1)")
@@ -77,15 +77,8 @@ def two_models(tmp_path):
     for name, seed in (("a", 0), ("b", 1)):
         paths[name] = str(tmp_path / f"{name}.onnx")
         zoo.save(zoo.build("squeezenet1_1", seed), paths[name])
-    d = DaemonProcess(tmp_path, {"MODELCACHE_HOST_CAPACITY": "6M"}).start()
-    try:
-        with d.client() as c:
-            for name, path in paths.items():
-                c.add(path, name)
+    with daemon_with_models(tmp_path, paths, {"MODELCACHE_HOST_CAPACITY": "6M"}) as (d, _):
         yield d, paths
-        stop_cleanly(d)
-    finally:
-        d.kill()
 
 
 def test_add_writes_a_portable_skeleton_that_names_no_file_of_ours(two_models):
