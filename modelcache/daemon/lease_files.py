@@ -41,11 +41,7 @@ def open_lease_files(ident, model, segments: list[str], tier_root) -> list[int]:
         for path in (str(model.disk_dir / PORTABLE_SKELETON_FILE), *segments):
             fds.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
     except BaseException:
-        close_all(fds)
+        for fd in fds:
+            os.close(fd)
         raise
     return fds
-
-
-def close_all(fds) -> None:
-    for fd in fds:
-        os.close(fd)

@@ -158,15 +158,16 @@ class Sessions:
 
         def from_disk(error: ModelCacheError | None):
             self.open_latency.observe(self.clock() - t_request)
-            if error is None and self.registry.clients.get(client.client_id) is not client:
-                return   # it left meanwhile: no lease
-            mapped = self.disk.export(model)
-            try:
-                if error is not None:
-                    raise error
-                fds = self._lease_files(ident, msg, model, mapped)
-            except ModelCacheError as e:
-                self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=e.code, message=str(e)))
+            if error is None:
+                if self.registry.clients.get(client.client_id) is not client:
+                    return   # it left meanwhile: no lease
+                mapped = self.disk.export(model)
+                try:
+                    fds = self._lease_files(ident, msg, model, mapped)
+                except ModelCacheError as e:   # no lease, no descriptor
+                    error = e
+            if error is not None:
+                self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
                 return
             self.counters["opens_from_disk"] += 1
             lease = residency.grant_unheld(client, model, self.wall())

@@ -60,9 +60,9 @@ def write(model_dir: Path, tensors: list[TensorEntry]) -> bool:
     return True
 
 
-def check_builds(model_dir: Path, tensors: list[TensorEntry]):
+def check_builds(model_dir: Path, tensors: list[TensorEntry]) -> None:
     """Build the portable skeleton as a client given descriptors does: from bytes, every weight handed over by
-    add_initializer from a mapping of weights.bin through its descriptor. Returns the session."""
+    add_initializer from a mapping of weights.bin through its descriptor; ORT's error where it does not build."""
     import onnxruntime as ort
 
     from ..session_options import attach_session_options, bind_weights, portable_session_options, read_whole
@@ -71,10 +71,8 @@ def check_builds(model_dir: Path, tensors: list[TensorEntry]):
     try:
         so = portable_session_options(attach_session_options())
         rows = [[t.name, t.dtype, t.shape, 0, t.offset, t.nbytes] for t in tensors]
-        maps, values = bind_weights(so, fds[1:], rows) if rows else ([], [])
-        sess = ort.InferenceSession(read_whole(fds[0]), so, providers=["CPUExecutionProvider"])
-        sess._modelcache_keep = (maps, values)   # ORT points into the mappings: they live as long as the session
-        return sess
+        maps, values = bind_weights(so, fds[1:], rows)   # (held here while ORT builds over them)
+        ort.InferenceSession(read_whole(fds[0]), so, providers=["CPUExecutionProvider"])
     finally:
         for fd in fds:
             os.close(fd)

@@ -58,9 +58,5 @@ class Tier(Protocol):
     def export(self, key: str, manifest) -> dict:
         """What a lease on a resident model's copy maps, as the open reply's fields (protocol.OpenReply)."""
 
-    def lease_fds(self, key: str) -> list[int]:
-        """The descriptors a lease's reply carries (a GPU's allocations under read-only sharing; else none), the
-        caller's to close. A host lease's files go as descriptors only to a client that asks: daemon/lease_files.py."""
-
     def describe(self) -> dict:
         """The tier as `status` lists it (its kind, where it lives), beside its accounting."""

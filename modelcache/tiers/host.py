@@ -271,10 +271,6 @@ class HostTier(StoredTier):
         return {"skeleton_path": skeleton, "segments": segments, "tensors": tensors,
                 "prepacked": sorted(self.prepacked_tensors(key))}
 
-    def lease_fds(self, key: str) -> list[int]:
-        """None of the tier's own: a client that asks gets the lease's files as descriptors (daemon/lease_files.py)."""
-        return []
-
     def layout(self, key: str, manifest: Manifest, variant: str = "cpu") -> tuple[str, list[str], list[list]]:
         """(skeleton path, segment paths, [name, dtype, shape, segment index, offset, nbytes] per tensor)."""
         locations = self.models[key][variant]

@@ -194,7 +194,8 @@ class DeviceTier(StoredTier):
 
     def lease_fds(self, key: str) -> list[int]:
         """The descriptors a lease's reply carries, in handle order: copies of the allocations', under read-only
-        sharing (the fd-shared kinds); else none. The caller's to close (the reply's: server._reply)."""
+        sharing (the fd-shared kinds); else none. The caller's to close (the reply's: server._reply). A host
+        lease's files go as descriptors only to a client that asks: daemon/lease_files.py."""
         return [os.dup(fd) for fd in self.export_fds(key)] if self.allocator.kind in VMM_KINDS else []
 
     def handles(self, key: str) -> tuple[list[bytes], list[list]]:
