@@ -1,6 +1,7 @@
 """Triton's perf_analyzer, the load generator every Triton user measures with, against both fronts unchanged
-(issue 44, part 7): a fixed-shape model, a model with a free dimension given by --shape, and a stateful model
-(sequence batching, implicit state) driven with --sequence-length. The binary comes
+(issue 44, part 7): a fixed-shape model, a model with a free dimension given by --shape, a stateful model
+(sequence batching, implicit state) driven with --sequence-length, and the free-dimension model again with its
+tensors in system shared memory (--shared-memory system). The binary comes
 from `.ci/perf_analyzer.sh DIR` (CI runs it and sets MODELCACHE_PERF_ANALYZER); skipped with one line without it.
 """
 
@@ -59,7 +60,10 @@ def test_perf_analyzer_drives_both_fronts(tmp_path, zoo_file):
             c.add(zoo_file("tiny-cnn"), "cnn")      # input [batch, 3, 32, 32]: its batch dim given by --shape
         for protocol in ("grpc", "http"):
             for model, extra in (("fixed", []), ("cnn", ["--shape", "input:2,3,32,32"]),
-                                 ("seq", ["--sequence-length", "8"])):
+                                 ("seq", ["--sequence-length", "8"]),
+                                 # its tensors in system shared memory: regions it makes, registers and names
+                                 ("cnn", ["--shape", "input:2,3,32,32", "--shared-memory", "system",
+                                          "--output-shared-memory-size", "65536"])):
                 out = perf_analyzer("-m", model, "-u", urls[protocol], "-i", protocol, *extra)
                 rate = re.search(r"Concurrency: 2, throughput: ([\d.]+) infer/sec, latency (\d+) usec", out)
                 assert rate and float(rate.group(1)) > 0, out
@@ -67,7 +71,7 @@ def test_perf_analyzer_drives_both_fronts(tmp_path, zoo_file):
                       f"latency {int(rate.group(2)) / 1000:.2f} ms (concurrency 2)")
         with d.client() as c:
             served = c.stats().executor["served"]
-        assert served >= 6 * 50                       # every window's requests reached the daemon's engine
+        assert served >= 8 * 50                       # every window's requests reached the daemon's engine
         assert "must specify" not in d.log_path.read_text()   # every sequence started and ended as Triton's
     finally:
         stop_cleanly(d)

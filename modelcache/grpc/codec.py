@@ -15,7 +15,8 @@ import numpy as np
 from ..errors import InputError
 from ..oip.classification import class_count
 from ..oip.inputs import sequence_of
-from ..oip.types import NUMPY_BY_V2, array_datatype, decode_bytes_elements, encode_bytes_elements
+from ..oip.shared_memory import RegionInput, RegionRef
+from ..oip.types import NUMPY_BY_V2, array_datatype, decode_bytes_elements, raw_of
 from ..triton_protos import grpc_service_pb2 as pb
 
 # v2 datatype -> the InferTensorContents field that carries it typed (FP16 and BF16 only travel raw)
@@ -28,7 +29,8 @@ TYPED_FIELD = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_co
 class InferRequest:
     """A decoded ModelInferRequest: what the shared infer operation takes."""
 
-    __slots__ = ("name", "version", "id", "feeds", "output_names", "timeout_us", "classes", "sequence")
+    __slots__ = ("name", "version", "id", "feeds", "output_names", "timeout_us", "classes", "sequence",
+                 "output_regions")
 
     def __init__(self, name: str, version: str, request_id: str):
         self.name, self.version, self.id = name, version, request_id
@@ -37,6 +39,7 @@ class InferRequest:
         self.timeout_us: int | None = None
         self.classes: dict = {}                 # output -> its top N classes asked for (classification)
         self.sequence = None                    # a stateful model's {id, start, end} (oip/inputs.sequence_of)
+        self.output_regions: dict = {}          # output -> the RegionRef it is to be written to (shared memory)
 
 
 def decode_request(msg: pb.ModelInferRequest) -> InferRequest:
@@ -54,16 +57,27 @@ def decode_request(msg: pb.ModelInferRequest) -> InferRequest:
     if not msg.inputs:
         raise InputError("the request has no inputs")
     raw = msg.raw_input_contents
-    if raw and len(raw) != len(msg.inputs):
-        raise InputError(f"raw_input_contents has {len(raw)} entries for {len(msg.inputs)} inputs: give one per "
-                         "input, in order, or use each input's contents")
-    for k, tensor in enumerate(msg.inputs):
+    refs = [RegionRef.of(_plain(t.parameters), f"input {t.name!r}") if t.parameters else None for t in msg.inputs]
+    fed_raw = [t for t, ref in zip(msg.inputs, refs) if ref is None]   # raw contents are theirs, in order
+    if raw and len(raw) != len(fed_raw):
+        raise InputError(f"raw_input_contents has {len(raw)} entries for {len(fed_raw)} inputs not in shared "
+                         "memory: give one per such input, in order, or use each input's contents")
+    k = 0
+    for tensor, ref in zip(msg.inputs, refs):
         name = tensor.name
         if name in req.feeds:
             raise InputError(f"input {name!r} is given twice")
-        if "shared_memory_region" in tensor.parameters:
-            raise InputError(f"input {name!r}: shared-memory inputs are not supported; send the data in the request")
-        req.feeds[name] = _decode_input(tensor, raw[k] if raw else None)
+        if ref is None:
+            req.feeds[name] = _decode_input(tensor, raw[k] if raw else None)
+            k += 1
+            continue
+        if tensor.HasField("contents"):
+            raise InputError(f"input {name!r} has both a shared_memory_region and data")
+        dtype = NUMPY_BY_V2.get(tensor.datatype)
+        if dtype is None or any(d < 0 for d in tensor.shape):
+            raise InputError(f"input {name!r}: datatype {tensor.datatype!r} and shape {list(tensor.shape)} must "
+                             f"be one of {', '.join(NUMPY_BY_V2)} and dims >= 0")
+        req.feeds[name] = RegionInput(name, ref, tensor.datatype, dtype, list(tensor.shape))
     if msg.outputs:
         req.output_names = []
         for o in msg.outputs:
@@ -71,8 +85,9 @@ def decode_request(msg: pb.ModelInferRequest) -> InferRequest:
                 p = o.parameters["classification"]
                 req.classes[o.name] = class_count(getattr(p, p.WhichOneof("parameter_choice") or "int64_param"),
                                                   o.name)
-            if "shared_memory_region" in o.parameters:
-                raise InputError(f"output {o.name!r}: shared-memory outputs are not supported")
+            ref = RegionRef.of(_plain(o.parameters), f"output {o.name!r}")
+            if ref is not None:
+                req.output_regions[o.name] = ref
             req.output_names.append(o.name)
     return req
 
@@ -84,6 +99,11 @@ def _param(params, key: str):
     p = params[key]
     choice = p.WhichOneof("parameter_choice")
     return None if choice is None else getattr(p, choice)
+
+
+def _plain(params) -> dict:
+    """A tensor's InferParameter map as plain values."""
+    return {k: _param(params, k) for k in params}
 
 
 def _decode_input(tensor, raw: bytes | None) -> np.ndarray:
@@ -126,14 +146,17 @@ def _decode_input(tensor, raw: bytes | None) -> np.ndarray:
     return np.asarray(values, dtype=dtype).reshape(shape)
 
 
-def encode_response(req: InferRequest, version: int | None, outputs: dict) -> pb.ModelInferResponse:
-    """The reply: every output asked for (all when none was), raw."""
+def encode_response(req: InferRequest, version: int | None, outputs: dict,
+                    in_regions: set | None = None) -> pb.ModelInferResponse:
+    """The reply: every output asked for (all when none was), raw; `in_regions`: those already written to shared
+    memory, whose raw contents are empty, as Triton's (tritonclient finds an output's raw contents by its
+    position among the outputs)."""
     order = req.output_names if req.output_names is not None else list(outputs)
     tensors, raw = [], []
     for name in order:
         a = np.asarray(outputs[name])
         tensors.append(pb.ModelInferResponse.InferOutputTensor(name=name, datatype=array_datatype(a),
                                                                shape=a.shape))
-        raw.append(encode_bytes_elements(a) if a.dtype.kind in "OUS" else np.ascontiguousarray(a).tobytes())
+        raw.append(b"" if in_regions and name in in_regions else raw_of(a))
     return pb.ModelInferResponse(model_name=req.name, model_version="" if version is None else str(version),
                                  id=req.id, outputs=tensors, raw_output_contents=raw)

@@ -18,6 +18,7 @@ from google.protobuf import json_format
 
 from ..errors import ModelCacheError, ModelNotFound
 from ..oip.operations import Operations, parse_version, status_of
+from ..oip.shared_memory import CUDA_REFUSED
 from ..triton_protos import grpc_service_pb2 as pb, health_pb2, model_config_pb2
 from . import codec
 
@@ -114,7 +115,8 @@ class InferenceService:
         outputs, ran = await self.ops.infer(req.name, parse_version(req.version), req.feeds, req.output_names,
                                             _deadline_us(req.timeout_us, context), req.classes, req.sequence,
                                             order)
-        return codec.encode_response(req, ran, outputs)
+        in_regions = self.ops.write_outputs(outputs, req.output_regions) if req.output_regions else None
+        return codec.encode_response(req, ran, outputs, in_regions)
 
     @answers
     async def ModelInfer(self, request, context):
@@ -165,6 +167,39 @@ class InferenceService:
             for task in list(in_flight):
                 task.cancel()
 
+    @answers
+    async def SystemSharedMemoryStatus(self, request, context):
+        """Triton's system shared-memory extension (oip/shared_memory.py): every region, or one (NOT_FOUND)."""
+        regions = {r["name"]: pb.SystemSharedMemoryStatusResponse.RegionStatus(**r)
+                   for r in self.ops.regions.status(request.name)}
+        return pb.SystemSharedMemoryStatusResponse(regions=regions)
+
+    @answers
+    async def SystemSharedMemoryRegister(self, request, context):
+        self.ops.regions.register(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @answers
+    async def SystemSharedMemoryUnregister(self, request, context):
+        self.ops.regions.unregister(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @answers
+    async def CudaSharedMemoryStatus(self, request, context):
+        """None is ever registered (GPU regions are not served): an empty status, as the HTTP front's."""
+        if request.name:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"Unable to find cuda shared memory region: "
+                                                           f"'{request.name}'")
+        return pb.CudaSharedMemoryStatusResponse()
+
+    @answers
+    async def CudaSharedMemoryUnregister(self, request, context):
+        return pb.CudaSharedMemoryUnregisterResponse()
+
+    @answers
+    async def CudaSharedMemoryRegister(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, CUDA_REFUSED)
+
     @staticmethod
     def _stream_error(request, message: str) -> pb.ModelStreamInferResponse:
         return pb.ModelStreamInferResponse(error_message=message, infer_response=pb.ModelInferResponse(
@@ -172,12 +207,10 @@ class InferenceService:
 
 
 async def _unimplemented(self, request, context):
-    await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not supported by modelcache: shared-memory regions, "
-                                                       "trace and log settings are Triton's own")
+    await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not supported by modelcache: trace and log settings are "
+                                                       "Triton's own")
 
-for _name in ("SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
-              "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister",
-              "TraceSetting", "LogSettings"):
+for _name in ("TraceSetting", "LogSettings"):
     setattr(InferenceService, _name, _unimplemented)
 
 

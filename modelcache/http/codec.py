@@ -17,13 +17,14 @@ import numpy as np
 from ..errors import InputError
 from ..oip.classification import class_count
 from ..oip.inputs import sequence_of
-from ..oip.types import NUMPY_BY_V2, array_datatype, decode_bytes_elements, encode_bytes_elements
+from ..oip.shared_memory import RegionInput, RegionRef
+from ..oip.types import NUMPY_BY_V2, array_datatype, decode_bytes_elements, raw_of
 
 class InferRequest:
     """A decoded v2 infer request: feeds, the outputs asked for, and how each is to come back."""
 
     __slots__ = ("id", "feeds", "output_names", "binary_outputs", "binary_default", "timeout_us", "classes",
-                 "sequence")
+                 "sequence", "output_regions")
 
     def __init__(self):
         self.id = None
@@ -34,6 +35,7 @@ class InferRequest:
         self.timeout_us = None
         self.classes: dict = {}                   # output -> its top N classes asked for (classification)
         self.sequence = None                      # a stateful model's {id, start, end} (oip/inputs.sequence_of)
+        self.output_regions: dict = {}            # output -> the RegionRef it is to be written to (shared memory)
 
 
 def decode_request(body: bytes, header_length: str | None) -> InferRequest:
@@ -87,6 +89,9 @@ def decode_request(body: bytes, header_length: str | None) -> InferRequest:
             oparams = _parameters(o, f"output {o['name']!r}")
             if "classification" in oparams:
                 req.classes[o["name"]] = class_count(oparams["classification"], o["name"])
+            ref = RegionRef.of(oparams, f"output {o['name']!r}")
+            if ref is not None:
+                req.output_regions[o["name"]] = ref
             req.output_names.append(o["name"])
             req.binary_outputs[o["name"]] = bool(oparams.get("binary_data", req.binary_default))
     return req
@@ -99,8 +104,8 @@ def _parameters(obj: dict, what: str) -> dict:
     return params
 
 
-def _decode_input(entry, binary: memoryview, offset: int) -> tuple[str, np.ndarray, int]:
-    """(name, array, binary bytes it used) of one input."""
+def _decode_input(entry, binary: memoryview, offset: int) -> tuple[str, np.ndarray | RegionInput, int]:
+    """(name, array or where in shared memory it is, binary bytes it used) of one input."""
     if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
         raise InputError("each input needs a \"name\"")
     name = entry["name"]
@@ -114,8 +119,11 @@ def _decode_input(entry, binary: memoryview, offset: int) -> tuple[str, np.ndarr
         raise InputError(f"input {name!r}: datatype {datatype!r} is not one of {', '.join(NUMPY_BY_V2)}")
     count = math.prod(shape)
     params = _parameters(entry, f"input {name!r}")
-    if "shared_memory_region" in params:   # (as the gRPC front says it)
-        raise InputError(f"input {name!r}: shared-memory inputs are not supported; send the data in the request")
+    ref = RegionRef.of(params, f"input {name!r}")
+    if ref is not None:
+        if "data" in entry or "binary_data_size" in params:
+            raise InputError(f"input {name!r} has both a shared_memory_region and data")
+        return name, RegionInput(name, ref, datatype, dtype, shape), 0
     size = params.get("binary_data_size")
     if size is not None:
         if "data" in entry:
@@ -211,18 +219,19 @@ def _flatten(data: list) -> list:
 
 
 def encode_response(model: str, version: int | None, request_id, outputs: dict, order: list,
-                    binary: dict, binary_default: bool) -> tuple[bytes, int | None]:
-    """(body, JSON header length or None when no output is binary). `order` lists the outputs to send."""
+                    binary: dict, binary_default: bool, in_regions: set | None = None) -> tuple[bytes, int | None]:
+    """(body, JSON header length or None when no output is binary). `order` lists the outputs to send;
+    `in_regions`: those already written to shared memory, given by datatype and shape alone (as Triton gives
+    them: perf_analyzer reads an output's parameters as a binary one's)."""
     entries, blobs = [], []
     for name in order:
         value = outputs[name]
         a = np.asarray(value)
         entry = {"name": name, "datatype": array_datatype(a), "shape": list(a.shape)}
-        if binary.get(name, binary_default):
-            if a.dtype.kind in "OUS":
-                raw = encode_bytes_elements(a)
-            else:
-                raw = np.ascontiguousarray(a).tobytes()
+        if in_regions and name in in_regions:
+            pass
+        elif binary.get(name, binary_default):
+            raw = raw_of(a)
             entry["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)
         elif a.dtype.kind in "OUS":

@@ -17,6 +17,7 @@ import httptools
 
 from ..errors import InputError, ModelCacheError
 from ..oip.operations import Operations, parse_version, status_of
+from ..oip.shared_memory import CUDA_REFUSED
 from . import codec
 from .http1 import Request, Response
 
@@ -97,6 +98,20 @@ class Endpoints:
         self.router.add("POST", "/v2/repository/index", self.repository_index)
         self.router.add("POST", "/v2/repository/models/{name}/load", self.repository_load)
         self.router.add("POST", "/v2/repository/models/{name}/unload", self.repository_unload)
+        shm = "/v2/systemsharedmemory"
+        self.router.add("GET", shm + "/status", self.shm_status)
+        self.router.add("GET", shm + "/region/{region}/status", self.shm_status)
+        self.router.add("POST", shm + "/region/{region}/register", self.shm_register)
+        self.router.add("POST", shm + "/unregister", self.shm_unregister)
+        self.router.add("POST", shm + "/region/{region}/unregister", self.shm_unregister)
+        # CUDA shared memory: none is ever registered (GPU regions are not served); status and unregister answer
+        # as for an empty registry, so that clients which clear both kinds first (Triton's examples) go on.
+        cuda = "/v2/cudasharedmemory"
+        for route in (cuda + "/status", cuda + "/region/{region}/status"):
+            self.router.add("GET", route, self.cuda_status)
+        for route in (cuda + "/unregister", cuda + "/region/{region}/unregister"):
+            self.router.add("POST", route, self.cuda_unregister)
+        self.router.add("POST", cuda + "/region/{region}/register", self.cuda_register)
 
     async def handle(self, request: Request) -> Response:
         """Every failure as v2's {"error": ...}: typed ones with their status, the rest 500 without a trace."""
@@ -147,8 +162,9 @@ class Endpoints:
         outputs, ran = await self.ops.infer(name, version, req.feeds, req.output_names, req.timeout_us,
                                             req.classes, req.sequence)
         order = req.output_names if req.output_names is not None else list(outputs)
+        in_regions = self.ops.write_outputs(outputs, req.output_regions) if req.output_regions else None
         payload, head_len = codec.encode_response(name, ran, req.id, outputs, order, req.binary_outputs,
-                                                  req.binary_default)
+                                                  req.binary_default, in_regions)
         if head_len is None:
             return Response(200, payload, "application/json")
         return Response(200, payload, "application/octet-stream", {"Inference-Header-Content-Length": str(head_len)})
@@ -189,3 +205,29 @@ class Endpoints:
         """Triton's statistics extension: every model, every version of one, or one version."""
         entries = await self.ops.model_stats(request.params.get("name"), self._version(request))
         return json_response({"model_stats": entries})
+
+    async def shm_status(self, request: Request) -> Response:
+        """Triton's system shared-memory extension (oip/shared_memory.py): every region, or one (404 if unknown)."""
+        return json_response(self.ops.regions.status(request.params.get("region")))
+
+    async def shm_register(self, request: Request) -> Response:
+        doc = self._json_body(request)
+        self.ops.regions.register(request.params["region"], doc.get("key"), doc.get("offset", 0),
+                                  doc.get("byte_size"))
+        return OK
+
+    async def shm_unregister(self, request: Request) -> Response:
+        self.ops.regions.unregister(request.params.get("region"))
+        return OK
+
+    async def cuda_status(self, request: Request) -> Response:
+        region = request.params.get("region")
+        if region:
+            return error(404, f"Unable to find cuda shared memory region: '{region}'")
+        return json_response([])
+
+    async def cuda_unregister(self, request: Request) -> Response:
+        return OK
+
+    async def cuda_register(self, request: Request) -> Response:
+        return error(400, CUDA_REFUSED)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
+
 from .. import __version__
 from ..wire import protocol as P, tensors
 from ..errors import InputError, ModelCacheError, ModelNotFound
@@ -22,8 +24,11 @@ from .classification import classify
 from .front_runs import FrontRunner
 from .inputs import RequiredInputs
 from .reshape import Reshape
+from .shared_memory import RegionInput, Regions
+from .types import raw_of
 
-EXTENSIONS = ["classification", "binary_tensor_data", "model_repository", "model_configuration", "statistics"]
+EXTENSIONS = ["classification", "binary_tensor_data", "model_repository", "model_configuration", "statistics",
+              "system_shared_memory"]
 # The daemon's error codes (modelcache/errors.py) -> (HTTP status, gRPC status code name); any other code (a
 # RunError's "run") is a failure of the model or the daemon: 500, INTERNAL.
 STATUS_BY_CODE = {"not_found": (404, "NOT_FOUND"), "input": (400, "INVALID_ARGUMENT"),
@@ -75,6 +80,7 @@ class Operations:
         self.settings = settings
         self.runner = FrontRunner(link, settings, link.client_name)   # short models, run here (front_runs.py)
         self.unloaded: set[str] = set()   # names this front unloaded: not ready until loaded again
+        self.regions = Regions()          # Triton's system shared memory, registered with this front
         # Big inputs go through /dev/shm files as client.infer sends them; the daemon's group may read them.
         self.group_of = settings.socket[len("ipc://"):]
         # (name, version) -> (when read, interface_of's answer): a describe per request would cost a round trip;
@@ -165,6 +171,8 @@ class Operations:
         why = self.why_unloaded(name)
         if why:
             raise InputError(why)
+        if any(isinstance(v, RegionInput) for v in feeds.values()):
+            feeds = self.regions.read_inputs(feeds)
         reshape, labels, batch, required, here = await self.interface_of(name, version)
         if required is not None:
             required.check(name, feeds)
@@ -194,6 +202,14 @@ class Operations:
         outputs = self._answer(outputs, reshape, classes, labels, batch)
         return outputs, reply.version if reply.version is not None else version   # (an older daemon: None)
 
+    def write_outputs(self, outputs: dict, output_regions: dict) -> set:
+        """Write each output the request asked for in shared memory to its region; the names written, which the
+        reply gives with their datatype and shape only (as Triton's: no parameters, no data)."""
+        for name, ref in output_regions.items():
+            if name in outputs:
+                self.regions.write_output(name, ref, raw_of(np.asarray(outputs[name])))
+        return set(output_regions) & set(outputs)
+
     @staticmethod
     def _answer(outputs: dict, reshape, classes: dict | None, labels: dict, batch: bool) -> dict:
         """The model's outputs as the client asked for them: its configuration's dims, top classes."""
@@ -208,6 +224,7 @@ class Operations:
         """The front stops: the models it ran go back to the daemon, with the counts it has not reported."""
         await self.runner.close()
         await self.link.close()
+        self.regions.close()
 
     async def repository_index(self, only_ready: bool) -> list[dict]:
         listing = await self.link.call(P.ListModels(req_id=0), (P.ModelList,))

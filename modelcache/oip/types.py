@@ -109,5 +109,10 @@ def encode_bytes_elements(a: np.ndarray) -> bytes:
     return b"".join(_LENGTH.pack(len(b)) + b for b in (_as_bytes(v) for v in a.ravel().tolist()))
 
 
+def raw_of(a: np.ndarray) -> bytes:
+    """An output's raw data, as the binary extension, gRPC's raw contents and shared memory carry it."""
+    return encode_bytes_elements(a) if a.dtype.kind in "OUS" else np.ascontiguousarray(a).tobytes()
+
+
 def _as_bytes(v) -> bytes:
     return v if isinstance(v, bytes) else str(v).encode("utf-8", "surrogateescape")
