@@ -646,7 +646,9 @@ def build_parser() -> argparse.ArgumentParser:
         h = sub.add_parser(kind, parents=[asks], help=summary,
                            description=f"{what}; requests go to the daemon's serve mode over its lane, except those of a "
                                        "model the daemon would only run alone inline, which the front runs itself over "
-                                       "the daemon's shared weights (setting front_runs). Prints 'READY <address>' once "
+                                       "the daemon's shared weights (setting front_runs). Triton's system shared-memory "
+                                       "extension is served once the operator allows it (setting client_shared_memory, "
+                                       "off by default). Prints 'READY <address>' once "
                                        "listening; SIGTERM stops it after in-flight requests.")
         h.add_argument("--host", help=f"address to listen on (default: {kind}_host, 127.0.0.1)")
         h.add_argument("--port", type=_port_arg, help=f"port (default: {kind}_port if set, else {FRONT_PORTS[kind]}; "
@@ -656,7 +658,7 @@ def build_parser() -> argparse.ArgumentParser:
         h.add_argument("--daemons", action="store_true", help=argparse.SUPPRESS)
         h.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
         h.set_defaults(func=cmd_front, uses=CLIENT_SETTINGS + ("log_level", f"{kind}_host", f"{kind}_port",
-                                                               "max_message_size"))
+                                                               "max_message_size", "client_shared_memory"))
     it = sub.add_parser("import-triton", parents=[common],
                         help="add the ONNX models (and their ensembles) of a Triton model repository",
                         description="Read a Triton model repository (MODEL/config.pbtxt, MODEL/VERSION/model.onnx) and "

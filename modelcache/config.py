@@ -74,6 +74,8 @@ class Settings:
     http_host: str = "127.0.0.1"       # where the v2 HTTP front listens: loopback unless set
     grpc_port: int = 0                 # the daemon starts Triton's gRPC front (`modelcache grpc`) on this port; 0 = off
     grpc_host: str = "127.0.0.1"       # where the gRPC front listens: loopback unless set
+    client_shared_memory: bool = False # the fronts serve Triton's system shared-memory extension (off: Triton's default
+                                       # since 2.69, after 2025's reports): see docs/http.md
     triton_repository: str = ""        # a Triton model repository the daemon imports at start (`modelcache import-triton`)
     max_message_size: str = "64M"      # largest request a client may send (ZeroMQ or lane); big tensors go in shm files
     max_clients: int = 1024            # hellos beyond this are refused (each client costs the daemon ~3 descriptors)
@@ -371,7 +373,8 @@ RULES = {
     "max_queue_delay_ms": _non_negative, "inline_run_ms": _non_negative,
     "front_runs": _choice("short", "never"), "front_hold_s": _positive, "state_dir": _directory(False),
     "metrics_port": _port, "metrics_host": _nonempty, "http_port": _port, "http_host": _nonempty,
-    "grpc_port": _port, "grpc_host": _nonempty, "triton_repository": _directory(True),
+    "grpc_port": _port, "grpc_host": _nonempty, "client_shared_memory": _bool,
+    "triton_repository": _directory(True),
     "max_message_size": _message_size, "max_clients": number(int, 1), "keep_host_tier": _bool,
     "verify_promotion": _bool, "admin_group": _text,
 }

@@ -95,6 +95,12 @@ def test_health_and_metadata(served):
     assert c.is_server_live() and c.is_server_ready()
     meta = c.get_server_metadata()
     assert meta["name"] == "modelcache" and "binary_tensor_data" in meta["extensions"]
+    # client shared memory is off unless the operator allows it (Triton's default since 2.69): said, and refused
+    assert "system_shared_memory" not in meta["extensions"]
+    with pytest.raises(InferenceServerException) as e:
+        c.register_system_shared_memory("r", "/anything", 4)
+    assert int(e.value.status()) == 403 and "client_shared_memory = true" in str(e.value)
+    assert c.get_system_shared_memory_status() == []
     cnn = c.get_model_metadata("cnn")
     assert cnn["versions"] == ["1"] and cnn["platform"] == "onnxruntime_onnx"
     assert cnn["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 3, 32, 32]}]

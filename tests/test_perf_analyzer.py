@@ -51,7 +51,7 @@ def test_perf_analyzer_drives_both_fronts(tmp_path, zoo_file):
     # (perf_analyzer sends uint64 sequence ids: a uint64 CORRID)
     next(i for i in model.graph.input if i.name == "CORRID").type.tensor_type.elem_type = TensorProto.UINT64
     put_model(repo, "seq", model, config.replace("TYPE_STRING", "TYPE_UINT64"))
-    d, grpc_at, http_at = start_importing(tmp_path, repo)
+    d, grpc_at, http_at = start_importing(tmp_path, repo, {"MODELCACHE_CLIENT_SHARED_MEMORY": "1"})
     urls = {"grpc": grpc_at, "http": http_at}
     try:
         assert "1 versions imported" in d.log_path.read_text()

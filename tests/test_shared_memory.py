@@ -1,5 +1,5 @@
 """Triton's system shared-memory extension on both fronts (oip/shared_memory.py), driven by tritonclient's own
-shared-memory utilities against a daemon that imported Triton's QA `simple` model (INT32 add and subtract): the
+shared-memory utilities against a daemon that allows it (client_shared_memory) and imported Triton's QA `simple` model (INT32 add and subtract): the
 tensors stay in /dev/shm objects the client made, the request names them. And what a client gets wrong: a
 missing or foreign object, spans past a region's end, an output that does not fit, an object truncated after
 it was registered; each a clear error, the front up, the next request answered.
@@ -34,7 +34,7 @@ def fronts(tmp_path_factory):
     root = tmp_path_factory.mktemp("shm")
     repo = root / "models"
     put_model(repo, "simple", simple(False), SIMPLE_CONFIG.format(t="TYPE_INT32"))
-    d, grpc_at, http_at = start_importing(root, repo)
+    d, grpc_at, http_at = start_importing(root, repo, {"MODELCACHE_CLIENT_SHARED_MEMORY": "1"})
     try:
         yield http_at, grpc_at
     finally:
@@ -72,6 +72,8 @@ def inputs_in_region(module, handle, name: str):
 def test_inputs_and_outputs_stay_in_the_clients_regions(fronts, regions, protocol):
     module = httpclient if protocol == "http" else grpcclient
     client = module.InferenceServerClient(fronts[0] if protocol == "http" else fronts[1])
+    assert "system_shared_memory" in (client.get_server_metadata()["extensions"] if protocol == "http"
+                                      else client.get_server_metadata().extensions)
     client.unregister_system_shared_memory()
     client.unregister_cuda_shared_memory()   # (Triton's examples clear both kinds first: none is held here)
     in_key, in_handle = regions(2 * N)

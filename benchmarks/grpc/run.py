@@ -29,6 +29,11 @@ against this run's figures.
                       KServe's ModelServer (grpc.aio; FastAPI over uvicorn, binary tensors) -> plain ORT in its
                       process (kserve_peer.py); --kserve-no-spin: its ORT threads block between runs
 
+  SERVER.shm          (--shared-memory: modelcache-* and triton-*, e.g. modelcache.shm-http) the same server and
+                      client with the input and output in system shared memory (Triton's extension): each client
+                      writes its input into a region of its own and reads the output from another, every call;
+                      the request names the regions. perf_analyzer: --shared-memory system
+
 --servers picks some of them (a Triton server named there needs no --triton). With --perf-analyzer, after the
 closed loops (or instead of them: `--perf-analyzer only`), perf_analyzer runs against each server over its
 protocol at each --clients concurrency, the servers alternating round by round, its windows bounded by
@@ -55,6 +60,8 @@ from pathlib import Path
 from modelcache.usage import Parser
 
 PROTOCOLS = ("grpc", "http")
+SHM = ".shm"                   # a server's variant with its tensors in system shared memory: FAMILY.shm-PROTOCOL
+OUTPUT_REGION_BYTES = 1 << 20  # the output's region, at least any zoo model's output
 # Triton's two configurations, as serve.sh's environment: its defaults on CPU, and a tuned CPU deployment.
 TRITON_CONFIGS = {"triton": {"INSTANCES": "", "INTRA_OP": ""}, "triton-tuned": {"INSTANCES": "1", "INTRA_OP": "1"}}
 # (the project's shared folder sits beside the repository)
@@ -66,8 +73,14 @@ GOALS = "goals (issue 46): tiny-cnn requests/s >= 0.7x Triton native (its defaul
         "not spinning"
 
 
+def base_server(server: str) -> str:
+    """The server a variant runs on: modelcache.shm-http -> modelcache-http."""
+    return server.replace(SHM + "-", "-")
+
+
 def _caller(server: str, address: str, model: str, x, io: tuple):
-    """(call, close): one infer of `x` through tritonclient, returning the first output."""
+    """(call, close): one infer of `x` through tritonclient, returning the first output. A .shm variant writes
+    `x` into its input region and reads the output from its output region every call, as such a client does."""
     name, output = io[0], io[1]
     if server.endswith("-http"):
         import tritonclient.http as client
@@ -75,9 +88,43 @@ def _caller(server: str, address: str, model: str, x, io: tuple):
         import tritonclient.grpc as client
     c = client.InferenceServerClient(address)
     inp = client.InferInput(name, list(x.shape), "FP32")
-    inp.set_data_from_numpy(x)
     outs = [client.InferRequestedOutput(output)]
-    return (lambda: c.infer(model, [inp], outputs=outs).as_numpy(output)), c.close
+    if SHM + "-" not in server:
+        inp.set_data_from_numpy(x)
+        return (lambda: c.infer(model, [inp], outputs=outs).as_numpy(output)), c.close
+    import tritonclient.utils.shared_memory as shm
+    from tritonclient.utils import triton_to_np_dtype
+    handles = []
+    for role, size in (("in", x.nbytes), ("out", OUTPUT_REGION_BYTES)):
+        key = f"/mc-bench-{os.getpid()}-{role}"
+        handles.append(shm.create_shared_memory_region(key[1:], key, size))
+        c.unregister_system_shared_memory(key[1:])
+        c.register_system_shared_memory(key[1:], key, size)
+    inp.set_shared_memory(f"mc-bench-{os.getpid()}-in", x.nbytes)
+    outs[0].set_shared_memory(f"mc-bench-{os.getpid()}-out", OUTPUT_REGION_BYTES)
+
+    def call():
+        shm.set_shared_memory_region(handles[0], [x])
+        out = c.infer(model, [inp], outputs=outs).get_output(output)
+        if server.endswith("-http"):
+            datatype, shape = out["datatype"], out["shape"]
+        else:
+            datatype, shape = out.datatype, list(out.shape)
+        return shm.get_contents_as_numpy(handles[1], triton_to_np_dtype(datatype), shape).copy()
+
+    def close():   # (its own regions only: a server's registry is every client's)
+        from tritonclient.utils import InferenceServerException
+        for role in ("in", "out"):
+            for attempt in range(50):   # (Triton 2.51 holds a region "in use" a moment after answering)
+                try:
+                    c.unregister_system_shared_memory(f"mc-bench-{os.getpid()}-{role}")
+                    break
+                except InferenceServerException:
+                    time.sleep(0.01)
+        for h in handles:
+            shm.destroy_shared_memory_region(h)
+        c.close()
+    return call, close
 
 
 def _worker(server: str, address: str, model: str, io: str) -> None:
@@ -184,6 +231,8 @@ def perf_analyzer(pa_dir: str, server: str, address: str, model: str, io: tuple,
                "--max-trials", str(trials), "--stability-percentage", "100", "-f", str(csv_path)]
     if not server.startswith("triton"):   # (serve.sh's max_batch_size 4: -b 1 adds the batch; ours say 0, [-1, ...])
         command += ["--shape", f"{name}:{','.join(map(str, shape))}"]
+    if SHM + "-" in server:
+        command += ["--shared-memory", "system", "--output-shared-memory-size", str(OUTPUT_REGION_BYTES)]
     csv_path.unlink(missing_ok=True)
     try:
         r = subprocess.run(command, env={**os.environ, "LD_LIBRARY_PATH": pa_dir}, capture_output=True, text=True,
@@ -444,6 +493,9 @@ def _pairs(servers, label: str | None) -> list[tuple[str, str]]:
     pairs = [("modelcache-grpc", "kserve-grpc"), ("modelcache-http", "kserve-http"),
              ("modelcache-grpc", "modelcache-http")]
     pairs += [(f"modelcache-{p}", f"{peer}-{p}") for p in PROTOCOLS for peer in (*TRITON_CONFIGS, label) if peer]
+    pairs += [(f"modelcache{SHM}-{p}", f"{peer}-{p}") for p in PROTOCOLS
+              for peer in ("modelcache", *(c + SHM for c in TRITON_CONFIGS))]
+    pairs += [(f"{c}{SHM}-{p}", f"{c}-{p}") for p in PROTOCOLS for c in TRITON_CONFIGS]
     return [(a, b) for a, b in pairs if a in servers and b in servers]
 
 
@@ -584,6 +636,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pa-dir", default=PERF_ANALYZER, help="perf_analyzer's folder (default: %(default)s)")
     ap.add_argument("--pa-interval-ms", type=int, default=2000, help="perf_analyzer's measurement window")
     ap.add_argument("--pa-trials", type=int, default=6, help="perf_analyzer's most windows a run")
+    ap.add_argument("--shared-memory", action="store_true",
+                    help="also run each modelcache and Triton server with its tensors in system shared memory "
+                         "(SERVER.shm), alternated with the others")
     ap.add_argument("--out")
     ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -593,6 +648,11 @@ def main(argv=None) -> int:
     if args.baseline_label in ("modelcache", "kserve", *TRITON_CONFIGS) or "-" in args.baseline_label:
         ap.error(f"--baseline-label {args.baseline_label!r} would clash with another server's name")
     servers = _servers(args, ap)
+    if args.shared_memory:   # each variant right after its server, in the same rounds
+        os.environ["MODELCACHE_CLIENT_SHARED_MEMORY"] = "1"   # (our fronts' opt-in; Triton 2.51 serves it by default)
+        servers = [v for s in servers for v in (s, s.replace("-", SHM + "-", 1) if s.startswith("modelcache-")
+                                                else s.replace("-grpc", SHM + "-grpc").replace("-http", SHM + "-http")
+                                                if s.startswith("triton") else None) if v]
     from modelcache import zoo
     from modelcache.bench.http import one_input_io
     from modelcache.measure import save_results
@@ -611,7 +671,8 @@ def main(argv=None) -> int:
                 paths[name] = str(tmp / f"{name}.onnx")
                 zoo.save(zoo.build(name), paths[name])
             io = {m: one_input_io(p) for m, p in paths.items()}
-            targets = start_servers(stack, args, servers, paths, tmp, log)
+            targets = start_servers(stack, args, [s for s in servers if SHM not in s], paths, tmp, log)
+            targets.update({s: targets[base_server(s)] for s in servers if SHM in s})
             for model in args.models if args.warm_s > 0 else []:   # steady state: what a serving server is in
                 for server in servers:
                     print(f"warming: {model}, {server} ...", file=sys.stderr, flush=True)

@@ -77,7 +77,7 @@ class InferenceService:
 
     @answers
     async def ServerMetadata(self, request, context):
-        return json_format.ParseDict(Operations.server_metadata(), pb.ServerMetadataResponse())
+        return json_format.ParseDict(self.ops.server_metadata(), pb.ServerMetadataResponse())
 
     @answers
     async def ModelMetadata(self, request, context):

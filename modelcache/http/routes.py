@@ -144,7 +144,7 @@ class Endpoints:
         return error(400, why) if why else OK   # v2: 200 is true, a 4xx false
 
     async def server_metadata(self, request: Request) -> Response:
-        return json_response(Operations.server_metadata())
+        return json_response(self.ops.server_metadata())
 
     async def model_metadata(self, request: Request) -> Response:
         return json_response(await self.ops.model_metadata(request.params["name"], self._version(request)))

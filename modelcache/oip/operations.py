@@ -27,8 +27,7 @@ from .reshape import Reshape
 from .shared_memory import RegionInput, Regions
 from .types import raw_of
 
-EXTENSIONS = ["classification", "binary_tensor_data", "model_repository", "model_configuration", "statistics",
-              "system_shared_memory"]
+EXTENSIONS = ["classification", "binary_tensor_data", "model_repository", "model_configuration", "statistics"]
 # The daemon's error codes (modelcache/errors.py) -> (HTTP status, gRPC status code name); any other code (a
 # RunError's "run") is a failure of the model or the daemon: 500, INTERNAL.
 STATUS_BY_CODE = {"not_found": (404, "NOT_FOUND"), "input": (400, "INVALID_ARGUMENT"),
@@ -80,7 +79,8 @@ class Operations:
         self.settings = settings
         self.runner = FrontRunner(link, settings, link.client_name)   # short models, run here (front_runs.py)
         self.unloaded: set[str] = set()   # names this front unloaded: not ready until loaded again
-        self.regions = Regions()          # Triton's system shared memory, registered with this front
+        # Triton's system shared memory, registered with this front; refused unless the operator allows it
+        self.regions = Regions(allowed=settings.client_shared_memory)
         # Big inputs go through /dev/shm files as client.infer sends them; the daemon's group may read them.
         self.group_of = settings.socket[len("ipc://"):]
         # (name, version) -> (when read, interface_of's answer): a describe per request would cost a round trip;
@@ -95,9 +95,9 @@ class Operations:
             return f"not ready: {e}"
         return None
 
-    @staticmethod
-    def server_metadata() -> dict:
-        return {"name": "modelcache", "version": __version__, "extensions": EXTENSIONS}
+    def server_metadata(self) -> dict:
+        extensions = EXTENSIONS + (["system_shared_memory"] if self.regions.allowed else [])
+        return {"name": "modelcache", "version": __version__, "extensions": extensions}
 
     async def describe(self, name: str, version: int | None) -> P.DescribeReply:
         """The model's description; ModelNotFound (404, NOT_FOUND) for an unknown model or version."""

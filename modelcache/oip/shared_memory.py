@@ -12,6 +12,10 @@ mapped: the client owns the object, and a mapping whose file the client truncate
 naming it. The object is opened with this front's own rights, O_NOFOLLOW, and must be a regular file in
 /dev/shm named by one path component: a client cannot have the front read or write a file it names by a
 symlink, nor modelcache's own segments (names starting "modelcache").
+
+Off unless the operator sets `client_shared_memory`: any client of the front may name any object the front's
+user can open, which is how 2025's reports reached Triton's internal segments; Triton has shipped with client
+shared memory off since 2.69 (`--allow-client-shm`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import stat
 
 import numpy as np
 
-from ..errors import InputError, ModelNotFound
+from ..errors import InputError, ModelNotFound, PermissionDenied
 from .types import decode_bytes_elements
 
 SHM_DIR = "/dev/shm"
@@ -84,13 +88,19 @@ class _Region:
 class Regions:
     """One front's registered system shared-memory regions."""
 
-    def __init__(self, shm_dir: str = SHM_DIR):
+    def __init__(self, shm_dir: str = SHM_DIR, allowed: bool = True):
         self.shm_dir = shm_dir
+        self.allowed = allowed
         self._regions: dict[str, _Region] = {}
 
     def register(self, name: str, key, offset, byte_size) -> None:
         """Hold `key`'s object open as region `name`: `byte_size` bytes from `offset`. InputError for a name
-        taken, a key that is no such object or may not be opened, or a span past the object's end."""
+        taken, a key that is no such object or may not be opened, or a span past the object's end;
+        PermissionDenied (403, PERMISSION_DENIED) while the operator has not allowed client shared memory."""
+        if not self.allowed:
+            raise PermissionDenied("client shared memory is off on this server: its operator may turn it on with "
+                                   "client_shared_memory = true (MODELCACHE_CLIENT_SHARED_MEMORY=1); until then, "
+                                   "send tensors in the request")
         if not isinstance(name, str) or not name:
             raise InputError("a shared-memory region needs a name")
         if name in self._regions:
