@@ -73,6 +73,12 @@ GOALS = "goals (issue 46): tiny-cnn requests/s >= 0.7x Triton native (its defaul
         "not spinning"
 
 
+def shm_variant(server: str) -> str:
+    """modelcache-http -> modelcache.shm-http: the same server, the client's tensors in shared memory."""
+    family, protocol = server.rsplit("-", 1)
+    return f"{family}{SHM}-{protocol}"
+
+
 def base_server(server: str) -> str:
     """The server a variant runs on: modelcache.shm-http -> modelcache-http."""
     return server.replace(SHM + "-", "-")
@@ -650,9 +656,8 @@ def main(argv=None) -> int:
     servers = _servers(args, ap)
     if args.shared_memory:   # each variant right after its server, in the same rounds
         os.environ["MODELCACHE_CLIENT_SHARED_MEMORY"] = "1"   # (our fronts' opt-in; Triton 2.51 serves it by default)
-        servers = [v for s in servers for v in (s, s.replace("-", SHM + "-", 1) if s.startswith("modelcache-")
-                                                else s.replace("-grpc", SHM + "-grpc").replace("-http", SHM + "-http")
-                                                if s.startswith("triton") else None) if v]
+        servers = [v for s in servers
+                   for v in ((s, shm_variant(s)) if s.startswith(("modelcache-", "triton")) else (s,))]
     from modelcache import zoo
     from modelcache.bench.http import one_input_io
     from modelcache.measure import save_results

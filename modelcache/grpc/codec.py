@@ -16,7 +16,7 @@ from ..errors import InputError
 from ..oip.classification import class_count
 from ..oip.inputs import sequence_of
 from ..oip.shared_memory import RegionInput, RegionRef
-from ..oip.types import NUMPY_BY_V2, array_datatype, decode_bytes_elements, raw_of
+from ..oip.types import NUMPY_BY_V2, array_datatype, array_of_raw, raw_of
 from ..triton_protos import grpc_service_pb2 as pb
 
 # v2 datatype -> the InferTensorContents field that carries it typed (FP16 and BF16 only travel raw)
@@ -117,15 +117,7 @@ def _decode_input(tensor, raw: bytes | None) -> np.ndarray:
     if raw is not None:
         if tensor.HasField("contents"):
             raise InputError(f"input {name!r} has both contents and raw_input_contents")
-        if dtype.kind == "O":
-            return decode_bytes_elements(memoryview(raw), count, name).reshape(shape)
-        if len(raw) != count * dtype.itemsize:
-            raise InputError(f"input {name!r}: {len(raw)} bytes for {count} {datatype} elements "
-                             f"({count * dtype.itemsize} bytes)")
-        arr = np.frombuffer(raw, dtype=dtype)
-        if dtype.kind == "b" and count and np.frombuffer(raw, dtype=np.uint8).max() > 1:
-            raise InputError(f"input {name!r}: BOOL raw data must be bytes 0 or 1")
-        return arr.reshape(shape)
+        return array_of_raw(raw, dtype, shape, name, "raw data")
     field = TYPED_FIELD.get(datatype)
     if field is None:
         raise InputError(f"input {name!r}: {datatype} travels only in raw_input_contents")
@@ -147,7 +139,7 @@ def _decode_input(tensor, raw: bytes | None) -> np.ndarray:
 
 
 def encode_response(req: InferRequest, version: int | None, outputs: dict,
-                    in_regions: set | None = None) -> pb.ModelInferResponse:
+                    in_regions=frozenset()) -> pb.ModelInferResponse:
     """The reply: every output asked for (all when none was), raw; `in_regions`: those already written to shared
     memory, whose raw contents are empty, as Triton's (tritonclient finds an output's raw contents by its
     position among the outputs)."""
@@ -157,6 +149,6 @@ def encode_response(req: InferRequest, version: int | None, outputs: dict,
         a = np.asarray(outputs[name])
         tensors.append(pb.ModelInferResponse.InferOutputTensor(name=name, datatype=array_datatype(a),
                                                                shape=a.shape))
-        raw.append(b"" if in_regions and name in in_regions else raw_of(a))
+        raw.append(b"" if name in in_regions else raw_of(a))
     return pb.ModelInferResponse(model_name=req.name, model_version="" if version is None else str(version),
                                  id=req.id, outputs=tensors, raw_output_contents=raw)

@@ -115,7 +115,7 @@ class InferenceService:
         outputs, ran = await self.ops.infer(req.name, parse_version(req.version), req.feeds, req.output_names,
                                             _deadline_us(req.timeout_us, context), req.classes, req.sequence,
                                             order)
-        in_regions = self.ops.write_outputs(outputs, req.output_regions) if req.output_regions else None
+        in_regions = self.ops.write_outputs(outputs, req.output_regions)
         return codec.encode_response(req, ran, outputs, in_regions)
 
     @answers

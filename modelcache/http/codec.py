@@ -219,7 +219,7 @@ def _flatten(data: list) -> list:
 
 
 def encode_response(model: str, version: int | None, request_id, outputs: dict, order: list,
-                    binary: dict, binary_default: bool, in_regions: set | None = None) -> tuple[bytes, int | None]:
+                    binary: dict, binary_default: bool, in_regions=frozenset()) -> tuple[bytes, int | None]:
     """(body, JSON header length or None when no output is binary). `order` lists the outputs to send;
     `in_regions`: those already written to shared memory, given by datatype and shape alone (as Triton gives
     them: perf_analyzer reads an output's parameters as a binary one's)."""
@@ -228,9 +228,10 @@ def encode_response(model: str, version: int | None, request_id, outputs: dict, 
         value = outputs[name]
         a = np.asarray(value)
         entry = {"name": name, "datatype": array_datatype(a), "shape": list(a.shape)}
-        if in_regions and name in in_regions:
-            pass
-        elif binary.get(name, binary_default):
+        entries.append(entry)
+        if name in in_regions:
+            continue
+        if binary.get(name, binary_default):
             raw = raw_of(a)
             entry["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)
@@ -238,7 +239,6 @@ def encode_response(model: str, version: int | None, request_id, outputs: dict, 
             entry["data"] = [_as_str(v) for v in a.ravel().tolist()]
         else:
             entry["data"] = a.ravel().tolist()
-        entries.append(entry)
     doc = {"model_name": model, "outputs": entries}
     if version is not None:   # the version that ran
         doc["model_version"] = str(version)

@@ -162,7 +162,7 @@ class Endpoints:
         outputs, ran = await self.ops.infer(name, version, req.feeds, req.output_names, req.timeout_us,
                                             req.classes, req.sequence)
         order = req.output_names if req.output_names is not None else list(outputs)
-        in_regions = self.ops.write_outputs(outputs, req.output_regions) if req.output_regions else None
+        in_regions = self.ops.write_outputs(outputs, req.output_regions)
         payload, head_len = codec.encode_response(name, ran, req.id, outputs, order, req.binary_outputs,
                                                   req.binary_default, in_regions)
         if head_len is None:

@@ -205,10 +205,10 @@ class Operations:
     def write_outputs(self, outputs: dict, output_regions: dict) -> set:
         """Write each output the request asked for in shared memory to its region; the names written, which the
         reply gives with their datatype and shape only (as Triton's: no parameters, no data)."""
-        for name, ref in output_regions.items():
-            if name in outputs:
-                self.regions.write_output(name, ref, raw_of(np.asarray(outputs[name])))
-        return set(output_regions) & set(outputs)
+        written = output_regions.keys() & outputs.keys()
+        for name in written:
+            self.regions.write_output(name, output_regions[name], raw_of(np.asarray(outputs[name])))
+        return written
 
     @staticmethod
     def _answer(outputs: dict, reshape, classes: dict | None, labels: dict, batch: bool) -> dict:

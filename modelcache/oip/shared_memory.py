@@ -27,7 +27,7 @@ import stat
 import numpy as np
 
 from ..errors import InputError, ModelNotFound, PermissionDenied
-from .types import decode_bytes_elements
+from .types import array_of_raw
 
 SHM_DIR = "/dev/shm"
 OWN_PREFIX = "modelcache"   # the daemon's tier directories and I/O files (wire/tensors.IO_PREFIX)
@@ -58,11 +58,11 @@ class RegionRef:
         if not isinstance(region, str) or not region:
             raise InputError(f"{what}: shared_memory_region must be a region's name")
         size, offset = params.get("shared_memory_byte_size"), params.get("shared_memory_offset", 0)
+        if size is None:
+            raise InputError(f"{what}: a shared_memory_region needs its shared_memory_byte_size")
         for key, value in (("shared_memory_byte_size", size), ("shared_memory_offset", offset)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise InputError(f"{what}: {key} {value!r} must be a number of bytes >= 0"
-                                 if value is not None else f"{what}: a shared_memory_region needs its "
-                                                           "shared_memory_byte_size")
+                raise InputError(f"{what}: {key} {value!r} must be a number of bytes >= 0")
         return cls(region, size, offset)
 
 
@@ -188,12 +188,7 @@ class Regions:
         if got != len(buf):
             raise InputError(f"{what}: region '{region.name}' ends {len(buf) - got} bytes short: its object "
                              f"{region.key!r} was truncated after it was registered")
-        if item.dtype.kind == "O":
-            return decode_bytes_elements(memoryview(buf), count, item.name).reshape(item.shape)
-        arr = np.frombuffer(buf, dtype=item.dtype)
-        if item.dtype.kind == "b" and count and np.frombuffer(buf, dtype=np.uint8).max() > 1:
-            raise InputError(f"{what}: BOOL data in shared memory must be bytes 0 or 1")
-        return arr.reshape(item.shape)
+        return array_of_raw(buf, item.dtype, item.shape, item.name, "shared memory")
 
     def write_output(self, name: str, ref: RegionRef, raw: bytes) -> None:
         """Write an output's bytes where the request asked. InputError when they do not fit the bytes the request

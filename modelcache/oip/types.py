@@ -6,6 +6,7 @@ TYPE_STRING. Shapes use -1 for a dimension the model leaves free.
 
 from __future__ import annotations
 
+import math
 import struct
 
 import numpy as np
@@ -107,6 +108,22 @@ def decode_bytes_elements(raw: memoryview, count: int, name: str) -> np.ndarray:
 def encode_bytes_elements(a: np.ndarray) -> bytes:
     """An array of strings or bytes as raw BYTES data (see decode_bytes_elements)."""
     return b"".join(_LENGTH.pack(len(b)) + b for b in (_as_bytes(v) for v in a.ravel().tolist()))
+
+
+def array_of_raw(raw, dtype: np.dtype, shape: list, name: str, where: str) -> np.ndarray:
+    """A tensor from its raw data (gRPC's raw contents, a shared-memory region): BYTES as decode_bytes_elements
+    reads them, else exactly as many bytes as the shape holds; BOOL bytes 0 or 1 only. `where` names the data
+    in the errors."""
+    count = math.prod(shape)
+    if dtype.kind == "O":
+        return decode_bytes_elements(memoryview(raw), count, name).reshape(shape)
+    if len(raw) != count * dtype.itemsize:
+        raise InputError(f"input {name!r}: {len(raw)} bytes of {where} for {count} {v2_datatype(dtype.name)} elements "
+                         f"({count * dtype.itemsize} bytes)")
+    arr = np.frombuffer(raw, dtype=dtype)
+    if dtype.kind == "b" and count and np.frombuffer(raw, dtype=np.uint8).max() > 1:
+        raise InputError(f"input {name!r}: BOOL {where} must be bytes 0 or 1")
+    return arr.reshape(shape)
 
 
 def raw_of(a: np.ndarray) -> bytes:
