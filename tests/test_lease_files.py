@@ -26,7 +26,7 @@ from modelcache.session_options import PORTABLE_FOLDER, PORTABLE_LOCATION
 from modelcache.store import format
 from modelcache.store.format import PORTABLE_SKELETON_FILE, iter_graphs
 
-from conftest import DaemonProcess, daemon_with_models, stop_cleanly
+from conftest import DaemonProcess, daemon_with_models, stop_cleanly, wait_until
 
 needs_namespaces = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                                       reason="a private mount namespace needs root and unshare(1)")
@@ -116,14 +116,31 @@ def test_a_client_in_another_mount_namespace_opens_from_the_tier_and_from_the_fi
 def test_no_descriptor_stays_open_in_the_client_or_the_daemon(two_models):
     d, paths = two_models
     feeds = zoo.sample_inputs(paths["a"])
-    daemon_fds = lambda: len(os.listdir(f"/proc/{d.pid}/fd"))  # noqa: E731
     with modelcache.InferenceSession("a", socket=d.socket) as first:   # the lane and the daemon's side settled
         first.run(None, feeds)
-        before = (len(os.listdir("/proc/self/fd")), daemon_fds())
+        before = open_fds("self"), open_fds(d.pid)
         for name in ("a", "b", "a", "b"):                              # the tier, then the files
             with modelcache.InferenceSession(name, socket=d.socket) as s:
                 s.run(None, feeds)
-        assert (len(os.listdir("/proc/self/fd")), daemon_fds()) == before
+        assert open_fds("self") == before[0]
+        # The daemon handles a release after the client's close returns: give it a moment, then name what stayed.
+        try:
+            wait_until(lambda: open_fds(d.pid) == before[1], timeout_s=3, what="the daemon's descriptors")
+        except AssertionError:
+            now = open_fds(d.pid)
+            raise AssertionError(f"daemon descriptors left: {dict(now.items() - before[1].items())}, "
+                                 f"gone: {dict(before[1].items() - now.items())}") from None
+
+
+def open_fds(pid) -> dict:
+    """A process's open descriptors: number -> what it names."""
+    out = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            out[fd] = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:   # closed while listing (our own listdir's descriptor)
+            pass
+    return out
 
 
 def test_a_version_packed_before_portable_skeletons_opens_by_path(two_models):
