@@ -10,7 +10,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from modelcache import zoo
+from modelcache import calibration, zoo
 from modelcache.client.calibrate import calibrate
 from modelcache.client.stream import InferStream
 from modelcache.errors import InputError
@@ -111,7 +111,9 @@ def test_calibration_is_stored_with_the_model_and_cleared_by_a_new_partition(tmp
         profile = calibrate(c, "cnn", batches=[1, 2, 8], runs=3, t_opt_ms=500)
         manifest = json.loads((d.repository / "cnn" / "1" / "manifest.json").read_text())
         stored = manifest["batching"]
-        assert stored["batches"] == [1, 2, 8] and stored["t_opt_ms"] == 500 and stored["n_opt"] >= 8
+        assert stored["batches"] == [1, 2, 8] and stored["t_opt_ms"] == 500
+        # N_opt is what the measured times allow (1 where a loaded machine shows batching no gain), from g as stored.
+        assert stored["n_opt"] == calibration.n_opt(tuple(stored["g"]), 0.25, max_batch=32)
         assert stored == json.loads(json.dumps(profile))
         with pytest.raises(InputError, match="calibrate again after partitioning"):
             c.set_batching("cnn", {**profile, "stage_s": [[0.1]] * 3, "ratios": [[1.0]] * 3})   # one stage
