@@ -15,6 +15,7 @@ from modelcache.wire import tensors
 from conftest import DaemonProcess, stop_cleanly
 
 SAMPLE = 60
+PARTS = 3
 TRICKY = ("sequence", "optional", "string", "scalar", "strnorm", "if_opt", "loop16_seq_none")
 
 
@@ -42,11 +43,13 @@ def test_a_sample_of_the_onnx_backend_corpus_runs_as_in_plain_ort(conformance_cl
     _check(C.run(client, C.load_cases(sample=SAMPLE, seed=2026), root))
 
 
-def test_scalars_strings_sequences_and_optionals_run_as_in_plain_ort(conformance_client):
+# In parts, so that pytest-xdist's workers share the minute these cases take instead of one worker ending the run.
+@pytest.mark.parametrize("part", range(PARTS))
+def test_scalars_strings_sequences_and_optionals_run_as_in_plain_ort(conformance_client, part):
     client, root = conformance_client
     cases = [c for c in C.load_cases(("node", "simple")) if any(t in c.name for t in TRICKY)]
     assert len(cases) > 30
-    _check(C.run(client, cases, root))
+    _check(C.run(client, cases[part::PARTS], root))
 
 
 def test_composite_values_round_trip_and_malformed_ones_are_refused():

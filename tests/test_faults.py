@@ -38,7 +38,7 @@ from test_lane import raw_lane, read_frame
 from test_serve import add_with_references, reference
 from test_workers import stage_job
 
-SOAK_S = 20.0
+SOAK_S = 10.0
 
 
 # -- eviction under serve load -------------------------------------------------------------------

@@ -230,7 +230,7 @@ def test_graceful_stop_finishes_inflight_work_and_keeps_mappings(tmp_path, zoo_f
 
 def test_second_signal_stops_at_once(tmp_path, zoo_file):
     d = DaemonProcess(tmp_path).start()
-    src = zoo_file("vgg16")
+    src = zoo_file("alexnet")   # 233 MiB: its add takes seconds (~8 s here), the stop a fraction of one
     adder = subprocess.Popen([sys.executable, "-m", "modelcache.cli", "add", src, "--name", "big",
                               "--require-daemon"], env=d.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -240,7 +240,7 @@ def test_second_signal_stops_at_once(tmp_path, zoo_file):
         # Two signals sent back to back could coalesce into one: send the second once the first took hold.
         wait_until(lambda: "stopping:" in d.log_path.read_text(), what="the graceful stop to begin")
         d.proc.send_signal(signal.SIGTERM)
-        assert d.proc.wait(10) == 1  # did not wait for the pack of VGG16
+        assert d.proc.wait(10) == 1  # did not wait for the pack of AlexNet
         assert not d.shm_dir.exists() and not Path(d.socket[6:]).exists()
         assert adder.wait(60) == 1
         assert b"modelcache:" in adder.stderr.read()  # a typed error, not a traceback or a hang
