@@ -167,15 +167,17 @@ def request_overhead(profile: dict | None) -> float:
 
 SERVING_POLICIES = ("serial", "dynamic")   # what a model's own configuration can ask for
 SERVING_MAX_BATCH = 1 << 16
-_SERVING_FIELDS = {"policy", "max_batch", "max_queue_delay_ms", "preferred_batch_sizes", "device", "sequence"}
+_SERVING_FIELDS = {"policy", "max_batch", "max_queue_delay_ms", "preferred_batch_sizes", "device", "sequence",
+                   "max_queue", "queue_timeout_ms"}
 
 
 def check_serving(serving: dict) -> None:
     """Refuse anything but a model's batching policy as `modelcache import-triton` stores it (its manifest's
     `serving`): {"policy": "serial" or "dynamic", "max_batch": the largest request and batch (0: no limit),
     "max_queue_delay_ms", "preferred_batch_sizes", "device": "cpu" to keep it off GPU workers, "sequence": a
-    stateful model's controls and states (executor/sequences.SequenceSpec)}, each field optional. ValueError says
-    which field is wrong."""
+    stateful model's controls and states (executor/sequences.SequenceSpec), "max_queue": requests its queue holds
+    (0: the `max_queue` setting's), "queue_timeout_ms": how long a request may wait in it (0: no limit)}, each field
+    optional. ValueError says which field is wrong."""
     if not isinstance(serving, dict):
         raise ValueError("a model's serving policy is a map of its fields")
     unknown = sorted(set(serving) - _SERVING_FIELDS)
@@ -190,6 +192,12 @@ def check_serving(serving: dict) -> None:
     delay = serving.get("max_queue_delay_ms", 0.0)
     if not _number(delay) or not 0 <= delay <= 3.6e6:
         raise ValueError("max_queue_delay_ms must be a number of milliseconds from 0 to an hour")
+    max_queue = serving.get("max_queue", 0)
+    if type(max_queue) is not int or not 0 <= max_queue <= 1 << 31:
+        raise ValueError("max_queue must be a whole number of requests from 0 (the daemon's setting) to 2^31")
+    timeout = serving.get("queue_timeout_ms", 0.0)
+    if not _number(timeout) or not 0 <= timeout <= 3.6e6:
+        raise ValueError("queue_timeout_ms must be a number of milliseconds from 0 (no limit) to an hour")
     sizes = serving.get("preferred_batch_sizes", [])
     if not isinstance(sizes, list) or len(sizes) > 64 or not all(type(b) is int and 1 <= b <= SERVING_MAX_BATCH
                                                                  for b in sizes):

@@ -63,6 +63,7 @@ class Settings:
     t_opt_ms: float = 0.0              # latency bound layer-to-layer protects; 0 = the model's calibrated t_opt, else none
     batch_window_ms: float = 50.0      # batch(m) waits this long for m requests
     max_queue_delay_ms: float = 0.0    # dynamic batching waits at most this long for a fuller batch
+    max_queue: int = 0                 # serve requests a model's queue holds; one more is refused at once; 0 = no bound
     inline_run_ms: float = 1.0         # a stage predicted this short runs on the daemon's loop when nothing else is in flight; 0 = never
     front_runs: str = "short"          # short: the HTTP/gRPC fronts run a model whose run is that short themselves, over
                                        # the daemon's shared weights (docs/serve.md, "Short models at the front"); never
@@ -370,7 +371,7 @@ RULES = {
     "gpus": _int_list(("auto", "none", "off", ""), 0, "'auto', 'none' or device indices: '0', '0,1' or [0, 1]"),
     "scheduler": _choice(*SCHEDULERS), "serve_idle_s": _positive, "batching": _batching,
     "max_batch": number(int, 0), "t_opt_ms": _non_negative, "batch_window_ms": _non_negative,
-    "max_queue_delay_ms": _non_negative, "inline_run_ms": _non_negative,
+    "max_queue_delay_ms": _non_negative, "max_queue": number(int, 0), "inline_run_ms": _non_negative,
     "front_runs": _choice("short", "never"), "front_hold_s": _positive, "state_dir": _directory(False),
     "metrics_port": _port, "metrics_host": _nonempty, "http_port": _port, "http_host": _nonempty,
     "grpc_port": _port, "grpc_host": _nonempty, "client_shared_memory": _bool,

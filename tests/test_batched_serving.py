@@ -13,7 +13,7 @@ import pytest
 from modelcache import calibration, zoo
 from modelcache.client.calibrate import calibrate
 from modelcache.client.stream import InferStream
-from modelcache.errors import InputError
+from modelcache.errors import CapacityError, InputError
 from modelcache.wire import tensors
 from conftest import DaemonProcess
 
@@ -101,6 +101,35 @@ def test_layer_to_layer_merges_late_requests_into_the_running_batch(tmp_path, zo
         assert batches[0][0] == 1 and batches[0] == sorted(batches[0]), batches
         assert all(b[-1] == 4 for b in batches), batches
         assert 1 <= c.stats().executor["batching"]["layer_joins"] <= 3
+
+
+def test_a_burst_past_the_queue_bound_is_refused_at_once_and_the_rest_served(tmp_path, zoo_file):
+    src = zoo_file("tiny-cnn")
+    ref = ort.InferenceSession(src, providers=["CPUExecutionProvider"])
+    with batching_daemon(tmp_path, "serial", max_queue=2, inline_run_ms=0) as (d, c):
+        c.add(src, "cnn")
+        # The model is on disk: the burst waits for its promotion, then reaches the queue at once.
+        feeds_list = [zoo.sample_inputs(src, seed=i) for i in range(24)]
+        served, refused = {}, {}
+        with InferStream(c) as stream:
+            for i, feeds in enumerate(feeds_list):
+                stream.send(i, "cnn", tensors.encode(feeds, inline_only=True)[0])
+            deadline = time.monotonic() + 60
+            while len(served) + len(refused) < len(feeds_list) and time.monotonic() < deadline:
+                for req_id, wire, _, error in stream.receive(1000):
+                    if error is None:
+                        served[req_id] = tensors.decode(wire)[0]
+                    else:
+                        refused[req_id] = error
+        assert len(served) + len(refused) == len(feeds_list) and served and refused, (len(served), len(refused))
+        assert all(isinstance(e, CapacityError) and "Exceeds maximum queue size (2 requests" in str(e)
+                   for e in refused.values()), next(iter(refused.values()))
+        for i, outputs in served.items():
+            np.testing.assert_allclose(outputs["logits"], ref.run(None, feeds_list[i])[0], rtol=1e-3, atol=1e-4)
+        stats = c.stats().executor
+        assert stats["refused"] == {"queue_full": len(refused), "queue_timeout": 0}
+        out, _ = c.infer("cnn", feeds_list[0])       # the queue drained: served again
+        np.testing.assert_allclose(out["logits"], ref.run(None, feeds_list[0])[0], rtol=1e-3, atol=1e-4)
 
 
 def test_calibration_is_stored_with_the_model_and_cleared_by_a_new_partition(tmp_path, zoo_file):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from modelcache.config import Settings
-from modelcache.errors import RequestTimeout, RunError
+from modelcache.errors import CapacityError, RequestTimeout, RunError
 from modelcache.executor.engine import Engine, ServeRequest
 from modelcache.executor.scheduler import WorkerState
 
@@ -63,13 +63,13 @@ class Harness:
         fn(result, error)
         self.engine.step()
 
-    def submit(self, tag, rows, deadline=None, profile=None, stages=STAGES, x=None):
+    def submit(self, tag, rows, deadline=None, profile=None, stages=STAGES, x=None, serving=None):
         def finish(outputs, timings, error, tag=tag):
             self.answers[tag] = (outputs, timings, error)
         if x is None:
             x = np.arange(rows, dtype=np.float32).reshape(rows, 1) + 100 * tag
         self.engine.submit(ServeRequest("m@1", stages, [], {"x": x}, None, self.now, deadline, finish,
-                                        samples=rows, batchable=True, profile=profile))
+                                        samples=rows, batchable=True, profile=profile, serving=serving))
         self.engine.step()   # (as the daemon's loop does once a turn)
 
     def y(self, tag):
@@ -96,6 +96,47 @@ def test_a_request_that_expires_in_the_queue_is_answered_and_the_next_one_runs()
     h.worker.run_next()
     np.testing.assert_array_equal(h.y(3), expected(3, 1))
     assert not h.engine.requests and not h.engine.queues
+
+
+def test_a_full_queue_refuses_at_once_and_its_model_may_set_its_own_bound():
+    h = Harness("serial", workers="1", max_queue=2)
+    h.submit(1, 1)                      # runs: the worker is busy from now
+    h.submit(2, 1)
+    h.submit(3, 1)                      # two wait: the setting's bound
+    h.submit(4, 1)
+    error = h.answers[4][2]
+    assert isinstance(error, CapacityError) and "Exceeds maximum queue size (2 requests" in str(error), error
+    assert 2 not in h.answers and 3 not in h.answers
+    h.submit(5, 1, serving={"max_queue": 3})   # the model's own bound (its Triton config's) wins
+    for _ in range(8):                  # 1, 2, 3 and 5, two stages each, one at a time
+        h.worker.run_next()
+    for tag in (1, 2, 3, 5):
+        np.testing.assert_array_equal(h.y(tag), expected(tag, 1))
+    assert h.engine.describe()["refused"] == {"queue_full": 1, "queue_timeout": 0}
+    h.engine.settings.max_queue = 0     # no bound (the default): a live setting
+    for tag in range(6, 12):
+        h.submit(tag, 1)
+    assert not any(h.answers.get(tag) for tag in range(6, 12)) and len(h.engine.queues["m@1"]) == 5
+
+
+def test_a_request_queued_past_its_models_queue_timeout_is_refused_and_never_runs():
+    h = Harness("serial", workers="1")
+    own = {"queue_timeout_ms": 5.0}
+    h.submit(1, 1, serving=own)         # runs at once: never queued, never timed out
+    h.now = 0.002
+    h.submit(2, 1, serving=own)         # queued from 2 ms: refused after 7 ms
+    h.submit(3, 1, serving=own, deadline=1.0)
+    h.now = 0.006
+    h.worker.run_next()                 # 1's first stage done at 6 ms: 2 and 3 still in time
+    assert 2 not in h.answers and 3 not in h.answers
+    h.now = 0.0071
+    h.worker.run_next()                 # 1 answered at 7.1 ms: 2 and 3 waited past their 5 ms
+    np.testing.assert_array_equal(h.y(1), expected(1, 1))
+    for tag in (2, 3):
+        error = h.answers[tag][2]
+        assert isinstance(error, CapacityError) and "Request timeout expired" in str(error), error
+    assert not h.worker.jobs and not h.engine.requests
+    assert h.engine.describe()["refused"] == {"queue_full": 0, "queue_timeout": 2}
 
 
 def test_a_lone_request_on_an_idle_engine_starts_at_once_unless_its_policy_waits():

@@ -139,6 +139,24 @@ def test_a_config_as_triton_documents_it(tmp_path):
     json.dumps(c)   # stored in the manifest as it is
 
 
+def test_a_queue_policy_bounds_the_models_queue_and_a_delay_action_is_listed(tmp_path):
+    save("tiny-cnn", tmp_path / "q" / "1" / "model.onnx")
+    policy = "max_queue_size: 4 default_timeout_microseconds: 3000 allow_timeout_override: true"
+    (tmp_path / "q" / "config.pbtxt").write_text(f"max_batch_size: 8\ndynamic_batching {{ default_queue_policy {{ {policy} }} }}")
+    plan = plan_model(tmp_path / "q", model_io)
+    assert (plan.serving["max_queue"], plan.serving["queue_timeout_ms"]) == (4, 3.0) and plan.not_honoured == []
+    check_serving(plan.serving)
+    assert "at most 4 queued, 3000 us in the queue" in plan.batching_text()
+    assert plan.config["dynamic_batching"]["default_queue_policy"]["max_queue_size"] == 4   # ModelConfig says it
+    # DELAY (run a timed-out request later, after the others) is not carried out: listed, and no queue timeout
+    (tmp_path / "q" / "config.pbtxt").write_text(
+        "max_batch_size: 8\ndynamic_batching { default_queue_policy { timeout_action: DELAY "
+        "default_timeout_microseconds: 3000 } }")
+    plan = plan_model(tmp_path / "q", model_io)
+    assert "queue_timeout_ms" not in plan.serving and "max_queue" not in plan.serving
+    assert plan.not_honoured == ["dynamic_batching.default_queue_policy.timeout_action"]
+
+
 def test_absent_config_is_auto_completed_as_triton_does(tmp_path):
     repo = write_repository(tmp_path / "models")
     plan = plan_model(repo / "embed", model_io)

@@ -80,7 +80,7 @@ class Daemon:
     LIVE_SETTINGS = ("log_level", "heartbeat_interval_s", "lease_timeout_s", "host_capacity", "gpu_capacity",
                      "memory_reserve", "capacity_over_limit",
                      "batching", "max_batch", "t_opt_ms", "batch_window_ms", "max_queue_delay_ms",
-                     "inline_run_ms")
+                     "max_queue", "inline_run_ms")
 
     def __init__(self, settings: Settings, clock=time.monotonic, wall=time.time, reload_settings=None,
                  make_policy=policy_for):

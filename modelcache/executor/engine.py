@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import InputError, RequestTimeout
+from ..errors import CapacityError, InputError, RequestTimeout
 from ..calibration import profile_predict, request_overhead
 from ..config import parse_policy_spec
 from .batching import LayerToLayer, Pending, make_batcher
@@ -78,6 +78,7 @@ class ServeRequest:
     # only GPU workers of these devices may run its stages.
     devices: dict = field(default_factory=dict)
     serving: dict | None = None  # the model's own batching policy (manifest "serving": a Triton config's), if any
+    queue_deadline: float | None = None   # still queued then: refused (its model's queue_timeout_ms), else None
 
     def pending(self, t_opt_s: float | None) -> Pending:
         """What the batching policy sees; t_opt bounds the deadline the policy protects."""
@@ -169,6 +170,8 @@ class Engine:
         self.batched_samples = 0
         self.batched_requests = 0     # the mean batch size is requests per batch (a request may carry many samples)
         self.layer_joins = 0
+        self.queue_full = 0       # requests refused at once: their model's queue was full
+        self.queue_timeouts = 0   # requests refused after waiting their model's queue_timeout_ms
         self.latencies_ms: deque = deque(maxlen=1000)
         self.last_used: dict[str, float] = {}   # model key -> when a request last touched it
         self.model_stats: dict[str, ModelServeStats] = {}   # model key -> its requests' counts and times
@@ -359,13 +362,24 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------
     def submit(self, req: ServeRequest) -> None:
-        """Queue a request; the next `step()` schedules it."""
+        """Queue a request; the next `step()` schedules it. Where the model's queue is full (its `max_queue`, else
+        the setting's) the request is refused now, as Triton's queue policy refuses it: under overload a bounded
+        queue answers at once what it cannot serve soon, and keeps the wait of what it takes short."""
         req.request_id = next(self._ids)
         self.requests[req.request_id] = req
         self.last_used[req.model_key] = req.arrival
         queue = self.queues.get(req.model_key)
         if queue is None:
             queue = self.queues[req.model_key] = deque()
+        own = req.serving or {}
+        limit = own.get("max_queue") or self.settings.max_queue
+        if limit and len(queue) >= limit:
+            self.queue_full += 1
+            self._finish(req, None, CapacityError(f"{req.model_key}: Exceeds maximum queue size ({limit} requests "
+                                                  "wait to run): try again later"))
+            return
+        if own.get("queue_timeout_ms"):
+            req.queue_deadline = self.clock() + own["queue_timeout_ms"] / 1e3
         queue.append(req)
 
     def step(self) -> None:
@@ -459,6 +473,13 @@ class Engine:
         nearer to it than the model's predicted run time. Starting those would spend a worker on answers
         nobody can use; under overload that is how goodput collapses (every request started just before
         it expires, and dropped half-way)."""
+        if queue and queue[0].queue_deadline is not None:   # (a model's requests share its queue timeout)
+            for req in [r for r in queue if now > r.queue_deadline]:
+                queue.remove(req)
+                self.queue_timeouts += 1
+                self._finish(req, None, CapacityError(
+                    f"{req.model_key}: Request timeout expired: it waited for a worker longer than its model's "
+                    f"queue timeout ({req.serving['queue_timeout_ms']:g} ms)"))
         if not any(r.deadline is not None for r in queue):
             return
         need = self._batch_time(queue[0], 1)   # never measured: 0, so only a passed deadline counts
@@ -713,6 +734,7 @@ class Engine:
                              "disabled": self.disabled.get(w.state.worker_id)}
                             for i, w in enumerate(self.workers)],
                 "served": self.served, "failed": self.failed, "in_flight": len(self.requests),
+                "refused": {"queue_full": self.queue_full, "queue_timeout": self.queue_timeouts},
                 "queued": sum(len(q) for q in self.queues.values()),
                 "latency_ms_p50": statistics.median(lat) if lat else None,
                 "latency_ms_p99": lat[int(0.99 * (len(lat) - 1))] if lat else None,

@@ -42,6 +42,10 @@ HONOURED = {"name", "platform", "backend", "version_policy", "max_batch_size", "
             "input.name", "input.data_type", "input.dims", "input.format", "input.optional", "input.reshape",
             "output.name", "output.data_type", "output.dims", "output.reshape", "output.label_filename",
             "dynamic_batching.max_queue_delay_microseconds", "dynamic_batching.preferred_batch_size",
+            # the queue policy; timeout_action is set only where it is DELAY, which is not carried out (listed)
+            "dynamic_batching.default_queue_policy.max_queue_size",
+            "dynamic_batching.default_queue_policy.default_timeout_microseconds",
+            "dynamic_batching.default_queue_policy.allow_timeout_override",
             "instance_group.name", "instance_group.kind",
             # sequence_batching (sequence.py, executor/sequences.py)
             "sequence_batching.max_sequence_idle_microseconds", "sequence_batching.control_input.name",
@@ -55,7 +59,8 @@ HONOURED = {"name", "platform", "backend", "version_policy", "max_batch_size", "
             "sequence_batching.state.initial_state.name", "sequence_batching.direct.max_queue_delay_microseconds",
             "sequence_batching.oldest.max_candidate_sequences", "sequence_batching.oldest.preferred_batch_size",
             "sequence_batching.oldest.max_queue_delay_microseconds"}
-CONTAINERS = {"input", "output", "dynamic_batching", "instance_group", "sequence_batching",
+CONTAINERS = {"input", "output", "dynamic_batching", "dynamic_batching.default_queue_policy", "instance_group",
+              "sequence_batching",
               "sequence_batching.control_input", "sequence_batching.control_input.control", "sequence_batching.state",
               "sequence_batching.state.initial_state", "sequence_batching.direct", "sequence_batching.oldest"}
 
@@ -87,6 +92,10 @@ class ModelPlan:
         text = "serial" if s.get("policy") != "dynamic" else \
             f"dynamic batching up to {s['max_batch']}, {s.get('max_queue_delay_ms', 0) * 1000:.0f} us delay" + \
             (f", preferred {', '.join(map(str, s['preferred_batch_sizes']))}" if s.get("preferred_batch_sizes") else "")
+        if s.get("max_queue"):
+            text += f", at most {s['max_queue']} queued"
+        if s.get("queue_timeout_ms"):
+            text += f", {s['queue_timeout_ms'] * 1000:.0f} us in the queue"
         if s.get("policy") != "dynamic" and s.get("max_batch"):
             text += f", at most {s['max_batch']} rows"
         return text + (f", {s['device'].upper()} only" if s.get("device") == "cpu" else "")
@@ -335,6 +344,11 @@ def _serving(config: mc.ModelConfig) -> dict:
                              f"{batch}")
         serving.update(policy="dynamic", max_queue_delay_ms=db.max_queue_delay_microseconds / 1000,
                        preferred_batch_sizes=sorted(set(db.preferred_batch_size)))
+        queue = db.default_queue_policy
+        if queue.max_queue_size:
+            serving["max_queue"] = min(queue.max_queue_size, 1 << 31)
+        if queue.default_timeout_microseconds and queue.timeout_action == mc.ModelQueuePolicy.REJECT:
+            serving["queue_timeout_ms"] = min(queue.default_timeout_microseconds / 1000, 3.6e6)
     if config.WhichOneof("scheduling_choice") == "sequence_batching":
         serving.update(sequence.serving(config))
     kinds = {g.kind for g in config.instance_group}
