@@ -122,7 +122,7 @@ def test_a_burst_past_the_queue_bound_is_refused_at_once_and_the_rest_served(tmp
                     else:
                         refused[req_id] = error
         assert len(served) + len(refused) == len(feeds_list) and served and refused, (len(served), len(refused))
-        assert all(isinstance(e, CapacityError) and "Exceeds maximum queue size (2 requests" in str(e)
+        assert all(isinstance(e, CapacityError) and "Exceeds maximum queue size (2)" in str(e)
                    for e in refused.values()), next(iter(refused.values()))
         for i, outputs in served.items():
             np.testing.assert_allclose(outputs["logits"], ref.run(None, feeds_list[i])[0], rtol=1e-3, atol=1e-4)

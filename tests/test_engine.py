@@ -105,7 +105,7 @@ def test_a_full_queue_refuses_at_once_and_its_model_may_set_its_own_bound():
     h.submit(3, 1)                      # two wait: the setting's bound
     h.submit(4, 1)
     error = h.answers[4][2]
-    assert isinstance(error, CapacityError) and "Exceeds maximum queue size (2 requests" in str(error), error
+    assert isinstance(error, CapacityError) and "Exceeds maximum queue size (2)" in str(error), error
     assert 2 not in h.answers and 3 not in h.answers
     h.submit(5, 1, serving={"max_queue": 3})   # the model's own bound (its Triton config's) wins
     for _ in range(8):                  # 1, 2, 3 and 5, two stages each, one at a time

@@ -274,7 +274,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-IMPORT_DONE = "refused"   # the import's last line: "<repo>: N versions imported, ... N refused"
+IMPORT_DONE = "models skipped (not ONNX), "   # the import's last line: "<repo>: N versions imported, ... N refused"
 
 
 def put_model(repo: Path, name: str, model: onnx.ModelProto | None, config: str) -> None:
@@ -606,5 +606,68 @@ def test_initializers_that_are_inputs_are_served_as_tritons_optional_inputs(tmp_
             s = ServeSession("affine", client=mc)
             np.testing.assert_allclose(s.run(None, {"x": x, "b": b2})[0], plain.run(None, {"x": x, "b": b2})[0],
                                        rtol=1e-5, atol=1e-6)
+    finally:
+        stop_cleanly(d)
+
+
+def slow_model(trips: int) -> onnx.ModelProto:
+    """y = x + trips, one Loop iteration a unit (~2 us each here): a model whose run takes as long as asked."""
+    body = helper.make_graph(
+        [helper.make_node("Add", ["v_in", "one"], ["v_out"]), helper.make_node("Identity", ["c_in"], ["c_out"])],
+        "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                 helper.make_tensor_value_info("c_in", TensorProto.BOOL, []),
+                 helper.make_tensor_value_info("v_in", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_out", TensorProto.FLOAT, None)],
+        [onnx.numpy_helper.from_array(np.array(1.0, np.float32), "one")])
+    g = helper.make_graph([helper.make_node("Loop", ["trips", "cond", "x"], ["y"], body=body)], "slow",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 1])],
+                          [onnx.numpy_helper.from_array(np.array(trips, np.int64), "trips"),
+                           onnx.numpy_helper.from_array(np.array(True), "cond")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_full_queue_answers_both_protocols_in_tritons_words(tmp_path):
+    """max_queue_size 1 on a model whose run takes ~0.2 s: of requests sent together, one runs, one waits, the
+    rest are refused at once (HTTP 503, gRPC UNAVAILABLE, 'Exceeds maximum queue size'), and the front serves on."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+    repo = tmp_path / "models"
+    put_model(repo, "slow", slow_model(100_000),
+              "max_batch_size: 1\ndynamic_batching { default_queue_policy { max_queue_size: 1 } }")
+    d, grpc_at, http_at = start_importing(tmp_path, repo)
+    try:
+        x = np.zeros((1, 1), np.float32)
+        for module, at, code in ((httpclient, http_at, "503"), (grpcclient, grpc_at, "StatusCode.UNAVAILABLE")):
+            client = module.InferenceServerClient(at, **({"concurrency": 6} if module is httpclient else {}))
+            i = module.InferInput("x", [1, 1], "FP32")
+            i.set_data_from_numpy(x)
+            client.infer("slow", [i])                               # resident, and its run measured
+            results = []
+            if module is httpclient:
+                pending = [client.async_infer("slow", [i]) for _ in range(6)]
+                for p in pending:
+                    try:
+                        results.append(p.get_result().as_numpy("y"))
+                    except InferenceServerException as e:
+                        results.append(e)
+            else:
+                done = []
+                for _ in range(6):
+                    client.async_infer("slow", [i], lambda result, error: done.append(error or result))
+                wait_until(lambda: len(done) == 6, 30, "six answers")
+                results = [r if isinstance(r, InferenceServerException) else r.as_numpy("y") for r in done]
+            refused = [r for r in results if isinstance(r, InferenceServerException)]
+            served = [r for r in results if not isinstance(r, InferenceServerException)]
+            assert 1 <= len(served) <= 5 and refused, results
+            assert all(str(e.status()) == code and "Exceeds maximum queue size (1)" in e.message()
+                       for e in refused), [(e.status(), e.message()) for e in refused]
+            assert all(float(y[0, 0]) == 100_000.0 for y in served)
+            assert float(client.infer("slow", [i]).as_numpy("y")[0, 0]) == 100_000.0   # and serves on
+            client.close()
+        with d.client() as c:
+            assert c.stats().executor["refused"]["queue_full"] >= 2
     finally:
         stop_cleanly(d)

@@ -375,8 +375,8 @@ class Engine:
         limit = own.get("max_queue") or self.settings.max_queue
         if limit and len(queue) >= limit:
             self.queue_full += 1
-            self._finish(req, None, CapacityError(f"{req.model_key}: Exceeds maximum queue size ({limit} requests "
-                                                  "wait to run): try again later"))
+            self._finish(req, None, CapacityError(f"{req.model_key}: Exceeds maximum queue size ({limit}): "
+                                                  "try again later"))
             return
         if own.get("queue_timeout_ms"):
             req.queue_deadline = self.clock() + own["queue_timeout_ms"] / 1e3
