@@ -131,6 +131,8 @@ def test_metrics_scrape(tmp_path, zoo_file):
             assert m['modelcache_inference_latency_seconds_count{model="cnn",version="1"}'] == 1
             assert m['modelcache_model_resident_bytes{model="cnn",version="1"}'] == host_bytes
             assert any(k.startswith("modelcache_worker_queue_length{worker=") for k in m)
+            assert m['modelcache_inference_refused_total{reason="queue_full"}'] == 0   # (no max_queue: none)
+            assert m['modelcache_inference_refused_total{reason="queue_timeout"}'] == 0
             s1.close()
             s2.close()
     finally:

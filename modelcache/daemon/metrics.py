@@ -108,6 +108,9 @@ def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, 
         metric("modelcache_inference_requests_total", "counter", "Serve-mode requests by result.",
                [f'modelcache_inference_requests_total{{result="ok"}} {executor["served"]}',
                 f'modelcache_inference_requests_total{{result="error"}} {executor["failed"]}'])
+        metric("modelcache_inference_refused_total", "counter",
+               "Serve-mode requests refused by their model's queue: full (max_queue), or waited past queue_timeout_ms.",
+               [f'modelcache_inference_refused_total{{reason="{why}"}} {n}' for why, n in executor["refused"].items()])
         metric("modelcache_inference_in_flight", "gauge", "Serve-mode requests in flight.",
                [f"modelcache_inference_in_flight {executor['in_flight']}"])
     lines = []
