@@ -375,7 +375,11 @@ def format_status(st) -> str:
         policies = ", ".join(f"{k}={v}" for k, v in b.get("policies", {}).items())
         workers = ", ".join(w["kind"] + (" (out of service: see the log)" if w.get("disabled") else "")
                             for w in ex.get("workers", [])) or "no workers"
-        print(f"serve: {ex.get('served', 0)} served, {ex.get('failed', 0)} failed, {ex.get('in_flight', 0)} in flight "
+        refused = ex.get("refused") or {}
+        refused_text = ", ".join(f"{n} {why}" for why, n in (("refused by a full queue", refused.get("queue_full")),
+                                                              ("timed out in a queue", refused.get("queue_timeout"))) if n)
+        print(f"serve: {ex.get('served', 0)} served, {ex.get('failed', 0)} failed"
+              + (f" ({refused_text})" if refused_text else "") + f", {ex.get('in_flight', 0)} in flight "
               f"({ex.get('queued', 0)} queued)" + (f", p50 {p50:.1f} ms, p99 {p99:.1f} ms" if p50 is not None else "")
               + f"; {ex.get('scheduler')} over {workers}"
               + ("" if ex.get("lane_connections") is None else f"; {ex['lane_connections']} on the serve lane"),

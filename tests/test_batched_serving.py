@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -128,6 +130,9 @@ def test_a_burst_past_the_queue_bound_is_refused_at_once_and_the_rest_served(tmp
             np.testing.assert_allclose(outputs["logits"], ref.run(None, feeds_list[i])[0], rtol=1e-3, atol=1e-4)
         stats = c.stats().executor
         assert stats["refused"] == {"queue_full": len(refused), "queue_timeout": 0}
+        status = subprocess.run([sys.executable, "-m", "modelcache.cli", "status"], env=d.env, capture_output=True,
+                                text=True, timeout=60)
+        assert f"failed ({len(refused)} refused by a full queue)," in status.stdout, status.stdout
         out, _ = c.infer("cnn", feeds_list[0])       # the queue drained: served again
         np.testing.assert_allclose(out["logits"], ref.run(None, feeds_list[0])[0], rtol=1e-3, atol=1e-4)
 
