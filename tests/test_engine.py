@@ -137,6 +137,13 @@ def test_a_request_queued_past_its_models_queue_timeout_is_refused_and_never_run
         assert isinstance(error, CapacityError) and "Request timeout expired" in str(error), error
     assert not h.worker.jobs and not h.engine.requests
     assert h.engine.describe()["refused"] == {"queue_full": 0, "queue_timeout": 2}
+    # with the worker busy, the engine's timer answers a timed-out request at its time
+    h.submit(4, 1, serving=own)         # runs
+    h.submit(5, 1, serving=own)         # waits from 7.1 ms
+    assert h.engine.next_wakeup() == pytest.approx(0.0121)
+    h.now = 0.0125
+    h.engine.on_timer(h.now)
+    assert isinstance(h.answers[5][2], CapacityError) and 4 not in h.answers
 
 
 def test_a_lone_request_on_an_idle_engine_starts_at_once_unless_its_policy_waits():

@@ -628,15 +628,18 @@ def slow_model(trips: int) -> onnx.ModelProto:
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def test_a_full_queue_answers_both_protocols_in_tritons_words(tmp_path):
+def test_a_models_queue_policy_answers_both_protocols_in_tritons_words(tmp_path):
     """max_queue_size 1 on a model whose run takes ~0.2 s: of requests sent together, one runs, one waits, the
-    rest are refused at once (HTTP 503, gRPC UNAVAILABLE, 'Exceeds maximum queue size'), and the front serves on."""
+    rest are refused at once (HTTP 503, gRPC UNAVAILABLE, 'Exceeds maximum queue size'), and the front serves on.
+    A queue timeout (default_timeout_microseconds) refuses those still waiting after it, in Triton's words too."""
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
     from tritonclient.utils import InferenceServerException
     repo = tmp_path / "models"
     put_model(repo, "slow", slow_model(100_000),
               "max_batch_size: 1\ndynamic_batching { default_queue_policy { max_queue_size: 1 } }")
+    put_model(repo, "timed", slow_model(100_000),
+              "max_batch_size: 1\ndynamic_batching { default_queue_policy { default_timeout_microseconds: 20000 } }")
     d, grpc_at, http_at = start_importing(tmp_path, repo)
     try:
         x = np.zeros((1, 1), np.float32)
@@ -667,7 +670,23 @@ def test_a_full_queue_answers_both_protocols_in_tritons_words(tmp_path):
             assert all(float(y[0, 0]) == 100_000.0 for y in served)
             assert float(client.infer("slow", [i]).as_numpy("y")[0, 0]) == 100_000.0   # and serves on
             client.close()
+        # a queue timeout of 20 ms: of three sent together, the first runs and the two behind it are refused
+        client = httpclient.InferenceServerClient(http_at, concurrency=3)
+        i = httpclient.InferInput("x", [1, 1], "FP32")
+        i.set_data_from_numpy(x)
+        client.infer("timed", [i])
+        outcomes = []
+        for p in [client.async_infer("timed", [i]) for _ in range(3)]:
+            try:
+                outcomes.append(float(p.get_result().as_numpy("y")[0, 0]))
+            except InferenceServerException as e:
+                outcomes.append((str(e.status()), e.message()))
+        timed_out = [o for o in outcomes if isinstance(o, tuple)]
+        assert 100_000.0 in outcomes and timed_out, outcomes
+        assert all(code == "503" and "Request timeout expired" in text for code, text in timed_out), timed_out
+        client.close()
         with d.client() as c:
-            assert c.stats().executor["refused"]["queue_full"] >= 2
+            refused = c.stats().executor["refused"]
+            assert refused["queue_full"] >= 2 and refused["queue_timeout"] == len(timed_out)
     finally:
         stop_cleanly(d)

@@ -433,6 +433,10 @@ class Engine:
                     idle -= 1   # (a batch whose members all expired took no worker)
         for key in [k for k, q in self.queues.items() if not q]:
             del self.queues[key]
+        for queue in self.queues.values():   # a queue timeout answers at its time, not at the next worker's turn
+            if queue[0].queue_deadline is not None:
+                due = min(r.queue_deadline for r in queue)
+                self.wake_at = due if self.wake_at is None else min(self.wake_at, due)
 
     @staticmethod
     def _head(queue: deque, t_opt: float | None) -> list:
