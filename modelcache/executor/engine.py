@@ -434,8 +434,8 @@ class Engine:
         for key in [k for k, q in self.queues.items() if not q]:
             del self.queues[key]
         for queue in self.queues.values():   # a queue timeout answers at its time, not at the next worker's turn
-            if queue[0].queue_deadline is not None:
-                due = min(r.queue_deadline for r in queue)
+            due = queue[0].queue_deadline      # (the head's is the earliest: _expire_queued)
+            if due is not None:
                 self.wake_at = due if self.wake_at is None else min(self.wake_at, due)
 
     @staticmethod
@@ -477,13 +477,14 @@ class Engine:
         nearer to it than the model's predicted run time. Starting those would spend a worker on answers
         nobody can use; under overload that is how goodput collapses (every request started just before
         it expires, and dropped half-way)."""
-        if queue and queue[0].queue_deadline is not None:   # (a model's requests share its queue timeout)
-            for req in [r for r in queue if now > r.queue_deadline]:
-                queue.remove(req)
-                self.queue_timeouts += 1
-                self._finish(req, None, CapacityError(
-                    f"{req.model_key}: Request timeout expired: it waited for a worker longer than its model's "
-                    f"queue timeout ({req.serving['queue_timeout_ms']:g} ms)"))
+        # A queue keeps submit order (batches take from its head, put back at its head), and a model's requests
+        # share its queue timeout: the queue timeouts come due from the head.
+        while queue and queue[0].queue_deadline is not None and now > queue[0].queue_deadline:
+            req = queue.popleft()
+            self.queue_timeouts += 1
+            self._finish(req, None, CapacityError(
+                f"{req.model_key}: Request timeout expired: it waited for a worker longer than its model's "
+                f"queue timeout ({req.serving['queue_timeout_ms']:g} ms)"))
         if not any(r.deadline is not None for r in queue):
             return
         need = self._batch_time(queue[0], 1)   # never measured: 0, so only a passed deadline counts
