@@ -29,7 +29,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from modelcache.measure import compile_bytecode, ensure_models, managed_daemon, save_results
+from modelcache.measure import compile_bytecode, ensure_models, managed_daemon, save_results, summary
 
 
 def capacity(socket: str, model: str, seconds: float) -> float:
@@ -67,13 +67,6 @@ def offer(socket: str, model: str, rate: float, seconds: float, seed: int) -> di
             "p50_ms": pct(served, 0.5), "p99_ms": pct(served, 0.99), "refusal_p99_ms": pct(refused, 0.99)}
 
 
-def summary(values: list) -> str:
-    values = [v for v in values if v is not None]
-    if not values:
-        return "-"
-    return f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]"
-
-
 def report(results: dict, out=sys.stdout) -> None:
     print(f"{results['model']}, serial, capacity {results['capacity']:.1f} requests/s (closed loop, one client); "
           f"{results['seconds']:.0f} s a point, {results['rounds']} rounds; median [min-max] over rounds", file=out)
@@ -82,9 +75,10 @@ def report(results: dict, out=sys.stdout) -> None:
     for load in results["loads"]:
         for label in results["daemons"]:
             rows = [r for r in results["points"] if r["load"] == load and r["daemon"] == label]
-            print(f"{load:>5} {label:>9} {summary([r['served_per_s'] for r in rows]):>18} "
-                  f"{summary([r['refused_per_s'] for r in rows]):>18} {summary([r['p50_ms'] for r in rows]):>20} "
-                  f"{summary([r['p99_ms'] for r in rows]):>22} {summary([r['refusal_p99_ms'] for r in rows]):>16}",
+            col = lambda key: [r[key] for r in rows if r[key] is not None]  # noqa: E731  (None: nothing refused)
+            print(f"{load:>5} {label:>9} {summary(col('served_per_s')):>18} "
+                  f"{summary(col('refused_per_s')):>18} {summary(col('p50_ms')):>20} "
+                  f"{summary(col('p99_ms')):>22} {summary(col('refusal_p99_ms')):>16}",
                   file=out)
     codes = sorted({c for r in results["points"] for c in r["codes"]})
     print(f"refusals' codes: {', '.join(codes) or 'none'}; unanswered: "
