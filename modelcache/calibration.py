@@ -168,7 +168,7 @@ def request_overhead(profile: dict | None) -> float:
 SERVING_POLICIES = ("serial", "dynamic")   # what a model's own configuration can ask for
 SERVING_MAX_BATCH = 1 << 16
 _SERVING_FIELDS = {"policy", "max_batch", "max_queue_delay_ms", "preferred_batch_sizes", "device", "sequence",
-                   "max_queue", "queue_timeout_ms"}
+                   "max_queue", "queue_timeout_ms", "response_cache"}
 
 
 def check_serving(serving: dict) -> None:
@@ -176,7 +176,8 @@ def check_serving(serving: dict) -> None:
     `serving`): {"policy": "serial" or "dynamic", "max_batch": the largest request and batch (0: no limit),
     "max_queue_delay_ms", "preferred_batch_sizes", "device": "cpu" to keep it off GPU workers, "sequence": a
     stateful model's controls and states (executor/sequences.SequenceSpec), "max_queue": requests its queue holds
-    (0: the `max_queue` setting's), "queue_timeout_ms": how long a request may wait in it (0: no limit)}, each field
+    (0: the `max_queue` setting's), "queue_timeout_ms": how long a request may wait in it (0: no limit),
+    "response_cache": true to answer inputs it has answered before from the daemon's response cache}, each field
     optional. ValueError says which field is wrong."""
     if not isinstance(serving, dict):
         raise ValueError("a model's serving policy is a map of its fields")
@@ -202,6 +203,11 @@ def check_serving(serving: dict) -> None:
     if not isinstance(sizes, list) or len(sizes) > 64 or not all(type(b) is int and 1 <= b <= SERVING_MAX_BATCH
                                                                  for b in sizes):
         raise ValueError("preferred_batch_sizes must be a list of at most 64 batch sizes >= 1")
+    if type(serving.get("response_cache", False)) is not bool:
+        raise ValueError("response_cache must be true or false")
+    if serving.get("response_cache") and serving.get("sequence") is not None:   # (Triton refuses it too)
+        raise ValueError("a stateful model (sequence batching) cannot have a response cache: its answers depend "
+                         "on its state, not only its inputs")
     if serving.get("device", "cpu") != "cpu":
         raise ValueError("a model's serving device may only be \"cpu\" (its Triton instance_group KIND_CPU)")
     if serving.get("sequence") is not None and not isinstance(serving["sequence"], dict):

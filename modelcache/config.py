@@ -64,6 +64,8 @@ class Settings:
     batch_window_ms: float = 50.0      # batch(m) waits this long for m requests
     max_queue_delay_ms: float = 0.0    # dynamic batching waits at most this long for a fuller batch
     max_queue: int = 0                 # serve requests a model's queue holds; one more is refused at once; 0 = no bound
+    response_cache_size: str = "128M"  # answers kept for models that ask for a response cache (Triton's response_cache);
+                                       # bytes, least recently used out first; 0 = no response cache
     inline_run_ms: float = 1.0         # a stage predicted this short runs on the daemon's loop when nothing else is in flight; 0 = never
     front_runs: str = "short"          # short: the HTTP/gRPC fronts run a model whose run is that short themselves, over
                                        # the daemon's shared weights (docs/serve.md, "Short models at the front"); never
@@ -108,6 +110,9 @@ class Settings:
 
     def max_message_bytes(self) -> int:
         return parse_size(self.max_message_size)
+
+    def response_cache_bytes(self) -> int:
+        return parse_size(self.response_cache_size)
 
 
 MIN_CAPACITY = 64 << 10    # smaller holds no model worth caching: a typo ("10K" for "10G"), not a choice
@@ -341,6 +346,15 @@ def _batching(value) -> str:
     return value
 
 
+def _cache_size(value) -> str:
+    text = str(value).strip()
+    try:
+        parse_size(text)
+    except ConfigError:
+        raise ValueError("must be a size in bytes, e.g. 128M, or 0 for no response cache") from None
+    return text
+
+
 def _message_size(value) -> str:
     text = str(value)
     try:
@@ -371,7 +385,8 @@ RULES = {
     "gpus": _int_list(("auto", "none", "off", ""), 0, "'auto', 'none' or device indices: '0', '0,1' or [0, 1]"),
     "scheduler": _choice(*SCHEDULERS), "serve_idle_s": _positive, "batching": _batching,
     "max_batch": number(int, 0), "t_opt_ms": _non_negative, "batch_window_ms": _non_negative,
-    "max_queue_delay_ms": _non_negative, "max_queue": number(int, 0), "inline_run_ms": _non_negative,
+    "max_queue_delay_ms": _non_negative, "max_queue": number(int, 0),
+    "response_cache_size": _cache_size, "inline_run_ms": _non_negative,
     "front_runs": _choice("short", "never"), "front_hold_s": _positive, "state_dir": _directory(False),
     "metrics_port": _port, "metrics_host": _nonempty, "http_port": _port, "http_host": _nonempty,
     "grpc_port": _port, "grpc_host": _nonempty, "client_shared_memory": _bool,

@@ -322,3 +322,32 @@ def test_the_limit_that_binds_v2_memory_high_counts_and_a_namespaced_view(tmp_pa
     assert memlimit.read_limit(proc2).limit_bytes == 1 << 30
     # Nothing readable: RAM.
     assert memlimit.read_limit(tmp_path / "nowhere").source == "RAM"
+
+
+def test_pressure_drops_cached_answers_before_any_model(machine, caplog):
+    """The response cache's answers can be computed again: under pressure they go first, and models only when
+    dropping them did not free enough."""
+    import numpy as np
+    from modelcache.executor.response_cache import ResponseCache
+    parts, guard = machine.parts, machine.guard
+    for model in machine.models:
+        resident(parts, model)
+    cache = ResponseCache(1 * MiB)
+    cache.put(b"k", "m0", {"y": np.zeros(64 * KiB // 4, np.float32)})
+
+    def drop() -> int:   # as Serving.drop_answers: the answers were the daemon's heap, the neighbour's here
+        freed = cache.clear()
+        machine.neighbour -= freed
+        return freed
+
+    guard.caches.append(drop)
+    machine.neighbour = machine.headroom() - guard.reserve + 16 * KiB   # short by less than the cache holds
+    kept = cache.bytes
+    with caplog.at_level(logging.WARNING, logger="modelcache.daemon"):
+        assert guard.relieve() == kept
+    assert not cache.entries and host_keys(parts) == {m.key for m in machine.models}
+    assert parts.counters["pressure_evictions"] == 0 and guard.short is False
+    assert "dropped 64 KiB of cached answers" in caplog.text
+    machine.neighbour += 16 * KiB + parts.host.model_bytes(machine.models[0].key)   # short again, nothing cached
+    guard.relieve()
+    assert parts.counters["pressure_evictions"] >= 1 and machine.headroom() >= guard.reserve

@@ -73,6 +73,7 @@ class MemoryGuard:
         self.headroom = self.measure()   # the last reading, for status and metrics
         self.short = False            # in a pressure episode: said once, not at every reading
         self.host = None              # the host tier's Residency (set by the daemon): what is given back
+        self.caches = []              # () -> bytes freed: what goes before any model (the response cache)
 
     # -- promotions -------------------------------------------------------------------------------------
     def shortfall(self, nbytes: int) -> int:
@@ -105,6 +106,15 @@ class MemoryGuard:
                 log.info("memory pressure over: %s free under the memory limit", mib(self.headroom))
             self.short = False
             return 0
+        cached = sum(drop() for drop in self.caches)
+        if cached:   # answers can be computed again: they go first, and models only if that was not enough
+            log.warning("memory pressure: %s free under the memory limit (%s), less than memory_reserve %s; dropped "
+                        "%s of cached answers", mib(self.headroom), limit_text(self.limit), mib(self.reserve),
+                        mib(cached))
+            self.headroom = self.measure()
+            if self.headroom >= self.reserve:
+                self.short = False
+                return cached
         wanted = self.reserve + self.margin - self.headroom
         evicted, freed = self.host.give_back(wanted, counter="pressure_evictions")
         if evicted:
@@ -118,7 +128,7 @@ class MemoryGuard:
             log.warning("memory pressure: %s free under the memory limit (%s), less than memory_reserve %s, and no "
                         "idle model to give back", mib(self.headroom), limit_text(self.limit), mib(self.reserve))
         self.short = self.headroom < self.reserve
-        return freed
+        return freed + cached
 
     @property
     def margin(self) -> int:

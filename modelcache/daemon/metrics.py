@@ -113,6 +113,18 @@ def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, 
                [f'modelcache_inference_refused_total{{reason="{why}"}} {n}' for why, n in executor["refused"].items()])
         metric("modelcache_inference_in_flight", "gauge", "Serve-mode requests in flight.",
                [f"modelcache_inference_in_flight {executor['in_flight']}"])
+        cache = executor.get("response_cache")
+        if cache is not None:   # (executor/response_cache.py: models whose serving asks for it)
+            for key, kind, help_ in (
+                    ("hits", "counter", "Serve-mode requests answered from the response cache, without a run."),
+                    ("misses", "counter", "Serve-mode requests of response-cached models the cache did not have."),
+                    ("evicted", "counter", "Answers dropped from the response cache: least recently used, or memory "
+                                           "pressure."),
+                    ("bytes", "gauge", "Bytes of answers the response cache holds."),
+                    ("entries", "gauge", "Answers the response cache holds."),
+                    ("capacity_bytes", "gauge", "The response cache's size (response_cache_size).")):
+                name = f"modelcache_response_cache_{key}" + ("_total" if kind == "counter" else "")
+                metric(name, kind, help_, [f"{name} {cache[key]}"])
     lines = []
     for key, hist in sorted((infer_latency or {}).items()):   # key: "name@version", labelled as elsewhere
         name, _, version = key.rpartition("@")

@@ -31,6 +31,7 @@ from .. import __version__
 from ..wire import protocol as P
 from ..config import ConfigError, Settings
 from ..executor.engine import Engine
+from ..executor.response_cache import ResponseCache
 from ..errors import ModelCacheError, ProtocolError
 from ..tiers.disk import Repository
 from ..tiers.host import HostTier
@@ -80,7 +81,7 @@ class Daemon:
     LIVE_SETTINGS = ("log_level", "heartbeat_interval_s", "lease_timeout_s", "host_capacity", "gpu_capacity",
                      "memory_reserve", "capacity_over_limit",
                      "batching", "max_batch", "t_opt_ms", "batch_window_ms", "max_queue_delay_ms",
-                     "max_queue", "inline_run_ms")
+                     "max_queue", "inline_run_ms", "response_cache_size")
 
     def __init__(self, settings: Settings, clock=time.monotonic, wall=time.time, reload_settings=None,
                  make_policy=policy_for):
@@ -138,7 +139,9 @@ class Daemon:
                                    model_names=lambda: {n for n, _ in self.registry.models}, admins=self.admins)
         self.serving = Serving(registry=self.registry, host=self.residency, gpus=self.gpus, fetcher=self.fetcher,
                                engine=self.engine, loaders=self.loaders, admins=self.admins, clock=clock,
-                               reply=self._reply, touch=self.sessions.touch, ensembles=self.ensembles)
+                               reply=self._reply, touch=self.sessions.touch, ensembles=self.ensembles,
+                               responses=ResponseCache(settings.response_cache_bytes()))
+        self.memory.caches.append(self.serving.drop_answers)   # (pressure: cached answers go before models)
         # Message type -> handler(ident, message): each returns its reply, or None when it answers later.
         self.handlers = {**self.sessions.handlers(), **self.models.handlers(), **self.serving.handlers(),
                          P.ListModels: self.on_ListModels, P.Stats: self.on_Stats, P.Remove: self.on_Remove}
@@ -316,6 +319,7 @@ class Daemon:
                 self.gpus.set_capacity(self.settings.gpu_capacity)
             self.residency.admit()   # more room: requests waiting for it go now, in every tier
             self.engine.settings_changed()
+            self.serving.responses.resize(self.settings.response_cache_bytes())
             log.info("reloaded settings: %s", ", ".join(changed) + " applied" if changed else "nothing changed live")
         except ModelCacheError as e:
             log.error("reload failed, keeping the old settings: %s", e)
@@ -335,7 +339,8 @@ class Daemon:
         tiers = self._describe_tiers()
         self.metrics.publish(render(self.counters, tiers, self._describe_models(), len(self.registry.clients),
                                     self.wall() - self.started, self.open_latency, [s.value for s in ModelState],
-                                    self.engine.describe(), self.engine.latency_by_model))
+                                    {**self.engine.describe(), "response_cache": self.serving.responses.describe()},
+                                    self.engine.latency_by_model))
 
     def serve_forever(self, on_ready=None) -> None:
         try:
@@ -579,7 +584,9 @@ class Daemon:
 
     def on_Remove(self, ident, msg: P.Remove):
         """A model's version, or an ensemble's (daemon/ensembles.py)."""
-        return self.ensembles.remove(ident, msg) or self.models.on_Remove(ident, msg)
+        reply = self.ensembles.remove(ident, msg) or self.models.on_Remove(ident, msg)
+        self.serving.drop_answers(msg.name)   # (every version's: answers are cheap to compute again, removal rare)
+        return reply
 
     def on_Stats(self, ident, msg: P.Stats):
         now = self.clock()
@@ -597,7 +604,7 @@ class Daemon:
                             uptime_s=self.wall() - self.started, socket=self.settings.socket, clients=clients,
                             models=self._describe_models(), tiers=tiers, counters=dict(self.counters),
                             jobs=[dict(j) for j in self.jobs.values()],
-                            executor={**self.engine.describe(),
+                            executor={**self.engine.describe(), "response_cache": self.serving.responses.describe(),
                                       "lane_connections": len(self.lane.conns) if self.lane else None})
 
     def tiers(self) -> list:

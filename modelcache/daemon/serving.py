@@ -19,8 +19,10 @@ import math
 from ..wire import protocol as P, tensors
 from ..errors import InputError, ModelCacheError, ProtocolError
 from ..executor.engine import ServeRequest
+from ..executor.response_cache import ResponseCache, request_key
 from ..executor.sequences import SequenceSpec, SequenceTable
 from ..executor.stats import INFER_BUCKETS_S
+from ..memlimit import release_freed_heap
 from ..storage import storage_errors
 from ..executor.workers import select_gpus
 from .registry import HOST, ModelRecord, Registry
@@ -33,7 +35,7 @@ log = logging.getLogger("modelcache.daemon")
 
 class Serving:
     def __init__(self, *, registry: Registry, host, gpus, fetcher, engine, loaders, admins, clock, reply, touch,
-                 ensembles):
+                 ensembles, responses: ResponseCache | None = None):
         self.registry = registry
         self.host = host                  # the host tier's Residency
         self.gpus = gpus                  # daemon/gpus.py: the GPU tiers' Residency, by UUID
@@ -46,6 +48,7 @@ class Serving:
         self.touch = touch                # (client_id, ident) -> the caller's client record, kept alive
         self.ensembles = ensembles        # daemon/ensembles.py: pipelines of models served here
         ensembles.serve = self.serve
+        self.responses = responses or ResponseCache(0)   # answers of models that ask for it (response_cache.py)
         self.serve_specs: dict = {}             # model key -> (segments, stage specs), see _serve_specs
         self.serve_device_specs: dict = {}      # (model key, device UUID) -> its GPU stage specs
         self.sequence_specs: dict = {}          # model key -> (its manifest's serving["sequence"], SequenceSpec)
@@ -73,6 +76,16 @@ class Serving:
 
             self.engine.drop_model(key, then=dropped)
         self.serve_specs.pop(key, None)
+
+    def drop_answers(self, name: str | None = None) -> int:
+        """The response cache's answers of model `name` (every version: it was removed), or all of them (memory
+        pressure: then the heap they leave goes back to the OS too); the bytes freed."""
+        if name is not None:
+            return self.responses.forget(name)
+        freed = self.responses.clear()
+        if freed:
+            release_freed_heap()
+        return freed
 
     def forget_copy(self, key: str, tier: str) -> None:
         """A copy of the model was freed or replaced: what was built over it goes."""
@@ -286,6 +299,17 @@ class Serving:
             wanted = output_names or [o for o in outputs if o not in spec.state_outputs
                                       or any(s.returned for s in spec.states if s.output == o)]
             output_names = None if not output_names else list(dict.fromkeys(output_names + sorted(spec.state_outputs)))
+        cache_key, lookup_s = None, 0.0
+        if spec is None and model.manifest.serving.get("response_cache") and self.responses.enabled:
+            started = self.clock()
+            cache_key = request_key(f"{model.key}\0{model.manifest.source_sha256}", feeds, output_names)
+            cached = self.responses.get(cache_key)
+            lookup_s = self.clock() - started
+            if cached is not None:   # answered as it was before: nothing held, promoted or run
+                self.engine.cache_hit(model.key, arrival, lookup_s)
+                answer(cached, {"total_ms": (self.clock() - arrival) * 1e3, "queue_ms": 0.0, "stages": [],
+                                "cached": True}, None)
+                return
         held = self.host.hold_request(model)   # not evicted under it (nor its GPU copies, submit: held.also)
         sequence_done: list = []  # the sequence's done(states), once the request runs
         fed = [feeds]             # what the engine runs: the client's feeds (a sequence's: with its controls, state)
@@ -301,6 +325,11 @@ class Serving:
                 self.host.end(held)
                 if sequence_done:   # the sequence's next request may go now, with this one's state
                     sequence_done[0](states)
+            if cache_key is not None:   # (after the answer: the client need not wait for the copy kept)
+                started = self.clock()
+                if error is None:
+                    self.responses.put(cache_key, model.name, result)
+                self.engine.cache_missed(model.key, lookup_s + self.clock() - started)
 
         def submit():
             segments, specs, batchable = self._serve_specs(model)

@@ -259,6 +259,8 @@ class Engine:
             return False
         if self._policy_of(model_key, serving) != "serial":
             return False
+        if (serving or {}).get("response_cache") and self.settings.response_cache_bytes() > 0:
+            return False   # (its answers are the daemon's response cache's: a front would run every request)
         kinds = dict.fromkeys(w.state.kind for w in self.workers)
         predicted = [p for p in (self.perf.shortest(model_key, 0, k) for k in kinds) if p is not None]
         return bool(predicted) and min(predicted) <= self.settings.inline_run_ms / 1e3
@@ -708,6 +710,16 @@ class Engine:
             self.failed += 1
             req.finish(None, req.timings, error)
         self._stats(req.model_key).finished(now, req.samples, req.timings, error is None)
+
+    def cache_hit(self, model_key: str, arrival: float, lookup_s: float) -> None:
+        """A request of the model the daemon answered from its response cache, without submitting it."""
+        now = self.clock()
+        self.served += 1
+        self.latencies_ms.append((now - arrival) * 1e3)
+        self._stats(model_key).cache_hit(now, now - arrival, lookup_s)
+
+    def cache_missed(self, model_key: str, seconds: float) -> None:
+        self._stats(model_key).cache_missed(seconds)
 
     def absorb_front(self, model_key: str, report: dict) -> None:
         """A front's report of the model's requests it ran itself (Engine.front_may_run): in every count."""

@@ -15,7 +15,7 @@ class ModelServeStats:
     request's total, its queue wait (summed over stages) and its stages' run time."""
 
     __slots__ = ("latency", "samples", "queue_s", "run_s", "failed", "failed_s", "executions", "last_at",
-                 "last_unix_ms")
+                 "last_unix_ms", "cache_hits", "cache_hit_s", "cache_misses", "cache_miss_s")
 
     def __init__(self):
         self.latency = Histogram(INFER_BUCKETS_S)   # successful requests: their count, summed seconds, buckets
@@ -28,6 +28,12 @@ class ModelServeStats:
         self.last_at = None       # engine clock of the last answer, success or failure
         self.last_unix_ms = None  # the same moment on the wall clock: Triton's last_inference, the same
                                   # however often and from wherever it is asked (not now less idle_s)
+        # The response cache (executor/response_cache.py), as Triton counts it: a hit is a success that never ran
+        # (no samples, no execution), timed by its lookup; a miss's time is its lookup and the answer's insertion.
+        self.cache_hits = 0
+        self.cache_hit_s = 0.0
+        self.cache_misses = 0
+        self.cache_miss_s = 0.0
 
     def finished(self, now: float, samples: int, timings: dict, ok: bool) -> None:
         self.last_at = now
@@ -41,6 +47,19 @@ class ModelServeStats:
         self.samples += samples
         self.queue_s += timings["queue_ms"] / 1e3
         self.run_s += sum(s["run_ms"] for s in timings["stages"]) / 1e3
+
+    def cache_hit(self, now: float, total_s: float, lookup_s: float) -> None:
+        """A request answered from the response cache: a success, with no run and no queue."""
+        self.last_at = now
+        self.last_unix_ms = int(time.time() * 1e3)
+        self.latency.observe(total_s)
+        self.cache_hits += 1
+        self.cache_hit_s += lookup_s
+
+    def cache_missed(self, seconds: float) -> None:
+        """A request the response cache did not have: its lookup and (once it ran) its insertion took `seconds`."""
+        self.cache_misses += 1
+        self.cache_miss_s += seconds
 
     def absorb(self, now: float, report: dict) -> None:
         """Requests a front ran itself (oip/front_runs.py; FrontServed checked them): counted as the engine's own,
@@ -59,6 +78,7 @@ class ModelServeStats:
     def describe(self, now: float) -> dict:
         return {"success": self.latency.n, "success_s": self.latency.total, "samples": self.samples,
                 "queue_s": self.queue_s, "run_s": self.run_s, "failed": self.failed, "failed_s": self.failed_s,
-                "executions": self.executions,
+                "executions": self.executions, "cache_hits": self.cache_hits, "cache_hit_s": self.cache_hit_s,
+                "cache_misses": self.cache_misses, "cache_miss_s": self.cache_miss_s,
                 "idle_s": None if self.last_at is None else max(0.0, now - self.last_at),
                 "last_unix_ms": self.last_unix_ms}

@@ -47,6 +47,7 @@ HONOURED = {"name", "platform", "backend", "version_policy", "max_batch_size", "
             "dynamic_batching.default_queue_policy.default_timeout_microseconds",
             "dynamic_batching.default_queue_policy.allow_timeout_override",
             "instance_group.name", "instance_group.kind",
+            "response_cache.enable",   # the daemon's response cache (executor/response_cache.py)
             # sequence_batching (sequence.py, executor/sequences.py)
             "sequence_batching.max_sequence_idle_microseconds", "sequence_batching.control_input.name",
             "sequence_batching.control_input.control.kind", "sequence_batching.control_input.control.int32_false_true",
@@ -60,6 +61,7 @@ HONOURED = {"name", "platform", "backend", "version_policy", "max_batch_size", "
             "sequence_batching.oldest.max_candidate_sequences", "sequence_batching.oldest.preferred_batch_size",
             "sequence_batching.oldest.max_queue_delay_microseconds"}
 CONTAINERS = {"input", "output", "dynamic_batching", "dynamic_batching.default_queue_policy", "instance_group",
+              "response_cache",
               "sequence_batching",
               "sequence_batching.control_input", "sequence_batching.control_input.control", "sequence_batching.state",
               "sequence_batching.state.initial_state", "sequence_batching.direct", "sequence_batching.oldest"}
@@ -98,6 +100,7 @@ class ModelPlan:
             text += f", {s['queue_timeout_ms'] * 1000:.0f} us in the queue"
         if s.get("policy") != "dynamic" and s.get("max_batch"):
             text += f", at most {s['max_batch']} rows"
+        text += ", response cache" if s.get("response_cache") else ""
         return text + (f", {s['device'].upper()} only" if s.get("device") == "cpu" else "")
 
 
@@ -351,6 +354,14 @@ def _serving(config: mc.ModelConfig) -> dict:
             serving["queue_timeout_ms"] = min(queue.default_timeout_microseconds / 1000, 3.6e6)
     if config.WhichOneof("scheduling_choice") == "sequence_batching":
         serving.update(sequence.serving(config))
+    if config.response_cache.enable:   # refused where Triton refuses it (model_config_utils.cc), in its words
+        stateful = config.WhichOneof("scheduling_choice") == "sequence_batching"
+        refused = "sequence batching scheduler" if stateful else \
+            "'decoupled' transaction policy" if config.model_transaction_policy.decoupled else None
+        if refused:
+            raise InputError(f"Response Cache does not currently support model {config.name} with {refused}. "
+                             "Please disable the response cache.")
+        serving["response_cache"] = True
     kinds = {g.kind for g in config.instance_group}
     if kinds == {mc.ModelInstanceGroup.KIND_CPU}:
         serving["device"] = "cpu"   # never on a GPU worker; KIND_GPU serves where the daemon has GPU workers
