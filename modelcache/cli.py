@@ -463,7 +463,8 @@ def cmd_add(args) -> int:
         repo = Repository(settings.repository_path)
         t0 = time.perf_counter()  # (no version given: pack reserves the next free one, safe against other adds)
         m = pack(path, repo.root, args.name, args.version, args.opt_level or settings.opt_level, _progress_bar(),
-                 owner_uid=os.getuid(), with_prepacked=settings.prepack if args.prepack is None else args.prepack)
+                 owner_uid=os.getuid(), with_prepacked=settings.prepack if args.prepack is None else args.prepack,
+                 declared=_declared(args))
         print(f"\nadded {m.name}@{m.version} to {repo.root} (no daemon running): {len(m.tensors)} tensors, "
               f"{_human(m.weights_bytes)}, {time.perf_counter() - t0:.2f} s")
         return 0
@@ -471,6 +472,11 @@ def cmd_add(args) -> int:
         r = _add_with_progress(client, settings.socket, path, args)
     print(f"added {r.name}@{r.version}: {r.tensors} tensors, {_human(r.weights_bytes)}, packed in {r.pack_s:.2f} s")
     return 0
+
+
+def _declared(args) -> dict | None:
+    """What `add`'s flags declare of the model's serving (as a Triton config would: triton_repo/config.py)."""
+    return {"serving": {"response_cache": True}} if args.response_cache else None
 
 
 def _add_with_progress(client, socket: str, path: str, args):
@@ -483,7 +489,8 @@ def _add_with_progress(client, socket: str, path: str, args):
 
     def add():
         try:
-            result["reply"] = client.add(path, args.name, args.version, args.opt_level, prepack=args.prepack)
+            result["reply"] = client.add(path, args.name, args.version, args.opt_level, prepack=args.prepack,
+                                         declared=_declared(args))
         except BaseException as e:  # re-raised on the main thread
             result["error"] = e
 
@@ -696,6 +703,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also store MLAS-prepacked MatMul weights that every client shares (MatMul-heavy models: "
                         "warm runs as fast as plain ORT, opens ~0.3 s slower, twice the host tier); "
                         "default: the prepack setting (off)")
+    a.add_argument("--response-cache", action="store_true",
+                   help="serve mode answers inputs it has answered before from the daemon's response cache "
+                        "(only for a model whose outputs depend on its inputs alone; response_cache_size bounds it)")
     a.add_argument("--require-daemon", action="store_true", help="fail instead of packing offline")
     a.set_defaults(func=cmd_add, uses=add_settings)
 

@@ -186,3 +186,28 @@ def test_repeated_inputs_are_answered_from_the_cache_across_fronts_and_clients(t
         h.close()
     finally:
         stop_cleanly(d)
+
+
+def test_add_response_cache_declares_it_with_a_daemon_or_without(tmp_path, zoo_file):
+    """`modelcache add --response-cache`: through the daemon, and packed offline for the next daemon to serve."""
+    from conftest import DaemonProcess
+    src = zoo_file("tiny-cnn")
+    x = np.ones((1, 3, 32, 32), np.float32)
+    d = DaemonProcess(tmp_path)
+    offline = subprocess.run([sys.executable, "-m", "modelcache.cli", "add", src, "--name", "early",
+                              "--response-cache"], env=d.env, capture_output=True, text=True, timeout=120)
+    assert offline.returncode == 0 and "no daemon running" in offline.stdout, offline.stdout + offline.stderr
+    d.start()
+    try:
+        online = subprocess.run([sys.executable, "-m", "modelcache.cli", "add", src, "--name", "late",
+                                 "--response-cache"], env=d.env, capture_output=True, text=True, timeout=120)
+        assert online.returncode == 0, online.stdout + online.stderr
+        with d.client() as c:
+            c.add(src, "plain")
+            for name in ("early", "late", "plain"):
+                first, _ = c.infer(name, {"input": x})
+                again, timings = c.infer(name, {"input": x})
+                np.testing.assert_array_equal(first["logits"], again["logits"])
+                assert bool(timings.get("cached")) is (name != "plain"), (name, timings)
+    finally:
+        stop_cleanly(d)
