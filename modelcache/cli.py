@@ -391,7 +391,7 @@ def format_status(st) -> str:
         rc = ex.get("response_cache") or {}
         if rc.get("hits") or rc.get("misses") or rc.get("entries"):   # (only where a model asks for one)
             print(f"response cache: {rc['hits']} hits, {rc['misses']} misses; {_count(rc['entries'], 'answer')}, "
-                  f"{rc['bytes'] / 2**20:.1f} / {rc['capacity_bytes'] / 2**20:.0f} MiB", file=out)
+                  f"{rc['bytes'] / 2**20:.1f} / {rc['capacity_bytes'] / 2**20:.0f} MiB in the daemon", file=out)
     print("\nTIER   USED / CAPACITY          PATH", file=out)
     for t in st.tiers:
         cap = _human(t["capacity_bytes"]) if t["capacity_bytes"] else "unbounded"

@@ -128,6 +128,10 @@ def test_repeated_inputs_are_answered_from_the_cache_across_fronts_and_clients(t
     put_model(repo, "cached", None, config + "response_cache { enable: true }")
     save("tiny-cnn", repo / "plain" / "1" / "model.onnx")
     put_model(repo, "plain", None, config)
+    save("tiny-cnn", repo / "short" / "1" / "model.onnx")    # no batching: a front runs it itself once measured
+    put_model(repo, "short", None, 'max_batch_size: 0\ninput [ { name: "input" data_type: TYPE_FP32 dims: '
+              '[ 1, 3, 32, 32 ] } ]\noutput [ { name: "logits" data_type: TYPE_FP32 dims: [ 1, 10 ] } ]\n'
+              "response_cache { enable: true }")
     settings = tmp_path / "modelcache.toml"
     settings.write_text('response_cache_size = "1M"\n')
     d, grpc_at, http_at = start_importing(tmp_path, repo, {"MODELCACHE_CONFIG": str(settings)})
@@ -144,15 +148,22 @@ def test_repeated_inputs_are_answered_from_the_cache_across_fronts_and_clients(t
             i.set_data_from_numpy(x)
             return client.infer(model, [i]).as_numpy("logits")
 
-        for _ in range(3):
+        def settled(client, model, **expected):   # (a front reports what its own cache answered once a second)
+            wait_until(lambda: all(model_statistics(client, model)[k] == v for k, v in expected.items()), 10,
+                       f"{model}'s statistics to say {expected}")
+            return model_statistics(client, model)
+
+        for _ in range(3):     # the first runs on the daemon; the gRPC front answers the others from its own cache
             np.testing.assert_allclose(infer(grpcclient, g, "cached", a), expected[id(a)], rtol=1e-5, atol=1e-6)
-        s = model_statistics(g, "cached")
+        s = settled(g, "cached", hits=2)
         assert (s["hits"], s["misses"], s["success"], s["executions"], s["computed"]) == (2, 1, 3, 1, 1), s
         assert s["hit_ns"] > 0
-        # other inputs are another answer; the same inputs over HTTP are the same one (the cache is the daemon's)
+        # other inputs are another answer; the same inputs through the HTTP front are the same one (the daemon's
+        # cache is every front's)
         np.testing.assert_allclose(infer(grpcclient, g, "cached", b), expected[id(b)], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(infer(httpclient, h, "cached", a), expected[id(a)], rtol=1e-5, atol=1e-6)
-        assert model_statistics(h, "cached")["hits"] == 3 and model_statistics(h, "cached")["misses"] == 2
+        s = settled(h, "cached", hits=3, misses=2)
+        assert (s["executions"], s["success"]) == (2, 5), s
         with d.client() as c:   # and a serve-mode client's request too, told it was cached
             outputs, timings = c.infer("cached", {"input": b})
             np.testing.assert_allclose(outputs["logits"], expected[id(b)], rtol=1e-5, atol=1e-6)
@@ -161,18 +172,42 @@ def test_repeated_inputs_are_answered_from_the_cache_across_fronts_and_clients(t
         for _ in range(3):      # a model that did not ask is never cached
             infer(grpcclient, g, "plain", a)
         assert model_statistics(g, "plain")["hits"] == 0
+        # a model the front runs itself (once the daemon has timed it): its answers kept at the front as well
+        sent = [0]
+
+        def short(x):
+            sent[0] += 1
+            np.testing.assert_allclose(infer(grpcclient, g, "short", x), ref.run(None, {"input": x})[0],
+                                       rtol=1e-5, atol=1e-6)
+
+        def front_holds_short() -> bool:
+            short(rng.standard_normal((1, 3, 32, 32)).astype(np.float32))
+            with d.client() as c:
+                return next(m for m in c.list() if m["name"] == "short")["refcount"] > 0
+
+        wait_until(front_holds_short, 20, "the gRPC front running short itself")
+        before = settled(g, "short", success=sent[0])
+        y = rng.standard_normal((1, 3, 32, 32)).astype(np.float32)
+        for _ in range(3):
+            short(y)
+        after = settled(g, "short", success=sent[0])
+        assert [after[k] - before[k] for k in ("hits", "misses", "executions")] == [2, 1, 1], (before, after)
         status = subprocess.run([sys.executable, "-m", "modelcache.cli", "status"], env=d.env, capture_output=True,
                                 text=True, timeout=60)
-        assert "response cache: 4 hits, 2 misses; 2 answers" in status.stdout, status.stdout
-        # a reload to size 0: the answers go, and every request runs again
+        assert f"response cache: {4 + after['hits']} hits, {2 + after['misses']} misses;" in status.stdout, \
+            status.stdout
+        # a reload to size 0: the daemon's answers go, and every request runs again (a front learns it with the
+        # model's description, within INTERFACE_TTL_S, and drops its own)
         settings.write_text('response_cache_size = "0"\n')
         os.kill(d.pid, signal.SIGHUP)
         wait_until(lambda: "response_cache_size" in d.log_path.read_text(), 15, "the reload")
-        infer(grpcclient, g, "cached", a)
-        s = model_statistics(g, "cached")
-        assert (s["hits"], s["executions"]) == (4, 3), s
         with d.client() as c:
             assert c.stats().executor["response_cache"]["entries"] == 0
+        wait_until(lambda: infer(grpcclient, g, "cached", a) is not None and
+                   model_statistics(g, "cached")["executions"] >= 3, 15, "a request that runs again")
+        ran = model_statistics(g, "cached")["executions"]
+        infer(grpcclient, g, "cached", a)
+        settled(g, "cached", executions=ran + 1)   # (run, not answered from any cache)
         # back on, an answer kept; the model removed: its answers go with it
         settings.write_text('response_cache_size = "1M"\n')
         os.kill(d.pid, signal.SIGHUP)

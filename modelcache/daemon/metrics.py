@@ -116,12 +116,13 @@ def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, 
         cache = executor.get("response_cache")
         if cache is not None:   # (executor/response_cache.py: models whose serving asks for it)
             for key, kind, help_ in (
-                    ("hits", "counter", "Serve-mode requests answered from the response cache, without a run."),
-                    ("misses", "counter", "Serve-mode requests of response-cached models the cache did not have."),
-                    ("evicted", "counter", "Answers dropped from the response cache: least recently used, or memory "
-                                           "pressure."),
-                    ("bytes", "gauge", "Bytes of answers the response cache holds."),
-                    ("entries", "gauge", "Answers the response cache holds."),
+                    ("hits", "counter", "Serve-mode requests answered from a response cache (the daemon's or a "
+                                        "front's), without a run."),
+                    ("misses", "counter", "Serve-mode requests of response-cached models no cache had."),
+                    ("evicted", "counter", "Answers dropped from the daemon's response cache: least recently used, "
+                                           "or memory pressure."),
+                    ("bytes", "gauge", "Bytes of answers the daemon's response cache holds."),
+                    ("entries", "gauge", "Answers the daemon's response cache holds."),
                     ("capacity_bytes", "gauge", "The response cache's size (response_cache_size).")):
                 name = f"modelcache_response_cache_{key}" + ("_total" if kind == "counter" else "")
                 metric(name, kind, help_, [f"{name} {cache[key]}"])

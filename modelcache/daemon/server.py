@@ -339,7 +339,7 @@ class Daemon:
         tiers = self._describe_tiers()
         self.metrics.publish(render(self.counters, tiers, self._describe_models(), len(self.registry.clients),
                                     self.wall() - self.started, self.open_latency, [s.value for s in ModelState],
-                                    {**self.engine.describe(), "response_cache": self.serving.responses.describe()},
+                                    {**self.engine.describe(), "response_cache": self._response_cache()},
                                     self.engine.latency_by_model))
 
     def serve_forever(self, on_ready=None) -> None:
@@ -604,8 +604,13 @@ class Daemon:
                             uptime_s=self.wall() - self.started, socket=self.settings.socket, clients=clients,
                             models=self._describe_models(), tiers=tiers, counters=dict(self.counters),
                             jobs=[dict(j) for j in self.jobs.values()],
-                            executor={**self.engine.describe(), "response_cache": self.serving.responses.describe(),
+                            executor={**self.engine.describe(), "response_cache": self._response_cache(),
                                       "lane_connections": len(self.lane.conns) if self.lane else None})
+
+    def _response_cache(self) -> dict:
+        """The daemon's response cache (its answers, bytes, evictions) with every model's hits and misses, the
+        fronts' own caches' included."""
+        return {**self.serving.responses.describe(), **self.engine.cache_counts()}
 
     def tiers(self) -> list:
         """Each memory tier's residency manager: the host tier's, then each GPU's."""

@@ -19,7 +19,7 @@ import math
 from ..wire import protocol as P, tensors
 from ..errors import InputError, ModelCacheError, ProtocolError
 from ..executor.engine import ServeRequest
-from ..executor.response_cache import ResponseCache, request_key
+from ..executor.response_cache import ResponseCache, model_identity, request_key
 from ..executor.sequences import SequenceSpec, SequenceTable
 from ..executor.stats import INFER_BUCKETS_S
 from ..memlimit import release_freed_heap
@@ -108,7 +108,11 @@ class Serving:
                                         if k in e} for e in model.manifest.stages],
                                model_config=model.manifest.model_config, source_sha256=model.manifest.source_sha256,
                                labels=model.manifest.labels, overridable=io["overridable"],
-                               front_runs=self._front_runs(model))
+                               front_runs=self._front_runs(model), response_cache=self._caches(model))
+
+    def _caches(self, model: ModelRecord) -> bool:
+        """Whether the model's answers are cached: it asks (never a stateful one: check_serving) and the cache is on."""
+        return bool(model.manifest.serving.get("response_cache")) and self.responses.enabled
 
     def _front_runs(self, model: ModelRecord) -> dict:
         """What a front needs to run the model itself ({max_batch}), when the engine says it may; else {}. Not a
@@ -128,7 +132,7 @@ class Serving:
             if model is None:
                 continue
             self.engine.absorb_front(key, report)
-            if sum(report["counts"]) or report["failed"]:
+            if sum(report["counts"]) - report["cache_hits"] or report["failed"]:   # (a hit is no call of the model)
                 self.host.accessed(model)
         return P.Ack(req_id=msg.req_id)
 
@@ -300,9 +304,9 @@ class Serving:
                                       or any(s.returned for s in spec.states if s.output == o)]
             output_names = None if not output_names else list(dict.fromkeys(output_names + sorted(spec.state_outputs)))
         cache_key, lookup_s = None, 0.0
-        if spec is None and model.manifest.serving.get("response_cache") and self.responses.enabled:
+        if self._caches(model):
             started = self.clock()
-            cache_key = request_key(f"{model.key}\0{model.manifest.source_sha256}", feeds, output_names)
+            cache_key = request_key(model_identity(model.key, model.manifest.source_sha256), feeds, output_names)
             cached = self.responses.get(cache_key)
             lookup_s = self.clock() - started
             if cached is not None:   # answered as it was before: nothing held, promoted or run
@@ -535,7 +539,8 @@ def _front_report(key, report) -> dict:
         raise ProtocolError(f"front_served: {key[:80]}'s counts must be {len(INFER_BUCKETS_S) + 1} counts >= 0")
     out = {"counts": counts}
     for name, kind in (("success_s", float), ("samples", int), ("run_s", float), ("failed", int),
-                       ("failed_s", float), ("last_unix_ms", int)):
+                       ("failed_s", float), ("last_unix_ms", int), ("cache_hits", int), ("cache_hit_s", float),
+                       ("cache_misses", int), ("cache_miss_s", float)):
         value = fields.get(name, 0)
         if type(value) not in ((int,) if kind is int else (int, float)) or not math.isfinite(value) or value < 0:
             raise ProtocolError(f"front_served: {key[:80]}'s {name} must be a finite number >= 0")

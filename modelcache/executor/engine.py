@@ -259,8 +259,6 @@ class Engine:
             return False
         if self._policy_of(model_key, serving) != "serial":
             return False
-        if (serving or {}).get("response_cache") and self.settings.response_cache_bytes() > 0:
-            return False   # (its answers are the daemon's response cache's: a front would run every request)
         kinds = dict.fromkeys(w.state.kind for w in self.workers)
         predicted = [p for p in (self.perf.shortest(model_key, 0, k) for k in kinds) if p is not None]
         return bool(predicted) and min(predicted) <= self.settings.inline_run_ms / 1e3
@@ -720,6 +718,11 @@ class Engine:
 
     def cache_missed(self, model_key: str, seconds: float) -> None:
         self._stats(model_key).cache_missed(seconds)
+
+    def cache_counts(self) -> dict:
+        """Response-cache hits and misses of every model, the fronts' own caches' included (their reports)."""
+        return {"hits": sum(s.cache_hits for s in self.model_stats.values()),
+                "misses": sum(s.cache_misses for s in self.model_stats.values())}
 
     def absorb_front(self, model_key: str, report: dict) -> None:
         """A front's report of the model's requests it ran itself (Engine.front_may_run): in every count."""

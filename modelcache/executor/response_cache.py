@@ -2,8 +2,9 @@
 running it (Triton's `response_cache { enable: true }`; docs/serve.md, "A response cache").
 
 Only models that ask for it are cached (their manifest's `serving.response_cache`): a model is cached only where
-the same inputs always give the same outputs, which the daemon cannot know. Runs on the daemon's owner loop, as
-the engine does: no lock.
+the same inputs always give the same outputs, which the daemon cannot know. The daemon keeps one, on its owner
+loop as the engine (no lock), that every client and front shares; each protocol front keeps one too, on its
+loop (oip/operations.py), so that a hit there costs no round trip to the daemon.
 
 The key is a SHA-256 of everything an answer depends on: the model version's identity (its key and the sha256
 of the file it was added from, so a version removed and added again from another file never meets the old
@@ -26,6 +27,11 @@ from collections import OrderedDict
 import numpy as np
 
 ENTRY_OVERHEAD = 512   # bytes an entry costs beyond its arrays' data: the key, the dict, the arrays' headers
+
+
+def model_identity(model_key: str, source_sha256: str) -> str:
+    """What tells one model version's answers from another's: its key ("name@version") and its file's sha256."""
+    return f"{model_key}\0{source_sha256}"
 
 
 def request_key(identity: str, feeds: dict, output_names: list | None) -> bytes:
@@ -75,6 +81,7 @@ class ResponseCache:
     def __init__(self, capacity_bytes: int):
         self.capacity = max(0, int(capacity_bytes))
         self.entries: OrderedDict[bytes, tuple[str, dict, int]] = OrderedDict()   # key -> (owner, answer, bytes)
+        self.owners: dict[str, set] = {}   # owner -> its keys (forget is asked of models that have none, often)
         self.bytes = 0
         self.hits = 0
         self.misses = 0
@@ -97,27 +104,26 @@ class ResponseCache:
         return dict(entry[1])
 
     def put(self, key: bytes, owner: str, outputs: dict) -> bool:
-        """Keep `outputs` as the answer to `key` (`owner`: the model version's key, for forget). False when it
-        was not kept: the cache is off, or the answer alone is bigger than it."""
+        """Keep `outputs` as the answer to `key` (`owner`: the model's name, for forget). False when it was not
+        kept: the cache is off, or the answer alone is bigger than it."""
         if not self.enabled:
             return False
         size = answer_bytes(outputs)
         if size > self.capacity:
             self.too_big += 1
             return False
-        old = self.entries.pop(key, None)
-        if old is not None:
-            self.bytes -= old[2]
+        if key in self.entries:
+            self._drop(key)
         self.entries[key] = (owner, frozen(outputs), size)
+        self.owners.setdefault(owner, set()).add(key)
         self.bytes += size
         self.inserted += 1
         self._fit(self.capacity)
         return True
 
     def forget(self, owner: str) -> int:
-        """Drop every answer of one model version (it was removed); the bytes freed."""
-        gone = [key for key, entry in self.entries.items() if entry[0] == owner]
-        return sum(self._drop(key) for key in gone)
+        """Drop every answer `owner` (a model's name) put; the bytes freed."""
+        return sum(self._drop(key) for key in list(self.owners.get(owner, ())))
 
     def resize(self, capacity_bytes: int) -> None:
         """A new capacity (the setting reloaded): answers beyond it go, oldest first."""
@@ -129,6 +135,7 @@ class ResponseCache:
         freed = self.bytes
         self.evicted += len(self.entries)
         self.entries.clear()
+        self.owners.clear()
         self.bytes = 0
         return freed
 
@@ -144,6 +151,10 @@ class ResponseCache:
             self._drop(next(iter(self.entries)))
 
     def _drop(self, key: bytes) -> int:
-        _owner, _answer, size = self.entries.pop(key)
+        owner, _answer, size = self.entries.pop(key)
+        keys = self.owners[owner]
+        keys.discard(key)
+        if not keys:
+            del self.owners[owner]
         self.bytes -= size
         return size

@@ -63,14 +63,19 @@ class ModelServeStats:
 
     def absorb(self, now: float, report: dict) -> None:
         """Requests a front ran itself (oip/front_runs.py; FrontServed checked them): counted as the engine's own,
-        each its own execution, none queued."""
+        each its own execution, none queued; and those its response cache answered or missed."""
         ok = sum(report["counts"])
         self.latency.merge(report["counts"], report["success_s"])
         self.samples += report["samples"]
         self.run_s += report["run_s"]
         self.failed += report["failed"]
         self.failed_s += report["failed_s"]
-        self.executions += ok
+        hits = report.get("cache_hits", 0)   # (answered from the front's response cache: they never ran)
+        self.executions += ok - hits
+        self.cache_hits += hits
+        self.cache_hit_s += report.get("cache_hit_s", 0.0)
+        self.cache_misses += report.get("cache_misses", 0)
+        self.cache_miss_s += report.get("cache_miss_s", 0.0)
         if ok or report["failed"]:
             self.last_at = now
             self.last_unix_ms = max(self.last_unix_ms or 0, report["last_unix_ms"])

@@ -42,30 +42,34 @@ class _Open:
 
 
 class _Served:
-    """What the engine would have counted of one model version's requests run here since the last report."""
+    """What the engine would have counted of one model version's requests run or answered from this front's response
+    cache since the last report."""
 
-    __slots__ = ("latency", "samples", "run_s", "failed", "failed_s", "last_unix_ms")
+    __slots__ = ("latency", "samples", "run_s", "failed", "failed_s", "last_unix_ms", "cache_hits", "cache_hit_s",
+                 "cache_misses", "cache_miss_s")
+    COUNTS = ("samples", "run_s", "failed", "failed_s", "cache_hits", "cache_hit_s", "cache_misses", "cache_miss_s")
 
     def __init__(self):
-        self.latency = Histogram(INFER_BUCKETS_S)
+        self.latency = Histogram(INFER_BUCKETS_S)   # successes: run here, or answered from this front's cache
         self.samples = 0
         self.run_s = 0.0
         self.failed = 0
         self.failed_s = 0.0
         self.last_unix_ms = 0
+        self.cache_hits = 0       # this front's response cache (oip/operations.py): as the engine counts its own
+        self.cache_hit_s = 0.0
+        self.cache_misses = 0     # (only those run here: the daemon counts those it served, from its cache or not)
+        self.cache_miss_s = 0.0
 
     def absorb(self, other: "_Served") -> None:
         self.latency.merge(other.latency.counts, other.latency.total)
-        self.samples += other.samples
-        self.run_s += other.run_s
-        self.failed += other.failed
-        self.failed_s += other.failed_s
+        for name in self.COUNTS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
         self.last_unix_ms = max(self.last_unix_ms, other.last_unix_ms)
 
     def wire(self) -> dict:
-        return {"counts": self.latency.counts, "success_s": self.latency.total, "samples": self.samples,
-                "run_s": self.run_s, "failed": self.failed, "failed_s": self.failed_s,
-                "last_unix_ms": self.last_unix_ms}
+        return {"counts": self.latency.counts, "success_s": self.latency.total, "last_unix_ms": self.last_unix_ms,
+                **{name: getattr(self, name) for name in self.COUNTS}}
 
 
 class FrontRunner:
@@ -130,6 +134,20 @@ class FrontRunner:
         served.samples += samples
         served.run_s += done - t0
         return dict(zip(names, values))
+
+    def cache_hit(self, name: str, version: int, started: float, lookup_s: float) -> None:
+        """A request this front answered from its response cache: a success that never ran, as the engine's."""
+        served = self._served_of(f"{name}@{version}")
+        served.latency.observe(self.clock() - started)
+        served.cache_hits += 1
+        served.cache_hit_s += lookup_s
+        self._start()
+
+    def cache_missed(self, name: str, version: int, seconds: float) -> None:
+        served = self._served_of(f"{name}@{version}")
+        served.cache_misses += 1
+        served.cache_miss_s += seconds
+        self._start()
 
     async def let_go(self, name: str) -> None:
         """This front unloads the model: its sessions here go, those opening too, so the daemon may evict it."""

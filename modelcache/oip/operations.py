@@ -18,6 +18,7 @@ import numpy as np
 from .. import __version__
 from ..wire import protocol as P, tensors
 from ..errors import InputError, ModelCacheError, ModelNotFound
+from ..executor.response_cache import ResponseCache, model_identity, request_key
 from . import types
 from .link import DaemonLink
 from .classification import classify
@@ -86,6 +87,9 @@ class Operations:
         # (name, version) -> (when read, interface_of's answer): a describe per request would cost a round trip;
         # a model imported again with another reshape or labels is seen within INTERFACE_TTL_S.
         self.interfaces: dict = {}
+        # Answers of models that ask for a response cache, kept here too: a hit costs this front's hashing, not a
+        # round trip to the daemon, whose own cache every front and client shares. Bounded by the same setting.
+        self.answers = ResponseCache(settings.response_cache_bytes())
 
     async def ready(self) -> str | None:
         """None when the daemon answers; else why the server is not ready."""
@@ -126,17 +130,21 @@ class Operations:
     async def interface_of(self, name: str, version: int | None) -> tuple:
         """(its Triton reshape or None (oip/reshape.py), its outputs' class labels, whether it batches, the inputs
         its configuration requires or None (oip/inputs.py), (the version, what running it here needs) when the
-        daemon says this front may run it itself, else None (front_runs.py)), read from the model's description
-        at most every INTERFACE_TTL_S."""
+        daemon says this front may run it itself, else None (front_runs.py), (the version, its answers' identity)
+        when its answers may be cached, else None), read from the model's description at most every
+        INTERFACE_TTL_S."""
         now = time.monotonic()
         cached = self.interfaces.get((name, version))
         if cached is None or now - cached[0] > INTERFACE_TTL_S:
             d = await self.describe(name, version)
             config = getattr(d, "model_config", None) or {}
-            cached = self.interfaces[(name, version)] = (now, (Reshape.of(config), getattr(d, "labels", None) or {},
-                                                             int(config.get("max_batch_size", 0)) > 0,
-                                                             RequiredInputs.of(config),
-                                                             (d.version, d.front_runs) if d.front_runs else None))
+            cached = self.interfaces[(name, version)] = (now, (
+                Reshape.of(config), getattr(d, "labels", None) or {}, int(config.get("max_batch_size", 0)) > 0,
+                RequiredInputs.of(config), (d.version, d.front_runs) if d.front_runs else None,
+                (d.version, model_identity(f"{d.name}@{d.version}", d.source_sha256))
+                if getattr(d, "response_cache", False) and self.answers.enabled else None))
+            if cached[1][5] is None:   # (no longer cached: the daemon's cache turned off, say; its answers here go)
+                self.answers.forget(name)
         return cached[1]
 
     def why_unloaded(self, name: str) -> str | None:
@@ -173,17 +181,40 @@ class Operations:
             raise InputError(why)
         if any(isinstance(v, RegionInput) for v in feeds.values()):
             feeds = self.regions.read_inputs(feeds)
-        reshape, labels, batch, required, here = await self.interface_of(name, version)
+        reshape, labels, batch, required, here, cached_as = await self.interface_of(name, version)
         if required is not None:
             required.check(name, feeds)
         if reshape is not None:
             feeds = reshape.to_model(feeds)
+        key, lookup_s = None, 0.0
+        if cached_as is not None and sequence is None and after is None:   # (a stream's order is the daemon's)
+            t0 = time.monotonic()
+            key = request_key(cached_as[1], feeds, output_names)
+            outputs = self.answers.get(key)
+            lookup_s = time.monotonic() - t0
+            if outputs is not None:   # answered before, here: nothing crosses to the daemon
+                self.runner.cache_hit(name, cached_as[0], started, lookup_s)
+                return self._answer(outputs, reshape, classes, labels, batch), cached_as[0]
+        outputs, ran, ran_here = await self._run(name, version, feeds, output_names, timeout_us, sequence, after,
+                                                 sent, here, started)
+        if key is not None:   # kept before the answer is shaped for this client (its reshape, its classes)
+            t0 = time.monotonic()
+            if ran == cached_as[0]:
+                self.answers.put(key, name, outputs)
+            if ran_here:      # (the daemon counted those it served: a hit of its own cache, or a miss)
+                self.runner.cache_missed(name, cached_as[0], lookup_s + time.monotonic() - t0)
+        return self._answer(outputs, reshape, classes, labels, batch), ran
+
+    async def _run(self, name: str, version: int | None, feeds: dict, output_names: list | None,
+                   timeout_us: float | None, sequence: dict | None, after, sent, here,
+                   started: float) -> tuple[dict, int | None, bool]:
+        """(the model's outputs, the version that ran, whether it ran here): here, where the daemon said this front
+        may run it, else through the daemon's engine (whose response cache is shared by every front and client)."""
         held = None if here is None or sequence is not None or after is not None else self.runner.session(name, here[0])
         if held is not None:   # a short model this front runs itself, over the daemon's weights
             deadline = started + timeout_us / 1e6 if timeout_us else None
-            outputs = self.runner.run(name, here[0], held, feeds, output_names, here[1].get("max_batch", 0),
-                                      deadline, started)
-            return self._answer(outputs, reshape, classes, labels, batch), here[0]
+            return self.runner.run(name, here[0], held, feeds, output_names, here[1].get("max_batch", 0),
+                                   deadline, started), here[0], True
         wire, files = tensors.encode(feeds, group_of=self.group_of, model=name)
         try:
             deadline_ms = timeout_us / 1000 if timeout_us else None
@@ -199,8 +230,7 @@ class Operations:
             for f in files:
                 os.unlink(f)
         outputs, _ = tensors.decode(reply.outputs)
-        outputs = self._answer(outputs, reshape, classes, labels, batch)
-        return outputs, reply.version if reply.version is not None else version   # (an older daemon: None)
+        return outputs, reply.version if reply.version is not None else version, False   # (older daemon: None)
 
     def write_outputs(self, outputs: dict, output_regions: dict) -> set:
         """Write each output the request asked for in shared memory to its region; the names written, which the

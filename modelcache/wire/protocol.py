@@ -449,6 +449,8 @@ class DescribeReply(Message, kind="describe_ok"):
     labels: dict = {}                  # output -> its classes' labels (label_filename; the classification extension)
     overridable: list = []             # initializers a request may feed in their place (Manifest.overridable)
     front_runs: dict = {}              # {max_batch} when a front may run it itself (Engine.front_may_run); {}: the engine
+    response_cache: bool = False       # its answers may be cached (it asks, and the daemon's cache is on): a front
+                                       # keeps its own (executor/response_cache.py)
 
 
 class SetBatching(Message, kind="set_batching"):
