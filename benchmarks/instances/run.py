@@ -67,13 +67,19 @@ class Server:
         return memlimit.working_set_bytes(self.cg.limit) / MiB
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        stop_group(self.proc)
         self.cg.remove()
+
+
+def stop_group(proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    """A server started in a session of its own, and all it started: SIGTERM, then SIGKILL after `timeout_s`."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def load(port: int, model: str, x: np.ndarray, clients: int, seconds: float) -> dict:
