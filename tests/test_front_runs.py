@@ -207,10 +207,10 @@ def test_a_malformed_report_is_refused_and_a_good_one_counted(tmp_path, zoo_file
                 "last_unix_ms": int(time.time() * 1e3)}
         for bad in ([], {"cnn@1": []}, {"cnn@1": {**good, "counts": ok[:-1]}}, {"cnn@1": {**good, "counts": [-1] * len(ok)}},
                     {"cnn@1": {**good, "run_s": float("nan")}}, {"cnn@1": {**good, "samples": 1.5}}, {7: good}):
-            reply = ch.exchange(P.FrontServed(req_id=0, models=bad), (P.Ack,))
+            reply = ch.exchange(P.FrontServed(req_id=0, models=bad), (P.FrontServedReply,))
             assert isinstance(reply, P.ErrorReply) and reply.code == "protocol", (bad, reply)
-        reply = ch.exchange(P.FrontServed(req_id=0, models={"cnn@1": good, "gone@9": good}), (P.Ack,))
-        assert isinstance(reply, P.Ack), reply
+        reply = ch.exchange(P.FrontServed(req_id=0, models={"cnn@1": good, "gone@9": good}), (P.FrontServedReply,))
+        assert isinstance(reply, P.FrontServedReply) and reply.answers_dropped == 0, reply
         ch.close()
         executor = d.client().stats().executor
         assert (executor["served"], executor["failed"]) == (3, 1)

@@ -246,3 +246,38 @@ def test_add_response_cache_declares_it_with_a_daemon_or_without(tmp_path, zoo_f
                 assert bool(timings.get("cached")) is (name != "plain"), (name, timings)
     finally:
         stop_cleanly(d)
+
+
+def test_a_front_drops_its_answers_once_the_daemon_says_it_dropped_its_own():
+    """Memory pressure reaches a front's cache through its report's reply (FrontServedReply.answers_dropped). The
+    daemon's side is the real one in test_front_runs.py (its reply, a count of 0); here a stand-in link answers as a
+    daemon under pressure would, which no test here can bring about on cue."""
+    import asyncio
+    from modelcache.config import Settings
+    from modelcache.oip.front_runs import FrontRunner
+    from modelcache.wire import protocol as P
+
+    class Link:   # the daemon's replies to the front's reports
+        def __init__(self):
+            self.dropped, self.reports = 0, 0
+
+        async def call(self, msg, expect, timeout_s=None, on_sent=None):
+            assert isinstance(msg, P.FrontServed) and P.FrontServedReply in expect
+            self.reports += 1
+            return P.FrontServedReply(req_id=msg.req_id, answers_dropped=self.dropped)
+
+    link, answers = Link(), ResponseCache(1 << 20)
+    runner = FrontRunner(link, Settings(), "test", answers=answers)
+
+    async def report():
+        await runner._report()
+
+    asyncio.run(report())
+    assert link.reports == 0                 # nothing to say, nothing held: no report
+    answers.put(b"k", "m", answer(4))
+    link.dropped = 3                         # drops before this front held anything: not its to act on
+    asyncio.run(report())
+    assert link.reports == 1 and b"k" in answers.entries
+    link.dropped = 4                         # pressure since: the front's answers go too
+    asyncio.run(report())
+    assert link.reports == 2 and not answers.entries and answers.bytes == 0

@@ -29,7 +29,7 @@ REPLY_TO = {b"hello": (b"hello_ok",), b"bye": (b"ok",), b"open": (b"open_ok",), 
             b"evict": (b"ok", b"outcome_ok"), b"list": (b"list_ok",), b"add": (b"add_ok",),
             b"describe": (b"describe_ok",), b"set_batching": (b"ok",),
             b"partition": (b"describe_ok",), b"infer": (b"infer_ok",), b"stats": (b"stats_ok",),
-            b"profile": (b"profile_ok",), b"verify": (b"verify_ok",), b"front_served": (b"ok",)}
+            b"profile": (b"profile_ok",), b"verify": (b"verify_ok",), b"front_served": (b"front_served_ok",)}
 # Kinds that mutate the repository: they never name the target's model, which the fuzz needs intact
 # for the deeper paths (a `remove` of it would turn every later infer into "not found").
 DESTRUCTIVE = (b"remove",)

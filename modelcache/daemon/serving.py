@@ -49,6 +49,7 @@ class Serving:
         self.ensembles = ensembles        # daemon/ensembles.py: pipelines of models served here
         ensembles.serve = self.serve
         self.responses = responses or ResponseCache(0)   # answers of models that ask for it (response_cache.py)
+        self.answers_dropped = 0          # times memory pressure dropped them (FrontServedReply tells the fronts)
         self.serve_specs: dict = {}             # model key -> (segments, stage specs), see _serve_specs
         self.serve_device_specs: dict = {}      # (model key, device UUID) -> its GPU stage specs
         self.sequence_specs: dict = {}          # model key -> (its manifest's serving["sequence"], SequenceSpec)
@@ -82,6 +83,7 @@ class Serving:
         pressure: then the heap they leave goes back to the OS too); the bytes freed."""
         if name is not None:
             return self.responses.forget(name)
+        self.answers_dropped += 1   # (the fronts drop theirs when their next report's reply says so)
         freed = self.responses.clear()
         if freed:
             release_freed_heap()
@@ -134,7 +136,7 @@ class Serving:
             self.engine.absorb_front(key, report)
             if sum(report["counts"]) - report["cache_hits"] or report["failed"]:   # (a hit is no call of the model)
                 self.host.accessed(model)
-        return P.Ack(req_id=msg.req_id)
+        return P.FrontServedReply(req_id=msg.req_id, answers_dropped=self.answers_dropped)
 
     def on_Partition(self, ident, msg: P.Partition):
         from ..executor.partition import check_request, partition

@@ -15,7 +15,8 @@ hashes at ~1.4 GB/s here (SHA-NI): 0.4 ms for ResNet-50's 602 KB input, against 
 
 Bounded in bytes (the `response_cache_size` setting), least recently used out first. An answer bigger than
 the whole cache is not kept. Memory pressure clears it first (daemon/memory.py): it is the cheapest memory the
-daemon holds, as every answer can be computed again.
+daemon holds, as every answer can be computed again; the fronts hear of it in their reports' replies and clear
+theirs (oip/front_runs.py).
 """
 
 from __future__ import annotations

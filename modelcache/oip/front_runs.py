@@ -23,6 +23,7 @@ import time
 from ..errors import ModelCacheError, RequestTimeout, RunError
 from ..executor.stats import INFER_BUCKETS_S
 from ..histogram import Histogram
+from ..memlimit import release_freed_heap
 from ..wire import protocol as P, tensors
 
 log = logging.getLogger("modelcache.front")
@@ -75,8 +76,10 @@ class _Served:
 class FrontRunner:
     """The sessions this front runs models on, opened in the background and let go when idle."""
 
-    def __init__(self, link, settings, front: str, clock=time.monotonic):
+    def __init__(self, link, settings, front: str, clock=time.monotonic, answers=None):
         self.link = link                  # oip/link.py: the reports go over it
+        self.answers = answers            # the front's response cache (oip/operations.py), dropped when the daemon
+        self._drops_seen = None           # drops its own under memory pressure (FrontServedReply.answers_dropped)
         self.socket = settings.socket
         self.timeout_s = settings.request_timeout_s
         self.hold_s = settings.front_hold_s
@@ -147,6 +150,10 @@ class FrontRunner:
         served = self._served_of(f"{name}@{version}")
         served.cache_misses += 1
         served.cache_miss_s += seconds
+        self._start()
+
+    def keep_reporting(self) -> None:
+        """This front holds answers in its response cache: report once a second from now (_report), if not yet."""
         self._start()
 
     async def let_go(self, name: str) -> None:
@@ -230,13 +237,25 @@ class FrontRunner:
         return served
 
     async def _report(self) -> None:
-        if not self._served:
+        """What ran or was answered here since the last report; also sent, empty, while this front holds cached
+        answers, so that it hears when the daemon dropped its own under memory pressure and drops them too."""
+        holding = self.answers is not None and self.answers.entries
+        if not self._served and not holding:
             return
         served, self._served = self._served, {}
         try:
-            await self.link.call(P.FrontServed(req_id=0, models={k: s.wire() for k, s in served.items()}),
-                                 (P.Ack,))
+            reply = await self.link.call(P.FrontServed(req_id=0, models={k: s.wire() for k, s in served.items()}),
+                                         (P.FrontServedReply, P.Ack))   # (Ack: an older daemon)
         except ModelCacheError as e:   # (the daemon is away: the counts wait for the next report)
             log.debug("report of requests run here not taken: %s", e)
             for k, s in served.items():
                 self._served.setdefault(k, _Served()).absorb(s)
+            return
+        dropped = getattr(reply, "answers_dropped", None)
+        if dropped is not None and self.answers is not None:
+            if self._drops_seen is not None and dropped > self._drops_seen and self.answers.entries:
+                freed = self.answers.clear()
+                release_freed_heap()
+                log.warning("memory pressure: the daemon dropped its cached answers; this front dropped its own, "
+                            "%.1f MiB", freed / 2**20)
+            self._drops_seen = dropped

@@ -78,7 +78,11 @@ class Operations:
     def __init__(self, link: DaemonLink, settings):
         self.link = link
         self.settings = settings
-        self.runner = FrontRunner(link, settings, link.client_name)   # short models, run here (front_runs.py)
+        # Answers of models that ask for a response cache, kept here too: a hit costs this front's hashing, not a
+        # round trip to the daemon, whose own cache every front and client shares. Bounded by the same setting.
+        self.answers = ResponseCache(settings.response_cache_bytes())
+        # short models, run here, and what this front answered itself reported to the daemon (front_runs.py)
+        self.runner = FrontRunner(link, settings, link.client_name, answers=self.answers)
         self.unloaded: set[str] = set()   # names this front unloaded: not ready until loaded again
         # Triton's system shared memory, registered with this front; refused unless the operator allows it
         self.regions = Regions(allowed=settings.client_shared_memory)
@@ -87,9 +91,6 @@ class Operations:
         # (name, version) -> (when read, interface_of's answer): a describe per request would cost a round trip;
         # a model imported again with another reshape or labels is seen within INTERFACE_TTL_S.
         self.interfaces: dict = {}
-        # Answers of models that ask for a response cache, kept here too: a hit costs this front's hashing, not a
-        # round trip to the daemon, whose own cache every front and client shares. Bounded by the same setting.
-        self.answers = ResponseCache(settings.response_cache_bytes())
 
     async def ready(self) -> str | None:
         """None when the daemon answers; else why the server is not ready."""
@@ -199,8 +200,8 @@ class Operations:
                                                  sent, here, started)
         if key is not None:   # kept before the answer is shaped for this client (its reshape, its classes)
             t0 = time.monotonic()
-            if ran == cached_as[0]:
-                self.answers.put(key, name, outputs)
+            if ran == cached_as[0] and self.answers.put(key, name, outputs):
+                self.runner.keep_reporting()
             if ran_here:      # (the daemon counted those it served: a hit of its own cache, or a miss)
                 self.runner.cache_missed(name, cached_as[0], lookup_s + time.monotonic() - t0)
         return self._answer(outputs, reshape, classes, labels, batch), ran

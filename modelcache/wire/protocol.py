@@ -565,6 +565,13 @@ class FrontServed(Message, kind="front_served"):
     models: dict = {}
 
 
+class FrontServedReply(Message, kind="front_served_ok"):
+    req_id: int
+    # Times memory pressure has dropped the daemon's cached answers since it started: a front that sees the
+    # count grow drops its own response cache too (oip/front_runs.py).
+    answers_dropped: int = 0
+
+
 class Stats(Message, kind="stats"):
     req_id: int
 
