@@ -35,7 +35,7 @@ log = logging.getLogger("modelcache.daemon")
 
 class Serving:
     def __init__(self, *, registry: Registry, host, gpus, fetcher, engine, loaders, admins, clock, reply, touch,
-                 ensembles, responses: ResponseCache | None = None):
+                 ensembles, responses: ResponseCache):
         self.registry = registry
         self.host = host                  # the host tier's Residency
         self.gpus = gpus                  # daemon/gpus.py: the GPU tiers' Residency, by UUID
@@ -48,7 +48,7 @@ class Serving:
         self.touch = touch                # (client_id, ident) -> the caller's client record, kept alive
         self.ensembles = ensembles        # daemon/ensembles.py: pipelines of models served here
         ensembles.serve = self.serve
-        self.responses = responses or ResponseCache(0)   # answers of models that ask for it (response_cache.py)
+        self.responses = responses        # answers of models that ask for it (response_cache.py; capacity 0: off)
         self.answers_dropped = 0          # times memory pressure dropped them (FrontServedReply tells the fronts)
         self.serve_specs: dict = {}             # model key -> (segments, stage specs), see _serve_specs
         self.serve_device_specs: dict = {}      # (model key, device UUID) -> its GPU stage specs
@@ -307,6 +307,8 @@ class Serving:
             output_names = None if not output_names else list(dict.fromkeys(output_names + sorted(spec.state_outputs)))
         cache_key, lookup_s = None, 0.0
         if self._caches(model):
+            # (a front that missed its own cache has hashed these inputs already, but sends no key: any lane client
+            # may send an Infer, and a key taken on trust could name another client's answer)
             started = self.clock()
             cache_key = request_key(model_identity(model.key, model.manifest.source_sha256), feeds, output_names)
             cached = self.responses.get(cache_key)
