@@ -181,10 +181,13 @@ def _all_genomes(n, masks):
     return itertools.product(range(1, masks + 1), repeat=n)
 
 
-def test_ga_finds_the_dp_optimum_in_95_of_100_random_cost_tables():
+# The first 20 tables in the default run (~6 s); all 100 with the slow tests (~30 s of CPU): the same seeded
+# sequence, so the short run is the long run's head.
+@pytest.mark.parametrize("cases, needed", [(20, 19), pytest.param(100, 95, marks=pytest.mark.slow)])
+def test_ga_finds_the_dp_optimum_in_95_of_100_random_cost_tables(cases, needed):
     rng = random.Random(17)
     hits, misses = 0, []
-    for case in range(100):
+    for case in range(cases):
         table, system, batch = random_case(rng)
         cost = PlanCost(table, system, batch)
         splits = SplitSearch(cost)
@@ -196,7 +199,7 @@ def test_ga_finds_the_dp_optimum_in_95_of_100_random_cost_tables():
             hits += 1
         else:
             misses.append((case, found / exact))
-    assert hits >= 95, misses
+    assert hits >= needed, misses
 
 
 def test_ga_is_deterministic_for_a_seed():
