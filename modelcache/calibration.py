@@ -168,7 +168,21 @@ def request_overhead(profile: dict | None) -> float:
 SERVING_POLICIES = ("serial", "dynamic")   # what a model's own configuration can ask for
 SERVING_MAX_BATCH = 1 << 16
 _SERVING_FIELDS = {"policy", "max_batch", "max_queue_delay_ms", "preferred_batch_sizes", "device", "sequence",
-                   "max_queue", "queue_timeout_ms", "response_cache"}
+                   "max_queue", "queue_timeout_ms", "queue_delay", "priority_levels", "default_priority",
+                   "priority_queues", "response_cache"}
+_QUEUE_FIELDS = {"max_queue", "queue_timeout_ms", "queue_delay"}   # a queue policy's (executor/queues.QueuePolicy)
+PRIORITY_LEVELS_MAX = 1 << 16
+
+
+def _check_queue_policy(policy: dict, where: str) -> None:
+    max_queue = policy.get("max_queue", 0)
+    if type(max_queue) is not int or not 0 <= max_queue <= 1 << 31:
+        raise ValueError(f"{where}max_queue must be a whole number of requests from 0 (the daemon's setting) to 2^31")
+    timeout = policy.get("queue_timeout_ms", 0.0)
+    if not _number(timeout) or not 0 <= timeout <= 3.6e6:
+        raise ValueError(f"{where}queue_timeout_ms must be a number of milliseconds from 0 (no limit) to an hour")
+    if type(policy.get("queue_delay", False)) is not bool:
+        raise ValueError(f"{where}queue_delay must be true or false")
 
 
 def check_serving(serving: dict) -> None:
@@ -177,6 +191,9 @@ def check_serving(serving: dict) -> None:
     "max_queue_delay_ms", "preferred_batch_sizes", "device": "cpu" to keep it off GPU workers, "sequence": a
     stateful model's controls and states (executor/sequences.SequenceSpec), "max_queue": requests its queue holds
     (0: the `max_queue` setting's), "queue_timeout_ms": how long a request may wait in it (0: no limit),
+    "queue_delay": true to move a request past that time behind the others rather than refuse it (Triton's DELAY),
+    "priority_levels": how many priority levels its queue has (0: none), "default_priority": the level of a request
+    that names none, "priority_queues": {level: its own max_queue, queue_timeout_ms, queue_delay} (executor/queues.py),
     "response_cache": true to answer inputs it has answered before from the daemon's response cache}, each field
     optional. ValueError says which field is wrong."""
     if not isinstance(serving, dict):
@@ -193,12 +210,24 @@ def check_serving(serving: dict) -> None:
     delay = serving.get("max_queue_delay_ms", 0.0)
     if not _number(delay) or not 0 <= delay <= 3.6e6:
         raise ValueError("max_queue_delay_ms must be a number of milliseconds from 0 to an hour")
-    max_queue = serving.get("max_queue", 0)
-    if type(max_queue) is not int or not 0 <= max_queue <= 1 << 31:
-        raise ValueError("max_queue must be a whole number of requests from 0 (the daemon's setting) to 2^31")
-    timeout = serving.get("queue_timeout_ms", 0.0)
-    if not _number(timeout) or not 0 <= timeout <= 3.6e6:
-        raise ValueError("queue_timeout_ms must be a number of milliseconds from 0 (no limit) to an hour")
+    _check_queue_policy(serving, "")
+    levels = serving.get("priority_levels", 0)
+    if type(levels) is not int or not 0 <= levels <= PRIORITY_LEVELS_MAX:
+        raise ValueError(f"priority_levels must be a whole number from 0 (none) to {PRIORITY_LEVELS_MAX}")
+    default = serving.get("default_priority", 1 if levels else 0)
+    if levels and (type(default) is not int or not 1 <= default <= levels):   # (Triton's words)
+        raise ValueError(f"default priority level must be in range [1, {levels}]")
+    if not levels and ("default_priority" in serving or serving.get("priority_queues")):
+        raise ValueError("default_priority and priority_queues need priority_levels")
+    queues = serving.get("priority_queues", {})
+    if not isinstance(queues, dict):
+        raise ValueError("priority_queues must be a map from a priority level to its queue policy")
+    for level, policy in queues.items():
+        if not (isinstance(level, str) and level.isdigit() and 1 <= int(level) <= levels):
+            raise ValueError(f"priority queue policy must have priority level in range [1, {levels}]: not {level!r}")
+        if not isinstance(policy, dict) or set(policy) - _QUEUE_FIELDS:
+            raise ValueError(f"priority_queues[{level}] must be a map of {', '.join(sorted(_QUEUE_FIELDS))}")
+        _check_queue_policy(policy, f"priority_queues[{level}].")
     sizes = serving.get("preferred_batch_sizes", [])
     if not isinstance(sizes, list) or len(sizes) > 64 or not all(type(b) is int and 1 <= b <= SERVING_MAX_BATCH
                                                                  for b in sizes):

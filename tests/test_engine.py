@@ -63,13 +63,14 @@ class Harness:
         fn(result, error)
         self.engine.step()
 
-    def submit(self, tag, rows, deadline=None, profile=None, stages=STAGES, x=None, serving=None):
+    def submit(self, tag, rows, deadline=None, profile=None, stages=STAGES, x=None, serving=None, priority=None):
         def finish(outputs, timings, error, tag=tag):
             self.answers[tag] = (outputs, timings, error)
         if x is None:
             x = np.arange(rows, dtype=np.float32).reshape(rows, 1) + 100 * tag
         self.engine.submit(ServeRequest("m@1", stages, [], {"x": x}, None, self.now, deadline, finish,
-                                        samples=rows, batchable=True, profile=profile, serving=serving))
+                                        samples=rows, batchable=True, profile=profile, serving=serving,
+                                        priority=priority))
         self.engine.step()   # (as the daemon's loop does once a turn)
 
     def y(self, tag):
@@ -239,6 +240,33 @@ def test_dynamic_stacks_what_queued_behind_a_running_batch_and_splits_rows_back(
     for tag, rows in ((1, 1), (2, 2), (3, 1), (4, 3)):
         np.testing.assert_array_equal(h.y(tag), expected(tag, rows))
     assert [st["batch"] for st in h.answers[3][1]["stages"]] == [3, 3]
+
+
+def test_priority_levels_order_the_batches_and_a_delayed_request_runs_after_its_levels_others():
+    """Triton's priority queue: a batch takes level 1 before level 2, each in arrival order; a level-2 request that
+    waited past its level's queue timeout with DELAY runs after the level's others, and is not refused."""
+    own = {"policy": "dynamic", "max_batch": 2, "priority_levels": 2, "default_priority": 2,
+           "priority_queues": {"2": {"queue_timeout_ms": 5.0, "queue_delay": True}}}
+    h = Harness("serial", workers="1")
+    h.submit(1, 1, serving=own)                 # runs at once
+    h.submit(2, 1, serving=own)                 # level 2 (the default), from 0 ms
+    h.now = 0.006
+    h.engine.on_timer(h.now)                    # 2 waited past 5 ms: delayed, not refused
+    assert 2 not in h.answers
+    h.submit(3, 1, serving=own, priority=2)     # level 2, within its time: ahead of the delayed 2
+    h.submit(4, 1, serving=own, priority=1)     # level 1: ahead of both
+    h.submit(5, 1, serving=own, priority=1)
+    h.worker.run_next()
+    h.worker.run_next()                         # 1 answered; a batch of 2: level 1's, in arrival order
+    assert h.worker.jobs[0].inputs["x"][:, 0].tolist() == [400, 500]
+    for _ in range(2):
+        h.worker.run_next()
+    assert h.worker.jobs[0].inputs["x"][:, 0].tolist() == [300, 200]   # then level 2's: 3, then the delayed 2
+    for _ in range(2):
+        h.worker.run_next()
+    for tag in range(1, 6):
+        np.testing.assert_array_equal(h.y(tag), expected(tag, 1))
+    assert h.engine.describe()["refused"] == {"queue_full": 0, "queue_timeout": 0}
 
 
 # 10 ms + 1 ms per sample per stage

@@ -30,6 +30,10 @@ def test_unknown_fields_are_ignored_for_forward_compatibility():
     ([b"open", msgpack.packb({"req_id": "1", "client_id": "c", "name": "m"})], "open.req_id: expected int"),
     ([b"open", msgpack.packb({"req_id": True, "client_id": "c", "name": "m"})], "expected int"),
     ([b"open", msgpack.packb({"req_id": 1, "client_id": "c", "name": "m", "version": "2"})], "open.version"),
+    ([b"infer", msgpack.packb({"req_id": 1, "client_id": "", "name": "m", "inputs": [], "priority": -1})],
+     r"priority -1: must be within 0..2\^64-1"),
+    ([b"infer", msgpack.packb({"req_id": 1, "client_id": "", "name": "m", "inputs": [], "priority": "high"})],
+     "infer.priority: expected int"),
 ])
 def test_malformed_messages_are_clear_protocol_errors(frames, says):
     with pytest.raises(ProtocolError, match=says):

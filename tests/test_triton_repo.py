@@ -13,6 +13,9 @@ import json
 import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -139,7 +142,7 @@ def test_a_config_as_triton_documents_it(tmp_path):
     json.dumps(c)   # stored in the manifest as it is
 
 
-def test_a_queue_policy_bounds_the_models_queue_and_a_delay_action_is_listed(tmp_path):
+def test_a_queue_policy_bounds_the_models_queue_and_a_delay_action_delays(tmp_path):
     save("tiny-cnn", tmp_path / "q" / "1" / "model.onnx")
     policy = "max_queue_size: 4 default_timeout_microseconds: 3000 allow_timeout_override: true"
     (tmp_path / "q" / "config.pbtxt").write_text(f"max_batch_size: 8\ndynamic_batching {{ default_queue_policy {{ {policy} }} }}")
@@ -148,13 +151,36 @@ def test_a_queue_policy_bounds_the_models_queue_and_a_delay_action_is_listed(tmp
     check_serving(plan.serving)
     assert "at most 4 queued, 3000 us in the queue" in plan.batching_text()
     assert plan.config["dynamic_batching"]["default_queue_policy"]["max_queue_size"] == 4   # ModelConfig says it
-    # DELAY (run a timed-out request later, after the others) is not carried out: listed, and no queue timeout
+    # DELAY: a request past its queue timeout runs later, behind the others (executor/queues.py)
     (tmp_path / "q" / "config.pbtxt").write_text(
         "max_batch_size: 8\ndynamic_batching { default_queue_policy { timeout_action: DELAY "
         "default_timeout_microseconds: 3000 } }")
     plan = plan_model(tmp_path / "q", model_io)
-    assert "queue_timeout_ms" not in plan.serving and "max_queue" not in plan.serving
-    assert plan.not_honoured == ["dynamic_batching.default_queue_policy.timeout_action"]
+    assert plan.serving["queue_timeout_ms"] == 3.0 and plan.serving["queue_delay"] is True
+    assert "max_queue" not in plan.serving and plan.not_honoured == []
+    assert "3000 us in the queue (then delayed)" in plan.batching_text()
+
+
+def test_priority_levels_and_their_queue_policies_are_imported_and_checked_as_triton_checks_them(tmp_path):
+    save("tiny-cnn", tmp_path / "p" / "1" / "model.onnx")
+    config = tmp_path / "p" / "config.pbtxt"
+    levels = ("priority_levels: 3 default_priority_level: 2 priority_queue_policy { key: 1 value { max_queue_size: 2 "
+              "} } priority_queue_policy { key: 3 value { default_timeout_microseconds: 1000 timeout_action: DELAY } }")
+    config.write_text(f"max_batch_size: 8\ndynamic_batching {{ {levels} }}")
+    plan = plan_model(tmp_path / "p", model_io)
+    assert (plan.serving["priority_levels"], plan.serving["default_priority"]) == (3, 2) and plan.not_honoured == []
+    assert plan.serving["priority_queues"] == {"1": {"max_queue": 2},
+                                               "3": {"queue_timeout_ms": 1.0, "queue_delay": True}}
+    check_serving(plan.serving)
+    assert "3 priority levels (default 2)" in plan.batching_text()
+    for wrong, words in (("priority_levels: 2 default_priority_level: 3", r"default priority level must be in range "
+                          r"\[1, 2\] for p"),
+                         ("priority_levels: 2", r"default priority level must be in range \[1, 2\] for p"),
+                         ("priority_levels: 2 default_priority_level: 1 priority_queue_policy { key: 5 value { } }",
+                          r"priority queue policy must have priority level in range \[1, 2\] for p")):
+        config.write_text(f"max_batch_size: 8\ndynamic_batching {{ {wrong} }}")
+        with pytest.raises(InputError, match=words):
+            plan_model(tmp_path / "p", model_io)
 
 
 def test_absent_config_is_auto_completed_as_triton_does(tmp_path):
@@ -640,6 +666,9 @@ def test_a_models_queue_policy_answers_both_protocols_in_tritons_words(tmp_path)
               "max_batch_size: 1\ndynamic_batching { default_queue_policy { max_queue_size: 1 } }")
     put_model(repo, "timed", slow_model(100_000),
               "max_batch_size: 1\ndynamic_batching { default_queue_policy { default_timeout_microseconds: 20000 } }")
+    put_model(repo, "prio", slow_model(200_000),
+              "max_batch_size: 1\ndynamic_batching { priority_levels: 2 default_priority_level: 2 "
+              "priority_queue_policy { key: 2 value { max_queue_size: 2 } } }")
     d, grpc_at, http_at = start_importing(tmp_path, repo)
     try:
         x = np.zeros((1, 1), np.float32)
@@ -688,5 +717,44 @@ def test_a_models_queue_policy_answers_both_protocols_in_tritons_words(tmp_path)
         with d.client() as c:
             refused = c.stats().executor["refused"]
             assert refused["queue_full"] >= 2 and refused["queue_timeout"] == len(timed_out)
+        check_priority_levels(grpc_at, http_at)
+        with d.client() as mc:   # a serve-mode session names its requests' level too
+            from modelcache.client.serve import ServeSession
+            y = ServeSession("prio", client=mc, priority=1).run(None, {"x": np.full((1, 1), 7, np.float32)})[0]
+            assert float(y[0, 0]) == 200_007.0
     finally:
         stop_cleanly(d)
+
+
+def check_priority_levels(grpc_at: str, http_at: str) -> None:
+    """`prio` (~0.4 s a run) has two priority levels, 2 the default, at most 2 queued at level 2. Behind a running
+    request: two of level 2 queue, a third is refused (that level is full), and one of level 1 runs before them.
+    Each answer says which request it was (y = x + 200000)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+    client = grpcclient.InferenceServerClient(grpc_at)
+    assert client.get_model_config("prio").config.dynamic_batching.priority_levels == 2   # ModelConfig says it
+
+    def request(tag):
+        i = grpcclient.InferInput("x", [1, 1], "FP32")
+        i.set_data_from_numpy(np.full((1, 1), tag, np.float32))
+        return [i]
+    client.infer("prio", request(0))               # resident, and its run measured
+    done = []
+    for tag, priority in ((1, 0), (2, 0), (3, 2), (4, 0), (5, 1)):   # 0: no priority given (tritonclient's default)
+        client.async_infer("prio", request(tag), lambda result, error: done.append(error or result),
+                           priority=priority)
+        time.sleep(0.03)                           # (each reaches the daemon before the next, all while 1 runs)
+    wait_until(lambda: len(done) == 5, 60, "five answers")
+    refused = [r for r in done if isinstance(r, InferenceServerException)]
+    assert len(refused) == 1 and "Exceeds maximum queue size (2) of priority level 2" in refused[0].message()
+    assert str(refused[0].status()) == "StatusCode.UNAVAILABLE"
+    order = [round(float(r.as_numpy("y")[0, 0])) - 200_000 for r in done if r not in refused]
+    assert order == [1, 5, 2, 3], order            # level 1's request overtook the two of level 2
+    client.close()
+    # a priority Triton would not take is refused with the parameter named
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [0.0]}],
+                       "parameters": {"priority": -1}}).encode()
+    with pytest.raises(urllib.error.HTTPError) as refused_http:
+        urllib.request.urlopen(urllib.request.Request(f"http://{http_at}/v2/models/prio/infer", body), timeout=30)
+    assert refused_http.value.code == 400 and "parameter priority -1" in refused_http.value.read().decode()

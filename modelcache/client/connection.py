@@ -394,13 +394,15 @@ class Client:
                           timeout_s=self._add_timeout_s).stages
 
     def infer(self, name: str, feeds: dict, output_names: list | None = None, version: int | None = None,
-              deadline_ms: float | None = None) -> tuple[dict, dict]:
-        """Serve mode: the daemon runs the model. Returns (name -> output array, timings)."""
+              deadline_ms: float | None = None, priority: int | None = None) -> tuple[dict, dict]:
+        """Serve mode: the daemon runs the model. Returns (name -> output array, timings). `priority`: the request's
+        priority level, in a model with priority levels (1 first; None: its default level)."""
         from ..wire import tensors
         wire, files = tensors.encode(feeds, group_of=self._group_of, model=name)
         try:
             reply = self._call(P.Infer(req_id=0, client_id=self.client_id, name=name, inputs=wire, version=version,
-                                       output_names=output_names, deadline_ms=deadline_ms), expect=(P.InferReply,),
+                                       output_names=output_names, deadline_ms=deadline_ms, priority=priority),
+                               expect=(P.InferReply,),
                                use_lane=True)
         finally:
             for f in files:

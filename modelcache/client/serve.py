@@ -31,7 +31,7 @@ class NodeArg:
 
 class ServeSession:
     def __init__(self, path_or_name, *, version: int | None = None, client: Client | None = None,
-                 socket: str | None = None, deadline_ms: float | None = None):
+                 socket: str | None = None, deadline_ms: float | None = None, priority: int | None = None):
         name, version = model_name(path_or_name), model_version(version)
         self._client = client or shared_client(socket)
         with hint_if_a_file(path_or_name):
@@ -41,6 +41,7 @@ class ServeSession:
         self._overridable = getattr(info, "overridable", None) or []   # (a daemon before they were served: none)
         self._feed_check = FeedCheck(self.model_name, self._inputs, self._overridable)
         self.deadline_ms = deadline_ms
+        self.priority = priority   # its requests' priority level, where the model has levels (executor/queues.py)
         self.last_timings: dict = {}
         self._closed = False
 
@@ -49,7 +50,7 @@ class ServeSession:
             raise InputError("this session is closed")
         feeds = self._feed_check.check(input_feed)
         outputs, self.last_timings = self._client.infer(self.model_name, feeds, output_names,
-                                                        self.model_version, self.deadline_ms)
+                                                        self.model_version, self.deadline_ms, self.priority)
         names = output_names or [o["name"] for o in self._outputs]
         return [outputs[n] for n in names]
 

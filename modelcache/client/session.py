@@ -52,7 +52,7 @@ class InferenceSession:
             refuse_in_serve_mode(sess_options=sess_options, providers=providers, provider_options=provider_options)
             kwargs.pop("prepacked", None)   # the daemon's sessions: not the caller's choice
             return ServeSession(path_or_name, version=version, client=client, socket=socket,
-                                **without_ort_kwargs(kwargs, {"deadline_ms"}))
+                                **without_ort_kwargs(kwargs, {"deadline_ms", "priority"}))
         if mode != "attach":
             raise ValueError(f"mode must be 'attach' or 'serve', not {mode!r}")
         return super().__new__(cls)

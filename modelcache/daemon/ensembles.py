@@ -135,8 +135,9 @@ class Ensembles:
         return P.Ack(req_id=msg.req_id)
 
     def run(self, e: Ensemble, feeds: dict, output_names: list | None, arrival: float, deadline: float | None,
-            answer) -> None:
-        """One request of the ensemble: `answer(outputs, timings, error)` once (see the module's docstring)."""
+            answer, priority: int | None = None) -> None:
+        """One request of the ensemble: `answer(outputs, timings, error)` once (see the module's docstring). Each
+        step's request has the ensemble request's priority, as in Triton's ensemble scheduler."""
         missing = [n for n in e.input_names if n not in feeds]
         unknown = [n for n in feeds if n not in e.input_names]
         if missing or unknown:
@@ -146,15 +147,16 @@ class Ensembles:
             bad = [n for n in output_names if n not in e.output_names]
             if bad:
                 raise InputError(f"{e.name}: unknown output {bad[0]!r}; the ensemble has {e.output_names}")
-        _Run(self, e, dict(feeds), output_names or e.output_names, arrival, deadline, answer).advance()
+        _Run(self, e, dict(feeds), output_names or e.output_names, arrival, deadline, answer, priority).advance()
 
 
 class _Run:
     """One ensemble request in flight: its tensors so far and the steps not yet done."""
 
-    def __init__(self, ensembles: Ensembles, e: Ensemble, tensors: dict, wanted: list, arrival, deadline, answer):
+    def __init__(self, ensembles: Ensembles, e: Ensemble, tensors: dict, wanted: list, arrival, deadline, answer,
+                 priority: int | None):
         self.ensembles, self.e, self.tensors, self.wanted = ensembles, e, tensors, wanted
-        self.arrival, self.deadline, self.answer = arrival, deadline, answer
+        self.arrival, self.deadline, self.answer, self.priority = arrival, deadline, answer, priority
         self.waiting = list(e.order())
         self.running = 0
         self.timings: dict = {}
@@ -172,7 +174,8 @@ class _Run:
             try:
                 model = self.ensembles.resolve(step.model, step.version)
                 self.ensembles.serve(model, feeds, [name for name, _ in step.outputs], self.arrival, self.deadline,
-                                     None, lambda result, timings, error, step=step: self.done(step, result, error))
+                                     None, lambda result, timings, error, step=step: self.done(step, result, error),
+                                     self.priority)
             except ModelCacheError as e:
                 self.done(step, None, e)
         if not self.waiting and not self.running and not self.failed:

@@ -270,14 +270,15 @@ class Serving:
                 maps.clear()  # the input mappings go with the request
 
         if ensemble is not None:   # its steps, each a request of its model (daemon/ensembles.py)
-            self.ensembles.run(ensemble, feeds, msg.output_names, arrival, deadline, answer)
+            self.ensembles.run(ensemble, feeds, msg.output_names, arrival, deadline, answer, msg.priority)
             return None
-        self.serve(model, feeds, msg.output_names, arrival, deadline, msg.sequence, answer)
+        self.serve(model, feeds, msg.output_names, arrival, deadline, msg.sequence, answer, msg.priority)
         return None
 
     def serve(self, model: ModelRecord, feeds: dict, output_names: list | None, arrival: float,
-              deadline: float | None, sequence: dict | None, answer) -> None:
-        """Run one request of `model` on the engine: `answer(outputs, timings, error)` once, when it is done.
+              deadline: float | None, sequence: dict | None, answer, priority: int | None = None) -> None:
+        """Run one request of `model` on the engine: `answer(outputs, timings, error)` once, when it is done;
+        `priority` its level in a model with priority levels (executor/queues.py).
         InputError (and the like), raised here, for a request refused before anything is held."""
         spec = self._sequence_spec(model)
         if spec is not None:   # a stateful model: the server fills its controls and states (executor/sequences.py)
@@ -352,7 +353,7 @@ class Serving:
             self.engine.submit(ServeRequest(model.key, specs, segments, dict(fed[0]), output_names, arrival,
                                             deadline, finish, samples=samples, batchable=batchable,
                                             profile=model.manifest.batching or None, devices=devices,
-                                            serving=model.manifest.serving or None))
+                                            serving=model.manifest.serving or None, priority=priority))
 
         def start(error, hit):
             if error is not None:

@@ -47,6 +47,7 @@ from ..config import parse_policy_spec
 from .batching import LayerToLayer, Pending, make_batcher
 from ..storage import StateFile
 from .perfmodel import PerfModels
+from .queues import ModelQueue, Refused
 from .scheduler import Task, make_scheduler
 from .stats import ModelServeStats
 from .workers import (DeviceValue, GpuWorker, StageJob, Worker, WorkerCall, WorkerUnavailable, discover_gpus,
@@ -78,7 +79,12 @@ class ServeRequest:
     # only GPU workers of these devices may run its stages.
     devices: dict = field(default_factory=dict)
     serving: dict | None = None  # the model's own batching policy (manifest "serving": a Triton config's), if any
-    queue_deadline: float | None = None   # still queued then: refused (its model's queue_timeout_ms), else None
+    priority: int | None = None  # the client's (Triton's request priority): its level in a model with priority_levels
+    # Set by its model's queue (executor/queues.py): its priority level; when it is refused, or with DELAY moved
+    # behind its level's others, unless it has run by then (its level's queue timeout; None: no limit); whether moved
+    queue_level: int = 0
+    queue_deadline: float | None = None
+    delayed: bool = False
 
     def pending(self, t_opt_s: float | None) -> Pending:
         """What the batching policy sees; t_opt bounds the deadline the policy protects."""
@@ -156,7 +162,7 @@ class Engine:
         self.placeable = [w.state for w in self.workers]   # what the scheduler may choose from
         self.outstanding = [0] * len(self.workers)
         self.requests: dict[int, ServeRequest] = {}   # every request not yet answered
-        self.queues: dict[str, deque] = {}            # model key -> requests waiting for a batch
+        self.queues: dict[str, ModelQueue] = {}       # model key -> requests waiting for a batch
         self.batches: dict[int, Batch] = {}           # formed, not finished (running, or waiting for a catch-up)
         self.batchers: dict[str, object] = {}         # model key -> its policy object
         self.wake_at: float | None = None             # a batching window ends: form batches then
@@ -362,25 +368,23 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------
     def submit(self, req: ServeRequest) -> None:
-        """Queue a request; the next `step()` schedules it. Where the model's queue is full (its `max_queue`, else
-        the setting's) the request is refused now, as Triton's queue policy refuses it: under overload a bounded
-        queue answers at once what it cannot serve soon, and keeps the wait of what it takes short."""
+        """Queue a request, in its priority level where its model has levels; the next `step()` schedules it. Where
+        its level is full (the model's `max_queue`, else the setting's) the request is refused now, as Triton's queue
+        policy refuses it: under overload a bounded queue answers at once what it cannot serve soon, and keeps the
+        wait of what it takes short."""
         req.request_id = next(self._ids)
         self.requests[req.request_id] = req
         self.last_used[req.model_key] = req.arrival
         queue = self.queues.get(req.model_key)
         if queue is None:
-            queue = self.queues[req.model_key] = deque()
-        own = req.serving or {}
-        limit = own.get("max_queue") or self.settings.max_queue
-        if limit and len(queue) >= limit:
+            queue = self.queues[req.model_key] = ModelQueue(req.serving)
+        elif queue.serving is not (req.serving or queue.serving):   # (reconfigured: a reload changed its policy)
+            queue.configure(req.serving)
+        try:
+            queue.append(req, req.priority, self.clock(), self.settings.max_queue)
+        except Refused as e:
             self.queue_full += 1
-            self._finish(req, None, CapacityError(f"{req.model_key}: Exceeds maximum queue size ({limit}): "
-                                                  "try again later"))
-            return
-        if own.get("queue_timeout_ms"):
-            req.queue_deadline = self.clock() + own["queue_timeout_ms"] / 1e3
-        queue.append(req)
+            self._finish(req, None, CapacityError(f"{req.model_key}: {e}: try again later"))
 
     def step(self) -> None:
         """Schedule, execute, update, until nothing more can start now: what runs on the loop runs here, and
@@ -416,13 +420,13 @@ class Engine:
         now = self.clock()
         idle = self.outstanding.count(0)
         keys = list(self.queues) if len(self.queues) == 1 else \
-            sorted(self.queues, key=lambda k: self.queues[k][0].arrival if self.queues[k] else now)
+            sorted(self.queues, key=lambda k: self.queues[k].head.arrival if self.queues[k] else now)
         for key in keys:
             queue = self.queues[key]
             self._expire_queued(queue, now)
             while queue and idle > 0:
-                batcher = self._batcher(queue[0])
-                t_opt = self._t_opt_s(queue[0])
+                batcher = self._batcher(queue.head)
+                t_opt = self._t_opt_s(queue.head)
                 decision = batcher.decide(now, self._head(queue, t_opt))
                 if not decision.take:
                     if decision.wait_until is not None:
@@ -434,20 +438,20 @@ class Engine:
         for key in [k for k, q in self.queues.items() if not q]:
             del self.queues[key]
         for queue in self.queues.values():   # a queue timeout answers at its time, not at the next worker's turn
-            due = queue[0].queue_deadline      # (the head's is the earliest: _expire_queued)
+            due = queue.next_due()
             if due is not None:
                 self.wake_at = due if self.wake_at is None else min(self.wake_at, due)
 
     @staticmethod
-    def _head(queue: deque, t_opt: float | None) -> list:
+    def _head(queue: ModelQueue, t_opt: float | None) -> list:
         """What a policy may take from a queue: its head. A batch never holds more than this, and a
         backlog of thousands must not cost thousands of objects per decision."""
         return [r.pending(t_opt) for r in itertools.islice(queue, POLICY_LOOKAHEAD)]
 
-    def _take(self, queue: deque, n: int) -> list:
+    def _take(self, queue: ModelQueue, n: int) -> list:
         """The first n queued requests, stopping early at one whose feeds cannot stack with the first."""
         members = [queue.popleft()]
-        while len(members) < n and queue and same_shape_rows(members[0].data, queue[0].data):
+        while len(members) < n and queue and same_shape_rows(members[0].data, queue.head.data):
             members.append(queue.popleft())
         return members
 
@@ -456,7 +460,7 @@ class Engine:
         t = sum(self._predict_batch(req.model_key, req.profile, s, samples) for s in range(len(req.stages)))
         return 0.0 if t == float("inf") else t
 
-    def _fit_deadlines(self, queue: deque, members: list, now: float) -> list:
+    def _fit_deadlines(self, queue: ModelQueue, members: list, now: float) -> list:
         """Shrink a new batch from its end until its predicted run meets every member's deadline.
 
         A bigger batch is slower: under overload, members started in one that cannot finish in time
@@ -472,22 +476,19 @@ class Engine:
             queue.appendleft(members.pop())
         return members
 
-    def _expire_queued(self, queue: deque, now: float) -> None:
+    def _expire_queued(self, queue: ModelQueue, now: float) -> None:
         """Answer now the queued requests that cannot finish by their deadline: already past it, or
         nearer to it than the model's predicted run time. Starting those would spend a worker on answers
         nobody can use; under overload that is how goodput collapses (every request started just before
         it expires, and dropped half-way)."""
-        # A queue keeps submit order (batches take from its head, put back at its head), and a model's requests
-        # share its queue timeout: the queue timeouts come due from the head.
-        while queue and queue[0].queue_deadline is not None and now > queue[0].queue_deadline:
-            req = queue.popleft()
+        for req in queue.expire(now):   # (those with DELAY wait on, behind their level's others)
             self.queue_timeouts += 1
             self._finish(req, None, CapacityError(
                 f"{req.model_key}: Request timeout expired: it waited for a worker longer than its model's "
-                f"queue timeout ({req.serving['queue_timeout_ms']:g} ms)"))
+                f"queue timeout ({queue.policy(req.queue_level).timeout_s * 1e3:g} ms)"))
         if not any(r.deadline is not None for r in queue):
             return
-        need = self._batch_time(queue[0], 1)   # never measured: 0, so only a passed deadline counts
+        need = self._batch_time(queue.head, 1)   # never measured: 0, so only a passed deadline counts
         for req in [r for r in queue if r.deadline is not None and now + need > r.deadline]:
             queue.remove(req)
             why = ("deadline passed while the request waited for a worker" if now > req.deadline else
@@ -653,7 +654,7 @@ class Engine:
         t_opt = self._t_opt_s(batch.first)
         admitted = batcher.admit(self.clock(), batch.stage, [m.pending(t_opt) for m in batch.members],
                                  self._head(queue, t_opt))
-        if not admitted or not same_shape_rows(batch.first.data, queue[0].data):
+        if not admitted or not same_shape_rows(batch.first.data, queue.head.data):
             return False
         members = self._take(queue, len(admitted))
         self.layer_joins += len(members)

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..oip.classification import class_count
-from ..oip.inputs import sequence_of
+from ..oip.inputs import priority_of, sequence_of
 from ..oip.shared_memory import RegionInput, RegionRef
 from ..oip.types import NUMPY_BY_V2, array_datatype, array_of_raw, raw_of
 from ..triton_protos import grpc_service_pb2 as pb
@@ -30,7 +30,7 @@ class InferRequest:
     """A decoded ModelInferRequest: what the shared infer operation takes."""
 
     __slots__ = ("name", "version", "id", "feeds", "output_names", "timeout_us", "classes", "sequence",
-                 "output_regions")
+                 "priority", "output_regions")
 
     def __init__(self, name: str, version: str, request_id: str):
         self.name, self.version, self.id = name, version, request_id
@@ -39,6 +39,7 @@ class InferRequest:
         self.timeout_us: int | None = None
         self.classes: dict = {}                 # output -> its top N classes asked for (classification)
         self.sequence = None                    # a stateful model's {id, start, end} (oip/inputs.sequence_of)
+        self.priority: int | None = None        # its priority level (executor/queues.py), None: the default
         self.output_regions: dict = {}          # output -> the RegionRef it is to be written to (shared memory)
 
 
@@ -54,6 +55,7 @@ def decode_request(msg: pb.ModelInferRequest) -> InferRequest:
             raise InputError(f"parameter timeout {timeout!r}: give microseconds, an int64_param >= 0")
         req.timeout_us = timeout or None
     req.sequence = sequence_of(*(_param(params, k) for k in ("sequence_id", "sequence_start", "sequence_end")))
+    req.priority = priority_of(_param(params, "priority"))
     if not msg.inputs:
         raise InputError("the request has no inputs")
     raw = msg.raw_input_contents

@@ -114,7 +114,7 @@ class InferenceService:
         req = codec.decode_request(request)
         outputs, ran = await self.ops.infer(req.name, parse_version(req.version), req.feeds, req.output_names,
                                             _deadline_us(req.timeout_us, context), req.classes, req.sequence,
-                                            order)
+                                            order, req.priority)
         in_regions = self.ops.write_outputs(outputs, req.output_regions)
         return codec.encode_response(req, ran, outputs, in_regions)
 

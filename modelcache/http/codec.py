@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..oip.classification import class_count
-from ..oip.inputs import sequence_of
+from ..oip.inputs import priority_of, sequence_of
 from ..oip.shared_memory import RegionInput, RegionRef
 from ..oip.types import NUMPY_BY_V2, array_datatype, decode_bytes_elements, raw_of
 
@@ -24,7 +24,7 @@ class InferRequest:
     """A decoded v2 infer request: feeds, the outputs asked for, and how each is to come back."""
 
     __slots__ = ("id", "feeds", "output_names", "binary_outputs", "binary_default", "timeout_us", "classes",
-                 "sequence", "output_regions")
+                 "sequence", "priority", "output_regions")
 
     def __init__(self):
         self.id = None
@@ -35,6 +35,7 @@ class InferRequest:
         self.timeout_us = None
         self.classes: dict = {}                   # output -> its top N classes asked for (classification)
         self.sequence = None                      # a stateful model's {id, start, end} (oip/inputs.sequence_of)
+        self.priority = None                      # its priority level (executor/queues.py), None: the default
         self.output_regions: dict = {}            # output -> the RegionRef it is to be written to (shared memory)
 
 
@@ -66,6 +67,7 @@ def decode_request(body: bytes, header_length: str | None) -> InferRequest:
             raise InputError(f"parameter timeout {timeout!r}: give microseconds, a number >= 0")
         req.timeout_us = timeout
     req.sequence = sequence_of(params.get("sequence_id"), params.get("sequence_start"), params.get("sequence_end"))
+    req.priority = priority_of(params.get("priority"))
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise InputError("the request needs \"inputs\": a list of tensors")

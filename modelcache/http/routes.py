@@ -160,7 +160,7 @@ class Endpoints:
             return error(400, why)
         req = codec.decode_request(request.body, request.headers.get("inference-header-content-length"))
         outputs, ran = await self.ops.infer(name, version, req.feeds, req.output_names, req.timeout_us,
-                                            req.classes, req.sequence)
+                                            req.classes, req.sequence, priority=req.priority)
         order = req.output_names if req.output_names is not None else list(outputs)
         in_regions = self.ops.write_outputs(outputs, req.output_regions)
         payload, head_len = codec.encode_response(name, ran, req.id, outputs, order, req.binary_outputs,

@@ -5,14 +5,14 @@ initializer as an optional input). Models added without a Triton configuration a
 feed check alone.
 
 And what a request says of its sequence (a stateful model's): Triton's sequence_id, sequence_start and
-sequence_end parameters, the same over HTTP and gRPC (`sequence_of`)."""
+sequence_end parameters, the same over HTTP and gRPC (`sequence_of`); and its `priority` (`priority_of`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..errors import InputError
-from ..wire.protocol import sequence_problem
+from ..wire.protocol import UINT64_MAX, sequence_problem
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,16 @@ class RequiredInputs:
                  f"expected number of inputs between {len(self.required)} and {len(self.listed)}")
         raise InputError(f"{count} but got {len(fed)} inputs for model '{model}'. Got input(s) {got}, but missing "
                          f"required input(s) {lacking}. Please provide all required input(s).")
+
+
+def priority_of(value) -> int | None:
+    """A request's priority parameter (Triton's `priority`, from either front): an unsigned 64-bit integer, or None
+    when absent. InputError for a value Triton would refuse."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= UINT64_MAX:
+        raise InputError(f"parameter priority {value!r}: give an unsigned integer (its priority level, 1 first)")
+    return value
 
 
 def sequence_of(seq_id, start, end) -> dict | None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from google.protobuf import json_format, text_format
 from google.protobuf.descriptor import FieldDescriptor
 
+from ..calibration import PRIORITY_LEVELS_MAX
 from ..errors import InputError, ModelCacheError
 from ..oip.types import numpy_type_of, triton_type, v2_shape
 from ..triton_protos import model_config_pb2 as mc
@@ -42,10 +43,12 @@ HONOURED = {"name", "platform", "backend", "version_policy", "max_batch_size", "
             "input.name", "input.data_type", "input.dims", "input.format", "input.optional", "input.reshape",
             "output.name", "output.data_type", "output.dims", "output.reshape", "output.label_filename",
             "dynamic_batching.max_queue_delay_microseconds", "dynamic_batching.preferred_batch_size",
-            # the queue policy; timeout_action is set only where it is DELAY, which is not carried out (listed)
+            # the queue policies and priority levels (executor/queues.py)
             "dynamic_batching.default_queue_policy.max_queue_size",
             "dynamic_batching.default_queue_policy.default_timeout_microseconds",
             "dynamic_batching.default_queue_policy.allow_timeout_override",
+            "dynamic_batching.default_queue_policy.timeout_action", "dynamic_batching.priority_levels",
+            "dynamic_batching.default_priority_level", "dynamic_batching.priority_queue_policy",
             "instance_group.name", "instance_group.kind",
             "response_cache.enable",   # the daemon's response cache (executor/response_cache.py)
             # sequence_batching (sequence.py, executor/sequences.py)
@@ -97,7 +100,10 @@ class ModelPlan:
         if s.get("max_queue"):
             text += f", at most {s['max_queue']} queued"
         if s.get("queue_timeout_ms"):
-            text += f", {s['queue_timeout_ms'] * 1000:.0f} us in the queue"
+            text += f", {s['queue_timeout_ms'] * 1000:.0f} us in the queue" + (" (then delayed)" if s.get("queue_delay")
+                                                                                else "")
+        if s.get("priority_levels"):
+            text += f", {s['priority_levels']} priority levels (default {s['default_priority']})"
         if s.get("policy") != "dynamic" and s.get("max_batch"):
             text += f", at most {s['max_batch']} rows"
         text += ", response cache" if s.get("response_cache") else ""
@@ -347,11 +353,22 @@ def _serving(config: mc.ModelConfig) -> dict:
                              f"{batch}")
         serving.update(policy="dynamic", max_queue_delay_ms=db.max_queue_delay_microseconds / 1000,
                        preferred_batch_sizes=sorted(set(db.preferred_batch_size)))
-        queue = db.default_queue_policy
-        if queue.max_queue_size:
-            serving["max_queue"] = min(queue.max_queue_size, 1 << 31)
-        if queue.default_timeout_microseconds and queue.timeout_action == mc.ModelQueuePolicy.REJECT:
-            serving["queue_timeout_ms"] = min(queue.default_timeout_microseconds / 1000, 3.6e6)
+        serving.update(_queue_policy(db.default_queue_policy))
+        if db.priority_levels:   # (checked as Triton checks them: model_config_utils.cc, in its words)
+            levels = db.priority_levels
+            if levels > PRIORITY_LEVELS_MAX:
+                raise InputError(f"dynamic_batching priority_levels {levels}: modelcache serves at most "
+                                 f"{PRIORITY_LEVELS_MAX}")
+            if not 1 <= db.default_priority_level <= levels:
+                raise InputError(f"default priority level must be in range [1, {levels}] for {config.name}")
+            wrong = sorted(k for k in db.priority_queue_policy if not 1 <= k <= levels)
+            if wrong:
+                raise InputError(f"priority queue policy must have priority level in range [1, {levels}] for "
+                                 f"{config.name}")
+            serving.update(priority_levels=levels, default_priority=db.default_priority_level)
+            if db.priority_queue_policy:
+                serving["priority_queues"] = {str(k): _queue_policy(v) for k, v in
+                                              sorted(db.priority_queue_policy.items())}
     if config.WhichOneof("scheduling_choice") == "sequence_batching":
         serving.update(sequence.serving(config))
     if config.response_cache.enable:   # refused where Triton refuses it (model_config_utils.cc), in its words
@@ -366,6 +383,19 @@ def _serving(config: mc.ModelConfig) -> dict:
     if kinds == {mc.ModelInstanceGroup.KIND_CPU}:
         serving["device"] = "cpu"   # never on a GPU worker; KIND_GPU serves where the daemon has GPU workers
     return serving
+
+
+def _queue_policy(queue: mc.ModelQueuePolicy) -> dict:
+    """A Triton ModelQueuePolicy in modelcache's terms (executor/queues.QueuePolicy). allow_timeout_override is
+    honoured as it stands: a request's own timeout is its deadline for its whole run, whatever the policy says."""
+    policy: dict = {}
+    if queue.max_queue_size:
+        policy["max_queue"] = min(queue.max_queue_size, 1 << 31)
+    if queue.default_timeout_microseconds:
+        policy["queue_timeout_ms"] = min(queue.default_timeout_microseconds / 1000, 3.6e6)
+        if queue.timeout_action == mc.ModelQueuePolicy.DELAY:
+            policy["queue_delay"] = True
+    return policy
 
 
 def _unhonoured(msg, prefix: str = "") -> list[str]:
@@ -403,9 +433,11 @@ def _int64s_as_numbers(msg, d: dict) -> None:
         value = getattr(msg, f.name)
         if f.message_type is not None and f.message_type.GetOptions().map_entry:
             inner = f.message_type.fields_by_name["value"]
+            # (JSON's keys are strings; a map keyed by integers, as priority_queue_policy is, is read by its own)
+            numeric = f.message_type.fields_by_name["key"].cpp_type != FieldDescriptor.CPPTYPE_STRING
             for k in d[f.name]:
                 if inner.message_type is not None:
-                    _int64s_as_numbers(value[k], d[f.name][k])
+                    _int64s_as_numbers(value[int(k) if numeric else k], d[f.name][k])
                 elif inner.type in _INT64:
                     d[f.name][k] = int(d[f.name][k])
         elif f.message_type is not None:

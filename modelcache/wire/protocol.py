@@ -523,8 +523,13 @@ class Infer(Message, kind="infer"):
     # A stateful model's request (Triton's sequence batcher, executor/sequences.py): {"id": a uint64 or a
     # string, "start": bool, "end": bool}; ignored by a model without sequence batching, as Triton ignores it.
     sequence: Optional[dict] = None
+    # Triton's request priority: the level it waits in where the model has priority levels (1 first; 0, None or one
+    # above its levels: its default level, executor/queues.py); ignored by a model without them, as Triton ignores it.
+    priority: Optional[int] = None
 
     def _check_decoded(self) -> None:
+        if self.priority is not None and not 0 <= self.priority <= UINT64_MAX:
+            raise RecordError(f"priority {self.priority}: must be within 0..2^64-1")
         if self.sequence is not None:
             why = sequence_problem(self.sequence.get("id"), self.sequence.get("start"), self.sequence.get("end"))
             if why:
