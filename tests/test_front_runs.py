@@ -107,6 +107,8 @@ def test_a_short_model_runs_at_the_front_and_the_daemon_counts_every_request(fro
         return s if s["inference_stats"]["success"]["count"] >= sent + 2 else None
     s = wait_until(counted, timeout_s=10, what="statistics counting the front's requests")
     assert s["inference_count"] >= 4 and s["inference_stats"]["compute_infer"]["ns"] > 0
+    sizes = {b["batch_size"]: b["compute_infer"]["count"] for b in s["batch_stats"]}   # the front's runs by their rows
+    assert sizes.get(3) == 1 and sizes.get(1, 0) >= 1, s["batch_stats"]
     assert abs(s["last_inference"] - time.time() * 1e3) < 10_000
     # Idle past front_hold_s, the front lets go: the daemon may evict it again.
     wait_until(lambda: not _front_holds(d), timeout_s=10, what="the front letting go of cnn")
@@ -204,9 +206,11 @@ def test_a_malformed_report_is_refused_and_a_good_one_counted(tmp_path, zoo_file
         ok = [0] * (len(INFER_BUCKETS_S) + 1)
         ok[0] = 3
         good = {"counts": ok, "success_s": 0.002, "samples": 3, "run_s": 0.001, "failed": 1, "failed_s": 0.001,
-                "last_unix_ms": int(time.time() * 1e3)}
+                "last_unix_ms": int(time.time() * 1e3), "batches": {"1": [3, 0.001]}}
         for bad in ([], {"cnn@1": []}, {"cnn@1": {**good, "counts": ok[:-1]}}, {"cnn@1": {**good, "counts": [-1] * len(ok)}},
-                    {"cnn@1": {**good, "run_s": float("nan")}}, {"cnn@1": {**good, "samples": 1.5}}, {7: good}):
+                    {"cnn@1": {**good, "run_s": float("nan")}}, {"cnn@1": {**good, "samples": 1.5}}, {7: good},
+                    {"cnn@1": {**good, "batches": {"0": [1, 0.1]}}}, {"cnn@1": {**good, "batches": {"1": [1]}}},
+                    {"cnn@1": {**good, "batches": [1, 2]}}):
             reply = ch.exchange(P.FrontServed(req_id=0, models=bad), (P.FrontServedReply,))
             assert isinstance(reply, P.ErrorReply) and reply.code == "protocol", (bad, reply)
         reply = ch.exchange(P.FrontServed(req_id=0, models={"cnn@1": good, "gone@9": good}), (P.FrontServedReply,))
@@ -216,6 +220,7 @@ def test_a_malformed_report_is_refused_and_a_good_one_counted(tmp_path, zoo_file
         assert (executor["served"], executor["failed"]) == (3, 1)
         m = executor["models"]["cnn@1"]
         assert (m["success"], m["samples"], m["failed"], m["executions"]) == (3, 3, 1, 3)
+        assert m["batches"] == {"1": [3, 0.001]}   # (Triton's batch_stats: runs by their rows)
     finally:
         stop_cleanly(d)
 

@@ -244,6 +244,13 @@ def test_async_infer_batches_in_the_daemon(served, client):
     inferences = after.inference_count - before.inference_count
     executions = after.execution_count - before.execution_count
     assert inferences == 16 and executions < inferences, (inferences, executions)
+    # batch_stats: the executions by their batch size, as Triton's (rows the batches held add up to the inferences)
+    sizes = {b.batch_size: b.compute_infer.count for b in after.batch_stats}
+    earlier = {b.batch_size: b.compute_infer.count for b in before.batch_stats}
+    grew = {size: n - earlier.get(size, 0) for size, n in sizes.items() if n > earlier.get(size, 0)}
+    assert sum(grew.values()) == executions and sum(size * n for size, n in grew.items()) == 16, grew
+    assert any(size > 1 for size in grew), grew
+    assert all(b.compute_infer.ns > 0 and b.compute_input.count == b.compute_infer.count for b in after.batch_stats)
 
 
 def test_stream_infer_many_in_flight(served, client):

@@ -450,6 +450,8 @@ def test_statistics_through_tritonclient(served):
     s = cnn["inference_stats"]
     assert s["success"]["count"] == 3 and s["fail"]["count"] == 0 and cnn["inference_count"] == 4
     assert 1 <= cnn["execution_count"] <= 3
+    batches = {b["batch_size"]: b["compute_infer"]["count"] for b in cnn["batch_stats"]}   # rows per execution
+    assert sum(batches.values()) == cnn["execution_count"] and sum(k * n for k, n in batches.items()) == 4, batches
     assert 0 < s["compute_infer"]["ns"] <= s["success"]["ns"] and s["queue"]["ns"] <= s["success"]["ns"]
     assert t0_ms - 5 <= cnn["last_inference"] <= t1_ms + 5
     [one] = c.get_inference_statistics("cnn", "1")["model_stats"]

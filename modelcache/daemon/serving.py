@@ -550,4 +550,11 @@ def _front_report(key, report) -> dict:
         if type(value) not in ((int,) if kind is int else (int, float)) or not math.isfinite(value) or value < 0:
             raise ProtocolError(f"front_served: {key[:80]}'s {name} must be a finite number >= 0")
         out[name] = value
+    out["batches"] = {}   # {rows: [runs, seconds]} (executor/stats.add_batch; a front before it sent none)
+    for rows, pair in _items(fields.get("batches", {}), f"{key[:80]}'s batches"):
+        if not (isinstance(rows, str) and rows.isdigit() and 0 < int(rows) <= 1 << 31) or not isinstance(pair, list) \
+                or len(pair) != 2 or type(pair[0]) is not int or pair[0] < 0 or type(pair[1]) not in (int, float) \
+                or not math.isfinite(pair[1]) or pair[1] < 0:
+            raise ProtocolError(f"front_served: {key[:80]}'s batches must map a row count to [runs, seconds]")
+        out["batches"][rows] = pair
     return out

@@ -672,7 +672,8 @@ class Engine:
 
     def _complete(self, batch: Batch) -> None:
         self._end(batch)
-        self._stats(batch.first.model_key).executions += 1
+        run_s = sum(s["run_ms"] for s in batch.first.timings["stages"]) / 1e3   # (each member's the batch's runs)
+        self._stats(batch.first.model_key).executed(batch.samples, run_s)
         at = 0
         for m in batch.members:
             names = m.output_names or m.stages[-1]["outputs"]

@@ -10,11 +10,21 @@ from ..histogram import Histogram
 INFER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
+def add_batch(batches: dict, rows: int, count: int, run_s: float) -> None:
+    """Count `count` executions of `rows` rows taking `run_s` in all, in a {str(rows): [count, seconds]} map."""
+    held = batches.get(str(rows))
+    if held is None:
+        batches[str(rows)] = [count, run_s]
+    else:
+        held[0] += count
+        held[1] += run_s
+
+
 class ModelServeStats:
     """One model version's requests since the daemon started. Times are the engine's (`timings`): a
     request's total, its queue wait (summed over stages) and its stages' run time."""
 
-    __slots__ = ("latency", "samples", "queue_s", "run_s", "failed", "failed_s", "executions", "last_at",
+    __slots__ = ("latency", "samples", "queue_s", "run_s", "failed", "failed_s", "executions", "batches", "last_at",
                  "last_unix_ms", "cache_hits", "cache_hit_s", "cache_misses", "cache_miss_s")
 
     def __init__(self):
@@ -25,6 +35,8 @@ class ModelServeStats:
         self.failed = 0
         self.failed_s = 0.0
         self.executions = 0       # batches that ran to the end (one per request without batching)
+        self.batches: dict = {}   # str(batch size) -> [executions of that many rows, their runs' seconds]
+                                  # (Triton's batch_stats; str: msgpack's maps take no int keys by default)
         self.last_at = None       # engine clock of the last answer, success or failure
         self.last_unix_ms = None  # the same moment on the wall clock: Triton's last_inference, the same
                                   # however often and from wherever it is asked (not now less idle_s)
@@ -47,6 +59,11 @@ class ModelServeStats:
         self.samples += samples
         self.queue_s += timings["queue_ms"] / 1e3
         self.run_s += sum(s["run_ms"] for s in timings["stages"]) / 1e3
+
+    def executed(self, rows: int, run_s: float) -> None:
+        """A batch of `rows` ran to the end, its stages taking `run_s`."""
+        self.executions += 1
+        add_batch(self.batches, rows, 1, run_s)
 
     def cache_hit(self, now: float, total_s: float, lookup_s: float) -> None:
         """A request answered from the response cache: a success, with no run and no queue."""
@@ -72,6 +89,8 @@ class ModelServeStats:
         self.failed_s += report["failed_s"]
         hits = report.get("cache_hits", 0)   # (answered from the front's response cache: they never ran)
         self.executions += ok - hits
+        for rows, (count, run_s) in report.get("batches", {}).items():   # (FrontServed checked its shape)
+            add_batch(self.batches, int(rows), count, run_s)
         self.cache_hits += hits
         self.cache_hit_s += report.get("cache_hit_s", 0.0)
         self.cache_misses += report.get("cache_misses", 0)
@@ -83,7 +102,8 @@ class ModelServeStats:
     def describe(self, now: float) -> dict:
         return {"success": self.latency.n, "success_s": self.latency.total, "samples": self.samples,
                 "queue_s": self.queue_s, "run_s": self.run_s, "failed": self.failed, "failed_s": self.failed_s,
-                "executions": self.executions, "cache_hits": self.cache_hits, "cache_hit_s": self.cache_hit_s,
+                "executions": self.executions, "batches": self.batches,
+                "cache_hits": self.cache_hits, "cache_hit_s": self.cache_hit_s,
                 "cache_misses": self.cache_misses, "cache_miss_s": self.cache_miss_s,
                 "idle_s": None if self.last_at is None else max(0.0, now - self.last_at),
                 "last_unix_ms": self.last_unix_ms}

@@ -21,7 +21,7 @@ import threading
 import time
 
 from ..errors import ModelCacheError, RequestTimeout, RunError
-from ..executor.stats import INFER_BUCKETS_S
+from ..executor.stats import INFER_BUCKETS_S, add_batch
 from ..histogram import Histogram
 from ..memlimit import release_freed_heap
 from ..wire import protocol as P, tensors
@@ -47,7 +47,7 @@ class _Served:
     cache since the last report."""
 
     __slots__ = ("latency", "samples", "run_s", "failed", "failed_s", "last_unix_ms", "cache_hits", "cache_hit_s",
-                 "cache_misses", "cache_miss_s")
+                 "cache_misses", "cache_miss_s", "batches")
     COUNTS = ("samples", "run_s", "failed", "failed_s", "cache_hits", "cache_hit_s", "cache_misses", "cache_miss_s")
 
     def __init__(self):
@@ -61,16 +61,19 @@ class _Served:
         self.cache_hit_s = 0.0
         self.cache_misses = 0     # (only those run here: the daemon counts those it served, from its cache or not)
         self.cache_miss_s = 0.0
+        self.batches: dict = {}   # runs by their rows, as the engine's (executor/stats.add_batch)
 
     def absorb(self, other: "_Served") -> None:
         self.latency.merge(other.latency.counts, other.latency.total)
+        for rows, (count, run_s) in other.batches.items():
+            add_batch(self.batches, int(rows), count, run_s)
         for name in self.COUNTS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.last_unix_ms = max(self.last_unix_ms, other.last_unix_ms)
 
     def wire(self) -> dict:
         return {"counts": self.latency.counts, "success_s": self.latency.total, "last_unix_ms": self.last_unix_ms,
-                **{name: getattr(self, name) for name in self.COUNTS}}
+                "batches": self.batches, **{name: getattr(self, name) for name in self.COUNTS}}
 
 
 class FrontRunner:
@@ -136,6 +139,7 @@ class FrontRunner:
         served.latency.observe(done - started)
         served.samples += samples
         served.run_s += done - t0
+        add_batch(served.batches, samples, 1, done - t0)
         return dict(zip(names, values))
 
     def cache_hit(self, name: str, version: int, started: float, lookup_s: float) -> None:

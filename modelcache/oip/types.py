@@ -67,8 +67,8 @@ def model_config(name: str, inputs: list[dict], outputs: list[dict]) -> dict:
 def model_stat(name: str, version: int, served: dict | None) -> dict:
     """One version's entry of Triton's statistics extension from the engine's counters (executor/stats.py;
     None: no request yet). The daemon does not time input and output conversion apart from the run, so
-    compute_input and compute_output have their counts and 0 ns; no per-batch-size stats (batch_stats). The response
-    cache's hits and misses as Triton counts them (executor/stats.py)."""
+    compute_input and compute_output have their counts and 0 ns, in batch_stats too (each batch size's executions and
+    their runs' time). The response cache's hits and misses as Triton counts them (executor/stats.py)."""
     s = served or {}
     ok = s.get("success", 0)
     ran = ok - s.get("cache_hits", 0)   # (as Triton: a request answered from the response cache never computed)
@@ -86,7 +86,10 @@ def model_stat(name: str, version: int, served: dict | None) -> dict:
                                 "compute_output": stat(ran, 0.0),
                                 "cache_hit": stat(s.get("cache_hits", 0), s.get("cache_hit_s", 0.0)),
                                 "cache_miss": stat(s.get("cache_misses", 0), s.get("cache_miss_s", 0.0))},
-            "batch_stats": []}
+            "batch_stats": [{"batch_size": int(rows), "compute_input": stat(count, 0.0),
+                             "compute_infer": stat(count, run_s), "compute_output": stat(count, 0.0)}
+                            for rows, (count, run_s) in sorted(s.get("batches", {}).items(),
+                                                               key=lambda kv: int(kv[0]))]}
 
 
 def decode_bytes_elements(raw: memoryview, count: int, name: str) -> np.ndarray:
