@@ -169,7 +169,7 @@ SERVING_POLICIES = ("serial", "dynamic")   # what a model's own configuration ca
 SERVING_MAX_BATCH = 1 << 16
 _SERVING_FIELDS = {"policy", "max_batch", "max_queue_delay_ms", "preferred_batch_sizes", "device", "sequence",
                    "max_queue", "queue_timeout_ms", "queue_delay", "priority_levels", "default_priority",
-                   "priority_queues", "response_cache"}
+                   "priority_queues", "response_cache", "warmup"}
 _QUEUE_FIELDS = {"max_queue", "queue_timeout_ms", "queue_delay"}   # a queue policy's (executor/queues.QueuePolicy)
 PRIORITY_LEVELS_MAX = 1 << 16
 
@@ -185,6 +185,37 @@ def _check_queue_policy(policy: dict, where: str) -> None:
         raise ValueError(f"{where}queue_delay must be true or false")
 
 
+_WARMUP_DTYPES = {"bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64", "float16",
+                  "float32", "float64", "object"}
+
+
+def _check_warmup(samples) -> None:
+    """A model's warm-up samples as triton_repo/warmup.samples writes them; within bounds a daemon can afford."""
+    from .daemon.warmup import SAMPLE_BYTES_MAX, sample_bytes
+    if not isinstance(samples, list) or len(samples) > 64:
+        raise ValueError("warmup must be a list of at most 64 samples")
+    for s in samples:
+        if not isinstance(s, dict) or set(s) != {"name", "batch_size", "count", "inputs"} \
+                or not isinstance(s["name"], str) or not isinstance(s["inputs"], dict):
+            raise ValueError("a warmup sample is a map of name, batch_size, count and inputs")
+        if type(s["batch_size"]) is not int or not 1 <= s["batch_size"] <= SERVING_MAX_BATCH \
+                or type(s["count"]) is not int or not 1 <= s["count"] <= 1000:
+            raise ValueError(f"warmup sample {s['name'][:80]!r}: batch_size must be 1 to {SERVING_MAX_BATCH}, "
+                             "count 1 to 1000")
+        for name, spec in s["inputs"].items():
+            if not isinstance(spec, dict) or spec.get("dtype") not in _WARMUP_DTYPES \
+                    or not isinstance(spec.get("dims"), list) or len(spec["dims"]) > 16 \
+                    or not all(type(d) is int and d >= 0 for d in spec["dims"]) \
+                    or not (spec.get("fill") in ("zero", "random") or isinstance(spec.get("data"), str)) \
+                    or not (spec.get("reshape") is None or isinstance(spec["reshape"], list)
+                            and all(type(d) is int and d >= -1 for d in spec["reshape"])):
+                raise ValueError(f"warmup sample {s['name'][:80]!r}: input {str(name)[:80]!r} must give its dtype, "
+                                 "dims (>= 0) and a fill (zero, random) or data")
+        if sample_bytes(s) > SAMPLE_BYTES_MAX:
+            raise ValueError(f"warmup sample {s['name'][:80]!r}: its inputs would hold more than "
+                             f"{SAMPLE_BYTES_MAX >> 20} MiB")
+
+
 def check_serving(serving: dict) -> None:
     """Refuse anything but a model's batching policy as `modelcache import-triton` stores it (its manifest's
     `serving`): {"policy": "serial" or "dynamic", "max_batch": the largest request and batch (0: no limit),
@@ -194,8 +225,9 @@ def check_serving(serving: dict) -> None:
     "queue_delay": true to move a request past that time behind the others rather than refuse it (Triton's DELAY),
     "priority_levels": how many priority levels its queue has (0: none), "default_priority": the level of a request
     that names none, "priority_queues": {level: its own max_queue, queue_timeout_ms, queue_delay} (executor/queues.py),
-    "response_cache": true to answer inputs it has answered before from the daemon's response cache}, each field
-    optional. ValueError says which field is wrong."""
+    "response_cache": true to answer inputs it has answered before from the daemon's response cache, "warmup": the
+    samples it runs when added or loaded (triton_repo/warmup.py)}, each field optional. ValueError says which field
+    is wrong."""
     if not isinstance(serving, dict):
         raise ValueError("a model's serving policy is a map of its fields")
     unknown = sorted(set(serving) - _SERVING_FIELDS)
@@ -232,6 +264,7 @@ def check_serving(serving: dict) -> None:
     if not isinstance(sizes, list) or len(sizes) > 64 or not all(type(b) is int and 1 <= b <= SERVING_MAX_BATCH
                                                                  for b in sizes):
         raise ValueError("preferred_batch_sizes must be a list of at most 64 batch sizes >= 1")
+    _check_warmup(serving.get("warmup", []))
     if type(serving.get("response_cache", False)) is not bool:
         raise ValueError("response_cache must be true or false")
     if serving.get("response_cache") and serving.get("sequence") is not None:   # (Triton refuses it too)

@@ -71,6 +71,17 @@ optimization { execution_accelerators {
   } ]
 }}
 """
+# Triton's model_warmup: two runs of a batch of 2 zero rows, and one of a row from the model's warmup/ folder.
+WARM_CONFIG = """
+backend: "onnxruntime"
+max_batch_size: 4
+model_warmup [
+  { name: "zeros" batch_size: 2 count: 2
+    inputs { key: "input" value { data_type: TYPE_FP32 dims: [ 3, 32, 32 ] zero_data: true } } },
+  { name: "a row" batch_size: 1
+    inputs { key: "input" value { data_type: TYPE_FP32 dims: [ 3, 32, 32 ] input_data_file: "row.bin" } } }
+]
+"""
 TRT_CONFIG = """
 platform: "tensorrt_plan"
 max_batch_size: 8
@@ -120,6 +131,10 @@ def write_repository(root: Path) -> Path:
     save("tiny-cnn", root / "half" / "1" / "model.onnx")              # version 2 fails in ORT: no half import
     save(unbuildable_cnn(), root / "half" / "2" / "model.onnx")
     (root / "half" / "config.pbtxt").write_text('backend: "onnxruntime"\nversion_policy: { all { } }\n')
+    save("tiny-cnn", root / "warm" / "1" / "model.onnx")
+    (root / "warm" / "config.pbtxt").write_text(WARM_CONFIG)
+    (root / "warm" / "warmup").mkdir()
+    (root / "warm" / "warmup" / "row.bin").write_bytes(np.full((3, 32, 32), 0.5, np.float32).tobytes())
     return root
 
 
@@ -350,10 +365,40 @@ def test_the_import_at_start_says_what_it_did(imported):
     half = next(line for line in log.splitlines() if line.startswith("half"))
     assert half.startswith("half@2: ONNX Runtime cannot load") and half.endswith(
         "not imported (version 1, added before it, removed)"), half
-    assert f"{repo}: 3 versions imported, 0 unchanged, 1 models skipped (not ONNX), 2 refused" in log
+    assert f"{repo}: 4 versions imported, 0 unchanged, 1 models skipped (not ONNX), 2 refused" in log
     with d.client() as c:
         have = sorted((m["name"], m["version"]) for m in c.listing().models)
-    assert have == [("cnn", 2), ("cnn", 3), ("embed", 1)]   # no half of `half`, nothing of broken or trt
+    assert have == [("cnn", 2), ("cnn", 3), ("embed", 1), ("warm", 1)]   # no half of `half`, nothing of broken or trt
+
+
+def test_a_model_with_warmup_is_warmed_as_it_is_added_and_its_warmup_is_not_counted(imported):
+    """Triton's model_warmup: run once the model is added, before any request (three runs: the zeros twice, the
+    file's row once); the model is in memory then, and its statistics count no request."""
+    import tritonclient.grpc as grpcclient
+    d, repo, grpc_at, _ = imported
+    wait_until(lambda: "warm@1: warmed up: 3 runs" in d.log_path.read_text(), 60, "the warm-up")
+    log = d.log_path.read_text()
+    assert "warm: imported version 1 (dynamic batching up to 4, 0 us delay, 2 warm-up samples" in log, log
+    assert "warning: warm:" not in log   # (model_warmup is carried out, not listed)
+    with d.client() as c:
+        [warm] = [m for m in c.listing().models if m["name"] == "warm"]
+        assert warm["tier"] != "disk", warm   # promoted by its warm-up
+    client = grpcclient.InferenceServerClient(grpc_at)
+    try:
+        [before] = client.get_inference_statistics("warm").model_stats
+        assert (before.inference_count, before.execution_count, len(before.batch_stats)) == (0, 0, 0)
+        x = np.random.default_rng(3).standard_normal((1, 3, 32, 32)).astype(np.float32)
+        i = grpcclient.InferInput("input", [1, 3, 32, 32], "FP32")
+        i.set_data_from_numpy(x)
+        want = ort.InferenceSession(str(repo / "warm" / "1" / "model.onnx")).run(None, {"input": x})[0]
+        np.testing.assert_allclose(client.infer("warm", [i]).as_numpy("logits"), want, rtol=1e-4, atol=1e-5)
+        [after] = client.get_inference_statistics("warm").model_stats
+        assert (after.inference_count, after.execution_count) == (1, 1)
+        client.unload_model("warm")   # the repository API's load warms it again, as Triton's does
+        client.load_model("warm")
+        wait_until(lambda: d.log_path.read_text().count("warm@1: warmed up: 3 runs") == 2, 60, "the warm-up at load")
+    finally:
+        client.close()
 
 
 def test_both_protocols_answer_model_config_with_what_was_imported(imported):
@@ -423,7 +468,7 @@ def test_the_command_again_imports_nothing_unchanged(imported):
     assert r.returncode == 1, r.stderr
     lines = r.stdout.splitlines()
     assert "cnn@2: unchanged, not imported again" in lines and "embed@1: unchanged, not imported again" in lines
-    assert lines[-1] == f"{repo}: 0 versions imported, 3 unchanged, 1 models skipped (not ONNX), 2 refused"
+    assert lines[-1] == f"{repo}: 0 versions imported, 4 unchanged, 1 models skipped (not ONNX), 2 refused"
     assert any(line.startswith("half@2: ") and line.endswith("removed)") for line in lines)
     # a changed configuration is refused rather than replacing what clients may be using
     changed = repo.parent / "changed"
@@ -445,7 +490,9 @@ def test_a_restarted_daemon_adds_nothing_again(imported, tmp_path):
     d2.start()
     try:
         wait_until(lambda: IMPORT_DONE in d2.log_path.read_text(), 180, "the import at start")
-        assert f"{repo}: 0 versions imported, 3 unchanged" in d2.log_path.read_text()
+        assert f"{repo}: 0 versions imported, 4 unchanged" in d2.log_path.read_text()
+        # warmed again at the start, as Triton warms a model each time it loads it
+        wait_until(lambda: "warm@1: warmed up: 3 runs" in d2.log_path.read_text(), 60, "the warm-up at start")
     finally:
         stop_cleanly(d2)
 

@@ -44,6 +44,7 @@ class Models:
         # Packing subprocesses, so an immediate stop can kill them. Loader threads add and remove
         # entries (single set operations, atomic under the GIL); only the signal handler reads it.
         self.packers: set = set()
+        self.warm_up = lambda model: None   # Serving.warm_up: a model with warm-up samples runs them when added or loaded
 
     def handlers(self) -> dict:
         return {P.Load: self.on_Load, P.Remove: self.on_Remove, P.Pin: self.on_Pin, P.Evict: self.on_Evict,
@@ -69,6 +70,8 @@ class Models:
         def answer(error, hit):
             self.reply(ident, outcome(msg, model, before) if error is None else
                        P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
+            if error is None:
+                self.warm_up(model)
 
         residency.when_resident(model, answer)
         return None
@@ -214,13 +217,14 @@ class Models:
                 self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
                 return
             manifest, pack_s = result
-            self.registry.add_model(self.repository.model_dir(msg.name, version), manifest)
+            model = self.registry.add_model(self.repository.model_dir(msg.name, version), manifest)
             self.counters["adds"] += 1
             log.info("model added: %s@%d, %d tensors, %.1f MiB, packed in %.2f s", msg.name, version,
                      len(manifest.tensors), manifest.weights_bytes / 2**20, pack_s)
             self.reply(ident, P.AddReply(req_id=msg.req_id, name=msg.name, version=version,
                                           weights_bytes=manifest.weights_bytes, tensors=len(manifest.tensors),
                                           pack_s=pack_s))
+            self.warm_up(model)
 
         self.loaders.run(work, done)
         return None

@@ -142,6 +142,7 @@ class Daemon:
                                reply=self._reply, touch=self.sessions.touch, ensembles=self.ensembles,
                                responses=ResponseCache(settings.response_cache_bytes()))
         self.memory.caches.append(self.serving.drop_answers)   # (pressure: cached answers go before models)
+        self.models.warm_up = self.serving.warm_up
         # Message type -> handler(ident, message): each returns its reply, or None when it answers later.
         self.handlers = {**self.sessions.handlers(), **self.models.handlers(), **self.serving.handlers(),
                          P.ListModels: self.on_ListModels, P.Stats: self.on_Stats, P.Remove: self.on_Remove}
@@ -225,6 +226,8 @@ class Daemon:
         self.wake_rx = self.ctx.socket(zmq.PULL)
         self.wake_rx.bind(WAKE_ADDR)
         self.engine.start()
+        for model in list(self.registry.models.values()):   # (Triton warms a model at each start, as at each load)
+            self.serving.warm_up(model)
         self.pressure_watch = PressureWatch(self.memory, self.loaders.post)
         self.pressure_watch.start()
         if self.metrics is not None:

@@ -28,6 +28,7 @@ from ..executor.workers import select_gpus
 from .registry import HOST, ModelRecord, Registry
 from .residency import WORKER
 from .residency.room import deadline_of
+from .warmup import sample_requests
 from .wording import plural
 
 log = logging.getLogger("modelcache.daemon")
@@ -276,9 +277,11 @@ class Serving:
         return None
 
     def serve(self, model: ModelRecord, feeds: dict, output_names: list | None, arrival: float,
-              deadline: float | None, sequence: dict | None, answer, priority: int | None = None) -> None:
+              deadline: float | None, sequence: dict | None, answer, priority: int | None = None,
+              warmup: bool = False) -> None:
         """Run one request of `model` on the engine: `answer(outputs, timings, error)` once, when it is done;
-        `priority` its level in a model with priority levels (executor/queues.py).
+        `priority` its level in a model with priority levels (executor/queues.py). A `warmup` request (warm_up) is
+        neither cached nor counted: in the model's statistics, or as a call by the keep-alive policies.
         InputError (and the like), raised here, for a request refused before anything is held."""
         spec = self._sequence_spec(model)
         if spec is not None:   # a stateful model: the server fills its controls and states (executor/sequences.py)
@@ -307,7 +310,7 @@ class Serving:
                                       or any(s.returned for s in spec.states if s.output == o)]
             output_names = None if not output_names else list(dict.fromkeys(output_names + sorted(spec.state_outputs)))
         cache_key, lookup_s = None, 0.0
-        if self._caches(model):
+        if self._caches(model) and not warmup:
             # (a front that missed its own cache has hashed these inputs already, but sends no key: any lane client
             # may send an Infer, and a key taken on trust could name another client's answer)
             started = self.clock()
@@ -349,11 +352,13 @@ class Serving:
                     if stages is not None:
                         residency.also(held)     # (a call there too, as an open is: the timed policies count it)
                         devices[residency.id] = stages
-            self.host.accessed(model)
+            if not warmup:
+                self.host.accessed(model)
             self.engine.submit(ServeRequest(model.key, specs, segments, dict(fed[0]), output_names, arrival,
                                             deadline, finish, samples=samples, batchable=batchable,
                                             profile=model.manifest.batching or None, devices=devices,
-                                            serving=model.manifest.serving or None, priority=priority))
+                                            serving=model.manifest.serving or None, priority=priority,
+                                            warmup=warmup))
 
         def start(error, hit):
             if error is not None:
@@ -404,6 +409,36 @@ class Serving:
                                                      lambda error: finish(None, {}, error))
         except ModelCacheError as e:   # refused (no id, no START): answered, the hold released
             finish(None, {}, e)
+
+    def warm_up(self, model: ModelRecord) -> None:
+        """Run the model's warm-up samples (its Triton config's model_warmup, daemon/warmup.py), one run after
+        another, each sample `count` times, as requests of its own queue: the model is promoted, its sessions
+        made and run once before the requests that come after them. A failure is logged, and ends the warm-up."""
+        samples = (model.manifest.serving or {}).get("warmup")
+        if not samples or self._sequence_spec(model) is not None:
+            return
+        max_batch = model.manifest.serving.get("max_batch", 0)
+        runs = [(s["name"], feeds) for s in samples for _ in range(s["count"])
+                for feeds in sample_requests(s, max_batch)]
+        started = self.clock()
+
+        def run(i: int) -> None:
+            if i == len(runs):
+                log.info("%s: warmed up: %d runs in %.2f s", model.key, len(runs), self.clock() - started)
+                return
+            name, feeds = runs[i]
+
+            def answered(outputs, timings, error):
+                if error is not None:
+                    log.warning("%s: warm-up sample %r failed: %s", model.key, name, error)
+                else:
+                    run(i + 1)
+            try:
+                self.serve(model, feeds, None, self.clock(), None, None, answered, warmup=True)
+            except ModelCacheError as e:   # (refused before it was held: a sample the model cannot take)
+                log.warning("%s: warm-up sample %r refused: %s", model.key, name, e)
+
+        run(0)
 
     def _sequence_spec(self, model: ModelRecord):
         """The model's sequence batching (a SequenceSpec), or None for a stateless model."""

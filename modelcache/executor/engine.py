@@ -80,6 +80,7 @@ class ServeRequest:
     devices: dict = field(default_factory=dict)
     serving: dict | None = None  # the model's own batching policy (manifest "serving": a Triton config's), if any
     priority: int | None = None  # the client's (Triton's request priority): its level in a model with priority_levels
+    warmup: bool = False         # the model's own warm-up (daemon/warmup.py): run as any request, counted in no stats
     # Set by its model's queue (executor/queues.py): its priority level; when it is refused, or with DELAY moved
     # behind its level's others, unless it has run by then (its level's queue timeout; None: no limit); whether moved
     queue_level: int = 0
@@ -672,8 +673,9 @@ class Engine:
 
     def _complete(self, batch: Batch) -> None:
         self._end(batch)
-        run_s = sum(s["run_ms"] for s in batch.first.timings["stages"]) / 1e3   # (each member's the batch's runs)
-        self._stats(batch.first.model_key).executed(batch.samples, run_s)
+        if not all(m.warmup for m in batch.members):   # (a warm-up alone is not one of the model's executions)
+            run_s = sum(s["run_ms"] for s in batch.first.timings["stages"]) / 1e3   # (each member's: the batch's)
+            self._stats(batch.first.model_key).executed(batch.samples, run_s)
         at = 0
         for m in batch.members:
             names = m.output_names or m.stages[-1]["outputs"]
@@ -702,13 +704,14 @@ class Engine:
         total_ms = (now - req.arrival) * 1e3
         req.timings["total_ms"] = total_ms
         req.timings["queue_ms"] = sum(s["wait_ms"] for s in req.timings["stages"])
+        req.finish(outputs if error is None else None, req.timings, error)   # the answer first: counters can wait
+        if req.warmup:
+            return
         if error is None:
-            req.finish(outputs, req.timings, None)   # the answer first: the counters can wait
             self.served += 1
             self.latencies_ms.append(total_ms)
         else:
             self.failed += 1
-            req.finish(None, req.timings, error)
         self._stats(req.model_key).finished(now, req.samples, req.timings, error is None)
 
     def cache_hit(self, model_key: str, arrival: float, lookup_s: float) -> None:

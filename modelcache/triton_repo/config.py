@@ -22,7 +22,7 @@ from ..calibration import PRIORITY_LEVELS_MAX
 from ..errors import InputError, ModelCacheError
 from ..oip.types import numpy_type_of, triton_type, v2_shape
 from ..triton_protos import model_config_pb2 as mc
-from . import ensemble, sequence
+from . import ensemble, sequence, warmup
 from .versions import present as present_versions, served as served_versions
 
 CONFIG_FILE = "config.pbtxt"
@@ -51,6 +51,7 @@ HONOURED = {"name", "platform", "backend", "version_policy", "max_batch_size", "
             "dynamic_batching.default_priority_level", "dynamic_batching.priority_queue_policy",
             "instance_group.name", "instance_group.kind",
             "response_cache.enable",   # the daemon's response cache (executor/response_cache.py)
+            "model_warmup",            # run when the model is added or loaded (warmup.py), but a stateful model's
             # sequence_batching (sequence.py, executor/sequences.py)
             "sequence_batching.max_sequence_idle_microseconds", "sequence_batching.control_input.name",
             "sequence_batching.control_input.control.kind", "sequence_batching.control_input.control.int32_false_true",
@@ -107,6 +108,8 @@ class ModelPlan:
         if s.get("policy") != "dynamic" and s.get("max_batch"):
             text += f", at most {s['max_batch']} rows"
         text += ", response cache" if s.get("response_cache") else ""
+        if s.get("warmup"):
+            text += f", {len(s['warmup'])} warm-up sample" + ("s" if len(s["warmup"]) > 1 else "")
         return text + (f", {s['device'].upper()} only" if s.get("device") == "cpu" else "")
 
 
@@ -161,8 +164,13 @@ def _plan(model_dir: Path, name: str, model_io, given) -> ModelPlan:
     for v, path in versions:
         _check_against_model(config, *ios[v], f"{path.relative_to(model_dir.parent)}", hidden[0])
     serving = _serving(config)    # (from the groups given: those Triton fills in below do not limit the device)
+    stateful = config.WhichOneof("scheduling_choice") == "sequence_batching"
+    if config.model_warmup and not stateful:
+        serving["warmup"] = warmup.samples(config, model_dir)
+    not_honoured = [] if given is None else _unhonoured(given) + (["model_warmup"] if stateful and
+                                                                   config.model_warmup else [])
     _normalize(config)
-    if config.WhichOneof("scheduling_choice") == "sequence_batching":
+    if stateful:
         sequence.normalize(config)
         specs = {sequence.spec_of(config, *ios[v][:2], model_dir, f"{path.relative_to(model_dir.parent)}")
                  for v, path in versions}
@@ -170,8 +178,8 @@ def _plan(model_dir: Path, name: str, model_io, given) -> ModelPlan:
             raise InputError("its versions' models differ in their sequence control or state tensors; import "
                              "them as separate models")
         serving["sequence"] = specs.pop().to_wire()
-    return ModelPlan(name, versions, config_to_json(config), serving,
-                     [] if given is None else _unhonoured(given), completed, _labels(config, model_dir))
+    return ModelPlan(name, versions, config_to_json(config), serving, not_honoured, completed,
+                     _labels(config, model_dir))
 
 
 def _normalize(config: mc.ModelConfig) -> None:

@@ -1,0 +1,60 @@
+"""A model's warm-up (its Triton config's `model_warmup`, read by triton_repo/warmup.py): the requests each sample
+makes, run by Serving.warm_up when the model is added or loaded, before the requests that come after.
+
+Why here and not at a client's first request: that request would pay what a warm-up is for, the model's promotion
+into memory, its sessions' creation on the workers and ORT's first run (allocations, thread pools).
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+
+import numpy as np
+
+from ..oip.types import decode_bytes_elements
+
+SAMPLE_BYTES_MAX = 256 << 20   # one sample's inputs, all its rows: what a model's declared serving may ask for
+
+
+def sample_requests(sample: dict, max_batch: int) -> list[dict]:
+    """The feeds of one run of `sample` (a serving "warmup" entry): one request of batch_size rows where the model
+    batches (max_batch > 0), else batch_size requests of the dims as given (Triton adds no batch dimension then)."""
+    rows = sample["batch_size"]
+    one = {name: _one(name, spec) for name, spec in sample["inputs"].items()}
+    if max_batch > 0:
+        return [{name: np.repeat(_shaped(x, spec, True), rows, axis=0)
+                 for (name, x), spec in zip(one.items(), sample["inputs"].values())}]
+    feeds = {name: _shaped(x, spec, False) for (name, x), spec in zip(one.items(), sample["inputs"].values())}
+    return [feeds] * rows
+
+
+def sample_bytes(sample: dict) -> int:
+    """What a sample's inputs hold, all rows (for check_serving's bound)."""
+    total = 0
+    for spec in sample["inputs"].values():
+        item = 8 if spec["dtype"] == "object" else np.dtype(spec["dtype"]).itemsize
+        total += math.prod(spec["dims"]) * item
+    return total * sample["batch_size"]
+
+
+def _one(name: str, spec: dict) -> np.ndarray:
+    """One request's worth of the input (its dims, no batch dimension)."""
+    dims, dtype = spec["dims"], spec["dtype"]
+    if "data" in spec:
+        data = base64.b64decode(spec["data"])
+        if dtype == "object":
+            return decode_bytes_elements(memoryview(data), math.prod(dims), name).reshape(dims)
+        return np.frombuffer(data, dtype=dtype, count=math.prod(dims)).reshape(dims)
+    if dtype == "object" or spec.get("fill") == "zero":
+        return np.full(dims, "", dtype=object) if dtype == "object" else np.zeros(dims, dtype=dtype)
+    # random bytes, as Triton's (rand() per byte); seeded: the same warm-up every time
+    raw = np.random.default_rng(0).integers(0, 256, size=math.prod(dims) * np.dtype(dtype).itemsize, dtype=np.uint8)
+    return (raw % 2).astype(bool).reshape(dims) if dtype == "bool" else raw.view(dtype).reshape(dims)
+
+
+def _shaped(x: np.ndarray, spec: dict, batched: bool) -> np.ndarray:
+    """With a batch dimension of 1 where the model batches; as the model takes it where the input has a reshape."""
+    if "reshape" in spec:
+        x = x.reshape(spec["reshape"])
+    return x[np.newaxis] if batched else x
