@@ -81,6 +81,7 @@ model_warmup [
   { name: "a row" batch_size: 1
     inputs { key: "input" value { data_type: TYPE_FP32 dims: [ 3, 32, 32 ] input_data_file: "row.bin" } } }
 ]
+optimization { graph { level: -1 } }
 """
 TRT_CONFIG = """
 platform: "tensorrt_plan"
@@ -147,7 +148,8 @@ def test_a_config_as_triton_documents_it(tmp_path):
     assert plan.serving == {"policy": "dynamic", "max_batch": 8, "max_queue_delay_ms": 200.0,
                             "preferred_batch_sizes": [4, 8], "device": "cpu"}
     check_serving(plan.serving)
-    assert plan.not_honoured == ["instance_group.count", "optimization"]
+    assert plan.not_honoured == ["instance_group.count", "optimization.execution_accelerators"]
+    assert plan.opt_level is None   # (no graph level: the daemon's opt_level setting)
     c = plan.config
     assert (c["name"], c["platform"], c["backend"], c["max_batch_size"]) == ("cnn", "onnxruntime_onnx",
                                                                            "onnxruntime", 8)
@@ -155,6 +157,14 @@ def test_a_config_as_triton_documents_it(tmp_path):
     db = c["dynamic_batching"]
     assert (db["preferred_batch_size"], db["max_queue_delay_microseconds"]) == ([4, 8], 200000)
     json.dumps(c)   # stored in the manifest as it is
+
+
+@pytest.mark.parametrize("level, opt_level", [(-1, "basic"), (0, "all"), (1, "extended"), (2, "disable"), (7, "all")])
+def test_the_graph_optimization_level_is_the_one_the_model_is_packed_with(tmp_path, level, opt_level):
+    save("tiny-cnn", tmp_path / "g" / "1" / "model.onnx")
+    (tmp_path / "g" / "config.pbtxt").write_text(f"max_batch_size: 8\noptimization {{ graph {{ level: {level} }} }}")
+    plan = plan_model(tmp_path / "g", model_io)
+    assert plan.opt_level == opt_level and plan.not_honoured == []
 
 
 def test_a_queue_policy_bounds_the_models_queue_and_a_delay_action_delays(tmp_path):
@@ -358,7 +368,7 @@ def test_the_import_at_start_says_what_it_did(imported):
     log = d.log_path.read_text()
     assert "cnn: imported versions 2, 3 (dynamic batching up to 8, 200000 us delay, preferred 4, 8, CPU only)" in log
     assert "warning: cnn: config.pbtxt fields modelcache does not honour (served as if absent): " \
-           "instance_group.count, optimization" in log
+           "instance_group.count, optimization.execution_accelerators" in log
     assert "embed: imported version 1 (dynamic batching up to 4, 0 us delay; auto-completed: no config.pbtxt" in log
     assert "trt: skipped: a TensorRT plan (platform tensorrt_plan); modelcache serves ONNX models only" in log
     assert "broken: version 1: " in log and "is not a valid ONNX model" in log
@@ -383,6 +393,8 @@ def test_a_model_with_warmup_is_warmed_as_it_is_added_and_its_warmup_is_not_coun
     with d.client() as c:
         [warm] = [m for m in c.listing().models if m["name"] == "warm"]
         assert warm["tier"] != "disk", warm   # promoted by its warm-up
+        assert warm["opt_level"] == "basic"   # its optimization { graph { level: -1 } }, as Triton's ORT backend reads it
+        assert {m["opt_level"] for m in c.listing().models if m["name"] == "cnn"} == {"all"}   # the setting's
     client = grpcclient.InferenceServerClient(grpc_at)
     try:
         [before] = client.get_inference_statistics("warm").model_stats

@@ -52,6 +52,7 @@ HONOURED = {"name", "platform", "backend", "version_policy", "max_batch_size", "
             "instance_group.name", "instance_group.kind",
             "response_cache.enable",   # the daemon's response cache (executor/response_cache.py)
             "model_warmup",            # run when the model is added or loaded (warmup.py), but a stateful model's
+            "optimization.graph.level",   # the ORT optimization the model is packed with (ModelPlan.opt_level)
             # sequence_batching (sequence.py, executor/sequences.py)
             "sequence_batching.max_sequence_idle_microseconds", "sequence_batching.control_input.name",
             "sequence_batching.control_input.control.kind", "sequence_batching.control_input.control.int32_false_true",
@@ -65,6 +66,7 @@ HONOURED = {"name", "platform", "backend", "version_policy", "max_batch_size", "
             "sequence_batching.oldest.max_candidate_sequences", "sequence_batching.oldest.preferred_batch_size",
             "sequence_batching.oldest.max_queue_delay_microseconds"}
 CONTAINERS = {"input", "output", "dynamic_batching", "dynamic_batching.default_queue_policy", "instance_group",
+              "optimization", "optimization.graph",
               "response_cache",
               "sequence_batching",
               "sequence_batching.control_input", "sequence_batching.control_input.control", "sequence_batching.state",
@@ -88,6 +90,7 @@ class ModelPlan:
     not_honoured: list = field(default_factory=list)   # config fields set that modelcache does not carry out
     completed: list = field(default_factory=list)      # what auto-complete filled in
     labels: dict = field(default_factory=dict)         # output -> its label_filename's lines (classification)
+    opt_level: str | None = None   # the ORT optimization its `optimization { graph { level } }` asks for; None: none
 
     @property
     def declared(self) -> dict:
@@ -179,7 +182,7 @@ def _plan(model_dir: Path, name: str, model_io, given) -> ModelPlan:
                              "them as separate models")
         serving["sequence"] = specs.pop().to_wire()
     return ModelPlan(name, versions, config_to_json(config), serving, not_honoured, completed,
-                     _labels(config, model_dir))
+                     _labels(config, model_dir), _opt_level(config))
 
 
 def _normalize(config: mc.ModelConfig) -> None:
@@ -391,6 +394,18 @@ def _serving(config: mc.ModelConfig) -> dict:
     if kinds == {mc.ModelInstanceGroup.KIND_CPU}:
         serving["device"] = "cpu"   # never on a GPU worker; KIND_GPU serves where the daemon has GPU workers
     return serving
+
+
+# Triton's onnxruntime backend (onnxruntime.cc): graph level -1 basic, 1 extended, 2 none, anything else all
+GRAPH_LEVELS = {-1: "basic", 1: "extended", 2: "disable"}
+
+
+def _opt_level(config: mc.ModelConfig) -> str | None:
+    """The ORT optimization level the model's configuration asks for, as Triton's ORT backend reads it; None where
+    it says nothing (the daemon's `opt_level` setting applies)."""
+    if not config.optimization.HasField("graph"):
+        return None
+    return GRAPH_LEVELS.get(config.optimization.graph.level, "all")
 
 
 def _queue_policy(queue: mc.ModelQueuePolicy) -> dict:

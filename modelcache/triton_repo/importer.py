@@ -107,7 +107,7 @@ def _apply(plan: ModelPlan, target, report: Report, out) -> None:
                                  f"first (`modelcache rm {plan.name} --version {version}`) to import it again")
         for version, path in todo:
             adding = version
-            target.add(str(path), plan.name, version, plan.declared)
+            target.add(str(path), plan.name, version, plan.declared, plan.opt_level)
             added.append(version)
             report.imported.append(f"{plan.name}@{version}")
     except ModelCacheError as e:
@@ -204,8 +204,8 @@ class _DaemonTarget:
             return None
         return d.source_sha256, d.model_config
 
-    def add(self, path: str, name: str, version: int, declared: dict) -> None:
-        self.client.add(path, name, version, declared=declared)
+    def add(self, path: str, name: str, version: int, declared: dict, opt_level: str | None) -> None:
+        self.client.add(path, name, version, opt_level, declared=declared)
 
     def remove(self, name: str, version: int) -> None:
         self.client.remove(name, version)
@@ -245,9 +245,9 @@ class _OfflineTarget:
         m = load_manifest(d)
         return m.source_sha256, m.model_config
 
-    def add(self, path: str, name: str, version: int, declared: dict) -> None:
+    def add(self, path: str, name: str, version: int, declared: dict, opt_level: str | None) -> None:
         from ..store.packing import pack
-        pack(path, self.repo.root, name, version, self.settings.opt_level, owner_uid=os.getuid(),
+        pack(path, self.repo.root, name, version, opt_level or self.settings.opt_level, owner_uid=os.getuid(),
              with_prepacked=self.settings.prepack, declared=declared)
 
     def remove(self, name: str, version: int) -> None:
