@@ -256,6 +256,11 @@ def test_priority_levels_order_the_batches_and_a_delayed_request_runs_after_its_
     h.submit(3, 1, serving=own, priority=2)     # level 2, within its time: ahead of the delayed 2
     h.submit(4, 1, serving=own, priority=1)     # level 1: ahead of both
     h.submit(5, 1, serving=own, priority=1)
+    assert h.engine.describe()["queued_by_model"] == {"m@1": {"1": 2, "2": 2}}
+    from modelcache.daemon.metrics import render
+    from modelcache.histogram import Histogram
+    metrics = render({}, [], [], 0, 1.0, Histogram(), [], executor=h.engine.describe())
+    assert 'modelcache_inference_queued{model="m",version="1",level="1"} 2' in metrics
     h.worker.run_next()
     h.worker.run_next()                         # 1 answered; a batch of 2: level 1's, in arrival order
     assert h.worker.jobs[0].inputs["x"][:, 0].tolist() == [400, 500]

@@ -43,6 +43,7 @@ def test_levels_are_served_lowest_first_and_each_in_arrival_order():
     fill(q, 0.0, ("a", None), ("b", 3), ("c", 1), ("d", 0), ("e", 9), ("f", 1))
     # 0, None and a level above the three: the default level, 2 (Triton's SetPriority)
     assert tags(q) == ["c", "f", "a", "d", "e", "b"]
+    assert q.depths() == {"1": 2, "2": 3, "3": 1}
     assert [q.popleft().tag for _ in range(3)] == ["c", "f", "a"]
     assert q.head.tag == "d" and len(q) == 3
 

@@ -113,6 +113,11 @@ def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, 
                [f'modelcache_inference_refused_total{{reason="{why}"}} {n}' for why, n in executor["refused"].items()])
         metric("modelcache_inference_in_flight", "gauge", "Serve-mode requests in flight.",
                [f"modelcache_inference_in_flight {executor['in_flight']}"])
+        metric("modelcache_inference_queued", "gauge",
+               "Serve-mode requests waiting in a model's queue, by priority level (0: a model without levels).",
+               [f'modelcache_inference_queued{{model="{_esc(key.rpartition("@")[0])}",'
+                f'version="{key.rpartition("@")[2]}",level="{level}"}} {n}'
+                for key, depths in executor.get("queued_by_model", {}).items() for level, n in depths.items()])
         cache = executor.get("response_cache")
         if cache is not None:   # (executor/response_cache.py: models whose serving asks for it)
             for key, kind, help_ in (

@@ -761,6 +761,8 @@ class Engine:
                 "served": self.served, "failed": self.failed, "in_flight": len(self.requests),
                 "refused": {"queue_full": self.queue_full, "queue_timeout": self.queue_timeouts},
                 "queued": sum(len(q) for q in self.queues.values()),
+                # model key -> {str(priority level): requests waiting}: level "0" where the model has no levels
+                "queued_by_model": {key: q.depths() for key, q in self.queues.items() if q},
                 "latency_ms_p50": statistics.median(lat) if lat else None,
                 "latency_ms_p99": lat[int(0.99 * (len(lat) - 1))] if lat else None,
                 "perf_models": self.perf.summary(),

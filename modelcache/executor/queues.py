@@ -143,6 +143,10 @@ class ModelQueue:
             del self._levels[level]
             self._order.remove(level)
 
+    def depths(self) -> dict:
+        """{str(level): requests waiting there}, for the levels that have any (stats, metrics)."""
+        return {str(level): len(self._levels[level]) for level in self._order}
+
     # -- queue timeouts ---------------------------------------------------------------------------
     def expire(self, now: float) -> list:
         """The requests past their level's queue timeout with REJECT, taken out (the engine refuses them); those
