@@ -118,7 +118,7 @@ def worker(spec: dict) -> None:
             head = own.standard_normal(4).astype(np.float32)
             inp = request(fresh_input(base, head))
         t0 = time.perf_counter()
-        out = c.infer(spec["model"], [inp]).as_numpy(out_name)
+        out = c.infer(spec["model"], [inp], priority=spec.get("priority", 0)).as_numpy(out_name)
         lat.append((time.perf_counter() - t0) * 1e6)
         if k:
             seen = first.get(idx)
@@ -265,33 +265,35 @@ def free_port() -> int:
     return port()
 
 
-def write_repository(repo: Path, model: str, onnx_path: Path) -> dict:
-    """repo/MODEL/{config.pbtxt, 1/model.onnx}; the model's first input and output (name, shape at batch 1)."""
+def write_repository(repo: Path, model: str, onnx_path: Path, max_batch_size: int = 0,
+                     response_cache: bool = True) -> dict:
+    """repo/MODEL/{config.pbtxt, 1/model.onnx}; the model's first input and output (name, shape at batch 1). With
+    `max_batch_size` > 0 the model's first dimension is the batch's, left out of the dims."""
     import onnx
     types = {onnx.TensorProto.FLOAT: "TYPE_FP32"}
     g = onnx.load(str(onnx_path), load_external_data=False).graph
     init = {i.name for i in g.initializer}
     ins = [v for v in g.input if v.name not in init]
 
-    def dims(v):
-        return [d.dim_value if d.dim_value > 0 else -1 for d in v.type.tensor_type.shape.dim]
+    def dims(v, batch=False):
+        return [d.dim_value if d.dim_value > 0 else -1 for d in v.type.tensor_type.shape.dim][batch:]
 
     def io(vs):
         for v in vs:
             if v.type.tensor_type.elem_type not in types:
                 raise SystemExit(f"{model}: {v.name} is not float32; this benchmark sends FP32 inputs")
-        return ",\n".join(f'  {{ name: "{v.name}" data_type: {types[v.type.tensor_type.elem_type]} dims: {dims(v)} }}'
-                          for v in vs)
+        return ",\n".join(f'  {{ name: "{v.name}" data_type: {types[v.type.tensor_type.elem_type]} '
+                          f'dims: {dims(v, max_batch_size > 0)} }}' for v in vs)
     if len(ins) != 1:
         raise SystemExit(f"{model}: {len(ins)} inputs; this benchmark sends one")
     (repo / model / "1").mkdir(parents=True)
     (repo / model / "1" / "model.onnx").symlink_to(onnx_path)
     (repo / model / "config.pbtxt").write_text(
-        f'name: "{model}"\nbackend: "onnxruntime"\nmax_batch_size: 0\n'
+        f'name: "{model}"\nbackend: "onnxruntime"\nmax_batch_size: {max_batch_size}\n'
         f"input [\n{io(ins)}\n]\noutput [\n{io(g.output)}\n]\n"
         'instance_group [ { kind: KIND_CPU count: 1 } ]\n'
-        'parameters { key: "intra_op_thread_count" value: { string_value: "1" } }\n'
-        'response_cache { enable: true }\n')
+        'parameters { key: "intra_op_thread_count" value: { string_value: "1" } }\n' +
+        ('response_cache { enable: true }\n' if response_cache else ''))
     return {"input": ins[0].name, "output": g.output[0].name, "shape": [d if d > 0 else 1 for d in dims(ins[0])]}
 
 
@@ -321,21 +323,25 @@ def settled_stats(server: Server, model: str, success: int, timeout_s: float = 5
         time.sleep(0.1)
 
 
-def window(server: Server, model: str, io: dict, workload: int, args, rnd: int, seconds: float | None = None) -> dict:
+def window(server: Server, model: str, io: dict, workload: int, args, rnd: int, seconds: float | None = None,
+           clients: list | None = None) -> dict:
+    """One window of closed-loop clients started together: `args.clients` alike, or one per item of `clients`, each
+    its settings over the common ones (e.g. its `priority`); `_runs` holds each client's run, in that order."""
     seconds = args.seconds if seconds is None else seconds
+    clients = [{} for _ in range(args.clients)] if clients is None else clients
     spec = {"address": server.address, "model": model, **io, "distinct": workload, "zipf": args.zipf,
             "seed": args.seed, "round": rnd}
     procs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker",
-                               json.dumps({**spec, "client": i})],
+                               json.dumps({**spec, "client": i, **own})],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-             for i in range(args.clients)]
+             for i, own in enumerate(clients)]
     try:
         for p in procs:            # every client imported, connected and warm before the clock starts
             if p.stdout.readline().strip() != "READY":
                 raise RuntimeError(f"{server.label}: a client did not start (status {p.wait()})")
         # (the clients' warm calls counted first: a modelcache front reports what it answered a second later)
         before = cache_stats(server, model) if server.successes is None else \
-            settled_stats(server, model, server.successes + WARM_CALLS * args.clients)
+            settled_stats(server, model, server.successes + WARM_CALLS * len(procs))
         cpu = server.cpu_s()
         end = time.time() + seconds
         for p in procs:
@@ -356,17 +362,23 @@ def window(server: Server, model: str, io: dict, workload: int, args, rnd: int, 
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    lat = sorted(v for r in runs for v in r["latency_us"])
-    n = len(lat)
-    pct = lambda q: lat[min(n - 1, int(q * n))] / 1e3 if lat else None   # noqa: E731
+    figures = latency_figures(runs, seconds)
+    n = figures["requests"]
     d = {k: after[k] - before[k] for k in after}
-    return {"requests": n, "requests_s": n / seconds, "p50_ms": pct(0.5), "p99_ms": pct(0.99),
-            "cache_hits": d["hits"], "cache_misses": d["misses"], "server_success": d["success"],
+    return {**figures, "cache_hits": d["hits"], "cache_misses": d["misses"], "server_success": d["success"],
             "server_executions": d["executions"],
             "hit_ratio": d["hits"] / (d["hits"] + d["misses"]) if d["hits"] + d["misses"] else None,
             "server_cpu_ms_per_request": cpu / n * 1e3 if n else None,
             "client_cpu_ms_per_request": sum(r["cpu_s"] for r in runs) / n * 1e3 if n else None,
             "_runs": runs}
+
+
+def latency_figures(runs: list, seconds: float) -> dict:
+    """Requests, requests/s, p50 and p99 (ms) of the clients' `runs` over a window of `seconds`."""
+    lat = sorted(v for r in runs for v in r["latency_us"])
+    n = len(lat)
+    pct = lambda q: lat[min(n - 1, int(q * n))] / 1e3 if lat else None   # noqa: E731
+    return {"requests": n, "requests_s": n / seconds, "p50_ms": pct(0.5), "p99_ms": pct(0.99)}
 
 
 class WrongAnswer(Exception):
@@ -578,6 +590,35 @@ def report(results: dict, out=sys.stdout) -> None:
         print(f"FAILED: {results['failure']}", file=out)
 
 
+def built_systems(systems) -> tuple[list, str | None]:
+    """(the systems to run, why some are not): the Triton ones left out, with a line, where its peer is not built."""
+    from benchmarks.systems.triton import PEER, peer_paths
+    if peer_paths() is not None:
+        return list(systems), None
+    skipped = f"Triton systems skipped: no Triton peer built here (run {PEER}/build.sh)"
+    print(skipped, flush=True)
+    return [s for s in systems if not s.startswith("triton")], skipped
+
+
+def run_and_report(bench: str, argv: list, results: dict, report, run) -> int:
+    """run(a temporary work folder), timed (results["wall_s"]), then report(results) printed and saved with
+    results.json in --out (results["args"]["out"]); the status: 1 where an answer was wrong (results["failure"])."""
+    from modelcache.measure import save_results
+    started = time.monotonic()
+    rc = 0
+    with tempfile.TemporaryDirectory(prefix=f"mc-{bench}-") as tmp:
+        try:
+            run(Path(tmp))
+        except WrongAnswer as e:
+            results["failure"] = f"wrong answer: {e}"
+            print(f"WRONG ANSWER: {e}", file=sys.stderr)
+            rc = 1
+    results["wall_s"] = time.monotonic() - started
+    report(results)
+    save_results(results["args"]["out"], bench, argv, results, report, command=f"python benchmarks/{bench}/run.py")
+    return rc
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
@@ -604,32 +645,14 @@ def main(argv=None) -> int:
         args.models, args.rounds, args.seconds, args.clients, args.warmup = ["tiny-cnn"], 1, 1.5, 2, 0.5
     if str(ROOT) not in sys.path:      # benchmarks.systems (run as a script from anywhere)
         sys.path.insert(0, str(ROOT))
-    from benchmarks.systems.triton import PEER, peer_paths
-    from modelcache.measure import compile_bytecode, save_results
+    from modelcache.measure import compile_bytecode
     compile_bytecode()
-    systems = list(SYSTEMS)
-    skipped = None
-    if peer_paths() is None:
-        skipped = f"Triton systems skipped: no Triton peer built here (run {PEER}/build.sh)"
-        print(skipped, flush=True)
-        systems = [s for s in systems if not s.startswith("triton")]
+    systems, skipped = built_systems(SYSTEMS)
     results = {"args": vars(args), "systems": systems, "models": args.models, "skipped": skipped, "windows": [],
                "warmup": [],
                "memory_mib": {}, "modelcache_says": {}, "checks": {}, "failure": None}
-    started = time.monotonic()
-    rc = 0
-    with tempfile.TemporaryDirectory(prefix="mc-responsecache-") as tmp:
-        try:
-            for model in args.models:
-                run_model(model, systems, args, Path(tmp), results)
-        except WrongAnswer as e:
-            results["failure"] = f"wrong answer: {e}"
-            print(f"WRONG ANSWER: {e}", file=sys.stderr)
-            rc = 1
-    results["wall_s"] = time.monotonic() - started
-    report(results)
-    save_results(args.out, "responsecache", argv, results, report, command="python benchmarks/responsecache/run.py")
-    return rc
+    return run_and_report("responsecache", argv, results, report,
+                          lambda work: [run_model(model, systems, args, work, results) for model in args.models])
 
 
 if __name__ == "__main__":
