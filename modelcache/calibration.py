@@ -169,7 +169,7 @@ SERVING_POLICIES = ("serial", "dynamic")   # what a model's own configuration ca
 SERVING_MAX_BATCH = 1 << 16
 _SERVING_FIELDS = {"policy", "max_batch", "max_queue_delay_ms", "preferred_batch_sizes", "device", "sequence",
                    "max_queue", "queue_timeout_ms", "queue_delay", "priority_levels", "default_priority",
-                   "priority_queues", "response_cache", "warmup"}
+                   "priority_queues", "response_cache", "warmup", "intra_op_threads"}
 _QUEUE_FIELDS = {"max_queue", "queue_timeout_ms", "queue_delay"}   # a queue policy's (executor/queues.QueuePolicy)
 PRIORITY_LEVELS_MAX = 1 << 16
 
@@ -226,8 +226,9 @@ def check_serving(serving: dict) -> None:
     "priority_levels": how many priority levels its queue has (0: none), "default_priority": the level of a request
     that names none, "priority_queues": {level: its own max_queue, queue_timeout_ms, queue_delay} (executor/queues.py),
     "response_cache": true to answer inputs it has answered before from the daemon's response cache, "warmup": the
-    samples it runs when added or loaded (triton_repo/warmup.py)}, each field optional. ValueError says which field
-    is wrong."""
+    samples it runs when added or loaded (triton_repo/warmup.py), "intra_op_threads": at most this many threads
+    run it on a worker (its Triton config's intra_op_thread_count)}, each field optional. ValueError says which
+    field is wrong."""
     if not isinstance(serving, dict):
         raise ValueError("a model's serving policy is a map of its fields")
     unknown = sorted(set(serving) - _SERVING_FIELDS)
@@ -265,6 +266,9 @@ def check_serving(serving: dict) -> None:
                                                                  for b in sizes):
         raise ValueError("preferred_batch_sizes must be a list of at most 64 batch sizes >= 1")
     _check_warmup(serving.get("warmup", []))
+    threads = serving.get("intra_op_threads", 0)
+    if type(threads) is not int or not 0 <= threads <= 1024:
+        raise ValueError("intra_op_threads must be a whole number of threads from 0 (the worker's cores) to 1024")
     if type(serving.get("response_cache", False)) is not bool:
         raise ValueError("response_cache must be true or false")
     if serving.get("response_cache") and serving.get("sequence") is not None:   # (Triton refuses it too)

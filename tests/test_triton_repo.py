@@ -159,6 +159,25 @@ def test_a_config_as_triton_documents_it(tmp_path):
     json.dumps(c)   # stored in the manifest as it is
 
 
+def test_the_intra_op_thread_count_parameter_bounds_the_models_threads_and_others_are_listed_by_key(tmp_path):
+    save("tiny-cnn", tmp_path / "p" / "1" / "model.onnx")
+    config = tmp_path / "p" / "config.pbtxt"
+
+    def params(**kv):
+        return "max_batch_size: 8\n" + "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n'
+                                               for k, v in kv.items())
+    config.write_text(params(intra_op_thread_count="1", inter_op_thread_count="2", enable_mem_arena="0"))
+    plan = plan_model(tmp_path / "p", model_io)
+    assert plan.serving["intra_op_threads"] == 1
+    assert plan.not_honoured == ["parameters.enable_mem_arena", "parameters.inter_op_thread_count"]
+    check_serving(plan.serving)
+    config.write_text(params(intra_op_thread_count="0"))   # the backend's default: every core
+    assert "intra_op_threads" not in plan_model(tmp_path / "p", model_io).serving
+    config.write_text(params(intra_op_thread_count="two"))
+    with pytest.raises(InputError, match="parameters intra_op_thread_count 'two': give a whole number"):
+        plan_model(tmp_path / "p", model_io)
+
+
 @pytest.mark.parametrize("level, opt_level", [(-1, "basic"), (0, "all"), (1, "extended"), (2, "disable"), (7, "all")])
 def test_the_graph_optimization_level_is_the_one_the_model_is_packed_with(tmp_path, level, opt_level):
     save("tiny-cnn", tmp_path / "g" / "1" / "model.onnx")

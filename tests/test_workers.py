@@ -102,6 +102,25 @@ def test_a_short_stage_runs_inline_on_a_single_threaded_session_of_a_multi_core_
         worker.stop()
 
 
+def test_a_models_own_thread_count_bounds_its_session_and_one_thread_is_its_inline_session(tmp_path, zoo_file):
+    """intra_op_thread_count 1 (its Triton config's): the 2-core group runs it on one thread, and the owner loop
+    may run it on that same session: no second, single-threaded one is built."""
+    src = zoo_file("tiny-cnn")
+    job, feeds = stage_job(tmp_path, src)
+    job.threads, job.short = 1, True
+    worker = Worker(0, [0, 0], post=None)
+    assert worker.run(job) is None
+    worker._inline_session(job)                 # (what the worker's thread does after a short run)
+    [(key, session)] = worker.sessions.items()
+    assert key == ("m@1", 0) and session.session.get_session_options().intra_op_num_threads == 1
+    assert worker.can_run_inline(job) and job.session is session
+    job.session = None
+    big = StageJob(2, "m@1", 0, job.skeleton, job.segments, job.tensors, feeds, job.outputs, None, threads=8)
+    worker.sessions.clear()                     # (as a drop leaves it: the worker's thread is not running here)
+    assert worker.run(big) is None              # more than the group has: the group's cores
+    assert worker.sessions[("m@1", 0)].session.get_session_options().intra_op_num_threads == 2
+
+
 # GPU workers run over the GPU tier's device memory: tests/test_gpu_serve.py.
 
 

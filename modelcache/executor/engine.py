@@ -525,7 +525,8 @@ class Engine:
         worker = self.workers[placement.worker_id]
         self.outstanding[placement.worker_id] += 1
         job = StageJob(batch.batch_id, req.model_key, batch.stage, spec["skeleton"], req.segments,
-                       spec["tensors"], inputs, spec["outputs"], placement.predicted_s, queued_at=now)
+                       spec["tensors"], inputs, spec["outputs"], placement.predicted_s, queued_at=now,
+                       threads=(req.serving or {}).get("intra_op_threads", 0))
         self._on_device(job, worker, req, batch.stage)
         job.short = job.predicted_s is not None and job.predicted_s <= self.settings.inline_run_ms / 1e3
         if self._may_inline(worker, job):

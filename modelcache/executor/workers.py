@@ -101,6 +101,7 @@ class StageJob:
     # The engine predicts it short enough to run inline (it did not only because something else was in flight,
     # or the worker has no inline session yet): the worker builds the stage's inline session after the run.
     short: bool = False
+    threads: int = 0               # the model's own intra-op thread count (its Triton config's); 0: the worker's cores
 
 
 @dataclass
@@ -312,8 +313,8 @@ class Worker:
         mappings under a run."""
         if self.drops_done.get(job.model_key, 0) != self.drops_sent.get(job.model_key, 0):
             return False   # a drop is on its way to this thread: the session found now may be stale
-        job.session = self.sessions.get((job.model_key, job.stage, INLINE) if len(self.cores) > 1 else
-                                        (job.model_key, job.stage))
+        job.session = self.sessions.get((job.model_key, job.stage) if self._single_threaded(job) else
+                                        (job.model_key, job.stage, INLINE))
         return job.session is not None
 
     def _inline_session(self, job: StageJob) -> None:
@@ -324,7 +325,7 @@ class Worker:
         left (benchmarks/grpc/NOTES.md, `onecore/`). A 1-core group's own session is its inline session already.
         Only on this worker's thread; a failure leaves the stage running on this thread, as before."""
         key = (job.model_key, job.stage, INLINE)
-        if len(self.cores) <= 1 or key in self.sessions or (job.model_key, job.stage) not in self.sessions:
+        if self._single_threaded(job) or key in self.sessions or (job.model_key, job.stage) not in self.sessions:
             return
         try:
             self.sessions[key] = self._build_session(job, threads=1)
@@ -332,12 +333,19 @@ class Worker:
             log.warning("%s stage %d: no single-threaded session to run inline: %s", job.model_key, job.stage, e)
 
     def _session(self, job: StageJob) -> StageSession:
-        """The stage's session, built on first use. Only on this worker's thread."""
+        """The stage's session, built on first use: on the worker's cores, or as many threads as the model's own
+        intra-op thread count where it has one (fewer leave the others' cores to the rest of the machine: the
+        fronts, the clients). Only on this worker's thread."""
         key = (job.model_key, job.stage)
         stage = self.sessions.get(key)
         if stage is None:
-            stage = self.sessions[key] = self._build_session(job, threads=max(1, len(self.cores)))
+            threads = max(1, len(self.cores))
+            stage = self.sessions[key] = self._build_session(job, threads=min(threads, job.threads or threads))
         return stage
+
+    def _single_threaded(self, job: StageJob) -> bool:
+        """Whether the stage's own session runs on one thread: then it is its inline session as well."""
+        return len(self.cores) <= 1 or job.threads == 1
 
     def _build_session(self, job: StageJob, threads: int) -> StageSession:
         import onnxruntime as ort

@@ -390,6 +390,13 @@ def _serving(config: mc.ModelConfig) -> dict:
             raise InputError(f"Response Cache does not currently support model {config.name} with {refused}. "
                              "Please disable the response cache.")
         serving["response_cache"] = True
+    if "intra_op_thread_count" in config.parameters:   # (the onnxruntime backend's; 0: its default, every core)
+        text = config.parameters["intra_op_thread_count"].string_value
+        if not text.strip().isdigit() or not 0 <= int(text) <= 1024:
+            raise InputError(f"parameters intra_op_thread_count {text!r}: give a whole number of threads, 0 for "
+                             "the default")
+        if int(text):
+            serving["intra_op_threads"] = int(text)
     kinds = {g.kind for g in config.instance_group}
     if kinds == {mc.ModelInstanceGroup.KIND_CPU}:
         serving["device"] = "cpu"   # never on a GPU worker; KIND_GPU serves where the daemon has GPU workers
@@ -421,12 +428,19 @@ def _queue_policy(queue: mc.ModelQueuePolicy) -> dict:
     return policy
 
 
+# The onnxruntime backend's `parameters` modelcache carries out (the rest are listed by key: parameters.KEY)
+HONOURED_PARAMETERS = {"intra_op_thread_count"}
+
+
 def _unhonoured(msg, prefix: str = "") -> list[str]:
     """The set fields of a configuration that modelcache does not carry out, as dotted paths, once each."""
     out: list[str] = []
     for f, value in msg.ListFields():
         path = prefix + f.name
         if path in HONOURED or (path == "instance_group.count" and value == 1):
+            continue
+        if path == "parameters":
+            out += [f"parameters.{k}" for k in sorted(value) if k not in HONOURED_PARAMETERS]
             continue
         if path in CONTAINERS:
             for item in (value if f.is_repeated else [value]):
