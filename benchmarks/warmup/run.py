@@ -41,9 +41,9 @@ def repositories(work: Path, model: str) -> tuple[dict, dict]:
     repos = {}
     for kind in ("plain", "warmup"):
         repo = work / f"repo-{kind}"
-        io = write_repository(repo, model, onnx_path)
+        io = write_repository(repo, model, onnx_path, response_cache=False)
         config = repo / model / "config.pbtxt"
-        text = config.read_text().replace("response_cache { enable: true }\n", "")
+        text = config.read_text()
         if kind == "warmup":
             dims = ", ".join(map(str, io["shape"]))
             text += (f'model_warmup [ {{ name: "zeros" batch_size: 1 inputs {{ key: "{io["input"]}" value {{ '
