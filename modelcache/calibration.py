@@ -185,13 +185,21 @@ def _check_queue_policy(policy: dict, where: str) -> None:
         raise ValueError(f"{where}queue_delay must be true or false")
 
 
-_WARMUP_DTYPES = {"bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64", "float16",
-                  "float32", "float64", "object"}
+# Bytes an element of each type a warm-up input may have ("object": a string's reference, as numpy holds it)
+WARMUP_ITEM_BYTES = {"bool": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "int8": 1, "int16": 2, "int32": 4,
+                     "int64": 8, "float16": 2, "float32": 4, "float64": 8, "object": 8}
+WARMUP_SAMPLE_BYTES_MAX = 256 << 20   # one sample's inputs, all its rows: what a model's declared serving may ask
+
+
+def warmup_sample_bytes(sample: dict) -> int:
+    """What a warm-up sample's inputs hold, all its rows."""
+    return sample["batch_size"] * sum(math.prod(spec["dims"]) * WARMUP_ITEM_BYTES[spec["dtype"]]
+                                      for spec in sample["inputs"].values())
 
 
 def _check_warmup(samples) -> None:
-    """A model's warm-up samples as triton_repo/warmup.samples writes them; within bounds a daemon can afford."""
-    from .daemon.warmup import SAMPLE_BYTES_MAX, sample_bytes
+    """A model's warm-up samples as triton_repo/warmup.samples writes them (daemon/warmup.py makes their requests);
+    within bounds a daemon can afford."""
     if not isinstance(samples, list) or len(samples) > 64:
         raise ValueError("warmup must be a list of at most 64 samples")
     for s in samples:
@@ -203,17 +211,19 @@ def _check_warmup(samples) -> None:
             raise ValueError(f"warmup sample {s['name'][:80]!r}: batch_size must be 1 to {SERVING_MAX_BATCH}, "
                              "count 1 to 1000")
         for name, spec in s["inputs"].items():
-            if not isinstance(spec, dict) or spec.get("dtype") not in _WARMUP_DTYPES \
+            if not isinstance(spec, dict) or spec.get("dtype") not in WARMUP_ITEM_BYTES \
                     or not isinstance(spec.get("dims"), list) or len(spec["dims"]) > 16 \
                     or not all(type(d) is int and d >= 0 for d in spec["dims"]) \
-                    or not (spec.get("fill") in ("zero", "random") or isinstance(spec.get("data"), str)) \
+                    or not (spec.get("fill") in ("zero", "random") or isinstance(spec.get("data"), str)
+                            or isinstance(spec.get("strings"), list) and len(spec["strings"]) == math.prod(spec["dims"])
+                            and all(isinstance(x, str) for x in spec["strings"])) \
                     or not (spec.get("reshape") is None or isinstance(spec["reshape"], list)
                             and all(type(d) is int and d >= -1 for d in spec["reshape"])):
                 raise ValueError(f"warmup sample {s['name'][:80]!r}: input {str(name)[:80]!r} must give its dtype, "
-                                 "dims (>= 0) and a fill (zero, random) or data")
-        if sample_bytes(s) > SAMPLE_BYTES_MAX:
+                                 "dims (>= 0) and a fill (zero, random), data or its strings")
+        if warmup_sample_bytes(s) > WARMUP_SAMPLE_BYTES_MAX:
             raise ValueError(f"warmup sample {s['name'][:80]!r}: its inputs would hold more than "
-                             f"{SAMPLE_BYTES_MAX >> 20} MiB")
+                             f"{WARMUP_SAMPLE_BYTES_MAX >> 20} MiB")
 
 
 def check_serving(serving: dict) -> None:

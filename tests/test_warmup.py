@@ -61,6 +61,29 @@ def test_strings_and_reshapes_are_made_as_the_model_takes_them():
     assert feeds["flat"].shape == (2, 2, 3)
 
 
+def test_a_files_strings_are_read_at_import_and_made_into_the_requests(tmp_path):
+    """TYPE_STRING from input_data_file: length-prefixed elements, as Triton reads them; kept decoded."""
+    import struct
+
+    from google.protobuf import text_format
+
+    from modelcache.triton_protos import model_config_pb2 as mc
+    from modelcache.triton_repo.warmup import samples
+    (tmp_path / "warmup").mkdir()
+    (tmp_path / "warmup" / "words").write_bytes(b"".join(struct.pack("<I", len(w)) + w for w in (b"hello", b"")))
+    config = text_format.Parse('max_batch_size: 4 input [ { name: "text" data_type: TYPE_STRING dims: [ 2 ] } ] '
+                               'model_warmup [ { name: "w" batch_size: 3 inputs { key: "text" value { '
+                               'data_type: TYPE_STRING dims: [ 2 ] input_data_file: "words" } } } ]', mc.ModelConfig())
+    [sample] = samples(config, tmp_path)
+    assert sample["inputs"]["text"]["strings"] == ["hello", ""]
+    check_serving({"warmup": [sample]})
+    [feeds] = sample_requests(sample, max_batch=4)
+    assert feeds["text"].shape == (3, 2) and feeds["text"].tolist() == [["hello", ""]] * 3
+    (tmp_path / "warmup" / "words").write_bytes(struct.pack("<I", 5) + b"hello")   # one string for two
+    with pytest.raises(InputError, match="ends after 1 of 2 elements"):
+        samples(config, tmp_path)
+
+
 @pytest.mark.parametrize("warmup, words", [
     ('{ name: "w" batch_size: 1 inputs { key: "input" value { data_type: TYPE_FP32 dims: [ -1, 32, 32 ] '
      'zero_data: true } } }', "warmup setting expects all variable-size dimensions are specified for input 'input'"),

@@ -12,16 +12,12 @@ import math
 
 import numpy as np
 
-from ..oip.types import decode_bytes_elements
-
-SAMPLE_BYTES_MAX = 256 << 20   # one sample's inputs, all its rows: what a model's declared serving may ask for
-
 
 def sample_requests(sample: dict, max_batch: int) -> list[dict]:
     """The feeds of one run of `sample` (a serving "warmup" entry): one request of batch_size rows where the model
     batches (max_batch > 0), else batch_size requests of the dims as given (Triton adds no batch dimension then)."""
     rows = sample["batch_size"]
-    one = {name: _one(name, spec) for name, spec in sample["inputs"].items()}
+    one = {name: _one(spec) for name, spec in sample["inputs"].items()}
     if max_batch > 0:
         return [{name: np.repeat(_shaped(x, spec, True), rows, axis=0)
                  for (name, x), spec in zip(one.items(), sample["inputs"].values())}]
@@ -29,23 +25,13 @@ def sample_requests(sample: dict, max_batch: int) -> list[dict]:
     return [feeds] * rows
 
 
-def sample_bytes(sample: dict) -> int:
-    """What a sample's inputs hold, all rows (for check_serving's bound)."""
-    total = 0
-    for spec in sample["inputs"].values():
-        item = 8 if spec["dtype"] == "object" else np.dtype(spec["dtype"]).itemsize
-        total += math.prod(spec["dims"]) * item
-    return total * sample["batch_size"]
-
-
-def _one(name: str, spec: dict) -> np.ndarray:
+def _one(spec: dict) -> np.ndarray:
     """One request's worth of the input (its dims, no batch dimension)."""
     dims, dtype = spec["dims"], spec["dtype"]
+    if "strings" in spec:   # (a file's strings, decoded at import)
+        return np.array(spec["strings"], dtype=object).reshape(dims)
     if "data" in spec:
-        data = base64.b64decode(spec["data"])
-        if dtype == "object":
-            return decode_bytes_elements(memoryview(data), math.prod(dims), name).reshape(dims)
-        return np.frombuffer(data, dtype=dtype, count=math.prod(dims)).reshape(dims)
+        return np.frombuffer(base64.b64decode(spec["data"]), dtype=dtype, count=math.prod(dims)).reshape(dims)
     if dtype == "object" or spec.get("fill") == "zero":
         return np.full(dims, "", dtype=object) if dtype == "object" else np.zeros(dims, dtype=dtype)
     # random bytes, as Triton's (rand() per byte); seeded: the same warm-up every time

@@ -88,11 +88,11 @@ def _input(where: str, name: str, spec, configured, model_dir: Path) -> tuple[di
     except OSError as e:
         raise InputError(f"{where}: input {name!r}: cannot read {path}: {e.strerror or e}") from None
     if dtype == "object":   # length-prefixed strings, as Triton reads them: there must be as many as the dims hold
-        decode_bytes_elements(memoryview(data), math.prod(dims), f"{where}: input {name!r}")
-    else:
-        need = math.prod(dims) * np.dtype(dtype).itemsize
-        if len(data) < need:   # (Triton's words, less its missing space)
-            raise InputError(f"{where}: warmup setting expects {need} bytes, but the data provided from "
-                             f"{spec.input_data_file} only has {len(data)} bytes")
-        data = data[:need]
+        strings = decode_bytes_elements(memoryview(data), math.prod(dims), f"{where}: input {name!r}")
+        return {**entry, "strings": list(strings)}, len(data)
+    need = math.prod(dims) * np.dtype(dtype).itemsize
+    if len(data) < need:   # (Triton's words, less its missing space)
+        raise InputError(f"{where}: warmup setting expects {need} bytes, but the data provided from "
+                         f"{spec.input_data_file} only has {len(data)} bytes")
+    data = data[:need]
     return {**entry, "data": base64.b64encode(data).decode()}, len(data)
