@@ -379,7 +379,7 @@ class Engine:
         queue = self.queues.get(req.model_key)
         if queue is None:
             queue = self.queues[req.model_key] = ModelQueue(req.serving)
-        elif queue.serving is not (req.serving or queue.serving):   # (reconfigured: a reload changed its policy)
+        elif queue.serving is not (req.serving or queue.serving):   # (another manifest: removed and added again)
             queue.configure(req.serving)
         try:
             queue.append(req, req.priority, self.clock(), self.settings.max_queue)
