@@ -189,6 +189,7 @@ def _check_queue_policy(policy: dict, where: str) -> None:
 WARMUP_ITEM_BYTES = {"bool": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "int8": 1, "int16": 2, "int32": 4,
                      "int64": 8, "float16": 2, "float32": 4, "float64": 8, "object": 8}
 WARMUP_SAMPLE_BYTES_MAX = 256 << 20   # one sample's inputs, all its rows: what a model's declared serving may ask
+WARMUP_COUNT_MAX = 1000               # runs of one sample
 
 
 def warmup_sample_bytes(sample: dict) -> int:
@@ -207,9 +208,9 @@ def _check_warmup(samples) -> None:
                 or not isinstance(s["name"], str) or not isinstance(s["inputs"], dict):
             raise ValueError("a warmup sample is a map of name, batch_size, count and inputs")
         if type(s["batch_size"]) is not int or not 1 <= s["batch_size"] <= SERVING_MAX_BATCH \
-                or type(s["count"]) is not int or not 1 <= s["count"] <= 1000:
+                or type(s["count"]) is not int or not 1 <= s["count"] <= WARMUP_COUNT_MAX:
             raise ValueError(f"warmup sample {s['name'][:80]!r}: batch_size must be 1 to {SERVING_MAX_BATCH}, "
-                             "count 1 to 1000")
+                             f"count 1 to {WARMUP_COUNT_MAX}")
         for name, spec in s["inputs"].items():
             if not isinstance(spec, dict) or spec.get("dtype") not in WARMUP_ITEM_BYTES \
                     or not isinstance(spec.get("dims"), list) or len(spec["dims"]) > 16 \

@@ -16,13 +16,10 @@ import numpy as np
 def sample_requests(sample: dict, max_batch: int) -> list[dict]:
     """The feeds of one run of `sample` (a serving "warmup" entry): one request of batch_size rows where the model
     batches (max_batch > 0), else batch_size requests of the dims as given (Triton adds no batch dimension then)."""
-    rows = sample["batch_size"]
-    one = {name: _one(spec) for name, spec in sample["inputs"].items()}
+    rows, inputs = sample["batch_size"], sample["inputs"]
     if max_batch > 0:
-        return [{name: np.repeat(_shaped(x, spec, True), rows, axis=0)
-                 for (name, x), spec in zip(one.items(), sample["inputs"].values())}]
-    feeds = {name: _shaped(x, spec, False) for (name, x), spec in zip(one.items(), sample["inputs"].values())}
-    return [feeds] * rows
+        return [{name: np.repeat(_shaped(_one(spec), spec)[np.newaxis], rows, axis=0) for name, spec in inputs.items()}]
+    return [{name: _shaped(_one(spec), spec) for name, spec in inputs.items()}] * rows
 
 
 def _one(spec: dict) -> np.ndarray:
@@ -32,15 +29,15 @@ def _one(spec: dict) -> np.ndarray:
         return np.array(spec["strings"], dtype=object).reshape(dims)
     if "data" in spec:
         return np.frombuffer(base64.b64decode(spec["data"]), dtype=dtype, count=math.prod(dims)).reshape(dims)
-    if dtype == "object" or spec.get("fill") == "zero":
-        return np.full(dims, "", dtype=object) if dtype == "object" else np.zeros(dims, dtype=dtype)
+    if dtype == "object":   # (zeros for strings, random or not, as Triton's)
+        return np.full(dims, "", dtype=object)
+    if spec.get("fill") == "zero":
+        return np.zeros(dims, dtype=dtype)
     # random bytes, as Triton's (rand() per byte); seeded: the same warm-up every time
     raw = np.random.default_rng(0).integers(0, 256, size=math.prod(dims) * np.dtype(dtype).itemsize, dtype=np.uint8)
     return (raw % 2).astype(bool).reshape(dims) if dtype == "bool" else raw.view(dtype).reshape(dims)
 
 
-def _shaped(x: np.ndarray, spec: dict, batched: bool) -> np.ndarray:
-    """With a batch dimension of 1 where the model batches; as the model takes it where the input has a reshape."""
-    if "reshape" in spec:
-        x = x.reshape(spec["reshape"])
-    return x[np.newaxis] if batched else x
+def _shaped(x: np.ndarray, spec: dict) -> np.ndarray:
+    """As the model takes it, where the input has a reshape."""
+    return x.reshape(spec["reshape"]) if "reshape" in spec else x

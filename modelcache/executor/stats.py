@@ -20,6 +20,12 @@ def add_batch(batches: dict, rows: int, count: int, run_s: float) -> None:
         held[1] += run_s
 
 
+def add_batches(batches: dict, more: dict) -> None:
+    """Count another {str(rows): [count, seconds]} map's executions into `batches`."""
+    for rows, (count, run_s) in more.items():
+        add_batch(batches, int(rows), count, run_s)
+
+
 class ModelServeStats:
     """One model version's requests since the daemon started. Times are the engine's (`timings`): a
     request's total, its queue wait (summed over stages) and its stages' run time."""
@@ -89,8 +95,7 @@ class ModelServeStats:
         self.failed_s += report["failed_s"]
         hits = report.get("cache_hits", 0)   # (answered from the front's response cache: they never ran)
         self.executions += ok - hits
-        for rows, (count, run_s) in report.get("batches", {}).items():   # (FrontServed checked its shape)
-            add_batch(self.batches, int(rows), count, run_s)
+        add_batches(self.batches, report.get("batches", {}))   # (FrontServed checked its shape)
         self.cache_hits += hits
         self.cache_hit_s += report.get("cache_hit_s", 0.0)
         self.cache_misses += report.get("cache_misses", 0)

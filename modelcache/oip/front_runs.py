@@ -21,7 +21,7 @@ import threading
 import time
 
 from ..errors import ModelCacheError, RequestTimeout, RunError
-from ..executor.stats import INFER_BUCKETS_S, add_batch
+from ..executor.stats import INFER_BUCKETS_S, add_batch, add_batches
 from ..histogram import Histogram
 from ..memlimit import release_freed_heap
 from ..wire import protocol as P, tensors
@@ -65,8 +65,7 @@ class _Served:
 
     def absorb(self, other: "_Served") -> None:
         self.latency.merge(other.latency.counts, other.latency.total)
-        for rows, (count, run_s) in other.batches.items():
-            add_batch(self.batches, int(rows), count, run_s)
+        add_batches(self.batches, other.batches)
         for name in self.COUNTS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.last_unix_ms = max(self.last_unix_ms, other.last_unix_ms)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..calibration import WARMUP_COUNT_MAX
 from ..errors import InputError
 from ..oip.types import decode_bytes_elements
 from ..triton_protos import model_config_pb2 as mc
@@ -24,13 +25,12 @@ from ..triton_protos.datatypes import numpy_type_of
 
 WARMUP_FOLDER = "warmup"             # Triton's kWarmupDataFolder
 WARMUP_DATA_MAX = 16 << 20           # a model's warm-up files, in all: they are kept in its manifest
-WARMUP_COUNT_MAX = 1000
 
 
 def samples(config: mc.ModelConfig, model_dir: Path) -> list[dict]:
     """The model's warm-up samples as its serving field "warmup" (calibration.check_serving): per sample its name,
-    batch_size, count, and per input {"dtype", "dims", "fill": "zero" | "random"} or {"dtype", "dims", "data": the
-    file's bytes, base64}. InputError says what Triton would refuse, or what does not match the configuration."""
+    batch_size, count, and per input its "dtype" and "dims" with "fill": "zero" | "random", or a file's "data"
+    (its bytes, base64) or "strings" (decoded). InputError says what Triton would refuse, or what does not match the configuration."""
     inputs = {i.name: i for i in config.input}
     out, data_bytes = [], 0
     for w in config.model_warmup:
