@@ -33,6 +33,8 @@ def cmd_daemon(args) -> int:
     from .daemon.server import run
     settings = _settings(args)
     _setup_logging(settings.log_level)
+    if getattr(args, "config", None):   # its children (fronts, the Triton import) read the same file
+        os.environ["MODELCACHE_CONFIG"] = os.path.abspath(args.config)
 
     def ready():
         # One line on stdout when clients may connect: tests and scripts wait on it.
@@ -673,7 +675,8 @@ def build_parser() -> argparse.ArgumentParser:
         h.add_argument("--daemons", action="store_true", help=argparse.SUPPRESS)
         h.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
         h.set_defaults(func=cmd_front, uses=CLIENT_SETTINGS + ("log_level", f"{kind}_host", f"{kind}_port",
-                                                               "max_message_size", "client_shared_memory"))
+                                                               "max_message_size", "client_shared_memory",
+                                                               "front_hold_s"))
     it = sub.add_parser("import-triton", parents=[common],
                         help="add the ONNX models (and their ensembles) of a Triton model repository",
                         description="Read a Triton model repository (MODEL/config.pbtxt, MODEL/VERSION/model.onnx) and "

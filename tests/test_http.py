@@ -266,6 +266,28 @@ def test_daemon_starts_and_stops_the_front(tmp_path, zoo_file):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
 
 
+def test_the_daemons_front_reads_the_daemons_config_file(tmp_path):
+    """A daemon started with --config FILE: its front child reads the same file (here: client_shared_memory,
+    which only the front reads), not only the environment it inherits."""
+    port = _free_port()
+    config = tmp_path / "modelcache.toml"
+    config.write_text(f"http_port = {port}\nclient_shared_memory = true\n")
+    d = DaemonProcess(tmp_path, args=("--config", str(config))).start()
+    try:
+        tc = tritonhttp.InferenceServerClient(f"127.0.0.1:{port}")
+
+        def metadata():
+            try:
+                return tc.get_server_metadata()
+            except Exception:
+                return None
+        wait_until(metadata, 30, "the daemon's HTTP front")
+        assert "system_shared_memory" in metadata()["extensions"]
+        tc.close()
+    finally:
+        stop_cleanly(d)
+
+
 def test_daemon_gone_is_503_and_not_ready(tmp_path, zoo_file):
     """The front outlives its daemon: live, but not ready, and requests get 503 (not a hang, not a 500);
     a daemon started again on the same socket is found by the next request."""
