@@ -20,7 +20,8 @@ def _setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=fmt, stream=sys.stderr)
 
 
-FLAG_SETTINGS = ("socket", "repository", "log_level", "host_capacity", "memory_reserve", "metrics_port", "gpu_sharing")
+FLAG_SETTINGS = ("socket", "repository", "log_level", "host_capacity", "memory_reserve", "metrics_port", "gpu_sharing",
+                 "triton_repository")
 
 
 def _settings(args):
@@ -94,7 +95,7 @@ def cmd_import_triton(args) -> int:
     settings = _settings(args)
     _setup_logging(settings.log_level)
     report = import_repository(args.source, settings, only=args.model, dry_run=args.dry_run,
-                               out=lambda line: print(line, flush=True))
+                               out=lambda line: print(line, flush=True), replace=args.replace)
     return 1 if report.failed else 0
 
 
@@ -674,9 +675,12 @@ def build_parser() -> argparse.ArgumentParser:
         # the daemon's own front (daemon/children.py): started once the daemon listens; the port it hands over
         h.add_argument("--daemons", action="store_true", help=argparse.SUPPRESS)
         h.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
+        h.add_argument("--triton-repository", metavar="DIR",
+                       help="the Triton model repository a repository load reads a model from again (default: the "
+                            "triton_repository setting; the daemon's own front gets the daemon's)")
         h.set_defaults(func=cmd_front, uses=CLIENT_SETTINGS + ("log_level", f"{kind}_host", f"{kind}_port",
                                                                "max_message_size", "client_shared_memory",
-                                                               "front_hold_s"))
+                                                               "front_hold_s", "triton_repository"))
     it = sub.add_parser("import-triton", parents=[common],
                         help="add the ONNX models (and their ensembles) of a Triton model repository",
                         description="Read a Triton model repository (MODEL/config.pbtxt, MODEL/VERSION/model.onnx) and "
@@ -691,6 +695,10 @@ def build_parser() -> argparse.ArgumentParser:
     it.add_argument("source", metavar="REPO", help="the Triton model repository (a directory of model directories)")
     it.add_argument("--model", action="append", help="import only this model (repeat for more)")
     it.add_argument("--dry-run", action="store_true", help="check and say what would be imported; add nothing")
+    it.add_argument("--replace", action="store_true",
+                    help="replace a version changed since its import (another file or configuration) rather than "
+                         "refuse it, once no session holds it, and remove the versions each model's version_policy "
+                         "no longer serves: what a repository load over HTTP or gRPC does for one model")
     it.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     it.set_defaults(func=cmd_import_triton, uses=CLIENT_SETTINGS + ("repository", "opt_level", "prepack", "log_level"))
 

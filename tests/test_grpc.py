@@ -310,7 +310,7 @@ def test_repository_index_load_unload(client):
     assert client.is_model_ready("embed")
     assert status_of(lambda: client.load_model("nope"))[0] == "StatusCode.NOT_FOUND"
     code, message = status_of(lambda: client.load_model("embed", config='{"max_batch_size": 2}'))
-    assert code == "StatusCode.INVALID_ARGUMENT" and "import-triton" in message
+    assert code == "StatusCode.INVALID_ARGUMENT" and "a config override applies to the model's files" in message
 
 
 def test_grpc_and_http_fronts_answer_alike(served):

@@ -87,7 +87,7 @@ class Front(Child):
 
     EXTRAS = {"http": "httptools", "grpc": "grpc"}   # the module each front's extra brings
 
-    def __init__(self, kind: str, socket: str, host: str, port: int):
+    def __init__(self, kind: str, socket: str, host: str, port: int, triton_repository: str = ""):
         from ..address import listen_tcp, reserve_tcp
         from ..config import ConfigError
         setting = f"{kind}_port {port}"
@@ -95,6 +95,8 @@ class Front(Child):
             raise ConfigError(f"{setting}: the {kind} front needs the [{kind}] extra (pip install "
                               f"'modelcache[{kind}]'), or set {kind}_port = 0")
         args = [kind, "--socket", socket, "--daemons"]
+        if triton_repository:   # where its repository loads read a model again (triton_repo/load.py)
+            args += ["--triton-repository", os.path.abspath(triton_repository)]
         if kind == "http":   # handed over: the child serves on our listening socket
             self.sock = listen_tcp(host, port, setting)
             args += ["--listen-fd", str(self.sock.fileno())]
@@ -139,7 +141,8 @@ def daemon_children(settings) -> list[Child]:
         for kind in ("http", "grpc"):
             port = getattr(settings, f"{kind}_port")
             if port:
-                children.append(Front(kind, settings.socket, getattr(settings, f"{kind}_host"), port))
+                children.append(Front(kind, settings.socket, getattr(settings, f"{kind}_host"), port,
+                                      settings.triton_repository))
     except BaseException:
         for c in children:
             c.close()

@@ -102,7 +102,9 @@ class InferenceService:
 
     @answers
     async def RepositoryModelLoad(self, request, context):
-        await self.ops.load(request.model_name, dict(request.parameters))
+        # (each parameter's value, whichever of its kinds it has: `config` a string, `file:` ones bytes)
+        await self.ops.load(request.model_name, {k: getattr(v, v.WhichOneof("parameter_choice") or "string_param")
+                                                 for k, v in request.parameters.items()})
         return pb.RepositoryModelLoadResponse()
 
     @answers

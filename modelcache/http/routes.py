@@ -8,6 +8,8 @@ over max_message_size 413, a model or runtime failure 500, overload or no daemon
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
 import re
@@ -31,6 +33,16 @@ class HttpError(Exception):
         super().__init__(message)
         self.status = status
         self.headers = headers
+
+
+def _file_bytes(key: str, value) -> bytes:
+    """A repository load's `file:` parameter: its content, base64 in JSON (as Triton's HTTP front reads it)."""
+    if not isinstance(value, str):
+        raise InputError(f"load parameter '{key}' must be a base64 string of the file's bytes")
+    try:
+        return base64.b64decode(value, validate=True)
+    except binascii.Error as e:
+        raise InputError(f"load parameter '{key}' is not base64: {e}") from None
 
 
 def json_response(doc, status: int = 200) -> Response:
@@ -189,7 +201,8 @@ class Endpoints:
         params = self._json_body(request).get("parameters") or {}
         if not isinstance(params, dict):
             raise InputError("load's parameters must be a JSON object")
-        await self.ops.load(request.params["name"], params)
+        await self.ops.load(request.params["name"], {k: _file_bytes(k, v) if k.startswith("file:") else v
+                                                     for k, v in params.items()})
         return OK
 
     async def repository_unload(self, request: Request) -> Response:

@@ -10,6 +10,8 @@ model control. Answers are plain dicts shaped as v2's JSON, whose names are also
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import time
 
@@ -19,6 +21,7 @@ from .. import __version__
 from ..wire import protocol as P, tensors
 from ..errors import InputError, ModelCacheError, ModelNotFound
 from ..executor.response_cache import ResponseCache, model_identity, request_key
+from ..triton_repo.load import is_repository_load, repository_load
 from . import types
 from .link import DaemonLink
 from .classification import classify
@@ -37,6 +40,7 @@ STATUS_BY_CODE = {"not_found": (404, "NOT_FOUND"), "input": (400, "INVALID_ARGUM
                   "out_of_memory": (503, "RESOURCE_EXHAUSTED"), "daemon_unavailable": (503, "UNAVAILABLE"),
                   "timeout": (504, "DEADLINE_EXCEEDED"), "run": (500, "INTERNAL")}
 INTERNAL = (500, "INTERNAL")
+log = logging.getLogger("modelcache.front")
 INTERFACE_TTL_S = 2.0
 
 
@@ -275,12 +279,23 @@ class Operations:
         return index
 
     async def load(self, name: str, parameters: dict) -> None:
-        if any(k == "config" or k.startswith("file:") for k in parameters):
-            raise InputError("load takes no config or files here: add models with `modelcache add` or "
-                             "`modelcache import-triton`")
+        """Triton's repository load: the model read again from its directory (the request's files, or the
+        Triton repository's) and imported, changed versions replaced (triton_repo/load.py); then, as for a
+        model added another way, brought into memory."""
+        if is_repository_load(name, parameters, self.settings.triton_repository):
+            await self.runner.let_go(name)   # (its sessions here would hold a version being replaced)
+            lines = await asyncio.to_thread(repository_load, name, parameters, self.settings,
+                                            self.settings.triton_repository)
+            log.info("load %s: %s", name, "; ".join(lines))
         listing = await self.link.call(P.ListModels(req_id=0), (P.ModelList,))
         if not any(m["name"] == name and m["tier"] == "ensemble" for m in listing.models):   # (no weights to load)
-            await self.link.call(P.Load(req_id=0, name=name), (P.Ack,), timeout_s=self.settings.add_timeout_s)
+            try:
+                await self.link.call(P.Load(req_id=0, name=name), (P.Ack,), timeout_s=self.settings.add_timeout_s)
+            except ModelNotFound as e:
+                if not self.settings.triton_repository:
+                    raise
+                raise ModelNotFound(f"{e}; and no directory {name!r} in the Triton repository "
+                                    f"{self.settings.triton_repository}") from None
         self.unloaded.discard(name)
 
     async def unload(self, name: str) -> None:

@@ -130,13 +130,24 @@ def read_config(model_dir: Path) -> mc.ModelConfig | None:
         raise InputError(f"{path}: cannot be read: {e}") from None
 
 
-def plan_model(model_dir: Path, model_io):
+def parse_config_json(text) -> mc.ModelConfig:
+    """A repository load's `config` parameter: the configuration as Triton's JSON, in place of config.pbtxt."""
+    if not isinstance(text, str):
+        raise InputError("Config parameter 'config' must have string type for its value")
+    try:
+        return json_format.Parse(text, mc.ModelConfig())
+    except json_format.ParseError as e:   # (bad JSON, an unknown field, a value of the wrong type)
+        raise InputError(f"Invalid config override: {e}") from None
+
+
+def plan_model(model_dir: Path, model_io, override: mc.ModelConfig | None = None):
     """What importing `model_dir` adds: a ModelPlan, or an EnsemblePlan (ensemble.py) for an ensemble. NotOnnx
     for another backend's model; InputError (one line naming the model) for one that cannot be imported.
-    `model_io(path) -> (inputs, outputs, overridable initializers)` reads an ONNX file's (packing.model_io)."""
+    `model_io(path) -> (inputs, outputs, overridable initializers)` reads an ONNX file's (packing.model_io).
+    `override`: a configuration given in place of the directory's config.pbtxt (a repository load's `config`)."""
     name = model_dir.name
     try:
-        given = read_config(model_dir)
+        given = read_config(model_dir) if override is None else override
         if ensemble.is_ensemble(given):
             return ensemble.plan_ensemble(model_dir, given, config_to_json(given))
         return _plan(model_dir, name, model_io, given)

@@ -8,6 +8,10 @@ using is the operator's call (`modelcache rm`). A model is imported whole or not
 planned and checked before the first is added, and versions added before a later one fails are removed.
 Each model gets its lines: imported, unchanged, skipped (another backend), refused (why), and one warning
 listing the configuration fields modelcache does not honour.
+
+A repository load (Triton's model-control API, triton_repo/load.py) imports one model with `replace`: there the
+request is the operator's call, so a version changed since its import is removed and added again, as Triton's
+reload does, once it is not in use.
 """
 
 from __future__ import annotations
@@ -31,14 +35,18 @@ class Report:
     unchanged: list = field(default_factory=list)   # "name@version" already there, the same
     skipped: list = field(default_factory=list)     # model names of other backends
     failed: list = field(default_factory=list)      # model names refused or failed
+    errors: list = field(default_factory=list)      # the ModelCacheErrors that refused or failed them
 
     def summary(self, root) -> str:
         return (f"{root}: {len(self.imported)} versions imported, {len(self.unchanged)} unchanged, "
                 f"{len(self.skipped)} models skipped (not ONNX), {len(self.failed)} refused")
 
 
-def import_repository(root, settings, only=None, dry_run: bool = False, out=print) -> Report:
-    """Import every model directory of `root` (or those named in `only`); `out(line)` says what happened."""
+def import_repository(root, settings, only=None, dry_run: bool = False, out=print, replace: bool = False,
+                      overrides: dict | None = None) -> Report:
+    """Import every model directory of `root` (or those named in `only`); `out(line)` says what happened.
+    `replace`: a version there from another file or configuration is replaced rather than refused.
+    `overrides`: {model name: ModelConfig} given in place of those models' config.pbtxt."""
     from ..store.packing import model_io
     root = Path(root)
     if not root.is_dir():
@@ -58,7 +66,7 @@ def import_repository(root, settings, only=None, dry_run: bool = False, out=prin
     try:
         for name in names:
             try:
-                plan = plan_model(root / name, model_io)
+                plan = plan_model(root / name, model_io, (overrides or {}).get(name))
             except NotOnnx as e:
                 report.skipped.append(name)
                 skipped[name] = e.what
@@ -66,6 +74,7 @@ def import_repository(root, settings, only=None, dry_run: bool = False, out=prin
                 continue
             except ModelCacheError as e:
                 report.failed.append(name)
+                report.errors.append(e)
                 out(f"{e}: not imported")
                 continue
             if isinstance(plan, EnsemblePlan):
@@ -79,10 +88,10 @@ def import_repository(root, settings, only=None, dry_run: bool = False, out=prin
                 out(f"{name}: would import version{'s' if len(plan.versions) > 1 else ''} "
                     f"{', '.join(str(v) for v, _ in plan.versions)} ({plan.batching_text()})")
                 continue
-            _apply(plan, target, report, out)
+            _apply(plan, target, report, out, replace)
         for plan in ensembles:
             _apply_ensemble(plan, target, report, out, {n: p for n, p in planned.items() if n not in report.failed},
-                            skipped, set(report.failed))
+                            skipped, set(report.failed), replace)
     finally:
         if target is not None:
             target.close()
@@ -90,8 +99,8 @@ def import_repository(root, settings, only=None, dry_run: bool = False, out=prin
     return report
 
 
-def _apply(plan: ModelPlan, target, report: Report, out) -> None:
-    added, adding = [], None
+def _apply(plan: ModelPlan, target, report: Report, out, replace: bool = False) -> None:
+    added, adding, replaced, gone = [], None, [], []   # gone: versions replaced, the old one removed
     try:
         todo = []
         for version, path in plan.versions:
@@ -102,15 +111,23 @@ def _apply(plan: ModelPlan, target, report: Report, out) -> None:
             elif stored == (_sha256(path), plan.config):
                 report.unchanged.append(key)
                 out(f"{key}: unchanged, not imported again")
+            elif replace:
+                todo.append((version, path))
+                replaced.append(version)
             else:
-                raise InputError(f"{key} is already in modelcache from another file or configuration; remove it "
-                                 f"first (`modelcache rm {plan.name} --version {version}`) to import it again")
+                raise InputError(f"{key} is already in modelcache from another file or configuration; import "
+                                 "with --replace (or load it over HTTP or gRPC) to replace it")
         for version, path in todo:
             adding = version
+            if version in replaced:   # (refused while in use: then the version stays as it was, served)
+                target.remove(plan.name, version)
+                gone.append(version)
+                out(f"{plan.name}@{version}: changed since its import; the version imported before is removed")
             target.add(str(path), plan.name, version, plan.declared, plan.opt_level)
             added.append(version)
             report.imported.append(f"{plan.name}@{version}")
     except ModelCacheError as e:
+        report.errors.append(e)
         for version in added:   # the model whole or not at all
             report.imported.remove(f"{plan.name}@{version}")
             try:
@@ -124,15 +141,35 @@ def _apply(plan: ModelPlan, target, report: Report, out) -> None:
         undone = f" (version{'s' if len(added) > 1 else ''} {', '.join(map(str, added))}, added before it, removed)" \
             if added else ""
         out(f"{text}: not imported{undone}")
+        if gone:   # (their old copies were removed before the failure: the repository's files are what remains)
+            out(f"{plan.name}: version{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} no longer served "
+                "(the copies imported before were replaced); load it again once its files are fixed")
         return
     if added:
         filled = f"; auto-completed: {', '.join(plan.completed)}" if plan.completed else ""
         out(f"{plan.name}: imported version{'s' if len(added) > 1 else ''} {', '.join(map(str, added))} "
             f"({plan.batching_text()}{filled})")
+    if replace:
+        _retire(plan, target, out)
+
+
+def _retire(plan: ModelPlan, target, out) -> None:
+    """A load's versions the model's version policy no longer serves (its directory gone, a `latest` moved on)
+    are removed, as Triton unloads them; only versions imported from a Triton repository, and not one in use
+    (it stays, said so, until the next load)."""
+    served = {v for v, _ in plan.versions}
+    for version in target.imported_versions(plan.name):
+        if version in served:
+            continue
+        try:
+            target.remove(plan.name, version)
+            out(f"{plan.name}@{version}: no longer served by its version policy; removed")
+        except ModelCacheError as e:
+            out(f"{plan.name}@{version}: no longer served by its version policy, but left: {e}")
 
 
 def _apply_ensemble(plan: EnsemblePlan, target, report: Report, out, planned: dict, skipped: dict,
-                    refused: set) -> None:
+                    refused: set, replace: bool = False) -> None:
     """Check the ensemble's steps, then add its versions (not again when the same configuration is there)."""
     try:
         check_steps(plan, planned, skipped, refused, known=(lambda name: None) if target is None else target.known)
@@ -142,6 +179,7 @@ def _apply_ensemble(plan: EnsemblePlan, target, report: Report, out, planned: di
         return
     except ModelCacheError as e:
         report.failed.append(plan.name)
+        report.errors.append(e)
         out(f"{plan.name}: {e}: not imported")
         return
     versions = ", ".join(map(str, plan.versions))
@@ -158,14 +196,17 @@ def _apply_ensemble(plan: EnsemblePlan, target, report: Report, out, planned: di
                 report.unchanged.append(key)
                 out(f"{key}: unchanged, not imported again")
                 continue
+            if stored is not None and not replace:
+                raise InputError(f"{key} is already in modelcache with another configuration; import with "
+                                 "--replace (or load it over HTTP or gRPC) to replace it")
             if stored is not None:
-                raise InputError(f"{key} is already in modelcache with another configuration; remove it first "
-                                 f"(`modelcache rm {plan.name} --version {version}`) to import it again")
+                target.remove(plan.name, version)
             target.add_ensemble(plan.name, version, plan.config)
             added.append(version)
             report.imported.append(key)
     except ModelCacheError as e:
         report.failed.append(plan.name)
+        report.errors.append(e)
         out(f"{plan.name}: {e}: not imported")
         return
     if added:
@@ -210,6 +251,12 @@ class _DaemonTarget:
     def remove(self, name: str, version: int) -> None:
         self.client.remove(name, version)
 
+    def imported_versions(self, name: str) -> list[int]:
+        """The versions of `name` the daemon has from a Triton repository (with a configuration)."""
+        versions = [m["version"] for m in self.client.listing().models if m["name"] == name
+                    and m["tier"] != "ensemble"]
+        return [v for v in versions if (self.stored(name, v) or (None, None))[1]]
+
     def known(self, name: str):
         """(input names, output names) of the daemon's model `name` (its latest version); None when it has none."""
         try:
@@ -252,6 +299,9 @@ class _OfflineTarget:
 
     def remove(self, name: str, version: int) -> None:
         self.repo.remove(name, version)
+
+    def imported_versions(self, name: str) -> list[int]:
+        return [v for _, v, _ in self.repo.version_dirs(name) if (self.stored(name, v) or (None, None))[1]]
 
     def known(self, name: str):
         from ..store.format import load_manifest

@@ -1,0 +1,112 @@
+"""Triton's repository load as it serves (model control in explicit mode): `POST v2/repository/models/NAME/load`,
+gRPC RepositoryModelLoad, tritonclient's `load_model(name, config=..., files=...)`.
+
+Triton reads the model's directory again at every load: a model copied into the repository since the start is
+loaded, one whose config.pbtxt or files changed is reloaded. Two parameters change where it reads from
+(model_repository_manager.cc, r24.10): `config`, the configuration as JSON in place of config.pbtxt; and
+`file:<path>` (bytes), the model's files, written into a fresh directory in place of the repository's, which
+then needs `config`. Here a load imports that one model as `modelcache import-triton` does (importer.py), with
+`replace`: a version changed since its import is removed and added again. The daemon's `triton_repository`
+is where a load without files reads; a name with no directory there is a model added another way, which a load
+only brings into memory (the front's plain load). Runs in a front, on an executor thread (it packs).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from ..errors import CapacityError, InputError, ModelCacheError, from_code
+from .config import parse_config_json
+
+FILE_PREFIX = "file:"
+IN_USE_MARGIN_S = 1.0    # beyond front_hold_s: how long a load waits for a version to replace to be let go
+IN_USE_RETRY_S = 0.25
+
+
+def is_repository_load(name: str, parameters: dict, triton_repository: str) -> bool:
+    """Whether a load of `name` reads a model directory (the request's files, or the Triton repository's) rather
+    than only bringing a model modelcache has into memory."""
+    return bool(parameters) or bool(triton_repository) and (Path(triton_repository) / name).is_dir()
+
+
+def check_parameters(parameters: dict) -> tuple[object, dict]:
+    """(the `config` override as a ModelConfig or None, {relative path: bytes} of the `file:` ones), refused in
+    Triton's words: an unknown parameter, a file of the wrong type or outside the model's directory, files
+    without a config."""
+    config, files = None, {}
+    for key, value in parameters.items():
+        if key == "config":
+            config = parse_config_json(value)
+        elif key.startswith(FILE_PREFIX):
+            if not isinstance(value, (bytes, bytearray)):
+                raise InputError(f"File parameter '{key}' must have bytes type for its value")
+            relative = os.path.normpath(key[len(FILE_PREFIX):])
+            if os.path.isabs(relative) or relative == "." or relative.split(os.sep)[0] == "..":
+                raise InputError(f"Invalid file parameter '{key}' with normalized path '{relative}' must stay "
+                                 "within model directory.")
+            files[relative] = bytes(value)
+        else:
+            kind = "string" if isinstance(value, str) else "bytes" if isinstance(value, (bytes, bytearray)) else \
+                type(value).__name__
+            raise InputError(f"Unrecognized load parameter '{key}' with type '{kind}'")
+    if files and config is None:
+        raise InputError("Load parameter 'config' must be specified for model file override")
+    return config, files
+
+
+def repository_load(name: str, parameters: dict, settings, triton_repository: str) -> list[str]:
+    """Import the model `name` from the request's files or from `triton_repository`, replacing versions changed
+    since their import; the importer's lines. InputError (or the daemon's error) with those lines when the model
+    was not imported; InputError too when a `config` alone has no model directory to apply to."""
+    from .importer import import_repository
+    config, files = check_parameters(parameters)
+    lines: list[str] = []
+    work = None
+    if files:
+        work = Path(tempfile.mkdtemp(prefix="modelcache-load-"))
+        root = work
+    else:
+        root = Path(triton_repository) if triton_repository else None
+        if root is None or not (root / name).is_dir():   # (a config alone: the files it configures are missing)
+            where = f"the Triton repository {root} has no directory {name!r}" if root else \
+                "the daemon has no triton_repository"
+            raise InputError(f"failed to load '{name}': a config override applies to the model's files, and {where}; "
+                             "send them with it (`file:` parameters)")
+    try:
+        if work is not None:
+            _write_files(work / name, files)
+        # A version to replace that a front still runs (another front's hold, front_hold_s after its last
+        # request there) is in use for a moment: the import is tried again until that has passed.
+        deadline = time.monotonic() + settings.front_hold_s + IN_USE_MARGIN_S
+        while True:
+            lines.clear()
+            report = import_repository(root, settings, only=[name], out=lines.append, replace=True,
+                                       overrides=None if config is None else {name: config})
+            in_use = report.errors and report.errors[0].code == CapacityError.code
+            if not in_use or time.monotonic() >= deadline:
+                break
+            time.sleep(IN_USE_RETRY_S)
+    finally:
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+    if report.failed or report.skipped:   # (the first error's kind: an input refused, a model in use, a full disk)
+        code = report.errors[0].code if report.errors else InputError.code
+        raise from_code(code, f"failed to load '{name}': " + "; ".join(lines[:-1] or lines))
+    return lines
+
+
+def _write_files(model_dir: Path, files: dict) -> None:
+    for relative, data in files.items():
+        path = model_dir / relative
+        if path.parent.exists() and not path.parent.is_dir():
+            raise InputError(f"Invalid file parameter '{FILE_PREFIX}{relative}', directory has been created as a "
+                             "file")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        except OSError as e:
+            raise ModelCacheError(f"failed to load: cannot write {relative} for the import: {e}") from None

@@ -1,0 +1,245 @@
+"""Triton's repository load as it serves (triton_repo/load.py): a model copied into the Triton repository after
+the daemon started is loaded by name; one whose config.pbtxt changed is reloaded; a `config` parameter replaces
+config.pbtxt, and `file:` parameters with one bring a model the repository does not have. Through tritonclient,
+both protocols, against a real daemon that imported the repository at start, with its two fronts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import modelcache
+from modelcache import zoo
+
+from conftest import stop_cleanly, wait_until
+from test_triton_repo import put_model, start_importing
+
+CONFIG = """
+backend: "onnxruntime"
+max_batch_size: 4
+input [ { name: "input" data_type: TYPE_FP32 dims: [ 3, 32, 32 ] } ]
+output [ { name: "logits" data_type: TYPE_FP32 dims: [ 10 ] } ]
+"""
+
+
+@pytest.fixture(scope="module")
+def serving(tmp_path_factory):
+    """(daemon, Triton repository, gRPC host:port, HTTP host:port): one model, `first`, imported at start."""
+    root = tmp_path_factory.mktemp("load")
+    repo = root / "models"
+    put_model(repo, "first", zoo.build("tiny-cnn", seed=1), CONFIG)
+    d, grpc_at, http_at = start_importing(root, repo)
+    try:
+        yield d, repo, grpc_at, http_at
+    finally:
+        stop_cleanly(d)
+
+
+@pytest.fixture
+def clients(serving):
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    d, repo, grpc_at, http_at = serving
+    g, h = grpcclient.InferenceServerClient(grpc_at), httpclient.InferenceServerClient(http_at)
+    try:
+        yield d, repo, g, h
+    finally:
+        g.close()
+        h.close()
+
+
+def answer(client, name: str, x: np.ndarray) -> np.ndarray:
+    import tritonclient.grpc as grpcclient
+    i = grpcclient.InferInput("input", list(x.shape), "FP32")
+    i.set_data_from_numpy(x)
+    return client.infer(name, [i]).as_numpy("logits")
+
+
+def want(model_file, x: np.ndarray) -> np.ndarray:
+    return ort.InferenceSession(str(model_file)).run(None, {"input": x})[0]
+
+
+X = np.random.default_rng(5).standard_normal((2, 3, 32, 32)).astype(np.float32)
+
+
+def refused(call, *args, **kwargs):
+    from tritonclient.utils import InferenceServerException
+    with pytest.raises(InferenceServerException) as e:
+        call(*args, **kwargs)
+    return e.value
+
+
+def test_a_model_copied_into_the_repository_after_the_start_is_loaded_by_name(clients):
+    d, repo, g, h = clients
+    put_model(repo, "later", zoo.build("tiny-cnn", seed=2), CONFIG)
+    assert not g.is_model_ready("later")
+    g.load_model("later")
+    assert g.is_model_ready("later") and h.is_model_ready("later")
+    np.testing.assert_allclose(answer(g, "later", X), want(repo / "later" / "1" / "model.onnx", X), rtol=1e-4,
+                               atol=1e-5)
+    assert g.get_model_config("later", as_json=True)["config"]["max_batch_size"] == 4
+    assert "later: imported version 1" in d.log_path.read_text()
+    h.load_model("later")   # again, unchanged: nothing imported, the model still served
+    assert "later@1: unchanged, not imported again" in d.log_path.read_text()
+    np.testing.assert_allclose(answer(g, "later", X), want(repo / "later" / "1" / "model.onnx", X), rtol=1e-4,
+                               atol=1e-5)
+
+
+def test_a_changed_model_is_reloaded_and_a_config_override_replaces_config_pbtxt_until_the_next_load(clients):
+    d, repo, g, h = clients
+    put_model(repo, "changing", zoo.build("tiny-cnn", seed=3), CONFIG)
+    h.load_model("changing")
+    # The operator edits config.pbtxt and swaps the file, then loads: the version is replaced.
+    put_model(repo, "changing", zoo.build("tiny-cnn", seed=4), CONFIG.replace("max_batch_size: 4", "max_batch_size: 2"))
+    h.load_model("changing")
+    assert "changing@1: changed since its import" in d.log_path.read_text()
+    assert h.get_model_config("changing")["max_batch_size"] == 2
+    np.testing.assert_allclose(answer(g, "changing", X), want(repo / "changing" / "1" / "model.onnx", X),
+                               rtol=1e-4, atol=1e-5)
+    with pytest.raises(Exception, match="max_batch_size is 2"):
+        answer(g, "changing", np.zeros((3, 3, 32, 32), np.float32))
+    # A config override (as Model Analyzer sends it): in place of config.pbtxt, over the repository's files.
+    config = g.get_model_config("changing", as_json=True)["config"]
+    config["max_batch_size"] = 3
+    config["dynamic_batching"] = {"max_queue_delay_microseconds": 500}
+    g.load_model("changing", config=json.dumps(config))
+    got = g.get_model_config("changing", as_json=True)["config"]
+    assert got["max_batch_size"] == 3 and int(got["dynamic_batching"]["max_queue_delay_microseconds"]) == 500
+    assert answer(g, "changing", np.zeros((3, 3, 32, 32), np.float32)).shape == (3, 10)
+    g.load_model("changing")   # no override: config.pbtxt again, as Triton's next load undoes it
+    assert h.get_model_config("changing")["max_batch_size"] == 2
+
+
+def test_files_with_a_config_bring_a_model_the_repository_does_not_have(clients, tmp_path):
+    d, repo, g, h = clients
+    model = zoo.build("tiny-cnn", seed=6)
+    path = tmp_path / "model.onnx"
+    zoo.save(model, str(path))
+    config = json.dumps({"name": "sent", "backend": "onnxruntime", "max_batch_size": 4})
+    h.load_model("sent", config=config, files={"file:1/model.onnx": path.read_bytes()})        # base64 in JSON
+    g.load_model("sent-grpc", config=config.replace('"sent"', '"sent-grpc"'),
+                 files={"file:1/model.onnx": path.read_bytes()})                                # bytes_param
+    assert not (repo / "sent").exists()
+    for name in ("sent", "sent-grpc"):
+        np.testing.assert_allclose(answer(g, name, X), want(path, X), rtol=1e-4, atol=1e-5)
+        got = h.get_model_config(name)   # auto-completed from the file, as Triton's would be
+        assert got["max_batch_size"] == 4 and [i["name"] for i in got["input"]] == ["input"]
+
+
+def test_a_load_that_cannot_be_carried_out_is_refused_in_tritons_words_and_changes_nothing(clients, tmp_path):
+    d, repo, g, h = clients
+    zoo.save(zoo.build("tiny-cnn"), str(tmp_path / "m.onnx"))
+    onnx_bytes = (tmp_path / "m.onnx").read_bytes()
+    before = answer(g, "first", X)
+    cases = [  # (parameters, HTTP status, gRPC status, words)
+        (dict(files={"file:1/model.onnx": onnx_bytes}), "400", "StatusCode.INVALID_ARGUMENT",
+         "Load parameter 'config' must be specified for model file override"),
+        (dict(config="{not json"), "400", "StatusCode.INVALID_ARGUMENT", "Invalid config override: "),
+        (dict(config='{"max_batch_size": 4, "no_such_field": 1}'), "400", "StatusCode.INVALID_ARGUMENT",
+         "no_such_field"),
+        (dict(config="{}", files={"file:../../escape.onnx": onnx_bytes}), "400", "StatusCode.INVALID_ARGUMENT",
+         "must stay within model directory"),
+        (dict(config='{"max_batch_size": 4, "input": [{"name": "input", "data_type": "TYPE_FP32", "dims": [3, 8, 8]}]}'),
+         "400", "StatusCode.INVALID_ARGUMENT", "first"),   # dims the model contradicts
+    ]
+    for params, http_status, grpc_status, words in cases:
+        for client, status in ((h, http_status), (g, grpc_status)):
+            e = refused(client.load_model, "first", **params)
+            assert str(e.status()) == status and words in e.message(), (params, e)
+    e = refused(g.load_model, "nowhere")
+    assert e.status() == "StatusCode.NOT_FOUND" and "no directory 'nowhere' in the Triton repository" in e.message(), e
+    # A file that is not a model: refused with the importer's line; the model as it was is still served.
+    e = refused(h.load_model, "first", config=json.dumps({"max_batch_size": 4}), files={"file:1/model.onnx": b"junk"})
+    assert "is not a valid ONNX model" in e.message(), e
+    assert not (tmp_path.parent / "escape.onnx").exists()
+    np.testing.assert_array_equal(answer(g, "first", X), before)
+
+
+def test_a_version_in_use_is_not_replaced_and_stays_served(clients):
+    """A client's attach-mode session holds the version: the reload is refused (UNAVAILABLE, as a full tier
+    is), and the version imported before still serves; once the session closes, the same load replaces it."""
+    d, repo, g, h = clients
+    put_model(repo, "held", zoo.build("tiny-cnn", seed=7), CONFIG)
+    g.load_model("held")
+    before = answer(g, "held", X)
+    with d.client() as c:
+        session = modelcache.InferenceSession("held", client=c)
+        put_model(repo, "held", zoo.build("tiny-cnn", seed=8), CONFIG)
+        e = refused(g.load_model, "held")
+        assert e.status() == "StatusCode.UNAVAILABLE" and "in use" in e.message(), e
+        np.testing.assert_array_equal(answer(g, "held", X), before)
+        session.close()
+    g.load_model("held")
+    wait_until(lambda: "held@1: changed since its import" in d.log_path.read_text(), 10, "the reload")
+    np.testing.assert_allclose(answer(g, "held", X), want(repo / "held" / "1" / "model.onnx", X), rtol=1e-4,
+                               atol=1e-5)
+
+
+def test_versions_the_policy_no_longer_serves_are_removed_at_a_load(clients):
+    """Triton's way to update a model under traffic: a new version directory, then a load; with `latest: 1` the
+    old version is unloaded, as Triton does (removed here)."""
+    d, repo, g, h = clients
+    put_model(repo, "rolling", zoo.build("tiny-cnn", seed=9), CONFIG)
+    g.load_model("rolling")
+    (repo / "rolling" / "2").mkdir()
+    zoo.save(zoo.build("tiny-cnn", seed=10), str(repo / "rolling" / "2" / "model.onnx"))
+    g.load_model("rolling")
+    assert g.get_model_metadata("rolling", as_json=True)["versions"] == ["2"]
+    assert "rolling@1: no longer served by its version policy; removed" in d.log_path.read_text()
+    np.testing.assert_allclose(answer(g, "rolling", X), want(repo / "rolling" / "2" / "model.onnx", X), rtol=1e-4,
+                               atol=1e-5)
+    assert not g.is_model_ready("rolling", "1")
+
+
+@pytest.mark.parametrize("key, words", [
+    ("file:/etc/passwd", "must stay within model directory"),
+    ("file:1/../../x", "must stay within model directory"),
+    ("file:.", "must stay within model directory"),
+    ("weights", "Unrecognized load parameter 'weights' with type 'bytes'"),
+])
+def test_load_parameters_are_checked_as_triton_checks_them(key, words):
+    from modelcache.errors import InputError
+    from modelcache.triton_repo.load import check_parameters
+    with pytest.raises(InputError, match=words):
+        check_parameters({"config": "{}", key: b"x"})
+    config, files = check_parameters({"config": '{"max_batch_size": 2}', "file:1/./model.onnx": b"m"})
+    assert config.max_batch_size == 2 and files == {"1/model.onnx": b"m"}
+    with pytest.raises(InputError, match="File parameter 'file:1/model.onnx' must have bytes type"):
+        check_parameters({"config": "{}", "file:1/model.onnx": "text"})
+
+
+def test_import_triton_refuses_a_changed_version_and_replaces_it_with_replace(tmp_path):
+    """The command, with no daemon (straight into the repository): a changed config.pbtxt is refused, naming the
+    way to replace it; --replace replaces it and removes the version the policy moved past."""
+    import os
+    import subprocess
+    import sys
+    repo = tmp_path / "models"
+    put_model(repo, "m", zoo.build("tiny-cnn", seed=1), CONFIG)
+    env = {**os.environ, "MODELCACHE_CONFIG": "", "MODELCACHE_SOCKET": f"ipc://{tmp_path}/none.sock",
+           "MODELCACHE_REPOSITORY": str(tmp_path / "store")}
+
+    def run(*extra):
+        return subprocess.run([sys.executable, "-m", "modelcache.cli", "import-triton", str(repo), *extra],
+                              env=env, capture_output=True, text=True, timeout=120)
+    assert run().returncode == 0
+    every = CONFIG.replace("max_batch_size: 4", "max_batch_size: 2") + "version_policy: { all { } }\n"
+    put_model(repo, "m", zoo.build("tiny-cnn", seed=1), every)
+    (repo / "m" / "2").mkdir()
+    zoo.save(zoo.build("tiny-cnn", seed=2), str(repo / "m" / "2" / "model.onnx"))
+    refused_run = run()
+    assert refused_run.returncode == 1 and "m@1 is already in modelcache from another file or configuration; " \
+        "import with --replace" in refused_run.stdout, refused_run.stdout
+    assert not (tmp_path / "store" / "m" / "2").exists()   # (the model whole or not at all)
+    replaced = run("--replace")
+    assert replaced.returncode == 0 and "m@1: changed since its import" in replaced.stdout, replaced.stdout
+    assert sorted(p.name for p in (tmp_path / "store" / "m").iterdir()) == ["1", "2"]
+    (repo / "m" / "config.pbtxt").write_text(CONFIG)   # the default policy again: the latest version only
+    replaced = run("--replace")
+    assert replaced.returncode == 0, replaced.stdout + replaced.stderr
+    assert "m@1: no longer served by its version policy; removed" in replaced.stdout, replaced.stdout
+    assert sorted(p.name for p in (tmp_path / "store" / "m").iterdir()) == ["2"]
