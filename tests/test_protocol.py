@@ -160,6 +160,22 @@ def test_a_malformed_profile_is_the_callers_input_error(change, says):
     assert isinstance(from_code(e.value.code, str(e.value)), InputError)   # what the client raises
 
 
+@pytest.mark.parametrize("kind", [P.Add, P.Configure])
+@pytest.mark.parametrize("declared, says", [
+    ({"serving": {"policy": "dynamic", "max_batch": -1}}, "max_batch must be a whole number"),
+    ({"model_config": ["max_batch_size", 4]}, "model_config: expected dict"),
+    ({"labels": {"logits": "cat,dog"}}, "labels must map output names to lists of strings"),
+])
+def test_what_a_model_declares_is_checked_as_it_is_decoded(kind, declared, says):
+    """Add and Configure carry the same declared configuration, checked by one rule."""
+    fields = {"path": "m.onnx"} if kind is P.Add else {"version": 1}
+    with pytest.raises(ProtocolError, match=says):
+        roundtrip(kind(req_id=1, name="m", **fields, **declared))
+    ok = roundtrip(kind(req_id=1, name="m", **fields, serving={"policy": "dynamic", "max_batch": 4},
+                        labels={"logits": ["cat", "dog"]}))
+    assert ok.serving["max_batch"] == 4 and ok.labels == {"logits": ["cat", "dog"]}
+
+
 def test_a_placement_plan_decodes_into_a_checked_record():
     msg = roundtrip(P.Partition(req_id=1, name="m", plan=PLAN))
     assert isinstance(msg.plan, P.PlacementPlan) and msg.plan == PLAN

@@ -7,6 +7,7 @@ both protocols, against a real daemon that imported the repository at start, wit
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -106,7 +107,11 @@ def test_a_changed_model_is_reloaded_and_a_config_override_replaces_config_pbtxt
     config = g.get_model_config("changing", as_json=True)["config"]
     config["max_batch_size"] = 3
     config["dynamic_batching"] = {"max_queue_delay_microseconds": 500}
+    weights = d.repository / "changing" / "1" / "weights.bin"
+    packed = weights.stat().st_ino
     g.load_model("changing", config=json.dumps(config))
+    assert "changing@1: its configuration changed since its import, its file did not" in d.log_path.read_text()
+    assert weights.stat().st_ino == packed   # (the config alone: in place, not packed again)
     got = g.get_model_config("changing", as_json=True)["config"]
     assert got["max_batch_size"] == 3 and int(got["dynamic_batching"]["max_queue_delay_microseconds"]) == 500
     assert answer(g, "changing", np.zeros((3, 3, 32, 32), np.float32)).shape == (3, 10)
@@ -235,11 +240,37 @@ def test_import_triton_refuses_a_changed_version_and_replaces_it_with_replace(tm
     assert refused_run.returncode == 1 and "m@1 is already in modelcache from another file or configuration; " \
         "import with --replace" in refused_run.stdout, refused_run.stdout
     assert not (tmp_path / "store" / "m" / "2").exists()   # (the model whole or not at all)
+    weights = tmp_path / "store" / "m" / "1" / "weights.bin"
+    packed = weights.stat().st_ino
     replaced = run("--replace")
-    assert replaced.returncode == 0 and "m@1: changed since its import" in replaced.stdout, replaced.stdout
+    assert replaced.returncode == 0 and "m@1: its configuration changed since its import, its file did not: the " \
+        "configuration replaced in place" in replaced.stdout, replaced.stdout
+    assert weights.stat().st_ino == packed   # (not packed again)
     assert sorted(p.name for p in (tmp_path / "store" / "m").iterdir()) == ["1", "2"]
     (repo / "m" / "config.pbtxt").write_text(CONFIG)   # the default policy again: the latest version only
     replaced = run("--replace")
     assert replaced.returncode == 0, replaced.stdout + replaced.stderr
     assert "m@1: no longer served by its version policy; removed" in replaced.stdout, replaced.stdout
     assert sorted(p.name for p in (tmp_path / "store" / "m").iterdir()) == ["2"]
+
+
+def test_a_files_reads_are_kept_until_it_changes(tmp_path):
+    """A load reads every version's file again: what it read is kept by the file's identity and times, and read
+    again once the file is written or replaced (even to the same size, in the same second)."""
+    from modelcache.triton_repo import importer
+    path = tmp_path / "f"
+    path.write_bytes(b"a" * 10)
+    reads = []
+
+    def read(p):
+        reads.append(p)
+        return [Path(p).read_bytes()]
+    first = importer._by_file(path, "test", read)
+    assert importer._by_file(path, "test", read) == first and len(reads) == 1
+    first.append("changed by the caller")   # (a copy: the kept answer is not changed)
+    assert importer._by_file(path, "test", read) == [b"a" * 10]
+    path.write_bytes(b"b" * 10)
+    assert importer._by_file(path, "test", read) == [b"b" * 10] and len(reads) == 2
+    (tmp_path / "g").write_bytes(b"c" * 10)
+    (tmp_path / "g").replace(path)
+    assert importer._by_file(path, "test", read) == [b"c" * 10] and len(reads) == 3

@@ -508,7 +508,8 @@ def test_the_command_again_imports_nothing_unchanged(imported):
     (changed / "embed" / "config.pbtxt").write_text('backend: "onnxruntime"\nmax_batch_size: 2\n')
     r = subprocess.run([sys.executable, "-m", "modelcache.cli", "import-triton", str(changed)], env=d.env,
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1 and "modelcache rm embed --version 1" in r.stdout, r.stdout
+    assert r.returncode == 1 and "embed@1 is already in modelcache from another file or configuration; import " \
+        "with --replace" in r.stdout, r.stdout
 
 
 def test_a_restarted_daemon_adds_nothing_again(imported, tmp_path):

@@ -27,12 +27,13 @@ REPLIES = [cls for cls in P.MESSAGES.values() if cls not in REQUESTS]
 REPLY_TO = {b"hello": (b"hello_ok",), b"bye": (b"ok",), b"open": (b"open_ok",), b"close": (b"ok",),
             b"load": (b"ok", b"outcome_ok"), b"pin": (b"ok", b"outcome_ok"), b"remove": (b"ok",),
             b"evict": (b"ok", b"outcome_ok"), b"list": (b"list_ok",), b"add": (b"add_ok",),
-            b"describe": (b"describe_ok",), b"set_batching": (b"ok",),
+            b"describe": (b"describe_ok",), b"set_batching": (b"ok",), b"configure": (b"ok",),
             b"partition": (b"describe_ok",), b"infer": (b"infer_ok",), b"stats": (b"stats_ok",),
             b"profile": (b"profile_ok",), b"verify": (b"verify_ok",), b"front_served": (b"front_served_ok",)}
 # Kinds that mutate the repository: they never name the target's model, which the fuzz needs intact
-# for the deeper paths (a `remove` of it would turn every later infer into "not found").
-DESTRUCTIVE = (b"remove",)
+# for the deeper paths (a `remove` of it would turn every later infer into "not found"; a `configure` could make
+# it a stateful model, whose infers need a sequence).
+DESTRUCTIVE = (b"remove", b"configure")
 
 INTS = [0, 1, -1, 2**31 - 1, 2**31, 2**32, 2**63 - 1, -(2**63), 2**64 - 1, 10**7, 65536, -65536]
 FLOATS = [math.nan, math.inf, -math.inf, -0.0, 1e308, 5e-324, -1.0, 0.5]

@@ -377,6 +377,11 @@ class Client:
         """Delete a model version from the repository; refused while it is in use."""
         self._call(P.Remove(req_id=0, name=name, version=version), expect=(P.Ack,))
 
+    def configure(self, name: str, version: int, declared: dict) -> None:
+        """Replace what a stored version declares beside its file ({serving, model_config, labels}: what `add`
+        takes as `declared`), its weights unchanged: a Triton repository load whose config alone changed."""
+        self._call(P.Configure(req_id=0, name=name, version=version, **declared), expect=(P.Ack,))
+
     def add_ensemble(self, name: str, version: int, config: dict) -> None:
         """Add a Triton ensemble (its configuration as Triton's JSON) whose steps are models the daemon has."""
         self._call(P.AddEnsemble(req_id=0, name=name, version=version, config=config), expect=(P.Ack,))

@@ -125,6 +125,10 @@ class ModelRecord:
         self.host.refetched()
         self.damage, self.refetched = "", True
 
+    def reconfigured(self, manifest: Manifest) -> None:
+        """Its declared configuration was replaced in place (serve's on_Configure): the same weights and files."""
+        self.manifest = manifest
+
     def repartitioned(self, result: dict) -> None:
         """A partition was stored (executor/partition.py's result): its stages, their cuts and files' checksums;
         a batching profile calibrated for the old stages no longer holds."""

@@ -59,7 +59,7 @@ class Serving:
 
     def handlers(self) -> dict:
         return {P.Describe: self.on_Describe, P.Partition: self.on_Partition, P.SetBatching: self.on_SetBatching,
-                P.Profile: self.on_Profile, P.Infer: self.on_Infer, P.AddEnsemble: self.ensembles.on_AddEnsemble,
+                P.Configure: self.on_Configure, P.Profile: self.on_Profile, P.Infer: self.on_Infer, P.AddEnsemble: self.ensembles.on_AddEnsemble,
                 P.FrontServed: self.on_FrontServed}
 
     def forget_model(self, key: str) -> None:
@@ -184,6 +184,31 @@ class Serving:
         self.forget_model(model.key)  # its batching policy is rebuilt with the new profile
         log.info("batching profile stored: %s, N_opt %s at t_opt %.0f ms", model.key, msg.profile.get("n_opt"),
                  msg.profile.get("t_opt_ms", 0))
+        return P.Ack(req_id=msg.req_id)
+
+    def on_Configure(self, ident, msg: P.Configure):
+        """A version's declared configuration replaced in place (a repository load that changed only the config):
+        stored first, then used, as a batching profile is. Requests already queued keep the policy they were queued
+        under; the next ones, and the model's sessions made from now on, take the new one. Its warm-up runs again."""
+        from ..store.format import write_manifest
+        model = self.fetcher.resolve(msg.name, msg.version)
+        self.admins.check_model_owner(ident, model, "configure")
+        old = model.manifest.serving or {}
+        serving = dict(msg.serving)
+        if serving.get("sequence") is not None:
+            try:
+                SequenceSpec.from_wire(serving["sequence"])
+            except ValueError as e:
+                raise InputError(f"configure {model.key}: {e}") from None
+            if serving["sequence"] == old.get("sequence"):
+                serving["sequence"] = old["sequence"]   # (the same object: its live sequences go on, not restarted)
+        stored = dataclasses.replace(model.manifest, serving=serving, model_config=dict(msg.model_config),
+                                     labels=dict(msg.labels))
+        write_manifest(model.disk_dir, stored, f"storing the configuration of {model.key}")
+        model.reconfigured(stored)
+        self.forget_model(model.key)   # (its sessions and stage specs: a thread count may have changed)
+        log.info("model %s: configuration replaced in place (its weights unchanged)", model.key)
+        self.warm_up(model)
         return P.Ack(req_id=msg.req_id)
 
     def on_Profile(self, ident, msg: P.Profile):

@@ -287,6 +287,8 @@ class Operations:
             lines = await asyncio.to_thread(repository_load, name, parameters, self.settings,
                                             self.settings.triton_repository)
             log.info("load %s: %s", name, "; ".join(lines))
+            # (what this front read of its configuration; the other front's reads it again within INTERFACE_TTL_S)
+            self.interfaces = {k: v for k, v in self.interfaces.items() if k[0] != name}
         listing = await self.link.call(P.ListModels(req_id=0), (P.ModelList,))
         if not any(m["name"] == name and m["tier"] == "ensemble" for m in listing.models):   # (no weights to load)
             try:

@@ -16,6 +16,7 @@ reload does, once it is not in use.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import os
@@ -66,7 +67,8 @@ def import_repository(root, settings, only=None, dry_run: bool = False, out=prin
     try:
         for name in names:
             try:
-                plan = plan_model(root / name, model_io, (overrides or {}).get(name))
+                plan = plan_model(root / name, lambda path: _by_file(path, "io", model_io),
+                                  (overrides or {}).get(name))
             except NotOnnx as e:
                 report.skipped.append(name)
                 skipped[name] = e.what
@@ -102,15 +104,18 @@ def import_repository(root, settings, only=None, dry_run: bool = False, out=prin
 def _apply(plan: ModelPlan, target, report: Report, out, replace: bool = False) -> None:
     added, adding, replaced, gone = [], None, [], []   # gone: versions replaced, the old one removed
     try:
-        todo = []
+        todo, reconfigure = [], []
         for version, path in plan.versions:
             key = f"{plan.name}@{version}"
             stored = target.stored(plan.name, version)
+            sha = None if stored is None else _sha256(path)
             if stored is None:
                 todo.append((version, path))
-            elif stored == (_sha256(path), plan.config):
+            elif stored.same(sha, plan):
                 report.unchanged.append(key)
                 out(f"{key}: unchanged, not imported again")
+            elif replace and stored.same_weights(sha, plan):   # (the config alone changed: no pack again)
+                reconfigure.append(version)
             elif replace:
                 todo.append((version, path))
                 replaced.append(version)
@@ -126,6 +131,12 @@ def _apply(plan: ModelPlan, target, report: Report, out, replace: bool = False) 
             target.add(str(path), plan.name, version, plan.declared, plan.opt_level)
             added.append(version)
             report.imported.append(f"{plan.name}@{version}")
+        for version in reconfigure:   # (after the adds: a failed add leaves every version as it was)
+            adding = version
+            target.configure(plan.name, version, plan.declared)
+            report.imported.append(f"{plan.name}@{version}")
+            out(f"{plan.name}@{version}: its configuration changed since its import, its file did not: the "
+                "configuration replaced in place, its packed weights kept")
     except ModelCacheError as e:
         report.errors.append(e)
         for version in added:   # the model whole or not at all
@@ -214,12 +225,47 @@ def _apply_ensemble(plan: EnsemblePlan, target, report: Report, out, planned: di
             f"({plan.steps_text()})")
 
 
+@dataclass
+class Stored:
+    """What modelcache has of a version, to compare with a plan of it."""
+    sha256: str          # of the .onnx file it was packed from
+    config: dict         # the completed configuration it was imported with
+    labels: dict         # its outputs' class labels
+    opt_level: str       # the ORT optimization it was packed with
+
+    def same(self, sha256: str, plan: ModelPlan) -> bool:
+        return self.same_weights(sha256, plan) and (self.config, self.labels) == (plan.config, plan.labels)
+
+    def same_weights(self, sha256: str, plan: ModelPlan) -> bool:
+        """Packed from the same file as the plan would pack it: only its declared configuration may differ."""
+        return self.sha256 == sha256 and plan.opt_level in (None, self.opt_level)
+
+
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    def digest(path) -> str:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        return h.hexdigest()
+    return _by_file(path, "sha256", digest)
+
+
+# What a file read gave, by the file's identity and times: a front's repository loads read every version of the
+# model again (ResNet-50: 0.24 s of parsing and hashing a load), mostly unchanged since the last (as Triton,
+# which compares modification times). A file written, renamed over or touched has another key.
+_FILE_FACTS: dict = {}
+FILE_FACTS_MAX = 256
+
+
+def _by_file(path, what: str, read):
+    st = os.stat(path)
+    key = (str(path), what, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key not in _FILE_FACTS:
+        if len(_FILE_FACTS) >= FILE_FACTS_MAX:
+            del _FILE_FACTS[next(iter(_FILE_FACTS))]   # (the oldest read)
+        _FILE_FACTS[key] = read(path)
+    return copy.deepcopy(_FILE_FACTS[key])   # (the caller's to change)
 
 
 def _target(settings):
@@ -237,13 +283,18 @@ class _DaemonTarget:
     def __init__(self, client):
         self.client = client
 
-    def stored(self, name: str, version: int):
-        """(source sha256, configuration) of a version the daemon has; None when it has none."""
+    def stored(self, name: str, version: int) -> Stored | None:
+        """What the daemon has of the version; None when it has none."""
         try:
             d = self.client.describe(name, version)
         except ModelNotFound:
             return None
-        return d.source_sha256, d.model_config
+        opt_level = next((m["opt_level"] for m in self.client.listing().models
+                          if m["name"] == name and m["version"] == version), "")
+        return Stored(d.source_sha256, d.model_config, d.labels, opt_level)
+
+    def configure(self, name: str, version: int, declared: dict) -> None:
+        self.client.configure(name, version, declared)
 
     def add(self, path: str, name: str, version: int, declared: dict, opt_level: str | None) -> None:
         self.client.add(path, name, version, opt_level, declared=declared)
@@ -255,7 +306,7 @@ class _DaemonTarget:
         """The versions of `name` the daemon has from a Triton repository (with a configuration)."""
         versions = [m["version"] for m in self.client.listing().models if m["name"] == name
                     and m["tier"] != "ensemble"]
-        return [v for v in versions if (self.stored(name, v) or (None, None))[1]]
+        return [v for v in versions if (stored := self.stored(name, v)) is not None and stored.config]
 
     def known(self, name: str):
         """(input names, output names) of the daemon's model `name` (its latest version); None when it has none."""
@@ -284,13 +335,19 @@ class _OfflineTarget:
         self.settings = settings
         self.repo = Repository(settings.repository_path)
 
-    def stored(self, name: str, version: int):
+    def stored(self, name: str, version: int) -> Stored | None:
         from ..store.format import MANIFEST_FILE, load_manifest
         d = self.repo.model_dir(name, version)
         if not (d / MANIFEST_FILE).exists():
             return None
         m = load_manifest(d)
-        return m.source_sha256, m.model_config
+        return Stored(m.source_sha256, m.model_config, m.labels, m.opt_level)
+
+    def configure(self, name: str, version: int, declared: dict) -> None:
+        import dataclasses
+        from ..store.format import load_manifest, write_manifest
+        d = self.repo.model_dir(name, version)
+        write_manifest(d, dataclasses.replace(load_manifest(d), **declared))
 
     def add(self, path: str, name: str, version: int, declared: dict, opt_level: str | None) -> None:
         from ..store.packing import pack
@@ -301,7 +358,8 @@ class _OfflineTarget:
         self.repo.remove(name, version)
 
     def imported_versions(self, name: str) -> list[int]:
-        return [v for _, v, _ in self.repo.version_dirs(name) if (self.stored(name, v) or (None, None))[1]]
+        return [v for _, v, _ in self.repo.version_dirs(name)
+                if (stored := self.stored(name, v)) is not None and stored.config]
 
     def known(self, name: str):
         from ..store.format import load_manifest

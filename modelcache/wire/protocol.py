@@ -409,16 +409,36 @@ class Add(Message, kind="add"):
     labels: dict = {}                  # output -> its classes' labels, from the config's label_filename
 
     def _check_decoded(self) -> None:
-        try:
-            check_serving(self.serving)
-        except ValueError as e:
-            raise RecordError(str(e)) from None
-        if not isinstance(self.model_config, dict):
-            raise RecordError("model_config must be a map (a Triton model configuration as JSON)")
-        if not isinstance(self.labels, dict) or not all(
-                isinstance(k, str) and isinstance(v, list) and all(isinstance(x, str) for x in v)
-                for k, v in self.labels.items()):
-            raise RecordError("labels must map output names to lists of strings")
+        check_declared(self)
+
+
+def check_declared(msg) -> None:
+    """What a model's source declares beside its file (Add's and Configure's serving, model_config, labels)."""
+    try:
+        check_serving(msg.serving)
+    except ValueError as e:
+        raise RecordError(str(e)) from None
+    if not isinstance(msg.model_config, dict):
+        raise RecordError("model_config must be a map (a Triton model configuration as JSON)")
+    if not isinstance(msg.labels, dict) or not all(
+            isinstance(k, str) and isinstance(v, list) and all(isinstance(x, str) for x in v)
+            for k, v in msg.labels.items()):
+        raise RecordError("labels must map output names to lists of strings")
+
+
+class Configure(Message, kind="configure"):
+    """Replace what a stored version declares beside its file (Add's serving, model_config, labels), in place: its
+    packed weights and files stay. A repository load whose configuration changed and whose file did not
+    (triton_repo/load.py), as Triton reloads a model's configuration without reading its weights again."""
+    req_id: int
+    name: str
+    version: int
+    serving: dict = {}
+    model_config: dict = {}
+    labels: dict = {}
+
+    def _check_decoded(self) -> None:
+        check_declared(self)
 
 
 class AddReply(Message, kind="add_ok"):
