@@ -225,7 +225,9 @@ class Server:
                     time.sleep(0.1)
 
 
-def start_triton(label: str, repo: Path, cache_bytes: int | None, malloc: str, work: Path) -> Server:
+def start_triton(label: str, repo: Path, cache_bytes: int | None, malloc: str, work: Path,
+                 control: str = "none") -> Server:
+    """Triton on `repo`; `control`: its --model-control-mode (explicit: nothing loaded until a load asks)."""
     from benchmarks.systems.triton import jemalloc, peer_paths
     paths = peer_paths()
     grpc, http = free_port(), free_port()
@@ -236,7 +238,7 @@ def start_triton(label: str, repo: Path, cache_bytes: int | None, malloc: str, w
         if found is None:
             raise RuntimeError("--triton-malloc jemalloc: no jemalloc here (benchmarks/systems/triton.py jemalloc())")
         env["LD_PRELOAD"] = found
-    argv = [str(paths["server"]), f"--model-repository={repo}", "--model-control-mode=none",
+    argv = [str(paths["server"]), f"--model-repository={repo}", f"--model-control-mode={control}",
             "--strict-readiness=true", f"--backend-directory={paths['backends']}",
             "--http-address=127.0.0.1", f"--http-port={http}", "--grpc-address=127.0.0.1", f"--grpc-port={grpc}",
             "--allow-metrics=false", "--allow-sagemaker=false", "--allow-vertex-ai=false",

@@ -1,0 +1,26 @@
+"""benchmarks/repoload/run.py on tiny-cnn, one round: the real daemon (and Triton where its peer is built)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.systems.triton import peer_paths
+
+RUN = Path(__file__).resolve().parents[1] / "repoload" / "run.py"
+
+
+def test_every_load_answers_on_every_system(tmp_path):
+    r = subprocess.run([sys.executable, str(RUN), "--model", "tiny-cnn", "--rounds", "1", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text())
+    systems = {"modelcache"} | ({"triton"} if peer_paths() else set())
+    assert {(row["system"], row["step"]) for row in rows} == \
+        {(s, step) for s in systems for step in ("new", "unchanged", "reload", "override", "files")}
+    for row in rows:
+        assert row["load_s"] > 0 and row["first_ms"] > 0, row
+    report = (tmp_path / "report.txt").read_text()
+    assert report.startswith("$ python benchmarks/repoload/run.py --model tiny-cnn") and "first request ms" in report
