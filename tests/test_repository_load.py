@@ -155,6 +155,10 @@ def test_a_load_that_cannot_be_carried_out_is_refused_in_tritons_words_and_chang
         for client, status in ((h, http_status), (g, grpc_status)):
             e = refused(client.load_model, "first", **params)
             assert str(e.status()) == status and words in e.message(), (params, e)
+    for name, words in (("..", "must not contain path traversal characters"),
+                        (".hidden", "invalid model name '.hidden'")):
+        e = refused(g.load_model, name, config="{}", files={"file:1/model.onnx": onnx_bytes})
+        assert e.status() == "StatusCode.INVALID_ARGUMENT" and words in e.message(), e
     e = refused(g.load_model, "nowhere")
     assert e.status() == "StatusCode.NOT_FOUND" and "no directory 'nowhere' in the Triton repository" in e.message(), e
     # A file that is not a model: refused with the importer's line; the model as it was is still served.
@@ -181,6 +185,29 @@ def test_a_version_in_use_is_not_replaced_and_stays_served(clients):
     g.load_model("held")
     wait_until(lambda: "held@1: changed since its import" in d.log_path.read_text(), 10, "the reload")
     np.testing.assert_allclose(answer(g, "held", X), want(repo / "held" / "1" / "model.onnx", X), rtol=1e-4,
+                               atol=1e-5)
+
+
+def test_loads_of_one_model_at_once_are_carried_out_one_after_the_other(serving, clients):
+    """Four clients load a changed model at once: the first replaces it, the others find it unchanged; none fails."""
+    from concurrent.futures import ThreadPoolExecutor
+    import tritonclient.grpc as grpcclient
+    d, repo, g, h = clients
+    put_model(repo, "raced", zoo.build("tiny-cnn", seed=11), CONFIG)
+    g.load_model("raced")
+    put_model(repo, "raced", zoo.build("tiny-cnn", seed=12), CONFIG)
+
+    def load(_):
+        c = grpcclient.InferenceServerClient(serving[2])
+        try:
+            c.load_model("raced")
+        finally:
+            c.close()
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(load, range(4)))
+    log = d.log_path.read_text()
+    assert log.count("raced@1: changed since its import") == 1 and log.count("raced@1: unchanged") >= 3, log[-3000:]
+    np.testing.assert_allclose(answer(g, "raced", X), want(repo / "raced" / "1" / "model.onnx", X), rtol=1e-4,
                                atol=1e-5)
 
 

@@ -88,6 +88,7 @@ class Operations:
         # short models, run here, and what this front answered itself reported to the daemon (front_runs.py)
         self.runner = FrontRunner(link, settings, link.client_name, answers=self.answers)
         self.unloaded: set[str] = set()   # names this front unloaded: not ready until loaded again
+        self.loading: dict = {}            # name -> the asyncio.Lock its repository loads here take in turn (kept)
         # Triton's system shared memory, registered with this front; refused unless the operator allows it
         self.regions = Regions(allowed=settings.client_shared_memory)
         # Big inputs go through /dev/shm files as client.infer sends them; the daemon's group may read them.
@@ -283,9 +284,12 @@ class Operations:
         Triton repository's) and imported, changed versions replaced (triton_repo/load.py); then, as for a
         model added another way, brought into memory."""
         if is_repository_load(name, parameters, self.settings.triton_repository):
-            await self.runner.let_go(name)   # (its sessions here would hold a version being replaced)
-            lines = await asyncio.to_thread(repository_load, name, parameters, self.settings,
-                                            self.settings.triton_repository)
+            # One load of a model at a time here, as Triton does (two would race to replace the same versions)
+            async with self.loading.setdefault(name, asyncio.Lock()):
+                await self.runner.let_go(name)   # (its sessions here would hold a version being replaced)
+                lines = await asyncio.to_thread(repository_load, name, parameters, self.settings,
+                                                self.settings.triton_repository)
+
             log.info("load %s: %s", name, "; ".join(lines))
             # (what this front read of its configuration; the other front's reads it again within INTERFACE_TTL_S)
             self.interfaces = {k: v for k, v in self.interfaces.items() if k[0] != name}

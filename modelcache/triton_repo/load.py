@@ -33,6 +33,20 @@ def is_repository_load(name: str, parameters: dict, triton_repository: str) -> b
     return bool(parameters) or bool(triton_repository) and (Path(triton_repository) / name).is_dir()
 
 
+def check_model_name(name: str) -> None:
+    """Triton's checks (ValidateModelName), in its words, then modelcache's own rule for a model's name: a load
+    writes the request's files under it."""
+    from ..store.packing import check_name
+    if not name.strip():
+        raise InputError("Model name cannot be empty. Please enter a valid name to deploy.")
+    if name.strip() == ".." or "/" in name:
+        raise InputError(f"invalid model name '{name}', model name must not contain path traversal characters")
+    try:
+        check_name(name)
+    except ModelCacheError as e:
+        raise InputError(str(e)) from None
+
+
 def check_parameters(parameters: dict) -> tuple[object, dict]:
     """(the `config` override as a ModelConfig or None, {relative path: bytes} of the `file:` ones), refused in
     Triton's words: an unknown parameter, a file of the wrong type or outside the model's directory, files
@@ -63,6 +77,7 @@ def repository_load(name: str, parameters: dict, settings, triton_repository: st
     since their import; the importer's lines. InputError (or the daemon's error) with those lines when the model
     was not imported; InputError too when a `config` alone has no model directory to apply to."""
     from .importer import import_repository
+    check_model_name(name)
     config, files = check_parameters(parameters)
     lines: list[str] = []
     work = None
