@@ -94,8 +94,22 @@ def cmd_import_triton(args) -> int:
     from .triton_repo.importer import import_repository
     settings = _settings(args)
     _setup_logging(settings.log_level)
-    report = import_repository(args.source, settings, only=args.model, dry_run=args.dry_run,
-                               out=lambda line: print(line, flush=True), replace=args.replace)
+
+    def out(line):
+        print(line, flush=True)
+    if args.poll is not None:
+        from .triton_repo.poll import RepositoryPoller
+        if args.dry_run or args.model:
+            raise ModelCacheError("--poll watches the whole repository and imports what changes: without "
+                                  "--dry-run or --model")
+        from pathlib import Path
+        if not Path(args.source).is_dir():
+            raise ModelCacheError(f"{args.source} is not a directory: give a Triton model repository to watch")
+        RepositoryPoller(Path(args.source), lambda names: import_repository(
+            args.source, settings, only=names, out=out, replace=True), out).run(args.poll)
+        return 0
+    report = import_repository(args.source, settings, only=args.model, dry_run=args.dry_run, out=out,
+                               replace=args.replace)
     return 1 if report.failed else 0
 
 
@@ -695,6 +709,10 @@ def build_parser() -> argparse.ArgumentParser:
     it.add_argument("source", metavar="REPO", help="the Triton model repository (a directory of model directories)")
     it.add_argument("--model", action="append", help="import only this model (repeat for more)")
     it.add_argument("--dry-run", action="store_true", help="check and say what would be imported; add nothing")
+    it.add_argument("--poll", type=_number_arg(float, above=0), metavar="SECONDS",
+                    help="keep watching: every SECONDS, import again (with --replace) each model whose directory "
+                         "changed, as Triton's --model-control-mode=poll (a directory that goes is said, its model "
+                         "left served); runs until stopped")
     it.add_argument("--replace", action="store_true",
                     help="replace a version changed since its import (another file or configuration) rather than "
                          "refuse it, once no session holds it, and remove the versions each model's version_policy "

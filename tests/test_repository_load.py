@@ -301,3 +301,64 @@ def test_a_files_reads_are_kept_until_it_changes(tmp_path):
     (tmp_path / "g").write_bytes(b"c" * 10)
     (tmp_path / "g").replace(path)
     assert importer._by_file(path, "test", read) == [b"c" * 10] and len(reads) == 3
+
+
+# -- Triton's poll mode (triton_repo/poll.py) ------------------------------------------------------------------
+
+def test_a_pass_imports_what_is_new_or_changed_and_says_what_went(tmp_path):
+    """The poller's passes over a repository written here; `import_models` records what each pass asks for."""
+    from modelcache.errors import DaemonUnavailable
+    from modelcache.triton_repo.poll import RepositoryPoller
+    repo = tmp_path / "models"
+    for name in ("a", "b"):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.onnx").write_bytes(b"x")
+    asked, lines, fail = [], [], []
+
+    def import_models(names):
+        if fail:
+            raise DaemonUnavailable("no daemon answers")
+        asked.append(names)
+    poller = RepositoryPoller(repo, import_models, lines.append)
+    assert poller.poll_once() == ["a", "b"]       # the first pass: everything
+    assert poller.poll_once() == [] and asked == [["a", "b"]]
+    (repo / "a" / "config.pbtxt").write_text("max_batch_size: 2")    # a file added
+    (repo / "c" / "1").mkdir(parents=True)                            # a model added
+    assert poller.poll_once() == ["a", "c"]
+    (repo / "b" / "1" / "model.onnx").write_bytes(b"y")              # a file rewritten, same size
+    fail.append(True)                                                 # ... while the daemon is away
+    assert poller.poll_once() == ["b"] and "no daemon answers; trying again at the next pass" in lines[-1]
+    fail.clear()
+    assert poller.poll_once() == ["b"]                                # tried again
+    import shutil
+    shutil.rmtree(repo / "c")
+    assert poller.poll_once() == [] and lines[-1].startswith("c: its directory is gone")
+    assert asked == [["a", "b"], ["a", "c"], ["b"]]
+    slept = []
+    RepositoryPoller(repo, import_models, lines.append).run(0.5, sleep=slept.append, passes=3)
+    assert slept == [0.5, 0.5] and asked[-1] == ["a", "b"]
+
+
+def test_a_daemon_that_polls_its_triton_repository_imports_what_changes(tmp_path):
+    """triton_repository_poll_s: a model copied in is served, an edited config.pbtxt configures it in place, a
+    broken file is refused with its line and the version before keeps serving; no load asked for."""
+    import tritonclient.grpc as grpcclient
+    repo = tmp_path / "models"
+    put_model(repo, "first", zoo.build("tiny-cnn", seed=1), CONFIG)
+    d, grpc_at, _ = start_importing(tmp_path, repo, {"MODELCACHE_TRITON_REPOSITORY_POLL_S": "0.2"})
+    g = grpcclient.InferenceServerClient(grpc_at)
+    try:
+        put_model(repo, "second", zoo.build("tiny-cnn", seed=2), CONFIG)
+        wait_until(lambda: "second: imported version 1" in d.log_path.read_text(), 60, "the poll's import")
+        np.testing.assert_allclose(answer(g, "second", X), want(repo / "second" / "1" / "model.onnx", X),
+                                   rtol=1e-4, atol=1e-5)
+        (repo / "second" / "config.pbtxt").write_text(CONFIG.replace("max_batch_size: 4", "max_batch_size: 2"))
+        wait_until(lambda: "second@1: its configuration changed" in d.log_path.read_text(), 60, "the poll's reload")
+        assert g.get_model_config("second", as_json=True)["config"]["max_batch_size"] == 2
+        before = answer(g, "first", X)
+        (repo / "first" / "1" / "model.onnx").write_bytes(b"half a copy")
+        wait_until(lambda: "is not a valid ONNX model" in d.log_path.read_text(), 60, "the poll's refusal")
+        np.testing.assert_array_equal(answer(g, "first", X), before)
+    finally:
+        g.close()
+        stop_cleanly(d)

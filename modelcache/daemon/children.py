@@ -37,6 +37,7 @@ class Child:
 
     what = "child"
     exits_when_done = False   # a job (the import) rather than a server
+    says_on_stdout = False    # its lines on stdout go to the daemon's log (the import's report); else to /dev/null
 
     def __init__(self, args: list[str], pass_fds: tuple = ()):
         self.cmd = [sys.executable, "-m", "modelcache.cli", *args]
@@ -46,9 +47,9 @@ class Child:
     def start(self) -> None:
         # systemd's notify socket and watchdog are the daemon's alone (NotifyAccess=main)
         env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
-        # A front's lines go to our stderr (its log); a job's report, on its stdout, too
+        # A front's lines go to our stderr (its log); the import's report, on its stdout, too
         self.proc = subprocess.Popen(self.cmd, env=env, stdin=subprocess.DEVNULL,
-                                     stdout=sys.stderr if self.exits_when_done else subprocess.DEVNULL,
+                                     stdout=sys.stderr if self.says_on_stdout else subprocess.DEVNULL,
                                      pass_fds=self.pass_fds, preexec_fn=_die_with_parent)
         log.info("%s starting (pid %d)", self.what, self.proc.pid)
 
@@ -123,15 +124,18 @@ class Front(Child):
 
 
 class TritonImport(Child):
-    """`modelcache import-triton DIR` against this daemon, once it listens: models new or changed since the
-    last start are added (an unchanged one is not), each line in the daemon's log."""
+    """`modelcache import-triton DIR` against this daemon, once it listens: models new since the last start are
+    added (an unchanged one is not), each line in the daemon's log. With `poll_s` it stays, watching the repository
+    (`--poll`: triton_repo/poll.py), and imports again each model whose directory changes."""
 
     what = "the Triton repository import"
     exits_when_done = True
+    says_on_stdout = True
 
-    def __init__(self, socket: str, repository: str):
-        super().__init__(["import-triton", repository, "--socket", socket])
-        self.what = f"the Triton repository import of {repository}"
+    def __init__(self, socket: str, repository: str, poll_s: float = 0.0):
+        super().__init__(["import-triton", repository, "--socket", socket] + (["--poll", repr(poll_s)] if poll_s else []))
+        self.what = f"the Triton repository {'poller' if poll_s else 'import'} of {repository}"
+        self.exits_when_done = not poll_s
 
 
 def daemon_children(settings) -> list[Child]:
@@ -148,5 +152,5 @@ def daemon_children(settings) -> list[Child]:
             c.close()
         raise
     if settings.triton_repository:
-        children.append(TritonImport(settings.socket, settings.triton_repository))
+        children.append(TritonImport(settings.socket, settings.triton_repository, settings.triton_repository_poll_s))
     return children
