@@ -211,6 +211,29 @@ def test_loads_of_one_model_at_once_are_carried_out_one_after_the_other(serving,
                                atol=1e-5)
 
 
+ENSEMBLE = """
+platform: "ensemble"
+max_batch_size: 4
+input [ { name: "IMAGE" data_type: TYPE_FP32 dims: [ 3, 32, 32 ] } ]
+output [ { name: "%s" data_type: TYPE_FP32 dims: [ 10 ] } ]
+ensemble_scheduling { step [ { model_name: "first" model_version: -1
+  input_map { key: "input" value: "IMAGE" } output_map { key: "logits" value: "%s" } } ] }
+"""
+
+
+def test_an_ensemble_is_loaded_and_reloaded_as_a_model_is(clients):
+    import tritonclient.grpc as grpcclient
+    d, repo, g, h = clients
+    put_model(repo, "ens", None, ENSEMBLE % ("SCORES", "SCORES"))
+    g.load_model("ens")
+    put_model(repo, "ens", None, ENSEMBLE % ("PROBS", "PROBS"))   # its output renamed
+    h.load_model("ens")
+    i = grpcclient.InferInput("IMAGE", list(X.shape), "FP32")
+    i.set_data_from_numpy(X)
+    np.testing.assert_allclose(g.infer("ens", [i]).as_numpy("PROBS"), answer(g, "first", X), rtol=1e-5, atol=1e-6)
+    assert [o["name"] for o in h.get_model_metadata("ens")["outputs"]] == ["PROBS"]
+
+
 def test_versions_the_policy_no_longer_serves_are_removed_at_a_load(clients):
     """Triton's way to update a model under traffic: a new version directory, then a load; with `latest: 1` the
     old version is unloaded, as Triton does (removed here)."""
