@@ -234,6 +234,30 @@ def test_an_ensemble_is_loaded_and_reloaded_as_a_model_is(clients):
     assert [o["name"] for o in h.get_model_metadata("ens")["outputs"]] == ["PROBS"]
 
 
+def test_an_unload_is_one_state_for_both_fronts(clients):
+    """Unloaded over HTTP while the gRPC front runs the model: the unload succeeds, both fronts say the model is not
+    ready and refuse it (the other within the 2 s its description is kept), the index says so; a load over gRPC
+    makes it ready over both."""
+    from tritonclient.utils import InferenceServerException
+    d, repo, g, h = clients
+    put_model(repo, "shared", zoo.build("tiny-cnn", seed=13), CONFIG)
+    g.load_model("shared")
+    before = answer(g, "shared", X)    # (the gRPC front runs tiny-cnn itself: it holds the model)
+    h.unload_model("shared")
+    assert not h.is_model_ready("shared")
+    wait_until(lambda: not g.is_model_ready("shared"), 5, "the gRPC front to see the unload")
+    with pytest.raises(InferenceServerException, match="shared is unloaded: load it first"):
+        answer(g, "shared", X)
+    for client in (g, h):
+        index = client.get_model_repository_index(**({"as_json": True} if client is g else {}))
+        entries = index["models"] if client is g else index
+        [entry] = [m for m in entries if m["name"] == "shared"]
+        assert (entry["state"], entry["reason"]) == ("UNAVAILABLE", "unloaded"), entry
+    g.load_model("shared")
+    assert h.is_model_ready("shared") and g.is_model_ready("shared")
+    np.testing.assert_array_equal(answer(g, "shared", X), before)
+
+
 def test_versions_the_policy_no_longer_serves_are_removed_at_a_load(clients):
     """Triton's way to update a model under traffic: a new version directory, then a load; with `latest: 1` the
     old version is unloaded, as Triton does (removed here)."""

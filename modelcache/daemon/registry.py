@@ -203,6 +203,9 @@ class Registry:
         self._versions: dict[str, list[int]] = {}   # name -> its versions, ascending: resolve runs per request
         self.clients: dict[str, ClientRecord] = {}
         self._ids = itertools.count(1)
+        # Names a protocol front unloaded (Triton's explicit model control, P.SetUnloaded): every front says them not
+        # ready and refuses their requests until one loads them; kept until the daemon stops, as Triton's unloads.
+        self.unloaded: set[str] = set()
 
     # -- models ----------------------------------------------------------------------
     def add_model(self, disk_dir: Path, manifest: Manifest) -> ModelRecord:

@@ -145,7 +145,8 @@ class Daemon:
         self.models.warm_up = self.serving.warm_up
         # Message type -> handler(ident, message): each returns its reply, or None when it answers later.
         self.handlers = {**self.sessions.handlers(), **self.models.handlers(), **self.serving.handlers(),
-                         P.ListModels: self.on_ListModels, P.Stats: self.on_Stats, P.Remove: self.on_Remove}
+                         P.ListModels: self.on_ListModels, P.Stats: self.on_Stats, P.Remove: self.on_Remove,
+                         P.SetUnloaded: self.on_SetUnloaded}
         self.started = wall()
         # When the owner loop last came back from not listening (see serve_forever): silence before it is not counted.
         self.listening_since = float("-inf")
@@ -581,9 +582,24 @@ class Daemon:
                            remote=self.remote.url if self.remote is not None else "")
 
     def _describe_models(self) -> list[dict]:
-        return [self.models.describe(m) for _, m in sorted(self.registry.models.items())] + \
+        listed = [self.models.describe(m) for _, m in sorted(self.registry.models.items())] + \
             [describe_unreadable(n, v, why) for (n, v), why in sorted(self.repository.unreadable.items())] + \
             self.ensembles.listing()
+        for entry in listed:
+            entry["unloaded"] = entry["name"] in self.registry.unloaded
+        return listed
+
+    def on_SetUnloaded(self, ident, msg: P.SetUnloaded):
+        """A protocol front's unload (or its load, unloaded False) of a model or an ensemble, for every front."""
+        ensemble = self.ensembles.find(msg.name, None)
+        if ensemble is not None:
+            self.admins.check_owner(ident, ensemble.key, ensemble.owner_uid, "unload")
+        else:   # (NOT_FOUND, in the registry's words, for a name that is neither)
+            self.admins.check_model_owner(ident, self.fetcher.resolve(msg.name, None), "unload")
+        if msg.unloaded and msg.name not in self.registry.unloaded:
+            log.info("model %s unloaded: not ready over the protocol fronts until it is loaded", msg.name)
+        (self.registry.unloaded.add if msg.unloaded else self.registry.unloaded.discard)(msg.name)
+        return P.Ack(req_id=msg.req_id)
 
     def on_Remove(self, ident, msg: P.Remove):
         """A model's version, or an ensemble's (daemon/ensembles.py)."""

@@ -100,12 +100,14 @@ class Serving:
     def on_Describe(self, ident, msg: P.Describe):
         ensemble = self.ensembles.find(msg.name, msg.version)
         if ensemble is not None:
-            return self.ensembles.describe(ensemble, msg.req_id)
+            reply = self.ensembles.describe(ensemble, msg.req_id)
+            reply.unloaded = msg.name in self.registry.unloaded
+            return reply
         model = self.fetcher.resolve_or_fetch(ident, msg)   # (as infer does: a serve session describes first)
         if model is None:
             return None
         io = model.manifest.io_summary()
-        return P.DescribeReply(req_id=msg.req_id, name=model.name, version=model.version, inputs=io["inputs"],
+        return P.DescribeReply(unloaded=model.name in self.registry.unloaded,req_id=msg.req_id, name=model.name, version=model.version, inputs=io["inputs"],
                                outputs=io["outputs"], weights_bytes=model.manifest.weights_bytes,
                                stages=[{k: e[k] for k in ("file", "inputs", "outputs", "cost_share", "workers")
                                         if k in e} for e in model.manifest.stages],

@@ -167,9 +167,6 @@ class Endpoints:
 
     async def infer(self, request: Request) -> Response:
         name, version = request.params["name"], self._version(request)
-        why = self.ops.why_unloaded(name)
-        if why:
-            return error(400, why)
         req = codec.decode_request(request.body, request.headers.get("inference-header-content-length"))
         outputs, ran = await self.ops.infer(name, version, req.feeds, req.output_names, req.timeout_us,
                                             req.classes, req.sequence, priority=req.priority)

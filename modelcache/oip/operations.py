@@ -2,10 +2,11 @@
 protocol's status (HTTP and gRPC).
 
 Health, server and model metadata, model readiness, infer, and Triton's extensions its clients call: model
-repository (index, load = prefetch into the host tier, unload = evict from memory), model configuration and
-statistics. A model in the repository is ready (the daemon promotes it on its first request) unless this
-front unloaded it: then it is not ready and refuses requests until it is loaded again, as Triton's explicit
-model control. Answers are plain dicts shaped as v2's JSON, whose names are also the gRPC messages' fields.
+repository (index; load = the model's directory imported again (triton_repo/load.py), then prefetched into the
+host tier; unload = evicted from memory), model configuration and statistics. A model in the repository is ready
+(the daemon promotes it on its first request) unless a front unloaded it (the daemon keeps that, P.SetUnloaded):
+then it is not ready and refuses requests until it is loaded again, as Triton's explicit model control. Answers
+are plain dicts shaped as v2's JSON, whose names are also the gRPC messages' fields.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from .. import __version__
 from ..wire import protocol as P, tensors
-from ..errors import InputError, ModelCacheError, ModelNotFound
+from ..errors import CapacityError, InputError, ModelCacheError, ModelNotFound
 from ..executor.response_cache import ResponseCache, model_identity, request_key
 from ..triton_repo.load import is_repository_load, repository_load
 from . import types
@@ -40,6 +42,22 @@ STATUS_BY_CODE = {"not_found": (404, "NOT_FOUND"), "input": (400, "INVALID_ARGUM
                   "out_of_memory": (503, "RESOURCE_EXHAUSTED"), "daemon_unavailable": (503, "UNAVAILABLE"),
                   "timeout": (504, "DEADLINE_EXCEEDED"), "run": (500, "INTERNAL")}
 INTERNAL = (500, "INTERNAL")
+
+
+@dataclass(frozen=True)
+class Interface:
+    """What serving a model at a front needs of its description (interface_of)."""
+    reshape: Reshape | None         # its Triton reshape (oip/reshape.py)
+    labels: dict                    # its outputs' class labels
+    batches: bool                   # its configuration's max_batch_size > 0
+    required: RequiredInputs | None   # the inputs its configuration requires (oip/inputs.py)
+    front_runs: tuple | None        # (the version, what running it here needs) when the daemon lets this front run it
+    cached_as: tuple | None         # (the version, its answers' identity) when its answers may be cached
+    unloaded: bool                  # a front unloaded it (Triton's explicit model control): its requests refused
+
+
+def unloaded_text(name: str) -> str:
+    return f"{name} is unloaded: load it first (repository load of {name})"
 log = logging.getLogger("modelcache.front")
 INTERFACE_TTL_S = 2.0
 
@@ -87,7 +105,6 @@ class Operations:
         self.answers = ResponseCache(settings.response_cache_bytes())
         # short models, run here, and what this front answered itself reported to the daemon (front_runs.py)
         self.runner = FrontRunner(link, settings, link.client_name, answers=self.answers)
-        self.unloaded: set[str] = set()   # names this front unloaded: not ready until loaded again
         self.loading: dict = {}            # name -> the asyncio.Lock its repository loads here take in turn (kept)
         # Triton's system shared memory, registered with this front; refused unless the operator allows it
         self.regions = Regions(allowed=settings.client_shared_memory)
@@ -112,9 +129,13 @@ class Operations:
     async def describe(self, name: str, version: int | None) -> P.DescribeReply:
         """The model's description; ModelNotFound (404, NOT_FOUND) for an unknown model or version."""
         try:
-            return await self.link.call(P.Describe(req_id=0, name=name, version=version), (P.DescribeReply,))
+            d = await self.link.call(P.Describe(req_id=0, name=name, version=version), (P.DescribeReply,))
         except ModelNotFound as e:
             raise unknown_model(e, name, version) from None
+        kept = self.interfaces.get((name, version))
+        if kept is not None and kept[1].unloaded != bool(getattr(d, "unloaded", False)):
+            self.forget_interface(name)   # (another front loaded or unloaded it: seen here from now on)
+        return d
 
     async def model_metadata(self, name: str, version: int | None) -> dict:
         d = await self.describe(name, version)
@@ -133,38 +154,32 @@ class Operations:
                 "platform": config.get("platform") or "onnxruntime_onnx",
                 "inputs": inputs, "outputs": outputs}
 
-    async def interface_of(self, name: str, version: int | None) -> tuple:
-        """(its Triton reshape or None (oip/reshape.py), its outputs' class labels, whether it batches, the inputs
-        its configuration requires or None (oip/inputs.py), (the version, what running it here needs) when the
-        daemon says this front may run it itself, else None (front_runs.py), (the version, its answers' identity)
-        when its answers may be cached, else None), read from the model's description at most every
-        INTERFACE_TTL_S."""
+    async def interface_of(self, name: str, version: int | None) -> "Interface":
+        """What serving the model here needs of its description (Interface), read at most every INTERFACE_TTL_S."""
         now = time.monotonic()
         cached = self.interfaces.get((name, version))
         if cached is None or now - cached[0] > INTERFACE_TTL_S:
             d = await self.describe(name, version)
             config = getattr(d, "model_config", None) or {}
-            cached = self.interfaces[(name, version)] = (now, (
+            cached = self.interfaces[(name, version)] = (now, Interface(
                 Reshape.of(config), getattr(d, "labels", None) or {}, int(config.get("max_batch_size", 0)) > 0,
                 RequiredInputs.of(config), (d.version, d.front_runs) if d.front_runs else None,
                 (d.version, model_identity(f"{d.name}@{d.version}", d.source_sha256))
-                if getattr(d, "response_cache", False) and self.answers.enabled else None))
-            if cached[1][5] is None:   # (no longer cached: the daemon's cache turned off, say; its answers here go)
+                if getattr(d, "response_cache", False) and self.answers.enabled else None,
+                bool(getattr(d, "unloaded", False))))
+            if cached[1].cached_as is None:   # (no longer cached: the daemon's cache turned off, say; its answers go)
                 self.answers.forget(name)
         return cached[1]
 
-    def why_unloaded(self, name: str) -> str | None:
-        """Why the model is not ready, when this front unloaded it."""
-        if name in self.unloaded:
-            return f"{name} is unloaded: load it first (repository load of {name})"
-        return None
+    def forget_interface(self, name: str) -> None:
+        """This front changed the model (a load, an unload): its next request reads its description again; the
+        other front's within INTERFACE_TTL_S."""
+        self.interfaces = {k: v for k, v in self.interfaces.items() if k[0] != name}
 
     async def model_ready(self, name: str, version: int | None) -> str | None:
         """None when the model is ready; else why not. ModelNotFound for an unknown model."""
-        await self.describe(name, version)
-        why = self.why_unloaded(name)
-        if why:
-            return why
+        if getattr(await self.describe(name, version), "unloaded", False):
+            return unloaded_text(name)
         listing = await self.link.call(P.ListModels(req_id=0), (P.ModelList,))
         for m in listing.models:
             if m["name"] == name and (version is None or m["version"] == version) and m.get("corrupt"):
@@ -183,12 +198,14 @@ class Operations:
         on the way (a sequence's order is its state's)."""
         after, sent = order or (None, None)
         started = time.monotonic()
-        why = self.why_unloaded(name)
-        if why:
-            raise InputError(why)
+        interface = await self.interface_of(name, version)
+        if interface.unloaded:
+            raise InputError(unloaded_text(name))
         if any(isinstance(v, RegionInput) for v in feeds.values()):
             feeds = self.regions.read_inputs(feeds)
-        reshape, labels, batch, required, here, cached_as = await self.interface_of(name, version)
+        reshape, labels, batch, required, here, cached_as = (
+            interface.reshape, interface.labels, interface.batches, interface.required, interface.front_runs,
+            interface.cached_as)
         if required is not None:
             required.check(name, feeds)
         if reshape is not None:
@@ -270,7 +287,7 @@ class Operations:
         for m in listing.models:
             if m.get("corrupt"):
                 state, reason = "UNAVAILABLE", f"damaged: {m['corrupt']}"
-            elif m["name"] in self.unloaded:
+            elif m.get("unloaded"):
                 state, reason = "UNAVAILABLE", "unloaded"
             else:   # every stored version serves; the tier says how soon
                 state, reason = "READY", {"disk": "on disk: promoted on first request",
@@ -291,8 +308,6 @@ class Operations:
                                                 self.settings.triton_repository)
 
             log.info("load %s: %s", name, "; ".join(lines))
-            # (what this front read of its configuration; the other front's reads it again within INTERFACE_TTL_S)
-            self.interfaces = {k: v for k, v in self.interfaces.items() if k[0] != name}
         listing = await self.link.call(P.ListModels(req_id=0), (P.ModelList,))
         if not any(m["name"] == name and m["tier"] == "ensemble" for m in listing.models):   # (no weights to load)
             try:
@@ -302,20 +317,23 @@ class Operations:
                     raise
                 raise ModelNotFound(f"{e}; and no directory {name!r} in the Triton repository "
                                     f"{self.settings.triton_repository}") from None
-        self.unloaded.discard(name)
+        await self.link.call(P.SetUnloaded(req_id=0, name=name, unloaded=False), (P.Ack,))
+        self.forget_interface(name)
 
     async def unload(self, name: str) -> None:
+        """Triton's unload: the model not ready, its requests refused, over every front (the daemon keeps the state:
+        P.SetUnloaded), until a load; then every version of it in memory evicted, but one still in use (another
+        front running it, a session), which stays until the host tier's policy evicts it."""
+        await self.link.call(P.SetUnloaded(req_id=0, name=name), (P.Ack,))   # (NOT_FOUND for an unknown name)
+        self.forget_interface(name)
         await self.runner.let_go(name)   # (its sessions here would hold it in memory)
-        # Every version in memory goes: an Evict without a version names only the latest, and a model
-        # the front calls unloaded must not keep an older version resident.
         listing = await self.link.call(P.ListModels(req_id=0), (P.ModelList,))
-        if any(m["name"] == name and m["tier"] == "ensemble" for m in listing.models):   # (no weights to evict)
-            self.unloaded.add(name)
-            return
-        resident = [m["version"] for m in listing.models if m["name"] == name and m["tier"] != "disk"]
-        for version in resident or [None]:   # none resident: still one Evict, so an unknown name is NOT_FOUND
-            await self.link.call(P.Evict(req_id=0, name=name, version=version), (P.Ack,))
-        self.unloaded.add(name)
+        # Every version in memory: an Evict without a version names only the latest
+        for version in [m["version"] for m in listing.models if m["name"] == name and m["tier"] not in ("disk", "ensemble")]:
+            try:
+                await self.link.call(P.Evict(req_id=0, name=name, version=version), (P.Ack,))
+            except CapacityError as e:
+                log.info("unload %s: version %d stays in memory while in use: %s", name, version, e)
 
     async def model_config(self, name: str, version: int | None) -> dict:
         """Triton's model configuration extension: what the model was imported with from a Triton repository

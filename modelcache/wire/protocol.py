@@ -426,6 +426,15 @@ def check_declared(msg) -> None:
         raise RecordError("labels must map output names to lists of strings")
 
 
+class SetUnloaded(Message, kind="set_unloaded"):
+    """Triton's explicit model control, one state for every front: a model (or ensemble) unloaded is not ready and
+    its requests over the protocol fronts are refused until it is loaded again. The daemon keeps the names until it
+    stops (as Triton's unloads last until its restart); the fronts read it in a model's description."""
+    req_id: int
+    name: str
+    unloaded: bool = True
+
+
 class Configure(Message, kind="configure"):
     """Replace what a stored version declares beside its file (Add's serving, model_config, labels), in place: its
     packed weights and files stay. A repository load whose configuration changed and whose file did not
@@ -471,6 +480,7 @@ class DescribeReply(Message, kind="describe_ok"):
     front_runs: dict = {}              # {max_batch} when a front may run it itself (Engine.front_may_run); {}: the engine
     response_cache: bool = False       # its answers may be cached (it asks, and the daemon's cache is on): a front
                                        # keeps its own (executor/response_cache.py)
+    unloaded: bool = False             # a protocol front unloaded it (SetUnloaded): not ready there until loaded
 
 
 class SetBatching(Message, kind="set_batching"):
