@@ -74,10 +74,19 @@ def refused(call, *args, **kwargs):
     return e.value
 
 
-def test_a_model_copied_into_the_repository_after_the_start_is_loaded_by_name(clients):
+def test_a_model_copied_into_the_repository_after_the_start_is_loaded_by_name(serving, clients):
     d, repo, g, h = clients
     put_model(repo, "later", zoo.build("tiny-cnn", seed=2), CONFIG)
     assert not g.is_model_ready("later")
+    # Listed before it is loaded, by its name alone, as Triton lists a model it has not loaded
+    assert {"name": "later"} in h.get_model_repository_index()
+    [entry] = [m for m in g.get_model_repository_index().models if m.name == "later"]
+    assert (entry.version, entry.state) == ("", "")
+    import urllib.request
+    asked = urllib.request.Request(f"http://{serving[3]}/v2/repository/index", data=b'{"ready": true}',
+                                   method="POST")
+    with urllib.request.urlopen(asked, timeout=10) as r:   # (only what is ready: not a model never loaded)
+        assert "later" not in [m["name"] for m in json.loads(r.read())]
     g.load_model("later")
     assert g.is_model_ready("later") and h.is_model_ready("later")
     np.testing.assert_allclose(answer(g, "later", X), want(repo / "later" / "1" / "model.onnx", X), rtol=1e-4,

@@ -56,6 +56,14 @@ class Interface:
     unloaded: bool                  # a front unloaded it (Triton's explicit model control): its requests refused
 
 
+def _model_dirs(root: str) -> list[str]:
+    """The Triton repository's model directories, by name (none when it cannot be read)."""
+    try:
+        return sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    except OSError:
+        return []
+
+
 def unloaded_text(name: str) -> str:
     return f"{name} is unloaded: load it first (repository load of {name})"
 log = logging.getLogger("modelcache.front")
@@ -294,6 +302,10 @@ class Operations:
                                           "ensemble": m.get("why") or "an ensemble"}.get(m["tier"], "in memory")
             if not only_ready or state == "READY":
                 index.append({"name": m["name"], "version": str(m["version"]), "state": state, "reason": reason})
+        if self.settings.triton_repository and not only_ready:   # (as Triton lists a model it has not loaded: its name)
+            listed = {m["name"] for m in listing.models}
+            index += [{"name": n} for n in await asyncio.to_thread(_model_dirs, self.settings.triton_repository)
+                      if n not in listed]
         return index
 
     async def load(self, name: str, parameters: dict) -> None:
