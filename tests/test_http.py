@@ -243,6 +243,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_live(client) -> None:
+    """Until the daemon's HTTP front (its child, started once the daemon listens) answers."""
+    def live():
+        try:
+            return client.is_server_live()
+        except Exception:
+            return False
+    wait_until(live, 30, "the daemon's HTTP front")
+
+
 def test_daemon_starts_and_stops_the_front(tmp_path, zoo_file):
     """http_port: the daemon runs the front as its child and stops it with itself."""
     port = _free_port()
@@ -251,13 +261,7 @@ def test_daemon_starts_and_stops_the_front(tmp_path, zoo_file):
         with d.client() as c:
             c.add(zoo_file("tiny-cnn"), "cnn")
         tc = tritonhttp.InferenceServerClient(f"127.0.0.1:{port}")
-
-        def live():
-            try:
-                return tc.is_server_live()
-            except Exception:
-                return False
-        wait_until(live, 30, "the daemon's HTTP front")
+        wait_live(tc)
         assert tc.get_model_metadata("cnn")["name"] == "cnn"
         tc.close()
     finally:
@@ -275,14 +279,8 @@ def test_the_daemons_front_reads_the_daemons_config_file(tmp_path):
     d = DaemonProcess(tmp_path, args=("--config", str(config))).start()
     try:
         tc = tritonhttp.InferenceServerClient(f"127.0.0.1:{port}")
-
-        def metadata():
-            try:
-                return tc.get_server_metadata()
-            except Exception:
-                return None
-        wait_until(metadata, 30, "the daemon's HTTP front")
-        assert "system_shared_memory" in metadata()["extensions"]
+        wait_live(tc)
+        assert "system_shared_memory" in tc.get_server_metadata()["extensions"]
         tc.close()
     finally:
         stop_cleanly(d)

@@ -30,28 +30,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.responsecache.run import start_modelcache, start_triton, write_repository  # noqa: E402
+from benchmarks.systems.triton import wait_server_ready  # noqa: E402
 
 SYSTEMS = ("modelcache", "triton")
 STEPS = ("new", "unchanged", "reload", "override", "files")
-
-
-def wait_live(server, timeout_s: float = 300) -> None:
-    import tritonclient.grpc as grpcclient
-    client = grpcclient.InferenceServerClient(server.address)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            if server.proc.poll() is not None:
-                raise RuntimeError(f"{server.label} exited; its log {server.log}:\n{server.log.read_text()[-3000:]}")
-            try:
-                if client.is_server_ready():
-                    return
-            except Exception:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{server.label}: not ready after {timeout_s:.0f} s; its log {server.log}")
-    finally:
-        client.close()
 
 
 def one_system(system: str, rnd: int, model: str, onnx_path: Path, work: Path, reference) -> list[dict]:
@@ -64,7 +46,7 @@ def one_system(system: str, rnd: int, model: str, onnx_path: Path, work: Path, r
         start_modelcache(label, repo, 0, work)
     rows = []
     try:
-        wait_live(server)
+        wait_server_ready(server.address, server.proc, server.label, str(server.log), 300)
         client = grpcclient.InferenceServerClient(server.address)
         try:
             def step(name: str, target: str, load) -> None:

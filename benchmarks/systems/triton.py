@@ -71,6 +71,27 @@ def write_repository(repo: Path, models: dict[str, str]) -> None:
             f'name: "{name}"\nbackend: "onnxruntime"\ninstance_group [ {{ kind: KIND_CPU count: 1 }} ]\n')
 
 
+def wait_server_ready(address: str, proc, what: str, log_name: str, timeout_s: float = 120) -> None:
+    """Until the server at `address` (gRPC) says it is ready; RuntimeError, naming its log, if `proc` exits or
+    `timeout_s` passes first."""
+    import tritonclient.grpc as grpcclient
+    client = grpcclient.InferenceServerClient(address)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with status {proc.returncode} (its log: {log_name})")
+            try:
+                if client.is_server_ready():
+                    return
+            except Exception:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{what} not ready after {timeout_s:.0f} s (its log: {log_name})")
+    finally:
+        client.close()
+
+
 class TritonServer:
     """tritonserver in explicit model control over `repo`, started through `wrap` (the box)."""
 
@@ -90,19 +111,7 @@ class TritonServer:
                 "--allow-vertex-ai=false", "--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0",
                 "--exit-timeout-secs=5", "--log-verbose=0"]
         self.proc = subprocess.Popen(wrap(argv), env=env, stdout=log, stderr=log, start_new_session=True)
-        import tritonclient.grpc as grpcclient
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{self.grpc}")
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tritonserver exited with status {self.proc.returncode} (its log: {log.name})")
-            try:
-                if client.is_server_ready():
-                    return
-            except Exception:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("tritonserver not ready after 120 s")
+        wait_server_ready(f"127.0.0.1:{self.grpc}", self.proc, "tritonserver", log.name)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
