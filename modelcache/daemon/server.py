@@ -587,6 +587,7 @@ class Daemon:
             self.ensembles.listing()
         for entry in listed:
             entry["unloaded"] = entry["name"] in self.registry.unloaded
+            entry["warming"] = f"{entry['name']}@{entry['version']}" in self.serving.warming
         return listed
 
     def on_SetUnloaded(self, ident, msg: P.SetUnloaded):

@@ -55,6 +55,7 @@ class Serving:
         self.serve_device_specs: dict = {}      # (model key, device UUID) -> its GPU stage specs
         self.sequence_specs: dict = {}          # model key -> (its manifest's serving["sequence"], SequenceSpec)
         self.sequence_tables: dict = {}         # model key -> its sequences (executor/sequences.py)
+        self.warming: dict = {}                 # model key -> its warm-ups running (warm_up): not ready at the fronts
         host.forget.append(self.forget_copy)   # (every tier's managers share the host's list: daemon/gpus.py)
 
     def handlers(self) -> dict:
@@ -107,7 +108,7 @@ class Serving:
         if model is None:
             return None
         io = model.manifest.io_summary()
-        return P.DescribeReply(unloaded=model.name in self.registry.unloaded,req_id=msg.req_id, name=model.name, version=model.version, inputs=io["inputs"],
+        return P.DescribeReply(unloaded=model.name in self.registry.unloaded, warming=model.key in self.warming,req_id=msg.req_id, name=model.name, version=model.version, inputs=io["inputs"],
                                outputs=io["outputs"], weights_bytes=model.manifest.weights_bytes,
                                stages=[{k: e[k] for k in ("file", "inputs", "outputs", "cost_share", "workers")
                                         if k in e} for e in model.manifest.stages],
@@ -448,22 +449,31 @@ class Serving:
         runs = [(s["name"], feeds) for s in samples for _ in range(s["count"])
                 for feeds in sample_requests(s, max_batch)]
         started = self.clock()
+        self.warming[model.key] = self.warming.get(model.key, 0) + 1
+
+        def ended() -> None:
+            left = self.warming.pop(model.key) - 1
+            if left:
+                self.warming[model.key] = left
 
         def run(i: int) -> None:
             if i == len(runs):
                 log.info("%s: warmed up: %d runs in %.2f s", model.key, len(runs), self.clock() - started)
+                ended()
                 return
             name, feeds = runs[i]
 
             def answered(outputs, timings, error):
                 if error is not None:
                     log.warning("%s: warm-up sample %r failed: %s", model.key, name, error)
+                    ended()
                 else:
                     run(i + 1)
             try:
                 self.serve(model, feeds, None, self.clock(), None, None, answered, warmup=True)
             except ModelCacheError as e:   # (refused before it was held: a sample the model cannot take)
                 log.warning("%s: warm-up sample %r refused: %s", model.key, name, e)
+                ended()
 
         run(0)
 

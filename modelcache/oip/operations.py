@@ -186,8 +186,11 @@ class Operations:
 
     async def model_ready(self, name: str, version: int | None) -> str | None:
         """None when the model is ready; else why not. ModelNotFound for an unknown model."""
-        if getattr(await self.describe(name, version), "unloaded", False):
+        d = await self.describe(name, version)
+        if getattr(d, "unloaded", False):
             return unloaded_text(name)
+        if getattr(d, "warming", False):   # (Triton's model is not ready until its warm-up ends)
+            return f"{name}@{d.version} is warming up (its model_warmup)"
         listing = await self.link.call(P.ListModels(req_id=0), (P.ModelList,))
         for m in listing.models:
             if m["name"] == name and (version is None or m["version"] == version) and m.get("corrupt"):
@@ -297,6 +300,8 @@ class Operations:
                 state, reason = "UNAVAILABLE", f"damaged: {m['corrupt']}"
             elif m.get("unloaded"):
                 state, reason = "UNAVAILABLE", "unloaded"
+            elif m.get("warming"):
+                state, reason = "LOADING", "warming up (model_warmup)"
             else:   # every stored version serves; the tier says how soon
                 state, reason = "READY", {"disk": "on disk: promoted on first request",
                                           "ensemble": m.get("why") or "an ensemble"}.get(m["tier"], "in memory")

@@ -481,6 +481,7 @@ class DescribeReply(Message, kind="describe_ok"):
     response_cache: bool = False       # its answers may be cached (it asks, and the daemon's cache is on): a front
                                        # keeps its own (executor/response_cache.py)
     unloaded: bool = False             # a protocol front unloaded it (SetUnloaded): not ready there until loaded
+    warming: bool = False              # its model_warmup runs now: not ready at the fronts, as Triton's while it warms
 
 
 class SetBatching(Message, kind="set_batching"):
