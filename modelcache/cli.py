@@ -694,7 +694,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "triton_repository setting; the daemon's own front gets the daemon's)")
         h.set_defaults(func=cmd_front, uses=CLIENT_SETTINGS + ("log_level", f"{kind}_host", f"{kind}_port",
                                                                "max_message_size", "client_shared_memory",
-                                                               "front_hold_s", "triton_repository"))
+                                                               "front_hold_s", "triton_repository", "model_control"))
     it = sub.add_parser("import-triton", parents=[common],
                         help="add the ONNX models (and their ensembles) of a Triton model repository",
                         description="Read a Triton model repository (MODEL/config.pbtxt, MODEL/VERSION/model.onnx) and "

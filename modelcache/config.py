@@ -80,8 +80,9 @@ class Settings:
     client_shared_memory: bool = False # the fronts serve Triton's system shared-memory extension (off: Triton's default
                                        # since 2.69, after 2025's reports): see docs/http.md
     triton_repository: str = ""        # a Triton model repository the daemon imports at start (`modelcache import-triton`)
-    triton_repository_poll_s: float = 0.0   # > 0: the repository is watched, each model imported again this often when
-                                       # its directory changed (Triton's --model-control-mode=poll); 0: at start only
+    model_control: str = "explicit"    # Triton's --model-control-mode: explicit (the fronts serve repository load and
+                                       # unload), none (they refuse them), poll (triton_repository watched; they refuse them)
+    repository_poll_s: float = 15.0    # with model_control = "poll": how often (Triton's --repository-poll-secs)
     max_message_size: str = "64M"      # largest request a client may send (ZeroMQ or lane); big tensors go in shm files
     max_clients: int = 1024            # hellos beyond this are refused (each client costs the daemon ~3 descriptors)
     keep_host_tier: bool = False       # a clean stop leaves the host tier for the next daemon to re-adopt (a crash always does)
@@ -392,7 +393,8 @@ RULES = {
     "front_runs": _choice("short", "never"), "front_hold_s": _positive, "state_dir": _directory(False),
     "metrics_port": _port, "metrics_host": _nonempty, "http_port": _port, "http_host": _nonempty,
     "grpc_port": _port, "grpc_host": _nonempty, "client_shared_memory": _bool,
-    "triton_repository": _directory(True), "triton_repository_poll_s": number(float, low=0),
+    "triton_repository": _directory(True), "model_control": _choice("explicit", "none", "poll"),
+    "repository_poll_s": _positive,
     "max_message_size": _message_size, "max_clients": number(int, 1), "keep_host_tier": _bool,
     "verify_promotion": _bool, "admin_group": _text,
 }
@@ -443,6 +445,9 @@ def load(config_file: str | Path | None = None, overrides: dict | None = None, e
             except ValueError as e:
                 raise ConfigError(f"{where}: {key} {e}") from None
     settings = Settings(**values)
+    if {"model_control", "triton_repository"} <= wanted and settings.model_control == "poll" and \
+            not settings.triton_repository:
+        raise ConfigError("model_control poll watches the Triton repository: set triton_repository too")
     if {"lease_timeout_s", "heartbeat_interval_s"} <= wanted and \
             settings.lease_timeout_s <= settings.heartbeat_interval_s:
         raise ConfigError(f"lease_timeout_s {settings.lease_timeout_s:g} must be longer than heartbeat_interval_s "

@@ -108,9 +108,16 @@ class PermissionDenied(ModelCacheError, PermissionError):
     code = "permission"
 
 
+class NotAllowed(ModelCacheError):
+    """What the server's configuration does not serve now (a repository load where model_control is not explicit)."""
+
+    code = "not_allowed"
+
+
 ERRORS_BY_CODE = {cls.code: cls for cls in (ModelCacheError, DaemonUnavailable, RequestTimeout, ProtocolError,
                                             ModelNotFound, PackError, InputError, RunError, CapacityError,
-                                            OutOfMemoryError, LeaseError, StorageError, RemoteError, IntegrityError, PermissionDenied)}
+                                            OutOfMemoryError, LeaseError, StorageError, RemoteError, IntegrityError,
+                                            PermissionDenied, NotAllowed)}
 
 
 def from_code(code: str, message: str) -> ModelCacheError:

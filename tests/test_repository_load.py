@@ -419,13 +419,21 @@ def test_a_pass_imports_what_is_new_or_changed_and_says_what_went(tmp_path):
     assert slept == [0.5, 0.5] and asked[-1] == ["a", "b"]
 
 
+def test_poll_mode_needs_a_triton_repository():
+    from modelcache.config import ConfigError, load
+    with pytest.raises(ConfigError, match="model_control poll watches the Triton repository: set triton_repository"):
+        load(None, env={"MODELCACHE_MODEL_CONTROL": "poll", "MODELCACHE_CONFIG": ""})
+    assert load(None, env={"MODELCACHE_CONFIG": ""}).model_control == "explicit"
+
+
 def test_a_daemon_that_polls_its_triton_repository_imports_what_changes(tmp_path):
-    """triton_repository_poll_s: a model copied in is served, an edited config.pbtxt configures it in place, a
+    """model_control poll: a model copied in is served, an edited config.pbtxt configures it in place, a
     broken file is refused with its line and the version before keeps serving; no load asked for."""
     import tritonclient.grpc as grpcclient
     repo = tmp_path / "models"
     put_model(repo, "first", zoo.build("tiny-cnn", seed=1), CONFIG)
-    d, grpc_at, _ = start_importing(tmp_path, repo, {"MODELCACHE_TRITON_REPOSITORY_POLL_S": "0.2"})
+    d, grpc_at, _ = start_importing(tmp_path, repo, {"MODELCACHE_MODEL_CONTROL": "poll",
+                                                         "MODELCACHE_REPOSITORY_POLL_S": "0.2"})
     g = grpcclient.InferenceServerClient(grpc_at)
     try:
         put_model(repo, "second", zoo.build("tiny-cnn", seed=2), CONFIG)
@@ -435,6 +443,11 @@ def test_a_daemon_that_polls_its_triton_repository_imports_what_changes(tmp_path
         (repo / "second" / "config.pbtxt").write_text(CONFIG.replace("max_batch_size: 4", "max_batch_size: 2"))
         wait_until(lambda: "second@1: its configuration changed" in d.log_path.read_text(), 60, "the poll's reload")
         assert g.get_model_config("second", as_json=True)["config"]["max_batch_size"] == 2
+        # As Triton's poll mode: the repository API's loads and unloads refused, in its words
+        for call in (g.load_model, g.unload_model):
+            e = refused(call, "second")
+            assert e.status() == "StatusCode.UNAVAILABLE" and \
+                "explicit model load / unload is not allowed if polling is enabled" in e.message(), e
         before = answer(g, "first", X)
         (repo / "first" / "1" / "model.onnx").write_bytes(b"half a copy")
         wait_until(lambda: "is not a valid ONNX model" in d.log_path.read_text(), 60, "the poll's refusal")

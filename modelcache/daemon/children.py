@@ -152,5 +152,6 @@ def daemon_children(settings) -> list[Child]:
             c.close()
         raise
     if settings.triton_repository:
-        children.append(TritonImport(settings.socket, settings.triton_repository, settings.triton_repository_poll_s))
+        children.append(TritonImport(settings.socket, settings.triton_repository,
+                                     settings.repository_poll_s if settings.model_control == "poll" else 0.0))
     return children

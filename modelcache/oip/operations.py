@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import __version__
 from ..wire import protocol as P, tensors
-from ..errors import CapacityError, InputError, ModelCacheError, ModelNotFound
+from ..errors import CapacityError, InputError, ModelCacheError, ModelNotFound, NotAllowed
 from ..executor.response_cache import ResponseCache, model_identity, request_key
 from ..triton_repo.load import is_repository_load, repository_load
 from . import types
@@ -38,7 +38,7 @@ EXTENSIONS = ["classification", "binary_tensor_data", "model_repository", "model
 # RunError's "run") is a failure of the model or the daemon: 500, INTERNAL.
 STATUS_BY_CODE = {"not_found": (404, "NOT_FOUND"), "input": (400, "INVALID_ARGUMENT"),
                   "protocol": (400, "INVALID_ARGUMENT"), "permission": (403, "PERMISSION_DENIED"),
-                  "capacity": (503, "UNAVAILABLE"),
+                  "capacity": (503, "UNAVAILABLE"), "not_allowed": (503, "UNAVAILABLE"),
                   "out_of_memory": (503, "RESOURCE_EXHAUSTED"), "daemon_unavailable": (503, "UNAVAILABLE"),
                   "timeout": (504, "DEADLINE_EXCEEDED"), "run": (500, "INTERNAL")}
 INTERNAL = (500, "INTERNAL")
@@ -317,6 +317,7 @@ class Operations:
         """Triton's repository load: the model read again from its directory (the request's files, or the
         Triton repository's) and imported, changed versions replaced (triton_repo/load.py); then, as for a
         model added another way, brought into memory."""
+        self._check_model_control()
         if is_repository_load(name, parameters, self.settings.triton_repository):
             # One load of a model at a time here, as Triton does (two would race to replace the same versions)
             async with self.loading.setdefault(name, asyncio.Lock()):
@@ -337,10 +338,17 @@ class Operations:
         await self.link.call(P.SetUnloaded(req_id=0, name=name, unloaded=False), (P.Ack,))
         self.forget_interface(name)
 
+    def _check_model_control(self) -> None:
+        """Loads and unloads are served under explicit model control only (the model_control setting), as Triton's."""
+        if self.settings.model_control != "explicit":
+            raise NotAllowed("explicit model load / unload is not allowed if polling is enabled"   # (Triton's words,
+                             f" (model_control is {self.settings.model_control})")                 # in none mode too)
+
     async def unload(self, name: str) -> None:
         """Triton's unload: the model not ready, its requests refused, over every front (the daemon keeps the state:
         P.SetUnloaded), until a load; then every version of it in memory evicted, but one still in use (another
         front running it, a session), which stays until the host tier's policy evicts it."""
+        self._check_model_control()
         await self.link.call(P.SetUnloaded(req_id=0, name=name), (P.Ack,))   # (NOT_FOUND for an unknown name)
         self.forget_interface(name)
         await self.runner.let_go(name)   # (its sessions here would hold it in memory)

@@ -1,5 +1,5 @@
 """Triton's `--model-control-mode=poll`: the repository watched, each model imported again when its directory
-changes (`modelcache import-triton REPO --poll SECONDS`; the daemon's `triton_repository_poll_s`).
+changes (`modelcache import-triton REPO --poll SECONDS`; the daemon's `model_control = "poll"`).
 
 Each pass lists the repository's model directories and fingerprints each (every file under it, with its size,
 inode and times, as Triton compares modification times); a model whose fingerprint differs from the last pass's,
