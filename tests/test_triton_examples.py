@@ -11,6 +11,7 @@ Triton's.
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -173,7 +174,7 @@ def serving(tmp_path_factory):
         stop_cleanly(d)
 
 
-RUNS = [(p.name, []) for p in sorted(EXAMPLES.glob("*.py")) if "image" not in p.name] + \
+RUNS = [(p.name, []) for p in sorted(EXAMPLES.glob("*.py")) if "image" not in p.name and "model_control" not in p.name] + \
     [(p.name, ["-d"]) for p in sorted(EXAMPLES.glob("*sequence*.py"))]   # -d: the CORRID ("dyna") models
 
 
@@ -213,3 +214,27 @@ def test_image_client_classifies_as_plain_ort_does(serving, tmp_path, script, pr
     model = serving[0].root / "models" / "densenet_onnx" / "1" / "model.onnx"
     scores = ort.InferenceSession(str(model)).run(None, {"data_0": data[None]})[0].reshape(-1)
     assert shown == list(np.argsort(-scores)[:3]), r.stdout
+
+
+def test_the_model_control_examples_run_unchanged(tmp_path):
+    """`simple_grpc_model_control.py` and `simple_http_model_control.py` (Triton's repository load and unload): they
+    count Triton's QA repository (8 models for the gRPC one, 7 for the HTTP one), load `simple`, send a config
+    override that is not JSON (an error saying 'failed to load'), then `{"max_batch_size":"16"}` and read it back,
+    unload it, send a 256-character file name (INTERNAL, 'failed to poll from model repository', the server still
+    live) and a model that is nowhere ('failed to load'). A repository of `simple` and seven others, one removed
+    between the two."""
+    repo = tmp_path / "models"
+    for name in ["simple"] + [f"other{k}" for k in range(7)]:
+        put_model(repo, name, simple(False), SIMPLE_CONFIG.format(t="TYPE_INT32"))
+    d, grpc_at, http_at = start_importing(tmp_path, repo)
+    try:
+        for script, url in (("simple_grpc_model_control.py", grpc_at), ("simple_http_model_control.py", http_at)):
+            r = subprocess.run([sys.executable, str(EXAMPLES / script), "-u", url], capture_output=True, text=True,
+                               timeout=120)
+            assert r.returncode == 0 and "PASS: model control" in r.stdout, script + r.stdout[-3000:] + r.stderr[-3000:]
+            if script.startswith("simple_grpc"):   # (the HTTP one counts 7)
+                with d.client() as c:
+                    c.remove("other6", 1)
+                shutil.rmtree(repo / "other6")
+    finally:
+        stop_cleanly(d)

@@ -23,7 +23,7 @@ from .. import __version__
 from ..wire import protocol as P, tensors
 from ..errors import CapacityError, InputError, ModelCacheError, ModelNotFound, NotAllowed
 from ..executor.response_cache import ResponseCache, model_identity, request_key
-from ..triton_repo.load import is_repository_load, repository_load
+from ..triton_repo.load import is_repository_load, load_failed, repository_load
 from . import types
 from .link import DaemonLink
 from .classification import classify
@@ -331,10 +331,9 @@ class Operations:
             try:
                 await self.link.call(P.Load(req_id=0, name=name), (P.Ack,), timeout_s=self.settings.add_timeout_s)
             except ModelNotFound as e:
-                if not self.settings.triton_repository:
-                    raise
-                raise ModelNotFound(f"{e}; and no directory {name!r} in the Triton repository "
-                                    f"{self.settings.triton_repository}") from None
+                where = f"; and no directory {name!r} in the Triton repository {self.settings.triton_repository}" \
+                    if self.settings.triton_repository else ""
+                raise ModelNotFound(f"{load_failed(name)}: {e}{where}") from None
         await self.link.call(P.SetUnloaded(req_id=0, name=name, unloaded=False), (P.Ack,))
         self.forget_interface(name)
 

@@ -74,10 +74,22 @@ def check_parameters(parameters: dict) -> tuple[object, dict]:
 
 def repository_load(name: str, parameters: dict, settings, triton_repository: str) -> list[str]:
     """Import the model `name` from the request's files or from `triton_repository`, replacing versions changed
-    since their import; the importer's lines. InputError (or the daemon's error) with those lines when the model
-    was not imported; InputError too when a `config` alone has no model directory to apply to."""
-    from .importer import import_repository
+    since their import; the importer's lines. An error of the kind that stopped it (an InputError for a refused
+    parameter or model, the daemon's own), its text after Triton's words (load_failed), when it was not imported."""
     check_model_name(name)
+    try:
+        return _load(name, parameters, settings, triton_repository)
+    except ModelCacheError as e:   # (its kind kept: a refused input, a model in use, a disk that failed)
+        raise from_code(e.code, f"{load_failed(name)}: {e}") from None
+
+
+def load_failed(name: str) -> str:
+    """How Triton's load failures begin (model_repository_manager.cc): clients and its own examples look for it."""
+    return f"failed to load '{name}', failed to poll from model repository"
+
+
+def _load(name: str, parameters: dict, settings, triton_repository: str) -> list[str]:
+    from .importer import import_repository
     config, files = check_parameters(parameters)
     lines: list[str] = []
     work = None
@@ -89,8 +101,8 @@ def repository_load(name: str, parameters: dict, settings, triton_repository: st
         if root is None or not (root / name).is_dir():   # (a config alone: the files it configures are missing)
             where = f"the Triton repository {root} has no directory {name!r}" if root else \
                 "the daemon has no triton_repository"
-            raise InputError(f"failed to load '{name}': a config override applies to the model's files, and {where}; "
-                             "send them with it (`file:` parameters)")
+            raise InputError(f"a config override applies to the model's files, and {where}; send them with it "
+                             "(`file:` parameters)")
     try:
         if work is not None:
             _write_files(work / name, files)
@@ -110,7 +122,7 @@ def repository_load(name: str, parameters: dict, settings, triton_repository: st
             shutil.rmtree(work, ignore_errors=True)
     if report.failed or report.skipped:   # (the first error's kind: an input refused, a model in use, a full disk)
         code = report.errors[0].code if report.errors else InputError.code
-        raise from_code(code, f"failed to load '{name}': " + "; ".join(lines[:-1] or lines))
+        raise from_code(code, "; ".join(lines[:-1] or lines))
     return lines
 
 
@@ -124,4 +136,4 @@ def _write_files(model_dir: Path, files: dict) -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
         except OSError as e:
-            raise ModelCacheError(f"failed to load: cannot write {relative} for the import: {e}") from None
+            raise ModelCacheError(f"cannot write {relative} for the import: {e}") from None
