@@ -322,6 +322,19 @@ def test_load_parameters_are_checked_as_triton_checks_them(key, words):
     assert config.max_batch_size == 2 and files == {"1/model.onnx": b"m"}
     with pytest.raises(InputError, match="File parameter 'file:1/model.onnx' must have bytes type"):
         check_parameters({"config": "{}", "file:1/model.onnx": "text"})
+    for not_an_object in ("[]", "5", '"max_batch_size"'):   # (protobuf's parser would take them as empty)
+        with pytest.raises(InputError, match="Invalid config override: a model configuration is a JSON object"):
+            check_parameters({"config": not_an_object})
+
+
+def test_a_version_directory_past_tritons_int64_is_refused(tmp_path):
+    from modelcache.errors import InputError
+    from modelcache.triton_repo.versions import present
+    (tmp_path / "1").mkdir()
+    assert present(tmp_path) == [1]
+    (tmp_path / str(1 << 63)).mkdir()
+    with pytest.raises(InputError, match="version directory 9223372036854775808: past the largest version"):
+        present(tmp_path)
 
 
 def test_import_triton_refuses_a_changed_version_and_replaces_it_with_replace(tmp_path):

@@ -132,11 +132,18 @@ def read_config(model_dir: Path) -> mc.ModelConfig | None:
 
 def parse_config_json(text) -> mc.ModelConfig:
     """A repository load's `config` parameter: the configuration as Triton's JSON, in place of config.pbtxt."""
+    import json
     if not isinstance(text, str):
         raise InputError("Config parameter 'config' must have string type for its value")
     try:
-        return json_format.Parse(text, mc.ModelConfig())
-    except json_format.ParseError as e:   # (bad JSON, an unknown field, a value of the wrong type)
+        doc = json.loads(text)
+    except ValueError as e:
+        raise InputError(f"Invalid config override: {e}") from None
+    if not isinstance(doc, dict):   # (protobuf's parser takes a list, or a number, as an empty configuration)
+        raise InputError(f"Invalid config override: a model configuration is a JSON object, not {type(doc).__name__}")
+    try:
+        return json_format.ParseDict(doc, mc.ModelConfig())
+    except json_format.ParseError as e:   # (an unknown field, a value of the wrong type)
         raise InputError(f"Invalid config override: {e}") from None
 
 
