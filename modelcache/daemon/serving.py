@@ -60,8 +60,8 @@ class Serving:
 
     def handlers(self) -> dict:
         return {P.Describe: self.on_Describe, P.Partition: self.on_Partition, P.SetBatching: self.on_SetBatching,
-                P.Configure: self.on_Configure, P.Profile: self.on_Profile, P.Infer: self.on_Infer, P.AddEnsemble: self.ensembles.on_AddEnsemble,
-                P.FrontServed: self.on_FrontServed}
+                P.Configure: self.on_Configure, P.Profile: self.on_Profile, P.Infer: self.on_Infer,
+                P.AddEnsemble: self.ensembles.on_AddEnsemble, P.FrontServed: self.on_FrontServed}
 
     def forget_model(self, key: str) -> None:
         """The model's host copy is gone or stale: its stage sessions and specs go with it. Until the workers
@@ -108,13 +108,14 @@ class Serving:
         if model is None:
             return None
         io = model.manifest.io_summary()
-        return P.DescribeReply(unloaded=model.name in self.registry.unloaded, warming=model.key in self.warming,req_id=msg.req_id, name=model.name, version=model.version, inputs=io["inputs"],
+        return P.DescribeReply(req_id=msg.req_id, name=model.name, version=model.version, inputs=io["inputs"],
                                outputs=io["outputs"], weights_bytes=model.manifest.weights_bytes,
                                stages=[{k: e[k] for k in ("file", "inputs", "outputs", "cost_share", "workers")
                                         if k in e} for e in model.manifest.stages],
                                model_config=model.manifest.model_config, source_sha256=model.manifest.source_sha256,
                                labels=model.manifest.labels, overridable=io["overridable"],
-                               front_runs=self._front_runs(model), response_cache=self._caches(model))
+                               front_runs=self._front_runs(model), response_cache=self._caches(model),
+                               unloaded=model.name in self.registry.unloaded, warming=model.key in self.warming)
 
     def _caches(self, model: ModelRecord) -> bool:
         """Whether the model's answers are cached: it asks (never a stateful one: check_serving) and the cache is on."""

@@ -66,6 +66,8 @@ def _model_dirs(root: str) -> list[str]:
 
 def unloaded_text(name: str) -> str:
     return f"{name} is unloaded: load it first (repository load of {name})"
+
+
 log = logging.getLogger("modelcache.front")
 INTERFACE_TTL_S = 2.0
 
@@ -324,7 +326,6 @@ class Operations:
                 await self.runner.let_go(name)   # (its sessions here would hold a version being replaced)
                 lines = await asyncio.to_thread(repository_load, name, parameters, self.settings,
                                                 self.settings.triton_repository)
-
             log.info("load %s: %s", name, "; ".join(lines))
         listing = await self.link.call(P.ListModels(req_id=0), (P.ModelList,))
         if not any(m["name"] == name and m["tier"] == "ensemble" for m in listing.models):   # (no weights to load)

@@ -242,13 +242,9 @@ class Stored:
 
 
 def _sha256(path: Path) -> str:
-    def digest(path) -> str:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        return h.hexdigest()
-    return _by_file(path, "sha256", digest)
+    """The file's sha256, as packing records it (source_sha256)."""
+    from ..store.integrity import file_digest
+    return _by_file(path, "sha256", lambda p: file_digest(Path(p), hashlib.sha256()))
 
 
 # What a file read gave, by the file's identity and times: a front's repository loads read every version of the
@@ -283,11 +279,17 @@ class _DaemonTarget:
     def __init__(self, client):
         self.client = client
 
+    def _described(self, name: str, version: int | None):
+        """The daemon's description of the version (None: its latest); None when it has none."""
+        try:
+            return self.client.describe(name, version)
+        except ModelNotFound:
+            return None
+
     def stored(self, name: str, version: int) -> Stored | None:
         """What the daemon has of the version; None when it has none."""
-        try:
-            d = self.client.describe(name, version)
-        except ModelNotFound:
+        d = self._described(name, version)
+        if d is None:
             return None
         opt_level = next((m["opt_level"] for m in self.client.listing().models
                           if m["name"] == name and m["version"] == version), "")
@@ -306,21 +308,18 @@ class _DaemonTarget:
         """The versions of `name` the daemon has from a Triton repository (with a configuration)."""
         versions = [m["version"] for m in self.client.listing().models if m["name"] == name
                     and m["tier"] != "ensemble"]
-        return [v for v in versions if (stored := self.stored(name, v)) is not None and stored.config]
+        return [v for v in versions if (d := self._described(name, v)) is not None and d.model_config]
 
     def known(self, name: str):
         """(input names, output names) of the daemon's model `name` (its latest version); None when it has none."""
-        try:
-            d = self.client.describe(name)
-        except ModelNotFound:
+        d = self._described(name, None)
+        if d is None:
             return None
         return {i["name"] for i in d.inputs + d.overridable}, {o["name"] for o in d.outputs}
 
     def stored_ensemble(self, name: str, version: int):
-        try:
-            return self.client.describe(name, version).model_config
-        except ModelNotFound:
-            return None
+        d = self._described(name, version)
+        return None if d is None else d.model_config
 
     def add_ensemble(self, name: str, version: int, config: dict) -> None:
         self.client.add_ensemble(name, version, config)
