@@ -92,6 +92,7 @@ def test_a_request_that_expires_in_the_queue_is_answered_and_the_next_one_runs()
     h.worker.run_next()
     h.worker.run_next()                 # request 1 done; 2 has expired, 3 takes the worker
     assert isinstance(h.answers[2][2], RequestTimeout)
+    assert h.engine.describe()["models"]["m@1"]["rejected"] == 1   # (its deadline passed: it never ran)
     assert [j.batch_id for j in h.worker.jobs] and h.worker.jobs[0].inputs["x"][0, 0] == 300
     h.worker.run_next()
     h.worker.run_next()
@@ -114,6 +115,8 @@ def test_a_full_queue_refuses_at_once_and_its_model_may_set_its_own_bound():
     for tag in (1, 2, 3, 5):
         np.testing.assert_array_equal(h.y(tag), expected(tag, 1))
     assert h.engine.describe()["refused"] == {"queue_full": 1, "queue_timeout": 0}
+    stats = h.engine.describe()["models"]["m@1"]   # a refusal is the model's failure, REJECTED in Triton's metrics
+    assert (stats["failed"], stats["rejected"], stats["success"]) == (1, 1, 4)
     h.engine.settings.max_queue = 0     # no bound (the default): a live setting
     for tag in range(6, 12):
         h.submit(tag, 1)
@@ -138,6 +141,7 @@ def test_a_request_queued_past_its_models_queue_timeout_is_refused_and_never_run
         assert isinstance(error, CapacityError) and "Request timeout expired" in str(error), error
     assert not h.worker.jobs and not h.engine.requests
     assert h.engine.describe()["refused"] == {"queue_full": 0, "queue_timeout": 2}
+    assert h.engine.describe()["models"]["m@1"]["rejected"] == 2
     # with the worker busy, the engine's timer answers a timed-out request at its time
     h.submit(4, 1, serving=own)         # runs
     h.submit(5, 1, serving=own)         # waits from 7.1 ms
@@ -218,6 +222,7 @@ def test_a_short_stage_on_an_idle_engine_is_answered_within_its_step_with_the_sa
     assert isinstance(h.answers[5][2], RunError)   # not ORT's INVALID_ARGUMENT: not the caller's data
     [(key, stats)] = h.engine.describe()["models"].items()   # per model, for the HTTP statistics extension
     assert (stats["success"], stats["samples"], stats["failed"], stats["executions"]) == (4, 5, 1, 4)   # (request 3 had 2 rows)
+    assert stats["rejected"] == 0        # it failed in its run: Triton's failure reason BACKEND, not REJECTED
     assert stats["idle_s"] == 0.0 and stats["run_s"] > 0
 
     h.engine.settings.batching = "batch"
@@ -322,6 +327,7 @@ def test_a_member_late_after_its_catch_up_is_answered_and_its_rows_leave_the_bat
     h.now = 0.050
     h.worker.run_next()                 # its catch-up ran slower than predicted: late at the merge
     assert isinstance(h.answers[2][2], RequestTimeout)
+    assert h.engine.describe()["models"]["m@1"]["rejected"] == 1   # (its deadline passed: it never ran)
     assert h.worker.jobs[0].inputs["h"].shape == (1, 1)
     h.worker.run_next()
     np.testing.assert_array_equal(h.y(1), expected(1, 1))

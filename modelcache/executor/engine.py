@@ -385,7 +385,7 @@ class Engine:
             queue.append(req, req.priority, self.clock(), self.settings.max_queue)
         except Refused as e:
             self.queue_full += 1
-            self._finish(req, None, CapacityError(f"{req.model_key}: {e}: try again later"))
+            self._finish(req, None, CapacityError(f"{req.model_key}: {e}: try again later"), rejected=True)
 
     def step(self) -> None:
         """Schedule, execute, update, until nothing more can start now: what runs on the loop runs here, and
@@ -486,7 +486,7 @@ class Engine:
             self.queue_timeouts += 1
             self._finish(req, None, CapacityError(
                 f"{req.model_key}: Request timeout expired: it waited for a worker longer than its model's "
-                f"queue timeout ({queue.policy(req.queue_level).timeout_s * 1e3:g} ms)"))
+                f"queue timeout ({queue.policy(req.queue_level).timeout_s * 1e3:g} ms)"), rejected=True)
         if not any(r.deadline is not None for r in queue):
             return
         need = self._batch_time(queue.head, 1)   # never measured: 0, so only a passed deadline counts
@@ -495,7 +495,7 @@ class Engine:
             why = ("deadline passed while the request waited for a worker" if now > req.deadline else
                    f"deadline cannot be met: {(req.deadline - now) * 1e3:.1f} ms left, the model needs "
                    f"{need * 1e3:.1f} ms")
-            self._finish(req, None, RequestTimeout(why))
+            self._finish(req, None, RequestTimeout(why), rejected=True)
 
     def _start(self, batch: Batch) -> bool:
         self.batches[batch.batch_id] = batch
@@ -577,7 +577,8 @@ class Engine:
             return True  # rows cannot be told apart here: the late ones ride along to the end
         keep = np.concatenate([np.full(m.samples, m not in late) for m in batch.members])
         for m in late:
-            self._finish(m, None, RequestTimeout(f"deadline passed before stage {batch.stage} could start"))
+            self._finish(m, None, RequestTimeout(f"deadline passed before stage {batch.stage} could start"),
+                         rejected=True)
         batch.members = [m for m in batch.members if m not in late]
         if not batch.members:
             self._end(batch)
@@ -699,7 +700,8 @@ class Engine:
             main, batch.joins = batch.joins, None
             self._run_stage(main)
 
-    def _finish(self, req: ServeRequest, outputs: dict | None, error) -> None:
+    def _finish(self, req: ServeRequest, outputs: dict | None, error, rejected: bool = False) -> None:
+        """Answer the request; `rejected`: its queue refused it (full, timed out, past its deadline) before any run."""
         self.requests.pop(req.request_id, None)
         now = self.clock()
         total_ms = (now - req.arrival) * 1e3
@@ -713,7 +715,7 @@ class Engine:
             self.latencies_ms.append(total_ms)
         else:
             self.failed += 1
-        self._stats(req.model_key).finished(now, req.samples, req.timings, error is None)
+        self._stats(req.model_key).finished(now, req.samples, req.timings, error is None, rejected)
 
     def cache_hit(self, model_key: str, arrival: float, lookup_s: float) -> None:
         """A request of the model the daemon answered from its response cache, without submitting it."""

@@ -30,8 +30,8 @@ class ModelServeStats:
     """One model version's requests since the daemon started. Times are the engine's (`timings`): a
     request's total, its queue wait (summed over stages) and its stages' run time."""
 
-    __slots__ = ("latency", "samples", "queue_s", "run_s", "failed", "failed_s", "executions", "batches", "last_at",
-                 "last_unix_ms", "cache_hits", "cache_hit_s", "cache_misses", "cache_miss_s")
+    __slots__ = ("latency", "samples", "queue_s", "run_s", "failed", "failed_s", "rejected", "executions", "batches",
+                 "last_at", "last_unix_ms", "cache_hits", "cache_hit_s", "cache_misses", "cache_miss_s")
 
     def __init__(self):
         self.latency = Histogram(INFER_BUCKETS_S)   # successful requests: their count, summed seconds, buckets
@@ -40,6 +40,8 @@ class ModelServeStats:
         self.run_s = 0.0          # successful requests' stage runs (a batch's run counts for each member)
         self.failed = 0
         self.failed_s = 0.0
+        self.rejected = 0         # of the failed, those its queue refused (full, timed out, past their deadline):
+                                  # Triton's failure reason REJECTED; the others failed in a run (BACKEND)
         self.executions = 0       # batches that ran to the end (one per request without batching)
         self.batches: dict = {}   # str(batch size) -> [executions of that many rows, their runs' seconds]
                                   # (Triton's batch_stats; str: msgpack's maps take no int keys by default)
@@ -53,13 +55,15 @@ class ModelServeStats:
         self.cache_misses = 0
         self.cache_miss_s = 0.0
 
-    def finished(self, now: float, samples: int, timings: dict, ok: bool) -> None:
+    def finished(self, now: float, samples: int, timings: dict, ok: bool, rejected: bool = False) -> None:
+        """A request answered: `ok`, or failed; `rejected`: its model's queue refused it, it never ran."""
         self.last_at = now
         self.last_unix_ms = int(time.time() * 1e3)
         total_s = timings["total_ms"] / 1e3
         if not ok:
             self.failed += 1
             self.failed_s += total_s
+            self.rejected += rejected
             return
         self.latency.observe(total_s)
         self.samples += samples
@@ -107,7 +111,7 @@ class ModelServeStats:
     def describe(self, now: float) -> dict:
         return {"success": self.latency.n, "success_s": self.latency.total, "samples": self.samples,
                 "queue_s": self.queue_s, "run_s": self.run_s, "failed": self.failed, "failed_s": self.failed_s,
-                "executions": self.executions, "batches": self.batches,
+                "rejected": self.rejected, "executions": self.executions, "batches": self.batches,
                 "cache_hits": self.cache_hits, "cache_hit_s": self.cache_hit_s,
                 "cache_misses": self.cache_misses, "cache_miss_s": self.cache_miss_s,
                 "idle_s": None if self.last_at is None else max(0.0, now - self.last_at),
