@@ -226,8 +226,9 @@ class Server:
 
 
 def start_triton(label: str, repo: Path, cache_bytes: int | None, malloc: str, work: Path,
-                 control: str = "none") -> Server:
-    """Triton on `repo`; `control`: its --model-control-mode (explicit: nothing loaded until a load asks)."""
+                 control: str = "none", metrics_port: int | None = None) -> Server:
+    """Triton on `repo`; `control`: its --model-control-mode (explicit: nothing loaded until a load asks);
+    `metrics_port`: its metrics there, CPU metrics on, GPU's off (as serve.sh's METRICS_PORT); else none."""
     from benchmarks.systems.triton import jemalloc, peer_paths
     paths = peer_paths()
     grpc, http = free_port(), free_port()
@@ -241,7 +242,10 @@ def start_triton(label: str, repo: Path, cache_bytes: int | None, malloc: str, w
     argv = [str(paths["server"]), f"--model-repository={repo}", f"--model-control-mode={control}",
             "--strict-readiness=true", f"--backend-directory={paths['backends']}",
             "--http-address=127.0.0.1", f"--http-port={http}", "--grpc-address=127.0.0.1", f"--grpc-port={grpc}",
-            "--allow-metrics=false", "--allow-sagemaker=false", "--allow-vertex-ai=false",
+            *(["--allow-metrics=false"] if metrics_port is None else
+              ["--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=true",
+               "--metrics-address=127.0.0.1", f"--metrics-port={metrics_port}"]),
+            "--allow-sagemaker=false", "--allow-vertex-ai=false",
             "--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0", "--exit-timeout-secs=5",
             "--log-verbose=0"]
     if cache_bytes is not None:
@@ -252,13 +256,13 @@ def start_triton(label: str, repo: Path, cache_bytes: int | None, malloc: str, w
     return Server(label, argv, env, grpc, work / f"{label}.log")
 
 
-def start_modelcache(label: str, repo: Path, cache_bytes: int, work: Path) -> Server:
+def start_modelcache(label: str, repo: Path, cache_bytes: int, work: Path, extra_env: dict | None = None) -> Server:
     home = work / label
     home.mkdir()
     grpc = free_port()
     env = {**os.environ, "MODELCACHE_SOCKET": f"ipc://{home}/d.sock", "MODELCACHE_REPOSITORY": str(home / "repo"),
            "MODELCACHE_CONFIG": "", "MODELCACHE_TRITON_REPOSITORY": str(repo), "MODELCACHE_GRPC_PORT": str(grpc),
-           "MODELCACHE_RESPONSE_CACHE_SIZE": str(cache_bytes)}
+           "MODELCACHE_RESPONSE_CACHE_SIZE": str(cache_bytes), **(extra_env or {})}
     return Server(label, [sys.executable, "-m", "modelcache.cli", "daemon"], env, grpc, work / f"{label}.log")
 
 

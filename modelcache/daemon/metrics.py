@@ -15,24 +15,40 @@ from ..histogram import Histogram
 log = logging.getLogger("modelcache.metrics")
 
 
-def _esc(value: str) -> str:
+def esc(value: str) -> str:
     return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _tier_labels(t: dict) -> str:
-    return f'tier="{t["tier"]}"' + (f',device="{_esc(t["device"])}"' if t.get("device") else "")
+    return f'tier="{t["tier"]}"' + (f',device="{esc(t["device"])}"' if t.get("device") else "")
+
+
+class Exposition:
+    """Metric families in Prometheus text format 0.0.4, each its HELP and TYPE lines, then its samples.
+    omit_empty: a family without samples is left out (as prometheus-cpp, hence Triton, prints its families)."""
+
+    def __init__(self, omit_empty: bool = False):
+        self.lines: list[str] = []
+        self.omit_empty = omit_empty
+
+    def metric(self, name: str, kind: str, help_: str, samples) -> None:
+        samples = list(samples)
+        if self.omit_empty and not samples:
+            return
+        self.lines.append(f"# HELP {name} {help_}")
+        self.lines.append(f"# TYPE {name} {kind}")
+        self.lines.extend(samples)
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
 
 
 def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, uptime_s: float,
            open_latency: Histogram, states: list[str], executor: dict | None = None,
            infer_latency: dict | None = None) -> str:
-    """All metrics as Prometheus text format 0.0.4."""
-    out = []
-
-    def metric(name, kind, help_, samples):
-        out.append(f"# HELP {name} {help_}")
-        out.append(f"# TYPE {name} {kind}")
-        out.extend(samples)
+    """modelcache's own metrics (modelcache_*) as Prometheus text format 0.0.4."""
+    out = Exposition()
+    metric = out.metric
 
     metric("modelcache_uptime_seconds", "gauge", "Seconds since the daemon started.", [f"modelcache_uptime_seconds {uptime_s:.1f}"])
     metric("modelcache_clients", "gauge", "Connected clients.", [f"modelcache_clients {clients}"])
@@ -60,24 +76,24 @@ def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, 
     metric("modelcache_models", "gauge", "Models per lifecycle state.",
            [f'modelcache_models{{state="{s}"}} {n}' for s, n in by_state.items()])
     metric("modelcache_model_corrupt", "gauge", "Versions whose stored files failed their checksums (1 each).",
-           [f'modelcache_model_corrupt{{model="{_esc(m["name"])}",version="{m["version"]}"}} 1'
+           [f'modelcache_model_corrupt{{model="{esc(m["name"])}",version="{m["version"]}"}} 1'
             for m in models if m.get("corrupt")])
     metric("modelcache_model_refcount", "gauge", "Open leases per model.",
-           [f'modelcache_model_refcount{{model="{_esc(m["name"])}",version="{m["version"]}"}} {m["refcount"]}'
+           [f'modelcache_model_refcount{{model="{esc(m["name"])}",version="{m["version"]}"}} {m["refcount"]}'
             for m in models])
     metric("modelcache_model_resident_bytes", "gauge", "Bytes the host tier holds for each model (its own accounting).",
-           [f'modelcache_model_resident_bytes{{model="{_esc(m["name"])}",version="{m["version"]}"}} '
+           [f'modelcache_model_resident_bytes{{model="{esc(m["name"])}",version="{m["version"]}"}} '
             f'{m["host_bytes"] if m["tier"] != "disk" else 0}' for m in models])
     metric("modelcache_model_gpu_leases", "gauge", "GPU leases per model and device (0: resident, unleased).",
-           [f'modelcache_model_gpu_leases{{model="{_esc(m["name"])}",version="{m["version"]}",'
-            f'device="{_esc(g["device"])}"}} {g["leases"]}' for m in models for g in m.get("gpu", ())
+           [f'modelcache_model_gpu_leases{{model="{esc(m["name"])}",version="{m["version"]}",'
+            f'device="{esc(g["device"])}"}} {g["leases"]}' for m in models for g in m.get("gpu", ())
             if g["state"] == "resident"])
     for key, help_ in (("keep_alive_until", "When each model's keep-alive ends (Unix time; keepalive and hybrid "
                                             "policies): idle past it, it is unloaded."),
                        ("next_call", "When each model's next call is expected (Unix time; the hybrid policy, once "
                                      "the model's calls show a pattern).")):
         metric(f"modelcache_model_{key}_timestamp_seconds", "gauge", help_,
-               [f'modelcache_model_{key}_timestamp_seconds{{model="{_esc(m["name"])}",version="{m["version"]}"}} '
+               [f'modelcache_model_{key}_timestamp_seconds{{model="{esc(m["name"])}",version="{m["version"]}"}} '
                 f'{m[key]:.3f}' for m in models if m.get(key)])
     for key, help_ in (("opens", "Open requests."), ("hits", "Opens served from the host tier."),
                        ("misses", "Opens that had to promote from disk."), ("evictions", "Models evicted."),
@@ -115,7 +131,7 @@ def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, 
                [f"modelcache_inference_in_flight {executor['in_flight']}"])
         metric("modelcache_inference_queued", "gauge",
                "Serve-mode requests waiting in a model's queue, by priority level (0: a model without levels).",
-               [f'modelcache_inference_queued{{model="{_esc(key.rpartition("@")[0])}",'
+               [f'modelcache_inference_queued{{model="{esc(key.rpartition("@")[0])}",'
                 f'version="{key.rpartition("@")[2]}",level="{level}"}} {n}'
                 for key, depths in executor.get("queued_by_model", {}).items() for level, n in depths.items()])
         cache = executor.get("response_cache")
@@ -134,9 +150,9 @@ def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, 
     lines = []
     for key, hist in sorted((infer_latency or {}).items()):   # key: "name@version", labelled as elsewhere
         name, _, version = key.rpartition("@")
-        lines += hist.lines("modelcache_inference_latency_seconds", f'model="{_esc(name)}",version="{version}"')
+        lines += hist.lines("modelcache_inference_latency_seconds", f'model="{esc(name)}",version="{version}"')
     metric("modelcache_inference_latency_seconds", "histogram", "Serve-mode request latency per model.", lines)
-    return "\n".join(out) + "\n"
+    return out.text()
 
 
 class MetricsServer:

@@ -51,6 +51,7 @@ from ..histogram import Histogram
 from .loaders import Loaders
 from .memory import MemoryGuard, PressureWatch, check_capacity
 from .metrics import MetricsServer, render
+from .triton_metrics import CpuUtilization, machine_memory, render_triton
 from .models import Models
 from .notify import Notifier
 from .registry import Registry, describe_unreadable
@@ -155,6 +156,7 @@ class Daemon:
         self.reload_requested = False
         self.notifier = Notifier()
         self.metrics: MetricsServer | None = None
+        self.cpu_utilization: CpuUtilization | None = None   # Triton's nv_cpu_utilization, between two renders
         self.children: list = []                # daemon/children.py: the fronts (http_port, grpc_port), the import
         self.ctx = zmq.Context.instance()
         # Only an ipc:// peer has kernel credentials; a tcp:// one's Peer-Address is an IP (see identity.py).
@@ -338,13 +340,19 @@ class Daemon:
                 f"host {self.host.used_bytes >> 20}/{self.host.capacity_bytes >> 20} MiB{gpus}")
 
     def publish_metrics(self) -> None:
+        """modelcache's metrics, then Triton's (triton_metrics.py), rendered for the metrics thread to serve."""
         if self.metrics is None:
             return
-        tiers = self._describe_tiers()
-        self.metrics.publish(render(self.counters, tiers, self._describe_models(), len(self.registry.clients),
+        tiers, models, executor = self._describe_tiers(), self._describe_models(), self.engine.describe()
+        if self.cpu_utilization is None:
+            self.cpu_utilization = CpuUtilization()
+        cached = {m.key for m in self.registry.models.values() if self.serving.caches(m)}
+        cache = self._response_cache()
+        self.metrics.publish(render(self.counters, tiers, models, len(self.registry.clients),
                                     self.wall() - self.started, self.open_latency, [s.value for s in ModelState],
-                                    {**self.engine.describe(), "response_cache": self._response_cache()},
-                                    self.engine.latency_by_model))
+                                    {**executor, "response_cache": cache}, self.engine.latency_by_model) +
+                             render_triton(models, executor["models"], executor["queued_by_model"], cached,
+                                           self.cpu_utilization.sample(), machine_memory(), cache))
 
     def serve_forever(self, on_ready=None) -> None:
         try:

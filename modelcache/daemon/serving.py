@@ -114,10 +114,10 @@ class Serving:
                                         if k in e} for e in model.manifest.stages],
                                model_config=model.manifest.model_config, source_sha256=model.manifest.source_sha256,
                                labels=model.manifest.labels, overridable=io["overridable"],
-                               front_runs=self._front_runs(model), response_cache=self._caches(model),
+                               front_runs=self._front_runs(model), response_cache=self.caches(model),
                                unloaded=model.name in self.registry.unloaded, warming=model.key in self.warming)
 
-    def _caches(self, model: ModelRecord) -> bool:
+    def caches(self, model: ModelRecord) -> bool:
         """Whether the model's answers are cached: it asks (never a stateful one: check_serving) and the cache is on."""
         return bool(model.manifest.serving.get("response_cache")) and self.responses.enabled
 
@@ -339,7 +339,7 @@ class Serving:
                                       or any(s.returned for s in spec.states if s.output == o)]
             output_names = None if not output_names else list(dict.fromkeys(output_names + sorted(spec.state_outputs)))
         cache_key, lookup_s = None, 0.0
-        if self._caches(model) and not warmup:
+        if self.caches(model) and not warmup:
             # (a front that missed its own cache has hashed these inputs already, but sends no key: any lane client
             # may send an Infer, and a key taken on trust could name another client's answer)
             started = self.clock()
