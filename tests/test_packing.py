@@ -145,6 +145,35 @@ def test_existing_version_is_not_overwritten(zoo_file, tmp_path):
         pack(zoo_file("tiny-cnn"), tmp_path, "m", 1)
 
 
+def test_a_replacement_is_packed_beside_the_version_and_swapped_in_by_two_renames(tmp_path):
+    """daemon/swaps.py's store half: the pack publishes beside the version (never listed as one), the swap puts it
+    in place; a daemon's start settles what a stop left between the two (Repository._settle_staged)."""
+    from modelcache.store.reservations import staged_path
+    old_model, new_model = zoo.build("tiny-cnn", seed=1), zoo.build("tiny-cnn", seed=2)
+    for i, m in enumerate((old_model, new_model)):
+        zoo.save(m, str(tmp_path / f"{i}.onnx"))
+    repo = Repository(tmp_path / "repo")
+    pack(str(tmp_path / "0.onnx"), repo.root, "m", 1)
+    before = load_manifest(repo.model_dir("m", 1)).source_sha256
+    pack(str(tmp_path / "1.onnx"), repo.root, "m", 1, replacing=True)
+    staged = staged_path(repo.root, "m", 1)
+    assert [v for _, v, _ in repo.version_dirs("m")] == [1] and staged.is_dir()
+    assert load_manifest(repo.model_dir("m", 1)).source_sha256 == before   # (the old one serves meanwhile)
+    repo.replace("m", 1, staged)
+    assert load_manifest(repo.model_dir("m", 1)).source_sha256 != before and not staged.exists()
+    assert not list(repo.root.glob(".tmp-*"))
+    # A stop before the swap: at the next start the version stays as it was, the staged pack goes.
+    pack(str(tmp_path / "0.onnx"), repo.root, "m", 1, replacing=True)
+    now = load_manifest(repo.model_dir("m", 1)).source_sha256
+    assert [m.source_sha256 for _, m in repo.scan()] == [now] and not staged.exists()
+    # A stop between the two renames (the old one aside, the new one not yet in): at the start it goes in.
+    pack(str(tmp_path / "0.onnx"), repo.root, "m", 1, replacing=True)
+    repo.model_dir("m", 1).rename(repo.root / ".tmp-removed-x")
+    assert [m.source_sha256 for _, m in repo.scan()] == [before] and not staged.exists()
+    with pytest.raises(PackError, match="already exists"):   # (without `replacing`, as ever)
+        pack(str(tmp_path / "1.onnx"), repo.root, "m", 1)
+
+
 def test_kill_during_add_never_leaves_a_half_model(zoo_file, tmp_path):
     src = zoo_file("resnet50")
     repo = tmp_path / "repo"

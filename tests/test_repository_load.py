@@ -188,13 +188,80 @@ def test_a_version_in_use_is_not_replaced_and_stays_served(clients):
         session = modelcache.InferenceSession("held", client=c)
         put_model(repo, "held", zoo.build("tiny-cnn", seed=8), CONFIG)
         e = refused(g.load_model, "held")
-        assert e.status() == "StatusCode.UNAVAILABLE" and "in use" in e.message(), e
+        assert e.status() == "StatusCode.UNAVAILABLE" and "in use (1 session)" in e.message(), e
         np.testing.assert_array_equal(answer(g, "held", X), before)
+        assert not list((d.repository / "held").glob(".staged-*"))   # (the replacement packed for it is gone)
         session.close()
     g.load_model("held")
     wait_until(lambda: "held@1: changed since its import" in d.log_path.read_text(), 10, "the reload")
     np.testing.assert_allclose(answer(g, "held", X), want(repo / "held" / "1" / "model.onnx", X), rtol=1e-4,
                                atol=1e-5)
+
+
+SERIAL = """
+backend: "onnxruntime"
+max_batch_size: 0
+input [ { name: "input" data_type: TYPE_FP32 dims: [ -1, 3, 32, 32 ] } ]
+output [ { name: "logits" data_type: TYPE_FP32 dims: [ -1, 10 ] } ]
+"""
+
+
+@pytest.mark.parametrize("config", [CONFIG, SERIAL], ids=["batched", "serial"])
+def test_a_model_reloaded_under_traffic_loses_no_request_and_answers_new_once_loaded(serving, clients, config):
+    """The changed file is packed while the version serves, then swapped in at once (daemon/swaps.py): requests
+    over both fronts meanwhile (a `serial` model the fronts run themselves, over sessions they hold; a `batched`
+    one the daemon's engine runs) all succeed, each with the old file's answer or the new one's, and every
+    request sent after the load returned has the new one's. (Before: every request in the repack failed NOT_FOUND,
+    and a version a front held could not be replaced at all.)"""
+    import threading
+    import time
+
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    d, repo, g, _ = clients
+    name = f"busy-{'serial' if config is SERIAL else 'batched'}"
+    put_model(repo, name, zoo.build("tiny-cnn", seed=11), config)
+    g.load_model(name)
+    x = X[:1]
+    old = want(repo / name / "1" / "model.onnx", x)
+    stop, records = threading.Event(), []
+
+    def traffic(module, address):
+        c = module.InferenceServerClient(address)
+        i = module.InferInput("input", list(x.shape), "FP32")
+        i.set_data_from_numpy(x)
+        try:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    records.append((t0, c.infer(name, [i]).as_numpy("logits"), None))
+                except Exception as e:
+                    records.append((t0, None, str(e)))
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=traffic, args=args) for args in
+               ((grpcclient, serving[2]), (grpcclient, serving[2]), (httpclient, serving[3]))]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.5)   # (long enough for the engine to measure it, and a front to run the serial one)
+        put_model(repo, name, zoo.build("tiny-cnn", seed=12), config)
+        new = want(repo / name / "1" / "model.onnx", x)
+        g.load_model(name)
+        loaded = time.monotonic()
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert [error for _, _, error in records if error] == []
+    assert "replacing the version imported before" in d.log_path.read_text()
+    for t0, y, _ in records:
+        is_new = np.allclose(y, new, rtol=1e-4, atol=1e-5)
+        assert is_new or t0 < loaded and np.allclose(y, old, rtol=1e-4, atol=1e-5)
+    assert sum(t0 > loaded for t0, _, _ in records) > 10
+    assert not list((d.repository / name).glob(".staged-*"))
 
 
 def test_loads_of_one_model_at_once_are_carried_out_one_after_the_other(serving, clients):

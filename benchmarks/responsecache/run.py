@@ -145,13 +145,13 @@ class Server:
     port; its CPU time and memory read over its process tree. As benchmarks/instances/run.py's, with a fallback
     where there is no cgroup."""
 
-    def __init__(self, label: str, cmd: list, env: dict, grpc_port: int, log: Path):
+    def __init__(self, label: str, cmd: list, env: dict, grpc_port: int, log: Path, cwd: Path | None = None):
         from modelcache import memlimit
         self.label, self.grpc_port, self.log = label, grpc_port, log
         self.successes = None              # its statistics' success count after the last window (settled_stats)
         self.cg = memlimit.ChildCgroup.make(f"mc-responsecache-{label}-{os.getpid()}", 64 << 30)
         with open(log, "ab") as f:
-            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=f,
+            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=f, cwd=cwd,
                                          preexec_fn=self.cg.enter if self.cg else None, start_new_session=True)
 
     @property
@@ -256,14 +256,20 @@ def start_triton(label: str, repo: Path, cache_bytes: int | None, malloc: str, w
     return Server(label, argv, env, grpc, work / f"{label}.log")
 
 
-def start_modelcache(label: str, repo: Path, cache_bytes: int, work: Path, extra_env: dict | None = None) -> Server:
+def start_modelcache(label: str, repo: Path, cache_bytes: int, work: Path, extra_env: dict | None = None,
+                     checkout: Path | None = None) -> Server:
+    """`modelcache daemon` importing the Triton repository `repo`; `checkout`: another checkout's package (run from
+    there, with it first on the path), for a side-by-side run against a baseline."""
     home = work / label
     home.mkdir()
     grpc = free_port()
     env = {**os.environ, "MODELCACHE_SOCKET": f"ipc://{home}/d.sock", "MODELCACHE_REPOSITORY": str(home / "repo"),
            "MODELCACHE_CONFIG": "", "MODELCACHE_TRITON_REPOSITORY": str(repo), "MODELCACHE_GRPC_PORT": str(grpc),
            "MODELCACHE_RESPONSE_CACHE_SIZE": str(cache_bytes), **(extra_env or {})}
-    return Server(label, [sys.executable, "-m", "modelcache.cli", "daemon"], env, grpc, work / f"{label}.log")
+    if checkout is not None:
+        env["PYTHONPATH"] = str(checkout)
+    return Server(label, [sys.executable, "-m", "modelcache.cli", "daemon"], env, grpc, work / f"{label}.log",
+                  cwd=checkout)
 
 
 def free_port() -> int:

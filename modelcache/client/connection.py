@@ -462,12 +462,14 @@ class Client:
         return self._call(P.Stats(req_id=0), expect=(P.StatsReply,))
 
     def add(self, path: str, name: str, version: int | None = None, opt_level: str | None = None,
-            timeout_s: float | None = None, prepack: bool | None = None, declared: dict | None = None) -> P.AddReply:
+            timeout_s: float | None = None, prepack: bool | None = None, declared: dict | None = None,
+            replace: bool = False) -> P.AddReply:
         """Pack an .onnx file into the daemon's repository (prepack: store shared MLAS-packed MatMul weights;
         None: the daemon's `prepack` setting). This process opens the file and each external-data
         file it references, with its own rights (an OSError is its own), and passes the descriptors over a
         lane connection of their own: the daemon never opens a path a client names (see modelcache/store/sources.py).
-        `declared`: {"serving", "model_config", "labels"} a Triton configuration gives the model (triton_repo/)."""
+        `declared`: {"serving", "model_config", "labels"} a Triton configuration gives the model (triton_repo/).
+        `replace`: `version` is there and this replaces it, swapped in once packed (daemon/swaps.py)."""
         from ..store.sources import close_all, open_model_files
         names, fds = open_model_files(path)
         lane = None
@@ -479,7 +481,7 @@ class Client:
             # A connection of its own: the daemon takes descriptors only with a connection's first message.
             once = Channel(self.address, lambda: lane, self.timeout_s)
             reply = once.exchange(P.Add(req_id=0, path=os.path.abspath(path), name=name, version=version,
-                                        opt_level=opt_level, files=names, prepack=prepack,
+                                        opt_level=opt_level, files=names, prepack=prepack, replace=replace,
                                         **(declared or {})), (P.AddReply,),
                                   timeout_s=timeout_s or self._add_timeout_s, fds=fds)
             if isinstance(reply, P.ErrorReply):

@@ -24,6 +24,8 @@ class Fetcher:
         self.reply = reply                # (ident, message): answer a request later
         self.redispatch = redispatch      # (ident, request): run a request again (after its fetch)
         self.fetches: dict = {}           # (name, version) -> [(retry, fail)] waiting on one fetch
+        # (ident, request, model) -> whether the request waits for its version's swap (daemon/swaps.py)
+        self.hold_back = lambda ident, msg, model: False
 
     def resolve(self, name: str, version: int | None) -> ModelRecord:
         """The model a request names. A version whose manifest is damaged is refused as what it is
@@ -41,10 +43,12 @@ class Fetcher:
     def resolve_or_fetch(self, ident, msg) -> ModelRecord | None:
         """The model a request names; if only the remote store has it (or has a good copy of a version whose
         manifest is damaged here), start one fetch and return None: the request runs again when it lands (or
-        is answered with the fetch's error)."""
+        is answered with the fetch's error). None too for a version being swapped for its replacement: the
+        request runs again once it is (swaps.py)."""
         from ..wire import protocol as P
         try:
-            return self.registry.resolve(msg.name, msg.version)
+            model = self.registry.resolve(msg.name, msg.version)
+            return None if self.hold_back(ident, msg, model) else model
         except ModelNotFound:
             if self.remote is None:
                 return self.resolve(msg.name, msg.version)   # (raises: unknown, or damaged)

@@ -14,6 +14,7 @@ from ..errors import InputError, IntegrityError, ModelCacheError, ModelNotFound,
 from ..executor.sequences import SequenceSpec
 from ..store.format import load_manifest
 from ..store.packing import pack_in_subprocess
+from ..store.reservations import staged_path
 from ..store.scrub import DAMAGED, nothing_to_verify, verify_version
 from ..store.sources import check_regular_files, check_source_names, close_all
 from ..wire import protocol as P
@@ -45,6 +46,7 @@ class Models:
         # entries (single set operations, atomic under the GIL); only the signal handler reads it.
         self.packers: set = set()
         self.warm_up = lambda model: None   # Serving.warm_up: a model with warm-up samples runs them when added or loaded
+        self.swaps = None                   # daemon/swaps.py: replacements waiting to be swapped in (the server's)
 
     def handlers(self) -> dict:
         return {P.Load: self.on_Load, P.Remove: self.on_Remove, P.Pin: self.on_Pin, P.Evict: self.on_Evict,
@@ -181,9 +183,16 @@ class Models:
         opt_level = msg.opt_level or self.settings.opt_level
         with_prepacked = self.settings.prepack if msg.prepack is None else msg.prepack
         version = msg.version if msg.version is not None else self.registry.next_version(msg.name, self.reserved_versions)
-        if (msg.name, version) in self.registry.models or (msg.name, version) in self.reserved_versions:
-            raise PackError(f"model {msg.name} version {version} already exists")
         key = (msg.name, version)
+        # A replace of a version there: packed beside it while it serves, then swapped in (daemon/swaps.py).
+        replacing = msg.replace and key in self.registry.models
+        if key in self.reserved_versions:
+            raise PackError(f"model {msg.name} version {version} is being added or replaced now; wait for it")
+        if key in self.registry.models and not replacing:
+            raise PackError(f"model {msg.name} version {version} already exists")
+        old = self.registry.models[key] if replacing else None
+        if replacing:
+            self.admins.check_model_owner(ident, old, "replace")
         self.reserved_versions.add(key)
         job = {"kind": "add", "model": f"{msg.name}@{version}", "bytes_done": 0, "bytes_total": 0}
         self.jobs[f"add:{msg.name}@{version}"] = job
@@ -202,7 +211,7 @@ class Models:
                                               sources=(fds, msg.files), owner_uid=owner_uid,
                                               with_prepacked=with_prepacked,
                                               declared={"serving": msg.serving, "model_config": msg.model_config,
-                                                        "labels": msg.labels})
+                                                        "labels": msg.labels}, replacing=replacing)
             finally:
                 close_all(fds)
                 for p in started:
@@ -210,16 +219,31 @@ class Models:
             return manifest, time.perf_counter() - t0
 
         def done(result, error):
-            self.reserved_versions.discard(key)
+            if error is not None or not replacing:   # (a replacement keeps its version reserved until its swap)
+                self.reserved_versions.discard(key)
             self.jobs.pop(f"add:{msg.name}@{version}", None)
             if error is not None:
                 log.warning("add %s from %s failed: %s", job["model"], msg.path, error)
                 self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
                 return
             manifest, pack_s = result
-            model = self.registry.add_model(self.repository.model_dir(msg.name, version), manifest)
+            if replacing:
+                self.swaps.start(old, staged_path(self.repository.root, *key), manifest,
+                                 lambda error, model: swapped(error, model, manifest, pack_s))
+                return
+            added(self.registry.add_model(self.repository.model_dir(msg.name, version), manifest), manifest, pack_s)
+
+        def swapped(error, model, manifest, pack_s):
+            self.reserved_versions.discard(key)
+            if error is not None:
+                log.warning("replacing %s from %s failed: %s", job["model"], msg.path, error)
+                self.reply(ident, P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
+                return
+            added(model, manifest, pack_s, "replaced")
+
+        def added(model, manifest, pack_s, how="added"):
             self.counters["adds"] += 1
-            log.info("model added: %s@%d, %d tensors, %.1f MiB, packed in %.2f s", msg.name, version,
+            log.info("model %s: %s@%d, %d tensors, %.1f MiB, packed in %.2f s", how, msg.name, version,
                      len(manifest.tensors), manifest.weights_bytes / 2**20, pack_s)
             self.reply(ident, P.AddReply(req_id=msg.req_id, name=msg.name, version=version,
                                           weights_bytes=manifest.weights_bytes, tensors=len(manifest.tensors),

@@ -51,6 +51,7 @@ from ..histogram import Histogram
 from .loaders import Loaders
 from .memory import MemoryGuard, PressureWatch, check_capacity
 from .metrics import MetricsServer, render
+from .swaps import Swaps
 from .triton_metrics import CpuUtilization, machine_memory, render_triton
 from .models import Models
 from .notify import Notifier
@@ -144,6 +145,12 @@ class Daemon:
                                responses=ResponseCache(settings.response_cache_bytes()))
         self.memory.caches.append(self.serving.drop_answers)   # (pressure: cached answers go before models)
         self.models.warm_up = self.serving.warm_up
+        # Replacements swapped in while their version serves; their opens and requests wait meanwhile (swaps.py).
+        # The wait: what a front's report (1 s) and its let-go take, as a repository load's (triton_repo/load.py).
+        self.swaps = self.models.swaps = self.serving.swaps = Swaps(
+            registry=self.registry, host=self.residency, repository=self.repository, clock=clock,
+            redispatch=self._dispatch, wait_s=settings.front_hold_s + 1.0)
+        self.fetcher.hold_back = self.swaps.hold_back
         # Message type -> handler(ident, message): each returns its reply, or None when it answers later.
         self.handlers = {**self.sessions.handlers(), **self.models.handlers(), **self.serving.handlers(),
                          P.ListModels: self.on_ListModels, P.Stats: self.on_Stats, P.Remove: self.on_Remove,
@@ -385,7 +392,7 @@ class Daemon:
                     next_watchdog = self.clock() + self.notifier.watchdog_interval_s
                 # A batching window ends; a keep-alive, a pre-warm or a request's wait for room is due (daemon/residency/).
                 wake_at = min([next_sweep, self.engine.next_wakeup() or next_sweep,
-                               self.serving.next_timer() or next_sweep,
+                               self.serving.next_timer() or next_sweep, self.swaps.next_timer() or next_sweep,
                                *(t for r in self.tiers() if (t := r.next_timer()) is not None)])
                 timeout_ms = max(0, int((wake_at - self.clock()) * 1000 + 0.999))
                 events = dict(poller.poll(min(timeout_ms, 250)))
@@ -416,6 +423,7 @@ class Daemon:
                         self.lane.on_ready(key, ready, self._handle)
                 self.engine.on_timer(self.clock())
                 self.serving.on_timer(self.clock())   # sequences idle too long end (executor/sequences.py)
+                self.swaps.on_timer(self.clock())     # a replacement waiting for its version to be let go
                 for residency in self.tiers():
                     residency.on_timer(self.clock())
                 if self.clock() >= next_sweep:

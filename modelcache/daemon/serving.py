@@ -51,6 +51,7 @@ class Serving:
         ensembles.serve = self.serve
         self.responses = responses        # answers of models that ask for it (response_cache.py; capacity 0: off)
         self.answers_dropped = 0          # times memory pressure dropped them (FrontServedReply tells the fronts)
+        self.swaps = None                 # daemon/swaps.py (the server's): FrontServedReply names what they replace
         self.serve_specs: dict = {}             # model key -> (segments, stage specs), see _serve_specs
         self.serve_device_specs: dict = {}      # (model key, device UUID) -> its GPU stage specs
         self.sequence_specs: dict = {}          # model key -> (its manifest's serving["sequence"], SequenceSpec)
@@ -141,7 +142,8 @@ class Serving:
             self.engine.absorb_front(key, report)
             if sum(report["counts"]) - report["cache_hits"] or report["failed"]:   # (a hit is no call of the model)
                 self.host.accessed(model)
-        return P.FrontServedReply(req_id=msg.req_id, answers_dropped=self.answers_dropped)
+        return P.FrontServedReply(req_id=msg.req_id, answers_dropped=self.answers_dropped,
+                                  replacing=self.swaps.replacing() if self.swaps is not None else [])
 
     def on_Partition(self, ident, msg: P.Partition):
         from ..executor.partition import check_request, partition

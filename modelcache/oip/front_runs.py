@@ -254,6 +254,9 @@ class FrontRunner:
             for k, s in served.items():
                 self._served.setdefault(k, _Served()).absorb(s)
             return
+        replacing = set(getattr(reply, "replacing", None) or ())   # (daemon/swaps.py: let go, so the swap may go on)
+        if replacing:
+            await self._close([k for k in self._open if f"{k[0]}@{k[1]}" in replacing])
         dropped = getattr(reply, "answers_dropped", None)
         if dropped is not None and self.answers is not None:
             if self._drops_seen is not None and dropped > self._drops_seen and self.answers.entries:

@@ -467,7 +467,7 @@ def _write_gpu_skeleton(gpu: _GpuGraph, model_dir: Path, cpu_tensors: list[Tenso
 
 def pack(src: str, repository: Path, name: str, version: int | None, opt_level: str = "all",
          progress: Progress | None = None, owner_uid: int = -1, keep_half_weights: bool = True,
-         with_prepacked: bool = False, declared: dict | None = None) -> Manifest:
+         with_prepacked: bool = False, declared: dict | None = None, replacing: bool = False) -> Manifest:
     """Validate, optimize and pack `src` into `repository/name/version`, atomically; `version`
     None takes the next free one, even with other processes adding the same name at once.
     `keep_half_weights` False lets ORT widen fp16 weights to fp32 as it did before (for benchmarks).
@@ -475,7 +475,8 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
     MatMul weights make it worth it (prepack.py; the `prepack` setting, `add --prepack`).
     `declared`: what the model's source declares beside the file, stored in the manifest as given:
     {"serving": its batching policy, "model_config": its Triton configuration, "labels": its outputs' class labels}
-    (`modelcache import-triton`).
+    (`modelcache import-triton`). `replacing`: the version is there already, and this pack replaces it: it is
+    published beside it (reservations.staged_path), for the daemon to swap in (Repository.replace).
 
     A crash at any point leaves at most a `.tmp-*` directory that the next sweep removes
     (modelcache/store/reservations.py); the model appears under its name only through the final rename.
@@ -486,8 +487,9 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
     src = os.path.abspath(src)
     checker_says = validate(src)
     with storage_errors(f"adding {name} to the repository", repository):
-        reservation = reservations.reserve(repository, name, version)
+        reservation = reservations.reserve(repository, name, version, replacing=replacing)
     version, tmp = reservation.version, reservation.tmp
+    final = reservations.staged_path(repository, name, version) if replacing else repository / name / str(version)
     try:
         work = tmp / "work"
         work.mkdir()
@@ -545,7 +547,9 @@ def pack(src: str, repository: Path, name: str, version: int | None, opt_level: 
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
         with storage_errors(doing, repository):
-            reservations.publish(reservation, repository / name / str(version))
+            if replacing and final.exists():   # (a replace that never swapped: the daemon's start removes those too)
+                remove_tree(final)
+            reservations.publish(reservation, final)
         return manifest
     except OSError as e:
         error = storage_error(e, f"adding {name}@{version}", tmp) or e  # before the cleanup frees space
@@ -638,7 +642,8 @@ def check_name(name: str) -> None:
 
 def pack_in_subprocess(src: str, repository: Path, name: str, version: int, opt_level: str = "all",
                        progress: Progress | None = None, on_start=None, sources: tuple = ((), ()),
-                       owner_uid: int = -1, with_prepacked: bool = False, declared: dict | None = None) -> Manifest:
+                       owner_uid: int = -1, with_prepacked: bool = False, declared: dict | None = None,
+                       replacing: bool = False) -> Manifest:
     """`pack` in a child process: ORT's memory goes back to the OS when it exits, and a model that
     crashes ORT costs that child, not the caller (the daemon). `on_start(proc)` lets the caller kill it.
 
@@ -650,7 +655,8 @@ def pack_in_subprocess(src: str, repository: Path, name: str, version: int, opt_
 
     fds, names = sources
     cmd = [sys.executable, "-m", "modelcache.store.packing", src, str(repository), name, str(version), opt_level,
-           str(owner_uid), "prepack" if with_prepacked else "-", json.dumps(declared or {}),
+           str(owner_uid), "prepack" if with_prepacked else "-", "replacing" if replacing else "-",
+           json.dumps(declared or {}),
            *(f"{fd}:{n}" for fd, n in zip(fds, names))]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, pass_fds=list(fds))
     if on_start:
@@ -671,12 +677,13 @@ def pack_in_subprocess(src: str, repository: Path, name: str, version: int, opt_
     if rc != 0:
         how = f"was killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
         raise PackError(f"packing {src} failed: the packing process {how}. {stderr.strip()[-500:]}")
-    return load_manifest(repository / name / str(version))
+    return load_manifest(reservations.staged_path(repository, name, version) if replacing else
+                         repository / name / str(version))
 
 
 def _main(argv: list[str]) -> int:
     import json
-    src, repository, name, version, opt_level, owner_uid, prepack_flag, declared, *fd_names = argv
+    src, repository, name, version, opt_level, owner_uid, prepack_flag, replacing, declared, *fd_names = argv
     scratch = copied = None
     try:
         if fd_names:  # the client's descriptors: pack a private copy, never a path the client named
@@ -690,7 +697,7 @@ def _main(argv: list[str]) -> int:
             path = src
         pack(path, Path(repository), name, int(version), opt_level,
              progress=lambda d, t: print(f"progress {d} {t}", flush=True), owner_uid=int(owner_uid),
-             with_prepacked=prepack_flag == "prepack", declared=json.loads(declared))
+             with_prepacked=prepack_flag == "prepack", declared=json.loads(declared), replacing=replacing == "replacing")
     except (ModelCacheError, OSError) as e:  # PackError, StorageError...: the parent raises the same type
         code = e.code if isinstance(e, ModelCacheError) else PackError.code
         # Errors name the client's file, not our copy of it.

@@ -35,6 +35,9 @@ log = logging.getLogger("modelcache.repository")
 REPOSITORY_LOCK = ".lock"   # held only while choosing a version or sweeping, never while packing
 WRITER_LOCK = ".writer"     # inside a reservation, held by its writer until it finishes
 TEMP_PREFIX = ".tmp-"
+# A version packed to replace one already there waits beside it as <root>/<name>/.staged-<version> until the daemon
+# swaps it in (tiers/disk.py Repository.replace); no listing takes it for a version (format.version_dirs).
+STAGED_PREFIX = ".staged-"
 # Another process's hold on the repository lock is short (it picks a version, or renames one into place):
 # one that lasts longer is waited for this long, saying who holds it every LOCK_SAY_EVERY_S, then refused.
 LOCK_WAIT_S = 60.0
@@ -207,10 +210,16 @@ def sweep(root: Path) -> None:
         log.warning("not sweeping half-written versions now: %s", e)
 
 
-def reserve(root: Path, name: str, version: int | None) -> Reservation:
+def staged_path(root: Path, name: str, version: int) -> Path:
+    """Where a pack that replaces `name@version` publishes (STAGED_PREFIX)."""
+    return Path(root) / name / f"{STAGED_PREFIX}{version}"
+
+
+def reserve(root: Path, name: str, version: int | None, replacing: bool = False) -> Reservation:
     """Reserve `name@version` (the next free version when None) and return where to write it.
 
-    Raises PackError when that version exists or another process is writing it."""
+    Raises PackError when that version exists (unless `replacing` it: then it is published beside it, staged_path)
+    or another process is writing it."""
     root.mkdir(parents=True, exist_ok=True)
     with _RepositoryLock(root):
         live = _sweep_dead(root)
@@ -218,7 +227,7 @@ def reserve(root: Path, name: str, version: int | None) -> Reservation:
         finished = finished_versions(root, name)
         if version is None:
             version = max(finished | being_written, default=0) + 1
-        elif version in finished:
+        elif version in finished and not replacing:
             raise PackError(f"model {name} version {version} already exists")
         elif version in being_written:
             raise PackError(f"model {name} version {version} is being added by another process; "

@@ -30,6 +30,7 @@ class Repository:
         with storage_errors("opening the repository", self.root):
             self.root.mkdir(parents=True, exist_ok=True)
         reservations.sweep(self.root)
+        self._settle_staged()
         found = []
         self.unreadable = {}
         for name, version, model_dir in self.version_dirs():
@@ -48,6 +49,50 @@ class Repository:
     def model_dir(self, name: str, version: int) -> Path:
         return self.root / name / str(version)
 
+    def _settle_staged(self) -> None:
+        """What a daemon that stopped between a replacing pack and its swap left (reservations.STAGED_PREFIX), at
+        its next start: a staged version whose version is there was never swapped in, nor its replace answered:
+        it goes, the version stays as it was. One whose version is not there stopped between the swap's two
+        renames: it goes in."""
+        for staged in self.root.glob(f"*/{reservations.STAGED_PREFIX}*"):
+            version = staged.name[len(reservations.STAGED_PREFIX):]
+            target = staged.parent / version
+            if not version.isdigit() or not staged.is_dir():
+                continue
+            if target.exists():
+                error = remove_tree(staged)
+                if error is not None:
+                    log.warning("could not remove %s, a replacement never swapped in (%s)", staged, error)
+            else:
+                with storage_errors(f"swapping in {staged.parent.name}@{version}", staged):
+                    staged.rename(target)
+                log.info("%s@%s: its replacement, packed before the daemon stopped, swapped in",
+                         staged.parent.name, version)
+
+    def replace(self, name: str, version: int, staged: Path) -> None:
+        """Put a staged pack (reservations.staged_path) in place of the version: the old one renamed aside, then
+        the staged one renamed in; on a failure between, the old one goes back (StorageError: as it was). What
+        the old one's removal leaves, the next sweep clears. The caller makes sure nothing holds the old one."""
+        d = self.model_dir(name, version)
+        aside = None
+        with storage_errors(f"replacing {name}@{version} in the repository", d):
+            if d.exists():
+                aside = Path(tempfile.mkdtemp(prefix=".tmp-removed-", dir=self.root))
+                try:
+                    d.rename(aside / "v")
+                except BaseException:
+                    remove_tree(aside)
+                    raise
+            try:
+                staged.rename(d)
+            except BaseException:
+                if aside is not None:
+                    (aside / "v").rename(d)
+                    remove_tree(aside)
+                raise
+        if aside is not None:
+            self._tidy(aside, name, version)
+
     def remove(self, name: str, version: int) -> None:
         """Delete a version; renamed aside first, so a crash halfway leaves a `.tmp-*` that the next
         sweep clears (reservations.py). StorageError (the version still in place) when it cannot be
@@ -62,6 +107,10 @@ class Repository:
             except BaseException:
                 remove_tree(aside)
                 raise
+        self._tidy(aside, name, version)
+
+    @staticmethod
+    def _tidy(aside: Path, name: str, version: int) -> None:
         error = remove_tree(aside)
         if error is not None:
             log.warning("%s@%d removed; %s stays until the next sweep of the repository (%s)", name, version, aside,

@@ -125,10 +125,11 @@ def _apply(plan: ModelPlan, target, report: Report, out, replace: bool = False) 
         for version, path in todo:
             adding = version
             if version in replaced:   # (refused while in use: then the version stays as it was, served)
-                target.remove(plan.name, version)
+                out(f"{plan.name}@{version}: changed since its import; replacing the version imported before")
+                target.replace(str(path), plan.name, version, plan.declared, plan.opt_level)
                 gone.append(version)
-                out(f"{plan.name}@{version}: changed since its import; the version imported before is removed")
-            target.add(str(path), plan.name, version, plan.declared, plan.opt_level)
+            else:
+                target.add(str(path), plan.name, version, plan.declared, plan.opt_level)
             added.append(version)
             report.imported.append(f"{plan.name}@{version}")
         for version in reconfigure:   # (after the adds: a failed add leaves every version as it was)
@@ -301,6 +302,10 @@ class _DaemonTarget:
     def add(self, path: str, name: str, version: int, declared: dict, opt_level: str | None) -> None:
         self.client.add(path, name, version, opt_level, declared=declared)
 
+    def replace(self, path: str, name: str, version: int, declared: dict, opt_level: str | None) -> None:
+        """Packed while the version imported before serves, then swapped in for it (daemon/swaps.py)."""
+        self.client.add(path, name, version, opt_level, declared=declared, replace=True)
+
     def remove(self, name: str, version: int) -> None:
         self.client.remove(name, version)
 
@@ -355,6 +360,11 @@ class _OfflineTarget:
 
     def remove(self, name: str, version: int) -> None:
         self.repo.remove(name, version)
+
+    def replace(self, path: str, name: str, version: int, declared: dict, opt_level: str | None) -> None:
+        """No daemon serves it: the version removed, then added again."""
+        self.remove(name, version)
+        self.add(path, name, version, declared, opt_level)
 
     def imported_versions(self, name: str) -> list[int]:
         return [v for _, v, _ in self.repo.version_dirs(name)

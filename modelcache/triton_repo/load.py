@@ -16,15 +16,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
-from ..errors import CapacityError, InputError, ModelCacheError, from_code
+from ..errors import InputError, ModelCacheError, from_code
 from .config import parse_config_json
 
 FILE_PREFIX = "file:"
-IN_USE_MARGIN_S = 1.0    # beyond front_hold_s: how long a load waits for a version to replace to be let go
-IN_USE_RETRY_S = 0.25
 
 
 def is_repository_load(name: str, parameters: dict, triton_repository: str) -> bool:
@@ -106,17 +103,10 @@ def _load(name: str, parameters: dict, settings, triton_repository: str) -> list
     try:
         if work is not None:
             _write_files(work / name, files)
-        # A version to replace that a front still runs (another front's hold, front_hold_s after its last
-        # request there) is in use for a moment: the import is tried again until that has passed.
-        deadline = time.monotonic() + settings.front_hold_s + IN_USE_MARGIN_S
-        while True:
-            lines.clear()
-            report = import_repository(root, settings, only=[name], out=lines.append, replace=True,
-                                       overrides=None if config is None else {name: config})
-            in_use = report.errors and report.errors[0].code == CapacityError.code
-            if not in_use or time.monotonic() >= deadline:
-                break
-            time.sleep(IN_USE_RETRY_S)
+        # A version to replace is packed while it serves, then swapped in once what holds it lets go (a front's
+        # sessions within its next report); the daemon waits front_hold_s + 1 s for that (daemon/swaps.py).
+        report = import_repository(root, settings, only=[name], out=lines.append, replace=True,
+                                   overrides=None if config is None else {name: config})
     finally:
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)

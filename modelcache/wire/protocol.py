@@ -407,6 +407,9 @@ class Add(Message, kind="add"):
     serving: dict = {}                 # the model's own batching policy (calibration.check_serving)
     model_config: dict = {}            # the Triton model configuration it comes with (`modelcache import-triton`)
     labels: dict = {}                  # output -> its classes' labels, from the config's label_filename
+    # The version is there already and this replaces it (a repository load of a changed file): packed beside it
+    # while it serves, then swapped in at once; its opens and requests wait for the swap meanwhile (daemon/swaps.py)
+    replace: bool = False
 
     def _check_decoded(self) -> None:
         check_declared(self)
@@ -606,6 +609,9 @@ class FrontServedReply(Message, kind="front_served_ok"):
     # Times memory pressure has dropped the daemon's cached answers since it started: a front that sees the
     # count grow drops its own response cache too (oip/front_runs.py).
     answers_dropped: int = 0
+    # "name@version" of versions waiting to be swapped for a replacement (daemon/swaps.py): a front lets go of
+    # its sessions over them, so that the swap is not kept waiting by this front's traffic.
+    replacing: list = []
 
 
 class Stats(Message, kind="stats"):

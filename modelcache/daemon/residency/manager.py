@@ -498,17 +498,18 @@ class Residency:
         self.admit()
         return freed
 
-    def remove(self, model: ModelRecord, from_disk) -> None:
-        """An operator's remove (the bottom tier's): refused while anything holds or loads the model; else
-        `from_disk()` (a failure there, StorageError, leaves the version as it was, served), then its copies
-        are freed, room admitted, and the record forgotten."""
+    def remove(self, model: ModelRecord, from_disk, doing: str = "removed") -> None:
+        """An operator's remove (the bottom tier's), or a replacement's swap (daemon/swaps.py, `doing`
+        "replaced"): refused while anything holds or loads the model; else `from_disk()` (a failure there,
+        StorageError, leaves the version as it was, served), then its copies are freed, room admitted, and the
+        record forgotten."""
         in_use = self.leases_over_files(model) > 0   # (sessions map its files in the repository)
         try:
             self.copy(model).check_freeable()
         except CapacityError:
             in_use = True
         if in_use:
-            raise CapacityError(f"{model.key} is in use or loading; it cannot be removed now")
+            raise CapacityError(f"{model.key} is in use or loading; it cannot be {doing} now")
         from_disk()
         if self.is_resident(model):
             self.evict(model)
