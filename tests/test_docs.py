@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
 PLACEHOLDERS = {"NAME": "resnet50", "FILE": "model.onnx", "PATH": "model.onnx", "DIR": "out", "REPO": "models",
                 "V": "1", "N": "2", "K": "2", "UUID": "GPU-0", "INDEX": "0", "HOST": "127.0.0.1", "PORT": "8000",
-                "OUT": "out", "SOCKET": "ipc:///tmp/mc/daemon.sock", "MODEL": "resnet50"}
+                "OUT": "out", "SOCKET": "ipc:///tmp/mc/daemon.sock", "MODEL": "resnet50", "CHECKOUT": "."}
 SHELL_LANGS = {"sh", "bash", "shell", "console"}
 NOT_OURS = {"model.py"}   # names of other projects' files the docs mention (Triton's Python backend)
 

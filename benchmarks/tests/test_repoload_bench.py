@@ -24,3 +24,17 @@ def test_every_load_answers_on_every_system(tmp_path):
         assert row["load_s"] > 0 and row["first_ms"] > 0, row
     report = (tmp_path / "report.txt").read_text()
     assert report.startswith("$ python benchmarks/repoload/run.py --model tiny-cnn") and "first request ms" in report
+
+
+TRAFFIC = Path(__file__).resolve().parents[1] / "repoload" / "traffic.py"
+
+
+def test_a_model_reloaded_under_traffic_loses_no_request(tmp_path):
+    r = subprocess.run([sys.executable, str(TRAFFIC), "--rounds", "1", "--configs", "serial", "--clients", "2",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads((tmp_path / "traffic.json").read_text())
+    assert {row["system"] for row in rows} == {"modelcache"} | ({"triton"} if peer_paths() else set())
+    for row in rows:
+        assert row["failed"] == 0 and row["load_error"] is None and row["new"] > 0, row
+    assert (tmp_path / "traffic.txt").read_text().startswith("$ python benchmarks/repoload/traffic.py --rounds 1")
