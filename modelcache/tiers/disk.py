@@ -74,15 +74,8 @@ class Repository:
         the staged one renamed in; on a failure between, the old one goes back (StorageError: as it was). What
         the old one's removal leaves, the next sweep clears. The caller makes sure nothing holds the old one."""
         d = self.model_dir(name, version)
-        aside = None
         with storage_errors(f"replacing {name}@{version} in the repository", d):
-            if d.exists():
-                aside = Path(tempfile.mkdtemp(prefix=".tmp-removed-", dir=self.root))
-                try:
-                    d.rename(aside / "v")
-                except BaseException:
-                    remove_tree(aside)
-                    raise
+            aside = self._aside(d) if d.exists() else None
             try:
                 staged.rename(d)
             except BaseException:
@@ -101,13 +94,19 @@ class Repository:
         if not d.exists():
             return
         with storage_errors(f"removing {name}@{version} from the repository", d):
-            aside = Path(tempfile.mkdtemp(prefix=".tmp-removed-", dir=self.root))
-            try:
-                d.rename(aside / "v")
-            except BaseException:
-                remove_tree(aside)
-                raise
+            aside = self._aside(d)
         self._tidy(aside, name, version)
+
+    def _aside(self, d: Path) -> Path:
+        """Rename a version's directory to `<aside>/v`, `<aside>` a `.tmp-*` directory a sweep clears (a crash
+        before its removal leaves no half version); returns `<aside>`."""
+        aside = Path(tempfile.mkdtemp(prefix=".tmp-removed-", dir=self.root))
+        try:
+            d.rename(aside / "v")
+        except BaseException:
+            remove_tree(aside)
+            raise
+        return aside
 
     @staticmethod
     def _tidy(aside: Path, name: str, version: int) -> None:
