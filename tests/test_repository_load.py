@@ -356,6 +356,12 @@ def test_a_model_is_not_ready_while_it_warms_up(clients):
     wait_until(lambda: g.is_model_ready("slowwarm"), 120, "the warm-up's end")
     assert "slowwarm@1: warmed up: 4 runs" in d.log_path.read_text()
     assert h.is_model_ready("slowwarm")
+    # A changed file swapped in for the ready version: ready all along (as Triton keeps the model it reloads),
+    # its warm-up run all the same, ahead of its requests
+    put_model(repo, "slowwarm", slow_model(300_001), SLOW_WARM)
+    g.load_model("slowwarm")
+    assert g.is_model_ready("slowwarm") and h.is_model_ready("slowwarm")
+    wait_until(lambda: d.log_path.read_text().count("slowwarm@1: warmed up: 4 runs") == 2, 120, "its warm-up")
 
 
 def test_versions_the_policy_no_longer_serves_are_removed_at_a_load(clients):

@@ -45,7 +45,7 @@ class Models:
         # Packing subprocesses, so an immediate stop can kill them. Loader threads add and remove
         # entries (single set operations, atomic under the GIL); only the signal handler reads it.
         self.packers: set = set()
-        self.warm_up = lambda model: None   # Serving.warm_up: a model with warm-up samples runs them when added or loaded
+        self.warm_up = lambda model, **how: None   # Serving.warm_up: a model with warm-up samples runs them when added or loaded
         self.swaps = None                   # daemon/swaps.py: replacements waiting to be swapped in (the server's)
 
     def handlers(self) -> dict:
@@ -72,7 +72,7 @@ class Models:
         def answer(error, hit):
             self.reply(ident, outcome(msg, model, before) if error is None else
                        P.ErrorReply(req_id=msg.req_id, code=error.code, message=str(error)))
-            if error is None:
+            if error is None and not hit:   # (brought into memory now; one that was there was warmed already)
                 self.warm_up(model)
 
         residency.when_resident(model, answer)
@@ -248,7 +248,7 @@ class Models:
             self.reply(ident, P.AddReply(req_id=msg.req_id, name=msg.name, version=version,
                                           weights_bytes=manifest.weights_bytes, tensors=len(manifest.tensors),
                                           pack_s=pack_s))
-            self.warm_up(model)
+            self.warm_up(model, ready_meanwhile=how == "replaced")   # (the version it replaced was ready)
 
         self.loaders.run(work, done)
         return None

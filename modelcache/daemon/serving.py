@@ -441,10 +441,12 @@ class Serving:
         except ModelCacheError as e:   # refused (no id, no START): answered, the hold released
             finish(None, {}, e)
 
-    def warm_up(self, model: ModelRecord) -> None:
+    def warm_up(self, model: ModelRecord, ready_meanwhile: bool = False) -> None:
         """Run the model's warm-up samples (its Triton config's model_warmup, daemon/warmup.py), one run after
         another, each sample `count` times, as requests of its own queue: the model is promoted, its sessions
-        made and run once before the requests that come after them. A failure is logged, and ends the warm-up."""
+        made and run once before the requests that come after them. A failure is logged, and ends the warm-up.
+        Meanwhile the model is not ready (`warming`), as Triton's, unless `ready_meanwhile`: a version swapped in
+        for one that was ready (daemon/swaps.py), whose requests queue behind the warm-up runs anyway."""
         samples = (model.manifest.serving or {}).get("warmup")
         if not samples or self._sequence_spec(model) is not None:
             return
@@ -452,9 +454,12 @@ class Serving:
         runs = [(s["name"], feeds) for s in samples for _ in range(s["count"])
                 for feeds in sample_requests(s, max_batch)]
         started = self.clock()
-        self.warming[model.key] = self.warming.get(model.key, 0) + 1
+        if not ready_meanwhile:
+            self.warming[model.key] = self.warming.get(model.key, 0) + 1
 
         def ended() -> None:
+            if ready_meanwhile:
+                return
             left = self.warming.pop(model.key) - 1
             if left:
                 self.warming[model.key] = left
