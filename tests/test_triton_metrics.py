@@ -57,7 +57,7 @@ def test_the_families_are_tritons_with_its_help_types_and_labels():
 
 def test_the_values_are_the_engines_counters_in_tritons_units():
     served = {"a@2": {"success": 5, "success_s": 0.0123456, "samples": 9, "executions": 4, "queue_s": 0.002,
-                      "run_s": 0.0075, "failed": 3, "rejected": 2, "cache_hits": 1, "cache_hit_s": 0.0000125,
+                      "run_s": 0.0075, "input_s": 0.00025, "output_s": 0.0003, "failed": 3, "rejected": 2, "cache_hits": 1, "cache_hit_s": 0.0000125,
                       "cache_misses": 4, "cache_miss_s": 0.001}}
     models = [listing("a", 2), listing("b", 1), listing("gone", 1, unloaded=True), listing("bad", 1, corrupt="sum")]
     cache = {"capacity_bytes": 1000, "bytes": 250, "entries": 3, "hits": 7, "misses": 5, "evicted": 2}
@@ -70,7 +70,8 @@ def test_the_values_are_the_engines_counters_in_tritons_units():
     assert sample(fams, "nv_inference_request_duration_us", **a) == 12345
     assert sample(fams, "nv_inference_queue_duration_us", **a) == 2000
     assert sample(fams, "nv_inference_compute_infer_duration_us", **a) == 7500
-    assert sample(fams, "nv_inference_compute_input_duration_us", **a) == 0   # (not measured apart from the run)
+    assert sample(fams, "nv_inference_compute_input_duration_us", **a) == 250
+    assert sample(fams, "nv_inference_compute_output_duration_us", **a) == 300
     assert [sample(fams, "nv_inference_request_failure", reason=r, **a)
             for r in ("REJECTED", "BACKEND", "CANCELED", "OTHER")] == [2, 1, 0, 0]
     assert sample(fams, "nv_inference_pending_request_count", **a) == 5       # (every priority level's)
@@ -147,11 +148,16 @@ def test_a_daemons_triton_metrics_agree_with_its_statistics_extension(tmp_path):
             assert sample(fams, "nv_inference_count", **m) == s["inference_count"]
             assert sample(fams, "nv_inference_exec_count", **m) == s["execution_count"]
             for family, stat in (("request_duration", "success"), ("queue_duration", "queue"),
-                                 ("compute_infer_duration", "compute_infer")):
+                                 ("compute_infer_duration", "compute_infer"),
+                                 ("compute_input_duration", "compute_input"),
+                                 ("compute_output_duration", "compute_output")):
                 assert sample(fams, f"nv_inference_{family}_us", **m) == int(s["inference_stats"][stat]["ns"]) // 1000
             assert sum(sample(fams, "nv_inference_request_failure", reason=r, **m)
                        for r in ("REJECTED", "BACKEND", "CANCELED", "OTHER")) == 0
         assert sample(fams, "nv_inference_count", model="plain", version=1) == 5            # rows
+        # the daemon ran them (batched: not a front's): their tensors' decoding and encoding timed
+        assert int(stats["plain"]["inference_stats"]["compute_input"]["ns"]) > 0
+        assert int(stats["plain"]["inference_stats"]["compute_output"]["ns"]) > 0
         assert sample(fams, "nv_cache_num_hits_per_model", model="cached", version=1) == 1
         assert sample(fams, "nv_cache_num_misses_per_model", model="cached", version=1) == 1
         assert "plain" not in [labels["model"] for labels, _ in fams["nv_cache_num_hits_per_model"][2]]

@@ -284,12 +284,16 @@ class Serving:
         arrival = self.clock()
         deadline = deadline_of(arrival, msg.deadline_ms)
         feeds, maps = tensors.decode(msg.inputs)
+        input_s = self.clock() - arrival   # (Triton's compute_input: the request's tensors made ready to run)
 
         def answer(result, timings, error):
             try:
                 if error is None:
                     try:
+                        encoding = self.clock()
                         wire, _ = tensors.encode(result, inline_only=True)
+                        # (Triton's compute_output; the engine's statistics read the timings once this returns)
+                        timings["output_ms"] = (self.clock() - encoding) * 1e3
                     except Exception as e:  # an output serve mode cannot carry (a sequence): say so, never hang
                         error = e if isinstance(e, ModelCacheError) else \
                             ModelCacheError(f"{msg.name}: cannot send its outputs: {type(e).__name__}: {e}")
@@ -304,12 +308,13 @@ class Serving:
         if ensemble is not None:   # its steps, each a request of its model (daemon/ensembles.py)
             self.ensembles.run(ensemble, feeds, msg.output_names, arrival, deadline, answer, msg.priority)
             return None
-        self.serve(model, feeds, msg.output_names, arrival, deadline, msg.sequence, answer, msg.priority)
+        self.serve(model, feeds, msg.output_names, arrival, deadline, msg.sequence, answer, msg.priority,
+                   input_s=input_s)
         return None
 
     def serve(self, model: ModelRecord, feeds: dict, output_names: list | None, arrival: float,
               deadline: float | None, sequence: dict | None, answer, priority: int | None = None,
-              warmup: bool = False) -> None:
+              warmup: bool = False, input_s: float = 0.0) -> None:
         """Run one request of `model` on the engine: `answer(outputs, timings, error)` once, when it is done;
         `priority` its level in a model with priority levels (executor/queues.py). A `warmup` request (warm_up) is
         neither cached nor counted: in the model's statistics, or as a call by the keep-alive policies.
@@ -389,7 +394,7 @@ class Serving:
                                             deadline, finish, samples=samples, batchable=batchable,
                                             profile=model.manifest.batching or None, devices=devices,
                                             serving=model.manifest.serving or None, priority=priority,
-                                            warmup=warmup))
+                                            warmup=warmup, timings={"stages": [], "input_ms": input_s * 1e3}))
 
         def start(error, hit):
             if error is not None:

@@ -7,8 +7,8 @@ version is listed as Triton lists a loaded one: every version the daemon serves,
 request; not one unloaded over a protocol front, nor one whose stored files failed their checksums.
 
 What differs, each for want of the measurement rather than by choice of name:
-- compute_input and compute_output stay 0: the engine times a stage's run, not the tensors' conversion around it
-  (the statistics extension says the same, oip/types.py model_stat);
+- compute_input and compute_output are the daemon's decoding of a request's tensors and encoding of its answer
+  (as the statistics extension's, oip/types.py model_stat): a request a front ran itself converts nothing there;
 - a failure is REJECTED when its model's queue refused it (full, timed out, past its deadline), else BACKEND
   (it failed in a run); nothing is counted CANCELED or OTHER. Requests refused before they reach the engine (a
   wrong shape, an unknown input) are not failures, as in Triton, where they never reach the model;
@@ -31,17 +31,17 @@ _COUNTS = (
     ("nv_inference_exec_count", "executions",
      "Number of model executions performed (does not include cached requests)"),
 )
-# (family, key of the seconds summed, HELP): cumulative durations, in microseconds. None: not measured (0).
+# (family, key of the seconds summed, HELP): cumulative durations, in microseconds.
 _DURATIONS = (
     ("nv_inference_request_duration_us", "success_s",
      "Cumulative inference request duration in microseconds (includes cached requests)"),
     ("nv_inference_queue_duration_us", "queue_s",
      "Cumulative inference queuing duration in microseconds (includes cached requests)"),
-    ("nv_inference_compute_input_duration_us", None,
+    ("nv_inference_compute_input_duration_us", "input_s",
      "Cumulative compute input duration in microseconds (does not include cached requests)"),
     ("nv_inference_compute_infer_duration_us", "run_s",
      "Cumulative compute inference duration in microseconds (does not include cached requests)"),
-    ("nv_inference_compute_output_duration_us", None,
+    ("nv_inference_compute_output_duration_us", "output_s",
      "Cumulative inference compute output duration in microseconds (does not include cached requests)"),
 )
 _CACHE = (
@@ -117,7 +117,7 @@ def render_triton(models: list[dict], served: dict, queued_by_model: dict, cache
     for family, key, help_ in counts:
         out.metric(family, "counter", help_, per_model(family, lambda s, k=key: s.get(k, 0)))
     for family, key, help_ in _DURATIONS:
-        out.metric(family, "counter", help_, per_model(family, lambda s, k=key: _us(s.get(k, 0.0) if k else 0.0)))
+        out.metric(family, "counter", help_, per_model(family, lambda s, k=key: _us(s.get(k, 0.0))))
     out.metric("nv_inference_pending_request_count", "gauge",
                "Instantaneous number of pending requests awaiting execution per-model.",
                [f"nv_inference_pending_request_count{{{labels(n, v)}}} "

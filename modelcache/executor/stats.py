@@ -30,14 +30,16 @@ class ModelServeStats:
     """One model version's requests since the daemon started. Times are the engine's (`timings`): a
     request's total, its queue wait (summed over stages) and its stages' run time."""
 
-    __slots__ = ("latency", "samples", "queue_s", "run_s", "failed", "failed_s", "rejected", "executions", "batches",
-                 "last_at", "last_unix_ms", "cache_hits", "cache_hit_s", "cache_misses", "cache_miss_s")
+    __slots__ = ("latency", "samples", "queue_s", "run_s", "input_s", "output_s", "failed", "failed_s", "rejected",
+                 "executions", "batches", "last_at", "last_unix_ms", "cache_hits", "cache_hit_s", "cache_misses", "cache_miss_s")
 
     def __init__(self):
         self.latency = Histogram(INFER_BUCKETS_S)   # successful requests: their count, summed seconds, buckets
         self.samples = 0          # rows of successful requests (Triton's inference_count)
         self.queue_s = 0.0        # successful requests' waits for a worker
         self.run_s = 0.0          # successful requests' stage runs (a batch's run counts for each member)
+        self.input_s = 0.0        # their tensors decoded from the request (Triton's compute_input), and their
+        self.output_s = 0.0       # outputs encoded into the answer (compute_output): the daemon's own serve path's
         self.failed = 0
         self.failed_s = 0.0
         self.rejected = 0         # of the failed, those its queue refused (full, timed out, past their deadline):
@@ -69,6 +71,8 @@ class ModelServeStats:
         self.samples += samples
         self.queue_s += timings["queue_ms"] / 1e3
         self.run_s += sum(s["run_ms"] for s in timings["stages"]) / 1e3
+        self.input_s += timings.get("input_ms", 0.0) / 1e3
+        self.output_s += timings.get("output_ms", 0.0) / 1e3
 
     def executed(self, rows: int, run_s: float) -> None:
         """A batch of `rows` ran to the end, its stages taking `run_s`."""
@@ -110,7 +114,8 @@ class ModelServeStats:
 
     def describe(self, now: float) -> dict:
         return {"success": self.latency.n, "success_s": self.latency.total, "samples": self.samples,
-                "queue_s": self.queue_s, "run_s": self.run_s, "failed": self.failed, "failed_s": self.failed_s,
+                "queue_s": self.queue_s, "run_s": self.run_s, "input_s": self.input_s, "output_s": self.output_s,
+                "failed": self.failed, "failed_s": self.failed_s,
                 "rejected": self.rejected, "executions": self.executions, "batches": self.batches,
                 "cache_hits": self.cache_hits, "cache_hit_s": self.cache_hit_s,
                 "cache_misses": self.cache_misses, "cache_miss_s": self.cache_miss_s,

@@ -66,9 +66,10 @@ def model_config(name: str, inputs: list[dict], outputs: list[dict]) -> dict:
 
 def model_stat(name: str, version: int, served: dict | None) -> dict:
     """One version's entry of Triton's statistics extension from the engine's counters (executor/stats.py;
-    None: no request yet). The daemon does not time input and output conversion apart from the run, so
-    compute_input and compute_output have their counts and 0 ns, in batch_stats too (each batch size's executions and
-    their runs' time). The response cache's hits and misses as Triton counts them (executor/stats.py)."""
+    None: no request yet). compute_input and compute_output: the daemon's decoding of a request's tensors and
+    encoding of its answer (a request a front ran itself converts nothing: 0); batch_stats has each batch size's
+    executions and their runs' time, with 0 ns for its compute_input and compute_output (not timed per batch).
+    The response cache's hits and misses as Triton counts them (executor/stats.py)."""
     s = served or {}
     ok = s.get("success", 0)
     ran = ok - s.get("cache_hits", 0)   # (as Triton: a request answered from the response cache never computed)
@@ -81,9 +82,9 @@ def model_stat(name: str, version: int, served: dict | None) -> dict:
             "inference_stats": {"success": stat(ok, s.get("success_s", 0.0)),
                                 "fail": stat(s.get("failed", 0), s.get("failed_s", 0.0)),
                                 "queue": stat(ok, s.get("queue_s", 0.0)),
-                                "compute_input": stat(ran, 0.0),
+                                "compute_input": stat(ran, s.get("input_s", 0.0)),
                                 "compute_infer": stat(ran, s.get("run_s", 0.0)),
-                                "compute_output": stat(ran, 0.0),
+                                "compute_output": stat(ran, s.get("output_s", 0.0)),
                                 "cache_hit": stat(s.get("cache_hits", 0), s.get("cache_hit_s", 0.0)),
                                 "cache_miss": stat(s.get("cache_misses", 0), s.get("cache_miss_s", 0.0))},
             "batch_stats": [{"batch_size": int(rows), "compute_input": stat(count, 0.0),
