@@ -28,7 +28,7 @@ REPLY_TO = {b"hello": (b"hello_ok",), b"bye": (b"ok",), b"open": (b"open_ok",), 
             b"load": (b"ok", b"outcome_ok"), b"pin": (b"ok", b"outcome_ok"), b"remove": (b"ok",),
             b"evict": (b"ok", b"outcome_ok"), b"list": (b"list_ok",), b"add": (b"add_ok",),
             b"describe": (b"describe_ok",), b"set_batching": (b"ok",), b"configure": (b"ok",),
-            b"set_unloaded": (b"ok",),
+            b"set_unloaded": (b"ok",), b"log_settings": (b"log_settings_ok",),
             b"partition": (b"describe_ok",), b"infer": (b"infer_ok",), b"stats": (b"stats_ok",),
             b"profile": (b"profile_ok",), b"verify": (b"verify_ok",), b"front_served": (b"front_served_ok",)}
 # Kinds that mutate the repository: they never name the target's model, which the fuzz needs intact

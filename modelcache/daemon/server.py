@@ -32,7 +32,7 @@ from ..wire import protocol as P
 from ..config import ConfigError, Settings
 from ..executor.engine import Engine
 from ..executor.response_cache import ResponseCache
-from ..errors import ModelCacheError, ProtocolError
+from ..errors import ModelCacheError, PermissionDenied, ProtocolError
 from ..tiers.disk import Repository
 from ..tiers.host import HostTier
 from ..tiers.remote import RemoteStore
@@ -51,6 +51,7 @@ from ..histogram import Histogram
 from .loaders import Loaders
 from .memory import MemoryGuard, PressureWatch, check_capacity
 from .metrics import MetricsServer, render
+from .log_settings import LogSettings
 from .swaps import Swaps
 from .triton_metrics import CpuUtilization, machine_memory, render_triton
 from .models import Models
@@ -154,7 +155,7 @@ class Daemon:
         # Message type -> handler(ident, message): each returns its reply, or None when it answers later.
         self.handlers = {**self.sessions.handlers(), **self.models.handlers(), **self.serving.handlers(),
                          P.ListModels: self.on_ListModels, P.Stats: self.on_Stats, P.Remove: self.on_Remove,
-                         P.SetUnloaded: self.on_SetUnloaded}
+                         P.SetUnloaded: self.on_SetUnloaded, P.LogSettings: self.on_LogSettings}
         self.started = wall()
         # When the owner loop last came back from not listening (see serve_forever): silence before it is not counted.
         self.listening_since = float("-inf")
@@ -164,6 +165,7 @@ class Daemon:
         self.notifier = Notifier()
         self.metrics: MetricsServer | None = None
         self.cpu_utilization: CpuUtilization | None = None   # Triton's nv_cpu_utilization, between two renders
+        self.log_settings = LogSettings()   # Triton's logging extension over this process's log
         self.children: list = []                # daemon/children.py: the fronts (http_port, grpc_port), the import
         self.ctx = zmq.Context.instance()
         # Only an ipc:// peer has kernel credentials; a tcp:// one's Peer-Address is an IP (see identity.py).
@@ -325,6 +327,7 @@ class Daemon:
                     log.warning("reload: %s %r -> %r needs a restart of the daemon; keeping %r until then",
                                 name, old, value, old)
             logging.getLogger("modelcache").setLevel(self.settings.log_level.upper())
+            self.log_settings.levels.switch_on()   # (log_level is the whole say again, as at the start)
             self.memory.limit = limit
             self.residency.set_capacity(capacity)
             self.memory.reserve = self.settings.memory_reserve_bytes(limit.limit_bytes)
@@ -617,6 +620,20 @@ class Daemon:
             log.info("model %s unloaded: not ready over the protocol fronts until it is loaded", msg.name)
         (self.registry.unloaded.add if msg.unloaded else self.registry.unloaded.discard)(msg.name)
         return P.Ack(req_id=msg.req_id)
+
+    def on_LogSettings(self, ident, msg: P.LogSettings):
+        """Triton's logging extension: the daemon's log settings, updated by an admin (log_settings.py)."""
+        if msg.update:
+            if not self.admins.is_admin(ident):
+                raise PermissionDenied("permission denied: only admins (root, the daemon's user, admin_group) may "
+                                       "change the daemon's log settings")
+            before = self.log_settings.settings()
+            after = self.log_settings.apply(msg.update)
+            changed = {k: v for k, v in after.items() if before[k] != v}
+            if changed:
+                log.warning("log settings changed over a protocol front: %s", changed)
+                self.settings.log_level = logging.getLevelName(self.log_settings.logger.getEffectiveLevel()).lower()
+        return P.LogSettingsReply(req_id=msg.req_id, settings=self.log_settings.settings())
 
     def on_Remove(self, ident, msg: P.Remove):
         """A model's version, or an ensemble's (daemon/ensembles.py)."""

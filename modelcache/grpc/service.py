@@ -202,6 +202,19 @@ class InferenceService:
     async def CudaSharedMemoryRegister(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, CUDA_REFUSED)
 
+    @answers
+    async def LogSettings(self, request, context):
+        """Triton's logging extension: the settings a request names (each a bool, uint32 or string parameter) are
+        updated (none: only read), all of them answered."""
+        update = {k: getattr(v, v.WhichOneof("parameter_choice")) for k, v in request.settings.items()
+                  if v.WhichOneof("parameter_choice")}
+        settings = await self.ops.log_settings(update)
+        reply = pb.LogSettingsResponse()
+        for k, v in settings.items():
+            kind = "bool_param" if type(v) is bool else "uint32_param" if type(v) is int else "string_param"
+            setattr(reply.settings[k], kind, v)
+        return reply
+
     @staticmethod
     def _stream_error(request, message: str) -> pb.ModelStreamInferResponse:
         return pb.ModelStreamInferResponse(error_message=message, infer_response=pb.ModelInferResponse(
@@ -209,11 +222,9 @@ class InferenceService:
 
 
 async def _unimplemented(self, request, context):
-    await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not supported by modelcache: trace and log settings are "
-                                                       "Triton's own")
+    await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not supported by modelcache: trace settings are Triton's own")
 
-for _name in ("TraceSetting", "LogSettings"):
-    setattr(InferenceService, _name, _unimplemented)
+InferenceService.TraceSetting = _unimplemented
 
 
 class HealthService:

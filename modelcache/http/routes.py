@@ -107,6 +107,8 @@ class Endpoints:
             self.router.add("GET", base + "/config", self.model_config)
             self.router.add("GET", base + "/stats", self.model_stats)
             self.router.add("POST", base + "/infer", self.infer)
+        self.router.add("GET", "/v2/logging", self.logging)
+        self.router.add("POST", "/v2/logging", self.logging)
         self.router.add("POST", "/v2/repository/index", self.repository_index)
         self.router.add("POST", "/v2/repository/models/{name}/load", self.repository_load)
         self.router.add("POST", "/v2/repository/models/{name}/unload", self.repository_unload)
@@ -229,6 +231,10 @@ class Endpoints:
     async def shm_unregister(self, request: Request) -> Response:
         self.ops.regions.unregister(request.params.get("region"))
         return OK
+
+    async def logging(self, request: Request) -> Response:
+        """Triton's logging extension: GET the settings, POST some of them (an empty body changes nothing)."""
+        return json_response(await self.ops.log_settings(self._json_body(request) if request.method == "POST" else {}))
 
     async def cuda_status(self, request: Request) -> Response:
         region = request.params.get("region")

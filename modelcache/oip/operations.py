@@ -23,6 +23,7 @@ from .. import __version__
 from ..wire import protocol as P, tensors
 from ..errors import CapacityError, InputError, ModelCacheError, ModelNotFound, NotAllowed
 from ..executor.response_cache import ResponseCache, model_identity, request_key
+from ..daemon.log_settings import LogSettings
 from ..triton_repo.load import is_repository_load, load_failed, repository_load
 from . import types
 from .link import DaemonLink
@@ -33,7 +34,8 @@ from .reshape import Reshape
 from .shared_memory import RegionInput, Regions
 from .types import raw_of
 
-EXTENSIONS = ["classification", "binary_tensor_data", "model_repository", "model_configuration", "statistics"]
+EXTENSIONS = ["classification", "binary_tensor_data", "model_repository", "model_configuration", "statistics",
+              "logging"]
 # The daemon's error codes (modelcache/errors.py) -> (HTTP status, gRPC status code name); any other code (a
 # RunError's "run") is a failure of the model or the daemon: 500, INTERNAL.
 STATUS_BY_CODE = {"not_found": (404, "NOT_FOUND"), "input": (400, "INVALID_ARGUMENT"),
@@ -123,6 +125,7 @@ class Operations:
         # (name, version) -> (when read, interface_of's answer): a describe per request would cost a round trip;
         # a model imported again with another reshape or labels is seen within INTERFACE_TTL_S.
         self.interfaces: dict = {}
+        self.own_log = LogSettings()       # this front's log, set as the daemon's when a request changes them
 
     async def ready(self) -> str | None:
         """None when the daemon answers; else why the server is not ready."""
@@ -131,6 +134,16 @@ class Operations:
         except ModelCacheError as e:
             return f"not ready: {e}"
         return None
+
+    async def log_settings(self, update: dict) -> dict:
+        """Triton's logging extension: the daemon's log settings, updated first where `update` names some (an admin's
+        request: the daemon's user, as the daemon's own fronts are); this front's own log follows them."""
+        if not isinstance(update, dict):
+            raise InputError("a log setting request is a JSON object of settings")
+        reply = await self.link.call(P.LogSettings(req_id=0, update=update), (P.LogSettingsReply,))
+        if update:
+            self.own_log.apply({k: v for k, v in reply.settings.items() if k != "log_file"})
+        return reply.settings
 
     def server_metadata(self) -> dict:
         extensions = EXTENSIONS + (["system_shared_memory"] if self.regions.allowed else [])

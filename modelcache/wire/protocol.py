@@ -614,6 +614,18 @@ class FrontServedReply(Message, kind="front_served_ok"):
     replacing: list = []
 
 
+class LogSettings(Message, kind="log_settings"):
+    """Triton's logging extension (a front's GET or POST /v2/logging, gRPC LogSettings): `update` the settings it
+    names (Triton's names and types; none: only read them), answered with all of them (daemon/log_settings.py)."""
+    req_id: int
+    update: dict = {}
+
+
+class LogSettingsReply(Message, kind="log_settings_ok"):
+    req_id: int
+    settings: dict = {}
+
+
 class Stats(Message, kind="stats"):
     req_id: int
 
