@@ -105,8 +105,12 @@ def cmd_import_triton(args) -> int:
         from pathlib import Path
         if not Path(args.source).is_dir():
             raise ModelCacheError(f"{args.source} is not a directory: give a Triton model repository to watch")
+        def set_unloaded(name: str, unloaded: bool) -> None:   # (a daemon's: with none, nothing serves anyway)
+            from .client.connection import connect
+            with connect(settings.socket, timeout_s=settings.add_timeout_s) as client:
+                client.set_unloaded(name, unloaded)
         RepositoryPoller(Path(args.source), lambda names: import_repository(
-            args.source, settings, only=names, out=out, replace=True), out).run(args.poll)
+            args.source, settings, only=names, out=out, replace=True), out, set_unloaded).run(args.poll)
         return 0
     report = import_repository(args.source, settings, only=args.model, dry_run=args.dry_run, out=out,
                                replace=args.replace)

@@ -500,6 +500,16 @@ def test_a_pass_imports_what_is_new_or_changed_and_says_what_went(tmp_path):
     shutil.rmtree(repo / "c")
     assert poller.poll_once() == [] and lines[-1].startswith("c: its directory is gone")
     assert asked == [["a", "b"], ["a", "c"], ["b"]]
+    # With a daemon's unload: the model whose directory went is unloaded, and loaded when it is back
+    switched = []
+    watching = RepositoryPoller(repo, import_models, lines.append, lambda n, u: switched.append((n, u)))
+    watching.poll_once()
+    shutil.move(repo / "a", tmp_path / "a")
+    watching.poll_once()
+    assert switched == [("a", True)] and "a: its directory is gone" in lines[-1] and "unloaded" in lines[-1]
+    shutil.move(tmp_path / "a", repo / "a")
+    assert watching.poll_once() == ["a"] and switched == [("a", True), ("a", False)]
+    assert lines[-1].startswith("a: back in")
     slept = []
     RepositoryPoller(repo, import_models, lines.append).run(0.5, sleep=slept.append, passes=3)
     assert slept == [0.5, 0.5] and asked[-1] == ["a", "b"]
@@ -538,6 +548,18 @@ def test_a_daemon_that_polls_its_triton_repository_imports_what_changes(tmp_path
         (repo / "first" / "1" / "model.onnx").write_bytes(b"half a copy")
         wait_until(lambda: "is not a valid ONNX model" in d.log_path.read_text(), 60, "the poll's refusal")
         np.testing.assert_array_equal(answer(g, "first", X), before)
+        # A directory that goes: unloaded, as Triton unloads it (its versions kept); back, it is loaded again
+        import shutil
+        shutil.move(repo / "second", tmp_path / "second-aside")
+        wait_until(lambda: not g.is_model_ready("second"), 60, "the unload of a model whose directory went")
+        e = refused(answer, g, "second", X)
+        assert "unloaded" in e.message(), e
+        assert (d.repository / "second" / "1").is_dir()
+        shutil.move(tmp_path / "second-aside", repo / "second")
+        wait_until(lambda: g.is_model_ready("second"), 60, "its load when it came back")
+        assert "second: back in" in d.log_path.read_text()
+        np.testing.assert_allclose(answer(g, "second", X), want(repo / "second" / "1" / "model.onnx", X),
+                                   rtol=1e-4, atol=1e-5)
     finally:
         g.close()
         stop_cleanly(d)

@@ -382,6 +382,11 @@ class Client:
         takes as `declared`), its weights unchanged: a Triton repository load whose config alone changed."""
         self._call(P.Configure(req_id=0, name=name, version=version, **declared), expect=(P.Ack,))
 
+    def set_unloaded(self, name: str, unloaded: bool = True) -> None:
+        """Triton's unload (True) or load (False) of a model or an ensemble, as the protocol fronts say it: not
+        ready, its requests refused there, until loaded again; nothing removed (P.SetUnloaded)."""
+        self._call(P.SetUnloaded(req_id=0, name=name, unloaded=unloaded), expect=(P.Ack,))
+
     def add_ensemble(self, name: str, version: int, config: dict) -> None:
         """Add a Triton ensemble (its configuration as Triton's JSON) whose steps are models the daemon has."""
         self._call(P.AddEnsemble(req_id=0, name=name, version=version, config=config), expect=(P.Ack,))

@@ -4,10 +4,11 @@ changes (`modelcache import-triton REPO --poll SECONDS`; the daemon's `model_con
 Each pass lists the repository's model directories and fingerprints each (every file under it, with its size,
 inode and times, as Triton compares modification times); a model whose fingerprint differs from the last pass's,
 or that is new, is imported with `replace` (importer.py): a new model added, an edited configuration replaced
-in place, a new file packed again once no session holds the version it replaces, versions the policy no longer
-serves removed. A model whose import failed is tried again when its directory changes again (a model caught
-half copied: the copy's end changes it). A directory that goes is said once and its model left served, where
-Triton unloads it: removing a version clients may hold is the operator's call (`modelcache rm`).
+in place, a new file packed beside the version and swapped in for it (daemon/swaps.py), versions the policy no
+longer serves removed. A model whose import failed is tried again when its directory changes again (a model
+caught half copied: the copy's end changes it). A model whose directory goes is unloaded, as Triton unloads it:
+not ready, its requests refused at the fronts; its versions stay stored (removing what clients may hold is the
+operator's call, `modelcache rm`), and it is loaded again when its directory comes back.
 """
 
 from __future__ import annotations
@@ -36,14 +37,17 @@ def fingerprint(model_dir: Path) -> tuple:
 
 
 class RepositoryPoller:
-    """Passes over the repository `root`; `import_models(names)` imports those models (with replace), `out(line)`
-    says what a pass found."""
+    """Passes over the repository `root`; `import_models(names)` imports those models (with replace; it may return
+    the importer's Report), `set_unloaded(name, unloaded)` unloads a model whose directory went and loads it again
+    when it comes back (None: such a model is only said, and left as it is); `out(line)` says what a pass found."""
 
-    def __init__(self, root: Path, import_models, out=print):
+    def __init__(self, root: Path, import_models, out=print, set_unloaded=None):
         self.root = Path(root)
         self.import_models = import_models
+        self.set_unloaded = set_unloaded
         self.out = out
         self.seen: dict = {}       # model name -> its directory's fingerprint at the last pass
+        self.gone: set = set()     # models unloaded because their directory went
 
     def model_dirs(self) -> dict | None:
         """{name: directory} of the repository's models; None (said) when it cannot be read."""
@@ -60,19 +64,46 @@ class RepositoryPoller:
             return []
         current = {name: fingerprint(d) for name, d in dirs.items()}
         for name in sorted(set(self.seen) - set(current)):
-            self.out(f"{name}: its directory is gone from {self.root}; still served (`modelcache rm {name}` removes it)")
+            self._went(name)
         changed = sorted(name for name, fp in current.items() if self.seen.get(name) != fp)
         if changed:
             try:
-                self.import_models(changed)
+                report = self.import_models(changed)
             except ModelCacheError as e:   # (the daemon restarting, say: the same models are tried next pass)
                 self.out(f"{self.root}: {e}; trying again at the next pass")
                 for name in changed:
                     current.pop(name)
                     if name in self.seen:
                         current[name] = self.seen[name]
+            else:
+                failed = set(getattr(report, "failed", ()))
+                for name in sorted(self.gone & set(changed) - failed):
+                    self._came_back(name)
         self.seen = current
         return changed
+
+    def _went(self, name: str) -> None:
+        where = f"{name}: its directory is gone from {self.root}"
+        if self.set_unloaded is None:
+            self.out(f"{where}; still served (`modelcache rm {name}` removes it)")
+            return
+        try:
+            self.set_unloaded(name, True)
+        except ModelCacheError as e:   # (a model never imported, or the daemon away: said, left as it is)
+            self.out(f"{where}; not unloaded: {e}")
+            return
+        self.gone.add(name)
+        self.out(f"{where}: unloaded, as Triton unloads it; its versions stay stored (`modelcache rm {name}` "
+                 "removes them), and load again when it comes back")
+
+    def _came_back(self, name: str) -> None:
+        try:
+            self.set_unloaded(name, False)
+        except ModelCacheError as e:
+            self.out(f"{name}: back in {self.root}, but not loaded: {e}; trying again at the next change")
+            return
+        self.gone.discard(name)
+        self.out(f"{name}: back in {self.root}: loaded again")
 
     def run(self, interval_s: float, sleep=time.sleep, passes: int | None = None) -> None:
         """Pass after pass, `interval_s` apart (from one pass's end to the next's start, as Triton's poll
