@@ -144,7 +144,8 @@ def report(rows: list, args) -> str:
                     errors[k] = errors.get(k, 0) + n
             loads_failed = [r["load_error"] for r in rs if r["load_error"]]
             lines.append(f"{system:16} {config:8} {cell([r['load_s'] for r in rs], '.2f'):>18} "
-                         f"{cell([r['failed'] for r in rs], '.0f'):>22} {cell([r['longest_ms'] for r in rs], '.0f'):>22} "
+                         f"{cell([r['failed'] for r in rs], '.0f'):>22} "
+                         f"{cell([r['longest_ms'] for r in rs], '.0f'):>22} "
                          f"{cell([r['ok'] for r in rs], '.0f'):>18}  "
                          + "; ".join(f"{n}x {k}" for k, n in sorted(errors.items(), key=lambda kv: -kv[1])[:2])
                          + (f" LOAD FAILED {len(loads_failed)}x: {loads_failed[0]}" if loads_failed else ""))

@@ -160,11 +160,12 @@ def main(argv=None) -> int:
             finally:
                 server.stop()
     lines, wrong = compare(families(pages["triton"]), families(pages["modelcache"]))
+    verdict = ["differs where it should not:", *wrong] if wrong else \
+        ["every family both print has the same TYPE, HELP and labels; every count agrees"]
     text = "\n".join([f"$ python benchmarks/tritonmetrics/compare.py --requests {args.requests}"
                       + (f" --out {args.out}" if args.out else ""),
                       f"{args.requests} requests of fresh inputs (1 and 2 rows), 1 repeated, 1 of a wrong shape",
-                      *lines, "", *(["differs where it should not:", *wrong] if wrong else
-                                    ["every family both print has the same TYPE, HELP and labels; every count agrees"])])
+                      *lines, "", *verdict])
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -45,7 +45,8 @@ class Models:
         # Packing subprocesses, so an immediate stop can kill them. Loader threads add and remove
         # entries (single set operations, atomic under the GIL); only the signal handler reads it.
         self.packers: set = set()
-        self.warm_up = lambda model, **how: None   # Serving.warm_up: a model with warm-up samples runs them when added or loaded
+        # Serving.warm_up: a model with warm-up samples runs them when added or loaded
+        self.warm_up = lambda model, **how: None
         self.swaps = None                   # daemon/swaps.py: replacements waiting to be swapped in (the server's)
 
     def handlers(self) -> dict:
@@ -184,13 +185,13 @@ class Models:
         with_prepacked = self.settings.prepack if msg.prepack is None else msg.prepack
         version = msg.version if msg.version is not None else self.registry.next_version(msg.name, self.reserved_versions)
         key = (msg.name, version)
-        # A replace of a version there: packed beside it while it serves, then swapped in (daemon/swaps.py).
-        replacing = msg.replace and key in self.registry.models
         if key in self.reserved_versions:
             raise PackError(f"model {msg.name} version {version} is being added or replaced now; wait for it")
-        if key in self.registry.models and not replacing:
+        # A replace of a version there: packed beside it while it serves, then swapped in (daemon/swaps.py).
+        old = self.registry.models.get(key)
+        replacing = old is not None and msg.replace
+        if old is not None and not replacing:
             raise PackError(f"model {msg.name} version {version} already exists")
-        old = self.registry.models[key] if replacing else None
         if replacing:
             self.admins.check_model_owner(ident, old, "replace")
         self.reserved_versions.add(key)

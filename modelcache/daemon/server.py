@@ -395,7 +395,8 @@ class Daemon:
                     next_watchdog = self.clock() + self.notifier.watchdog_interval_s
                 # A batching window ends; a keep-alive, a pre-warm or a request's wait for room is due (daemon/residency/).
                 wake_at = min([next_sweep, self.engine.next_wakeup() or next_sweep,
-                               self.serving.next_timer() or next_sweep, self.swaps.next_timer() or next_sweep,
+                               self.serving.next_timer() or next_sweep,
+                               self.swaps.next_timer() or next_sweep,
                                *(t for r in self.tiers() if (t := r.next_timer()) is not None)])
                 timeout_ms = max(0, int((wake_at - self.clock()) * 1000 + 0.999))
                 events = dict(poller.poll(min(timeout_ms, 250)))

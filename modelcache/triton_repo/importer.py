@@ -10,8 +10,9 @@ Each model gets its lines: imported, unchanged, skipped (another backend), refus
 listing the configuration fields modelcache does not honour.
 
 A repository load (Triton's model-control API, triton_repo/load.py) imports one model with `replace`: there the
-request is the operator's call, so a version changed since its import is removed and added again, as Triton's
-reload does, once it is not in use.
+request is the operator's call, so a version whose file changed since its import is packed again and swapped in
+for the one serving (daemon/swaps.py), as Triton's reload swaps it, unless a client's session keeps the old one;
+one whose configuration alone changed is configured in place.
 """
 
 from __future__ import annotations
