@@ -164,7 +164,7 @@ class Daemon:
         self.reload_requested = False
         self.notifier = Notifier()
         self.metrics: MetricsServer | None = None
-        self.cpu_utilization: CpuUtilization | None = None   # Triton's nv_cpu_utilization, between two renders
+        self.cpu_utilization = CpuUtilization()   # Triton's nv_cpu_utilization, between two renders of the metrics
         self.log_settings = LogSettings()   # Triton's logging extension over this process's log
         self.children: list = []                # daemon/children.py: the fronts (http_port, grpc_port), the import
         self.ctx = zmq.Context.instance()
@@ -354,8 +354,6 @@ class Daemon:
         if self.metrics is None:
             return
         tiers, models, executor = self._describe_tiers(), self._describe_models(), self.engine.describe()
-        if self.cpu_utilization is None:
-            self.cpu_utilization = CpuUtilization()
         cached = {m.key for m in self.registry.models.values() if self.serving.caches(m)}
         cache = self._response_cache()
         self.metrics.publish(render(self.counters, tiers, models, len(self.registry.clients),

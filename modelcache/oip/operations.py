@@ -138,8 +138,6 @@ class Operations:
     async def log_settings(self, update: dict) -> dict:
         """Triton's logging extension: the daemon's log settings, updated first where `update` names some (an admin's
         request: the daemon's user, as the daemon's own fronts are); this front's own log follows them."""
-        if not isinstance(update, dict):
-            raise InputError("a log setting request is a JSON object of settings")
         reply = await self.link.call(P.LogSettings(req_id=0, update=update), (P.LogSettingsReply,))
         if update:
             self.own_log.apply({k: v for k, v in reply.settings.items() if k != "log_file"})
