@@ -130,6 +130,25 @@ def test_the_client_opens_the_model_and_its_external_data(tmp_path, zoo_file):
     finally:
         for fd in fds:
             os.close(fd)
+    # A file whose bytes hold no "location" names no other: one descriptor, not parsed (the packer refuses junk)
+    (tmp_path / "plain.onnx").write_bytes(open(zoo_file("tiny-cnn"), "rb").read())
+    (tmp_path / "junk.onnx").write_bytes(b"\x08\x07 not protobuf \xff")
+    for name in ("plain.onnx", "junk.onnx"):
+        names, fds = open_model_files(str(tmp_path / name))
+        for fd in fds:
+            os.close(fd)
+        assert names == [name]
+    # The bytes without external data (a doc string): parsed, one file; in junk: parsed, and refused
+    model = onnx.load(zoo_file("tiny-cnn"))
+    model.doc_string = "location"
+    onnx.save_model(model, str(tmp_path / "doc.onnx"))
+    names, fds = open_model_files(str(tmp_path / "doc.onnx"))
+    for fd in fds:
+        os.close(fd)
+    assert names == ["doc.onnx"]
+    (tmp_path / "junk.onnx").write_bytes(b"\x08\x07 location \xff")
+    with pytest.raises(PackError, match="junk.onnx is not a valid ONNX model"):
+        open_model_files(str(tmp_path / "junk.onnx"))
     os.mkfifo(tmp_path / "fifo.onnx")
     with pytest.raises(PackError, match="not a regular file"):   # would block the packer
         open_model_files(str(tmp_path / "fifo.onnx"))
