@@ -253,8 +253,15 @@ def wait_live(client) -> None:
     wait_until(live, 30, "the daemon's HTTP front")
 
 
+def maps_onnxruntime(pid: int) -> bool:
+    """Whether the process has imported ONNX Runtime (its extension module is mapped)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return "onnxruntime_pybind11_state" in f.read()
+
+
 def test_daemon_starts_and_stops_the_front(tmp_path, zoo_file):
-    """http_port: the daemon runs the front as its child and stops it with itself."""
+    """http_port: the daemon runs the front as its child and stops it with itself. A daemon with a front imports
+    ONNX Runtime as it starts, not in the first request's session (Engine.start)."""
     port = _free_port()
     d = DaemonProcess(tmp_path, extra_env={"MODELCACHE_HTTP_PORT": str(port)}).start()
     try:
@@ -264,6 +271,7 @@ def test_daemon_starts_and_stops_the_front(tmp_path, zoo_file):
         wait_live(tc)
         assert tc.get_model_metadata("cnn")["name"] == "cnn"
         tc.close()
+        wait_until(lambda: maps_onnxruntime(d.proc.pid), 30, "the daemon's import of onnxruntime")
     finally:
         stop_cleanly(d)
     with pytest.raises(OSError):   # the port is closed: the front went with the daemon
@@ -295,6 +303,7 @@ def test_daemon_gone_is_503_and_not_ready(tmp_path, zoo_file):
         with d.client() as c:
             c.add(zoo_file("tiny-cnn"), "cnn")
         assert front.request("GET", "/v2/models/cnn")[0] == 200
+        assert not maps_onnxruntime(d.proc.pid)   # (no front of its own: ORT waits for a request it runs)
         assert d.stop() == 0
         status, _, payload = front.request("GET", "/v2/models/cnn")
         assert status == 503 and "daemon" in json.loads(payload)["error"]

@@ -237,7 +237,7 @@ class Daemon:
                               "what holds it") from None
         self.wake_rx = self.ctx.socket(zmq.PULL)
         self.wake_rx.bind(WAKE_ADDR)
-        self.engine.start()
+        self.engine.start(import_runtime=bool(self.settings.http_port or self.settings.grpc_port))   # (fronts serve)
         for model in list(self.registry.models.values()):   # (Triton warms a model at each start, as at each load)
             self.serving.warm_up(model)
         self.pressure_watch = PressureWatch(self.memory, self.loaders.post)
