@@ -557,7 +557,8 @@ def test_a_daemon_that_polls_its_triton_repository_imports_what_changes(tmp_path
         assert (d.repository / "second" / "1").is_dir()
         shutil.move(tmp_path / "second-aside", repo / "second")
         wait_until(lambda: g.is_model_ready("second"), 60, "its load when it came back")
-        assert "second: back in" in d.log_path.read_text()
+        # (the poller says so once the daemon has it loaded: just after it is ready)
+        wait_until(lambda: "second: back in" in d.log_path.read_text(), 10, "the poller's line")
         np.testing.assert_allclose(answer(g, "second", X), want(repo / "second" / "1" / "model.onnx", X),
                                    rtol=1e-4, atol=1e-5)
     finally:
