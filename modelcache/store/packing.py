@@ -584,16 +584,13 @@ class _Flusher:
         self._pending.append(self._pool.submit(_fsync, path))
 
     def wait(self) -> None:
-        try:
-            for f in self._pending:
-                f.result()
-        finally:
-            self._pending.clear()
-            self._pool.shutdown(wait=True)
+        for f in self._pending:
+            f.result()
+        self._pool.shutdown()
 
     def wait_quietly(self) -> None:
-        """On a pack that failed: its flushes end before its files go; their errors are moot."""
-        self._pool.shutdown(wait=True)
+        """On a pack that failed (a flush's error included): its flushes end before its files go."""
+        self._pool.shutdown()
 
 
 def _fsync(path: Path) -> None:
