@@ -424,14 +424,17 @@ def test_load_and_pin_say_what_they_did_to_which_version(daemon, client, zoo_fil
 
 
 def test_a_model_that_crashes_the_packer_costs_only_the_packer(zoo_file, tmp_path):
-    # Stand-in for ORT crashing on a hostile file: a packing process that dies by SIGSEGV.
-    # The daemon's packing process is `python -m modelcache.store.packing`; sitecustomize makes it crash.
+    # Stand-in for ORT crashing on a hostile file: a packing process that dies by SIGSEGV. The daemon's packs
+    # are forked by its warm packer (`python -m modelcache.store.warm_packer`), or run as `python -m
+    # modelcache.store.packing`; sitecustomize makes either crash.
     crash = tmp_path / "crash"
     crash.mkdir()
     (crash / "sitecustomize.py").write_text(
         "import os, signal, sys\n"
-        "if sys.argv[0].endswith('packing.py') or 'modelcache.store.packing' in ' '.join(sys.orig_argv):\n"
-        "    os.kill(os.getpid(), signal.SIGSEGV)\n")
+        "if 'modelcache.store.packing' in ' '.join(sys.orig_argv):\n"
+        "    os.kill(os.getpid(), signal.SIGSEGV)\n"
+        "if 'modelcache.store.warm_packer' in ' '.join(sys.orig_argv):\n"
+        "    os.register_at_fork(after_in_child=lambda: os.kill(os.getpid(), signal.SIGSEGV))\n")
     d2 = DaemonProcess(tmp_path / "d2", {"PYTHONPATH": f"{crash}:{os.environ.get('PYTHONPATH', '')}"})
     (tmp_path / "d2").mkdir()
     d2.start()

@@ -347,7 +347,7 @@ def test_pressure_drops_cached_answers_before_any_model(machine, caplog):
         assert guard.relieve() == kept
     assert not cache.entries and host_keys(parts) == {m.key for m in machine.models}
     assert parts.counters["pressure_evictions"] == 0 and guard.short is False
-    assert "dropped 64 KiB of cached answers" in caplog.text
+    assert "dropped 64 KiB of caches (cached answers" in caplog.text
     machine.neighbour += 16 * KiB + parts.host.model_bytes(machine.models[0].key)   # short again, nothing cached
     guard.relieve()
     assert parts.counters["pressure_evictions"] >= 1 and machine.headroom() >= guard.reserve

@@ -73,7 +73,7 @@ class MemoryGuard:
         self.headroom = self.measure()   # the last reading, for status and metrics
         self.short = False            # in a pressure episode: said once, not at every reading
         self.host = None              # the host tier's Residency (set by the daemon): what is given back
-        self.caches = []              # () -> bytes freed: what goes before any model (the response cache)
+        self.caches = []              # () -> bytes freed: what goes before any model (the response cache, ...)
 
     # -- promotions -------------------------------------------------------------------------------------
     def shortfall(self, nbytes: int) -> int:
@@ -107,10 +107,10 @@ class MemoryGuard:
             self.short = False
             return 0
         cached = sum(drop() for drop in self.caches)
-        if cached:   # answers can be computed again: they go first, and models only if that was not enough
+        if cached:   # what can be made again goes first, and models only if that was not enough
             log.warning("memory pressure: %s free under the memory limit (%s), less than memory_reserve %s; dropped "
-                        "%s of cached answers", mib(self.headroom), limit_text(self.limit), mib(self.reserve),
-                        mib(cached))
+                        "%s of caches (cached answers, an idle packing server)", mib(self.headroom),
+                        limit_text(self.limit), mib(self.reserve), mib(cached))
             self.headroom = self.measure()
             if self.headroom >= self.reserve:
                 self.short = False

@@ -17,6 +17,7 @@ from ..store.packing import pack_in_subprocess
 from ..store.reservations import staged_path
 from ..store.scrub import DAMAGED, nothing_to_verify, verify_version
 from ..store.sources import check_regular_files, check_source_names, close_all
+from ..store.warm_packer import WarmPacker
 from ..wire import protocol as P
 from .registry import ModelRecord, Registry
 from .residency import ModelState
@@ -45,6 +46,8 @@ class Models:
         # Packing subprocesses, so an immediate stop can kill them. Loader threads add and remove
         # entries (single set operations, atomic under the GIL); only the signal handler reads it.
         self.packers: set = set()
+        # Packs fork from a server with their imports done, kept while adds come (store/warm_packer.py).
+        self.warm_packer = WarmPacker(clock=clock)
         # Serving.warm_up: a model with warm-up samples runs them when added or loaded
         self.warm_up = lambda model, **how: None
         self.swaps = None                   # daemon/swaps.py: replacements waiting to be swapped in (the server's)
@@ -212,7 +215,8 @@ class Models:
                                               sources=(fds, msg.files), owner_uid=owner_uid,
                                               with_prepacked=with_prepacked,
                                               declared={"serving": msg.serving, "model_config": msg.model_config,
-                                                        "labels": msg.labels}, replacing=replacing)
+                                                        "labels": msg.labels}, replacing=replacing,
+                                              spawn=self.warm_packer.spawn)
             finally:
                 close_all(fds)
                 for p in started:

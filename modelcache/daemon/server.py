@@ -144,7 +144,8 @@ class Daemon:
                                engine=self.engine, loaders=self.loaders, admins=self.admins, clock=clock,
                                reply=self._reply, touch=self.sessions.touch, ensembles=self.ensembles,
                                responses=ResponseCache(settings.response_cache_bytes()))
-        self.memory.caches.append(self.serving.drop_answers)   # (pressure: cached answers go before models)
+        self.memory.caches.append(self.serving.drop_answers)   # (pressure: cached answers go before models,
+        self.memory.caches.append(self.models.warm_packer.give_back)   # and an idle packing server)
         self.models.warm_up = self.serving.warm_up
         # Replacements swapped in while their version serves; their opens and requests wait meanwhile (swaps.py).
         # The wait: what a front's report (1 s) and its let-go take, as a repository load's (triton_repo/load.py).
@@ -437,6 +438,7 @@ class Daemon:
                     self.publish_metrics()
                     for child in self.children:
                         child.check()
+                    self.models.warm_packer.stop_if_idle()
                     next_sweep = self.clock() + min(self.settings.heartbeat_interval_s,
                                                     self.notifier.watchdog_interval_s or 1e9)
                 # Everything that came this turn is queued (and whatever a timer or a completion let go): the engine
@@ -471,6 +473,7 @@ class Daemon:
         self._each_step("stopping", (
             lambda: self.pressure_watch is not None and self.pressure_watch.stop(),
             self.loaders.shutdown,
+            self.models.warm_packer.stop,   # (after the packs: shutdown waited for them)
             self.engine.stop,      # (saves the performance models: a failure is logged there, once)
             lambda: self.lane is not None and self.lane.stop(),
             lambda: self.router_events is not None and (self.router.disable_monitor(),

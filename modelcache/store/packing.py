@@ -678,37 +678,49 @@ def check_name(name: str) -> None:
         raise PackError(f"invalid model name {name!r}: use letters, digits, '-', '_' and '.', not starting with '.'")
 
 
+def exec_packer(argv: list[str], pass_fds=()):
+    """`python -m modelcache.store.packing ARGV` (_main) in a fresh interpreter, its stdout and stderr piped."""
+    import subprocess
+    import sys
+    return subprocess.Popen([sys.executable, "-m", "modelcache.store.packing", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, pass_fds=list(pass_fds))
+
+
 def pack_in_subprocess(src: str, repository: Path, name: str, version: int, opt_level: str = "all",
                        progress: Progress | None = None, on_start=None, sources: tuple = ((), ()),
                        owner_uid: int = -1, with_prepacked: bool = False, declared: dict | None = None,
-                       replacing: bool = False) -> Manifest:
+                       replacing: bool = False, spawn=exec_packer) -> Manifest:
     """`pack` in a child process: ORT's memory goes back to the OS when it exits, and a model that
     crashes ORT costs that child, not the caller (the daemon). `on_start(proc)` lets the caller kill it.
+    `spawn(argv, pass_fds)` starts the child (a Popen): a fresh interpreter (`exec_packer`), or a fork of a
+    server that has the imports done (warm_packer.WarmPacker.spawn, the daemon's).
 
     sources: (descriptors, names) of the model's files as the client opened them (modelcache/store/sources.py);
     the child copies them into a private directory and packs that copy: `src` then only names them."""
     import json
-    import subprocess
-    import sys
 
     fds, names = sources
-    cmd = [sys.executable, "-m", "modelcache.store.packing", src, str(repository), name, str(version), opt_level,
-           str(owner_uid), "prepack" if with_prepacked else "-", "replacing" if replacing else "-",
-           json.dumps(declared or {}),
-           *(f"{fd}:{n}" for fd, n in zip(fds, names))]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, pass_fds=list(fds))
+    argv = [src, str(repository), name, str(version), opt_level, str(owner_uid),
+            "prepack" if with_prepacked else "-", "replacing" if replacing else "-", json.dumps(declared or {}),
+            *(f"{fd}:{n}" for fd, n in zip(fds, names))]
+    proc = spawn(argv, list(fds))
     if on_start:
         on_start(proc)
     error = None
-    for line in proc.stdout:  # "progress DONE TOTAL" lines, then "ok" or "error CODE MESSAGE"
-        kind, _, rest = line.rstrip("\n").partition(" ")
-        if kind == "progress" and progress:
-            done, total = rest.split()
-            progress(int(done), int(total))
-        elif kind == "error":
-            code, _, message = rest.partition(" ")
-            error = from_code(code, message)
-    stderr = proc.stderr.read()
+    try:
+        for line in proc.stdout:  # "progress DONE TOTAL" lines, then "ok" or "error CODE MESSAGE"
+            kind, _, rest = line.rstrip("\n").partition(" ")
+            if kind == "progress" and progress:
+                done, total = rest.split()
+                progress(int(done), int(total))
+            elif kind == "error":
+                code, _, message = rest.partition(" ")
+                error = from_code(code, message)
+        stderr = proc.stderr.read()
+    except BaseException:   # (the caller's progress failed): the pack goes with it
+        proc.kill()
+        proc.wait()
+        raise
     rc = proc.wait()
     if error is not None:
         raise error
