@@ -88,6 +88,29 @@ def test_serve_session_surface_and_timings(serving, zoo_file):
             assert [st["inline"] for st in s.last_timings["stages"]] == [True, True]
 
 
+def test_a_serve_session_in_a_fresh_process_goes_over_the_lane_without_zeromq(serving, zoo_file):
+    """A FaaS function in serve mode imports neither onnxruntime nor pyzmq (15-30 ms of its start here): its
+    describe and infers go over the lane alone (client/leases.py), and its answers are plain ORT's."""
+    src = zoo_file("tiny-cnn")
+    script = ("import json, sys\nimport numpy as np\nimport modelcache\nfrom modelcache import zoo\n"
+              "s = modelcache.InferenceSession('cnn', mode='serve')\n"
+              f"out = s.run(None, zoo.sample_inputs({src!r}, batch=2))[0]\n"
+              "np.save(sys.argv[1], out)\n"
+              "print(json.dumps({m: m in sys.modules for m in ('zmq', 'onnxruntime')} |"
+              " {'client': type(s._client).__name__}))\n")
+    with serving.client() as c:
+        c.add(src, "cnn")
+        out = serving.root / "out.npy"
+        r = subprocess.run([sys.executable, "-c", script, str(out)],
+                           env={**os.environ, "MODELCACHE_SOCKET": serving.socket}, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout.splitlines()[-1]) == {"zmq": False, "onnxruntime": False, "client": "LeaseClient"}
+        feeds = zoo.sample_inputs(src, batch=2)
+        want = ort.InferenceSession(src, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        np.testing.assert_allclose(np.load(out), want, rtol=1e-4, atol=1e-5)
+
+
 def test_a_process_that_closed_its_serve_session_is_gone_not_lost(serving, zoo_file):
     """`clients_lost` is an alert: a process that closed its session and exited said goodbye, so only a
     client that died (or fell silent) counts."""

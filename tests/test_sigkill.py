@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import psutil
+import pytest
 
 from modelcache import zoo
 from modelcache.errors import DaemonUnavailable, ModelCacheError, RequestTimeout
@@ -186,17 +187,21 @@ def test_sigkill_of_the_daemon_during_serve_infer_gives_clients_typed_errors(tmp
         stop_cleanly(d)
 
 
-def test_killed_serve_clients_leave_no_io_files_after_the_sweep(tmp_path, zoo_file):
+@pytest.mark.parametrize("client", ["connect", "session"])
+def test_killed_serve_clients_leave_no_io_files_after_the_sweep(tmp_path, zoo_file, client):
     """Clients SIGKILLed while their large inputs wait in /dev/shm I/O files: the daemon's sweep of dead
-    clients removes their files."""
+    clients removes their files. `connect`: the full client (ZeroMQ, heartbeats); `session`: a serve-mode
+    session, over the lane alone, whose connection's end is its end."""
     d = DaemonProcess(tmp_path, {"MODELCACHE_WORKERS": "1", "MODELCACHE_HEARTBEAT_INTERVAL_S": "0.2",
                                  "MODELCACHE_LEASE_TIMEOUT_S": "1.0"}).start()
     src = zoo_file("tiny-cnn")
-    script = ("import sys, numpy as np, modelcache\n"
-              "c = modelcache.connect(sys.argv[1])\n"
+    run = {"connect": "c = modelcache.connect(sys.argv[1])\nrun = lambda x: c.infer('cnn', x)\n",
+           "session": "s = modelcache.InferenceSession('cnn', mode='serve', socket=sys.argv[1])\n"
+                      "run = lambda x: s.run(None, x)\n"}[client]
+    script = ("import sys, numpy as np, modelcache\n" + run +
               "x = {'input': np.ones((512, 3, 32, 32), np.float32)}\n"   # 6 MB: an I/O file, not inline
               "print('READY', flush=True)\n"
-              "while True: c.infer('cnn', x)\n")
+              "while True: run(x)\n")
     procs = []
     try:
         with d.client() as c:

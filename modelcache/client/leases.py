@@ -1,4 +1,5 @@
-"""Attach mode's connection to the daemon: open and release leases over the lane, and nothing else.
+"""A drop-in session's connection to the daemon, over the lane alone: attach mode's leases (open, release) and
+serve mode's calls (describe, infer), and nothing else.
 
 An attach-mode open in a fresh process should cost what a hand-tuned ORT session costs plus one
 round trip (issue #16). Through the full client (connection.py) it cost ~40 ms more: importing
@@ -14,13 +15,18 @@ reconnects with backoff and re-opens the leases of the sessions still open (thei
 stopped working; the new leases keep the daemon's eviction accounting right). A call that the
 outage cuts short is sent once more if the daemon is already back.
 
+A serve-mode session in a fresh process paid the same: it went through the full client for a describe and its
+infers, and importing pyzmq alone was 15-30 ms of its 44 ms session (benchmarks/coldstart). Its calls take the
+same road now; its first infer makes the connection its client, as an open does.
+
 Used for drop-in sessions when the daemon has a lane (ipc:// addresses); otherwise, or when the
-daemon is too old to take an open without a hello, the session falls back to connection.Client.
+daemon is too old to take an open or an infer without a hello, the session falls back to connection.Client.
 """
 
 from __future__ import annotations
 
 import _thread  # not threading, which costs ~1 ms to import
+import atexit
 import os
 import sys
 
@@ -64,12 +70,40 @@ class LeaseClient:
         self._channel.watch()   # from the first lease: a process that holds none needs no watch
         return lease
 
+    def describe(self, name: str, version: int | None = None) -> P.DescribeReply:
+        """A model's inputs, outputs and stages (connection.Client.describe's)."""
+        return self._call(P.Describe(req_id=0, name=name, version=version), (P.DescribeReply,))
+
+    def infer(self, name: str, feeds: dict, output_names: list | None = None, version: int | None = None,
+              deadline_ms: float | None = None, priority: int | None = None) -> tuple[dict, dict]:
+        """Serve mode (connection.Client.infer's): the daemon runs the model; (name -> output array, timings)."""
+        from ..wire import tensors
+        # Whose group may read our shared-memory input files: the daemon socket's (tensors.encode).
+        wire, files = tensors.encode(feeds, group_of=self.address[len("ipc://"):], model=name)
+        try:
+            reply = self._call(P.Infer(req_id=0, client_id="", name=name, inputs=wire, version=version,
+                                       output_names=output_names, deadline_ms=deadline_ms, priority=priority,
+                                       client_name=self._name), (P.InferReply,))
+        finally:
+            for f in files:
+                os.unlink(f)
+        outputs, _ = tensors.decode(reply.outputs)
+        return outputs, reply.timings
+
     def release(self, lease_id: str) -> None:
         self._leases.release(lease_id, lambda: self._call(P.Close(req_id=0, client_id="", lease_id=lease_id),
                                                           (P.Ack,)))
 
     def close(self) -> None:
-        """Hang up: the daemon releases every lease of this connection."""
+        """Say goodbye and hang up: the daemon releases every lease of this connection, and counts this client as
+        gone, not lost (a connection that closes without a goodbye is a process that died: `clients_lost`)."""
+        conn = self._channel._conn
+        if conn is not None and not self._channel._closed:
+            try:   # (on this connection only: never a reconnect to say it)
+                self._channel.exchange(P.Goodbye(req_id=0, client_id=""), (P.Ack,), min(self.timeout_s, 1.0),
+                                       conn=conn)
+            except Exception:   # (a daemon gone or stuck: the close it sees is the goodbye)
+                pass
         self._channel.close()
 
     # -- one call --------------------------------------------------------------------------
@@ -106,4 +140,12 @@ def shared_lease_client(socket: str | None = None) -> LeaseClient | None:
         client = _shared.get(address)
         if client is None or client._closed:
             client = _shared[address] = LeaseClient(address, timeout_s)
+            atexit.register(_leave_at_exit, client, os.getpid())
         return client
+
+
+def _leave_at_exit(client: LeaseClient, pid: int) -> None:
+    """A process that exits says goodbye (connection.py's _leave_at_exit does the same): the daemon counts it as
+    gone, not lost. Not from a forked child, whose copy of the connection is its parent's."""
+    if os.getpid() == pid and not client._closed:
+        client.close()

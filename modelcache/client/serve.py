@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from ..errors import InputError
 from ..wire.tensors import ORT_TYPES, FeedCheck
-from .connection import Client, shared_client
 from .dropin import ORT_SESSION_METHODS, hint_if_a_file, model_name, model_version, refusal
+from .leases import NoLaneOpen, shared_lease_client
 
 # What a serve session cannot answer for itself, beyond having no ORT session.
 _WHY_NOT_IN_SERVE_MODE = {
@@ -30,10 +30,13 @@ class NodeArg:
 
 
 class ServeSession:
-    def __init__(self, path_or_name, *, version: int | None = None, client: Client | None = None,
+    def __init__(self, path_or_name, *, version: int | None = None, client=None,
                  socket: str | None = None, deadline_ms: float | None = None, priority: int | None = None):
         name, version = model_name(path_or_name), model_version(version)
-        self._client = client or shared_client(socket)
+        # The lane alone where the daemon has one (client/leases.py: no pyzmq to import, no hello, no heartbeat),
+        # else the full client (a tcp:// daemon); a caller's client as it is.
+        self._socket = socket
+        self._client = client or shared_lease_client(socket) or self._full_client()
         with hint_if_a_file(path_or_name):
             info = self._client.describe(name, version)
         self.model_name, self.model_version = info.name, info.version
@@ -49,10 +52,19 @@ class ServeSession:
         if self._closed:
             raise InputError("this session is closed")
         feeds = self._feed_check.check(input_feed)
-        outputs, self.last_timings = self._client.infer(self.model_name, feeds, output_names,
-                                                        self.model_version, self.deadline_ms, self.priority)
+        try:
+            outputs, self.last_timings = self._client.infer(self.model_name, feeds, output_names,
+                                                            self.model_version, self.deadline_ms, self.priority)
+        except NoLaneOpen:   # a daemon that takes no infer without a hello (older than this client)
+            self._client = self._full_client()
+            outputs, self.last_timings = self._client.infer(self.model_name, feeds, output_names,
+                                                            self.model_version, self.deadline_ms, self.priority)
         names = output_names or [o["name"] for o in self._outputs]
         return [outputs[n] for n in names]
+
+    def _full_client(self):
+        from .connection import shared_client
+        return shared_client(self._socket)
 
     def get_inputs(self):
         return _node_args(self._inputs)

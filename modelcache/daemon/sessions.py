@@ -38,6 +38,7 @@ class Sessions:
         self.fetcher = fetcher            # daemon/fetch.py: a model only the remote store has
         self.disk = disk                  # daemon/disk_opens.py: opens the host tier cannot take now
         self.settings = settings
+        self.departed: dict[int, float] = {}   # pid -> when: lost lane clients whose I/O files may be left
         self.counters = counters
         self.clock = clock                # monotonic: liveness
         self.wall = wall                  # wall time: a model's last use, as `ls` shows it
@@ -85,15 +86,30 @@ class Sessions:
         return self.host.drop_client(client_id)
 
     def connection_closed(self, conn: LaneConnection) -> None:
-        """A lane connection that was a client went away: that client left, with its leases."""
+        """A lane connection that was a client went away without a goodbye (a process that exits says one:
+        client/leases.py): it died, or fell off. Its leases go, it counts as lost, and the serve-mode input
+        files it may have left (a SIGKILL between writing one and unlinking it) go once its process has."""
         client = self.registry.clients.get(conn.client_id) if conn.client_id else None
         if client is None or client.connection is not conn:
             return
         released = self._drop(client.client_id)
-        if released:   # left holding leases: it exited (or died) without closing its sessions
-            self.counters["clients_lost"] += 1
-            log.info("client gone: %s (pid %d), its connection closed holding %s; released them",
-                     client.client_id, client.pid, plural(len(released), "lease"))
+        self.counters["clients_lost"] += 1
+        log.info("client lost: %s (pid %d), its connection closed without goodbye; released %s",
+                 client.client_id, client.pid, plural(len(released), "lease"))
+        self.departed[client.pid] = self.clock()
+        self._remove_files_of_departed(self.clock())
+
+    def _remove_files_of_departed(self, now: float) -> None:
+        """The I/O files of lost lane clients whose processes are gone now (at its connection's close the
+        process may still be exiting); a process still alive after lease_timeout_s lives on: its files are its own."""
+        for pid, since in list(self.departed.items()):
+            if process_gone(pid):
+                files = tensors.remove_io_files_of(pid)
+                if files:
+                    log.info("removed %s that lost client pid %d left", plural(files, "I/O file"), pid)
+            elif now - since < self.settings.lease_timeout_s:
+                continue
+            del self.departed[pid]
 
     # -- handlers: each returns a reply, or None when it will reply later ---------------
     def on_Hello(self, ident, msg: P.Hello):
@@ -115,10 +131,13 @@ class Sessions:
         return None
 
     def on_Goodbye(self, ident, msg: P.Goodbye):
-        client = self.registry.clients.get(msg.client_id)
+        client_id = msg.client_id
+        if not client_id and type(ident) is LaneConnection:   # a lane connection's own client, if it made one
+            client_id = ident.client_id
+        client = self.registry.clients.get(client_id) if client_id else None
         if client is not None:
             check_client_owner(ident, client)
-        self._drop(msg.client_id)
+            self._drop(client_id)
         return P.Ack(req_id=msg.req_id)
 
     def on_Open(self, ident, msg: P.Open):
@@ -223,6 +242,7 @@ class Sessions:
         """Release the leases of clients that stopped sending heartbeats or whose process died.
         `listening_since`: when the owner loop last came back from not listening; silence before it
         does not count (heartbeats sent meanwhile may still be on their way in)."""
+        self._remove_files_of_departed(now)
         for client in list(self.registry.clients.values()):
             try:
                 # A lane connection's client sends no heartbeats: the connection's end is its end.
@@ -241,12 +261,14 @@ class Sessions:
 
 
 def process_gone(pid: int) -> bool:
-    """Whether the client's process has surely exited; False when the kernel cannot say (then the
-    heartbeat decides), e.g. with no file descriptor left to read /proc."""
+    """Whether the client's process has surely exited (a zombie has: only its parent's wait is left); False
+    when the kernel cannot say (then the heartbeat decides), e.g. with no file descriptor left to read /proc."""
     if pid <= 0:
         return False
     try:
-        return not psutil.pid_exists(pid)
-    except (OSError, OverflowError, ValueError) as e:
+        return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:   # (gone between the two questions)
+        return True
+    except (psutil.Error, OSError, OverflowError, ValueError) as e:
         log.warning("cannot tell whether pid %d is alive: %s", pid, e)
         return False
