@@ -121,6 +121,40 @@ def test_the_server_stops_when_idle_and_a_stop_takes_the_packs_in_flight(zoo_fil
         wp.stop()
 
 
+def test_a_server_that_stops_answering_stalls_only_the_add_waiting_on_it(zoo_file, tmp_path):
+    # SIGSTOP (or a server swapped out): the idle check on the daemon's owner loop must not wait behind the add.
+    wp = WarmPacker(answer_s=2)
+    src = zoo_file("tiny-cnn")
+    try:
+        pack_in_subprocess(src, tmp_path, "cnn", 1, spawn=wp.spawn)
+        stopped = wp.pid
+        os.kill(stopped, signal.SIGSTOP)
+        failed = []
+        t = threading.Thread(target=lambda: failed.append(pytest.raises(
+            PackError, pack_in_subprocess, src, tmp_path, "cnn", 2, spawn=wp.spawn)))
+        t.start()
+        time.sleep(0.5)   # (the add is waiting for the server's answer)
+        t0 = time.monotonic()
+        assert not wp.stop_if_idle() and wp.give_back() == 0
+        assert time.monotonic() - t0 < 0.5
+        t.join(30)
+        assert "did not answer within 2 s" in str(failed[0].value)
+        assert gone(stopped, 5)
+        assert pack_in_subprocess(src, tmp_path, "cnn", 2, spawn=wp.spawn).version == 2   # a new server
+        assert wp.pid != stopped
+    finally:
+        wp.stop()
+
+
+def test_what_a_model_declares_may_be_larger_than_an_argument(packer, zoo_file, tmp_path):
+    # ImageNet-21k's class labels are ~0.5 MB: past argv's 128 KiB a string and a socket message's buffer.
+    labels = {"logits": [f"class number {i} of the twenty-one thousand" for i in range(21841)]}
+    for spawn in (packer.spawn, None):
+        m = pack_in_subprocess(zoo_file("tiny-cnn"), tmp_path, f"cnn{spawn is None}", 1, declared={"labels": labels},
+                               **({"spawn": spawn} if spawn else {}))
+        assert m.labels == labels
+
+
 def test_memory_pressure_takes_an_idle_server_and_what_it_held(packer, zoo_file, tmp_path):
     assert packer.give_back() == 0   # no server yet
     pack_in_subprocess(zoo_file("tiny-cnn"), tmp_path, "cnn", 1, spawn=packer.spawn)

@@ -700,13 +700,21 @@ def pack_in_subprocess(src: str, repository: Path, name: str, version: int, opt_
     import json
 
     fds, names = sources
-    argv = [src, str(repository), name, str(version), opt_level, str(owner_uid),
-            "prepack" if with_prepacked else "-", "replacing" if replacing else "-", json.dumps(declared or {}),
-            *(f"{fd}:{n}" for fd, n in zip(fds, names))]
-    proc = spawn(argv, list(fds))
+    # What the model declares beside its file (a Triton config, its class labels: 21k ImageNet labels are ~0.5 MB)
+    # goes in a memory file, not in argv: an argument is at most 128 KiB (E2BIG), a message to the warm packer
+    # a socket buffer (EMSGSIZE).
+    declared_fd = os.memfd_create("modelcache-declared")
+    try:
+        os.write(declared_fd, json.dumps(declared or {}).encode())
+        argv = [src, str(repository), name, str(version), opt_level, str(owner_uid),
+                "prepack" if with_prepacked else "-", "replacing" if replacing else "-", f"@{declared_fd}",
+                *(f"{fd}:{n}" for fd, n in zip(fds, names))]
+        proc = spawn(argv, [declared_fd, *fds])
+    finally:
+        os.close(declared_fd)
     if on_start:
         on_start(proc)
-    error = None
+    error, said_ok = None, False
     try:
         for line in proc.stdout:  # "progress DONE TOTAL" lines, then "ok" or "error CODE MESSAGE"
             kind, _, rest = line.rstrip("\n").partition(" ")
@@ -716,15 +724,20 @@ def pack_in_subprocess(src: str, repository: Path, name: str, version: int, opt_
             elif kind == "error":
                 code, _, message = rest.partition(" ")
                 error = from_code(code, message)
+            elif kind == "ok":
+                said_ok = True
         stderr = proc.stderr.read()
     except BaseException:   # (the caller's progress failed): the pack goes with it
         proc.kill()
         proc.wait()
         raise
+    finally:
+        proc.stdout.close()
+        proc.stderr.close()
     rc = proc.wait()
     if error is not None:
         raise error
-    if rc != 0:
+    if not said_ok:   # (its "ok" is the word: it comes after the publishing rename, whatever the exit says)
         how = f"was killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
         raise PackError(f"packing {src} failed: the packing process {how}. {stderr.strip()[-500:]}")
     return load_manifest(reservations.staged_path(repository, name, version) if replacing else
@@ -736,6 +749,9 @@ def _main(argv: list[str]) -> int:
     src, repository, name, version, opt_level, owner_uid, prepack_flag, replacing, declared, *fd_names = argv
     scratch = copied = None
     try:
+        if declared.startswith("@"):   # a memory file's descriptor (pack_in_subprocess)
+            from ..session_options import read_whole
+            declared = read_whole(int(declared[1:])).decode()
         if fd_names:  # the client's descriptors: pack a private copy, never a path the client named
             from .sources import copy_sources
             fds, names = zip(*((int(fd), n) for fd, _, n in (s.partition(":") for s in fd_names)))

@@ -45,6 +45,9 @@ log = logging.getLogger("modelcache.packing")
 PRELOAD = ("numpy", "onnx", "onnx.checker", "onnx.numpy_helper", "modelcache.store.packing",
            "modelcache.store.sources", "modelcache.session_options")
 IDLE_S = 30.0     # the server stops this long after its last pack ended
+ANSWER_S = 60.0   # the longest a pack waits for the server to fork it (its imports, the first time: ~0.5 s)
+GRACE_S = 2.0     # after a pack's child ended, the longest the server may take to say how
+UNKNOWN_EXIT = 255   # a pack whose end the server never reported (pack_in_subprocess judges by its "ok")
 SCM_MAX_FD = 253  # the most descriptors one message carries (the kernel's limit): ours are 3 of them
 PR_SET_PDEATHSIG = 1
 
@@ -52,8 +55,8 @@ PR_SET_PDEATHSIG = 1
 class WarmPacker:
     """The daemon's side: starts the server when a pack needs it, sends it packs, stops it when idle."""
 
-    def __init__(self, idle_s: float = IDLE_S, clock=time.monotonic):
-        self.idle_s, self.clock = idle_s, clock
+    def __init__(self, idle_s: float = IDLE_S, clock=time.monotonic, answer_s: float = ANSWER_S):
+        self.idle_s, self.clock, self.answer_s = idle_s, clock, answer_s
         self._lock = threading.Lock()      # loader threads pack at once
         self._proc = None                  # the server (subprocess.Popen)
         self._control: socket.socket | None = None
@@ -64,26 +67,48 @@ class WarmPacker:
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
 
-    def spawn(self, argv: list[str], pass_fds=()) -> "ForkedPack":
+    def spawn(self, argv: list[str], pass_fds=(), again: bool = True) -> "ForkedPack":
         """A pack of `argv` (packing._main's) forked by the server, `pass_fds` kept under their numbers. A model
-        of more files than one message carries beside ours is packed by a fresh interpreter, as before."""
+        of more files than one message carries beside ours is packed by a fresh interpreter, as before.
+
+        The lock is held only to start the server and send it the pack, never while waiting for it: the owner
+        loop's idle check takes it too, and a server that stopped answering (SIGSTOP, swapped out) must stall
+        only the add that waits on it, for at most `answer_s`, after which it is killed and started anew."""
         if len(pass_fds) + 3 > SCM_MAX_FD:
             from .packing import exec_packer
             return exec_packer(argv, pass_fds)
         with self._lock:
-            for attempt in (1, 2):   # a server that died since its last pack is started again, once
-                self._start_locked()
-                try:
-                    pack = ForkedPack(self, self._control, argv, list(pass_fds))
-                except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as e:
-                    log.warning("the warm packer (pid %s) is gone (%s); starting it again", self.pid, e)
-                    self._stop_locked()
-                    if attempt == 2:
-                        raise PackError(f"the packing process could not start: the warm packer went ({e})") from None
-                    continue
+            self._start_locked()
+            server = self._proc
+            try:
+                pack = ForkedPack(self, self._control, argv, list(pass_fds))
+            except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as e:
+                log.warning("the warm packer (pid %d) is gone (%s); starting it again", server.pid, e)
+                self._stop_locked()
+                pack = None
+            else:
                 self._running += 1
+        try:
+            if pack is not None:
+                pack.started(self.answer_s)
                 return pack
-        raise AssertionError("unreachable")
+        except ConnectionResetError:   # (the server went before it answered)
+            pass
+        except TimeoutError:
+            self._kill(server)
+            raise PackError(f"the packing process did not start: the warm packer (pid {server.pid}) did not answer "
+                            f"within {self.answer_s:g} s; it was killed, and the next add starts it again") from None
+        if not again:
+            raise PackError("the packing process could not start: the warm packer went as it was asked")
+        return self.spawn(argv, pass_fds, again=False)
+
+    def _kill(self, server) -> None:
+        """A server that stopped answering goes (its packs with it); the next pack starts a new one."""
+        with self._lock:
+            if self._proc is server:
+                log.warning("the warm packer (pid %d) stopped answering; killing it", server.pid)
+                server.kill()
+                self._stop_locked()
 
     def _finished(self) -> None:   # a ForkedPack waited for
         with self._lock:
@@ -91,18 +116,25 @@ class WarmPacker:
             self._idle_since = self.clock()
 
     def stop_if_idle(self) -> bool:
-        """Stop the server if no pack ran for `idle_s` (the daemon's sweep calls this); True if it stopped."""
-        with self._lock:
+        """Stop the server if no pack ran for `idle_s` (the daemon's sweep calls this); True if it stopped.
+        Never waits for the lock: a spawn holding it is a pack, not idleness."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
             if self._proc is None or self._running or self.clock() - self._idle_since < self.idle_s:
                 return False
             log.debug("the warm packer (pid %d) stops after %.0f s without a pack", self._proc.pid, self.idle_s)
             self._stop_locked()
             return True
+        finally:
+            self._lock.release()
 
     def give_back(self) -> int:
         """Memory pressure: stop the server now if no pack runs; the bytes it held (its USS), or 0."""
         import psutil
-        with self._lock:
+        if not self._lock.acquire(blocking=False):   # (a pack is being sent: not idle)
+            return 0
+        try:
             if self._proc is None or self._running:
                 return 0
             try:
@@ -111,6 +143,8 @@ class WarmPacker:
                 held = 0
             self._stop_locked()
             return held
+        finally:
+            self._lock.release()
 
     def stop(self) -> None:
         """Stop the server now; the packs it forked are killed with it."""
@@ -147,7 +181,7 @@ class WarmPacker:
             self._control = None
         if self._proc is not None:
             try:
-                self._proc.wait(timeout=5)
+                self._proc.wait(timeout=1)   # (it goes at once when it answers at all)
             except Exception:   # (subprocess.TimeoutExpired) a server that does not go
                 self._proc.kill()
                 self._proc.wait()
@@ -158,8 +192,12 @@ class ForkedPack:
     """One pack forked by the server, with what pack_in_subprocess uses of subprocess.Popen."""
 
     def __init__(self, owner: WarmPacker, control: socket.socket, argv: list[str], pass_fds: list[int]):
+        """Send the pack to the server (`started` waits for its pid)."""
         self._owner = owner
+        self._server = owner._proc        # the server that forks it (killed if it stops answering)
         self.returncode: int | None = None
+        self.pid: int | None = None
+        self._pidfd: int | None = None
         status_ours, status_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -179,18 +217,31 @@ class ForkedPack:
         self._status = status_ours
         self.stdout = os.fdopen(out_r, "r")
         self.stderr = os.fdopen(err_r, "r")
+
+    def started(self, timeout_s: float) -> None:
+        """Wait for the server's "pid" (the first pack's: once the server's imports are done). TimeoutError when
+        it does not answer; ConnectionResetError when it went first; PackError when it could not fork."""
         try:
-            reply = self._status.recv(256).decode()   # (the first pack's: once the server's imports are done)
+            self._status.settimeout(timeout_s)
+            try:
+                reply = self._status.recv(256).decode()
+            finally:
+                self._status.settimeout(None)
+            kind, _, value = reply.partition(" ")
+            if kind != "pid":
+                if not reply:
+                    raise ConnectionResetError("the warm packer closed the pack's status socket")
+                raise PackError(f"the packing process could not start: {value}")
         except BaseException:
-            self._status.close()
+            self._done(-signal.SIGKILL)
+            self.stdout.close()
+            self.stderr.close()
             raise
-        kind, _, value = reply.partition(" ")
-        if kind != "pid":
-            self._status.close()
-            if not reply:   # the server went before it answered: the caller starts it again
-                raise ConnectionResetError("the warm packer closed the pack's status socket")
-            raise PackError(f"the packing process could not start: {value}")
         self.pid = int(value)
+        try:   # the child as a descriptor: its end seen without the server, and a kill that cannot hit a reused pid
+            self._pidfd = os.pidfd_open(self.pid)
+        except ProcessLookupError:   # (it ended already: the server says how)
+            pass
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -201,15 +252,29 @@ class ForkedPack:
         return self.returncode
 
     def wait(self) -> int:
+        """The child's returncode, as the server reports it; a child that ended while the server says nothing
+        for GRACE_S ends with returncode UNKNOWN_EXIT, and the server, stuck, is killed."""
+        import select
         while self.returncode is None:
-            self._read_status(0)
+            ready, _, _ = select.select([self._status] + ([self._pidfd] if self._pidfd is not None else []), [], [])
+            if self._status in ready:
+                self._read_status(0)
+            elif select.select([self._status], [], [], GRACE_S)[0]:   # the child ended: its report is on its way
+                self._read_status(0)
+            else:
+                log.warning("the warm packer did not report pack pid %d's end within %g s", self.pid, GRACE_S)
+                self._owner._kill(self._server)
+                self._done(UNKNOWN_EXIT)
         return self.returncode
 
     def kill(self) -> None:
         if self.returncode is None and self.pid is not None:
             try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:   # (exited; the server reaps it)
+                if self._pidfd is not None:
+                    signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+                else:
+                    os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:   # (exited)
                 pass
 
     def _read_status(self, flags: int) -> None:
@@ -221,6 +286,9 @@ class ForkedPack:
     def _done(self, returncode: int) -> None:
         self.returncode = returncode
         self._status.close()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
         self._owner._finished()
 
     def __del__(self):
