@@ -446,3 +446,16 @@ def test_a_model_that_crashes_the_packer_costs_only_the_packer(zoo_file, tmp_pat
     finally:
         assert d2.stop() == 0
         d2.kill()
+
+
+def test_an_add_to_a_daemon_that_has_gone_says_so_not_that_it_is_tcp(zoo_file, tmp_path):
+    d = DaemonProcess(tmp_path)
+    d.start()
+    c = d.client()
+    try:
+        stop_cleanly(d)
+        with pytest.raises(DaemonUnavailable, match="takes no connection on its lane .* stopping, or it is gone"):
+            c.add(zoo_file("tiny-cnn"), "cnn")
+    finally:
+        c.close()
+        d.kill()

@@ -480,9 +480,12 @@ class Client:
         lane = None
         try:
             lane = _lane.connect(self.address)
-            if lane is None:
-                raise DaemonUnavailable(f"add needs the daemon's local lane socket ({self.address}.lane): a tcp:// "
-                                        "daemon cannot take files; copy the model to its host and add it there")
+            if lane is None and _lane.lane_path(self.address) is None:
+                raise DaemonUnavailable(f"add needs the daemon's local lane socket: a tcp:// daemon ({self.address}) "
+                                        "cannot take files; copy the model to its host and add it there")
+            if lane is None:   # (an ipc:// daemon whose lane is gone: it is stopping, or it died)
+                raise DaemonUnavailable(f"the modelcache daemon at {self.address} takes no connection on its lane "
+                                        f"({_lane.lane_path(self.address)}): it is stopping, or it is gone")
             # A connection of its own: the daemon takes descriptors only with a connection's first message.
             once = Channel(self.address, lambda: lane, self.timeout_s)
             reply = once.exchange(P.Add(req_id=0, path=os.path.abspath(path), name=name, version=version,

@@ -10,7 +10,8 @@ How it is used (the daemon's daemon/models.py): `WarmPacker.spawn(argv, pass_fds
 `subprocess.Popen([python, -m, modelcache.store.packing, *argv], pass_fds=...)` was, and returns a handle with
 Popen's `pid`, `stdout`, `stderr`, `poll`, `wait` and `kill`. The server starts with the first pack (that pack
 waits for its imports, as an exec'd child would) and stops `idle_s` after the last one ends (`stop_if_idle`):
-a daemon that adds nothing holds no server (its ~55 MiB: numpy, onnx, protobuf).
+a daemon that adds nothing holds no server (22 MiB of its own, USS: numpy, onnx, protobuf;
+benchmarks/repoload/warm_packer.txt).
 
 Each pack is one message on the control socket (SOCK_SEQPACKET, so a message is never split or merged): its
 argv as JSON, with descriptors (SCM_RIGHTS): a status socket, the child's stdout and stderr pipes, then the
@@ -21,7 +22,8 @@ held would stay locked in the child), so it does not import onnxruntime, whose i
 does numpy's OpenBLAS start its pool here (OPENBLAS_NUM_THREADS=1: packing multiplies no matrices).
 
 The server exits when the control socket closes (the daemon stopped, or died), killing the packs it forked;
-each pack also dies with the server (PR_SET_PDEATHSIG).
+each pack also dies with the server (PR_SET_PDEATHSIG). A server that stops answering (stopped, swapped out)
+costs the add waiting on it at most `answer_s`, then it is killed; the daemon's loop never waits on it.
 """
 
 from __future__ import annotations
