@@ -109,26 +109,25 @@ def med(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
 
 
-def report(pack_rows, memory, import_rows, n, baseline, out=sys.stdout) -> None:
+def report(pack_rows, memory, import_rows, n, baseline) -> str:
     rounds = max(r["round"] for r in pack_rows) + 1
-    print(f"one pack, pack_in_subprocess as the daemon calls it, {rounds} rounds (ways rotated); seconds", file=out)
-    print(f"  {'model':<16}" + "".join(f"{w:>22}" for w in WAYS) + f"{'warm / exec, per round':>30}", file=out)
+    lines = [f"one pack, pack_in_subprocess as the daemon calls it, {rounds} rounds (ways rotated); seconds",
+             f"  {'model':<16}" + "".join(f"{w:>22}" for w in WAYS) + f"{'warm / exec, per round':>30}"]
     for model in dict.fromkeys(r["model"] for r in pack_rows):
         by = {w: {r["round"]: r["s"] for r in pack_rows if r["model"] == model and r["way"] == w} for w in WAYS}
         ratio = [by["warm"][k] / by["exec"][k] for k in by["exec"]]
-        print(f"  {model:<16}" + "".join(f"{med(list(by[w].values())):>22}" for w in WAYS) + f"{med(ratio):>30}",
-              file=out)
-    print(f"the server, idle after its packs: USS {memory['uss_mib']:.1f} MiB, PSS {memory['pss_mib']:.1f} MiB, "
-          f"RSS {memory['rss_mib']:.1f} MiB", file=out)
+        lines.append(f"  {model:<16}" + "".join(f"{med(list(by[w].values())):>22}" for w in WAYS) + f"{med(ratio):>30}")
+    lines.append(f"the server, idle after its packs: USS {memory['uss_mib']:.1f} MiB, PSS {memory['pss_mib']:.1f} MiB, "
+                 f"RSS {memory['rss_mib']:.1f} MiB")
     if import_rows:
         by = {c: {r["round"]: r["s"] for r in import_rows if r["checkout"] == c} for c in ("this", "baseline")}
         ratio = [by["this"][k] / by["baseline"][k] for k in by["this"]]
         rev = lambda path: subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"],  # noqa: E731
                                           capture_output=True, text=True).stdout.strip() or "?"
-        print(f"modelcache import-triton of {n} SqueezeNet 1.1 models into a fresh daemon, seconds: this checkout "
-              f"({rev(ROOT)}) {med(list(by['this'].values()))}, {baseline} ({rev(baseline)}) "
-              f"{med(list(by['baseline'].values()))}; "
-              f"this / baseline per round {med(ratio)}", file=out)
+        lines.append(f"modelcache import-triton of {n} SqueezeNet 1.1 models into a fresh daemon, seconds: this checkout "
+                     f"({rev(ROOT)}) {med(list(by['this'].values()))}, {baseline} ({rev(baseline)}) "
+                     f"{med(list(by['baseline'].values()))}; this / baseline per round {med(ratio)}")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
@@ -146,15 +145,14 @@ def main(argv=None) -> int:
         work = Path(tmp)
         pack_rows, memory = packs(args.models, args.rounds, work, log)
         import_rows = imports(args.import_models, args.rounds, args.baseline, work, log) if args.baseline else []
-    report(pack_rows, memory, import_rows, args.import_models, args.baseline)
+    text = report(pack_rows, memory, import_rows, args.import_models, args.baseline)
+    print(text, end="")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        with open(out / "warm_packer.txt", "w") as f:
-            given = sys.argv[1:] if argv is None else list(argv)
-            print("$ python benchmarks/repoload/warm_packer.py " + " ".join(given), file=f)
-            print(f"(load average {os.getloadavg()[0]:.2f} at the end)", file=f)
-            report(pack_rows, memory, import_rows, args.import_models, args.baseline, f)
+        given = sys.argv[1:] if argv is None else list(argv)
+        (out / "warm_packer.txt").write_text(f"$ python benchmarks/repoload/warm_packer.py {' '.join(given)}\n"
+                                             f"(load average {os.getloadavg()[0]:.2f} at the end)\n" + text)
         (out / "warm_packer.json").write_text(json.dumps({"packs": pack_rows, "server_memory": memory,
                                                           "imports": import_rows}))
     return 0

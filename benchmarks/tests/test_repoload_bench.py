@@ -38,3 +38,16 @@ def test_a_model_reloaded_under_traffic_loses_no_request(tmp_path):
     for row in rows:
         assert row["failed"] == 0 and row["load_error"] is None and row["new"] > 0, row
     assert (tmp_path / "traffic.txt").read_text().startswith("$ python benchmarks/repoload/traffic.py --rounds 1")
+
+
+WARM_PACKER = Path(__file__).resolve().parents[1] / "repoload" / "warm_packer.py"
+
+
+def test_the_warm_packer_comparison_packs_every_way(tmp_path):
+    r = subprocess.run([sys.executable, str(WARM_PACKER), "--models", "tiny-cnn", "--rounds", "1", "--out",
+                        str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    results = json.loads((tmp_path / "warm_packer.json").read_text())
+    assert {(p["model"], p["way"]) for p in results["packs"]} == {("tiny-cnn", w) for w in ("exec", "warm", "first")}
+    assert all(p["s"] > 0 for p in results["packs"]) and results["server_memory"]["uss_mib"] > 1
+    assert (tmp_path / "warm_packer.txt").read_text().startswith("$ python benchmarks/repoload/warm_packer.py --models")
