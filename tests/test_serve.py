@@ -111,6 +111,40 @@ def test_a_serve_session_in_a_fresh_process_goes_over_the_lane_without_zeromq(se
         np.testing.assert_allclose(np.load(out), want, rtol=1e-4, atol=1e-5)
 
 
+def test_a_forked_child_gets_a_connection_of_its_own_and_the_parent_its_own_answers(serving, zoo_file):
+    """A session made before a fork (gunicorn's preload, multiprocessing): the child's calls, on the session it
+    inherited or on a new one, must not read the parent's replies off their shared lane connection."""
+    src = zoo_file("tiny-cnn")
+    script = f"""
+import os, sys, numpy as np, onnxruntime as ort, modelcache
+from modelcache import zoo
+ref = ort.InferenceSession({src!r}, providers=["CPUExecutionProvider"])
+s = modelcache.InferenceSession("cnn", mode="serve")
+def loop(sess, seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(100):
+        x = {{"input": rng.standard_normal((1, 3, 32, 32)).astype(np.float32)}}
+        assert np.allclose(sess.run(None, x)[0], ref.run(None, x)[0], rtol=1e-4, atol=1e-5)
+loop(s, 0)
+pid = os.fork()
+if pid == 0:
+    try:
+        loop(s, 1)
+        loop(modelcache.InferenceSession("cnn", mode="serve"), 2)
+        os._exit(0)
+    except BaseException:
+        os._exit(1)
+loop(s, 3)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status))
+"""
+    with serving.client() as c:
+        c.add(src, "cnn")
+        r = subprocess.run([sys.executable, "-c", script], env={**os.environ, "MODELCACHE_SOCKET": serving.socket},
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.strip() == "child 0", r.stdout + r.stderr
+
+
 def test_a_process_that_closed_its_serve_session_is_gone_not_lost(serving, zoo_file):
     """`clients_lost` is an alert: a process that closed its session and exited said goodbye, so only a
     client that died (or fell silent) counts."""

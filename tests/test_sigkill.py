@@ -226,3 +226,28 @@ def test_killed_serve_clients_leave_no_io_files_after_the_sweep(tmp_path, zoo_fi
         for f in io_files_of([p.pid for p in procs]):
             os.unlink(os.path.join("/dev/shm", f))
         stop_cleanly(d)
+
+
+
+def test_a_process_killed_before_its_first_request_reached_the_daemon_leaves_no_io_file(tmp_path, zoo_file):
+    """A serve session's connection is no client until its first infer arrives, and the input file is written
+    before: a process killed between the two is known only by its connection's end."""
+    d = DaemonProcess(tmp_path).start()
+    src = zoo_file("tiny-cnn")
+    script = ("import os, sys, numpy as np, modelcache\n"
+              "from modelcache.wire import tensors\n"
+              "s = modelcache.InferenceSession('cnn', mode='serve', socket=sys.argv[1])\n"   # (a describe: no client)
+              "tensors.encode({'input': np.ones((512, 3, 32, 32), np.float32)}, group_of=sys.argv[1][6:])\n"
+              "print('READY', flush=True)\n"
+              "os.kill(os.getpid(), 9)\n")
+    try:
+        with d.client() as c:
+            c.add(src, "cnn")
+        p = subprocess.Popen([sys.executable, "-c", script, d.socket], stdout=subprocess.PIPE)
+        assert p.stdout.readline().startswith(b"READY")
+        assert p.wait(60) == -9
+        wait_until(lambda: not io_files_of([p.pid]), timeout_s=10, what="the killed process's I/O file to go")
+    finally:
+        for f in io_files_of([p.pid]):
+            os.unlink(os.path.join("/dev/shm", f))
+        stop_cleanly(d)

@@ -50,10 +50,22 @@ class LeaseClient:
             raise ValueError(f"{address} has no lane (only an ipc:// daemon has one)")
         self._name = name or os.path.basename(sys.argv[0] or "python")
         self._leases = LeaseKeeper()      # re-opened on a reconnect; a close names the id of now
-        # with_fds: a GPU lease under read-only sharing brings its allocations as descriptors (client/device.py).
-        self._channel = Channel(address, lane_connection(self._path, address, with_fds=True), timeout_s,
-                                on_connect=self._reopen_leases)
+        self._channel = self._new_channel()
         self._channel.connect()
+        _live.add(self)
+
+    def _new_channel(self) -> Channel:
+        # with_fds: a GPU lease under read-only sharing brings its allocations as descriptors (client/device.py).
+        return Channel(self.address, lane_connection(self._path, self.address, with_fds=True), self.timeout_s,
+                       on_connect=self._reopen_leases)
+
+    def _after_fork(self) -> None:
+        """In a forked child: the connection is the parent's (its replies, its leases; one read here would take a
+        reply the parent waits for). This process's calls go on a connection of its own, made at its first call;
+        the parent's is left as it is, never read, never shut down."""
+        self._channel = self._new_channel()
+        self._leases = LeaseKeeper()
+        atexit.register(_leave_at_exit, self, os.getpid())
 
     @property
     def _closed(self) -> bool:
@@ -105,6 +117,7 @@ class LeaseClient:
             except Exception:   # (a daemon gone or stuck: the close it sees is the goodbye)
                 pass
         self._channel.close()
+        _live.discard(self)
 
     # -- one call --------------------------------------------------------------------------
     def _call(self, msg, expect: tuple):
@@ -127,6 +140,18 @@ class LeaseClient:
 
 _shared: dict[str, LeaseClient] = {}
 _shared_lock = _thread.allocate_lock()
+_live: set = set()    # every open LeaseClient of this process (a fork gives each a connection of the child's own)
+
+
+def _in_forked_child() -> None:
+    global _shared_lock
+    _shared_lock = _thread.allocate_lock()   # (another thread may have held it at the fork)
+    _shared.clear()                          # the child's next session gets a client of its own
+    for client in list(_live):               # and sessions it inherited, a connection of their own
+        client._after_fork()
+
+
+os.register_at_fork(after_in_child=_in_forked_child)
 
 
 def shared_lease_client(socket: str | None = None) -> LeaseClient | None:

@@ -158,7 +158,7 @@ class LaneServer:
         self.scratch = memoryview(bytearray(READ_CHUNK))
         self.budget = None               # daemon/fds.py FdBudget: accept only while it has room
         self.accepting = False
-        self.on_close = None             # called with a connection that went away (its client leaves with it)
+        self.on_close = None             # called with each connection that went away (its client leaves with it)
         self.to_flush: list[LaneConnection] = []   # connections with replies queued this turn
 
     def set_accepting(self, on: bool) -> None:
@@ -287,7 +287,7 @@ class LaneServer:
         for entry in conn.out_fds:   # replies never sent: the duplicates of their descriptors go
             conn._close_out_fds(entry)
         conn.out_fds = []
-        if conn.client_id and self.on_close is not None:
+        if self.on_close is not None:   # (a client or not: a process killed before its first request had none)
             self.on_close(conn)
 
     def stop(self) -> None:

@@ -38,7 +38,7 @@ class Sessions:
         self.fetcher = fetcher            # daemon/fetch.py: a model only the remote store has
         self.disk = disk                  # daemon/disk_opens.py: opens the host tier cannot take now
         self.settings = settings
-        self.departed: dict[int, float] = {}   # pid -> when: lost lane clients whose I/O files may be left
+        self.departed: dict[int, float] = {}   # pid -> when: closed lane connections' processes, maybe exiting
         self.counters = counters
         self.clock = clock                # monotonic: liveness
         self.wall = wall                  # wall time: a model's last use, as `ls` shows it
@@ -86,30 +86,37 @@ class Sessions:
         return self.host.drop_client(client_id)
 
     def connection_closed(self, conn: LaneConnection) -> None:
-        """A lane connection that was a client went away without a goodbye (a process that exits says one:
-        client/leases.py): it died, or fell off. Its leases go, it counts as lost, and the serve-mode input
-        files it may have left (a SIGKILL between writing one and unlinking it) go once its process has."""
+        """A lane connection went away. One that was a client and said no goodbye (a process that exits says one:
+        client/leases.py) died, or fell off: its leases go, and it counts as lost. Whichever it was, the serve-mode
+        input files its process may have left (a SIGKILL between writing one and unlinking it, even before its
+        first request reached us and made it a client) go once that process has."""
         client = self.registry.clients.get(conn.client_id) if conn.client_id else None
-        if client is None or client.connection is not conn:
-            return
-        released = self._drop(client.client_id)
-        self.counters["clients_lost"] += 1
-        log.info("client lost: %s (pid %d), its connection closed without goodbye; released %s",
-                 client.client_id, client.pid, plural(len(released), "lease"))
-        self.departed[client.pid] = self.clock()
-        self._remove_files_of_departed(self.clock())
+        if client is not None and client.connection is conn:
+            released = self._drop(client.client_id)
+            self.counters["clients_lost"] += 1
+            log.info("client lost: %s (pid %d), its connection closed without goodbye; released %s",
+                     client.client_id, client.pid, plural(len(released), "lease"))
+        if conn.pid > 0:
+            if process_gone(conn.pid):
+                self._remove_files_of(conn.pid)
+            else:   # (it may still be exiting: the sweep looks again)
+                self.departed[conn.pid] = self.clock()
 
     def _remove_files_of_departed(self, now: float) -> None:
-        """The I/O files of lost lane clients whose processes are gone now (at its connection's close the
-        process may still be exiting); a process still alive after lease_timeout_s lives on: its files are its own."""
+        """The I/O files of lane connections' processes that are gone now; a process still alive after
+        lease_timeout_s lives on: its files are its own."""
         for pid, since in list(self.departed.items()):
             if process_gone(pid):
-                files = tensors.remove_io_files_of(pid)
-                if files:
-                    log.info("removed %s that lost client pid %d left", plural(files, "I/O file"), pid)
+                self._remove_files_of(pid)
             elif now - since < self.settings.lease_timeout_s:
                 continue
             del self.departed[pid]
+
+    @staticmethod
+    def _remove_files_of(pid: int) -> None:
+        files = tensors.remove_io_files_of(pid)
+        if files:
+            log.info("removed %s that the gone process %d left", plural(files, "I/O file"), pid)
 
     # -- handlers: each returns a reply, or None when it will reply later ---------------
     def on_Hello(self, ident, msg: P.Hello):
