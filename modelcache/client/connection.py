@@ -35,7 +35,7 @@ from ..address import check_can_connect, check_listening
 from ..errors import DaemonUnavailable, ModelCacheError, RequestTimeout, from_code
 from ..wire import lane as _lane, protocol as P
 from .lease_keeper import LeaseKeeper
-from .rpc import Channel, answer_within_ms, lane_connection
+from .rpc import Channel, answer_within_ms, infer_call, lane_connection
 
 log = logging.getLogger("modelcache.client")
 # Calls a restarted daemon may safely see twice: the dead daemon's effects died with it.
@@ -407,18 +407,10 @@ class Client:
               deadline_ms: float | None = None, priority: int | None = None) -> tuple[dict, dict]:
         """Serve mode: the daemon runs the model. Returns (name -> output array, timings). `priority`: the request's
         priority level, in a model with priority levels (1 first; None: its default level)."""
-        from ..wire import tensors
-        wire, files = tensors.encode(feeds, group_of=self._group_of, model=name)
-        try:
-            reply = self._call(P.Infer(req_id=0, client_id=self.client_id, name=name, inputs=wire, version=version,
-                                       output_names=output_names, deadline_ms=deadline_ms, priority=priority),
-                               expect=(P.InferReply,),
-                               use_lane=True)
-        finally:
-            for f in files:
-                os.unlink(f)
-        outputs, _ = tensors.decode(reply.outputs)
-        return outputs, reply.timings
+        return infer_call(lambda wire: self._call(
+            P.Infer(req_id=0, client_id=self.client_id, name=name, inputs=wire, version=version,
+                    output_names=output_names, deadline_ms=deadline_ms, priority=priority),
+            expect=(P.InferReply,), use_lane=True), feeds, self._group_of, name)
 
     def profile(self, name: str, feeds: dict, worker: str | None = None, runs: int = 3, min_s: float = 1.0,
                 version: int | None = None) -> P.ProfileReply:

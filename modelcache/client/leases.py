@@ -35,7 +35,7 @@ from ..errors import from_code
 from ..wire import protocol as P
 from ..wire.lane import lane_path
 from .lease_keeper import LeaseKeeper
-from .rpc import Channel, answer_within_ms, lane_connection
+from .rpc import Channel, answer_within_ms, infer_call, lane_connection
 
 class NoLaneOpen(Exception):
     """The daemon does not take an open without a hello (it predates client/leases.py): use the full client."""
@@ -89,18 +89,11 @@ class LeaseClient:
     def infer(self, name: str, feeds: dict, output_names: list | None = None, version: int | None = None,
               deadline_ms: float | None = None, priority: int | None = None) -> tuple[dict, dict]:
         """Serve mode (connection.Client.infer's): the daemon runs the model; (name -> output array, timings)."""
-        from ..wire import tensors
         # Whose group may read our shared-memory input files: the daemon socket's (tensors.encode).
-        wire, files = tensors.encode(feeds, group_of=self.address[len("ipc://"):], model=name)
-        try:
-            reply = self._call(P.Infer(req_id=0, client_id="", name=name, inputs=wire, version=version,
-                                       output_names=output_names, deadline_ms=deadline_ms, priority=priority,
-                                       client_name=self._name), (P.InferReply,))
-        finally:
-            for f in files:
-                os.unlink(f)
-        outputs, _ = tensors.decode(reply.outputs)
-        return outputs, reply.timings
+        return infer_call(lambda wire: self._call(
+            P.Infer(req_id=0, client_id="", name=name, inputs=wire, version=version, output_names=output_names,
+                    deadline_ms=deadline_ms, priority=priority, client_name=self._name), (P.InferReply,)),
+            feeds, self.address[len("ipc://"):], name)
 
     def release(self, lease_id: str) -> None:
         self._leases.release(lease_id, lambda: self._call(P.Close(req_id=0, client_id="", lease_id=lease_id),

@@ -36,6 +36,21 @@ _PEER_GONE = getattr(select, "POLLRDHUP", 0x2000) | select.POLLHUP | select.POLL
 
 
 
+def infer_call(send, feeds: dict, group_of: str | None, model: str) -> tuple[dict, dict]:
+    """Serve mode's round trip, whichever client makes it (connection.Client, leases.LeaseClient): `feeds` encoded
+    (large ones into shared-memory files, readable by `group_of`'s group), `send(wire)` the Infer and its reply,
+    the files removed once answered; (name -> output array, timings)."""
+    from ..wire import tensors
+    wire, files = tensors.encode(feeds, group_of=group_of, model=model)
+    try:
+        reply = send(wire)
+    finally:
+        for f in files:
+            os.unlink(f)
+    outputs, _ = tensors.decode(reply.outputs)
+    return outputs, reply.timings
+
+
 def answer_within_ms(timeout_s: float) -> float:
     """The deadline_ms a request waiting in the daemon (an open, for room) carries: the client's timeout less a
     margin, so that the daemon's answer (CapacityError, saying what held the tier) arrives before the client

@@ -55,10 +55,9 @@ class ServeSession:
         try:
             outputs, self.last_timings = self._client.infer(self.model_name, feeds, output_names,
                                                             self.model_version, self.deadline_ms, self.priority)
-        except NoLaneOpen:   # a daemon that takes no infer without a hello (older than this client)
+        except NoLaneOpen:   # a daemon that takes no infer without a hello (older than this client): the full one
             self._client = self._full_client()
-            outputs, self.last_timings = self._client.infer(self.model_name, feeds, output_names,
-                                                            self.model_version, self.deadline_ms, self.priority)
+            return self.run(output_names, input_feed, run_options)
         names = output_names or [o["name"] for o in self._outputs]
         return [outputs[n] for n in names]
 

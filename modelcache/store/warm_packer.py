@@ -293,11 +293,6 @@ class ForkedPack:
             self._pidfd = None
         self._owner._finished()
 
-    def __del__(self):
-        for f in (getattr(self, "stdout", None), getattr(self, "stderr", None)):
-            if f is not None:
-                f.close()
-
 
 # ---- the server's side ----------------------------------------------------------------------------------------
 
