@@ -113,7 +113,8 @@ def test_a_serve_session_in_a_fresh_process_goes_over_the_lane_without_zeromq(se
 
 def test_a_forked_child_gets_a_connection_of_its_own_and_the_parent_its_own_answers(serving, zoo_file):
     """A session made before a fork (gunicorn's preload, multiprocessing): the child's calls, on the session it
-    inherited or on a new one, must not read the parent's replies off their shared lane connection."""
+    inherited or on a new one, must not read the parent's replies off their shared lane connection, nor write its
+    inputs into the memory files the parent reuses for its own (each input here is 295 KB: passed as one)."""
     src = zoo_file("tiny-cnn")
     script = f"""
 import os, sys, numpy as np, onnxruntime as ort, modelcache
@@ -123,7 +124,7 @@ s = modelcache.InferenceSession("cnn", mode="serve")
 def loop(sess, seed):
     rng = np.random.default_rng(seed)
     for _ in range(100):
-        x = {{"input": rng.standard_normal((1, 3, 32, 32)).astype(np.float32)}}
+        x = {{"input": rng.standard_normal((24, 3, 32, 32)).astype(np.float32)}}
         assert np.allclose(sess.run(None, x)[0], ref.run(None, x)[0], rtol=1e-4, atol=1e-5)
 loop(s, 0)
 pid = os.fork()

@@ -35,6 +35,7 @@ from ..address import check_can_connect, check_listening
 from ..errors import DaemonUnavailable, ModelCacheError, RequestTimeout, from_code
 from ..wire import lane as _lane, protocol as P
 from .lease_keeper import LeaseKeeper
+from .input_buffers import InputBuffers
 from .rpc import Channel, answer_within_ms, infer_call, lane_connection
 
 log = logging.getLogger("modelcache.client")
@@ -202,6 +203,7 @@ class Client:
         self._want_lane = lane            # False: infer goes over ZeroMQ too
         self._name = name or Path(os.sys.argv[0] or "python").name
         self._leases = LeaseKeeper()      # re-opened on a reconnect; a close names the id of now
+        self._buffers = InputBuffers()    # serve calls' large inputs, over the lane (client/input_buffers.py)
         self._hello: P.HelloReply | None = None
         self.client_id = ""
         self._zmq = Channel(self.address, lambda: ZmqConnection(self._ctx, self.address), self.timeout_s,
@@ -287,8 +289,10 @@ class Client:
                                        self.timeout_s)
         return self._lease_lane
 
-    def _call(self, msg, expect: tuple, timeout_s: float | None = None, use_lane: bool = False, channel=None):
-        """Send one request and wait for its reply (or a typed error); serve requests over the lane."""
+    def _call(self, msg, expect: tuple, timeout_s: float | None = None, use_lane: bool = False, channel=None,
+              fds=()):
+        """Send one request and wait for its reply (or a typed error); serve requests over the lane (fds: passed
+        with it there)."""
         if self._closed:
             raise DaemonUnavailable("this modelcache connection is closed")
         if self._broken:
@@ -297,7 +301,7 @@ class Client:
         for retry in (False, True):
             sent_as = self.client_id
             reply = channel.exchange(msg, expect, timeout_s, retry_safe=isinstance(msg, RETRY_SAFE),
-                                     prepare=self._address_to_current)
+                                     prepare=self._address_to_current, fds=fds)
             if retry or not _daemon_forgot_us(reply):
                 break
             # It restarted between our calls (nothing of ours was done): hello again, once, then the call.
@@ -407,10 +411,12 @@ class Client:
               deadline_ms: float | None = None, priority: int | None = None) -> tuple[dict, dict]:
         """Serve mode: the daemon runs the model. Returns (name -> output array, timings). `priority`: the request's
         priority level, in a model with priority levels (1 first; None: its default level)."""
-        return infer_call(lambda wire: self._call(
+        lane = self._lane   # (the one this call goes by: memory files only where it passes their descriptors)
+        return infer_call(lambda wire, fds: self._call(
             P.Infer(req_id=0, client_id=self.client_id, name=name, inputs=wire, version=version,
-                    output_names=output_names, deadline_ms=deadline_ms, priority=priority),
-            expect=(P.InferReply,), use_lane=True), feeds, self._group_of, name)
+                    output_names=output_names, deadline_ms=deadline_ms, priority=priority, ipc_fds=len(fds)),
+            expect=(P.InferReply,), channel=lane or self._zmq, fds=fds), feeds, self._group_of, name,
+            self._buffers if lane is not None else None)
 
     def profile(self, name: str, feeds: dict, worker: str | None = None, runs: int = 3, min_s: float = 1.0,
                 version: int | None = None) -> P.ProfileReply:
@@ -507,6 +513,7 @@ class Client:
                 channel.close()
         self._heartbeat.join(timeout=2)
         self._zmq.close()
+        self._buffers.close()
 
     def __enter__(self):
         return self

@@ -34,6 +34,7 @@ from ..address import client_settings
 from ..errors import from_code
 from ..wire import protocol as P
 from ..wire.lane import lane_path
+from .input_buffers import InputBuffers
 from .lease_keeper import LeaseKeeper
 from .rpc import Channel, answer_within_ms, infer_call, lane_connection
 
@@ -50,6 +51,7 @@ class LeaseClient:
             raise ValueError(f"{address} has no lane (only an ipc:// daemon has one)")
         self._name = name or os.path.basename(sys.argv[0] or "python")
         self._leases = LeaseKeeper()      # re-opened on a reconnect; a close names the id of now
+        self._buffers = InputBuffers()    # serve calls' large inputs
         self._channel = self._new_channel()
         self._channel.connect()
         _live.add(self)
@@ -89,11 +91,12 @@ class LeaseClient:
     def infer(self, name: str, feeds: dict, output_names: list | None = None, version: int | None = None,
               deadline_ms: float | None = None, priority: int | None = None) -> tuple[dict, dict]:
         """Serve mode (connection.Client.infer's): the daemon runs the model; (name -> output array, timings)."""
-        # Whose group may read our shared-memory input files: the daemon socket's (tensors.encode).
-        return infer_call(lambda wire: self._call(
+        # Large inputs in memory files passed with the request (client/input_buffers.py); to a daemon older than
+        # that, in shared-memory files whose group is the daemon socket's (tensors.encode).
+        return infer_call(lambda wire, fds: self._call(
             P.Infer(req_id=0, client_id="", name=name, inputs=wire, version=version, output_names=output_names,
-                    deadline_ms=deadline_ms, priority=priority, client_name=self._name), (P.InferReply,)),
-            feeds, self.address[len("ipc://"):], name)
+                    deadline_ms=deadline_ms, priority=priority, client_name=self._name, ipc_fds=len(fds)),
+            (P.InferReply,), fds), feeds, self.address[len("ipc://"):], name, self._buffers)
 
     def release(self, lease_id: str) -> None:
         self._leases.release(lease_id, lambda: self._call(P.Close(req_id=0, client_id="", lease_id=lease_id),
@@ -110,13 +113,14 @@ class LeaseClient:
             except Exception:   # (a daemon gone or stuck: the close it sees is the goodbye)
                 pass
         self._channel.close()
+        self._buffers.close()
         _live.discard(self)
 
     # -- one call --------------------------------------------------------------------------
-    def _call(self, msg, expect: tuple):
+    def _call(self, msg, expect: tuple, fds=()):
         """msg's reply, or its error raised; sent once more on a new connection if the daemon went away
-        (a Close then names the lease's id on that connection)."""
-        reply = self._channel.exchange(msg, expect, retry_safe=True, prepare=self._leases.address_close)
+        (a Close then names the lease's id on that connection). fds: passed with it (each time it is sent)."""
+        reply = self._channel.exchange(msg, expect, retry_safe=True, prepare=self._leases.address_close, fds=fds)
         if isinstance(reply, P.ErrorReply):
             if reply.code == "lease" and reply.message.startswith("unknown client ''"):
                 raise NoLaneOpen(reply.message)

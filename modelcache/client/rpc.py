@@ -36,17 +36,32 @@ _PEER_GONE = getattr(select, "POLLRDHUP", 0x2000) | select.POLLHUP | select.POLL
 
 
 
-def infer_call(send, feeds: dict, group_of: str | None, model: str) -> tuple[dict, dict]:
-    """Serve mode's round trip, whichever client makes it (connection.Client, leases.LeaseClient): `feeds` encoded
-    (large ones into shared-memory files, readable by `group_of`'s group), `send(wire)` the Infer and its reply,
-    the files removed once answered; (name -> output array, timings)."""
+def infer_call(send, feeds: dict, group_of: str | None, model: str, buffers=None) -> tuple[dict, dict]:
+    """Serve mode's round trip, whichever client makes it (connection.Client, leases.LeaseClient): `feeds` encoded,
+    `send(wire, fds)` the Infer and its reply; (name -> output array, timings). Large inputs go in `buffers`' memory
+    files, whose descriptors `send` passes with the message (over the lane: client/input_buffers.py), else into
+    shared-memory files readable by `group_of`'s group, removed once answered."""
     from ..wire import tensors
-    wire, files = tensors.encode(feeds, group_of=group_of, model=model)
+    passing = buffers.request() if buffers is not None and not buffers.refused else None
+    wire, files = tensors.encode(feeds, group_of=group_of, model=model, passing=passing)
+    answered = False
     try:
-        reply = send(wire)
+        reply = send(wire, passing.fds if passing is not None else ())
+        answered = True
+    except ModelCacheError as e:
+        # An error reply is an answer (the daemon is done with the files); a lost daemon or a timeout is not.
+        answered = not isinstance(e, (DaemonUnavailable, RequestTimeout))
+        if not (isinstance(e, ProtocolError) and passing is not None and passing.fds):
+            raise
+        buffers.refused = True   # a daemon older than passed inputs ("no 'shm'"): files, which it reads
+        reply = None
     finally:
         for f in files:
             os.unlink(f)
+        if passing is not None:
+            passing.settle(answered)
+    if reply is None:
+        return infer_call(send, feeds, group_of, model)
     outputs, _ = tensors.decode(reply.outputs)
     return outputs, reply.timings
 

@@ -3,9 +3,10 @@ its connections, driven by the owner loop's poller. Nothing here blocks.
 
 A connection stands in for a ZeroMQ routing id: handlers get it as `ident` and replies go
 back through `send`; like identity.Peer it carries the client's kernel uid, gid and pid.
-A connection's first message may bring file descriptors (SCM_RIGHTS: `add` passes the
-model's files so the daemon never opens a client-named path); later reads take none, so
-serve calls keep the cheaper recv_into. A reply may carry descriptors the other way (a GPU
+A message may bring file descriptors (SCM_RIGHTS): `add` passes the model's files so the daemon
+never opens a client-named path, and a serve request the memory files of its large inputs
+(`Infer.ipc_fds`, client/input_buffers.py). They are held in arrival order until the message
+that declares them is handled, which takes them (`take_fds`). A reply may carry descriptors the other way (a GPU
 lease under gpu_sharing = "vmm-read-only": the allocations' exported fds): they leave with the
 reply's first byte, also when the reply waits behind others (then the connection holds
 duplicates of them until they are sent or it drops). A reply to a connection that has gone is dropped,
@@ -25,7 +26,7 @@ import zmq
 
 from ..errors import ModelCacheError
 from ..storage import remove_tree
-from ..wire.lane import HEADER, MAX_BODY, MAX_FDS, FrameReader, LaneError, frame, recv_chunk, recv_chunk_with_fds, send_fds
+from ..wire.lane import HEADER, MAX_BODY, MAX_FDS, FrameReader, LaneError, frame, recv_chunk_with_fds, send_fds
 from .identity import socket_credentials
 
 log = logging.getLogger("modelcache.daemon")
@@ -34,7 +35,7 @@ READ_CHUNK = 1 << 20            # one read buffer, shared by every connection (t
 MAX_READ_PER_TURN = 16 << 20     # one busy client cannot hold the loop
 MAX_PENDING = 256 << 20          # unread replies a client may leave before it is cut off
 COALESCE_BYTES = 64 << 10        # a reply up to this size waits for flush_replies, to leave with its batch's others
-# Descriptors held for first messages not yet whole, over all connections: one open file sent 253 times
+# Descriptors held for messages not yet handled, over all connections: one open file sent 253 times
 # is 253 of our descriptors, so many connections that never finish a message could exhaust them.
 MAX_HELD_FDS = 1024
 # ints, not pyzmq's enums: `int & IntFlag` runs Python code in the enum module, per event
@@ -68,20 +69,30 @@ class LaneConnection:
         self.polling_out = False  # registered for POLLOUT: replies wait for room in the socket
         self.queued = False       # in server.to_flush: replies wait for the end of the turn
         self.uid, self.gid, self.pid = socket_credentials(sock)
-        self.fds: list | None = []  # descriptors come with the first message; None once it is handled
+        # Descriptors received and not yet taken, oldest first. They come with the first byte of the message that
+        # declares them (an Add's files, an Infer's memory files: `ipc_fds`), so every descriptor of one message
+        # comes before any of the next one's, and a message is whole only once its own have come.
+        self.fds: list = []
         self.client_id = ""         # the client this connection is, once it opened a lease with no hello
 
-    def take_fds(self) -> list:
-        """The descriptors that came with this message (the caller now owns them, and closes them)."""
-        fds, self.fds = self.fds or [], []
+    def take_fds(self, n: int | None = None) -> list | None:
+        """The oldest `n` descriptors received (None: all of them, an Add's, the first message of its connection);
+        the caller now owns them, and closes them. None, and the connection dropped, where fewer came: a message
+        declared descriptors its sender did not pass, and the stream cannot be trusted any further."""
+        if n is None:
+            n = len(self.fds)
+        elif n > len(self.fds):
+            self.server.drop(self, f"a message declares {n} file descriptors and {len(self.fds)} came with it")
+            return None
+        fds, self.fds = self.fds[:n], self.fds[n:]
         self.server.held_fds -= len(fds)
         return fds
 
     def close_fds(self) -> None:
-        for fd in self.fds or ():
+        for fd in self.fds:
             os.close(fd)
-        self.server.held_fds -= len(self.fds or ())
-        self.fds = None
+        self.server.held_fds -= len(self.fds)
+        self.fds = []
 
     @staticmethod
     def _close_out_fds(entry: list) -> None:
@@ -231,15 +242,14 @@ class LaneServer:
         got = 0
         while got < MAX_READ_PER_TURN:
             try:
-                if conn.fds is None:
-                    data = recv_chunk(conn.sock, self.scratch)
-                else:
-                    data, fds = recv_chunk_with_fds(conn.sock, self.scratch)
+                # Every read takes descriptors (~2 us more than recv_into): any message may bring some.
+                data, fds = recv_chunk_with_fds(conn.sock, self.scratch)
+                if fds:
                     conn.fds += fds
                     self.held_fds += len(fds)
                     if len(conn.fds) > MAX_FDS or self.held_fds > MAX_HELD_FDS:
                         self.drop(conn, f"{len(conn.fds)} file descriptors passed, {self.held_fds} held in all "
-                                        f"(at most {MAX_FDS} a message, {MAX_HELD_FDS} together)")
+                                        f"(at most {MAX_FDS} on a connection, {MAX_HELD_FDS} together)")
                         return
             except (BlockingIOError, InterruptedError):
                 break
@@ -267,8 +277,6 @@ class LaneServer:
             if message is None:
                 return
             handle([conn, *message])
-            if conn.fds is not None:   # only a connection's first message brings descriptors
-                conn.close_fds()
 
     def drop(self, conn: LaneConnection, why: str | None) -> None:
         if conn.sock is None:

@@ -29,10 +29,11 @@ import zmq
 
 from .. import __version__
 from ..wire import protocol as P
+from ..wire import tensors
 from ..config import ConfigError, Settings
 from ..executor.engine import Engine
 from ..executor.response_cache import ResponseCache
-from ..errors import ModelCacheError, PermissionDenied, ProtocolError
+from ..errors import InputError, ModelCacheError, PermissionDenied, ProtocolError
 from ..tiers.disk import Repository
 from ..tiers.host import HostTier
 from ..tiers.remote import RemoteStore
@@ -548,7 +549,12 @@ class Daemon:
     def _handle(self, frames: list[bytes]) -> None:
         ident, body = frames[0], frames[1:]
         try:
-            msg = P.decode(body, max_items=P.REQUEST_MAX_ITEMS)
+            try:
+                msg = P.decode(body, max_items=P.REQUEST_MAX_ITEMS)
+            except ProtocolError as e:
+                if not self._passed_fds_taken(ident, getattr(e, "declared_fds", None)):
+                    return
+                raise
             handler = self.handlers.get(type(msg))
             if handler is None:
                 raise ProtocolError(f"{msg.KIND.decode()!r} is a reply, not a request")
@@ -557,7 +563,43 @@ class Daemon:
             log.warning("bad message from a client: %s", e)
             self._reply(ident, P.ErrorReply(req_id=P.req_id_of(body) if body else 0, code=e.code, message=str(e)))
             return
+        if getattr(msg, "ipc_fds", 0):
+            try:
+                msg.passed = self._map_passed(ident, msg.ipc_fds)
+            except ModelCacheError as e:
+                self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=e.code, message=str(e)))
+                return
+            if msg.passed is None:
+                return
         self._dispatch(ident, msg, handler)
+
+    def _map_passed(self, ident, n: int) -> list | None:
+        """The memory files a request's `ipc_fds` declares, taken off its lane connection and mapped (wire/tensors.py
+        map_passed_inputs); None where the connection was dropped (it did not bring them: the stream is broken)."""
+        if type(ident) is not LaneConnection:
+            raise InputError(f"the request declares {n} passed descriptors, which only the daemon's lane (a Unix "
+                             "socket) carries: this came over ZeroMQ")
+        fds = ident.take_fds(n)
+        if fds is None:
+            return None
+        try:
+            return tensors.map_passed_inputs(fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _passed_fds_taken(self, ident, declared: int | None) -> bool:
+        """A refused lane request's descriptors, closed (so that the next message does not get them); False where
+        the connection had to be dropped: it holds descriptors the refused message may or may not have brought."""
+        if type(ident) is not LaneConnection or not ident.fds:
+            return True
+        if declared is None or declared < 0:
+            ident.server.drop(ident, "a message that could not be read came with file descriptors")
+            return False
+        fds = ident.take_fds(declared)
+        for fd in fds or ():
+            os.close(fd)
+        return fds is not None
 
     def _dispatch(self, ident: bytes, msg, handler=None) -> None:
         """Run a request's handler and send its reply or its error; also used to re-run a request."""

@@ -283,7 +283,7 @@ class Serving:
             return None
         arrival = self.clock()
         deadline = deadline_of(arrival, msg.deadline_ms)
-        feeds, maps = tensors.decode(msg.inputs)
+        feeds, maps = tensors.decode(msg.inputs, getattr(msg, "passed", ()))   # (server._map_passed's mappings)
         input_s = self.clock() - arrival   # (Triton's compute_input: the request's tensors made ready to run)
 
         def answer(result, timings, error):

@@ -57,7 +57,7 @@ def recv_chunk(sock: socket.socket, scratch: memoryview) -> bytes:
 
 def recv_chunk_with_fds(sock: socket.socket, scratch: memoryview, flags: int = 0) -> tuple[bytes, list[int]]:
     """recv_chunk, and the file descriptors (SCM_RIGHTS) that came with those bytes; now the caller's.
-    recvmsg costs ~2 us more than recv_into, so only a connection's first message is read this way."""
+    recvmsg costs ~2 us more than recv_into: a client reads this way only where replies bring descriptors."""
     n, ancdata, flags, _ = sock.recvmsg_into([scratch], _FDS_SPACE, flags)
     fds = []
     for level, kind, data in ancdata:
@@ -173,7 +173,7 @@ class LaneClient:
 
     def send(self, kind: bytes, body: bytes, deadline: float, fds: list[int] = ()) -> None:
         """TimeoutError or OSError leave the stream unusable: close the lane then.
-        fds travel with the message's first byte; the daemon takes them only with a connection's first message."""
+        fds travel with the message's first byte; the message declares them (an Add's files, an Infer's ipc_fds)."""
         self.send_frames(frame(kind, body), deadline, fds)
 
     def send_frames(self, data: bytes, deadline: float, fds: list[int] = ()) -> None:

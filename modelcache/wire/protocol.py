@@ -14,6 +14,7 @@ import msgpack
 
 from ..calibration import check_profile, check_serving
 from ..errors import ProtocolError, RecordError
+from .lane import MAX_FDS
 
 PROTOCOL_VERSION = 1
 
@@ -560,8 +561,13 @@ class Infer(Message, kind="infer"):
     # Triton's request priority: the level it waits in where the model has priority levels (1 first; 0, None or one
     # above its levels: its default level, executor/queues.py); ignored by a model without them, as Triton ignores it.
     priority: Optional[int] = None
+    # How many descriptors came with it over the lane: memory files its large inputs are in ({"fd": index}, see
+    # wire/tensors.py). A daemon before them ignores the field, and answers that a tensor has no "shm".
+    ipc_fds: int = 0
 
     def _check_decoded(self) -> None:
+        if not 0 <= self.ipc_fds <= MAX_FDS:
+            raise RecordError(f"ipc_fds {self.ipc_fds}: at most {MAX_FDS} descriptors travel with a message")
         if self.priority is not None and not 0 <= self.priority <= UINT64_MAX:
             raise RecordError(f"priority {self.priority}: must be within 0..2^64-1")
         if self.sequence is not None:
@@ -709,20 +715,26 @@ def decode(frames: list[bytes], expect: tuple[type, ...] | None = None, max_item
         raise ProtocolError(f"{cls.KIND.decode()}: body must be a map, got {type(data).__name__}")
     msg = cls.__new__(cls)  # filled here rather than through __init__: this runs for every message
     attrs = msg.__dict__
-    for name, type_text, accept, optional, default in cls.CHECKS:
-        if name in data:
-            value = data[name]
-            if not (isinstance(value, accept) and (type(value) is not bool or bool in accept)
-                    or (optional and value is None)):
-                raise ProtocolError(f"{cls.KIND.decode()}.{name}: expected {type_text}, got {type(value).__name__}")
-            attrs[name] = value
-        elif default is _REQUIRED:
-            raise ProtocolError(f"{cls.KIND.decode()}: missing field {name!r}")
-        else:
-            attrs[name] = _fresh(default)
-    check = getattr(cls, "_check_decoded", None)
-    if check is not None:   # nested records: decoded into their types and checked here, once
-        check(msg)
+    try:
+        for name, type_text, accept, optional, default in cls.CHECKS:
+            if name in data:
+                value = data[name]
+                if not (isinstance(value, accept) and (type(value) is not bool or bool in accept)
+                        or (optional and value is None)):
+                    raise ProtocolError(f"{cls.KIND.decode()}.{name}: expected {type_text}, got {type(value).__name__}")
+                attrs[name] = value
+            elif default is _REQUIRED:
+                raise ProtocolError(f"{cls.KIND.decode()}: missing field {name!r}")
+            else:
+                attrs[name] = _fresh(default)
+        check = getattr(cls, "_check_decoded", None)
+        if check is not None:   # nested records: decoded into their types and checked here, once
+            check(msg)
+    except ProtocolError as e:
+        # A refused request's descriptors must still be taken off its connection, or the next message gets them.
+        declared = data.get("ipc_fds", 0)
+        e.declared_fds = declared if type(declared) is int else None
+        raise
     return msg  # fields it does not know are ignored: newer peers may add some
 
 

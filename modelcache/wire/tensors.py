@@ -1,9 +1,12 @@
 """Tensors on the wire for serve mode, and the feed check both sides share.
 
-Small tensors travel inline in the message (msgpack bytes); large ones through a file
-in /dev/shm that the sender writes and the daemon reads, so a big input never goes
-through the socket. The daemon copies it out rather than mapping it: the client owns the
-file, and a mapped file that its owner truncates is a SIGBUS in whoever reads it next.
+Small tensors travel inline in the message (msgpack bytes); large ones never go through the socket:
+- over the lane, in a memory file whose descriptor travels with the message (`passing`, client/input_buffers.py),
+  sealed against shrinking, which the daemon maps (map_passed_inputs): nothing copied, no file to name or remove,
+  and a client in another mount namespace sends them as well;
+- over ZeroMQ (which passes no descriptors: a tcp:// daemon), and from a front, through a file in /dev/shm that the
+  sender writes and the daemon reads. The daemon copies it out rather than mapping it: the client owns the file,
+  and a mapped file that its owner truncates is a SIGBUS in whoever reads it next.
 """
 
 from __future__ import annotations
@@ -31,8 +34,11 @@ _dtypes: dict = {}        # and back: a name on the wire -> numpy dtype (only na
 
 
 def encode(arrays: dict, shm_dir: str = IO_DIR, group_of: str | None = None,
-           inline_only: bool = False, model: str = "") -> tuple[list, list[str]]:
+           inline_only: bool = False, model: str = "", passing=None) -> tuple[list, list[str]]:
     """name -> value  =>  (wire list, shm files the caller must unlink once answered).
+
+    passing: a request's memory files (client/input_buffers.Passing), for a message that goes over the lane: large
+    tensors are written there instead of into shm files; the caller sends `passing.fds` with it and settles them.
 
     A value is a tensor (numpy array or scalar), or what ORT takes and returns besides: a sequence
     (list), an optional's None, a map (dict, ZipMap's output). The daemon answers inline
@@ -43,7 +49,7 @@ def encode(arrays: dict, shm_dir: str = IO_DIR, group_of: str | None = None,
     try:
         for name, value in arrays.items():
             try:
-                entry = _encode_value(value, shm_dir, group_of, inline_only, files)
+                entry = _encode_value(value, shm_dir, group_of, inline_only, files, passing)
             except OSError as e:
                 raise storage_error(e, f"passing input {name!r}" + (f" of {model}" if model else ""), shm_dir) \
                     or e from None
@@ -56,13 +62,13 @@ def encode(arrays: dict, shm_dir: str = IO_DIR, group_of: str | None = None,
     return wire, files
 
 
-def _encode_value(value, shm_dir: str, group_of: str | None, inline_only: bool, files: list) -> dict:
+def _encode_value(value, shm_dir: str, group_of: str | None, inline_only: bool, files: list, passing=None) -> dict:
     if value is None or isinstance(value, (list, tuple, dict)):
         return _encode_composite(value)
-    return _encode_tensor(value, shm_dir, group_of, inline_only, files)
+    return _encode_tensor(value, shm_dir, group_of, inline_only, files, passing)
 
 
-def _encode_tensor(value, shm_dir: str, group_of: str | None, inline_only: bool, files: list) -> dict:
+def _encode_tensor(value, shm_dir: str, group_of: str | None, inline_only: bool, files: list, passing=None) -> dict:
     import numpy as np
 
     a = np.asarray(value)   # (not ascontiguousarray: it turns a 0-d scalar into shape [1])
@@ -76,6 +82,10 @@ def _encode_tensor(value, shm_dir: str, group_of: str | None, inline_only: bool,
     entry = {"dtype": dtype, "shape": list(a.shape)}
     if a.nbytes <= INLINE_MAX_BYTES or inline_only:
         entry["data"] = a.tobytes()
+        return entry
+    if passing is not None:
+        index = passing.put(memoryview(a).cast("B"))
+        entry.update(fd=index, nbytes=a.nbytes) if index is not None else entry.update(data=a.tobytes())
         return entry
     path = os.path.join(shm_dir, f"{IO_PREFIX}{os.getuid()}.{os.getpid()}.{next(_counter)}")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
@@ -131,16 +141,17 @@ def _string_array(entry: dict, shape: tuple):
 MAX_NESTING = 8   # sequences of maps of sequences...: ORT's types nest two or three deep
 
 
-def decode(wire: list) -> tuple[dict, list]:
+def decode(wire: list, passed=()) -> tuple[dict, list]:
     """wire list => (name -> read-only array (or list / dict / None, see encode), mappings to close
     when the arrays are no longer used: none any more, since I/O files are read, not mapped; kept for
-    callers)."""
+    callers). passed: the mappings of the memory files that came with the message (map_passed_inputs), which
+    its tensors name by index; an array over one keeps it mapped while it lives."""
     arrays, maps = {}, []
     if not isinstance(wire, list):
         raise ProtocolError("tensors must be a list")
     for entry in wire:
         try:
-            arrays[entry["name"]] = _decode_value(entry, entry["name"], 0)
+            arrays[entry["name"]] = _decode_value(entry, entry["name"], 0, passed)
         except (ProtocolError, InputError):
             raise
         except (KeyError, TypeError, ValueError, OverflowError, OSError) as e:   # (overflow: a dim past 2**63)
@@ -149,7 +160,7 @@ def decode(wire: list) -> tuple[dict, list]:
     return arrays, maps
 
 
-def _decode_value(entry: dict, name: str, depth: int):
+def _decode_value(entry: dict, name: str, depth: int, passed=()):
     import numpy as np
 
     if "shape" not in entry:   # not a tensor: an optional's None, a sequence or a map
@@ -184,6 +195,8 @@ def _decode_value(entry: dict, name: str, depth: int):
         buf = entry["data"]
     elif depth:
         raise ValueError("a sequence's or map's tensors travel inline")
+    elif "fd" in entry:
+        buf = passed_input(passed, entry["fd"], name, math.prod(shape) * dtype.itemsize)
     else:
         buf = read_io_file(entry["shm"], name, math.prod(shape) * dtype.itemsize)
     # Not np.ndarray(shape, dtype, buf), though it is one call less: it reads an object dtype
@@ -255,6 +268,45 @@ def read_io_file(path, name: str, nbytes: int):
         os.close(fd)
     data.flags.writeable = False
     return data
+
+
+def map_passed_inputs(fds: list) -> list:
+    """The memory files a request passed (their descriptors stay the caller's to close), each mapped read-only.
+
+    Mapped, not copied: only a file sealed against shrinking (F_SEAL_SHRINK: a memfd, as client/input_buffers.py
+    makes them) is taken, so no one can truncate it under the mapping (the SIGBUS that read_io_file copies to
+    avoid). Its owner may still write into it: that changes only the answer to its own request. InputError for
+    anything else passed (a pipe, a socket, a plain file, an unsealed memfd)."""
+    import fcntl
+    import mmap
+    import stat
+
+    maps = []
+    for i, fd in enumerate(fds):
+        try:
+            st = os.fstat(fd)
+            sealed = stat.S_ISREG(st.st_mode) and fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
+        except OSError:   # (EINVAL: a file system without seals)
+            sealed = False
+        if not sealed:
+            raise InputError(f"descriptor {i} passed with the request is not a memory file sealed against shrinking "
+                             "(memfd_create with MFD_ALLOW_SEALING, then F_ADD_SEALS F_SEAL_SHRINK): the daemon maps "
+                             "the inputs it is given, and a file that can shrink under a mapping cannot be mapped")
+        try:
+            maps.append(mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ) if st.st_size else b"")
+        except OSError as e:   # (its address space or the map count exhausted)
+            raise InputError(f"descriptor {i} passed with the request cannot be mapped: {e.strerror}") from None
+    return maps
+
+
+def passed_input(passed, index, name: str, nbytes: int):
+    """Tensor `name`'s bytes: the first `nbytes` of the message's memory file number `index`."""
+    if type(index) is not int or not 0 <= index < len(passed):
+        raise InputError(f"tensor {name!r}: names passed descriptor {index!r}, and the request passed {len(passed)}")
+    buf = passed[index]
+    if len(buf) < nbytes:
+        raise InputError(f"tensor {name!r}: its memory file holds {len(buf)} bytes; the tensor needs {nbytes}")
+    return memoryview(buf)[:nbytes]
 
 
 _PYTHON_VALUES = (list, tuple, bool, int, float, str, bytes)   # what a feed converts to an input's dtype

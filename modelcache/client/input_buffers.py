@@ -1,0 +1,165 @@
+"""Where a serve client puts a large input for the daemon: memory files, passed as descriptors and reused.
+
+A serve request's input over INLINE_MAX_BYTES used to go through a file in /dev/shm named in the message.
+Two things were wrong with that. A client in another container (its own /dev/shm) could not send one at all:
+the daemon found no such file. And it was slow: a new tmpfs file's pages are allocated as they are written
+and freed at the unlink, on every request, and the daemon copied the file out (a file it maps could be
+truncated under it: SIGBUS). `benchmarks/inputs/ways.py` measured the ways there are, round trip of the bare
+hand-over (ways.txt, medians over 5 rounds): 0.3 MB 567 us by file against 240 us this way, 4.8 MB 7.5 against
+3.2 ms, 48 MB 114 against 34 ms. A new memory file each time costs what a file does up to a few MB (its pages are
+allocated as written, there too): the reuse is what pays.
+
+So a lane client writes a large input into a memory file (memfd_create) it keeps for the next request, and
+passes its descriptor with the Infer (SCM_RIGHTS): nothing to name, find or remove, in any mount namespace.
+Each file is sealed against shrinking and growing at its birth (F_SEAL_SHRINK | F_SEAL_GROW), so the daemon may
+map it instead of copying it (wire/tensors.map_passed_inputs checks the seal): it cannot shrink under a mapping.
+It is not sealed against writing, which would make it single-use: what this process writes into a file the
+daemon still reads changes only this process's own answer, and a file goes back into the pool only once its
+request was answered (a timed-out or failed request's file is closed, never reused).
+
+A file's size is the next power of two at or above the tensor's (at least 64 KiB): a tmpfs allocates only the
+pages written, so the rounding costs no memory, and one file serves every tensor of its size class. The pool
+keeps at most IDLE_MAX_BYTES of written pages between requests, and closes a file idle for IDLE_S (checked as
+requests come: no thread). A forked child drops the files it inherited: the parent reuses them.
+"""
+
+from __future__ import annotations
+
+import _thread
+import fcntl
+import os
+import time
+
+MIN_FILE_BYTES = 64 << 10
+IDLE_MAX_BYTES = 64 << 20     # written pages kept between requests, per pool (what an idle client holds at most)
+IDLE_S = 30.0                 # a file not reused for this long is closed at the next request
+MAX_PASSED = 64               # descriptors one request passes; its further large inputs go inline
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+
+
+class _File:
+    __slots__ = ("fd", "size", "written", "idle_since")
+
+    def __init__(self, fd: int, size: int):
+        self.fd, self.size, self.written, self.idle_since = fd, size, 0, 0.0
+
+
+def size_class(nbytes: int) -> int:
+    return max(MIN_FILE_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
+
+
+class InputBuffers:
+    """A client's memory files for its requests' large inputs (one pool per client, shared by its threads)."""
+
+    def __init__(self, clock=time.monotonic):
+        self._clock = clock
+        self._lock = _thread.allocate_lock()
+        self._idle: dict[int, list[_File]] = {}   # size class -> files, the most recently used last
+        self._generation = 0                      # + 1 in a forked child: the files taken before are the parent's
+        self.refused = False                      # the daemon cannot take descriptors (older): files, as before
+        _pools.add(self)
+
+    def request(self) -> "Passing":
+        """One request's inputs: tensors.encode puts the large ones here; send `passing.fds` with the message, then
+        `settle(answered)`."""
+        return Passing(self)
+
+    @property
+    def idle_bytes(self) -> int:
+        return sum(f.written for files in self._idle.values() for f in files)
+
+    def _take(self, nbytes: int) -> _File:
+        size = size_class(nbytes)
+        with self._lock:
+            self._expire()
+            files = self._idle.get(size)
+            if files:
+                return files.pop()
+        fd = os.memfd_create("modelcache-input", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        except BaseException:
+            os.close(fd)
+            raise
+        return _File(fd, size)
+
+    def _give_back(self, files: list, generation: int, reuse: bool) -> None:
+        with self._lock:
+            keep = reuse and generation == self._generation
+            now = self._clock()
+            for f in files:
+                if keep and self.idle_bytes + f.written <= IDLE_MAX_BYTES:
+                    f.idle_since = now
+                    self._idle.setdefault(f.size, []).append(f)
+                else:
+                    os.close(f.fd)
+
+    def _expire(self) -> None:
+        """(Under the lock.) Close the files idle for IDLE_S."""
+        cutoff = self._clock() - IDLE_S
+        for size, files in list(self._idle.items()):
+            while files and files[0].idle_since < cutoff:
+                os.close(files.pop(0).fd)
+            if not files:
+                del self._idle[size]
+
+    def close(self) -> None:
+        _pools.discard(self)
+        with self._lock:
+            for files in self._idle.values():
+                for f in files:
+                    os.close(f.fd)
+            self._idle.clear()
+
+    def _after_fork(self) -> None:
+        """In a forked child: the idle files are the parent's too (it writes into them for its own requests)."""
+        self._lock = _thread.allocate_lock()
+        for files in self._idle.values():
+            for f in files:
+                os.close(f.fd)
+        self._idle.clear()
+        self._generation += 1
+
+
+class Passing:
+    """One request's memory files: `put(array)` writes a tensor into one and says which of the message's
+    descriptors it is; `fds` go with the message; `settle` hands them back once it is answered."""
+    __slots__ = ("_pool", "_files", "_generation")
+
+    def __init__(self, pool: InputBuffers):
+        self._pool, self._files, self._generation = pool, [], pool._generation
+
+    @property
+    def fds(self) -> list[int]:
+        return [f.fd for f in self._files]
+
+    def put(self, data: memoryview) -> int | None:
+        """Write `data` (bytes) into a memory file of this request's; its index among `fds`, or None when the
+        request passes MAX_PASSED already (the caller sends it inline)."""
+        if len(self._files) >= MAX_PASSED:
+            return None
+        f = self._pool._take(len(data))
+        self._files.append(f)   # (from now: a failed write closes it with the request's others)
+        done = 0
+        while done < len(data):
+            done += os.pwrite(f.fd, data[done:], done)
+        f.written = max(f.written, len(data))
+        return len(self._files) - 1
+
+    def settle(self, answered: bool) -> None:
+        """The request is over: an answered one's files are reused; else (a timeout, a lost daemon: it may still
+        read them) they are closed."""
+        files, self._files = self._files, []
+        self._pool._give_back(files, self._generation, answered)
+
+
+_pools: set = set()   # every open pool, for the fork hook (a pool leaves it at close)
+
+
+def _in_forked_child() -> None:
+    for pool in list(_pools):
+        pool._after_fork()
+
+
+os.register_at_fork(after_in_child=_in_forked_child)

@@ -1,0 +1,207 @@
+"""Serve mode's large inputs as memory files passed over the lane (client/input_buffers.py, wire/tensors.py
+map_passed_inputs, daemon/server.py _map_passed), against a real daemon: right answers, no file left anywhere,
+a client in another mount namespace served, and every bad descriptor refused with the daemon up and nothing leaked."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import modelcache
+from modelcache.errors import InputError
+from modelcache.wire import protocol as P
+from modelcache.wire.lane import LaneClient, lane_path
+from modelcache.wire.tensors import INLINE_MAX_BYTES, IO_DIR, IO_PREFIX
+
+from conftest import DaemonProcess, stop_cleanly, wait_until
+
+N = 100_000                      # floats: 400 KB, over INLINE_MAX_BYTES
+assert N * 4 > INLINE_MAX_BYTES
+
+
+def sum_model(path) -> None:
+    """y = ReduceSum(x) over a float vector of any length: each answer says which input the daemon read."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [])
+    graph = helper.make_graph([helper.make_node("ReduceSum", ["x"], ["y"], keepdims=0)], "sum", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+
+
+@pytest.fixture
+def summing(tmp_path):
+    d = DaemonProcess(tmp_path).start()
+    try:
+        sum_model(tmp_path / "sum.onnx")
+        with d.client() as c:
+            c.add(str(tmp_path / "sum.onnx"), "sum")
+        yield d
+        stop_cleanly(d)
+    finally:
+        d.kill()
+
+
+def io_files() -> list[str]:
+    return [n for n in os.listdir(IO_DIR) if n.startswith(IO_PREFIX)]
+
+
+def memfds() -> int:
+    """This process's memory files for inputs."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:modelcache-input")
+        except OSError:
+            pass
+    return n
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_large_inputs_travel_as_memory_files_and_each_answer_is_its_own_input_s(summing):
+    before = io_files()
+    with modelcache.InferenceSession("sum", mode="serve", socket=summing.socket) as s:
+        rng = np.random.default_rng(0)
+        for n in (N, N // 2, 3 * N, N):     # several size classes, a smaller tensor in a reused file
+            for _ in range(5):
+                x = rng.integers(-1000, 1000, n).astype(np.float32)
+                assert float(s.run(None, {"x": x})[0]) == float(x.sum(dtype=np.float64))
+                assert io_files() == before            # nothing named in /dev/shm
+        assert memfds() >= 1                           # kept for the next request
+    with summing.client() as c:                        # and the same through the full client's lane
+        x = (np.arange(N) % 100).astype(np.float32)   # (sums exact in float32)
+        assert float(c.infer("sum", {"x": x})[0]["y"]) == float(x.sum(dtype=np.float64))
+        assert io_files() == before
+
+
+def test_threads_sharing_a_session_each_get_their_own_answers(summing):
+    s = modelcache.InferenceSession("sum", mode="serve", socket=summing.socket)
+    wrong, errors = [], []
+
+    def loop(seed: int):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(25):
+                x = rng.integers(-1000, 1000, N + seed).astype(np.float32)
+                got = float(s.run(None, {"x": x})[0])
+                if got != float(x.sum(dtype=np.float64)):
+                    wrong.append((seed, got))
+        except Exception as e:   # (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=loop, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    s.close()
+    assert not errors and not wrong, (errors, wrong)
+
+
+CONTAINED = r"""
+import sys, numpy as np, modelcache
+s = modelcache.InferenceSession("sum", mode="serve")
+x = (np.arange(int(sys.argv[1])) % 100).astype(np.float32)
+print(float(s.run(None, {"x": x})[0]) == float(x.sum(dtype=np.float64)), sorted(__import__("os").listdir("/dev/shm")))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="a private mount namespace needs root and unshare(1)")
+def test_a_client_in_another_mount_namespace_sends_large_inputs(summing):
+    """A container beside the daemon's, with a /dev/shm of its own: a file named there was never found."""
+    r = subprocess.run(["unshare", "-m", "sh", "-c", 'mount -t tmpfs none /dev/shm && exec "$0" -c "$1" "$2"',
+                        sys.executable, CONTAINED, str(N)], env=summing.env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["True", "[]"], r.stdout + r.stderr
+
+
+# -- bad descriptors, sent by hand over the lane -----------------------------------------------------------------
+def raw_infer(conn: LaneClient, fds: list, ipc_fds: int | None = None, entry: dict | None = None, n: int = N,
+              **fields):
+    """Send an Infer naming passed descriptor 0 (or `entry`) with `fds`; its reply, or None where the daemon hung up."""
+    entry = entry or {"name": "x", "dtype": "float32", "shape": [n], "fd": 0, "nbytes": 4 * n}
+    kind, body = P.encode(P.Infer(req_id=7, client_id="", name="sum", inputs=[entry],
+                                  ipc_fds=len(fds) if ipc_fds is None else ipc_fds, **fields))
+    conn.send(kind, body, time.monotonic() + 10, fds)
+    try:
+        return P.decode(list(conn.receive(time.monotonic() + 30)))
+    except ConnectionError:
+        return None
+
+
+def memfd(data: bytes, seals: int | None = None) -> int:
+    import fcntl
+    fd = os.memfd_create("probe", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.write(fd, data)
+    if seals is not None:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def test_bad_descriptors_are_refused_with_the_daemon_up_and_nothing_leaked(summing, tmp_path):
+    import fcntl
+    path = lane_path(summing.socket)
+    ones = np.ones(N, np.float32).tobytes()
+    with modelcache.InferenceSession("sum", mode="serve", socket=summing.socket) as s:   # settled, then counted
+        s.run(None, {"x": np.ones(N, np.float32)})
+        baseline = open_fds(summing.pid)
+        conn = LaneClient(path)
+        mine = []
+        try:
+            def refused(reply, *words):
+                assert isinstance(reply, P.ErrorReply) and reply.code == "input", reply
+                assert all(w in reply.message for w in words), reply.message
+
+            mine.append(memfd(ones))                                           # not sealed
+            refused(raw_infer(conn, [mine[-1]]), "sealed against shrinking")
+            r, w = os.pipe()
+            mine += [r, w]
+            refused(raw_infer(conn, [r]), "not a memory file")                 # a pipe: never read, never waited on
+            plain = tmp_path / "plain.bin"
+            plain.write_bytes(ones)
+            mine.append(os.open(plain, os.O_RDONLY))
+            refused(raw_infer(conn, [mine[-1]]), "sealed against shrinking")   # a plain file can be truncated
+            sealed = memfd(ones, fcntl.F_SEAL_SHRINK)
+            mine.append(sealed)
+            refused(raw_infer(conn, [sealed], n=2 * N), "holds 400000 bytes")  # shorter than the tensor
+            refused(raw_infer(conn, [sealed], entry={"name": "x", "dtype": "float32", "shape": [N], "fd": 3}),
+                    "names passed descriptor 3")
+            # A request refused as it is decoded (its priority out of range) still has its descriptor taken off the
+            # connection: the next request's own is the one it reads.
+            reply = raw_infer(conn, [memfd(b"\0" * (4 * N), fcntl.F_SEAL_SHRINK)], priority=-1)
+            assert isinstance(reply, P.ErrorReply) and "priority" in reply.message, reply
+            good = raw_infer(conn, [sealed])
+            assert isinstance(good, P.InferReply), good
+            assert P.decode(P.encode(good)).outputs[0]["data"] == np.float32(N).tobytes()
+        finally:
+            conn.close()
+
+        # Declaring more than it passed: the stream cannot be trusted; that connection goes, the daemon stays.
+        conn = LaneClient(path)
+        try:
+            assert raw_infer(conn, [sealed], ipc_fds=2) is None
+        finally:
+            conn.close()
+        # Over ZeroMQ, which carries no descriptors.
+        with summing.client(lane=False) as c:
+            entry = {"name": "x", "dtype": "float32", "shape": [N], "fd": 0, "nbytes": 4 * N}
+            with pytest.raises(InputError, match="only the daemon's lane"):
+                c._call(P.Infer(req_id=0, client_id=c.client_id, name="sum", inputs=[entry], ipc_fds=1),
+                        expect=(P.InferReply,))
+        for fd in mine:
+            os.close(fd)
+        assert float(s.run(None, {"x": np.ones(N, np.float32)})[0]) == N      # still serving
+        wait_until(lambda: open_fds(summing.pid) <= baseline, 10, "the daemon's descriptors back to where they were")
