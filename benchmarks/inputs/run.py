@@ -1,0 +1,171 @@
+"""Serve mode's large inputs, by memory files passed with the request (this checkout) against /dev/shm files named
+in it (--baseline: a checkout before client/input_buffers.py), each on a real daemon of its own code.
+
+    python benchmarks/inputs/run.py --baseline /tmp/scr/base --rounds 5 --out benchmarks/inputs
+
+Per round, for each checkout in turn (the order alternated round by round): a fresh daemon, two models added, and
+one client process (that checkout's code too) with a serve session on each:
+- `sum`: ReduceSum over a float32 vector, so that the hand-over is most of the request: 0.3, 0.6, 4.8 and 48 MB;
+- ResNet-50 (the zoo's), one 1x3x224x224 image (0.6 MB) and a batch of 8 (4.8 MB): what it is worth on a model.
+Timed: the client's `run()` (its median over the round's calls), and the daemon's CPU time over those calls, per call.
+
+Then the reason for the change: the same client in a mount namespace of its own with an empty /dev/shm (what a
+container beside the daemon's has; needs root and unshare), one 0.6 MB `sum` call on each checkout's daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SUM_MB = (0.3, 0.6, 4.8, 48.0)
+RESNET_BATCHES = (1, 8)
+
+# The client: one serve session per model; prints {"case": [median run us, daemon CPU us a call]} as JSON.
+CLIENT = r"""
+import json, os, statistics, sys, time
+import numpy as np, psutil
+import modelcache
+socket, cases = sys.argv[1], json.loads(sys.argv[2])
+daemon = psutil.Process(modelcache.connect(socket).stats().pid)
+out = {}
+for case, model, shape, calls in cases:
+    s = modelcache.InferenceSession(model, mode="serve", socket=socket)
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    name = s.get_inputs()[0].name
+    for _ in range(max(3, calls // 10)):   # (the daemon's first run of a model builds its session)
+        s.run(None, {name: x})
+    times, cpu0 = [], sum(daemon.cpu_times()[:2])
+    for i in range(calls):
+        x[0] = i        # (a new input each call: an answer to an older one would show)
+        t0 = time.perf_counter()
+        y = s.run(None, {name: x})[0]
+        times.append(time.perf_counter() - t0)
+        if model == "sum" and abs(float(y) - float(x.sum(dtype=np.float64))) > 1e-3 * x.size ** 0.5 + 1:
+            raise SystemExit(f"wrong answer: {float(y)} for {float(x.sum())}")
+    cpu = sum(daemon.cpu_times()[:2]) - cpu0
+    out[case] = [statistics.median(times) * 1e6, cpu / calls * 1e6]
+print(json.dumps(out))
+"""
+
+# In a mount namespace of its own, /dev/shm an empty tmpfs: one call with a 0.6 MB input.
+CONTAINED = r"""
+import sys, numpy as np, modelcache
+s = modelcache.InferenceSession("sum", mode="serve", socket=sys.argv[1])
+try:
+    print("answered", float(s.run(None, {"x": np.ones(150_000, np.float32)})[0]))
+except Exception as e:
+    print(f"refused: {type(e).__name__}: {e}")
+"""
+
+
+def sum_model(path: str) -> None:
+    import onnx
+    from onnx import TensorProto, helper
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [])
+    graph = helper.make_graph([helper.make_node("ReduceSum", ["x"], ["y"], keepdims=0)], "sum", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.save(model, path)
+
+
+def cases() -> list:
+    out = [[f"sum {mb:g} MB", "sum", [int(mb * 1e6) // 4], max(10, min(300, int(60 / mb)))] for mb in SUM_MB]
+    out += [[f"resnet50 batch {b} ({b * 0.6:.1f} MB)", "resnet50", [b, 3, 224, 224], max(10, 40 // b)]
+            for b in RESNET_BATCHES]
+    return out
+
+
+def one_daemon(checkout: Path, work: Path, label: str, models: dict, run) -> str:
+    """Start a daemon of `checkout`'s code, add `models`, call run(socket, env); its output."""
+    from modelcache.measure import managed_daemon
+    home = Path(tempfile.mkdtemp(prefix=f"{label}-", dir=work))
+    code = {"PYTHONPATH": str(checkout), "PYTHONSAFEPATH": "1", "MODELCACHE_CONFIG": ""}
+    socket = f"ipc://{home}/d.sock"
+    with managed_daemon(socket, str(home / "repo"), env=code):
+        env = {**os.environ, **code, "MODELCACHE_SOCKET": socket}
+        for name, path in models.items():
+            subprocess.run([sys.executable, "-m", "modelcache.cli", "add", path, "--name", name], env=env, check=True,
+                           capture_output=True)
+        return run(socket, env)
+
+
+def timed(socket: str, env: dict) -> dict:
+    out = subprocess.run([sys.executable, "-c", CLIENT, socket, json.dumps(cases())], env=env, capture_output=True,
+                         text=True, timeout=900)
+    if out.returncode != 0:
+        raise SystemExit(f"client failed: {out.stderr[-1500:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def contained(socket: str, env: dict) -> str:
+    out = subprocess.run(["unshare", "-m", "sh", "-c", 'mount -t tmpfs none /dev/shm && exec "$0" -c "$1" "$2"',
+                          sys.executable, CONTAINED, socket], env=env, capture_output=True, text=True, timeout=120)
+    return (out.stdout.strip() or out.stderr.strip()[-300:]).splitlines()[-1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--baseline", required=True, help="a checkout before passed inputs")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", help="folder for report.txt and results.json")
+    args = ap.parse_args()
+    from modelcache import zoo
+    work = Path(tempfile.mkdtemp(prefix="inputs-"))
+    models = {"sum": str(work / "sum.onnx"), "resnet50": str(work / "resnet50.onnx")}
+    sum_model(models["sum"])
+    zoo.save(zoo.build("resnet50"), models["resnet50"])
+    checkouts = {"this": ROOT, "baseline": Path(args.baseline).resolve()}
+    rows = []   # {"round", "checkout", "case", "us", "cpu_us"}
+    for r in range(args.rounds):
+        for label in (("this", "baseline") if r % 2 == 0 else ("baseline", "this")):
+            got = one_daemon(checkouts[label], work, label, models, timed)
+            rows += [{"round": r, "checkout": label, "case": c, "us": v[0], "cpu_us": v[1]} for c, v in got.items()]
+            print(f"round {r + 1}/{args.rounds} {label}: " + ", ".join(f"{c} {v[0]:.0f} us" for c, v in got.items()),
+                  flush=True)
+    seen = {label: one_daemon(path, work, label, {"sum": models["sum"]}, contained) for label, path in checkouts.items()}
+    text = report(rows, seen, args)
+    print(text)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "report.txt").write_text(text + "\n")
+        (Path(args.out) / "results.json").write_text(json.dumps({"rows": rows, "contained": seen}, indent=1))
+
+
+def report(rows: list, seen: dict, args) -> str:
+    def rev(path: Path) -> str:
+        return subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()
+
+    def med(xs: list) -> str:
+        return f"{statistics.median(xs):.0f} [{min(xs):.0f}-{max(xs):.0f}]"
+
+    lines = [f"$ python benchmarks/inputs/run.py --baseline {args.baseline} --rounds {args.rounds}",
+             f"this checkout ({rev(ROOT)}): passed memory files; baseline ({rev(Path(args.baseline))}): /dev/shm files. "
+             f"{args.rounds} rounds, alternated; load average {os.getloadavg()[0]:.1f} at the end",
+             "median [min-max] over rounds of each round's median; ratios per round", "",
+             f"{'case':<28}{'run us: this':>24}{'baseline':>26}{'this / baseline':>22}"
+             f"{'daemon CPU us a call: this':>30}{'baseline':>26}"]
+    for case in dict.fromkeys(r["case"] for r in rows):
+        by = {c: {r["round"]: r for r in rows if r["case"] == case and r["checkout"] == c} for c in ("this", "baseline")}
+        ratio = [by["this"][k]["us"] / by["baseline"][k]["us"] for k in by["this"] if k in by["baseline"]]
+        lines.append(f"{case:<28}{med([r['us'] for r in by['this'].values()]):>24}"
+                     f"{med([r['us'] for r in by['baseline'].values()]):>26}"
+                     f"{f'x{statistics.median(ratio):.2f} [{min(ratio):.2f}-{max(ratio):.2f}]':>22}"
+                     f"{med([r['cpu_us'] for r in by['this'].values()]):>30}"
+                     f"{med([r['cpu_us'] for r in by['baseline'].values()]):>26}")
+    lines += ["", "a client in a mount namespace of its own (/dev/shm an empty tmpfs), one 0.6 MB input:"]
+    lines += [f"  {label}: {what}" for label, what in seen.items()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
