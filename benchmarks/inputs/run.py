@@ -77,10 +77,10 @@ def sum_model(path: str) -> None:
     onnx.save(model, path)
 
 
-def cases() -> list:
-    out = [[f"sum {mb:g} MB", "sum", [int(mb * 1e6) // 4], max(10, min(300, int(60 / mb)))] for mb in SUM_MB]
+def cases(sum_mb, resnet_batches) -> list:
+    out = [[f"sum {mb:g} MB", "sum", [int(mb * 1e6) // 4], max(10, min(300, int(60 / mb)))] for mb in sum_mb]
     out += [[f"resnet50 batch {b} ({b * 0.6:.1f} MB)", "resnet50", [b, 3, 224, 224], max(10, 40 // b)]
-            for b in RESNET_BATCHES]
+            for b in resnet_batches]
     return out
 
 
@@ -98,8 +98,8 @@ def one_daemon(checkout: Path, work: Path, label: str, models: dict, run) -> str
         return run(socket, env)
 
 
-def timed(socket: str, env: dict) -> dict:
-    out = subprocess.run([sys.executable, "-c", CLIENT, socket, json.dumps(cases())], env=env, capture_output=True,
+def timed(socket: str, env: dict, cases: list) -> dict:
+    out = subprocess.run([sys.executable, "-c", CLIENT, socket, json.dumps(cases)], env=env, capture_output=True,
                          text=True, timeout=900)
     if out.returncode != 0:
         raise SystemExit(f"client failed: {out.stderr[-1500:]}")
@@ -116,18 +116,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", required=True, help="a checkout before passed inputs")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--sum-mb", type=float, nargs="*", default=list(SUM_MB), help="the sum model's input sizes")
+    ap.add_argument("--resnet-batches", type=int, nargs="*", default=list(RESNET_BATCHES),
+                    help="ResNet-50's batch sizes (none: no ResNet-50)")
     ap.add_argument("--out", help="folder for report.txt and results.json")
     args = ap.parse_args()
     from modelcache import zoo
     work = Path(tempfile.mkdtemp(prefix="inputs-"))
-    models = {"sum": str(work / "sum.onnx"), "resnet50": str(work / "resnet50.onnx")}
+    models = {"sum": str(work / "sum.onnx")}
     sum_model(models["sum"])
-    zoo.save(zoo.build("resnet50"), models["resnet50"])
+    if args.resnet_batches:
+        models["resnet50"] = str(work / "resnet50.onnx")
+        zoo.save(zoo.build("resnet50"), models["resnet50"])
+    todo = cases(args.sum_mb, args.resnet_batches)
     checkouts = {"this": ROOT, "baseline": Path(args.baseline).resolve()}
     rows = []   # {"round", "checkout", "case", "us", "cpu_us"}
     for r in range(args.rounds):
         for label in (("this", "baseline") if r % 2 == 0 else ("baseline", "this")):
-            got = one_daemon(checkouts[label], work, label, models, timed)
+            got = one_daemon(checkouts[label], work, label, models, lambda socket, env: timed(socket, env, todo))
             rows += [{"round": r, "checkout": label, "case": c, "us": v[0], "cpu_us": v[1]} for c, v in got.items()]
             print(f"round {r + 1}/{args.rounds} {label}: " + ", ".join(f"{c} {v[0]:.0f} us" for c, v in got.items()),
                   flush=True)

@@ -1,0 +1,39 @@
+"""benchmarks/inputs: the ways a large input could be handed over, and serve calls by memory files against files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parents[1] / "inputs"
+ROOT = HERE.parents[1]
+
+
+def test_every_way_hands_over_the_same_tensor(tmp_path):
+    r = subprocess.run([sys.executable, str(HERE / "ways.py"), "--rounds", "1", "--calls", "3", "--sizes-mb", "0.3",
+                        "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    results = json.loads((tmp_path / "ways.json").read_text())
+    assert set(results) == {"0.3", "2.0"}
+    assert all(set(by_way) == {"file", "memfd-map", "memfd-copy", "memfd-reused", "inline"} and
+               all(t[0] > 0 for t in by_way.values()) for by_way in results.values())
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("modelcache-io.ways.")]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare(1)")
+def test_the_serve_comparison_reports_each_case_and_the_contained_client(tmp_path):
+    """On this checkout against itself (the lab has no older one at hand): every case timed on both, and a client
+    with an empty /dev/shm of its own answered by both."""
+    r = subprocess.run([sys.executable, str(HERE / "run.py"), "--baseline", str(ROOT), "--rounds", "1", "--sum-mb",
+                        "0.6", "--resnet-batches", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert {(r["checkout"], r["case"]) for r in results["rows"]} == {("this", "sum 0.6 MB"), ("baseline", "sum 0.6 MB")}
+    assert all(v.startswith("answered 150000") for v in results["contained"].values()), results["contained"]
