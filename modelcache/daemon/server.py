@@ -557,6 +557,8 @@ class Daemon:
                 raise
             handler = self.handlers.get(type(msg))
             if handler is None:
+                if not self._passed_fds_taken(ident, getattr(msg, "ipc_fds", 0)):
+                    return
                 raise ProtocolError(f"{msg.KIND.decode()!r} is a reply, not a request")
         except ProtocolError as e:
             self.counters["bad_messages"] += 1
