@@ -146,6 +146,44 @@ print("child", os.waitstatus_to_exitcode(status))
         assert r.returncode == 0 and r.stdout.strip() == "child 0", r.stdout + r.stderr
 
 
+def test_a_full_client_made_before_a_fork_works_in_the_child_as_a_client_of_its_own(serving, zoo_file):
+    """connect() before a fork: a call in the child on the parent's ZeroMQ socket hung both processes. The child's
+    client now connects afresh at its first call (its own context, hello, client id, heartbeat); both processes'
+    answers are their own, large inputs (memory files) included."""
+    src = zoo_file("tiny-cnn")
+    script = f"""
+import os, sys, numpy as np, onnxruntime as ort, modelcache
+ref = ort.InferenceSession({src!r}, providers=["CPUExecutionProvider"])
+c = modelcache.connect()
+parent_id = c.client_id
+def loop(seed):
+    rng = np.random.default_rng(seed)
+    for i in range(60):
+        x = {{"input": rng.standard_normal((24 if i % 2 else 1, 3, 32, 32)).astype(np.float32)}}
+        assert np.allclose(c.infer("cnn", x)[0]["logits"], ref.run(None, x)[0], rtol=1e-4, atol=1e-5)
+loop(0)
+pid = os.fork()
+if pid == 0:
+    try:
+        loop(1)
+        ok = c.client_id not in ("", parent_id) and c.stats().pid > 0
+        c.close()
+        os._exit(0 if ok else 3)
+    except BaseException as e:
+        print("child:", type(e).__name__, e, file=sys.stderr, flush=True)
+        os._exit(1)
+loop(2)
+_, status = os.waitpid(pid, 0)
+loop(3)
+print("child", os.waitstatus_to_exitcode(status), c.client_id == parent_id)
+"""
+    with serving.client() as c:
+        c.add(src, "cnn")
+        r = subprocess.run([sys.executable, "-c", script], env={**os.environ, "MODELCACHE_SOCKET": serving.socket},
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.split() == ["child", "0", "True"], r.stdout + r.stderr
+
+
 def test_a_process_that_closed_its_serve_session_is_gone_not_lost(serving, zoo_file):
     """`clients_lost` is an alert: a process that closed its session and exited said goodbye, so only a
     client that died (or fell silent) counts."""

@@ -25,6 +25,7 @@ import collections
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import zmq
@@ -212,9 +213,32 @@ class Client:
         hello = self._hello
         self.daemon_version = hello.daemon_version
         self._heartbeat_stop = threading.Event()
-        self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(hello.heartbeat_interval_s,),
+        self._heartbeat: threading.Thread | None = None
+        self._start_heartbeat()
+        _live.add(self)
+
+    def _start_heartbeat(self) -> None:
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(self._hello.heartbeat_interval_s,),
                                            name="modelcache-heartbeat", daemon=True)
         self._heartbeat.start()
+
+    def _after_fork(self) -> None:
+        """In a forked child (gunicorn's preload, multiprocessing): the ZeroMQ context, its sockets and the lane
+        connections are the parent's, and a call here on them hung both processes (a ZeroMQ socket is not to be
+        used in two processes; a lane connection's replies went to whichever read first). This process gets its
+        own at its first call: a context, connections, a hello (a client of its own, holding no lease: the parent's
+        stay the parent's) and a heartbeat. The parent's objects are kept, never used, closed or finalized here
+        (a ZeroMQ context destroyed in the child waits on the parent's threads)."""
+        _inherited.append((self._ctx, self._zmq, self._lane, self._lease_lane))
+        self._ctx = zmq.Context.instance()   # (a new one in a child: pyzmq checks the pid)
+        self._lock = threading.Lock()
+        self._lane = self._lease_lane = None
+        self._leases = LeaseKeeper()
+        self._hello, self.client_id, self._broken = None, "", False
+        self._zmq = Channel(self.address, lambda: ZmqConnection(self._ctx, self.address), self.timeout_s,
+                            on_connect=self._say_hello)
+        self._heartbeat_stop = threading.Event()
+        self._heartbeat = None            # started with this process's first call (_call)
 
     # -- transport ---------------------------------------------------------------------
     @property
@@ -295,6 +319,11 @@ class Client:
         with it there)."""
         if self._closed:
             raise DaemonUnavailable("this modelcache connection is closed")
+        if self._heartbeat is None:   # the first call of a forked child (_after_fork)
+            with self._lock:
+                if self._heartbeat is None:
+                    self._zmq.connect()
+                    self._start_heartbeat()
         if self._broken:
             self._reconnect()
         channel = channel or (self._lane if use_lane and self._lane is not None else self._zmq)
@@ -503,17 +532,20 @@ class Client:
         if self._closed:
             return
         self._heartbeat_stop.set()
-        try:
-            self._call(P.Goodbye(req_id=0, client_id=self.client_id), expect=(P.Ack,), timeout_s=2.0)
-        except Exception:
-            pass  # the daemon will expire our leases anyway
+        if self._heartbeat is not None:   # (else a forked child's copy that never called: no client to leave)
+            try:
+                self._call(P.Goodbye(req_id=0, client_id=self.client_id), expect=(P.Ack,), timeout_s=2.0)
+            except Exception:
+                pass  # the daemon will expire our leases anyway
         self._closed = True
         for channel in (self._lane, self._lease_lane):
             if channel is not None:
                 channel.close()
-        self._heartbeat.join(timeout=2)
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=2)
         self._zmq.close()
         self._buffers.close()
+        _live.discard(self)
 
     def __enter__(self):
         return self
@@ -540,6 +572,19 @@ def connect(socket: str | None = None, timeout_s: float | None = None, name: str
 
 _shared: Client | None = None
 _shared_lock = threading.Lock()
+_live: "weakref.WeakSet[Client]" = weakref.WeakSet()   # open clients, for the fork hook
+_inherited: list = []   # a forked child's: its parent's contexts, sockets and connections, kept unfinalized
+
+
+def _in_forked_child() -> None:
+    global _shared_lock
+    _shared_lock = threading.Lock()   # (another thread may have held it at the fork)
+    for client in list(_live):
+        if not client._closed:
+            client._after_fork()
+
+
+os.register_at_fork(after_in_child=_in_forked_child)
 
 
 def shared_client(socket: str | None = None) -> Client:

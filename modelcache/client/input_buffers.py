@@ -150,8 +150,9 @@ class Passing:
     def settle(self, answered: bool) -> None:
         """The request is over: an answered one's files are reused; else (a timeout, a lost daemon: it may still
         read them) they are closed."""
-        files, self._files = self._files, []
-        self._pool._give_back(files, self._generation, answered)
+        if self._files:   # (most requests pass none: no lock to take)
+            files, self._files = self._files, []
+            self._pool._give_back(files, self._generation, answered)
 
 
 _pools: set = set()   # every open pool, for the fork hook (a pool leaves it at close)
