@@ -166,3 +166,25 @@ def test_close_closes_every_idle_file():
     p.settle(True)
     pool.close()
     assert not is_open(fd) and pool not in input_buffers._pools
+
+
+def test_a_request_that_fails_to_encode_keeps_no_memory_file(pool):
+    """The first input written into a memory file, the second refused: the request never leaves, its file is closed."""
+    from modelcache.client.rpc import infer_call
+    from modelcache.errors import InputError
+
+    def memfds() -> set:
+        out = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:modelcache-input"):
+                    out.add(int(fd))
+            except OSError:
+                pass
+        return out
+
+    before = memfds()
+    feeds = {"big": np.zeros(100_000, np.float32), "bad": np.array(["fine", object()], dtype=object)}
+    with pytest.raises(InputError, match="string tensor"):
+        infer_call(lambda wire, fds: pytest.fail("sent"), feeds, None, "m", pool)
+    assert memfds() == before and pool.idle_bytes == 0

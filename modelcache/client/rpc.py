@@ -43,7 +43,12 @@ def infer_call(send, feeds: dict, group_of: str | None, model: str, buffers=None
     shared-memory files readable by `group_of`'s group, removed once answered."""
     from ..wire import tensors
     passing = buffers.request() if buffers is not None and not buffers.refused else None
-    wire, files = tensors.encode(feeds, group_of=group_of, model=model, passing=passing)
+    try:
+        wire, files = tensors.encode(feeds, group_of=group_of, model=model, passing=passing)
+    except BaseException:   # (a memory file that could not be made or written: none kept)
+        if passing is not None:
+            passing.settle(False)
+        raise
     answered = False
     try:
         reply = send(wire, passing.fds if passing is not None else ())

@@ -85,7 +85,10 @@ def _encode_tensor(value, shm_dir: str, group_of: str | None, inline_only: bool,
         return entry
     if passing is not None:
         index = passing.put(memoryview(a).cast("B"))
-        entry.update(fd=index, nbytes=a.nbytes) if index is not None else entry.update(data=a.tobytes())
+        if index is None:   # (the request passes as many as it may already)
+            entry["data"] = a.tobytes()
+        else:
+            entry.update(fd=index, nbytes=a.nbytes)
         return entry
     path = os.path.join(shm_dir, f"{IO_PREFIX}{os.getuid()}.{os.getpid()}.{next(_counter)}")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
