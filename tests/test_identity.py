@@ -400,3 +400,40 @@ def test_descriptors_held_for_unfinished_messages_are_bounded_and_released(tmp_p
             c.close()
         server.stop()
         os.close(fd)
+
+
+def test_past_the_shared_bound_the_connection_holding_the_most_descriptors_goes(tmp_path):
+    """One client hoarding descriptors on several connections must not cost another its request: past
+    MAX_HELD_FDS the hoarder's fullest connection is dropped, not whichever sent last."""
+    from modelcache.daemon.lane_server import MAX_HELD_FDS, LaneServer
+    from modelcache.wire.lane import MAX_FDS
+    poller = zmq.Poller()
+    server = LaneServer(str(tmp_path / "d.sock.lane"), {"bad_messages": 0})
+    server.start(poller)
+    fd = os.open(tmp_path, os.O_RDONLY)
+
+    def turn():   # until the server has read all there is
+        while ready := poller.poll(100):
+            for key, events in ready:
+                server.on_ready(key, events, lambda message: pytest.fail("no message was whole"))
+
+    clients = []
+    try:
+        hoard = [MAX_FDS] * (MAX_HELD_FDS // MAX_FDS) + [MAX_HELD_FDS % MAX_FDS]
+        for n in hoard + [1]:      # the hoarder's connections up to the bound, then another's request
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.connect(server.path)
+            socket.send_fds(c, [b"\x05"], [fd] * n)      # one byte of a frame header: a message on its way
+            clients.append(c)
+            turn()
+        assert sum(hoard) == MAX_HELD_FDS and server.held_fds <= MAX_HELD_FDS
+        held = sorted(len(conn.fds) for conn in server.conns.values())
+        assert held[0] == 1 and len(held) < len(clients), held   # the victim stays; a hoarding connection went
+    finally:
+        for c in clients:
+            c.close()
+        for _ in range(20):
+            for key, events in poller.poll(20):
+                server.on_ready(key, events, lambda message: None)
+        os.close(fd)
+        server.stop()

@@ -139,10 +139,12 @@ def test_a_forked_child_drops_the_files_it_inherited_and_never_gives_back_the_pa
     idle.settle(True)
     in_flight = pool.request()                       # taken by another thread as the fork happens
     in_flight.put(memoryview(np.zeros(200_000, np.float32)).cast("B"))   # (another size class than the idle one)
+    flying_fd = same(in_flight.fds)[0]
     pid = os.fork()
     if pid == 0:
         try:
-            ok = (not is_open(idle_fd) and pool.idle_bytes == 0 and pool in input_buffers._pools)
+            ok = (not is_open(idle_fd) and not is_open(flying_fd) and pool.idle_bytes == 0
+                  and pool in input_buffers._pools)
             in_flight.settle(True)                   # the parent's: closed here, not kept
             ok = ok and pool.idle_bytes == 0
             mine = pool.request()
@@ -153,7 +155,7 @@ def test_a_forked_child_drops_the_files_it_inherited_and_never_gives_back_the_pa
             os._exit(2)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert is_open(idle_fd)                          # the parent's files are the parent's still
+    assert is_open(idle_fd) and is_open(flying_fd)   # the parent's files are the parent's still
     in_flight.settle(True)
     assert pool.idle_bytes == x.nbytes + 800_000
 

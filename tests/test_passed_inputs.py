@@ -70,6 +70,11 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def mapped_memfds(pid: int) -> int:
+    with open(f"/proc/{pid}/maps") as f:
+        return sum("memfd:" in line for line in f)
+
+
 def test_large_inputs_travel_as_memory_files_and_each_answer_is_its_own_input_s(summing):
     before = io_files()
     with modelcache.InferenceSession("sum", mode="serve", socket=summing.socket) as s:
@@ -84,6 +89,8 @@ def test_large_inputs_travel_as_memory_files_and_each_answer_is_its_own_input_s(
         x = (np.arange(N) % 100).astype(np.float32)   # (sums exact in float32)
         assert float(c.infer("sum", {"x": x})[0]["y"]) == float(x.sum(dtype=np.float64))
         assert io_files() == before
+    # Answered, the requests' memory files are mapped no more (a worker kept its last job, inputs and all).
+    wait_until(lambda: mapped_memfds(summing.pid) == 0, 10, "the daemon's mappings of passed inputs gone")
 
 
 def test_threads_sharing_a_session_each_get_their_own_answers(summing):
@@ -179,6 +186,11 @@ def test_bad_descriptors_are_refused_with_the_daemon_up_and_nothing_leaked(summi
             refused(raw_infer(conn, [sealed], n=2 * N), "holds 400000 bytes")  # shorter than the tensor
             refused(raw_infer(conn, [sealed], entry={"name": "x", "dtype": "float32", "shape": [N], "fd": 3}),
                     "names passed descriptor 3")
+            sparse = memfd(b"")                                                 # its size, none of its pages
+            os.ftruncate(sparse, 8 * N)
+            fcntl.fcntl(sparse, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+            mine.append(sparse)
+            refused(raw_infer(conn, [sparse], n=2 * N), "bytes written")      # the daemon would allocate them
             # A request refused as it is decoded (its priority out of range) still has its descriptor taken off the
             # connection: the next request's own is the one it reads.
             reply = raw_infer(conn, [memfd(b"\0" * (4 * N), fcntl.F_SEAL_SHRINK)], priority=-1)
@@ -186,6 +198,21 @@ def test_bad_descriptors_are_refused_with_the_daemon_up_and_nothing_leaked(summi
             good = raw_infer(conn, [sealed])
             assert isinstance(good, P.InferReply), good
             assert P.decode(P.encode(good)).outputs[0]["data"] == np.float32(N).tobytes()
+        finally:
+            conn.close()
+
+        # Passed and not declared, then a request with its own: the one it gets is not the file its message names,
+        # and it is refused, never answered from the other file.
+        conn = LaneClient(path)
+        try:
+            twos = memfd(np.full(N, 2, np.float32).tobytes(), fcntl.F_SEAL_SHRINK)
+            mine.append(twos)
+            assert isinstance(raw_infer(conn, [twos], ipc_fds=0, entry={"name": "x", "dtype": "float32",
+                                                                        "shape": [N], "data": ones}), P.InferReply)
+            entry = {"name": "x", "dtype": "float32", "shape": [N], "fd": 0, "nbytes": 4 * N,
+                     "ino": os.fstat(sealed).st_ino}
+            reply = raw_infer(conn, [sealed], entry=entry)
+            assert isinstance(reply, P.ErrorReply) and "not the memory file the request names" in reply.message, reply
         finally:
             conn.close()
 

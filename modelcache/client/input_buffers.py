@@ -38,10 +38,11 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 
 class _File:
-    __slots__ = ("fd", "size", "written", "idle_since")
+    __slots__ = ("fd", "ino", "size", "written", "idle_since")
 
     def __init__(self, fd: int, size: int):
         self.fd, self.size, self.written, self.idle_since = fd, size, 0, 0.0
+        self.ino = os.fstat(fd).st_ino   # named in the message: the daemon checks it has this very file
 
 
 def size_class(nbytes: int) -> int:
@@ -55,6 +56,7 @@ class InputBuffers:
         self._clock = clock
         self._lock = _thread.allocate_lock()
         self._idle: dict[int, list[_File]] = {}   # size class -> files, the most recently used last
+        self._out: set = set()                    # files taken by requests not yet settled
         self._generation = 0                      # + 1 in a forked child: the files taken before are the parent's
         self.refused = False                      # the daemon cannot take descriptors (older): files, as before
         _pools.add(self)
@@ -74,21 +76,29 @@ class InputBuffers:
             self._expire()
             files = self._idle.get(size)
             if files:
-                return files.pop()
+                f = files.pop()
+                self._out.add(f)
+                return f
         fd = os.memfd_create("modelcache-input", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            f = _File(fd, size)
         except BaseException:
             os.close(fd)
             raise
-        return _File(fd, size)
+        with self._lock:
+            self._out.add(f)
+        return f
 
     def _give_back(self, files: list, generation: int, reuse: bool) -> None:
         with self._lock:
             keep = reuse and generation == self._generation
             now = self._clock()
             for f in files:
+                self._out.discard(f)
+                if f.fd < 0:   # (closed at a fork: taken before it, in another thread of the parent)
+                    continue
                 if keep and self.idle_bytes + f.written <= IDLE_MAX_BYTES:
                     f.idle_since = now
                     self._idle.setdefault(f.size, []).append(f)
@@ -113,12 +123,15 @@ class InputBuffers:
             self._idle.clear()
 
     def _after_fork(self) -> None:
-        """In a forked child: the idle files are the parent's too (it writes into them for its own requests)."""
+        """In a forked child: the idle files are the parent's too (it writes into them for its own requests), and
+        those out with requests were taken by the parent's other threads, which the child does not have: this
+        process's copies of them all are closed."""
         self._lock = _thread.allocate_lock()
-        for files in self._idle.values():
-            for f in files:
-                os.close(f.fd)
+        for f in [f for files in self._idle.values() for f in files] + list(self._out):
+            os.close(f.fd)
+            f.fd = -1
         self._idle.clear()
+        self._out.clear()
         self._generation += 1
 
 
@@ -146,6 +159,9 @@ class Passing:
             done += os.pwrite(f.fd, data[done:], done)
         f.written = max(f.written, len(data))
         return len(self._files) - 1
+
+    def inode(self, index: int) -> int:
+        return self._files[index].ino
 
     def settle(self, answered: bool) -> None:
         """The request is over: an answered one's files are reused; else (a timeout, a lost daemon: it may still

@@ -248,9 +248,13 @@ class LaneServer:
                     conn.fds += fds
                     self.held_fds += len(fds)
                     if len(conn.fds) > MAX_FDS or self.held_fds > MAX_HELD_FDS:
-                        self.drop(conn, f"{len(conn.fds)} file descriptors passed, {self.held_fds} held in all "
-                                        f"(at most {MAX_FDS} on a connection, {MAX_HELD_FDS} together)")
-                        return
+                        # The connection holding the most goes (past the shared bound, not whoever came last: one
+                        # client hoarding descriptors must not cost the others their large-input requests).
+                        hog = conn if len(conn.fds) > MAX_FDS else max(self.conns.values(), key=lambda c: len(c.fds))
+                        self.drop(hog, f"{len(hog.fds)} file descriptors passed and not taken, {self.held_fds} held "
+                                       f"in all (at most {MAX_FDS} on a connection, {MAX_HELD_FDS} together)")
+                        if hog is conn:
+                            return
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as e:

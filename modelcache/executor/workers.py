@@ -259,6 +259,7 @@ class Worker:
     def _loop(self) -> None:
         self._pin()
         while True:
+            job = None   # (not kept while waiting: a request's inputs may map a client's memory file until it goes)
             job = self.queue.get()
             if job is None:
                 self.sessions.clear()

@@ -88,7 +88,7 @@ def _encode_tensor(value, shm_dir: str, group_of: str | None, inline_only: bool,
         if index is None:   # (the request passes as many as it may already)
             entry["data"] = a.tobytes()
         else:
-            entry.update(fd=index, nbytes=a.nbytes)
+            entry.update(fd=index, nbytes=a.nbytes, ino=passing.inode(index))
         return entry
     path = os.path.join(shm_dir, f"{IO_PREFIX}{os.getuid()}.{os.getpid()}.{next(_counter)}")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
@@ -199,7 +199,7 @@ def _decode_value(entry: dict, name: str, depth: int, passed=()):
     elif depth:
         raise ValueError("a sequence's or map's tensors travel inline")
     elif "fd" in entry:
-        buf = passed_input(passed, entry["fd"], name, math.prod(shape) * dtype.itemsize)
+        buf = passed_input(passed, entry["fd"], entry.get("ino"), name, math.prod(shape) * dtype.itemsize)
     else:
         buf = read_io_file(entry["shm"], name, math.prod(shape) * dtype.itemsize)
     # Not np.ndarray(shape, dtype, buf), though it is one call less: it reads an object dtype
@@ -274,7 +274,8 @@ def read_io_file(path, name: str, nbytes: int):
 
 
 def map_passed_inputs(fds: list) -> list:
-    """The memory files a request passed (their descriptors stay the caller's to close), each mapped read-only.
+    """The memory files a request passed (their descriptors stay the caller's to close), each mapped read-only:
+    (mapping, inode, bytes allocated) each.
 
     Mapped, not copied: only a file sealed against shrinking (F_SEAL_SHRINK: a memfd, as client/input_buffers.py
     makes them) is taken, so no one can truncate it under the mapping (the SIGBUS that read_io_file copies to
@@ -296,19 +297,29 @@ def map_passed_inputs(fds: list) -> list:
                              "(memfd_create with MFD_ALLOW_SEALING, then F_ADD_SEALS F_SEAL_SHRINK): the daemon maps "
                              "the inputs it is given, and a file that can shrink under a mapping cannot be mapped")
         try:
-            maps.append(mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ) if st.st_size else b"")
+            mapped = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ) if st.st_size else b""
         except OSError as e:   # (its address space or the map count exhausted)
             raise InputError(f"descriptor {i} passed with the request cannot be mapped: {e.strerror}") from None
+        maps.append((mapped, st.st_ino, st.st_blocks * 512))
     return maps
 
 
-def passed_input(passed, index, name: str, nbytes: int):
-    """Tensor `name`'s bytes: the first `nbytes` of the message's memory file number `index`."""
+def passed_input(passed, index, inode, name: str, nbytes: int):
+    """Tensor `name`'s bytes: the first `nbytes` of the message's memory file number `index`, which must be the file
+    of inode `inode` where the message names one (a client passes its files' inodes: client/input_buffers.py)."""
     if type(index) is not int or not 0 <= index < len(passed):
         raise InputError(f"tensor {name!r}: names passed descriptor {index!r}, and the request passed {len(passed)}")
-    buf = passed[index]
+    buf, ino, allocated = passed[index]
+    if inode is not None and inode != ino:
+        # Descriptors passed before it, and declared by no message, were taken as its own: not this request's data.
+        raise ProtocolError(f"tensor {name!r}: passed descriptor {index} is not the memory file the request names "
+                            f"(inode {ino}, not {inode}): the connection passed descriptors no message declared")
     if len(buf) < nbytes:
         raise InputError(f"tensor {name!r}: its memory file holds {len(buf)} bytes; the tensor needs {nbytes}")
+    if allocated < nbytes:
+        # Reading its holes would allocate their pages here, charged to the daemon: the client pays for its input.
+        raise InputError(f"tensor {name!r}: its memory file has {allocated} bytes written, and the tensor needs "
+                         f"{nbytes}: write the tensor into it, not only its size")
     return memoryview(buf)[:nbytes]
 
 
