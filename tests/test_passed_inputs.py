@@ -51,8 +51,10 @@ def summing(tmp_path):
         d.kill()
 
 
-def io_files() -> list[str]:
-    return [n for n in os.listdir(IO_DIR) if n.startswith(IO_PREFIX)]
+def io_files(pid: int | None = None) -> list[str]:
+    """The I/O files a process (default: this one) has in /dev/shm (named IO_PREFIX + UID.PID.N)."""
+    mine = f"{IO_PREFIX}{os.getuid()}.{pid or os.getpid()}."
+    return [n for n in os.listdir(IO_DIR) if n.startswith(mine)]
 
 
 def memfds() -> int:
@@ -76,19 +78,18 @@ def mapped_memfds(pid: int) -> int:
 
 
 def test_large_inputs_travel_as_memory_files_and_each_answer_is_its_own_input_s(summing):
-    before = io_files()
     with modelcache.InferenceSession("sum", mode="serve", socket=summing.socket) as s:
         rng = np.random.default_rng(0)
         for n in (N, N // 2, 3 * N, N):     # several size classes, a smaller tensor in a reused file
             for _ in range(5):
                 x = rng.integers(-1000, 1000, n).astype(np.float32)
                 assert float(s.run(None, {"x": x})[0]) == float(x.sum(dtype=np.float64))
-                assert io_files() == before            # nothing named in /dev/shm
+                assert io_files() == []                # nothing named in /dev/shm
         assert memfds() >= 1                           # kept for the next request
     with summing.client() as c:                        # and the same through the full client's lane
         x = (np.arange(N) % 100).astype(np.float32)   # (sums exact in float32)
         assert float(c.infer("sum", {"x": x})[0]["y"]) == float(x.sum(dtype=np.float64))
-        assert io_files() == before
+        assert io_files() == []
     # Answered, the requests' memory files are mapped no more (a worker kept its last job, inputs and all).
     wait_until(lambda: mapped_memfds(summing.pid) == 0, 10, "the daemon's mappings of passed inputs gone")
 
@@ -232,3 +233,32 @@ def test_bad_descriptors_are_refused_with_the_daemon_up_and_nothing_leaked(summi
             os.close(fd)
         assert float(s.run(None, {"x": np.ones(N, np.float32)})[0]) == N      # still serving
         wait_until(lambda: open_fds(summing.pid) <= baseline, 10, "the daemon's descriptors back to where they were")
+
+
+def test_a_front_passes_its_requests_large_inputs_as_memory_files(tmp_path):
+    """The HTTP front, every request run by the daemon's engine: a 400 KB input answered right, through a memory file
+    the front keeps (none named in /dev/shm)."""
+    import tritonclient.http as tritonhttp
+    from test_http import HttpFront
+    d = DaemonProcess(tmp_path, {"MODELCACHE_FRONT_RUNS": "never"}).start()
+    front = None
+    try:
+        sum_model(tmp_path / "sum.onnx")
+        with d.client() as c:
+            c.add(str(tmp_path / "sum.onnx"), "sum")
+        front = HttpFront(d)
+        client = tritonhttp.InferenceServerClient(front.hostport)
+        rng = np.random.default_rng(0)
+        for n in (N, 2 * N, N):
+            x = rng.integers(-1000, 1000, n).astype(np.float32)
+            inp = tritonhttp.InferInput("x", [n], "FP32")
+            inp.set_data_from_numpy(x, binary_data=True)
+            assert float(client.infer("sum", [inp]).as_numpy("y")) == float(x.sum(dtype=np.float64))
+        fds = [os.readlink(f"/proc/{front.proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{front.proc.pid}/fd")]
+        assert any(link.startswith("/memfd:modelcache-input") for link in fds), fds
+        assert not io_files(front.proc.pid)
+    finally:
+        rc = front.stop() if front is not None else 0
+        stop_cleanly(d)
+        d.kill()
+    assert rc == 0, front.log_path.read_text()

@@ -163,6 +163,13 @@ class Passing:
     def inode(self, index: int) -> int:
         return self._files[index].ino
 
+    def settle_after(self, error: BaseException | None) -> None:
+        """settle() for a request that ended with `error` (None: answered): an error reply is an answer too (the
+        daemon is done with the files); a lost daemon, a timeout or an interruption is not."""
+        from ..errors import DaemonUnavailable, ModelCacheError, RequestTimeout
+        self.settle(error is None or isinstance(error, ModelCacheError)
+                    and not isinstance(error, (DaemonUnavailable, RequestTimeout)))
+
     def settle(self, answered: bool) -> None:
         """The request is over: an answered one's files are reused; else (a timeout, a lost daemon: it may still
         read them) they are closed."""

@@ -49,13 +49,11 @@ def infer_call(send, feeds: dict, group_of: str | None, model: str, buffers=None
         if passing is not None:
             passing.settle(False)
         raise
-    answered = False
+    error = None
     try:
         reply = send(wire, passing.fds if passing is not None else ())
-        answered = True
-    except ModelCacheError as e:
-        # An error reply is an answer (the daemon is done with the files); a lost daemon or a timeout is not.
-        answered = not isinstance(e, (DaemonUnavailable, RequestTimeout))
+    except BaseException as e:
+        error = e
         if not (isinstance(e, ProtocolError) and passing is not None and passing.fds):
             raise
         buffers.refused = True   # a daemon older than passed inputs ("no 'shm'"): files, which it reads
@@ -64,7 +62,7 @@ def infer_call(send, feeds: dict, group_of: str | None, model: str, buffers=None
         for f in files:
             os.unlink(f)
         if passing is not None:
-            passing.settle(answered)
+            passing.settle_after(error)
     if reply is None:
         return infer_call(send, feeds, group_of, model)
     outputs, _ = tensors.decode(reply.outputs)
@@ -165,9 +163,9 @@ class Channel:
                                  f"{msg.KIND.decode()} within {timeout_s:g} s")
         return reply
 
-    def submit(self, msg, callback, deadline_s: float | None = None) -> int:
-        """Send msg without waiting; callback(reply, error) runs on the reader thread when its answer
-        comes or its connection is lost (never for a request forgotten first). Returns the req_id.
+    def submit(self, msg, callback, deadline_s: float | None = None, fds=()) -> int:
+        """Send msg without waiting (`fds` passed with it); callback(reply, error) runs on the reader thread when its
+        answer comes or its connection is lost (never for a request forgotten first). Returns the req_id.
         From any thread (queue() and flush() are one thread's)."""
         if not self._reader_thread:
             raise ValueError("submit needs a channel with reader_thread=True")
@@ -176,7 +174,7 @@ class Channel:
         msg.req_id = req_id = next(self._ids)
         with self._state:
             self._pending[req_id] = waiter
-        self._send(conn, msg, time.monotonic() + (deadline_s or self.timeout_s))
+        self._send(conn, msg, time.monotonic() + (deadline_s or self.timeout_s), fds)
         return req_id
 
     def queue(self, msg, callback) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+from ..client.input_buffers import InputBuffers
 from ..client.rpc import Channel, lane_connection
 from ..errors import DaemonUnavailable, ModelCacheError, ProtocolError, RequestTimeout, from_code
 from ..wire import protocol as P
@@ -32,13 +33,15 @@ class DaemonLink:
                                     f"{address} has none: run `modelcache {front}` on the daemon's host")
         self.timeout_s = timeout_s
         self._channel = Channel(address, lane_connection(self.path, address), timeout_s, reader_thread=True)
+        self.buffers = InputBuffers()   # requests' large inputs, passed as memory files (client/input_buffers.py)
         self._flush_due = False   # a _flush is scheduled for the end of this pass of the loop
         self._inbox: list = []    # (future, reply, error) from the reader thread, waiting for _settle_inbox
         self._inbox_lock = threading.Lock()
 
-    async def call(self, msg, expect: tuple, timeout_s: float | None = None, on_sent=None):
+    async def call(self, msg, expect: tuple, timeout_s: float | None = None, on_sent=None, fds=()):
         """Send `msg`, wait for its reply; a typed ModelCacheError for an error reply, a lost daemon or a timeout.
         `on_sent()`: called once the message is on its way, before the reply (a stream's order, Operations.infer).
+        `fds`: passed with it (an Infer's memory files), in a write of its own.
 
         A request waits in the channel's outbox for the end of the loop's current pass (call_soon), then leaves with
         every other one queued meanwhile in one write (_flush): requests that came together reach the daemon in
@@ -61,7 +64,10 @@ class DaemonLink:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if big:
             self._flush()   # (those queued before it go first: a stream's order)
-            req_id = await loop.run_in_executor(None, self._channel.submit, msg, answered, timeout_s)
+            req_id = await loop.run_in_executor(None, self._channel.submit, msg, answered, timeout_s, fds)
+        elif fds:       # a small message (its inputs are in the files), with its descriptors: sent now, after the queued
+            self._flush()
+            req_id = self._channel.submit(msg, answered, timeout_s, fds)
         else:
             if not self._flush_due:
                 self._flush_due = True
@@ -99,6 +105,7 @@ class DaemonLink:
 
     async def close(self) -> None:
         self._channel.close()
+        self.buffers.close()
 
 
 def _settle(fut: asyncio.Future, reply, error) -> None:

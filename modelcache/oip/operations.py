@@ -263,21 +263,31 @@ class Operations:
             deadline = started + timeout_us / 1e6 if timeout_us else None
             return self.runner.run(name, here[0], held, feeds, output_names, here[1].get("max_batch", 0),
                                    deadline, started), here[0], True
-        wire, files = tensors.encode(feeds, group_of=self.group_of, model=name)
+        passing = self.link.buffers.request()   # large inputs in memory files passed with the request
+        try:
+            wire, files = tensors.encode(feeds, group_of=self.group_of, model=name, passing=passing)
+        except BaseException:
+            passing.settle(False)
+            raise
+        error = None
         try:
             deadline_ms = timeout_us / 1000 if timeout_us else None
             if after is not None:
                 await after
             reply = await self.link.call(
-                P.Infer(req_id=0, client_id="", name=name, inputs=wire, version=version,
-                        output_names=output_names, deadline_ms=deadline_ms, sequence=sequence, priority=priority),
+                P.Infer(req_id=0, client_id="", name=name, inputs=wire, version=version, output_names=output_names,
+                        deadline_ms=deadline_ms, sequence=sequence, priority=priority, ipc_fds=len(passing.fds)),
                 (P.InferReply,),
-                on_sent=None if sent is None else (lambda: sent.done() or sent.set_result(None)))
-        except ModelNotFound as e:
-            raise unknown_model(e, name, version) from None
+                on_sent=None if sent is None else (lambda: sent.done() or sent.set_result(None)), fds=passing.fds)
+        except BaseException as e:
+            error = e
+            if isinstance(e, ModelNotFound):
+                raise unknown_model(e, name, version) from None
+            raise
         finally:
             for f in files:
                 os.unlink(f)
+            passing.settle_after(error)
         outputs, _ = tensors.decode(reply.outputs)
         return outputs, reply.version if reply.version is not None else version, False   # (older daemon: None)
 

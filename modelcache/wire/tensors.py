@@ -1,10 +1,11 @@
 """Tensors on the wire for serve mode, and the feed check both sides share.
 
 Small tensors travel inline in the message (msgpack bytes); large ones never go through the socket:
-- over the lane, in a memory file whose descriptor travels with the message (`passing`, client/input_buffers.py),
-  sealed against shrinking, which the daemon maps (map_passed_inputs): nothing copied, no file to name or remove,
-  and a client in another mount namespace sends them as well;
-- over ZeroMQ (which passes no descriptors: a tcp:// daemon), and from a front, through a file in /dev/shm that the
+- over the lane (drop-in sessions, connect()'s serve calls, the protocol fronts), in a memory file whose descriptor
+  travels with the message (`passing`, client/input_buffers.py), sealed against shrinking, which the daemon maps
+  (map_passed_inputs): nothing copied, no file to name or remove, and a client in another mount namespace sends
+  them as well;
+- over ZeroMQ (which passes no descriptors: a tcp:// daemon), and a profile's, through a file in /dev/shm that the
   sender writes and the daemon reads. The daemon copies it out rather than mapping it: the client owns the file,
   and a mapped file that its owner truncates is a SIGBUS in whoever reads it next.
 """
