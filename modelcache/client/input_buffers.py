@@ -136,12 +136,27 @@ class InputBuffers:
 
 
 class Passing:
-    """One request's memory files: `put(array)` writes a tensor into one and says which of the message's
-    descriptors it is; `fds` go with the message; `settle` hands them back once it is answered."""
-    __slots__ = ("_pool", "_files", "_generation")
+    """One request's out-of-message inputs. `encode(feeds)` gives the message's tensors, the large ones written into
+    memory files of `pool` (`put` says which of the message's descriptors each is) or, with no pool (ZeroMQ, a
+    daemon older than passed inputs), into shared-memory files; `fds` go with the message; `settle_after` removes
+    the shared-memory files and hands the memory files back once the request is over."""
+    __slots__ = ("_pool", "_files", "_generation", "_shm_files")
 
-    def __init__(self, pool: InputBuffers):
-        self._pool, self._files, self._generation = pool, [], pool._generation
+    def __init__(self, pool: InputBuffers | None):
+        self._pool, self._files, self._shm_files = pool, [], []
+        self._generation = pool._generation if pool is not None else 0
+
+    def encode(self, feeds: dict, group_of: str | None, model: str) -> list:
+        """tensors.encode's wire list for `feeds` (shared-memory files readable by `group_of`'s group); a failure
+        keeps no file."""
+        from ..wire import tensors
+        try:
+            wire, self._shm_files = tensors.encode(feeds, group_of=group_of, model=model,
+                                                   passing=self if self._pool is not None else None)
+        except BaseException:   # (a memory file that could not be made or written, an input refused after it)
+            self.settle(False)
+            raise
+        return wire
 
     @property
     def fds(self) -> list[int]:
@@ -164,9 +179,13 @@ class Passing:
         return self._files[index].ino
 
     def settle_after(self, error: BaseException | None) -> None:
-        """settle() for a request that ended with `error` (None: answered): an error reply is an answer too (the
-        daemon is done with the files); a lost daemon, a timeout or an interruption is not."""
+        """The request ended with `error` (None: answered): its shared-memory files go, and its memory files are
+        settled. An error reply is an answer too (the daemon is done with the files); a lost daemon, a timeout or
+        an interruption is not."""
         from ..errors import DaemonUnavailable, ModelCacheError, RequestTimeout
+        files, self._shm_files = self._shm_files, []
+        for path in files:
+            os.unlink(path)
         self.settle(error is None or isinstance(error, ModelCacheError)
                     and not isinstance(error, (DaemonUnavailable, RequestTimeout)))
 

@@ -42,27 +42,20 @@ def infer_call(send, feeds: dict, group_of: str | None, model: str, buffers=None
     files, whose descriptors `send` passes with the message (over the lane: client/input_buffers.py), else into
     shared-memory files readable by `group_of`'s group, removed once answered."""
     from ..wire import tensors
-    passing = buffers.request() if buffers is not None and not buffers.refused else None
-    try:
-        wire, files = tensors.encode(feeds, group_of=group_of, model=model, passing=passing)
-    except BaseException:   # (a memory file that could not be made or written: none kept)
-        if passing is not None:
-            passing.settle(False)
-        raise
+    from .input_buffers import Passing
+    passing = Passing(buffers if buffers is not None and not buffers.refused else None)
+    wire = passing.encode(feeds, group_of, model)
     error = None
     try:
-        reply = send(wire, passing.fds if passing is not None else ())
+        reply = send(wire, passing.fds)
     except BaseException as e:
         error = e
-        if not (isinstance(e, ProtocolError) and passing is not None and passing.fds):
+        if not (isinstance(e, ProtocolError) and passing.fds):
             raise
         buffers.refused = True   # a daemon older than passed inputs ("no 'shm'"): files, which it reads
         reply = None
     finally:
-        for f in files:
-            os.unlink(f)
-        if passing is not None:
-            passing.settle_after(error)
+        passing.settle_after(error)
     if reply is None:
         return infer_call(send, feeds, group_of, model)
     outputs, _ = tensors.decode(reply.outputs)

@@ -549,18 +549,15 @@ class Daemon:
     def _handle(self, frames: list[bytes]) -> None:
         ident, body = frames[0], frames[1:]
         try:
-            try:
-                msg = P.decode(body, max_items=P.REQUEST_MAX_ITEMS)
-            except ProtocolError as e:
-                if not self._passed_fds_taken(ident, getattr(e, "declared_fds", None)):
-                    return
-                raise
+            msg = P.decode(body, max_items=P.REQUEST_MAX_ITEMS)
             handler = self.handlers.get(type(msg))
             if handler is None:
-                if not self._passed_fds_taken(ident, getattr(msg, "ipc_fds", 0)):
-                    return
-                raise ProtocolError(f"{msg.KIND.decode()!r} is a reply, not a request")
+                refused = ProtocolError(f"{msg.KIND.decode()!r} is a reply, not a request")
+                refused.declared_fds = getattr(msg, "ipc_fds", 0)
+                raise refused
         except ProtocolError as e:
+            if not self._passed_fds_taken(ident, getattr(e, "declared_fds", None)):
+                return
             self.counters["bad_messages"] += 1
             log.warning("bad message from a client: %s", e)
             self._reply(ident, P.ErrorReply(req_id=P.req_id_of(body) if body else 0, code=e.code, message=str(e)))

@@ -264,11 +264,7 @@ class Operations:
             return self.runner.run(name, here[0], held, feeds, output_names, here[1].get("max_batch", 0),
                                    deadline, started), here[0], True
         passing = self.link.buffers.request()   # large inputs in memory files passed with the request
-        try:
-            wire, files = tensors.encode(feeds, group_of=self.group_of, model=name, passing=passing)
-        except BaseException:
-            passing.settle(False)
-            raise
+        wire = passing.encode(feeds, self.group_of, name)
         error = None
         try:
             deadline_ms = timeout_us / 1000 if timeout_us else None
@@ -285,8 +281,6 @@ class Operations:
                 raise unknown_model(e, name, version) from None
             raise
         finally:
-            for f in files:
-                os.unlink(f)
             passing.settle_after(error)
         outputs, _ = tensors.decode(reply.outputs)
         return outputs, reply.version if reply.version is not None else version, False   # (older daemon: None)
