@@ -82,9 +82,15 @@ def test_serve_session_surface_and_timings(serving, zoo_file):
             assert all(st["run_ms"] > 0 and st["worker"] in (0, 1) for st in t["stages"])
             assert t["total_ms"] >= sum(st["run_ms"] for st in t["stages"])
             assert not any(st["inline"] for st in t["stages"])  # never timed: a worker thread runs it
-            for _ in range(4):  # once calibrated (well under inline_run_ms), the loop runs the stages itself
+            # Once calibrated (well under inline_run_ms) the loop runs the stages itself. How many runs that takes
+            # depends on the machine: the prediction is a median of measured runs, which a loaded CI machine
+            # (the suite runs 4 workers on 2 cores) can push past 1 ms for a few runs (a CI run saw stage 1 still
+            # on its worker after 4). So: within 40 runs, every one checked.
+            for _ in range(40):
                 np.testing.assert_allclose(s.run(["logits"], feeds)[0], reference(src, feeds)[0],
                                            rtol=1e-4, atol=1e-5)
+                if all(st["inline"] for st in s.last_timings["stages"]):
+                    break
             assert [st["inline"] for st in s.last_timings["stages"]] == [True, True]
 
 
