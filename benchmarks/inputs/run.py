@@ -1,13 +1,19 @@
 """Serve mode's large inputs, by memory files passed with the request (this checkout) against /dev/shm files named
 in it (--baseline: a checkout before client/input_buffers.py), each on a real daemon of its own code.
 
-    python benchmarks/inputs/run.py --baseline /tmp/scr/base --rounds 5 --out benchmarks/inputs
+    python benchmarks/inputs/run.py --baseline /tmp/scr/base --rounds 5 [--fronts] --out benchmarks/inputs
 
 Per round, for each checkout in turn (the order alternated round by round): a fresh daemon, two models added, and
 one client process (that checkout's code too) with a serve session on each:
 - `sum`: ReduceSum over a float32 vector, so that the hand-over is most of the request: 0.3, 0.6, 4.8 and 48 MB;
 - ResNet-50 (the zoo's), one 1x3x224x224 image (0.6 MB) and a batch of 8 (4.8 MB): what it is worth on a model.
 Timed: the client's `run()` (its median over the round's calls), and the daemon's CPU time over those calls, per call.
+
+With --fronts, the same on `modelcache http` (each checkout's own front before its daemon): a tritonclient.http client
+sending its tensors as binary data, as a Triton user does, timed per `infer()`, with the front's CPU and the daemon's a
+call. The daemons then run with `front_runs = "never"`: by default a front runs a model itself where the engine would
+run it alone within `inline_run_ms`, and a sum, even of 48 MB, never reached the daemon; a longer model (ResNet-50)
+goes to the daemon either way. The cases of 1 MB and more.
 
 Then the reason for the change: the same client in a mount namespace of its own with an empty /dev/shm (what a
 container beside the daemon's has; needs root and unshare), one 0.6 MB `sum` call on each checkout's daemon.
@@ -55,6 +61,39 @@ for case, model, shape, calls in cases:
 print(json.dumps(out))
 """
 
+# The HTTP client, against a front: prints {"case": [median infer us, front CPU us a call, daemon CPU us a call]}.
+FRONT_CLIENT = r"""
+import json, statistics, sys, time
+import numpy as np, psutil
+import tritonclient.http as httpclient
+url, front, daemon, cases = sys.argv[1], psutil.Process(int(sys.argv[2])), psutil.Process(int(sys.argv[3])), \
+    json.loads(sys.argv[4])
+client = httpclient.InferenceServerClient(url)
+cpu = lambda p: sum(p.cpu_times()[:2])
+out = {}
+for case, model, shape, calls in cases:
+    meta = client.get_model_metadata(model)
+    name, oname = meta["inputs"][0]["name"], meta["outputs"][0]["name"]
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    def infer():
+        i = httpclient.InferInput(name, list(x.shape), "FP32")
+        i.set_data_from_numpy(x, binary_data=True)
+        return client.infer(model, [i], outputs=[httpclient.InferRequestedOutput(oname, binary_data=True)]) \
+            .as_numpy(oname)
+    for _ in range(max(3, calls // 10)):
+        infer()
+    times, f0, d0 = [], cpu(front), cpu(daemon)
+    for k in range(calls):
+        x[0] = k
+        t0 = time.perf_counter()
+        y = infer()
+        times.append(time.perf_counter() - t0)
+        if model == "sum" and abs(float(y) - float(x.sum(dtype=np.float64))) > 1e-3 * x.size ** 0.5 + 1:
+            raise SystemExit(f"wrong answer: {float(y)} for {float(x.sum())}")
+    out[case] = [statistics.median(times) * 1e6, (cpu(front) - f0) / calls * 1e6, (cpu(daemon) - d0) / calls * 1e6]
+print(json.dumps(out))
+"""
+
 # In a mount namespace of its own, /dev/shm an empty tmpfs: one call with a 0.6 MB input.
 CONTAINED = r"""
 import sys, numpy as np, modelcache
@@ -84,11 +123,12 @@ def cases(sum_mb, resnet_batches) -> list:
     return out
 
 
-def one_daemon(checkout: Path, work: Path, label: str, models: dict, run) -> str:
-    """Start a daemon of `checkout`'s code, add `models`, call run(socket, env); its output."""
+def one_daemon(checkout: Path, work: Path, label: str, models: dict, run, settings: dict | None = None) -> str:
+    """Start a daemon of `checkout`'s code (with `settings` in its environment), add `models`, call run(socket, env);
+    its output."""
     from modelcache.measure import managed_daemon
     home = Path(tempfile.mkdtemp(prefix=f"{label}-", dir=work))
-    code = {"PYTHONPATH": str(checkout), "PYTHONSAFEPATH": "1", "MODELCACHE_CONFIG": ""}
+    code = {"PYTHONPATH": str(checkout), "PYTHONSAFEPATH": "1", "MODELCACHE_CONFIG": "", **(settings or {})}
     socket = f"ipc://{home}/d.sock"
     with managed_daemon(socket, str(home / "repo"), env=code):
         env = {**os.environ, **code, "MODELCACHE_SOCKET": socket}
@@ -106,6 +146,23 @@ def timed(socket: str, env: dict, cases: list) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def through_front(socket: str, env: dict, cases: list) -> dict:
+    """`modelcache http` of the daemon's checkout (env's PYTHONPATH) before it, and FRONT_CLIENT against it."""
+    from modelcache.bench.http import start_front
+    daemon = json.loads(subprocess.run([sys.executable, "-m", "modelcache.cli", "stats"], env=env, check=True,
+                                       capture_output=True, text=True).stdout)["pid"]
+    proc, address = start_front(env, subprocess.DEVNULL, "http")
+    try:
+        out = subprocess.run([sys.executable, "-c", FRONT_CLIENT, address, str(proc.pid), str(daemon),
+                              json.dumps(cases)], capture_output=True, text=True, timeout=900)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    if out.returncode != 0:
+        raise SystemExit(f"HTTP client failed: {out.stderr[-1500:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def contained(socket: str, env: dict) -> str:
     out = subprocess.run(["unshare", "-m", "sh", "-c", 'mount -t tmpfs none /dev/shm && exec "$0" -c "$1" "$2"',
                           sys.executable, CONTAINED, socket], env=env, capture_output=True, text=True, timeout=120)
@@ -119,6 +176,9 @@ def main() -> None:
     ap.add_argument("--sum-mb", type=float, nargs="*", default=list(SUM_MB), help="the sum model's input sizes")
     ap.add_argument("--resnet-batches", type=int, nargs="*", default=list(RESNET_BATCHES),
                     help="ResNet-50's batch sizes (none: no ResNet-50)")
+    ap.add_argument("--fronts", action="store_true",
+                    help="also through `modelcache http` (tritonclient.http), inputs of 1 MB and more; the daemons run with "
+                         "front_runs = never")
     ap.add_argument("--out", help="folder for report.txt and results.json")
     args = ap.parse_args()
     from modelcache import zoo
@@ -130,13 +190,22 @@ def main() -> None:
         zoo.save(zoo.build("resnet50"), models["resnet50"])
     todo = cases(args.sum_mb, args.resnet_batches)
     checkouts = {"this": ROOT, "baseline": Path(args.baseline).resolve()}
-    rows = []   # {"round", "checkout", "case", "us", "cpu_us"}
+    front_todo = [c for c in todo if c[1] != "sum" or c[2][0] * 4 >= 1e6] if args.fronts else []
+    rows = []   # {"round", "checkout", "path", "case", "us", "cpu_us", "front_cpu_us"}
+
+    def both(socket: str, env: dict) -> dict:
+        return {"session": timed(socket, env, todo), "http": through_front(socket, env, front_todo) if front_todo else {}}
+
     for r in range(args.rounds):
         for label in (("this", "baseline") if r % 2 == 0 else ("baseline", "this")):
-            got = one_daemon(checkouts[label], work, label, models, lambda socket, env: timed(socket, env, todo))
-            rows += [{"round": r, "checkout": label, "case": c, "us": v[0], "cpu_us": v[1]} for c, v in got.items()]
-            print(f"round {r + 1}/{args.rounds} {label}: " + ", ".join(f"{c} {v[0]:.0f} us" for c, v in got.items()),
-                  flush=True)
+            got = one_daemon(checkouts[label], work, label, models, both,
+                             {"MODELCACHE_FRONT_RUNS": "never"} if front_todo else None)
+            rows += [{"round": r, "checkout": label, "path": "session", "case": c, "us": v[0], "cpu_us": v[1]}
+                     for c, v in got["session"].items()]
+            rows += [{"round": r, "checkout": label, "path": "http", "case": c, "us": v[0], "front_cpu_us": v[1],
+                      "cpu_us": v[2]} for c, v in got["http"].items()]
+            print(f"round {r + 1}/{args.rounds} {label}: " + ", ".join(
+                f"{path} {c} {v[0]:.0f} us" for path, cs in got.items() for c, v in cs.items()), flush=True)
     seen = {label: one_daemon(path, work, label, {"sum": models["sum"]}, contained) for label, path in checkouts.items()}
     text = report(rows, seen, args)
     print(text)
@@ -154,24 +223,33 @@ def report(rows: list, seen: dict, args) -> str:
     def med(xs: list) -> str:
         return f"{statistics.median(xs):.0f} [{min(xs):.0f}-{max(xs):.0f}]"
 
-    lines = [f"$ python benchmarks/inputs/run.py --baseline {args.baseline} --rounds {args.rounds}",
+    lines = [f"$ python benchmarks/inputs/run.py --baseline {args.baseline} --rounds {args.rounds}"
+             + (" --fronts" if args.fronts else ""),
              f"this checkout ({rev(ROOT)}): passed memory files; baseline ({rev(Path(args.baseline))}): /dev/shm files. "
              f"{args.rounds} rounds, alternated; load average {os.getloadavg()[0]:.1f} at the end",
-             "median [min-max] over rounds of each round's median; ratios per round", "",
-             f"{'case':<28}{'run us: this':>24}{'baseline':>26}{'this / baseline':>22}"
-             f"{'daemon CPU us a call: this':>30}{'baseline':>26}"]
-    for case in dict.fromkeys(r["case"] for r in rows):
-        by = {c: {r["round"]: r for r in rows if r["case"] == case and r["checkout"] == c} for c in ("this", "baseline")}
-        ratio = [by["this"][k]["us"] / by["baseline"][k]["us"] for k in by["this"] if k in by["baseline"]]
-        lines.append(f"{case:<28}{med([r['us'] for r in by['this'].values()]):>24}"
-                     f"{med([r['us'] for r in by['baseline'].values()]):>26}"
-                     f"{f'x{statistics.median(ratio):.2f} [{min(ratio):.2f}-{max(ratio):.2f}]':>22}"
-                     f"{med([r['cpu_us'] for r in by['this'].values()]):>30}"
-                     f"{med([r['cpu_us'] for r in by['baseline'].values()]):>26}")
+             "median [min-max] over rounds of each round's median; ratios per round"]
+    for path, title in (("session", "a serve session (drop-in InferenceSession, mode='serve')"),
+                        ("http", "through `modelcache http`, tritonclient.http with binary tensors")):
+        mine = [r for r in rows if r["path"] == path]
+        if not mine:
+            continue
+        front = path == "http"
+        lines += ["", title + ":", f"{'case':<28}{'run us: this':>24}{'baseline':>26}{'this / baseline':>22}"
+                  + (f"{'front CPU us a call: this':>30}{'baseline':>26}" if front else "")
+                  + f"{'daemon CPU us a call: this':>30}{'baseline':>26}"]
+        for case in dict.fromkeys(r["case"] for r in mine):
+            by = {c: {r["round"]: r for r in mine if r["case"] == case and r["checkout"] == c}
+                  for c in ("this", "baseline")}
+            ratio = [by["this"][k]["us"] / by["baseline"][k]["us"] for k in by["this"] if k in by["baseline"]]
+            cpu = ("front_cpu_us", "cpu_us") if front else ("cpu_us",)
+            lines.append(f"{case:<28}{med([r['us'] for r in by['this'].values()]):>24}"
+                         f"{med([r['us'] for r in by['baseline'].values()]):>26}"
+                         f"{f'x{statistics.median(ratio):.2f} [{min(ratio):.2f}-{max(ratio):.2f}]':>22}"
+                         + "".join(f"{med([r[k] for r in by['this'].values()]):>30}"
+                                   f"{med([r[k] for r in by['baseline'].values()]):>26}" for k in cpu))
     lines += ["", "a client in a mount namespace of its own (/dev/shm an empty tmpfs), one 0.6 MB input:"]
     lines += [f"  {label}: {what}" for label, what in seen.items()]
     return "\n".join(lines)
-
 
 if __name__ == "__main__":
     main()
