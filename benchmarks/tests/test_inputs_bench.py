@@ -21,7 +21,7 @@ def test_every_way_hands_over_the_same_tensor(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     results = json.loads((tmp_path / "ways.json").read_text())
     assert set(results) == {"0.3", "2.0"}
-    assert all(set(by_way) == {"file", "memfd-map", "memfd-copy", "memfd-reused", "inline"} and
+    assert all(set(by_way) == {"file", "memfd-map", "memfd-copy", "memfd-reused", "memfd-mapped", "inline"} and
                all(t[0] > 0 for t in by_way.values()) for by_way in results.values())
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("modelcache-io.ways.")]
 

@@ -17,6 +17,12 @@ It is not sealed against writing, which would make it single-use: what this proc
 daemon still reads changes only this process's own answer, and a file goes back into the pool only once its
 request was answered (a timed-out or failed request's file is closed, never reused).
 
+A reused file is written through a shared mapping the client keeps with it, as far as earlier writes allocated its
+pages: a copy into pages that are there is a memcpy, where pwrite takes the kernel's page-cache path page by page
+(`benchmarks/inputs/ways.py`, `memfd-reused` against `memfd-pwrite`). The mapping costs no memory of its own: it
+shows the file's pages. New pages are written with pwrite, which reports a memory limit as ENOMEM where a mapping's
+page fault would be a SIGBUS or an OOM kill.
+
 A file's size is the next power of two at or above the tensor's (at least 64 KiB): a tmpfs allocates only the
 pages written, so the rounding costs no memory, and one file serves every tensor of its size class. The pool
 keeps at most IDLE_MAX_BYTES of written pages between requests, and closes a file idle for IDLE_S (checked as
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import _thread
 import fcntl
+import mmap
 import os
 import time
 
@@ -38,11 +45,35 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 
 class _File:
-    __slots__ = ("fd", "ino", "size", "written", "idle_since")
+    __slots__ = ("fd", "ino", "size", "written", "idle_since", "_map")
 
     def __init__(self, fd: int, size: int):
         self.fd, self.size, self.written, self.idle_since = fd, size, 0, 0.0
         self.ino = os.fstat(fd).st_ino   # named in the message: the daemon checks it has this very file
+        self._map: mmap.mmap | None = None
+
+    def write(self, data: memoryview) -> None:
+        """Copy `data` (bytes) to the file's start: through the mapping as far as earlier writes allocated its pages,
+        with pwrite past them. A page first written through a mapping that the memory limit (the cgroup's) cannot
+        give is a SIGBUS or an OOM kill; pwrite says ENOMEM, which the request reports."""
+        n = len(data)
+        mapped = min(n, self.written)
+        if mapped:
+            if self._map is None:
+                self._map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._map[:mapped] = data[:mapped]
+        done = mapped
+        while done < n:
+            done += os.pwrite(self.fd, data[done:], done)
+        self.written = max(self.written, n)
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()   # (no view of it outlives a write: nothing holds it open)
+            self._map = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def size_class(nbytes: int) -> int:
@@ -103,14 +134,14 @@ class InputBuffers:
                     f.idle_since = now
                     self._idle.setdefault(f.size, []).append(f)
                 else:
-                    os.close(f.fd)
+                    f.close()
 
     def _expire(self) -> None:
         """(Under the lock.) Close the files idle for IDLE_S."""
         cutoff = self._clock() - IDLE_S
         for size, files in list(self._idle.items()):
             while files and files[0].idle_since < cutoff:
-                os.close(files.pop(0).fd)
+                files.pop(0).close()
             if not files:
                 del self._idle[size]
 
@@ -119,17 +150,16 @@ class InputBuffers:
         with self._lock:
             for files in self._idle.values():
                 for f in files:
-                    os.close(f.fd)
+                    f.close()
             self._idle.clear()
 
     def _after_fork(self) -> None:
         """In a forked child: the idle files are the parent's too (it writes into them for its own requests), and
         those out with requests were taken by the parent's other threads, which the child does not have: this
-        process's copies of them all are closed."""
+        process's copies of them all (descriptors and mappings) are closed."""
         self._lock = _thread.allocate_lock()
         for f in [f for files in self._idle.values() for f in files] + list(self._out):
-            os.close(f.fd)
-            f.fd = -1
+            f.close()
         self._idle.clear()
         self._out.clear()
         self._generation += 1
@@ -169,10 +199,7 @@ class Passing:
             return None
         f = self._pool._take(len(data))
         self._files.append(f)   # (from now: a failed write closes it with the request's others)
-        done = 0
-        while done < len(data):
-            done += os.pwrite(f.fd, data[done:], done)
-        f.written = max(f.written, len(data))
+        f.write(data)
         return len(self._files) - 1
 
     def inode(self, index: int) -> int:
