@@ -44,6 +44,12 @@ def written(fd: int, n: int) -> bytes:
     return os.pread(fd, n, 0)
 
 
+def mapped_inodes() -> set:
+    """Inodes of the memory files this process maps (/proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        return {int(line.split()[4]) for line in f if "memfd:modelcache-input" in line}
+
+
 @pytest.fixture
 def pool():
     p = InputBuffers(clock=Clock())
@@ -91,6 +97,31 @@ def test_an_answered_request_s_file_is_reused_and_a_failed_one_s_closed(pool):
     third.settle(answered=True)
 
 
+def test_a_reused_file_is_written_through_its_mapping_as_far_as_it_had_pages_and_past_them_with_pwrite(pool):
+    """The second tensor is longer than the first, in the same size class: its first bytes go through the mapping the
+    file keeps, the rest by pwrite (pages the file never had). Each answer holds exactly what was put; the mapping
+    goes with the file."""
+    short, long_ = np.arange(70_000, dtype=np.float32), -np.arange(120_000, dtype=np.float32)   # 512 KiB files
+    first = pool.request()
+    first.put(memoryview(short).cast("B"))
+    fd = same(first.fds)[0]
+    ino = os.fstat(fd).st_ino
+    assert ino not in mapped_inodes()                # a new file's pages are written with pwrite
+    first.settle(answered=True)
+    second = pool.request()
+    second.put(memoryview(long_).cast("B"))
+    assert second.fds == [fd] and ino in mapped_inodes()
+    assert written(fd, long_.nbytes) == long_.tobytes()
+    second.settle(answered=True)
+    assert pool.idle_bytes == long_.nbytes
+    third = pool.request()
+    third.put(memoryview(short).cast("B"))           # all of it over pages the file has
+    assert written(fd, short.nbytes) == short.tobytes()
+    third.settle(answered=True)
+    pool.close()
+    assert not is_open(fd) and ino not in mapped_inodes()
+
+
 def test_concurrent_requests_get_files_of_their_own(pool):
     x = np.zeros(70_000, np.float32)
     one, two = pool.request(), pool.request()
@@ -133,10 +164,13 @@ def test_a_request_passes_at_most_max_passed_descriptors(pool):
 
 def test_a_forked_child_drops_the_files_it_inherited_and_never_gives_back_the_parents(pool):
     x = np.zeros(20_000, np.float32)
-    idle = pool.request()
-    idle.put(memoryview(x).cast("B"))
-    idle_fd = same(idle.fds)[0]
-    idle.settle(True)
+    for _ in range(2):                               # (the second write goes through the file's mapping)
+        idle = pool.request()
+        idle.put(memoryview(x).cast("B"))
+        idle_fd = same(idle.fds)[0]
+        idle.settle(True)
+    idle_ino = os.fstat(idle_fd).st_ino
+    assert idle_ino in mapped_inodes()
     in_flight = pool.request()                       # taken by another thread as the fork happens
     in_flight.put(memoryview(np.zeros(200_000, np.float32)).cast("B"))   # (another size class than the idle one)
     flying_fd = same(in_flight.fds)[0]
@@ -144,7 +178,7 @@ def test_a_forked_child_drops_the_files_it_inherited_and_never_gives_back_the_pa
     if pid == 0:
         try:
             ok = (not is_open(idle_fd) and not is_open(flying_fd) and pool.idle_bytes == 0
-                  and pool in input_buffers._pools)
+                  and pool in input_buffers._pools and idle_ino not in mapped_inodes())
             in_flight.settle(True)                   # the parent's: closed here, not kept
             ok = ok and pool.idle_bytes == 0
             mine = pool.request()
