@@ -1,7 +1,7 @@
 """Serve mode's large inputs, by memory files passed with the request (this checkout) against /dev/shm files named
 in it (--baseline: a checkout before client/input_buffers.py), each on a real daemon of its own code.
 
-    python benchmarks/inputs/run.py --baseline /tmp/scr/base --rounds 5 [--fronts] --out benchmarks/inputs
+    python benchmarks/inputs/run.py --baseline /tmp/scr/base --rounds 5 [--fronts] [--compares TEXT] --out benchmarks/inputs
 
 Per round, for each checkout in turn (the order alternated round by round): a fresh daemon, two models added, and
 one client process (that checkout's code too) with a serve session on each:
@@ -179,6 +179,8 @@ def main() -> None:
     ap.add_argument("--fronts", action="store_true",
                     help="also through `modelcache http` (tritonclient.http), inputs of 1 MB and more; the daemons run with "
                          "front_runs = never")
+    ap.add_argument("--compares", default="passed memory files; baseline: /dev/shm files",
+                    help="what the two checkouts do, for the report's header")
     ap.add_argument("--out", help="folder for report.txt and results.json")
     args = ap.parse_args()
     from modelcache import zoo
@@ -223,9 +225,10 @@ def report(rows: list, seen: dict, args) -> str:
     def med(xs: list) -> str:
         return f"{statistics.median(xs):.0f} [{min(xs):.0f}-{max(xs):.0f}]"
 
+    this_does, _, baseline_does = args.compares.partition("; baseline: ")
     lines = [f"$ python benchmarks/inputs/run.py --baseline {args.baseline} --rounds {args.rounds}"
-             + (" --fronts" if args.fronts else ""),
-             f"this checkout ({rev(ROOT)}): passed memory files; baseline ({rev(Path(args.baseline))}): /dev/shm files. "
+             + (" --fronts" if args.fronts else "") + f" --compares '{args.compares}'",
+             f"this checkout ({rev(ROOT)}): {this_does}; baseline ({rev(Path(args.baseline))}): {baseline_does}. "
              f"{args.rounds} rounds, alternated; load average {os.getloadavg()[0]:.1f} at the end",
              "median [min-max] over rounds of each round's median; ratios per round"]
     for path, title in (("session", "a serve session (drop-in InferenceSession, mode='serve')"),
