@@ -1,7 +1,8 @@
 """Serve mode's large inputs, by memory files passed with the request (this checkout) against /dev/shm files named
 in it (--baseline: a checkout before client/input_buffers.py), each on a real daemon of its own code.
 
-    python benchmarks/inputs/run.py --baseline /tmp/scr/base --rounds 5 [--fronts] [--compares TEXT] --out benchmarks/inputs
+    python benchmarks/inputs/run.py --baseline /tmp/scr/base --rounds 5 [--fronts [http] [grpc]] [--compares TEXT] \
+        --out benchmarks/inputs
 
 Per round, for each checkout in turn (the order alternated round by round): a fresh daemon, two models added, and
 one client process (that checkout's code too) with a serve session on each:
@@ -9,8 +10,9 @@ one client process (that checkout's code too) with a serve session on each:
 - ResNet-50 (the zoo's), one 1x3x224x224 image (0.6 MB) and a batch of 8 (4.8 MB): what it is worth on a model.
 Timed: the client's `run()` (its median over the round's calls), and the daemon's CPU time over those calls, per call.
 
-With --fronts, the same on `modelcache http` (each checkout's own front before its daemon): a tritonclient.http client
-sending its tensors as binary data, as a Triton user does, timed per `infer()`, with the front's CPU and the daemon's a
+With --fronts, the same through `modelcache http` and `modelcache grpc` (each checkout's own front before its daemon;
+`--fronts http` for one): a tritonclient client (HTTP with the tensors as binary data, or gRPC), as a Triton user
+runs, timed per `infer()`, with the front's CPU and the daemon's a
 call. The daemons then run with `front_runs = "never"`: by default a front runs a model itself where the engine would
 run it alone within `inline_run_ms`, and a sum, even of 48 MB, never reached the daemon; a longer model (ResNet-50)
 goes to the daemon either way. The cases of 1 MB and more.
@@ -33,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SUM_MB = (0.3, 0.6, 4.8, 48.0)
 RESNET_BATCHES = (1, 8)
+FRONTS = ("http", "grpc")
 
 # The client: one serve session per model; prints {"case": [median run us, daemon CPU us a call]} as JSON.
 CLIENT = r"""
@@ -61,25 +64,30 @@ for case, model, shape, calls in cases:
 print(json.dumps(out))
 """
 
-# The HTTP client, against a front: prints {"case": [median infer us, front CPU us a call, daemon CPU us a call]}.
+# tritonclient against a front (argv[1]: http or grpc): prints {"case": [median infer us, front CPU us a call,
+# daemon CPU us a call]}.
 FRONT_CLIENT = r"""
 import json, statistics, sys, time
 import numpy as np, psutil
-import tritonclient.http as httpclient
-url, front, daemon, cases = sys.argv[1], psutil.Process(int(sys.argv[2])), psutil.Process(int(sys.argv[3])), \
-    json.loads(sys.argv[4])
-client = httpclient.InferenceServerClient(url)
+protocol, url = sys.argv[1], sys.argv[2]
+front, daemon, cases = psutil.Process(int(sys.argv[3])), psutil.Process(int(sys.argv[4])), json.loads(sys.argv[5])
+if protocol == "http":
+    import tritonclient.http as tc
+    binary = {"binary_data": True}
+else:
+    import tritonclient.grpc as tc
+    binary = {}
+client = tc.InferenceServerClient(url)
 cpu = lambda p: sum(p.cpu_times()[:2])
 out = {}
 for case, model, shape, calls in cases:
-    meta = client.get_model_metadata(model)
+    meta = client.get_model_metadata(model, as_json=True) if protocol == "grpc" else client.get_model_metadata(model)
     name, oname = meta["inputs"][0]["name"], meta["outputs"][0]["name"]
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     def infer():
-        i = httpclient.InferInput(name, list(x.shape), "FP32")
-        i.set_data_from_numpy(x, binary_data=True)
-        return client.infer(model, [i], outputs=[httpclient.InferRequestedOutput(oname, binary_data=True)]) \
-            .as_numpy(oname)
+        i = tc.InferInput(name, list(x.shape), "FP32")
+        i.set_data_from_numpy(x, **binary)
+        return client.infer(model, [i], outputs=[tc.InferRequestedOutput(oname, **binary)]).as_numpy(oname)
     for _ in range(max(3, calls // 10)):
         infer()
     times, f0, d0 = [], cpu(front), cpu(daemon)
@@ -146,20 +154,20 @@ def timed(socket: str, env: dict, cases: list) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def through_front(socket: str, env: dict, cases: list) -> dict:
-    """`modelcache http` of the daemon's checkout (env's PYTHONPATH) before it, and FRONT_CLIENT against it."""
+def through_front(socket: str, env: dict, protocol: str, cases: list) -> dict:
+    """`modelcache http` (or grpc) of the daemon's checkout (env's PYTHONPATH) before it, and FRONT_CLIENT against it."""
     from modelcache.bench.http import start_front
     daemon = json.loads(subprocess.run([sys.executable, "-m", "modelcache.cli", "stats"], env=env, check=True,
                                        capture_output=True, text=True).stdout)["pid"]
-    proc, address = start_front(env, subprocess.DEVNULL, "http")
+    proc, address = start_front(env, subprocess.DEVNULL, protocol)
     try:
-        out = subprocess.run([sys.executable, "-c", FRONT_CLIENT, address, str(proc.pid), str(daemon),
+        out = subprocess.run([sys.executable, "-c", FRONT_CLIENT, protocol, address, str(proc.pid), str(daemon),
                               json.dumps(cases)], capture_output=True, text=True, timeout=900)
     finally:
         proc.terminate()
         proc.wait(30)
     if out.returncode != 0:
-        raise SystemExit(f"HTTP client failed: {out.stderr[-1500:]}")
+        raise SystemExit(f"{protocol} client failed: {out.stderr[-1500:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -176,9 +184,9 @@ def main() -> None:
     ap.add_argument("--sum-mb", type=float, nargs="*", default=list(SUM_MB), help="the sum model's input sizes")
     ap.add_argument("--resnet-batches", type=int, nargs="*", default=list(RESNET_BATCHES),
                     help="ResNet-50's batch sizes (none: no ResNet-50)")
-    ap.add_argument("--fronts", action="store_true",
-                    help="also through `modelcache http` (tritonclient.http), inputs of 1 MB and more; the daemons run with "
-                         "front_runs = never")
+    ap.add_argument("--fronts", nargs="*", choices=FRONTS,
+                    help="also through these fronts (none named: both) with tritonclient, inputs of 1 MB and more; the "
+                         "daemons run with front_runs = never")
     ap.add_argument("--compares", default="passed memory files; baseline: /dev/shm files",
                     help="what the two checkouts do, for the report's header")
     ap.add_argument("--out", help="folder for report.txt and results.json")
@@ -192,11 +200,13 @@ def main() -> None:
         zoo.save(zoo.build("resnet50"), models["resnet50"])
     todo = cases(args.sum_mb, args.resnet_batches)
     checkouts = {"this": ROOT, "baseline": Path(args.baseline).resolve()}
-    front_todo = [c for c in todo if c[1] != "sum" or c[2][0] * 4 >= 1e6] if args.fronts else []
+    fronts = [] if args.fronts is None else args.fronts or list(FRONTS)
+    front_todo = [c for c in todo if c[1] != "sum" or c[2][0] * 4 >= 1e6] if fronts else []
     rows = []   # {"round", "checkout", "path", "case", "us", "cpu_us", "front_cpu_us"}
 
     def both(socket: str, env: dict) -> dict:
-        return {"session": timed(socket, env, todo), "http": through_front(socket, env, front_todo) if front_todo else {}}
+        return {"session": timed(socket, env, todo)} | {
+            front: through_front(socket, env, front, front_todo) for front in fronts if front_todo}
 
     for r in range(args.rounds):
         for label in (("this", "baseline") if r % 2 == 0 else ("baseline", "this")):
@@ -204,8 +214,8 @@ def main() -> None:
                              {"MODELCACHE_FRONT_RUNS": "never"} if front_todo else None)
             rows += [{"round": r, "checkout": label, "path": "session", "case": c, "us": v[0], "cpu_us": v[1]}
                      for c, v in got["session"].items()]
-            rows += [{"round": r, "checkout": label, "path": "http", "case": c, "us": v[0], "front_cpu_us": v[1],
-                      "cpu_us": v[2]} for c, v in got["http"].items()]
+            rows += [{"round": r, "checkout": label, "path": front, "case": c, "us": v[0], "front_cpu_us": v[1],
+                      "cpu_us": v[2]} for front in fronts for c, v in got.get(front, {}).items()]
             print(f"round {r + 1}/{args.rounds} {label}: " + ", ".join(
                 f"{path} {c} {v[0]:.0f} us" for path, cs in got.items() for c, v in cs.items()), flush=True)
     seen = {label: one_daemon(path, work, label, {"sum": models["sum"]}, contained) for label, path in checkouts.items()}
@@ -227,16 +237,18 @@ def report(rows: list, seen: dict, args) -> str:
 
     this_does, _, baseline_does = args.compares.partition("; baseline: ")
     lines = [f"$ python benchmarks/inputs/run.py --baseline {args.baseline} --rounds {args.rounds}"
-             + (" --fronts" if args.fronts else "") + f" --compares '{args.compares}'",
+             + ("" if args.fronts is None else " --fronts " + " ".join(args.fronts)).rstrip()
+             + f" --compares '{args.compares}'",
              f"this checkout ({rev(ROOT)}): {this_does}; baseline ({rev(Path(args.baseline))}): {baseline_does}. "
              f"{args.rounds} rounds, alternated; load average {os.getloadavg()[0]:.1f} at the end",
              "median [min-max] over rounds of each round's median; ratios per round"]
     for path, title in (("session", "a serve session (drop-in InferenceSession, mode='serve')"),
-                        ("http", "through `modelcache http`, tritonclient.http with binary tensors")):
+                        ("http", "through `modelcache http`, tritonclient.http with binary tensors"),
+                        ("grpc", "through `modelcache grpc`, tritonclient.grpc")):
         mine = [r for r in rows if r["path"] == path]
         if not mine:
             continue
-        front = path == "http"
+        front = path != "session"
         lines += ["", title + ":", f"{'case':<28}{'run us: this':>24}{'baseline':>26}{'this / baseline':>22}"
                   + (f"{'front CPU us a call: this':>30}{'baseline':>26}" if front else "")
                   + f"{'daemon CPU us a call: this':>30}{'baseline':>26}"]
