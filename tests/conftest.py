@@ -194,6 +194,25 @@ def dead_pid() -> int:
     return p.pid
 
 
+def open_fds(pid) -> dict:
+    """A process's open descriptors ("self", or a pid): number -> what it names (one closed while listed is left
+    out: our own listdir's)."""
+    out = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            out[fd] = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def left_open(now: dict, before: dict) -> dict:
+    """The descriptors of `now` that `before` (open_fds's) did not have. Not equality: in a pytest worker an
+    earlier test's objects may be collected meanwhile and close a pipe of theirs (CI saw one); a closed descriptor
+    is no leak, and a leaked one that reuses its number still shows, naming something else."""
+    return dict(now.items() - before.items())
+
+
 def wait_until(predicate, timeout_s: float = 15.0, what: str = "condition"):
     """Poll a condition with a deadline (for effects that take real time, e.g. lease expiry)."""
     deadline = time.monotonic() + timeout_s

@@ -36,7 +36,7 @@ from modelcache.errors import CapacityError, ProtocolError
 from modelcache.store.format import load_manifest
 from modelcache.wire import protocol as P
 
-from conftest import HERE, DaemonProcess, stop_cleanly, wait_until
+from conftest import HERE, DaemonProcess, left_open, open_fds, stop_cleanly, wait_until
 from vmm_worker import memfd_links
 
 CUDA = ["CUDAExecutionProvider"]
@@ -191,7 +191,7 @@ def test_the_daemon_keeps_no_descriptor_per_open(vmm_daemon, zoo_file):
         for client in (None, c):     # once each first: the connections they keep open are not leaks
             modelcache.InferenceSession("cnn", providers=CUDA, client=client).close()
         daemon_fds = len(os.listdir(f"/proc/{vmm_daemon.pid}/fd"))
-        ours = len(os.listdir("/proc/self/fd"))
+        ours = open_fds("self")
         for _ in range(25):
             for client in (None, c):
                 with modelcache.InferenceSession("cnn", providers=CUDA, client=client):
@@ -201,7 +201,7 @@ def test_the_daemon_keeps_no_descriptor_per_open(vmm_daemon, zoo_file):
             os.close(lease.received_fds[0])
             c.release(lease.lease_id)
         assert len(os.listdir(f"/proc/{vmm_daemon.pid}/fd")) == daemon_fds
-        assert len(os.listdir("/proc/self/fd")) == ours
+        assert not left_open(open_fds("self"), ours)
         assert memfd_links(vmm_daemon.pid) == [memfd_links(vmm_daemon.pid)[0]]   # one: the allocation's own
 
 

@@ -26,7 +26,7 @@ from modelcache.session_options import PORTABLE_FOLDER, PORTABLE_LOCATION
 from modelcache.store import format
 from modelcache.store.format import PORTABLE_SKELETON_FILE, iter_graphs
 
-from conftest import DaemonProcess, daemon_with_models, stop_cleanly, wait_until
+from conftest import DaemonProcess, daemon_with_models, left_open, open_fds, stop_cleanly, wait_until
 
 needs_namespaces = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                                       reason="a private mount namespace needs root and unshare(1)")
@@ -122,25 +122,12 @@ def test_no_descriptor_stays_open_in_the_client_or_the_daemon(two_models):
         for name in ("a", "b", "a", "b"):                              # the tier, then the files
             with modelcache.InferenceSession(name, socket=d.socket) as s:
                 s.run(None, feeds)
-        assert open_fds("self") == before[0]
+        assert not left_open(open_fds("self"), before[0])
         # The daemon handles a release after the client's close returns: give it a moment, then name what stayed.
         try:
-            wait_until(lambda: open_fds(d.pid) == before[1], timeout_s=3, what="the daemon's descriptors")
+            wait_until(lambda: not left_open(open_fds(d.pid), before[1]), timeout_s=3, what="the daemon's descriptors")
         except AssertionError:
-            now = open_fds(d.pid)
-            raise AssertionError(f"daemon descriptors left: {dict(now.items() - before[1].items())}, "
-                                 f"gone: {dict(before[1].items() - now.items())}") from None
-
-
-def open_fds(pid) -> dict:
-    """A process's open descriptors: number -> what it names."""
-    out = {}
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            out[fd] = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except FileNotFoundError:   # closed while listing (our own listdir's descriptor)
-            pass
-    return out
+            raise AssertionError(f"daemon descriptors left: {left_open(open_fds(d.pid), before[1])}") from None
 
 
 def test_a_version_packed_before_portable_skeletons_opens_by_path(two_models):
