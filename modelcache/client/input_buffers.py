@@ -37,6 +37,8 @@ import mmap
 import os
 import time
 
+from ..errors import DaemonUnavailable, ModelCacheError, RequestTimeout
+
 MIN_FILE_BYTES = 64 << 10
 IDLE_MAX_BYTES = 64 << 20     # written pages kept between requests, per pool (what an idle client holds at most)
 IDLE_S = 30.0                 # a file not reused for this long is closed at the next request
@@ -209,7 +211,6 @@ class Passing:
         """The request ended with `error` (None: answered): its shared-memory files go, and its memory files are
         settled. An error reply is an answer too (the daemon is done with the files); a lost daemon, a timeout or
         an interruption is not."""
-        from ..errors import DaemonUnavailable, ModelCacheError, RequestTimeout
         files, self._shm_files = self._shm_files, []
         for path in files:
             os.unlink(path)

@@ -28,6 +28,7 @@ import time
 from ..errors import DaemonUnavailable, ProtocolError, RequestTimeout, from_code, ModelCacheError
 from ..wire import protocol as P
 from ..wire.lane import LaneClient, LaneError, frame
+from .input_buffers import Passing
 
 RECONNECT_BACKOFF_S = (0.05, 2.0)    # the watcher's first retry, and the longest wait between retries
 READER_WAIT_S = 3600.0               # a reader thread's wait for the next message (it ends with its connection)
@@ -42,7 +43,6 @@ def infer_call(send, feeds: dict, group_of: str | None, model: str, buffers=None
     files, whose descriptors `send` passes with the message (over the lane: client/input_buffers.py), else into
     shared-memory files readable by `group_of`'s group, removed once answered."""
     from ..wire import tensors
-    from .input_buffers import Passing
     passing = Passing(buffers if buffers is not None and not buffers.refused else None)
     wire = passing.encode(feeds, group_of, model)
     error = None
