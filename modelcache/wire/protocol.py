@@ -561,8 +561,9 @@ class Infer(Message, kind="infer"):
     # Triton's request priority: the level it waits in where the model has priority levels (1 first; 0, None or one
     # above its levels: its default level, executor/queues.py); ignored by a model without them, as Triton ignores it.
     priority: Optional[int] = None
-    # How many descriptors came with it over the lane: memory files its large inputs are in ({"fd": index}, see
-    # wire/tensors.py). A daemon before them ignores the field, and answers that a tensor has no "shm".
+    # How many descriptors came with it over the lane: memory files its large inputs are in ({"fd": index}, or
+    # {"fd_at": [index, offset]} for one in a received body: see wire/tensors.py). A daemon before them ignores the
+    # field, and answers that a tensor has no "shm".
     ipc_fds: int = 0
 
     def _check_decoded(self) -> None:

@@ -4,7 +4,8 @@ Small tensors travel inline in the message (msgpack bytes); large ones never go 
 - over the lane (drop-in sessions, connect()'s serve calls, the protocol fronts), in a memory file whose descriptor
   travels with the message (`passing`, client/input_buffers.py), sealed against shrinking, which the daemon maps
   (map_passed_inputs): nothing copied, no file to name or remove, and a client in another mount namespace sends
-  them as well;
+  them as well. The HTTP front passes a tensor where it lies in the request body it received into such a file
+  ({"fd_at": [index, offset]});
 - over ZeroMQ (which passes no descriptors: a tcp:// daemon), and a profile's, through a file in /dev/shm that the
   sender writes and the daemon reads. The daemon copies it out rather than mapping it: the client owns the file,
   and a mapped file that its owner truncates is a SIGBUS in whoever reads it next.
@@ -85,11 +86,14 @@ def _encode_tensor(value, shm_dir: str, group_of: str | None, inline_only: bool,
         entry["data"] = a.tobytes()
         return entry
     if passing is not None:
-        index = passing.put(memoryview(a).cast("B"))
-        if index is None:   # (the request passes as many as it may already)
+        placed = passing.put(memoryview(a).cast("B"))
+        if placed is None:   # (the request passes as many as it may already)
             entry["data"] = a.tobytes()
-        else:
-            entry.update(fd=index, nbytes=a.nbytes, ino=passing.inode(index))
+            return entry
+        index, offset = placed
+        # A slice is not {"fd", "offset"}: a daemon before slices would read the file's start. "fd_at" it refuses.
+        entry.update(nbytes=a.nbytes, ino=passing.inode(index), **({"fd_at": [index, offset]} if offset else
+                                                                    {"fd": index}))
         return entry
     path = os.path.join(shm_dir, f"{IO_PREFIX}{os.getuid()}.{os.getpid()}.{next(_counter)}")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
@@ -201,6 +205,11 @@ def _decode_value(entry: dict, name: str, depth: int, passed=()):
         raise ValueError("a sequence's or map's tensors travel inline")
     elif "fd" in entry:
         buf = passed_input(passed, entry["fd"], entry.get("ino"), name, math.prod(shape) * dtype.itemsize)
+    elif "fd_at" in entry:
+        index, offset = entry["fd_at"]
+        buf = passed_input(passed, index, entry.get("ino"), name, math.prod(shape) * dtype.itemsize, offset)
+        if offset % dtype.alignment:   # (a tensor after one of an odd size in a body): ORT's kernels read it aligned
+            buf = bytes(buf)
     else:
         buf = read_io_file(entry["shm"], name, math.prod(shape) * dtype.itemsize)
     # Not np.ndarray(shape, dtype, buf), though it is one call less: it reads an object dtype
@@ -305,23 +314,27 @@ def map_passed_inputs(fds: list) -> list:
     return maps
 
 
-def passed_input(passed, index, inode, name: str, nbytes: int):
-    """Tensor `name`'s bytes: the first `nbytes` of the message's memory file number `index`, which must be the file
-    of inode `inode` where the message names one (a client passes its files' inodes: client/input_buffers.py)."""
+def passed_input(passed, index, inode, name: str, nbytes: int, offset: int = 0):
+    """Tensor `name`'s bytes: `nbytes` from `offset` in the message's memory file number `index`, which must be the
+    file of inode `inode` where the message names one (a client passes its files' inodes: client/input_buffers.py)."""
     if type(index) is not int or not 0 <= index < len(passed):
         raise InputError(f"tensor {name!r}: names passed descriptor {index!r}, and the request passed {len(passed)}")
+    if type(offset) is not int or offset < 0:
+        raise InputError(f"tensor {name!r}: offset {offset!r} in its memory file is not a byte count >= 0")
     buf, ino, allocated = passed[index]
     if inode is not None and inode != ino:
         # Descriptors passed before it, and declared by no message, were taken as its own: not this request's data.
         raise ProtocolError(f"tensor {name!r}: passed descriptor {index} is not the memory file the request names "
                             f"(inode {ino}, not {inode}): the connection passed descriptors no message declared")
-    if len(buf) < nbytes:
-        raise InputError(f"tensor {name!r}: its memory file holds {len(buf)} bytes; the tensor needs {nbytes}")
-    if allocated < nbytes:
+    end = offset + nbytes
+    if len(buf) < end:
+        raise InputError(f"tensor {name!r}: its memory file holds {len(buf)} bytes; the tensor needs {end}"
+                         + (f" ({nbytes} from byte {offset})" if offset else ""))
+    if allocated < end:
         # Reading its holes would allocate their pages here, charged to the daemon: the client pays for its input.
         raise InputError(f"tensor {name!r}: its memory file has {allocated} bytes written, and the tensor needs "
-                         f"{nbytes}: write the tensor into it, not only its size")
-    return memoryview(buf)[:nbytes]
+                         f"{end}: write the tensor into it, not only its size")
+    return memoryview(buf)[offset:end]
 
 
 _PYTHON_VALUES = (list, tuple, bool, int, float, str, bytes)   # what a feed converts to an input's dtype
