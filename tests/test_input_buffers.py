@@ -67,7 +67,7 @@ def test_size_classes_are_powers_of_two_from_64_kib():
 def test_a_file_is_sealed_against_shrinking_and_growing_and_holds_what_was_put(pool):
     data = np.arange(100_000, dtype=np.float32)
     passing = pool.request()
-    assert passing.put(memoryview(data).cast("B")) == 0
+    assert passing.put(memoryview(data).cast("B")) == (0, 0)
     fd = passing.fds[0]
     seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW and not seals & fcntl.F_SEAL_WRITE
@@ -157,7 +157,7 @@ def test_idle_files_are_kept_up_to_a_bound_and_closed_once_idle_too_long(pool):
 def test_a_request_passes_at_most_max_passed_descriptors(pool):
     x = np.zeros(20_000, np.float32)
     p = pool.request()
-    assert [p.put(memoryview(x).cast("B")) for _ in range(MAX_PASSED)] == list(range(MAX_PASSED))
+    assert [p.put(memoryview(x).cast("B")) for _ in range(MAX_PASSED)] == [(i, 0) for i in range(MAX_PASSED)]
     assert p.put(memoryview(x).cast("B")) is None    # the caller sends it inline
     p.settle(False)
 
@@ -224,3 +224,36 @@ def test_a_request_that_fails_to_encode_keeps_no_memory_file(pool):
     with pytest.raises(InputError, match="string tensor"):
         infer_call(lambda wire, fds: pytest.fail("sent"), feeds, None, "m", pool)
     assert memfds() == before and pool.idle_bytes == 0
+
+
+def test_a_received_body_s_tensors_pass_where_they_lie_and_the_rest_are_written(pool):
+    """A body received into a file of the pool (the HTTP front's): its binary part starts aligned, its pages are
+    allocated before anything writes there, and a tensor inside it passes as (its file, its offset) while one
+    outside it is written into a file of its own; the body goes back to the pool once released, unless its request
+    was not answered."""
+    head, a, b = b'{"json": 1}', np.arange(70_000, dtype=np.float32), np.arange(90_000, dtype=np.float32)
+    body = pool.receive(len(head) + a.nbytes, aligned_after=len(head))
+    assert (body.start + len(head)) % input_buffers.BODY_ALIGN == 0
+    assert os.fstat(body.file.fd).st_blocks * 512 >= body.start + len(body.view)   # allocated, not faulted in
+    body.view[:] = head + a.tobytes()
+    inside = np.frombuffer(body.view[len(head):], np.float32)
+    passing = pool.request()
+    passing.adopt(body)
+    assert passing.put(memoryview(inside).cast("B")) == (0, body.start + len(head))
+    assert passing.put(memoryview(inside[10:]).cast("B")) == (0, body.start + len(head) + 40)   # (one file, once)
+    assert passing.put(memoryview(b).cast("B")) == (1, 0)
+    assert written(passing.fds[0], body.start + len(body.view))[body.start + len(head):] == a.tobytes()
+    body_fd = same(passing.fds)[0]
+    passing.settle(answered=True)
+    del inside
+    body.release()
+    assert is_open(body_fd) and pool.idle_bytes > 0   # kept for the next body
+    again = pool.receive(len(head) + a.nbytes, aligned_after=len(head))
+    assert again.file.fd == body_fd
+    unanswered = pool.request()
+    unanswered.adopt(again)
+    unanswered.put(memoryview(np.frombuffer(again.view[len(head):], np.float32)).cast("B"))
+    unanswered.settle(answered=False)                # the daemon may still read it
+    again.release()
+    assert not is_open(body_fd)
+

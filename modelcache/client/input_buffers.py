@@ -20,13 +20,25 @@ request was answered (a timed-out or failed request's file is closed, never reus
 A reused file is written through a shared mapping the client keeps with it, as far as earlier writes allocated its
 pages: a copy into pages that are there is a memcpy, where pwrite takes the kernel's page-cache path page by page
 (`benchmarks/inputs/ways.py`: `memfd-mapped` x0.61-0.81 the round trip of `memfd-reused`, which writes with
-pwrite). The mapping costs no memory of its own: it shows the file's pages. New pages are written with pwrite,
-which reports a memory limit as ENOMEM where a mapping's page fault would be a SIGBUS or an OOM kill.
+pwrite). The mapping costs no memory of its own: it shows the file's pages. New pages are written with pwrite
+(a fresh 48 MB file filled in 36 ms, 59-66 through a mapping: `benchmarks/inputs/fresh_pages.py`).
+Under a memory limit the files' pages count as any memory of the process's, and past the limit the kernel's OOM
+killer acts however they were allocated: 256 MiB written with pwrite, through a mapping, after fallocate, or as a
+bytearray, in a 96 MiB cgroup (v1, kernel 6.18), was SIGKILLed each way; none saw ENOMEM
+(`python benchmarks/inputs/fresh_pages.py`).
 
 A file's size is the next power of two at or above the tensor's (at least 64 KiB): a tmpfs allocates only the
 pages written, so the rounding costs no memory, and one file serves every tensor of its size class. The pool
 keeps at most IDLE_MAX_BYTES of written pages between requests, and closes a file idle for IDLE_S (checked as
 requests come: no thread). A forked child drops the files it inherited: the parent reuses them.
+
+A file can also be filled by its owner before any tensor is known (`receive`): the HTTP front reads a large infer
+body from its socket straight into one (http/http1.py), and the tensors the body holds pass as slices of that file
+(`Passing.adopt`, {"fd_at": [index, offset]} on the wire): the bytes are copied once, from the socket, where a
+body collected in chunks was joined, decoded and copied into a file of its own again (benchmarks/inputs,
+`--fronts`). Its new pages are allocated in one fallocate before the socket writes into its mapping (a fresh 48 MB
+file filled: 59 ms against 66 ms faulting each page in; the same file again, its mapping kept, 4.8 ms: the reuse is
+what pays, `benchmarks/inputs/fresh_pages.py`).
 """
 
 from __future__ import annotations
@@ -43,35 +55,58 @@ MIN_FILE_BYTES = 64 << 10
 IDLE_MAX_BYTES = 64 << 20     # written pages kept between requests, per pool (what an idle client holds at most)
 IDLE_S = 30.0                 # a file not reused for this long is closed at the next request
 MAX_PASSED = 64               # descriptors one request passes; its further large inputs go inline
+BODY_ALIGN = 64               # a received body's binary part starts at a multiple of this in its file (a cache line)
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 
 class _File:
-    __slots__ = ("fd", "ino", "size", "written", "idle_since", "_map")
+    __slots__ = ("fd", "ino", "size", "written", "idle_since", "_map", "_address")
 
     def __init__(self, fd: int, size: int):
         self.fd, self.size, self.written, self.idle_since = fd, size, 0, 0.0
         self.ino = os.fstat(fd).st_ino   # named in the message: the daemon checks it has this very file
         self._map: mmap.mmap | None = None
+        self._address = 0                # where the mapping starts in this process (0: not asked yet)
+
+    def _mapping(self) -> mmap.mmap:
+        if self._map is None:
+            self._map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        return self._map
 
     def write(self, data: memoryview) -> None:
         """Copy `data` (bytes) to the file's start: through the mapping as far as earlier writes allocated its pages,
-        with pwrite past them. A page first written through a mapping that the memory limit (the cgroup's) cannot
-        give is a SIGBUS or an OOM kill; pwrite says ENOMEM, which the request reports."""
+        with pwrite past them."""
         n = len(data)
         mapped = min(n, self.written)
         if mapped:
-            if self._map is None:
-                self._map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            self._map[:mapped] = data[:mapped]
+            self._mapping()[:mapped] = data[:mapped]
         done = mapped
         while done < n:
             done += os.pwrite(self.fd, data[done:], done)
         self.written = max(self.written, n)
 
+    def region(self, start: int, end: int) -> memoryview:
+        """Bytes start..end of the file, writable, through its mapping, their pages allocated (fallocate: at once,
+        where writing into the mapping would fault them in one by one). OSError when they cannot be."""
+        if end > self.written:
+            os.posix_fallocate(self.fd, self.written, end - self.written)
+            self.written = end
+        return memoryview(self._mapping())[start:end]
+
+    @property
+    def address(self) -> int:
+        """Where the file's mapping starts in this process's memory."""
+        if not self._address:
+            import numpy as np
+            self._address = np.frombuffer(self._mapping(), np.uint8).__array_interface__["data"][0]
+        return self._address
+
     def close(self) -> None:
         if self._map is not None:
-            self._map.close()   # (no view of it outlives a write: nothing holds it open)
+            try:
+                self._map.close()
+            except BufferError:   # a view of a received body still lives somewhere: it unmaps when the last one goes
+                pass
             self._map = None
         if self.fd >= 0:
             os.close(self.fd)
@@ -93,6 +128,22 @@ class InputBuffers:
         self._generation = 0                      # + 1 in a forked child: the files taken before are the parent's
         self.refused = False                      # the daemon cannot take descriptors (older): files, as before
         _pools.add(self)
+
+    def receive(self, nbytes: int, aligned_after: int = 0) -> "Received | None":
+        """A file of this pool to receive a body of `nbytes` into, placed so that its byte `aligned_after` (where its
+        binary tensors begin) falls on a multiple of BODY_ALIGN; None when no memory file can be had for it (out of
+        descriptors or map areas: the caller collects the body as it would have)."""
+        pad = -aligned_after % BODY_ALIGN
+        try:
+            f = self._take(pad + nbytes)
+        except OSError:
+            return None
+        try:
+            view = f.region(pad, pad + nbytes)
+        except (OSError, ValueError):   # (ENOMEM, EMFILE; ValueError: the mapping could not be made)
+            self._give_back([f], self._generation, False)
+            return None
+        return Received(self, f, pad, view)
 
     def request(self) -> "Passing":
         """One request's inputs: tensors.encode puts the large ones here; send `passing.fds` with the message, then
@@ -167,16 +218,43 @@ class InputBuffers:
         self._generation += 1
 
 
+class Received:
+    """A request body received into a memory file of `pool` (InputBuffers.receive): `view` is where it goes, bytes
+    `start`.. of the file. Its owner (the connection that received it) calls `release()` once the request is
+    answered; a request that passed it to the daemon and was not answered (Passing.settle_after) marks it not to be
+    reused, as a file of its own would be."""
+    __slots__ = ("pool", "file", "start", "view", "reusable", "_generation")
+
+    def __init__(self, pool: InputBuffers, file: _File, start: int, view: memoryview):
+        self.pool, self.file, self.start, self.view = pool, file, start, view
+        self.reusable = True
+        self._generation = pool._generation
+
+    def release(self) -> None:
+        """Back into the pool (or closed); the view is the caller's no longer."""
+        if self.file is not None:
+            self.view = None
+            self.pool._give_back([self.file], self._generation, self.reusable)
+            self.file = None
+
+
 class Passing:
     """One request's out-of-message inputs. `encode(feeds)` gives the message's tensors, the large ones written into
-    memory files of `pool` (`put` says which of the message's descriptors each is) or, with no pool (ZeroMQ, a
-    daemon older than passed inputs), into shared-memory files; `fds` go with the message; `settle_after` removes
-    the shared-memory files and hands the memory files back once the request is over."""
-    __slots__ = ("_pool", "_files", "_generation", "_shm_files")
+    memory files of `pool` (`put` says which of the message's descriptors each is and where in it) or, with no pool
+    (ZeroMQ, a daemon older than passed inputs), into shared-memory files; `fds` go with the message; `settle_after`
+    removes the shared-memory files and hands the memory files back once the request is over. A tensor that lies in
+    a body `adopt`ed is passed where it lies, not copied."""
+    __slots__ = ("_pool", "_files", "_passed", "_bodies", "_generation", "_shm_files")
 
     def __init__(self, pool: InputBuffers | None):
         self._pool, self._files, self._shm_files = pool, [], []
+        self._passed: list[_File] = []       # the message's descriptors, in order: files of its own and adopted ones
+        self._bodies: list[Received] = []    # received bodies its tensors may lie in
         self._generation = pool._generation if pool is not None else 0
+
+    def adopt(self, body: Received) -> None:
+        """Tensors that lie in `body` pass as slices of its file (its owner keeps it and releases it)."""
+        self._bodies.append(body)
 
     def encode(self, feeds: dict, group_of: str | None, model: str) -> list:
         """tensors.encode's wire list for `feeds` (shared-memory files readable by `group_of`'s group); a failure
@@ -192,20 +270,40 @@ class Passing:
 
     @property
     def fds(self) -> list[int]:
-        return [f.fd for f in self._files]
+        return [f.fd for f in self._passed]
 
-    def put(self, data: memoryview) -> int | None:
-        """Write `data` (bytes) into a memory file of this request's; its index among `fds`, or None when the
-        request passes MAX_PASSED already (the caller sends it inline)."""
-        if len(self._files) >= MAX_PASSED:
+    def put(self, data: memoryview) -> tuple[int, int] | None:
+        """Where `data` (bytes) is for the daemon: (index among `fds`, offset in that file). In an adopted body, where
+        it lies; else written into a memory file of this request's at offset 0. None when the request passes
+        MAX_PASSED already (the caller sends it inline)."""
+        if self._bodies:
+            found = self._in_body(data)
+            if found is not None:
+                return found
+        if len(self._passed) >= MAX_PASSED:
             return None
         f = self._pool._take(len(data))
         self._files.append(f)   # (from now: a failed write closes it with the request's others)
+        self._passed.append(f)
         f.write(data)
-        return len(self._files) - 1
+        return len(self._passed) - 1, 0
+
+    def _in_body(self, data: memoryview) -> tuple[int, int] | None:
+        import numpy as np
+        at = np.frombuffer(data, np.uint8).__array_interface__["data"][0]
+        for body in self._bodies:
+            f = body.file
+            offset = at - f.address
+            if body.start <= offset and offset + len(data) <= body.start + len(body.view):
+                if f not in self._passed:
+                    if len(self._passed) >= MAX_PASSED:
+                        return None
+                    self._passed.append(f)
+                return self._passed.index(f), offset
+        return None
 
     def inode(self, index: int) -> int:
-        return self._files[index].ino
+        return self._passed[index].ino
 
     def settle_after(self, error: BaseException | None) -> None:
         """The request ended with `error` (None: answered): its shared-memory files go, and its memory files are
@@ -219,7 +317,12 @@ class Passing:
 
     def settle(self, answered: bool) -> None:
         """The request is over: an answered one's files are reused; else (a timeout, a lost daemon: it may still
-        read them) they are closed."""
+        read them) they are closed, and the bodies it passed are not reused either."""
+        if not answered:
+            for body in self._bodies:
+                if body.file in self._passed:
+                    body.reusable = False
+        self._passed, self._bodies = [], []
         if self._files:   # (most requests pass none: no lock to take)
             files, self._files = self._files, []
             self._pool._give_back(files, self._generation, answered)
