@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import select
 import socket
 import threading
@@ -18,6 +19,7 @@ import pytest
 
 pytest.importorskip("httptools")   # the [http] extra
 from conftest import wait_until  # noqa: E402
+from modelcache.client.input_buffers import InputBuffers  # noqa: E402
 from modelcache.http.http1 import Response, Server  # noqa: E402
 
 LIMIT = 1000
@@ -26,8 +28,8 @@ LIMIT = 1000
 async def echo(request) -> Response:
     if request.target.startswith(b"/slow"):
         await asyncio.sleep(0.3)
-    doc = {"method": request.method, "target": request.target.decode(), "body": request.body.decode("latin-1"),
-           "headers": request.headers}
+    doc = {"method": request.method, "target": request.target.decode(), "body": bytes(request.body).decode("latin-1"),
+           "headers": request.headers, "received": request.received is not None}
     return Response(200, json.dumps(doc).encode(), "application/json", {"X-Echo": "1"})
 
 
@@ -38,10 +40,11 @@ def error(status: int, message: str) -> Response:
 class Running:
     """A Server on a loop in a thread; `stop()` runs its stop from that loop."""
 
-    def __init__(self, keepalive_s: float = 75.0, header_timeout_s: float = 60.0):
+    def __init__(self, keepalive_s: float = 75.0, header_timeout_s: float = 60.0, limit: int = LIMIT,
+                 receive_into=None):
         self.loop = asyncio.new_event_loop()
-        self.server = Server(echo, LIMIT, error, lambda n: error(413, f"too large: {n}"), keepalive_s,
-                             header_timeout_s)
+        self.server = Server(echo, limit, error, lambda n: error(413, f"too large: {n}"), keepalive_s,
+                             header_timeout_s, receive_into)
         ready = threading.Event()
 
         def main():
@@ -344,3 +347,78 @@ def test_headers_trickled_past_their_deadline_get_408_and_a_close_a_slow_body_do
             assert read_response(c, buf)[0] == 200
     finally:
         s.stop()
+
+
+class Places:
+    """receive_into over a real pool of memory files (client/input_buffers.py) for targets under /into."""
+
+    def __init__(self):
+        self.pool = InputBuffers()
+        self.given = 0
+
+    def __call__(self, method: str, target: bytes, headers: dict, length: int):
+        if not target.startswith(b"/into"):
+            return None
+        self.given += 1
+        return self.pool.receive(length)
+
+    @property
+    def out(self) -> int:
+        """Places given and not yet given back."""
+        return len(self.pool._out)
+
+
+def post(target: bytes, body: bytes) -> bytes:
+    return b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (target, len(body), body)
+
+
+def letters(n: int, seed: int) -> bytes:
+    return bytes(random.Random(seed).choices(b"abcdefghijklmnopqrstuvwxyz", k=n))
+
+
+def test_a_body_is_received_into_its_place_in_pieces_and_pipelined_and_the_place_goes_back():
+    """A body the server is given a place for is read into it past llhttp: sent in pieces, pipelined with others
+    after it, or whole with its headers; each request is answered with its own bytes, in order, the connection
+    goes on, and every place is back in its pool once answered."""
+    places = Places()
+    srv = Running(limit=1 << 22, receive_into=places)
+    try:
+        with srv.connect() as s:
+            buf = bytearray()
+            big = letters(600_000, 1)
+            request = post(b"/into/a", big)
+            for piece in (request[:60], request[60:200], request[200:300_000], request[300_000:]):
+                s.sendall(piece)
+                time.sleep(0.05)
+            doc = json.loads(read_response(s, buf)[2])
+            assert doc["received"] and doc["body"] == big.decode()
+            second, small = letters(300_000, 2), letters(10, 3)
+            s.sendall(post(b"/into/b", second) + post(b"/plain", small) + post(b"/into/c", small)
+                      + b"GET /again HTTP/1.1\r\nHost: x\r\n\r\n")
+            answers = [json.loads(read_response(s, buf)[2]) for _ in range(4)]
+            assert [(a["target"], a["received"], a["body"]) for a in answers] == [
+                ("/into/b", True, second.decode()), ("/plain", False, small.decode()),
+                ("/into/c", True, small.decode()), ("/again", False, "")]
+        assert places.given == 3
+        wait_until(lambda: places.out == 0, 5, "every place given back")
+    finally:
+        srv.stop()
+        places.pool.close()
+
+
+def test_a_connection_lost_halfway_through_a_received_body_gives_its_place_back():
+    places = Places()
+    srv = Running(limit=1 << 22, receive_into=places)
+    try:
+        with srv.connect() as s:
+            s.sendall(post(b"/into/a", letters(500_000, 4))[:250_000])
+            wait_until(lambda: places.given == 1, 5, "a place given")
+            assert places.out == 1
+        wait_until(lambda: places.out == 0, 5, "the place given back")
+        with srv.connect() as s:   # and the server goes on
+            s.sendall(post(b"/into/b", b"xyz"))
+            assert json.loads(read_response(s, bytearray())[2])["body"] == "xyz"
+    finally:
+        srv.stop()
+        places.pool.close()
+

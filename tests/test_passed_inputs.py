@@ -4,6 +4,7 @@ a client in another mount namespace served, and every bad descriptor refused wit
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -70,6 +71,18 @@ def memfds() -> int:
 
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def memory_files(pid: int) -> set:
+    """The memory files for inputs a process has open (their inodes: a mapping holds a descriptor of its own)."""
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:modelcache-input"):
+                found.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+        except OSError:
+            pass
+    return found
 
 
 def mapped_memfds(pid: int) -> int:
@@ -187,6 +200,9 @@ def test_bad_descriptors_are_refused_with_the_daemon_up_and_nothing_leaked(summi
             refused(raw_infer(conn, [sealed], n=2 * N), "holds 400000 bytes")  # shorter than the tensor
             refused(raw_infer(conn, [sealed], entry={"name": "x", "dtype": "float32", "shape": [N], "fd": 3}),
                     "names passed descriptor 3")
+            at = {"name": "x", "dtype": "float32", "shape": [N], "nbytes": 4 * N}
+            refused(raw_infer(conn, [sealed], entry={**at, "fd_at": [0, 4]}), "needs 400004 (400000 from byte 4)")
+            refused(raw_infer(conn, [sealed], entry={**at, "fd_at": [0, -4]}), "offset -4")
             sparse = memfd(b"")                                                 # its size, none of its pages
             os.ftruncate(sparse, 8 * N)
             fcntl.fcntl(sparse, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
@@ -235,19 +251,53 @@ def test_bad_descriptors_are_refused_with_the_daemon_up_and_nothing_leaked(summi
         wait_until(lambda: open_fds(summing.pid) <= baseline, 10, "the daemon's descriptors back to where they were")
 
 
-def test_a_front_passes_its_requests_large_inputs_as_memory_files(tmp_path):
-    """The HTTP front, every request run by the daemon's engine: a 400 KB input answered right, through a memory file
-    the front keeps (none named in /dev/shm)."""
+def test_a_tensor_is_read_where_its_message_says_in_a_passed_file(summing):
+    """{"fd_at": [index, offset]}: a tensor that lies inside a passed file (the HTTP front's received body) is read
+    from its offset, aligned or not; the daemon stays up and answers each from its own bytes."""
+    import fcntl
+    conn = LaneClient(lane_path(summing.socket))
+    try:
+        for offset in (64, 4096 + 3):   # (the second misaligned for float32: copied before it runs)
+            x = np.arange(N, dtype=np.float32) % 7
+            fd = memfd(b"\xff" * offset + x.tobytes() + b"\xff" * 5, fcntl.F_SEAL_SHRINK)
+            try:
+                entry = {"name": "x", "dtype": "float32", "shape": [N], "fd_at": [0, offset], "nbytes": 4 * N,
+                         "ino": os.fstat(fd).st_ino}
+                reply = raw_infer(conn, [fd], entry=entry)
+                assert isinstance(reply, P.InferReply), reply
+                assert np.frombuffer(P.decode(P.encode(reply)).outputs[0]["data"], np.float32)[0] == x.sum()
+            finally:
+                os.close(fd)
+    finally:
+        conn.close()
+
+
+@contextlib.contextmanager
+def http_front(tmp_path, write_model, name: str):
+    """(front, tritonclient) over a daemon that runs every request itself (none in the front), serving the model
+    `write_model(path)` writes as `name`; the front stops cleanly after."""
     import tritonclient.http as tritonhttp
     from test_http import HttpFront
     d = DaemonProcess(tmp_path, {"MODELCACHE_FRONT_RUNS": "never"}).start()
     front = None
     try:
-        sum_model(tmp_path / "sum.onnx")
+        write_model(tmp_path / f"{name}.onnx")
         with d.client() as c:
-            c.add(str(tmp_path / "sum.onnx"), "sum")
+            c.add(str(tmp_path / f"{name}.onnx"), name)
         front = HttpFront(d)
-        client = tritonhttp.InferenceServerClient(front.hostport)
+        yield front, tritonhttp.InferenceServerClient(front.hostport)
+    finally:
+        rc = front.stop() if front is not None else 0
+        stop_cleanly(d)
+        d.kill()
+    assert rc == 0, front.log_path.read_text()
+
+
+def test_a_front_passes_its_requests_large_inputs_as_memory_files(tmp_path):
+    """The HTTP front, every request run by the daemon's engine: a 400 KB input answered right, through a memory file
+    the front keeps (none named in /dev/shm)."""
+    import tritonclient.http as tritonhttp
+    with http_front(tmp_path, sum_model, "sum") as (front, client):
         rng = np.random.default_rng(0)
         for n in (N, 2 * N, N):
             x = rng.integers(-1000, 1000, n).astype(np.float32)
@@ -257,8 +307,38 @@ def test_a_front_passes_its_requests_large_inputs_as_memory_files(tmp_path):
         fds = [os.readlink(f"/proc/{front.proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{front.proc.pid}/fd")]
         assert any(link.startswith("/memfd:modelcache-input") for link in fds), fds
         assert not io_files(front.proc.pid)
-    finally:
-        rc = front.stop() if front is not None else 0
-        stop_cleanly(d)
-        d.kill()
-    assert rc == 0, front.log_path.read_text()
+
+
+def two_sums_model(path) -> None:
+    """(sa, sb) = (ReduceSum(Cast(a)), ReduceSum(b)) over a uint8 vector and a float vector of any lengths."""
+    a = helper.make_tensor_value_info("a", TensorProto.UINT8, ["m"])
+    b = helper.make_tensor_value_info("b", TensorProto.FLOAT, ["n"])
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, []) for n in ("sa", "sb")]
+    nodes = [helper.make_node("Cast", ["a"], ["af"], to=TensorProto.FLOAT),
+             helper.make_node("ReduceSum", ["af"], ["sa"], keepdims=0),
+             helper.make_node("ReduceSum", ["b"], ["sb"], keepdims=0)]
+    model = helper.make_model(helper.make_graph(nodes, "sums", [a, b], outs),
+                              opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+
+
+def test_the_http_front_passes_tensors_from_the_body_it_received(tmp_path):
+    """A large binary infer body is read into one memory file of the front's, and its tensors pass to the daemon
+    from there (http/http1.py receive_into, Passing.adopt): a uint8 input of an odd length, then a float input
+    after it (misaligned in the body), each answered from its own bytes, over requests of changing sizes; the
+    front keeps the body's file, none for the tensors."""
+    import tritonclient.http as tritonhttp
+    with http_front(tmp_path, two_sums_model, "sums") as (front, client):
+        rng = np.random.default_rng(1)
+        for m, n in ((300_001, N), (300_001, N), (3 * N + 7, 2 * N)):
+            a = rng.integers(0, 16, m).astype(np.uint8)   # (sums float32 holds exactly)
+            b = rng.integers(-1000, 1000, n).astype(np.float32)
+            inputs = [tritonhttp.InferInput("a", [m], "UINT8"), tritonhttp.InferInput("b", [n], "FP32")]
+            inputs[0].set_data_from_numpy(a, binary_data=True)
+            inputs[1].set_data_from_numpy(b, binary_data=True)
+            result = client.infer("sums", inputs)
+            assert float(result.as_numpy("sa")) == float(a.sum(dtype=np.float64))
+            assert float(result.as_numpy("sb")) == float(b.sum(dtype=np.float64))
+            if (m, n) == (300_001, N):   # one request of this size, then two: one file, the body's, reused
+                assert len(memory_files(front.proc.pid)) == 1

@@ -39,8 +39,9 @@ class InferRequest:
         self.output_regions: dict = {}            # output -> the RegionRef it is to be written to (shared memory)
 
 
-def decode_request(body: bytes, header_length: str | None) -> InferRequest:
-    """The body of POST .../infer, with the Inference-Header-Content-Length header's value (or None)."""
+def decode_request(body, header_length: str | None) -> InferRequest:
+    """The body of POST .../infer (bytes, or a memoryview of where it was received: its binary tensors are then
+    arrays over it), with the Inference-Header-Content-Length header's value (or None)."""
     if header_length is not None:
         try:
             n = int(header_length)
@@ -48,9 +49,9 @@ def decode_request(body: bytes, header_length: str | None) -> InferRequest:
             raise InputError(f"Inference-Header-Content-Length {header_length[:40]!r} is not a number") from None
         if not 0 <= n <= len(body):
             raise InputError(f"Inference-Header-Content-Length {n} does not fit a body of {len(body)} bytes")
-        head, binary = body[:n], memoryview(body)[n:]
+        head, binary = bytes(body[:n]), memoryview(body)[n:]   # (body: bytes, or a received body's memoryview)
     else:
-        head, binary = body, memoryview(b"")
+        head, binary = bytes(body), memoryview(b"")
     try:
         doc = json.loads(head)
     except (ValueError, UnicodeDecodeError) as e:

@@ -14,6 +14,10 @@ itself (oip/front_runs.py) is otherwise mostly that cost. What aiohttp did for u
   every few seconds (slowloris) is not kept forever by the keep-alive rule, which any byte resets;
 - a body is read whole before its handler runs, and refused with 413 the moment it is declared, or (chunked)
   grows, over `max_body`: a client that declared 16 GiB is not waited for;
+- a body of a declared length for which `receive_into` gives a place (the v2 front: a large infer body, into a
+  memory file its tensors pass to the daemon in, client/input_buffers.Received) is read from the socket straight
+  into it (asyncio's BufferedProtocol: recv_into), not collected in llhttp's chunks and joined: one copy of its
+  bytes where there were three before it reached the daemon (benchmarks/inputs, `--fronts`);
 - `Expect: 100-continue` is answered, so a client that waits for it (curl, for bodies over 1 KiB) goes on;
 - a request that does not parse gets 400 and the connection closes; an `Upgrade` request is answered in
   HTTP/1.1 and the connection closes (there is nothing to upgrade to);
@@ -35,6 +39,7 @@ import httptools
 
 log = logging.getLogger("modelcache.http")
 
+READ_BYTES = 256 << 10    # one read's most, into the server's buffer (asyncio's own for a plain Protocol)
 KEEPALIVE_S = 75.0        # a connection with nothing in or out this long closes (aiohttp's keepalive_timeout)
 HEADER_TIMEOUT_S = 60.0   # a request's headers arrive whole this long after its first byte, or 408 (nginx, Node)
 PIPELINE_MAX = 16         # requests queued on one connection before it stops being read
@@ -43,16 +48,19 @@ REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 
 class Request:
     """One request, its body read. `target` is the raw request target (path and query, percent-encoded);
-    header names are lower case, repeated headers joined with ", "; `params` are the route's captures."""
+    header names are lower case, repeated headers joined with ", "; `params` are the route's captures.
+    `received`: where the body was received (`Server.receive_into`'s place, whose `view` `body` is), or None
+    (`body` is bytes); it is released once the request is answered."""
 
-    __slots__ = ("method", "target", "headers", "body", "params")
+    __slots__ = ("method", "target", "headers", "body", "params", "received")
 
-    def __init__(self, method: str, target: bytes, headers: dict, body: bytes):
+    def __init__(self, method: str, target: bytes, headers: dict, body, received=None):
         self.method = method
         self.target = target
         self.headers = headers
         self.body = body
         self.params: dict = {}
+        self.received = received
 
 
 class Response:
@@ -67,6 +75,9 @@ class Response:
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+# (method, target, headers, declared length) -> a place for the body (its `view`, writable, of that length; its
+# `release()`, called once the request is answered or its connection lost), or None to collect it as any other.
+ReceiveInto = Callable[[str, bytes, dict, int], object]
 
 
 class _Refused(Exception):
@@ -89,8 +100,9 @@ def encode(response: Response, keep_alive: bool, head_only: bool = False) -> byt
     return b"".join(lines)
 
 
-class Connection(asyncio.Protocol):
-    """One client connection: llhttp's callbacks collect each request; one task answers them in order."""
+class Connection(asyncio.BufferedProtocol):
+    """One client connection: llhttp's callbacks collect each request (or its headers, the body then read into the
+    place `receive_into` gave); one task answers them in order."""
 
     def __init__(self, server: "Server"):
         self.server = server
@@ -112,6 +124,9 @@ class Connection(asyncio.Protocol):
         self._headers: dict = {}
         self._body: list = []
         self._size = 0
+        self._sink = None                # where the body being read goes, past llhttp (receive_into's place)
+        self._sink_got = 0               # ... bytes of it read
+        self._sink_answer = ("", False)  # ... its request's method, and whether the connection is kept after it
 
     # --- asyncio's callbacks
 
@@ -125,6 +140,12 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.server.connections.discard(self)
         self.closing = True
+        if self._sink is not None:   # (a body cut short)
+            self._sink.release()
+            self._sink = None
+        for request, _, _ in self.queue:
+            if request is not None and request.received is not None:
+                request.received.release()
         self.queue.clear()
         if self.idle_timer is not None:
             self.idle_timer.cancel()
@@ -145,7 +166,21 @@ class Connection(asyncio.Protocol):
             self.writable.set_result(None)
         self.writable = None
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int):
+        if self._sink is not None:
+            return self._sink.view[self._sink_got:]
+        return self.server.read_view   # (each read is parsed before the next: one buffer serves every connection)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._sink is None:
+            self._parse(self.server.read_view[:nbytes])   # (llhttp's callbacks copy what they keep)
+            return
+        self.idle_since = self.loop.time()
+        self._sink_got += nbytes
+        if self._sink_got == len(self._sink.view):
+            self._body_received()
+
+    def _parse(self, data: memoryview) -> None:
         if self.closing:
             return   # answered and closing (a refused body, an upgrade, a parse error): the rest is not read
         self.idle_since = self.loop.time()
@@ -164,7 +199,7 @@ class Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self.in_message = self.in_headers = True
-        self.message_since = self.idle_since   # (set as the bytes that begin it came in: data_received)
+        self.message_since = self.idle_since   # (set as the bytes that begin it came in: _parse)
         self._url, self._headers, self._body, self._size = b"", {}, [], 0
 
     def on_url(self, url: bytes) -> None:
@@ -181,18 +216,45 @@ class Connection(asyncio.Protocol):
             self._refuse(int(declared))
         if self._headers.get("expect", "").lower() == "100-continue" and self.parser.get_http_version() == "1.1":
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if (declared is not None and declared.isascii() and declared.isdigit() and int(declared)
+                and self.server.receive_into is not None and "transfer-encoding" not in self._headers):
+            method = self.parser.get_method().decode("latin-1")
+            self._sink = self.server.receive_into(method, self._url, self._headers, int(declared))
+            if self._sink is not None:
+                self._sink_got = 0
+                self._sink_answer = (method, self.parser.should_keep_alive())
 
     def on_body(self, body: bytes) -> None:
+        if self._sink is not None:   # (what came in the read that ended the headers)
+            self._sink.view[self._sink_got:self._sink_got + len(body)] = body
+            self._sink_got += len(body)
+            return
         self._size += len(body)
         if self._size > self.server.max_body:
             self._refuse(None)   # chunked: no length was declared
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        if self._sink is not None:   # (the whole body came with its headers)
+            self._body_received(parsed=True)
+            return
         self.in_message = False
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = Request(self.parser.get_method().decode("latin-1"), self._url, self._headers, body)
-        self.queue.append((request, self.parser.should_keep_alive(), None))
+        self._queue(request, self.parser.should_keep_alive())
+
+    def _body_received(self, parsed: bool = False) -> None:
+        """The body read into its place is whole: its request is queued. Unless llhttp `parsed` it all (it came with
+        the headers), llhttp still waits for it: the next request gets a parser of its own."""
+        sink, self._sink = self._sink, None
+        self.in_message = False
+        if not parsed:
+            self.parser = httptools.HttpRequestParser(self)
+        method, keep_alive = self._sink_answer
+        self._queue(Request(method, self._url, self._headers, sink.view, sink), keep_alive)
+
+    def _queue(self, request: Request, keep_alive: bool) -> None:
+        self.queue.append((request, keep_alive, None))
         if self.answering is None:
             self.answering = self.loop.create_task(self._answer_queued())
         elif len(self.queue) >= PIPELINE_MAX and self.reading:
@@ -205,12 +267,16 @@ class Connection(asyncio.Protocol):
         try:
             while self.queue:
                 request, keep_alive, response = self.queue.popleft()
-                if response is None:
-                    response = await self.server.handler(request)
-                if self.transport.is_closing():
-                    return
-                keep_alive = keep_alive and not (self.closing and not self.queue)
-                self.transport.write(encode(response, keep_alive, request is not None and request.method == "HEAD"))
+                try:
+                    if response is None:
+                        response = await self.server.handler(request)
+                    if self.transport.is_closing():
+                        return
+                    keep_alive = keep_alive and not (self.closing and not self.queue)
+                    self.transport.write(encode(response, keep_alive, request is not None and request.method == "HEAD"))
+                finally:   # (the answer is bytes of its own by now)
+                    if request is not None and request.received is not None:
+                        request.received.release()
                 if not keep_alive:
                     self.closing = True
                     self.transport.close()
@@ -272,8 +338,10 @@ class Server:
 
     def __init__(self, handler: Handler, max_body: int, error: Callable[[int, str], Response],
                  too_large: Callable[[int | None], Response], keepalive_s: float = KEEPALIVE_S,
-                 header_timeout_s: float = HEADER_TIMEOUT_S):
+                 header_timeout_s: float = HEADER_TIMEOUT_S, receive_into: ReceiveInto | None = None):
         self.handler = handler
+        self.receive_into = receive_into
+        self.read_view = memoryview(bytearray(READ_BYTES))
         self.max_body = max_body
         self.error = error
         self.too_large = too_large

@@ -20,6 +20,7 @@ import httptools
 from ..errors import InputError, ModelCacheError
 from ..oip.operations import Operations, parse_version, status_of
 from ..oip.shared_memory import CUDA_REFUSED
+from ..wire.tensors import INLINE_MAX_BYTES
 from . import codec
 from .http1 import Request, Response
 
@@ -127,6 +128,17 @@ class Endpoints:
             self.router.add("POST", route, self.cuda_unregister)
         self.router.add("POST", cuda + "/region/{region}/register", self.cuda_register)
 
+    def receive_into(self, method: str, target: bytes, headers: dict, length: int):
+        """Where the HTTP server reads a body into (http1.ReceiveInto): an infer body with binary tensors large enough
+        that one of them could pass to the daemon in a memory file goes straight into one of the link's, placed so
+        that its binary part starts aligned (client/input_buffers.Received); any other body is collected as bytes."""
+        head = headers.get("inference-header-content-length")
+        if (method != "POST" or length <= INLINE_MAX_BYTES or head is None
+                or not target.partition(b"?")[0].endswith(b"/infer")):
+            return None
+        at = int(head) if head.isascii() and head.isdigit() and len(head) < 19 else 0   # (a bad one: the route says)
+        return self.ops.link.buffers.receive(length, at)
+
     async def handle(self, request: Request) -> Response:
         """Every failure as v2's {"error": ...}: typed ones with their status, the rest 500 without a trace."""
         try:
@@ -171,7 +183,7 @@ class Endpoints:
         name, version = request.params["name"], self._version(request)
         req = codec.decode_request(request.body, request.headers.get("inference-header-content-length"))
         outputs, ran = await self.ops.infer(name, version, req.feeds, req.output_names, req.timeout_us,
-                                            req.classes, req.sequence, priority=req.priority)
+                                            req.classes, req.sequence, priority=req.priority, body=request.received)
         order = req.output_names if req.output_names is not None else list(outputs)
         in_regions = self.ops.write_outputs(outputs, req.output_regions)
         payload, head_len = codec.encode_response(name, ran, req.id, outputs, order, req.binary_outputs,

@@ -22,7 +22,9 @@ async def serve(settings, host: str, port: int, on_ready=None, sock=None) -> Non
     socket to serve on instead of binding host:port (the CLI and the daemon bind it first: see listen_tcp)."""
     max_body = settings.max_message_bytes()
     ops = Operations(DaemonLink(settings.socket, settings.request_timeout_s, front="http"), settings)
-    server = Server(Endpoints(ops).handle, max_body, error, functools.partial(too_large, max_body))
+    endpoints = Endpoints(ops)
+    server = Server(endpoints.handle, max_body, error, functools.partial(too_large, max_body),
+                    receive_into=endpoints.receive_into)
     try:
         bound = await server.start(sock, host, port)
         url = f"http://{'[' + bound[0] + ']' if ':' in bound[0] else bound[0]}:{bound[1]}"

@@ -212,14 +212,15 @@ class Operations:
 
     async def infer(self, name: str, version: int | None, feeds: dict, output_names: list | None,
                     timeout_us: float | None, classes: dict | None = None, sequence: dict | None = None,
-                    order: tuple | None = None, priority: int | None = None) -> tuple[dict, int | None]:
+                    order: tuple | None = None, priority: int | None = None, body=None) -> tuple[dict, int | None]:
         """(outputs by name, the version that ran) through the daemon's engine, as every client's request.
         `classes`: output -> how many top classes to answer with instead of its values (classification.py);
         `sequence`: a stateful model's {id, start, end} (inputs.sequence_of); `priority`: its priority level
         (Triton's request priority, executor/queues.py). `order`: (the future set once the
         request before this one was sent, or None; this one's, set here once it is sent, and by the caller if
         it never is): a stream's requests reach the daemon in the order they were read, whatever each waits for
-        on the way (a sequence's order is its state's)."""
+        on the way (a sequence's order is its state's). `body`: the memory file the request's body was received
+        into (client/input_buffers.Received), whose tensors pass to the daemon where they lie."""
         after, sent = order or (None, None)
         started = time.monotonic()
         interface = await self.interface_of(name, version)
@@ -244,7 +245,7 @@ class Operations:
                 self.runner.cache_hit(name, cached_as[0], started, lookup_s)
                 return self._answer(outputs, reshape, classes, labels, batch), cached_as[0]
         outputs, ran, ran_here = await self._run(name, version, feeds, output_names, timeout_us, sequence, after,
-                                                 sent, here, started, priority)
+                                                 sent, here, started, priority, body)
         if key is not None:   # kept before the answer is shaped for this client (its reshape, its classes)
             t0 = time.monotonic()
             if ran == cached_as[0] and self.answers.put(key, name, outputs):
@@ -255,7 +256,7 @@ class Operations:
 
     async def _run(self, name: str, version: int | None, feeds: dict, output_names: list | None,
                    timeout_us: float | None, sequence: dict | None, after, sent, here,
-                   started: float, priority: int | None = None) -> tuple[dict, int | None, bool]:
+                   started: float, priority: int | None = None, body=None) -> tuple[dict, int | None, bool]:
         """(the model's outputs, the version that ran, whether it ran here): here, where the daemon said this front
         may run it, else through the daemon's engine (whose response cache is shared by every front and client)."""
         held = None if here is None or sequence is not None or after is not None else self.runner.session(name, here[0])
@@ -264,6 +265,8 @@ class Operations:
             return self.runner.run(name, here[0], held, feeds, output_names, here[1].get("max_batch", 0),
                                    deadline, started), here[0], True
         passing = self.link.buffers.request()   # large inputs in memory files passed with the request
+        if body is not None:
+            passing.adopt(body)
         wire = passing.encode(feeds, self.group_of, name)
         error = None
         try:
