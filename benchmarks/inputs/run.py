@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -238,9 +239,7 @@ def report(rows: list, seen: dict, args) -> str:
         return f"{statistics.median(xs):.0f} [{min(xs):.0f}-{max(xs):.0f}]"
 
     this_does, _, baseline_does = args.compares.partition("; baseline: ")
-    lines = [f"$ python benchmarks/inputs/run.py --baseline {args.baseline} --rounds {args.rounds}"
-             + ("" if args.fronts is None else " --fronts " + " ".join(args.fronts)).rstrip()
-             + f" --compares '{args.compares}'",
+    lines = ["$ python benchmarks/inputs/run.py " + shlex.join(sys.argv[1:]),   # (the command as it was given)
              f"this checkout ({rev(ROOT)}): {this_does}; baseline ({rev(Path(args.baseline))}): {baseline_does}. "
              f"{args.rounds} rounds, alternated; load average {os.getloadavg()[0]:.1f} at the end",
              "median [min-max] over rounds of each round's median; ratios per round"]
