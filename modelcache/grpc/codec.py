@@ -4,6 +4,11 @@ Inputs come either all in `raw_input_contents` (one entry per input, in order: w
 each in its typed `contents` (fp32_contents, int64_contents, ...: a hand-written client's choice). Outputs go
 back in `raw_output_contents` only: tritonclient's as_numpy reads raw or bytes contents, and typed replies
 would reach it as empty arrays. BYTES raw data is a 4-byte little-endian length and the bytes per element.
+
+An infer request is read off the wire by `read_infer_request` (grpc's deserializer for ModelInfer and
+ModelStreamInfer): its raw contents stay views of the bytes grpc handed over, and protobuf parses the rest. Parsed
+whole, protobuf copied each raw content into its arena and again into a bytes object when it was read: two more
+copies of every tensor, in fresh memory a large one page-faults into (`benchmarks/inputs/run.py --fronts grpc`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,76 @@ TYPED_FIELD = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_co
                "FP64": "fp64_contents", "BYTES": "bytes_contents"}
 
 
+RAW_INPUT_CONTENTS = 7   # ModelInferRequest's field number (grpc_service.proto)
+
+
+class InferMessage:
+    """A ModelInferRequest as read off the wire: the message without its raw contents, and those as views of the
+    received bytes (None: they are the message's own, if any). Its name, version and id are the message's."""
+
+    __slots__ = ("msg", "raws")
+
+    def __init__(self, msg: pb.ModelInferRequest, raws: list | None = None):
+        self.msg, self.raws = msg, raws
+
+    model_name = property(lambda self: self.msg.model_name)
+    model_version = property(lambda self: self.msg.model_version)
+    id = property(lambda self: self.msg.id)
+
+
+def read_infer_request(data: bytes) -> InferMessage:
+    """grpc's request deserializer for the infer methods: `data`'s top-level fields walked (a varint key each, then
+    its value: a few fields, whatever the tensors' size), its raw_input_contents kept as views of `data`, the other
+    fields' bytes parsed by protobuf. What does not walk as protobuf is parsed whole, for protobuf's own error."""
+    view, raws, kept, pos, n = memoryview(data), [], [], 0, len(data)
+    try:
+        while pos < n:
+            start = pos
+            key, pos = _varint(data, pos)
+            wire = key & 7
+            if wire == 2:
+                length, pos = _varint(data, pos)
+                end = pos + length
+                if end > n:
+                    raise ValueError("a field runs past the message")
+                if key >> 3 == RAW_INPUT_CONTENTS:
+                    raws.append(view[pos:end])
+                    pos = end
+                    continue
+                pos = end
+            elif wire == 0:
+                pos = _varint(data, pos)[1]
+            elif wire in (1, 5):
+                pos += 8 if wire == 1 else 4
+            else:
+                raise ValueError(f"wire type {wire}")
+            if pos > n:
+                raise ValueError("a field runs past the message")
+            if kept and kept[-1][1] == start:
+                kept[-1][1] = pos
+            else:
+                kept.append([start, pos])
+    except ValueError:
+        return InferMessage(pb.ModelInferRequest.FromString(data))
+    if not raws:
+        return InferMessage(pb.ModelInferRequest.FromString(data))
+    return InferMessage(pb.ModelInferRequest.FromString(b"".join(view[a:b] for a, b in kept)), raws)
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    """(the varint at data[pos], the position after it)."""
+    value = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise ValueError("a varint runs past the message")
+        b = data[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, pos
+        shift += 7
+
+
 class InferRequest:
     """A decoded ModelInferRequest: what the shared infer operation takes."""
 
@@ -43,7 +118,10 @@ class InferRequest:
         self.output_regions: dict = {}          # output -> the RegionRef it is to be written to (shared memory)
 
 
-def decode_request(msg: pb.ModelInferRequest) -> InferRequest:
+def decode_request(msg: "pb.ModelInferRequest | InferMessage") -> InferRequest:
+    raws = None
+    if isinstance(msg, InferMessage):
+        msg, raws = msg.msg, msg.raws
     req = InferRequest(msg.model_name, msg.model_version, msg.id)
     if not msg.model_name:
         raise InputError("the request names no model (model_name)")
@@ -58,7 +136,7 @@ def decode_request(msg: pb.ModelInferRequest) -> InferRequest:
     req.priority = priority_of(_param(params, "priority"))
     if not msg.inputs:
         raise InputError("the request has no inputs")
-    raw = msg.raw_input_contents
+    raw = raws if raws is not None else msg.raw_input_contents
     refs = [RegionRef.of(_plain(t.parameters), f"input {t.name!r}") if t.parameters else None for t in msg.inputs]
     fed_raw = [t for t, ref in zip(msg.inputs, refs) if ref is None]   # raw contents are theirs, in order
     if raw and len(raw) != len(fed_raw):

@@ -17,8 +17,9 @@ _HANDLER_OF = {(False, False): grpc.unary_unary_rpc_method_handler,
                (True, True): grpc.stream_stream_rpc_method_handler}
 
 
-def method_handlers(service, servicer) -> dict:
-    """{method name: handler} of every method of `service` (a ServiceDescriptor) that `servicer` implements."""
+def method_handlers(service, servicer, readers: dict | None = None) -> dict:
+    """{method name: handler} of every method of `service` (a ServiceDescriptor) that `servicer` implements; its
+    requests parsed by protobuf, or by `readers[method name]` (bytes -> what the method takes)."""
     handlers = {}
     for method in service.methods:
         implementation = getattr(servicer, method.name, None)
@@ -27,12 +28,13 @@ def method_handlers(service, servicer) -> dict:
         request = message_factory.GetMessageClass(method.input_type)
         reply = message_factory.GetMessageClass(method.output_type)
         make = _HANDLER_OF[(method.client_streaming, method.server_streaming)]
-        handlers[method.name] = make(implementation, request_deserializer=request.FromString,
+        handlers[method.name] = make(implementation, request_deserializer=(readers or {}).get(method.name,
+                                                                                                request.FromString),
                                      response_serializer=reply.SerializeToString)
     return handlers
 
 
-def add_service(server, service, servicer) -> None:
+def add_service(server, service, servicer, readers: dict | None = None) -> None:
     """Serve `servicer`'s methods of `service` on `server` (a grpc.aio.Server)."""
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name,
-                                                                          method_handlers(service, servicer)),))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        service.full_name, method_handlers(service, servicer, readers)),))
