@@ -166,3 +166,35 @@ def test_a_stopped_daemon_is_a_clear_error_and_leaves_no_lane_file(tmp_path, zoo
     stream.close()
     c.close()
     d.kill()
+
+
+def test_a_large_reply_read_slowly_arrives_whole_and_exact(daemon, tmp_path):
+    """A 4.8 MB output goes back inline, packed from the array and sent beside its frame header (not joined to it):
+    read in small pieces by a client that lags, so the daemon sends it in parts, every byte arrives in order; two
+    such replies on one connection, and a small request after them, keep their frames."""
+    import onnx
+    from onnx import TensorProto, helper
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])
+    model = helper.make_model(helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "neg", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "neg.onnx"))
+    with daemon.client() as c:
+        c.add(str(tmp_path / "neg.onnx"), "neg")
+        s = raw_lane(daemon)
+        inputs = [np.arange(1_200_000, dtype=np.float32) + k for k in range(2)] + [np.ones(3, np.float32)]
+        for k, a in enumerate(inputs):
+            wire, _ = tensors.encode({"x": a}, inline_only=True)
+            s.sendall(frame(*P.encode(P.Infer(req_id=k + 1, client_id="", name="neg", inputs=wire))))
+        reader = FrameReader()
+        for k, a in enumerate(inputs):
+            while (m := reader.next()) is None:
+                time.sleep(0.002)
+                data = s.recv(32768)
+                assert data, "the daemon hung up"
+                reader.feed(data)
+            reply = P.decode(list(m))
+            assert isinstance(reply, P.InferReply) and reply.req_id == k + 1, reply
+            np.testing.assert_array_equal(tensors.decode(reply.outputs)[0]["y"], -a)
+        s.close()

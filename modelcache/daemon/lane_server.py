@@ -26,7 +26,7 @@ import zmq
 
 from ..errors import ModelCacheError
 from ..storage import remove_tree
-from ..wire.lane import HEADER, MAX_BODY, MAX_FDS, FrameReader, LaneError, frame, recv_chunk_with_fds, send_fds
+from ..wire.lane import HEADER, MAX_BODY, MAX_FDS, FrameReader, LaneError, recv_chunk_with_fds, send_fds
 from .identity import socket_credentials
 
 log = logging.getLogger("modelcache.daemon")
@@ -107,17 +107,20 @@ class LaneConnection:
         if self.sock is None:
             return  # the client went away; its answer has nowhere to go
         if not self.out and not fds and len(body) > COALESCE_BYTES:
-            data = frame(kind, body)
+            head = HEADER.pack(len(kind), len(body)) + kind   # (sent beside the body: not joined to it, a copy)
             try:
-                sent = self.sock.send(data)
+                sent = self.sock.sendmsg([head, body])
             except BlockingIOError:
                 sent = 0
             except OSError as e:
                 self.server.drop(self, f"write failed: {e}")
                 return
-            if sent == len(data):
+            if sent == len(head) + len(body):
                 return
-            self.out += memoryview(data)[sent:]
+            if sent < len(head):
+                self.out += head[sent:]
+                sent = len(head)
+            self.out += memoryview(body)[sent - len(head):]
             self.flush()
             return
         if fds:

@@ -82,8 +82,11 @@ def _encode_tensor(value, shm_dir: str, group_of: str | None, inline_only: bool,
     if dtype is None:
         dtype = _dtype_names[a.dtype] = a.dtype.name
     entry = {"dtype": dtype, "shape": list(a.shape)}
-    if a.nbytes <= INLINE_MAX_BYTES or inline_only:
+    if a.nbytes <= INLINE_MAX_BYTES:
         entry["data"] = a.tobytes()
+        return entry
+    if inline_only:   # (a large output in the daemon's reply): msgpack packs it from the array, no copy before
+        entry["data"] = memoryview(a).cast("B")
         return entry
     if passing is not None:
         placed = passing.put(memoryview(a).cast("B"))
