@@ -7,7 +7,8 @@ in it (--baseline: a checkout before client/input_buffers.py), each on a real da
 Per round, for each checkout in turn (the order alternated round by round): a fresh daemon, two models added, and
 one client process (that checkout's code too) with a serve session on each:
 - `sum`: ReduceSum over a float32 vector, so that the hand-over is most of the request: 0.3, 0.6, 4.8 and 48 MB;
-- ResNet-50 (the zoo's), one 1x3x224x224 image (0.6 MB) and a batch of 8 (4.8 MB): what it is worth on a model.
+- ResNet-50 (the zoo's), one 1x3x224x224 image (0.6 MB) and a batch of 8 (4.8 MB): what it is worth on a model;
+- with --neg-mb, `neg`: y = -x, whose output is as large as its input: large outputs, which come back inline.
 Timed: the client's `run()` (its median over the round's calls), and the daemon's CPU time over those calls, per call.
 
 With --fronts, the same through `modelcache http` and `modelcache grpc` (each checkout's own front before its daemon;
@@ -61,6 +62,8 @@ for case, model, shape, calls in cases:
         times.append(time.perf_counter() - t0)
         if model == "sum" and abs(float(y) - float(x.sum(dtype=np.float64))) > 1e-3 * x.size ** 0.5 + 1:
             raise SystemExit(f"wrong answer: {float(y)} for {float(x.sum())}")
+        if model == "neg" and not np.array_equal(y, -x):
+            raise SystemExit("wrong answer: not -x")
     cpu = sum(daemon.cpu_times()[:2]) - cpu0
     out[case] = [statistics.median(times) * 1e6, cpu / calls * 1e6]
 print(json.dumps(out))
@@ -100,6 +103,8 @@ for case, model, shape, calls in cases:
         times.append(time.perf_counter() - t0)
         if model == "sum" and abs(float(y) - float(x.sum(dtype=np.float64))) > 1e-3 * x.size ** 0.5 + 1:
             raise SystemExit(f"wrong answer: {float(y)} for {float(x.sum())}")
+        if model == "neg" and not np.array_equal(y, -x):
+            raise SystemExit("wrong answer: not -x")
     out[case] = [statistics.median(times) * 1e6, (cpu(front) - f0) / calls * 1e6, (cpu(daemon) - d0) / calls * 1e6]
 print(json.dumps(out))
 """
@@ -115,20 +120,23 @@ except Exception as e:
 """
 
 
-def sum_model(path: str) -> None:
+def sum_model(path: str, op: str = "ReduceSum") -> None:
+    """y = ReduceSum(x) over a float vector (an output of 4 bytes), or y = Neg(x) (`op`: an output as large as x)."""
     import onnx
     from onnx import TensorProto, helper
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [])
-    graph = helper.make_graph([helper.make_node("ReduceSum", ["x"], ["y"], keepdims=0)], "sum", [x], [y])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [] if op == "ReduceSum" else ["n"])
+    graph = helper.make_graph([helper.make_node(op, ["x"], ["y"], **({"keepdims": 0} if op == "ReduceSum" else {}))],
+                              "sum", [x], [y])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = 8
     onnx.save(model, path)
 
 
-def cases(sum_mb, resnet_batches) -> list:
+def cases(sum_mb, resnet_batches, neg_mb=()) -> list:
     # (30 calls at least: a process's CPU time moves in 10 ms ticks, and it is read over a case's calls)
     out = [[f"sum {mb:g} MB", "sum", [int(mb * 1e6) // 4], max(30, min(300, int(240 / mb)))] for mb in sum_mb]
+    out += [[f"neg {mb:g} MB", "neg", [int(mb * 1e6) // 4], max(30, min(300, int(240 / mb)))] for mb in neg_mb]
     out += [[f"resnet50 batch {b} ({b * 0.6:.1f} MB)", "resnet50", [b, 3, 224, 224], max(10, 40 // b)]
             for b in resnet_batches]
     return out
@@ -185,6 +193,8 @@ def main() -> None:
     ap.add_argument("--baseline", required=True, help="a checkout before passed inputs")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sum-mb", type=float, nargs="*", default=list(SUM_MB), help="the sum model's input sizes")
+    ap.add_argument("--neg-mb", type=float, nargs="*", default=[],
+                    help="y = -x over inputs of these sizes: an output as large as the input (none by default)")
     ap.add_argument("--resnet-batches", type=int, nargs="*", default=list(RESNET_BATCHES),
                     help="ResNet-50's batch sizes (none: no ResNet-50)")
     ap.add_argument("--fronts", nargs="*", choices=FRONTS,
@@ -198,13 +208,16 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="inputs-"))
     models = {"sum": str(work / "sum.onnx")}
     sum_model(models["sum"])
+    if args.neg_mb:
+        models["neg"] = str(work / "neg.onnx")
+        sum_model(models["neg"], "Neg")
     if args.resnet_batches:
         models["resnet50"] = str(work / "resnet50.onnx")
         zoo.save(zoo.build("resnet50"), models["resnet50"])
-    todo = cases(args.sum_mb, args.resnet_batches)
+    todo = cases(args.sum_mb, args.resnet_batches, args.neg_mb)
     checkouts = {"this": ROOT, "baseline": Path(args.baseline).resolve()}
     fronts = [] if args.fronts is None else args.fronts or list(FRONTS)
-    front_todo = [c for c in todo if c[1] != "sum" or c[2][0] * 4 > INLINE_MAX_BYTES] if fronts else []
+    front_todo = [c for c in todo if c[1] == "resnet50" or c[2][0] * 4 > INLINE_MAX_BYTES] if fronts else []
     rows = []   # {"round", "checkout", "path", "case", "us", "cpu_us", "front_cpu_us"}
 
     def both(socket: str, env: dict) -> dict:
