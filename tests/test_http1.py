@@ -28,6 +28,8 @@ LIMIT = 1000
 async def echo(request) -> Response:
     if request.target.startswith(b"/slow"):
         await asyncio.sleep(0.3)
+    if request.target.startswith(b"/pieces"):   # a body given as pieces, not joined (a large infer answer)
+        return Response(200, [b"head:", memoryview(bytearray(b"x" * 300_000)), b":tail"], "application/octet-stream")
     doc = {"method": request.method, "target": request.target.decode(), "body": bytes(request.body).decode("latin-1"),
            "headers": request.headers, "received": request.received is not None}
     return Response(200, json.dumps(doc).encode(), "application/json", {"X-Echo": "1"})
@@ -422,3 +424,16 @@ def test_a_connection_lost_halfway_through_a_received_body_gives_its_place_back(
         srv.stop()
         places.pool.close()
 
+
+def test_a_body_in_pieces_is_sent_whole_with_its_length_and_head_drops_it(srv):
+    with srv.connect() as s:
+        buf = bytearray()
+        s.sendall(b"GET /pieces HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, headers, body = read_response(s, buf)
+        assert status == 200 and body == b"head:" + b"x" * 300_000 + b":tail" and not buf
+        s.sendall(b"HEAD /pieces HTTP/1.1\r\nHost: x\r\n\r\nGET /after HTTP/1.1\r\nHost: x\r\n\r\n")
+        data = b""
+        while b'"/after"' not in data:
+            data += s.recv(65536)
+        head, _, rest = data.partition(b"\r\n\r\n")
+        assert b"Content-Length: 300010" in head and rest.startswith(b"HTTP/1.1 200")   # no body after HEAD's head

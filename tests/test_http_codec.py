@@ -78,6 +78,18 @@ def test_response_mixes_json_and_binary_outputs():
         {"name": "b", "datatype": "INT64", "shape": [3], "data": [7, 8, 9]}]}
 
 
+def test_large_binary_outputs_are_pieces_viewing_the_arrays_not_a_joined_copy():
+    big = np.arange(100_000, dtype=np.float32).reshape(2, -1)[:, ::2]   # (not contiguous: made so once)
+    small = np.array([1, 2], np.int64)
+    body, n = codec.encode_response("m", 1, None, {"big": big, "small": small}, ["big", "small"], {}, True)
+    assert isinstance(body, list) and len(body) == 3 and len(body[0]) == n
+    assert all(isinstance(piece, memoryview) for piece in body[1:])   # (views: not copied before they are sent)
+    joined = b"".join(body)
+    assert np.array_equal(np.frombuffer(joined[n:n + big.nbytes], np.float32).reshape(big.shape), big)
+    assert np.array_equal(np.frombuffer(joined[n + big.nbytes:], np.int64), small)
+    assert json.loads(body[0])["outputs"][0]["parameters"]["binary_data_size"] == big.nbytes
+
+
 def test_metadata_names_and_free_dims():
     meta = types.tensor_metadata([{"name": "ids", "dtype": "int64", "shape": ["batch", None, 16]},
                                   {"name": "m", "dtype": "bool", "shape": []}])

@@ -18,7 +18,7 @@ from ..errors import InputError
 from ..oip.classification import class_count
 from ..oip.inputs import priority_of, sequence_of
 from ..oip.shared_memory import RegionInput, RegionRef
-from ..oip.types import NUMPY_BY_V2, array_datatype, decode_bytes_elements, raw_of
+from ..oip.types import NUMPY_BY_V2, array_datatype, decode_bytes_elements, raw_view
 
 class InferRequest:
     """A decoded v2 infer request: feeds, the outputs asked for, and how each is to come back."""
@@ -221,11 +221,16 @@ def _flatten(data: list) -> list:
     return out
 
 
+JOIN_MAX_BYTES = 64 << 10   # a body of binary outputs this small is joined into one bytes; a larger one is not
+
+
 def encode_response(model: str, version: int | None, request_id, outputs: dict, order: list,
-                    binary: dict, binary_default: bool, in_regions=frozenset()) -> tuple[bytes, int | None]:
+                    binary: dict, binary_default: bool, in_regions=frozenset()) -> tuple[bytes | list, int | None]:
     """(body, JSON header length or None when no output is binary). `order` lists the outputs to send;
     `in_regions`: those already written to shared memory, given by datatype and shape alone (as Triton gives
-    them: perf_analyzer reads an output's parameters as a binary one's)."""
+    them: perf_analyzer reads an output's parameters as a binary one's). A body with binary outputs over
+    JOIN_MAX_BYTES is a list of its pieces (the header, then views of the outputs), written out one after the
+    other (http1.encode): joining them copied every output once more."""
     entries, blobs = [], []
     for name in order:
         value = outputs[name]
@@ -235,7 +240,7 @@ def encode_response(model: str, version: int | None, request_id, outputs: dict, 
         if name in in_regions:
             continue
         if binary.get(name, binary_default):
-            raw = raw_of(a)
+            raw = raw_view(a)
             entry["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)
         elif a.dtype.kind in "OUS":
@@ -250,6 +255,8 @@ def encode_response(model: str, version: int | None, request_id, outputs: dict, 
     head = json.dumps(doc, separators=(",", ":"), allow_nan=True).encode()
     if not blobs:
         return head, None
+    if sum(map(len, blobs)) > JOIN_MAX_BYTES:
+        return [head, *blobs], len(head)
     return b"".join([head, *blobs]), len(head)
 
 

@@ -64,9 +64,10 @@ class Request:
 
 
 class Response:
+    """`body`: bytes, or a list of bytes-like pieces written one after the other (a large body, not joined)."""
     __slots__ = ("status", "body", "content_type", "headers")
 
-    def __init__(self, status: int = 200, body: bytes = b"", content_type: str | None = None,
+    def __init__(self, status: int = 200, body: bytes | list = b"", content_type: str | None = None,
                  headers: dict | None = None):
         self.status = status
         self.body = body
@@ -84,10 +85,13 @@ class _Refused(Exception):
     """Raised from a parser callback to stop parsing a connection that was answered and is closing."""
 
 
-def encode(response: Response, keep_alive: bool, head_only: bool = False) -> bytes:
-    """The response's bytes; HEAD's answer keeps GET's Content-Length and drops the body."""
+def encode(response: Response, keep_alive: bool, head_only: bool = False) -> bytes | list:
+    """The response's bytes (a list of pieces for a body given as one); HEAD's answer keeps GET's Content-Length and
+    drops the body."""
+    pieces = response.body if isinstance(response.body, list) else None
+    size = sum(map(len, pieces)) if pieces is not None else len(response.body)
     lines = [b"HTTP/1.1 %d %s\r\nContent-Length: %d\r\n"
-             % (response.status, REASONS.get(response.status, b"Unknown"), len(response.body))]
+             % (response.status, REASONS.get(response.status, b"Unknown"), size)]
     if response.content_type:
         lines.append(b"Content-Type: %s\r\n" % response.content_type.encode("latin-1"))
     if response.headers:
@@ -95,8 +99,11 @@ def encode(response: Response, keep_alive: bool, head_only: bool = False) -> byt
     if not keep_alive:
         lines.append(b"Connection: close\r\n")
     lines.append(b"\r\n")
-    if not head_only:
-        lines.append(response.body)
+    if head_only:
+        return b"".join(lines)
+    if pieces is not None:
+        return [b"".join(lines), *pieces]
+    lines.append(response.body)
     return b"".join(lines)
 
 
@@ -273,7 +280,9 @@ class Connection(asyncio.BufferedProtocol):
                     if self.transport.is_closing():
                         return
                     keep_alive = keep_alive and not (self.closing and not self.queue)
-                    self.transport.write(encode(response, keep_alive, request is not None and request.method == "HEAD"))
+                    data = encode(response, keep_alive, request is not None and request.method == "HEAD")
+                    for piece in (data if isinstance(data, list) else (data,)):
+                        self.transport.write(piece)   # (what the socket does not take now, the transport copies)
                 finally:   # (the answer is bytes of its own by now)
                     if request is not None and request.received is not None:
                         request.received.release()

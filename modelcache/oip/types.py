@@ -138,5 +138,11 @@ def raw_of(a: np.ndarray) -> bytes:
     return encode_bytes_elements(a) if a.dtype.kind in "OUS" else np.ascontiguousarray(a).tobytes()
 
 
+def raw_view(a: np.ndarray):
+    """raw_of's bytes, as a view of the array where they are its own memory (not BYTES): what is written out
+    from it at once need not be copied first."""
+    return encode_bytes_elements(a) if a.dtype.kind in "OUS" else memoryview(np.ascontiguousarray(a)).cast("B")
+
+
 def _as_bytes(v) -> bytes:
     return v if isinstance(v, bytes) else str(v).encode("utf-8", "surrogateescape")
