@@ -74,3 +74,22 @@ def test_what_is_not_a_message_fails_as_protobuf_fails_and_cut_messages_alike():
                 decoded(codec.read_infer_request(data[:cut]))
         else:
             assert decoded(codec.read_infer_request(data[:cut])) == expected
+
+
+def test_an_answer_is_written_from_the_output_arrays_and_parses_as_the_whole_message():
+    """write_infer_answer: the message's fields, then each raw content from a view of its array; protobuf reads
+    it back as the message built whole (raw contents in the outputs' order, an output in a region empty), and a
+    stream's answer is that whole message."""
+    req = codec.decode_request(request())
+    req.output_names = ["big", "region", "s"]
+    outputs = {"big": np.arange(300_000, dtype=np.float32).reshape(3, -1)[:, ::3],   # (not contiguous)
+               "region": np.ones(4, np.int64), "s": np.array(["x", "yz"], dtype=object)}
+    answer = codec.encode_response(req, 2, outputs, in_regions={"region"})
+    assert isinstance(answer.raws[0], memoryview)                  # (not copied before it is written)
+    back = pb.ModelInferResponse.FromString(codec.write_infer_answer(answer))
+    assert back == answer.message()
+    assert (back.model_name, back.model_version, back.id) == ("m", "2", "r1")
+    assert [o.name for o in back.outputs] == ["big", "region", "s"] and list(back.outputs[0].shape) == [3, 33334]
+    big, region, s = back.raw_output_contents
+    assert np.array_equal(np.frombuffer(big, np.float32).reshape(3, -1), outputs["big"]) and region == b""
+    assert s == b"\x01\x00\x00\x00x\x02\x00\x00\x00yz"

@@ -21,7 +21,7 @@ from ..errors import InputError
 from ..oip.classification import class_count
 from ..oip.inputs import priority_of, sequence_of
 from ..oip.shared_memory import RegionInput, RegionRef
-from ..oip.types import NUMPY_BY_V2, array_datatype, array_of_raw, raw_of
+from ..oip.types import NUMPY_BY_V2, array_datatype, array_of_raw, raw_view
 from ..triton_protos import grpc_service_pb2 as pb
 
 # v2 datatype -> the InferTensorContents field that carries it typed (FP16 and BF16 only travel raw)
@@ -218,8 +218,49 @@ def _decode_input(tensor, raw: bytes | None) -> np.ndarray:
     return np.asarray(values, dtype=dtype).reshape(shape)
 
 
+RAW_OUTPUT_CONTENTS_KEY = b"\x32"   # ModelInferResponse's field 6, length-delimited (grpc_service.proto)
+
+
+class InferAnswer:
+    """A ModelInferResponse without its raw output contents (`msg`), and those as views of the output arrays
+    (`raws`, in the outputs' order). `write_infer_answer` writes them out with one copy each; protobuf would copy
+    each into its message, then into the serialized bytes."""
+
+    __slots__ = ("msg", "raws")
+
+    def __init__(self, msg: pb.ModelInferResponse, raws: list):
+        self.msg, self.raws = msg, raws
+
+    def message(self) -> pb.ModelInferResponse:
+        """The whole message (a stream's answer is one inside its ModelStreamInferResponse)."""
+        whole = pb.ModelInferResponse()
+        whole.CopyFrom(self.msg)
+        whole.raw_output_contents.extend(bytes(r) for r in self.raws)
+        return whole
+
+
+def write_infer_answer(answer: "InferAnswer | pb.ModelInferResponse") -> bytes:
+    """grpc's response serializer for ModelInfer: the message's fields, then each raw content as field 6 (protobuf
+    reads fields in any order, a repeated one's in the order they come)."""
+    if not isinstance(answer, InferAnswer):
+        return answer.SerializeToString()
+    parts = [answer.msg.SerializeToString()]
+    for raw in answer.raws:
+        parts += [RAW_OUTPUT_CONTENTS_KEY, _varint_bytes(len(raw)), raw]
+    return b"".join(parts)
+
+
+def _varint_bytes(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
 def encode_response(req: InferRequest, version: int | None, outputs: dict,
-                    in_regions=frozenset()) -> pb.ModelInferResponse:
+                    in_regions=frozenset()) -> InferAnswer:
     """The reply: every output asked for (all when none was), raw; `in_regions`: those already written to shared
     memory, whose raw contents are empty, as Triton's (tritonclient finds an output's raw contents by its
     position among the outputs)."""
@@ -229,6 +270,6 @@ def encode_response(req: InferRequest, version: int | None, outputs: dict,
         a = np.asarray(outputs[name])
         tensors.append(pb.ModelInferResponse.InferOutputTensor(name=name, datatype=array_datatype(a),
                                                                shape=a.shape))
-        raw.append(b"" if name in in_regions else raw_of(a))
-    return pb.ModelInferResponse(model_name=req.name, model_version="" if version is None else str(version),
-                                 id=req.id, outputs=tensors, raw_output_contents=raw)
+        raw.append(b"" if name in in_regions else raw_view(a))
+    return InferAnswer(pb.ModelInferResponse(model_name=req.name, model_version="" if version is None
+                                             else str(version), id=req.id, outputs=tensors), raw)

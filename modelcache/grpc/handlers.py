@@ -17,9 +17,10 @@ _HANDLER_OF = {(False, False): grpc.unary_unary_rpc_method_handler,
                (True, True): grpc.stream_stream_rpc_method_handler}
 
 
-def method_handlers(service, servicer, readers: dict | None = None) -> dict:
+def method_handlers(service, servicer, readers: dict | None = None, writers: dict | None = None) -> dict:
     """{method name: handler} of every method of `service` (a ServiceDescriptor) that `servicer` implements; its
-    requests parsed by protobuf, or by `readers[method name]` (bytes -> what the method takes)."""
+    requests parsed by protobuf, or by `readers[method name]` (bytes -> what the method takes), its replies
+    serialized by protobuf or by `writers[method name]` (what the method returns -> bytes)."""
     handlers = {}
     for method in service.methods:
         implementation = getattr(servicer, method.name, None)
@@ -30,11 +31,11 @@ def method_handlers(service, servicer, readers: dict | None = None) -> dict:
         make = _HANDLER_OF[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = make(implementation, request_deserializer=(readers or {}).get(method.name,
                                                                                                 request.FromString),
-                                     response_serializer=reply.SerializeToString)
+                                     response_serializer=(writers or {}).get(method.name, reply.SerializeToString))
     return handlers
 
 
-def add_service(server, service, servicer, readers: dict | None = None) -> None:
+def add_service(server, service, servicer, readers: dict | None = None, writers: dict | None = None) -> None:
     """Serve `servicer`'s methods of `service` on `server` (a grpc.aio.Server)."""
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        service.full_name, method_handlers(service, servicer, readers)),))
+        service.full_name, method_handlers(service, servicer, readers, writers)),))

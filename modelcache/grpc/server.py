@@ -17,7 +17,7 @@ from ..oip.lifecycle import SHUTDOWN_TIMEOUT_S, until_stopped
 from ..oip.link import DaemonLink
 from ..oip.operations import Operations
 from ..triton_protos import grpc_service_pb2, health_pb2
-from .codec import read_infer_request
+from .codec import read_infer_request, write_infer_answer
 from .handlers import add_service
 from .service import HealthService, InferenceService
 
@@ -39,9 +39,10 @@ async def serve(settings, host: str, port: int, on_ready=None, reserved=None) ->
         ("grpc.so_reuseport", 1),   # beside the socket that holds the port (see address.reserve_tcp)
     ])
     ops = Operations(DaemonLink(settings.socket, settings.request_timeout_s, front="grpc"), settings)
-    infer_reader = {"ModelInfer": read_infer_request, "ModelStreamInfer": read_infer_request}   # (raw contents: views)
+    # (an infer request's raw contents read as views of what came; its answer's written from the output arrays)
+    infer_reader = {"ModelInfer": read_infer_request, "ModelStreamInfer": read_infer_request}
     add_service(server, grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"], InferenceService(ops),
-                infer_reader)
+                infer_reader, {"ModelInfer": write_infer_answer})
     add_service(server, health_pb2.DESCRIPTOR.services_by_name["Health"], HealthService(ops))
     try:
         bound = server.add_insecure_port(address(host, port))

@@ -112,7 +112,7 @@ class InferenceService:
         await self.ops.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
-    async def _infer(self, request, context, order: tuple | None = None) -> pb.ModelInferResponse:
+    async def _infer(self, request, context, order: tuple | None = None) -> codec.InferAnswer:
         req = codec.decode_request(request)
         outputs, ran = await self.ops.infer(req.name, parse_version(req.version), req.feeds, req.output_names,
                                             _deadline_us(req.timeout_us, context), req.classes, req.sequence,
@@ -134,7 +134,7 @@ class InferenceService:
 
         async def answer(request, order):
             try:
-                reply = pb.ModelStreamInferResponse(infer_response=await self._infer(request, context, order))
+                reply = pb.ModelStreamInferResponse(infer_response=(await self._infer(request, context, order)).message())
             except ModelCacheError as e:
                 reply = self._stream_error(request, one_line(e))
             except Exception as e:
