@@ -28,18 +28,29 @@ def test_every_way_hands_over_the_same_tensor(tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare(1)")
 def test_the_serve_comparison_reports_each_case_and_the_contained_client(tmp_path):
-    """On this checkout against itself (the lab has no older one at hand): every case timed on both, through a
-    session and (the larger sum) through `modelcache http` and `modelcache grpc`, and a client
-    with an empty /dev/shm of its own answered by both."""
+    """On this checkout against itself (the lab has no older one at hand): every case (inputs over 256 KiB, and a
+    large output: `neg`) timed on both, through a session, `modelcache http` and `modelcache grpc`, each answer
+    checked; and a client with an empty /dev/shm of its own answered by both."""
     r = subprocess.run([sys.executable, str(HERE / "run.py"), "--baseline", str(ROOT), "--rounds", "1", "--sum-mb",
-                        "0.6", "4.8", "--resnet-batches", "--fronts", "--out", str(tmp_path)], capture_output=True,
-                       text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                        "0.6", "4.8", "--neg-mb", "4.8", "--resnet-batches", "--fronts", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert {(r["checkout"], r["path"], r["case"]) for r in results["rows"]} == {
-        (c, p, s) for c in ("this", "baseline") for p, s in
-        (("session", "sum 0.6 MB"), ("session", "sum 4.8 MB"), ("http", "sum 4.8 MB"), ("grpc", "sum 4.8 MB"))}
+        (c, p, s) for c in ("this", "baseline") for p in ("session", "http", "grpc")
+        for s in ("sum 0.6 MB", "sum 4.8 MB", "neg 4.8 MB")}
     assert all(r["front_cpu_us"] > 0 and r["cpu_us"] > 0 for r in results["rows"] if r["path"] != "session")
     report = (tmp_path / "report.txt").read_text()
     assert "through `modelcache http`" in report and "through `modelcache grpc`" in report
     assert all(v.startswith("answered 150000") for v in results["contained"].values()), results["contained"]
+
+
+def test_fresh_pages_times_each_way_and_says_what_a_limit_did():
+    r = subprocess.run([sys.executable, str(HERE / "fresh_pages.py"), "--mb", "2", "--runs", "1", "--limit-mb", "96"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    for way in ("mapping", "fallocate+mapping", "populate+mapping", "pwrite"):
+        assert any(line.split()[:1] == [way] and float(line.split()[1]) > 0 for line in r.stdout.splitlines()), r.stdout
+    limited = r.stdout.split("MiB:", 1)[1].splitlines()[1:]
+    assert len(limited) == 5 and all(any(w in line for w in ("killed by", "filled", "error", "not run"))
+                                     for line in limited), r.stdout
