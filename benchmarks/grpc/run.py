@@ -159,12 +159,15 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _cpu_s(pid: int) -> float:
-    """CPU time (user + system) so far of a process and of its descendants now alive, seconds."""
-    from ab import _cpu_s as own
+    """CPU time (user + system) so far of a process and of its descendants: those alive (or not yet reaped) by their
+    own counts, those reaped by their parent's (cutime, cstime). Counting only the living, a child that ended in the
+    window (the daemon's packing server, idle 30 s) took its time out of the total, which then fell."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    own = sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")   # utime, stime, cutime, cstime
     children = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         children += (task / "children").read_text().split()
-    return own(pid) + sum(_cpu_s(int(c)) for c in children)
+    return own + sum(_cpu_s(int(c)) for c in children)
 
 
 def _threads_cpu_s(pid: int) -> dict:

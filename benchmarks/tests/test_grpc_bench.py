@@ -26,10 +26,9 @@ def test_the_grpc_bench_alternates_servers_and_reports_ratios(tmp_path):
     assert "modelcache-grpc / modelcache-http: requests/s x" in r.stdout
     assert "modelcache.shm-http / modelcache-http: requests/s x" in r.stdout
     # the CPU a request cost each process, over the clients' window: the front works; the daemon may not at all,
-    # warm, where the front runs tiny-cnn itself (front_runs, docs/serve.md) and reports after the window. (The
-    # front's is read in 10 ms ticks: over a 1 s window on a loaded machine one round of few requests can read 0.)
+    # warm, where the front runs tiny-cnn itself (front_runs, docs/serve.md) and reports after the window
     assert all(run["client_cpu_us"] > 0 and set(run["server_cpu_us"]) == {"front", "daemon"}
-               and run["server_cpu_us"]["daemon"] >= 0 for v in runs.values() for run in v)
-    assert all(sum(run["server_cpu_us"]["front"] for run in v) > 0 for v in runs.values())
+               and run["server_cpu_us"]["front"] > 0 and run["server_cpu_us"]["daemon"] >= 0
+               for v in runs.values() for run in v)
     assert "CPU a request, us" in r.stdout
     assert (tmp_path / "report.txt").read_text().startswith("$ python benchmarks/grpc/run.py --models tiny-cnn")
