@@ -81,7 +81,7 @@ def read_infer_request(data: bytes) -> InferMessage:
             else:
                 kept.append([start, pos])
     except ValueError:
-        return InferMessage(pb.ModelInferRequest.FromString(data))
+        raws = []
     if not raws:
         return InferMessage(pb.ModelInferRequest.FromString(data))
     return InferMessage(pb.ModelInferRequest.FromString(b"".join(view[a:b] for a, b in kept)), raws)
@@ -232,11 +232,10 @@ class InferAnswer:
         self.msg, self.raws = msg, raws
 
     def message(self) -> pb.ModelInferResponse:
-        """The whole message (a stream's answer is one inside its ModelStreamInferResponse)."""
-        whole = pb.ModelInferResponse()
-        whole.CopyFrom(self.msg)
-        whole.raw_output_contents.extend(bytes(r) for r in self.raws)
-        return whole
+        """The whole message, raw contents in it (a stream's answer is one inside its ModelStreamInferResponse)."""
+        self.msg.raw_output_contents.extend(bytes(r) for r in self.raws)
+        self.raws = []
+        return self.msg
 
 
 def write_infer_answer(answer: "InferAnswer | pb.ModelInferResponse") -> bytes:

@@ -206,10 +206,8 @@ def _decode_value(entry: dict, name: str, depth: int, passed=()):
         buf = entry["data"]
     elif depth:
         raise ValueError("a sequence's or map's tensors travel inline")
-    elif "fd" in entry:
-        buf = passed_input(passed, entry["fd"], entry.get("ino"), name, math.prod(shape) * dtype.itemsize)
-    elif "fd_at" in entry:
-        index, offset = entry["fd_at"]
+    elif "fd" in entry or "fd_at" in entry:
+        index, offset = (entry["fd"], 0) if "fd" in entry else entry["fd_at"]
         buf = passed_input(passed, index, entry.get("ino"), name, math.prod(shape) * dtype.itemsize, offset)
         if offset % dtype.alignment:   # (a tensor after one of an odd size in a body): ORT's kernels read it aligned
             buf = bytes(buf)
