@@ -441,9 +441,10 @@ class Client:
         """Serve mode: the daemon runs the model. Returns (name -> output array, timings). `priority`: the request's
         priority level, in a model with priority levels (1 first; None: its default level)."""
         lane = self._lane   # (the one this call goes by: memory files only where it passes their descriptors)
-        return infer_call(lambda wire, fds: self._call(
+        return infer_call(lambda wire, fds, lent_fds: self._call(
             P.Infer(req_id=0, client_id=self.client_id, name=name, inputs=wire, version=version,
-                    output_names=output_names, deadline_ms=deadline_ms, priority=priority, ipc_fds=len(fds)),
+                    output_names=output_names, deadline_ms=deadline_ms, priority=priority, ipc_fds=len(fds),
+                    lent_fds=lent_fds),
             expect=(P.InferReply,), channel=lane or self._zmq, fds=fds), feeds, self._group_of, name,
             self._buffers if lane is not None else None)
 

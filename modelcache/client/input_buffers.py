@@ -56,17 +56,22 @@ IDLE_MAX_BYTES = 64 << 20     # written pages kept between requests, per pool (w
 IDLE_S = 30.0                 # a file not reused for this long is closed at the next request
 MAX_PASSED = 64               # descriptors one request passes; its further large inputs go inline
 BODY_ALIGN = 64               # a received body's binary part starts at a multiple of this in its file (a cache line)
+HELD_MAX = 32                 # files whose answers' arrays live, kept for reuse; past it the oldest leaves the pool
+HINTS_MAX = 256               # models whose last answer's output size is kept (the size of the file lent next)
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 
 class _File:
-    __slots__ = ("fd", "ino", "size", "written", "idle_since", "_map", "_address")
+    __slots__ = ("fd", "ino", "size", "written", "idle_since", "_map", "_address", "answer_map")
 
     def __init__(self, fd: int, size: int):
         self.fd, self.size, self.written, self.idle_since = fd, size, 0, 0.0
         self.ino = os.fstat(fd).st_ino   # named in the message: the daemon checks it has this very file
         self._map: mmap.mmap | None = None
         self._address = 0                # where the mapping starts in this process (0: not asked yet)
+        # Lent for an answer's outputs: the read-only mapping its arrays are views of (while they live, the file is
+        # theirs, not the pool's: InputBuffers._reap).
+        self.answer_map: mmap.mmap | None = None
 
     def _mapping(self) -> mmap.mmap:
         if self._map is None:
@@ -88,10 +93,30 @@ class _File:
     def region(self, start: int, end: int) -> memoryview:
         """Bytes start..end of the file, writable, through its mapping, their pages allocated (fallocate: at once,
         where writing into the mapping would fault them in one by one). OSError when they cannot be."""
+        self.allocate(end)
+        return memoryview(self._mapping())[start:end]
+
+    def allocate(self, end: int) -> None:
+        """The file's pages up to byte `end` allocated, by this process (so charged to it). OSError when they cannot
+        be."""
         if end > self.written:
             os.posix_fallocate(self.fd, self.written, end - self.written)
             self.written = end
-        return memoryview(self._mapping())[start:end]
+
+    def map_answer(self) -> mmap.mmap:
+        """A fresh read-only mapping of the file's written bytes, for the arrays of the answer written into it."""
+        self.answer_map = mmap.mmap(self.fd, self.written, mmap.MAP_SHARED, mmap.PROT_READ)
+        return self.answer_map
+
+    def answer_dropped(self) -> bool:
+        """Whether the arrays over the answer's mapping are all gone (it closes then), so that the file may be
+        written again."""
+        try:
+            self.answer_map.close()
+        except BufferError:   # (a view of it lives)
+            return False
+        self.answer_map = None
+        return True
 
     @property
     def address(self) -> int:
@@ -102,12 +127,13 @@ class _File:
         return self._address
 
     def close(self) -> None:
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:   # a view of a received body still lives somewhere: it unmaps when the last one goes
-                pass
-            self._map = None
+        for m in (self._map, self.answer_map):
+            if m is not None:
+                try:
+                    m.close()
+                except BufferError:   # a view of a body or of an answer still lives: it unmaps when the last one goes
+                    pass
+        self._map = self.answer_map = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -125,6 +151,8 @@ class InputBuffers:
         self._lock = _thread.allocate_lock()
         self._idle: dict[int, list[_File]] = {}   # size class -> files, the most recently used last
         self._out: set = set()                    # files taken by requests not yet settled
+        self._held: list[_File] = []              # files with an answer's outputs that arrays may still be views of
+        self._output_bytes: dict[str, int] = {}   # model -> what its last answer's large outputs took (Passing.lend)
         self._generation = 0                      # + 1 in a forked child: the files taken before are the parent's
         self.refused = False                      # the daemon cannot take descriptors (older): files, as before
         _pools.add(self)
@@ -157,6 +185,7 @@ class InputBuffers:
     def _take(self, nbytes: int) -> _File:
         size = size_class(nbytes)
         with self._lock:
+            self._reap()
             self._expire()
             files = self._idle.get(size)
             if files:
@@ -183,11 +212,43 @@ class InputBuffers:
                 self._out.discard(f)
                 if f.fd < 0:   # (closed at a fork: taken before it, in another thread of the parent)
                     continue
-                if keep and self.idle_bytes + f.written <= IDLE_MAX_BYTES:
+                if keep and f.answer_map is not None and not f.answer_dropped():
+                    self._held.append(f)   # the caller's arrays are views of it: the pool's again once they go
+                    if len(self._held) > HELD_MAX:   # (the oldest one's arrays keep their mapping, not the pool)
+                        self._held.pop(0).close()
+                elif keep and self.idle_bytes + f.written <= IDLE_MAX_BYTES:
                     f.idle_since = now
                     self._idle.setdefault(f.size, []).append(f)
                 else:
                     f.close()
+
+    def _reap(self) -> None:
+        """(Under the lock.) The held files whose answers' arrays are all gone, back among the idle ones."""
+        if self._held:
+            dropped = [f for f in self._held if f.answer_dropped()]
+            if dropped:
+                self._held = [f for f in self._held if f.answer_map is not None]
+                now = self._clock()
+                for f in dropped:
+                    if self.idle_bytes + f.written <= IDLE_MAX_BYTES:
+                        f.idle_since = now
+                        self._idle.setdefault(f.size, []).append(f)
+                    else:
+                        f.close()
+
+    def output_bytes(self, model: str) -> int:
+        """What `model`'s last answer's large outputs took in a lent file (0: none, or not known yet)."""
+        return self._output_bytes.get(model, 0)
+
+    def note_output_bytes(self, model: str, nbytes: int) -> None:
+        """`model`'s answer took `nbytes` in large outputs. An answer with none keeps what the last one took: a few
+        small batches do not cost the next large one its lent file."""
+        if nbytes:
+            hints = self._output_bytes
+            hints.pop(model, None)
+            hints[model] = nbytes
+            if len(hints) > HINTS_MAX:   # (the model least recently answered goes)
+                del hints[next(iter(hints))]
 
     def _expire(self) -> None:
         """(Under the lock.) Close the files idle for IDLE_S."""
@@ -205,16 +266,20 @@ class InputBuffers:
                 for f in files:
                     f.close()
             self._idle.clear()
+            for f in self._held:
+                f.close()
+            self._held.clear()
 
     def _after_fork(self) -> None:
         """In a forked child: the idle files are the parent's too (it writes into them for its own requests), and
         those out with requests were taken by the parent's other threads, which the child does not have: this
         process's copies of them all (descriptors and mappings) are closed."""
         self._lock = _thread.allocate_lock()
-        for f in [f for files in self._idle.values() for f in files] + list(self._out):
+        for f in [f for files in self._idle.values() for f in files] + list(self._out) + self._held:
             f.close()
         self._idle.clear()
         self._out.clear()
+        self._held.clear()
         self._generation += 1
 
 
@@ -243,11 +308,12 @@ class Passing:
     memory files of `pool` (`put` says which of the message's descriptors each is and where in it) or, with no pool
     (ZeroMQ, a daemon older than passed inputs), into shared-memory files; `fds` go with the message; `settle_after`
     removes the shared-memory files and hands the memory files back once the request is over. A tensor that lies in
-    a body `adopt`ed is passed where it lies, not copied."""
-    __slots__ = ("_pool", "_files", "_passed", "_bodies", "_generation", "_shm_files")
+    a body `adopt`ed is passed where it lies, not copied. `lend(model)` adds a file for the answer's large outputs
+    (wire/lent_outputs.py), after the inputs' (the message's last `lent_fds`); `decode(answer)` reads them."""
+    __slots__ = ("_pool", "_files", "_passed", "_bodies", "_generation", "_shm_files", "_lent")
 
     def __init__(self, pool: InputBuffers | None):
-        self._pool, self._files, self._shm_files = pool, [], []
+        self._pool, self._files, self._shm_files, self._lent = pool, [], [], []
         self._passed: list[_File] = []       # the message's descriptors, in order: files of its own and adopted ones
         self._bodies: list[Received] = []    # received bodies its tensors may lie in
         self._generation = pool._generation if pool is not None else 0
@@ -271,6 +337,47 @@ class Passing:
     @property
     def fds(self) -> list[int]:
         return [f.fd for f in self._passed]
+
+    @property
+    def lent_fds(self) -> int:
+        return len(self._lent)
+
+    def lend(self, model: str) -> None:
+        """Lend the daemon a memory file for the answer's large outputs, its pages allocated here for as many bytes
+        as `model`'s last answer's took (none before the first: that one comes inline and says how many). Nothing
+        when the request passes MAX_PASSED files already, or the pages cannot be had (the answer comes inline)."""
+        nbytes = self._pool.output_bytes(model) if self._pool is not None else 0
+        if not nbytes or len(self._passed) >= MAX_PASSED:
+            return
+        try:
+            f = self._pool._take(nbytes)
+        except OSError:
+            return
+        self._files.append(f)
+        try:
+            f.allocate(nbytes)
+        except OSError:   # (ENOSPC: a full memory limit): inline, as before
+            return
+        self._passed.append(f)
+        self._lent.append(f)
+
+    def decode(self, wire: list, model: str) -> dict:
+        """The answer's outputs (tensors.decode), those written into the lent file as read-only arrays over its
+        mapping, which keep it from the pool while they live; notes the bytes its large outputs took, the size of
+        the file lent with `model`'s next request."""
+        from ..wire import tensors
+        from ..wire.lent_outputs import BODY_ALIGN
+        lent = [(f.map_answer(), None, f.written) for f in self._lent] \
+            if self._lent and any("lent_at" in e for e in wire if isinstance(e, dict)) else ()
+        outputs, _ = tensors.decode(wire, lent=lent)
+        if self._pool is not None:
+            large = 0
+            for a in outputs.values():
+                nbytes = getattr(a, "nbytes", 0)
+                if nbytes > tensors.INLINE_MAX_BYTES and a.dtype.kind not in "OUS":
+                    large += -(-nbytes // BODY_ALIGN) * BODY_ALIGN
+            self._pool.note_output_bytes(model, large)
+        return outputs
 
     def put(self, data: memoryview) -> tuple[int, int] | None:
         """Where `data` (bytes) is for the daemon: (index among `fds`, offset in that file). In an adopted body, where
@@ -322,7 +429,7 @@ class Passing:
             for body in self._bodies:
                 if body.file in self._passed:
                     body.reusable = False
-        self._passed, self._bodies = [], []
+        self._passed, self._bodies, self._lent = [], [], []
         if self._files:   # (most requests pass none: no lock to take)
             files, self._files = self._files, []
             self._pool._give_back(files, self._generation, answered)

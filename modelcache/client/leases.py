@@ -93,9 +93,10 @@ class LeaseClient:
         """Serve mode (connection.Client.infer's): the daemon runs the model; (name -> output array, timings)."""
         # Large inputs in memory files passed with the request (client/input_buffers.py); to a daemon older than
         # that, in shared-memory files whose group is the daemon socket's (tensors.encode).
-        return infer_call(lambda wire, fds: self._call(
+        return infer_call(lambda wire, fds, lent_fds: self._call(
             P.Infer(req_id=0, client_id="", name=name, inputs=wire, version=version, output_names=output_names,
-                    deadline_ms=deadline_ms, priority=priority, client_name=self._name, ipc_fds=len(fds)),
+                    deadline_ms=deadline_ms, priority=priority, client_name=self._name, ipc_fds=len(fds),
+                    lent_fds=lent_fds),
             (P.InferReply,), fds), feeds, self.address[len("ipc://"):], name, self._buffers)
 
     def release(self, lease_id: str) -> None:

@@ -39,27 +39,25 @@ _PEER_GONE = getattr(select, "POLLRDHUP", 0x2000) | select.POLLHUP | select.POLL
 
 def infer_call(send, feeds: dict, group_of: str | None, model: str, buffers=None) -> tuple[dict, dict]:
     """Serve mode's round trip, whichever client makes it (connection.Client, leases.LeaseClient): `feeds` encoded,
-    `send(wire, fds)` the Infer and its reply; (name -> output array, timings). Large inputs go in `buffers`' memory
-    files, whose descriptors `send` passes with the message (over the lane: client/input_buffers.py), else into
-    shared-memory files readable by `group_of`'s group, removed once answered."""
-    from ..wire import tensors
+    `send(wire, fds, lent_fds)` the Infer and its reply; (name -> output array, timings). Large inputs go in
+    `buffers`' memory files, whose descriptors `send` passes with the message (over the lane:
+    client/input_buffers.py), else into shared-memory files readable by `group_of`'s group, removed once answered.
+    The last `lent_fds` of them are lent for the answer's large outputs (wire/lent_outputs.py)."""
     passing = Passing(buffers if buffers is not None and not buffers.refused else None)
     wire = passing.encode(feeds, group_of, model)
-    error = None
+    passing.lend(model)
     try:
-        reply = send(wire, passing.fds)
+        reply = send(wire, passing.fds, passing.lent_fds)
     except BaseException as e:
-        error = e
+        passing.settle_after(e)
         if not (isinstance(e, ProtocolError) and passing.fds):
             raise
         buffers.refused = True   # a daemon older than passed inputs ("no 'shm'"): files, which it reads
-        reply = None
-    finally:
-        passing.settle_after(error)
-    if reply is None:
         return infer_call(send, feeds, group_of, model)
-    outputs, _ = tensors.decode(reply.outputs)
-    return outputs, reply.timings
+    try:
+        return passing.decode(reply.outputs, model), reply.timings
+    finally:
+        passing.settle_after(None)
 
 
 def answer_within_ms(timeout_s: float) -> float:

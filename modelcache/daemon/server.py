@@ -28,6 +28,7 @@ from pathlib import Path
 import zmq
 
 from .. import __version__
+from ..wire.lent_outputs import LentFiles
 from ..wire import protocol as P
 from ..wire import tensors
 from ..config import ConfigError, Settings
@@ -564,28 +565,37 @@ class Daemon:
             return
         if getattr(msg, "ipc_fds", 0):
             try:
-                msg.passed = self._map_passed(ident, msg.ipc_fds)
+                taken = self._take_passed(ident, msg.ipc_fds, msg.lent_fds)
             except ModelCacheError as e:
                 self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=e.code, message=str(e)))
                 return
-            if msg.passed is None:
+            if taken is None:
                 return
+            msg.passed, msg.lent = taken
         self._dispatch(ident, msg, handler)
 
-    def _map_passed(self, ident, n: int) -> list | None:
-        """The memory files a request's `ipc_fds` declares, taken off its lane connection and mapped (wire/tensors.py
-        map_passed_inputs); None where the connection was dropped (it did not bring them: the stream is broken)."""
+    def _take_passed(self, ident, n: int, lent: int) -> tuple | None:
+        """The memory files a request's `ipc_fds` declares, taken off its lane connection: (its inputs' files, mapped:
+        wire/tensors.py map_passed_inputs; the last `lent` ones, lent for its outputs: wire/lent_outputs.LentFiles,
+        which owns their descriptors). None where the connection was dropped (it did not bring them: the stream is
+        broken)."""
         if type(ident) is not LaneConnection:
             raise InputError(f"the request declares {n} passed descriptors, which only the daemon's lane (a Unix "
                              "socket) carries: this came over ZeroMQ")
         fds = ident.take_fds(n)
         if fds is None:
             return None
+        inputs, lent = fds[:n - lent], fds[n - lent:]
         try:
-            return tensors.map_passed_inputs(fds)
-        finally:
-            for fd in fds:
+            mapped = tensors.map_passed_inputs(inputs)
+        except BaseException:
+            for fd in lent:
                 os.close(fd)
+            raise
+        finally:
+            for fd in inputs:
+                os.close(fd)
+        return mapped, LentFiles(lent) if lent else None
 
     def _passed_fds_taken(self, ident, declared: int | None) -> bool:
         """A refused lane request's descriptors, closed (so that the next message does not get them); False where

@@ -283,7 +283,8 @@ class Serving:
             return None
         arrival = self.clock()
         deadline = deadline_of(arrival, msg.deadline_ms)
-        feeds, maps = tensors.decode(msg.inputs, getattr(msg, "passed", ()))   # (server._map_passed's mappings)
+        feeds, maps = tensors.decode(msg.inputs, getattr(msg, "passed", ()))   # (server._take_passed's mappings)
+        lent = getattr(msg, "lent", None)   # files lent for the outputs (wire/lent_outputs.py), or None
         input_s = self.clock() - arrival   # (Triton's compute_input: the request's tensors made ready to run)
 
         def answer(result, timings, error):
@@ -291,7 +292,7 @@ class Serving:
                 if error is None:
                     try:
                         encoding = self.clock()
-                        wire, _ = tensors.encode(result, inline_only=True)
+                        wire, _ = tensors.encode(result, inline_only=True, lent=lent)
                         # (Triton's compute_output; the engine's statistics read the timings once this returns)
                         timings["output_ms"] = (self.clock() - encoding) * 1e3
                     except Exception as e:  # an output serve mode cannot carry (a sequence): say so, never hang
@@ -303,7 +304,9 @@ class Serving:
                     self.reply(ident, P.InferReply(req_id=msg.req_id, outputs=wire, timings=timings,
                                                    version=(model or ensemble).version))
             finally:
-                maps.clear()  # the input mappings go with the request
+                maps.clear()  # the input mappings go with the request, and the lent files (written before the reply)
+                if lent is not None:
+                    lent.close()
 
         if ensemble is not None:   # its steps, each a request of its model (daemon/ensembles.py)
             self.ensembles.run(ensemble, feeds, msg.output_names, arrival, deadline, answer, msg.priority)

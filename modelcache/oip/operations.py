@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import __version__
-from ..wire import protocol as P, tensors
+from ..wire import protocol as P
 from ..errors import CapacityError, InputError, ModelCacheError, ModelNotFound, NotAllowed
 from ..executor.response_cache import ResponseCache, model_identity, request_key
 from ..daemon.log_settings import LogSettings
@@ -268,6 +268,7 @@ class Operations:
         if body is not None:
             passing.adopt(body)
         wire = passing.encode(feeds, self.group_of, name)
+        passing.lend(name)   # a memory file for the answer's large outputs, which the daemon writes into
         error = None
         try:
             deadline_ms = timeout_us / 1000 if timeout_us else None
@@ -275,9 +276,11 @@ class Operations:
                 await after
             reply = await self.link.call(
                 P.Infer(req_id=0, client_id="", name=name, inputs=wire, version=version, output_names=output_names,
-                        deadline_ms=deadline_ms, sequence=sequence, priority=priority, ipc_fds=len(passing.fds)),
+                        deadline_ms=deadline_ms, sequence=sequence, priority=priority, ipc_fds=len(passing.fds),
+                        lent_fds=passing.lent_fds),
                 (P.InferReply,),
                 on_sent=None if sent is None else (lambda: sent.done() or sent.set_result(None)), fds=passing.fds)
+            outputs = passing.decode(reply.outputs, name)
         except BaseException as e:
             error = e
             if isinstance(e, ModelNotFound):
@@ -285,7 +288,6 @@ class Operations:
             raise
         finally:
             passing.settle_after(error)
-        outputs, _ = tensors.decode(reply.outputs)
         return outputs, reply.version if reply.version is not None else version, False   # (older daemon: None)
 
     def write_outputs(self, outputs: dict, output_regions: dict) -> set:

@@ -565,10 +565,16 @@ class Infer(Message, kind="infer"):
     # {"fd_at": [index, offset]} for one in a received body: see wire/tensors.py). A daemon before them ignores the
     # field, and answers that a tensor has no "shm".
     ipc_fds: int = 0
+    # How many of those (the last ones) are memory files lent for the answer's large outputs, which the daemon writes
+    # into and names {"lent_at": [index, offset]} (wire/lent_outputs.py). A daemon before them maps them as inputs no
+    # tensor names, and answers inline.
+    lent_fds: int = 0
 
     def _check_decoded(self) -> None:
         if not 0 <= self.ipc_fds <= MAX_FDS:
             raise RecordError(f"ipc_fds {self.ipc_fds}: at most {MAX_FDS} descriptors travel with a message")
+        if not 0 <= self.lent_fds <= self.ipc_fds:
+            raise RecordError(f"lent_fds {self.lent_fds}: must be within 0..ipc_fds ({self.ipc_fds})")
         if self.priority is not None and not 0 <= self.priority <= UINT64_MAX:
             raise RecordError(f"priority {self.priority}: must be within 0..2^64-1")
         if self.sequence is not None:

@@ -36,7 +36,7 @@ _dtypes: dict = {}        # and back: a name on the wire -> numpy dtype (only na
 
 
 def encode(arrays: dict, shm_dir: str = IO_DIR, group_of: str | None = None,
-           inline_only: bool = False, model: str = "", passing=None) -> tuple[list, list[str]]:
+           inline_only: bool = False, model: str = "", passing=None, lent=None) -> tuple[list, list[str]]:
     """name -> value  =>  (wire list, shm files the caller must unlink once answered).
 
     passing: a request's memory files (client/input_buffers.Passing), for a message that goes over the lane: large
@@ -44,14 +44,15 @@ def encode(arrays: dict, shm_dir: str = IO_DIR, group_of: str | None = None,
 
     A value is a tensor (numpy array or scalar), or what ORT takes and returns besides: a sequence
     (list), an optional's None, a map (dict, ZipMap's output). The daemon answers inline
-    (`inline_only`): it cannot know when a client has read a file. A file that cannot be written (a full
-    /dev/shm) is a StorageError naming the input, `model` and the file; no file of the call stays.
+    (`inline_only`): it cannot know when a client has read a file; `lent`, the files the request lent for its outputs
+    (wire/lent_outputs.LentFiles), take those they have room for ({"lent_at": [index, offset]}). A file that cannot
+    be written (a full /dev/shm) is a StorageError naming the input, `model` and the file; no file of the call stays.
     """
     wire, files = [], []
     try:
         for name, value in arrays.items():
             try:
-                entry = _encode_value(value, shm_dir, group_of, inline_only, files, passing)
+                entry = _encode_value(value, shm_dir, group_of, inline_only, files, passing, lent)
             except OSError as e:
                 raise storage_error(e, f"passing input {name!r}" + (f" of {model}" if model else ""), shm_dir) \
                     or e from None
@@ -64,13 +65,15 @@ def encode(arrays: dict, shm_dir: str = IO_DIR, group_of: str | None = None,
     return wire, files
 
 
-def _encode_value(value, shm_dir: str, group_of: str | None, inline_only: bool, files: list, passing=None) -> dict:
+def _encode_value(value, shm_dir: str, group_of: str | None, inline_only: bool, files: list, passing=None,
+                  lent=None) -> dict:
     if value is None or isinstance(value, (list, tuple, dict)):
         return _encode_composite(value)
-    return _encode_tensor(value, shm_dir, group_of, inline_only, files, passing)
+    return _encode_tensor(value, shm_dir, group_of, inline_only, files, passing, lent)
 
 
-def _encode_tensor(value, shm_dir: str, group_of: str | None, inline_only: bool, files: list, passing=None) -> dict:
+def _encode_tensor(value, shm_dir: str, group_of: str | None, inline_only: bool, files: list, passing=None,
+                   lent=None) -> dict:
     import numpy as np
 
     a = np.asarray(value)   # (not ascontiguousarray: it turns a 0-d scalar into shape [1])
@@ -85,8 +88,12 @@ def _encode_tensor(value, shm_dir: str, group_of: str | None, inline_only: bool,
     if a.nbytes <= INLINE_MAX_BYTES:
         entry["data"] = a.tobytes()
         return entry
-    if inline_only:   # (a large output in the daemon's reply): msgpack packs it from the array, no copy before
-        entry["data"] = memoryview(a).cast("B")
+    if inline_only:   # (a large output in the daemon's reply)
+        placed = lent.place(memoryview(a).cast("B")) if lent else None
+        if placed is not None:   # written into a file the client lent for it
+            entry["lent_at"] = list(placed)
+        else:                    # msgpack packs it from the array, no copy before
+            entry["data"] = memoryview(a).cast("B")
         return entry
     if passing is not None:
         placed = passing.put(memoryview(a).cast("B"))
@@ -152,17 +159,18 @@ def _string_array(entry: dict, shape: tuple):
 MAX_NESTING = 8   # sequences of maps of sequences...: ORT's types nest two or three deep
 
 
-def decode(wire: list, passed=()) -> tuple[dict, list]:
+def decode(wire: list, passed=(), lent=()) -> tuple[dict, list]:
     """wire list => (name -> read-only array (or list / dict / None, see encode), mappings to close
     when the arrays are no longer used: none any more, since I/O files are read, not mapped; kept for
     callers). passed: the mappings of the memory files that came with the message (map_passed_inputs), which
-    its tensors name by index; an array over one keeps it mapped while it lives."""
+    its tensors name by index; an array over one keeps it mapped while it lives. lent: (mapping, None, bytes
+    allocated) of the files a request lent for its outputs, which an answer's tensors name by index ("lent_at")."""
     arrays, maps = {}, []
     if not isinstance(wire, list):
         raise ProtocolError("tensors must be a list")
     for entry in wire:
         try:
-            arrays[entry["name"]] = _decode_value(entry, entry["name"], 0, passed)
+            arrays[entry["name"]] = _decode_value(entry, entry["name"], 0, passed, lent)
         except (ProtocolError, InputError):
             raise
         except (KeyError, TypeError, ValueError, OverflowError, OSError) as e:   # (overflow: a dim past 2**63)
@@ -171,7 +179,7 @@ def decode(wire: list, passed=()) -> tuple[dict, list]:
     return arrays, maps
 
 
-def _decode_value(entry: dict, name: str, depth: int, passed=()):
+def _decode_value(entry: dict, name: str, depth: int, passed=(), lent=()):
     import numpy as np
 
     if "shape" not in entry:   # not a tensor: an optional's None, a sequence or a map
@@ -211,6 +219,9 @@ def _decode_value(entry: dict, name: str, depth: int, passed=()):
         buf = passed_input(passed, index, entry.get("ino"), name, math.prod(shape) * dtype.itemsize, offset)
         if offset % dtype.alignment:   # (a tensor after one of an odd size in a body): ORT's kernels read it aligned
             buf = bytes(buf)
+    elif "lent_at" in entry:   # an output the daemon wrote into a file this request lent it (wire/lent_outputs.py)
+        index, offset = entry["lent_at"]
+        buf = passed_input(lent, index, None, name, math.prod(shape) * dtype.itemsize, offset, "lent")
     else:
         buf = read_io_file(entry["shm"], name, math.prod(shape) * dtype.itemsize)
     # Not np.ndarray(shape, dtype, buf), though it is one call less: it reads an object dtype
@@ -315,11 +326,12 @@ def map_passed_inputs(fds: list) -> list:
     return maps
 
 
-def passed_input(passed, index, inode, name: str, nbytes: int, offset: int = 0):
+def passed_input(passed, index, inode, name: str, nbytes: int, offset: int = 0, how: str = "passed"):
     """Tensor `name`'s bytes: `nbytes` from `offset` in the message's memory file number `index`, which must be the
-    file of inode `inode` where the message names one (a client passes its files' inodes: client/input_buffers.py)."""
+    file of inode `inode` where the message names one (a client passes its files' inodes: client/input_buffers.py).
+    `how` the files came: "passed" with the message, or "lent" by the request for its answer."""
     if type(index) is not int or not 0 <= index < len(passed):
-        raise InputError(f"tensor {name!r}: names passed descriptor {index!r}, and the request passed {len(passed)}")
+        raise InputError(f"tensor {name!r}: names {how} descriptor {index!r}, and the request {how} {len(passed)}")
     if type(offset) is not int or offset < 0:
         raise InputError(f"tensor {name!r}: offset {offset!r} in its memory file is not a byte count >= 0")
     buf, ino, allocated = passed[index]

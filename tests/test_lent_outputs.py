@@ -1,0 +1,193 @@
+"""Serve mode's large outputs written into memory files the request lent (wire/lent_outputs.py, client/input_buffers.py
+Passing.lend), against a real daemon: exact answers over changing sizes, arrays that stay right while the client
+holds them, files reused once they are dropped, and every file the daemon must not write refused with the daemon up
+and nothing leaked."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import modelcache
+from modelcache.client.input_buffers import InputBuffers
+from modelcache.wire import protocol as P
+from modelcache.wire.lane import LaneClient, lane_path
+from modelcache.wire.tensors import INLINE_MAX_BYTES
+
+from conftest import DaemonProcess, stop_cleanly, wait_until
+from test_passed_inputs import http_front, memory_files, open_fds
+
+N = 100_000                      # floats: 400 KB, over INLINE_MAX_BYTES
+assert N * 4 > INLINE_MAX_BYTES
+
+
+def neg_model(path) -> None:
+    """y = -x over a float vector of any length: an output as large as the input, each answer exact."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "neg", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+
+
+@pytest.fixture
+def negating(tmp_path):
+    d = DaemonProcess(tmp_path).start()
+    try:
+        neg_model(tmp_path / "neg.onnx")
+        with d.client() as c:
+            c.add(str(tmp_path / "neg.onnx"), "neg")
+        yield d
+        stop_cleanly(d)
+    finally:
+        d.kill()
+
+
+def held_by(a: np.ndarray) -> str:
+    """What an output array's memory is: "mmap" (a lent file's mapping) or "bytes" (an inline answer)."""
+    while isinstance(a, np.ndarray):
+        a = a.base
+    return type(a.obj if isinstance(a, memoryview) else a).__name__
+
+
+def test_large_outputs_come_back_in_the_file_the_request_lent(negating):
+    """The first answer of a size comes inline and sizes the file lent next (a small answer leaves it); later ones are
+    views of that file. Arrays
+    kept while more requests run stay exact (their file is not written again), and dropped, their files are
+    reused."""
+    rng = np.random.default_rng(0)
+    kept = []
+    with modelcache.InferenceSession("neg", mode="serve", socket=negating.socket) as s:
+        for n, how in ((N, "bytes"), (N, "mmap"), (N, "mmap"), (3 * N, "bytes"), (3 * N, "mmap"),
+                       (N // 2, "bytes"), (N, "mmap")):   # (N // 2: under INLINE_MAX_BYTES, inline whatever is lent)
+            x = rng.standard_normal(n).astype(np.float32)
+            y = s.run(None, {"x": x})[0]
+            assert np.array_equal(y, -x) and held_by(y) == how, (n, held_by(y))
+            assert not y.flags.writeable
+            kept.append((x, y))
+        assert all(np.array_equal(y, -x) for x, y in kept)   # none overwritten by a later answer
+        held = len(memory_files(os.getpid()))
+        kept.clear()
+        x = rng.standard_normal(N).astype(np.float32)
+        for _ in range(10):   # the held files back in the pool: no new file per request
+            y = s.run(None, {"x": x})[0]
+            assert np.array_equal(y, -x) and held_by(y) == "mmap"
+            del y
+        assert len(memory_files(os.getpid())) <= held
+    with negating.client() as c:   # the full client's lane lends too
+        x = rng.standard_normal(N).astype(np.float32)
+        for how in ("bytes", "mmap"):
+            y = c.infer("neg", {"x": x})[0]["y"]
+            assert np.array_equal(y, -x) and held_by(y) == how
+    wait_until(lambda: not memory_files(negating.pid), 10, "the daemon holding no lent file")
+
+
+def raw_infer(conn: LaneClient, fds: list, lent_fds: int = 1, n: int = N, **fields):
+    """An Infer of `neg` with x inline (n floats, x[i] = i) and `fds`, the last `lent_fds` of them lent; its reply."""
+    x = np.arange(n, dtype=np.float32)
+    kind, body = P.encode(P.Infer(req_id=7, client_id="", name="neg", ipc_fds=len(fds), lent_fds=lent_fds,
+                                  inputs=[{"name": "x", "dtype": "float32", "shape": [n], "data": x.tobytes()}],
+                                  **fields))
+    conn.send(kind, body, time.monotonic() + 10, fds)
+    return P.decode(list(conn.receive(time.monotonic() + 30)))
+
+
+def lent_file(size: int, allocated: int, seals: int = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK) -> int:
+    fd = os.memfd_create("probe", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if allocated:
+        os.posix_fallocate(fd, 0, allocated)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def test_lent_files_the_daemon_must_not_write_are_refused_and_short_ones_answered_inline(negating):
+    with modelcache.InferenceSession("neg", mode="serve", socket=negating.socket) as s:
+        s.run(None, {"x": np.ones(N, np.float32)})   # the engine's session made before the descriptors are counted
+        baseline = open_fds(negating.pid)
+        conn = LaneClient(lane_path(negating.socket))
+        mine = []
+        try:
+            def refused(reply, *words):
+                assert isinstance(reply, P.ErrorReply) and reply.code == "input", reply
+                assert all(w in reply.message for w in words), reply.message
+
+            r, w = os.pipe()
+            mine += [r, w]
+            refused(raw_infer(conn, [w]), "lent descriptor 0", "sealed against growing")
+            mine.append(lent_file(4 * N, 4 * N, fcntl.F_SEAL_SHRINK))     # may grow: a write past it would
+            refused(raw_infer(conn, [mine[-1]]), "sealed against growing")
+            mine.append(lent_file(4 * N, 4 * N, fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE))
+            refused(raw_infer(conn, [mine[-1]]), "no write seal")
+            good = lent_file(4 * N, 4 * N)
+            mine.append(good)
+            mine.append(os.open(f"/proc/self/fd/{good}", os.O_RDONLY))       # the same file, read-only
+            refused(raw_infer(conn, [mine[-1]]), "writable")
+            kind, body = P.encode(P.Infer(req_id=7, client_id="", name="neg", inputs=[], ipc_fds=1, lent_fds=2))
+            conn.send(kind, body, time.monotonic() + 10, [good])
+            reply = P.decode(list(conn.receive(time.monotonic() + 30)))
+            assert isinstance(reply, P.ErrorReply) and "lent_fds 2" in reply.message, reply
+
+            # Room only within the pages the client allocated: a file of holes gets the answer inline.
+            sparse = lent_file(8 * N, 0)
+            mine.append(sparse)
+            reply = raw_infer(conn, [sparse])
+            assert isinstance(reply, P.InferReply) and "data" in reply.outputs[0], reply
+            assert os.fstat(sparse).st_blocks == 0                          # the daemon allocated nothing in it
+            reply = raw_infer(conn, [good])
+            assert isinstance(reply, P.InferReply) and reply.outputs[0]["lent_at"] == [0, 0], reply
+            assert np.array_equal(np.frombuffer(os.pread(good, 4 * N, 0), np.float32), -np.arange(N, dtype=np.float32))
+            reply = raw_infer(conn, [good], n=N + 1)                         # a float more than it has room for
+            assert isinstance(reply, P.InferReply) and "data" in reply.outputs[0], reply
+        finally:
+            conn.close()
+        for fd in mine:
+            os.close(fd)
+        x = np.ones(N, np.float32)
+        assert np.array_equal(s.run(None, {"x": x})[0], -x)               # still serving
+        wait_until(lambda: open_fds(negating.pid) <= baseline, 10, "the daemon's descriptors back to where they were")
+
+
+def test_a_file_is_the_pools_again_only_once_the_arrays_over_its_answer_are_gone():
+    """The pool's side, with no daemon: a file lent and answered into is held while an array over its answer lives,
+    and taken again for the next request once the last one goes."""
+    pool = InputBuffers()
+    try:
+        f = pool._take(4 * N)
+        f.allocate(4 * N)
+        os.pwrite(f.fd, np.arange(N, dtype=np.float32).tobytes(), 0)
+        y = np.frombuffer(f.map_answer(), np.float32)[10:20]   # (a view of a view keeps it too)
+        pool._give_back([f], pool._generation, True)
+        other = pool._take(4 * N)
+        assert other is not f and float(y[0]) == 10.0
+        pool._give_back([other], pool._generation, True)
+        del y
+        assert pool._take(4 * N) is f
+    finally:
+        pool.close()
+
+
+def test_the_http_front_answers_large_outputs_from_the_file_it_lent(tmp_path):
+    """The HTTP front, every request run by the daemon's engine: y = -x exact over changing sizes, the answers read
+    from the files the front lent, and the front holding a bounded number of them."""
+    import tritonclient.http as tritonhttp
+    with http_front(tmp_path, neg_model, "neg") as (front, client):
+        rng = np.random.default_rng(2)
+        files = []
+        for _ in range(2):
+            for n in (N, N, 3 * N, 3 * N, N, 3 * N):
+                x = rng.standard_normal(n).astype(np.float32)
+                inp = tritonhttp.InferInput("x", [n], "FP32")
+                inp.set_data_from_numpy(x, binary_data=True)
+                out = tritonhttp.InferRequestedOutput("y", binary_data=True)
+                assert np.array_equal(client.infer("neg", [inp], outputs=[out]).as_numpy("y"), -x)
+            files.append(memory_files(front.proc.pid))
+        # Per size class, a file for the body received and one lent for the answer: taken again, none added.
+        assert len(files[0]) == 4 and files[1] == files[0], files
