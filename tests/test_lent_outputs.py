@@ -10,9 +10,7 @@ import os
 import time
 
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper
 
 import modelcache
 from modelcache.client.input_buffers import InputBuffers
@@ -20,34 +18,22 @@ from modelcache.wire import protocol as P
 from modelcache.wire.lane import LaneClient, lane_path
 from modelcache.wire.tensors import INLINE_MAX_BYTES
 
-from conftest import DaemonProcess, stop_cleanly, wait_until
-from test_passed_inputs import http_front, memory_files, open_fds
+from conftest import wait_until
+from test_passed_inputs import daemon_serving, http_front, memory_files, one_op_model, open_fds
 
 N = 100_000                      # floats: 400 KB, over INLINE_MAX_BYTES
 assert N * 4 > INLINE_MAX_BYTES
 
 
 def neg_model(path) -> None:
-    """y = -x over a float vector of any length: an output as large as the input, each answer exact."""
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])
-    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "neg", [x], [y])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
-    onnx.save(model, str(path))
+    """y = -x: an output as large as the input, each answer exact."""
+    one_op_model(path, "Neg", ["n"])
 
 
 @pytest.fixture
 def negating(tmp_path):
-    d = DaemonProcess(tmp_path).start()
-    try:
-        neg_model(tmp_path / "neg.onnx")
-        with d.client() as c:
-            c.add(str(tmp_path / "neg.onnx"), "neg")
+    with daemon_serving(tmp_path, neg_model, "neg") as d:
         yield d
-        stop_cleanly(d)
-    finally:
-        d.kill()
 
 
 def held_by(a: np.ndarray) -> str:

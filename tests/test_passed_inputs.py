@@ -29,27 +29,39 @@ N = 100_000                      # floats: 400 KB, over INLINE_MAX_BYTES
 assert N * 4 > INLINE_MAX_BYTES
 
 
-def sum_model(path) -> None:
-    """y = ReduceSum(x) over a float vector of any length: each answer says which input the daemon read."""
+def one_op_model(path, op: str, y_shape: list, **attrs) -> None:
+    """y = op(x) over a float vector x of any length."""
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [])
-    graph = helper.make_graph([helper.make_node("ReduceSum", ["x"], ["y"], keepdims=0)], "sum", [x], [y])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, y_shape)
+    graph = helper.make_graph([helper.make_node(op, ["x"], ["y"], **attrs)], op.lower(), [x], [y])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = 8
     onnx.save(model, str(path))
 
 
-@pytest.fixture
-def summing(tmp_path):
+def sum_model(path) -> None:
+    """y = ReduceSum(x): each answer says which input the daemon read."""
+    one_op_model(path, "ReduceSum", [], keepdims=0)
+
+
+@contextlib.contextmanager
+def daemon_serving(tmp_path, write_model, name: str):
+    """A daemon with the model `write_model(path)` writes added as `name`; stopped cleanly after."""
     d = DaemonProcess(tmp_path).start()
     try:
-        sum_model(tmp_path / "sum.onnx")
+        write_model(tmp_path / f"{name}.onnx")
         with d.client() as c:
-            c.add(str(tmp_path / "sum.onnx"), "sum")
+            c.add(str(tmp_path / f"{name}.onnx"), name)
         yield d
         stop_cleanly(d)
     finally:
         d.kill()
+
+
+@pytest.fixture
+def summing(tmp_path):
+    with daemon_serving(tmp_path, sum_model, "sum") as d:
+        yield d
 
 
 def io_files(pid: int | None = None) -> list[str]:

@@ -54,3 +54,14 @@ def test_fresh_pages_times_each_way_and_says_what_a_limit_did():
     limited = r.stdout.split("MiB:", 1)[1].splitlines()[1:]
     assert len(limited) == 5 and all(any(w in line for w in ("killed by", "filled", "error", "not run"))
                                      for line in limited), r.stdout
+
+
+def test_output_ways_times_each_way_to_write_and_read_a_lent_file():
+    r = subprocess.run([sys.executable, str(HERE / "output_ways.py"), "--mb", "0.5", "--runs", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    timed = {line.rsplit(None, 2)[0].strip(): float(line.split()[-2]) for line in r.stdout.splitlines()
+             if line.startswith("  ")}
+    assert set(timed) == {"daemon: pwrite", "daemon: mapping", "daemon: populated", "client: mapping + sum",
+                          "client: pread + sum", "client: inline (one copy) + sum", "client: sum only"}, r.stdout
+    assert all(t > 0 for t in timed.values()), r.stdout
