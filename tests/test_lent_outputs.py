@@ -177,3 +177,23 @@ def test_the_http_front_answers_large_outputs_from_the_file_it_lent(tmp_path):
             files.append(memory_files(front.proc.pid))
         # Per size class, a file for the body received and one lent for the answer: taken again, none added.
         assert len(files[0]) == 4 and files[1] == files[0], files
+
+
+def test_the_daemon_places_outputs_aligned_within_each_lent_files_allocated_pages():
+    """LentFiles.place: at 64-byte boundaries, in the first file with room within the pages its owner allocated
+    (a page past them, or past its size, is not written), else None (inline)."""
+    from modelcache.wire.lent_outputs import LentFiles
+    small, large = lent_file(1 << 16, 8192), lent_file(1 << 20, 1 << 20)
+    mine = [os.dup(small), os.dup(large)]   # (LentFiles owns and closes the ones it is given)
+    lent = LentFiles([small, large])
+    try:
+        assert lent.place(memoryview(b"a" * 100)) == (0, 0)
+        assert lent.place(memoryview(b"b" * 4000)) == (0, 128)         # after byte 100, at the next 64
+        assert lent.place(memoryview(b"c" * 8000)) == (1, 0)           # 4128 + 8000 > the 8192 allocated in file 0
+        assert lent.place(memoryview(b"d" * (1 << 20))) is None        # room in neither
+        assert os.pread(mine[0], 4, 128) == b"bbbb" and os.pread(mine[1], 4, 0) == b"cccc"
+        assert os.fstat(mine[0]).st_blocks * 512 == 8192               # nothing allocated past the owner's pages
+    finally:
+        lent.close()
+        for fd in mine:
+            os.close(fd)

@@ -129,6 +129,18 @@ def test_an_open_reply_declares_the_descriptors_its_lease_has(ipc_fds, kw, ok):
         with pytest.raises(ProtocolError, match="file descriptors"):
             P.decode(frames)
 
+@pytest.mark.parametrize("ipc_fds, lent_fds, ok", [(0, 0, True), (3, 1, True), (1, 1, True), (1, 2, False),
+                                                   (0, 1, False), (2, -1, False)])
+def test_an_infer_lends_only_descriptors_it_passes(ipc_fds, lent_fds, ok):
+    """Infer.lent_fds: the last of its ipc_fds, lent for the answer's large outputs (wire/lent_outputs.py)."""
+    frames = list(P.encode(P.Infer(req_id=1, client_id="", name="m", inputs=[], ipc_fds=ipc_fds, lent_fds=lent_fds)))
+    if ok:
+        assert P.decode(frames).lent_fds == lent_fds
+    else:
+        with pytest.raises(ProtocolError, match="lent_fds"):
+            P.decode(frames)
+
+
 # -- batching profiles, placement plans and timings: decoded into their records, checked once -----------
 
 PROFILE = {"kind": "cpu2", "batches": [1, 4], "stage_s": [[0.001, 0.002], [0.003, 0.004]],
