@@ -78,7 +78,8 @@ def test_large_outputs_come_back_in_the_file_the_request_lent(negating):
 def raw_infer(conn: LaneClient, fds: list, lent_fds: int = 1, n: int = N, **fields):
     """An Infer of `neg` with x inline (n floats, x[i] = i) and `fds`, the last `lent_fds` of them lent; its reply."""
     x = np.arange(n, dtype=np.float32)
-    kind, body = P.encode(P.Infer(req_id=7, client_id="", name="neg", ipc_fds=len(fds), lent_fds=lent_fds,
+    fields = {"name": "neg", **fields}
+    kind, body = P.encode(P.Infer(req_id=7, client_id="", ipc_fds=len(fds), lent_fds=lent_fds,
                                   inputs=[{"name": "x", "dtype": "float32", "shape": [n], "data": x.tobytes()}],
                                   **fields))
     conn.send(kind, body, time.monotonic() + 10, fds)
@@ -132,6 +133,14 @@ def test_lent_files_the_daemon_must_not_write_are_refused_and_short_ones_answere
             assert np.array_equal(np.frombuffer(os.pread(good, 4 * N, 0), np.float32), -np.arange(N, dtype=np.float32))
             reply = raw_infer(conn, [good], n=N + 1)                         # a float more than it has room for
             assert isinstance(reply, P.InferReply) and "data" in reply.outputs[0], reply
+            # Refused after its files were taken (the model refuses the input; no such model): none kept.
+            kind, body = P.encode(P.Infer(req_id=7, client_id="", name="neg", ipc_fds=1, lent_fds=1, inputs=[
+                {"name": "x", "dtype": "int32", "shape": [N], "data": bytes(4 * N)}]))
+            conn.send(kind, body, time.monotonic() + 10, [good])
+            reply = P.decode(list(conn.receive(time.monotonic() + 30)))
+            assert isinstance(reply, P.ErrorReply) and reply.code == "input", reply
+            reply = raw_infer(conn, [good], name="nothing")
+            assert isinstance(reply, P.ErrorReply) and reply.code == "not_found", reply
         finally:
             conn.close()
         for fd in mine:

@@ -565,7 +565,7 @@ class Daemon:
             return
         if getattr(msg, "ipc_fds", 0):
             try:
-                taken = self._take_passed(ident, msg.ipc_fds, msg.lent_fds)
+                taken = self._take_passed(ident, msg.ipc_fds, getattr(msg, "lent_fds", 0))
             except ModelCacheError as e:
                 self._reply(ident, P.ErrorReply(req_id=msg.req_id, code=e.code, message=str(e)))
                 return
