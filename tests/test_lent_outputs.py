@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
 import time
 
 import numpy as np
@@ -73,6 +74,35 @@ def test_large_outputs_come_back_in_the_file_the_request_lent(negating):
             y = c.infer("neg", {"x": x})[0]["y"]
             assert np.array_equal(y, -x) and held_by(y) == how
     wait_until(lambda: not memory_files(negating.pid), 10, "the daemon holding no lent file")
+
+
+def test_threads_sharing_a_session_each_keep_their_own_answers(negating):
+    """Six threads on one serve session, sizes changing, each keeping every answer it got: all exact at the end (no
+    file lent to one request is written for another while an answer over it lives)."""
+    s = modelcache.InferenceSession("neg", mode="serve", socket=negating.socket)
+    errors, kept = [], {}
+
+    def loop(seed: int):
+        rng = np.random.default_rng(seed)
+        mine = kept.setdefault(seed, [])
+        try:
+            for i in range(20):
+                x = rng.standard_normal(N * (1 + (i + seed) % 3) + seed).astype(np.float32)
+                mine.append((x, s.run(None, {"x": x})[0]))
+                if i % 4 == 3:
+                    del mine[0]   # (some answers dropped as the loop goes: their files reused meanwhile)
+        except Exception as e:   # (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=loop, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    s.close()
+    assert not errors, errors
+    assert all(np.array_equal(y, -x) for pairs in kept.values() for x, y in pairs)
+    assert sum(held_by(y) == "mmap" for pairs in kept.values() for _, y in pairs) >= len(kept) * 5
 
 
 def raw_infer(conn: LaneClient, fds: list, lent_fds: int = 1, n: int = N, **fields):

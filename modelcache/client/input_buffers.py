@@ -104,8 +104,9 @@ class _File:
             self.written = end
 
     def map_answer(self) -> mmap.mmap:
-        """A fresh read-only mapping of the file's written bytes, for the arrays of the answer written into it."""
-        self.answer_map = mmap.mmap(self.fd, self.written, mmap.MAP_SHARED, mmap.PROT_READ)
+        """A fresh read-only mapping of the whole file, for the arrays of the answer written into it (the daemon
+        writes within the pages allocated, which fallocate rounds up to whole pages: past `written`)."""
+        self.answer_map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ)
         return self.answer_map
 
     def answer_dropped(self) -> bool:
@@ -367,7 +368,7 @@ class Passing:
         the file lent with `model`'s next request."""
         from ..wire import tensors
         from ..wire.lent_outputs import BODY_ALIGN
-        lent = [(f.map_answer(), None, f.written) for f in self._lent] \
+        lent = [(f.map_answer(), None, f.size) for f in self._lent] \
             if self._lent and any("lent_at" in e for e in wire if isinstance(e, dict)) else ()
         outputs, _ = tensors.decode(wire, lent=lent)
         if self._pool is not None:
