@@ -236,3 +236,29 @@ def test_the_daemon_places_outputs_aligned_within_each_lent_files_allocated_page
         lent.close()
         for fd in mine:
             os.close(fd)
+
+
+def test_a_forked_child_reads_the_answers_it_inherited_and_never_reuses_their_files():
+    pool = InputBuffers()
+    try:
+        f = pool._take(4 * N)
+        f.allocate(4 * N)
+        os.pwrite(f.fd, np.arange(N, dtype=np.float32).tobytes(), 0)
+        y = np.frombuffer(f.map_answer(), np.float32)
+        pool._give_back([f], pool._generation, True)          # held: y is a view of its answer
+        fd = f.fd
+        pid = os.fork()
+        if pid == 0:
+            try:
+                ok = f.fd < 0 and not pool._held and float(y[7]) == 7.0   # closed here; the array still reads
+                taken = pool._take(4 * N)
+                os._exit(0 if ok and taken is not f else 1)
+            except BaseException:
+                os._exit(2)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert f.fd == fd and pool._held == [f]                # the parent's, still
+        del y
+        assert pool._take(4 * N) is f
+    finally:
+        pool.close()
