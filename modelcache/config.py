@@ -401,7 +401,8 @@ RULES = {
 
 # What a client of the daemon reads (the library's connect, and the CLI's commands that ask the daemon): a
 # daemon-only setting that is wrong in the shared config file must not break them (see load's `only`).
-CLIENT_SETTINGS = ("socket", "request_timeout_s", "add_timeout_s")
+# (max_message_size: a client of a tcp:// daemon sends its tensors in the message, up to it: tensors.encode)
+CLIENT_SETTINGS = ("socket", "request_timeout_s", "add_timeout_s", "max_message_size")
 
 
 def load(config_file: str | Path | None = None, overrides: dict | None = None, env=None,

@@ -213,6 +213,25 @@ def left_open(now: dict, before: dict) -> dict:
     return dict(now.items() - before.items())
 
 
+def in_threads(work, n: int, timeout_s: float = 120.0) -> list:
+    """Run work(k) for k in range(n), each on a thread of its own, all at once; the exceptions they raised."""
+    import threading
+    errors = []
+
+    def run(k: int):
+        try:
+            work(k)
+        except Exception as e:   # (the caller asserts there are none)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    return errors
+
+
 def wait_until(predicate, timeout_s: float = 15.0, what: str = "condition"):
     """Poll a condition with a deadline (for effects that take real time, e.g. lease expiry)."""
     deadline = time.monotonic() + timeout_s

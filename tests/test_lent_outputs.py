@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import threading
 import time
 
 import numpy as np
@@ -19,7 +18,7 @@ from modelcache.wire import protocol as P
 from modelcache.wire.lane import LaneClient, lane_path
 from modelcache.wire.tensors import INLINE_MAX_BYTES
 
-from conftest import wait_until
+from conftest import in_threads, wait_until
 from test_passed_inputs import daemon_serving, http_front, memory_files, one_op_model, open_fds
 
 N = 100_000                      # floats: 400 KB, over INLINE_MAX_BYTES
@@ -80,25 +79,18 @@ def test_threads_sharing_a_session_each_keep_their_own_answers(negating):
     """Six threads on one serve session, sizes changing, each keeping every answer it got: all exact at the end (no
     file lent to one request is written for another while an answer over it lives)."""
     s = modelcache.InferenceSession("neg", mode="serve", socket=negating.socket)
-    errors, kept = [], {}
+    kept = {}
 
     def loop(seed: int):
         rng = np.random.default_rng(seed)
         mine = kept.setdefault(seed, [])
-        try:
-            for i in range(20):
-                x = rng.standard_normal(N * (1 + (i + seed) % 3) + seed).astype(np.float32)
-                mine.append((x, s.run(None, {"x": x})[0]))
-                if i % 4 == 3:
-                    del mine[0]   # (some answers dropped as the loop goes: their files reused meanwhile)
-        except Exception as e:   # (reported below)
-            errors.append(e)
+        for i in range(20):
+            x = rng.standard_normal(N * (1 + (i + seed) % 3) + seed).astype(np.float32)
+            mine.append((x, s.run(None, {"x": x})[0]))
+            if i % 4 == 3:
+                del mine[0]   # (some answers dropped as the loop goes: their files reused meanwhile)
 
-    threads = [threading.Thread(target=loop, args=(k,)) for k in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    errors = in_threads(loop, 6)
     s.close()
     assert not errors, errors
     assert all(np.array_equal(y, -x) for pairs in kept.values() for x, y in pairs)

@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -23,7 +22,7 @@ from modelcache.wire import protocol as P
 from modelcache.wire.lane import LaneClient, lane_path
 from modelcache.wire.tensors import INLINE_MAX_BYTES, IO_DIR, IO_PREFIX
 
-from conftest import DaemonProcess, stop_cleanly, wait_until
+from conftest import DaemonProcess, in_threads, stop_cleanly, wait_until
 
 N = 100_000                      # floats: 400 KB, over INLINE_MAX_BYTES
 assert N * 4 > INLINE_MAX_BYTES
@@ -121,24 +120,17 @@ def test_large_inputs_travel_as_memory_files_and_each_answer_is_its_own_input_s(
 
 def test_threads_sharing_a_session_each_get_their_own_answers(summing):
     s = modelcache.InferenceSession("sum", mode="serve", socket=summing.socket)
-    wrong, errors = [], []
+    wrong = []
 
     def loop(seed: int):
         rng = np.random.default_rng(seed)
-        try:
-            for _ in range(25):
-                x = rng.integers(-1000, 1000, N + seed).astype(np.float32)
-                got = float(s.run(None, {"x": x})[0])
-                if got != float(x.sum(dtype=np.float64)):
-                    wrong.append((seed, got))
-        except Exception as e:   # (reported below)
-            errors.append(e)
+        for _ in range(25):
+            x = rng.integers(-1000, 1000, N + seed).astype(np.float32)
+            got = float(s.run(None, {"x": x})[0])
+            if got != float(x.sum(dtype=np.float64)):
+                wrong.append((seed, got))
 
-    threads = [threading.Thread(target=loop, args=(k,)) for k in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    errors = in_threads(loop, 6)
     s.close()
     assert not errors and not wrong, (errors, wrong)
 

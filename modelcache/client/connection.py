@@ -193,6 +193,9 @@ class Client:
         self.address = settings.socket
         # Whose group may read our shared-memory input files: the daemon socket's (see tensors.encode).
         self._group_of = self.address[len("ipc://"):] if self.address.startswith("ipc://") else None
+        # A tcp:// daemon may be on another machine, or see another /dev/shm: no file of ours reaches it, so a
+        # request's tensors travel in the message, as many bytes as a message may hold.
+        self._inline_up_to = settings.max_message_bytes() if self.address.startswith("tcp://") else None
         self.timeout_s = settings.request_timeout_s
         self._add_timeout_s = settings.add_timeout_s
         self._ctx = zmq.Context.instance()
@@ -446,7 +449,7 @@ class Client:
                     output_names=output_names, deadline_ms=deadline_ms, priority=priority, ipc_fds=len(fds),
                     lent_fds=lent_fds),
             expect=(P.InferReply,), channel=lane or self._zmq, fds=fds), feeds, self._group_of, name,
-            self._buffers if lane is not None else None)
+            self._buffers if lane is not None else None, self._inline_up_to)
 
     def profile(self, name: str, feeds: dict, worker: str | None = None, runs: int = 3, min_s: float = 1.0,
                 version: int | None = None) -> P.ProfileReply:
@@ -457,7 +460,7 @@ class Client:
         no run starts after MAX_PROFILE_S (60 s)."""
         from ..wire import tensors
         from ..wire.protocol import MAX_PROFILE_S
-        wire, files = tensors.encode(feeds, group_of=self._group_of, model=name)
+        wire, files = tensors.encode(feeds, group_of=self._group_of, model=name, inline_up_to=self._inline_up_to)
         try:
             # Beyond the usual timeout: the worker starts no run after MAX_PROFILE_S, but first finishes the
             # stages queued on it and builds the session.

@@ -311,10 +311,13 @@ class Passing:
     removes the shared-memory files and hands the memory files back once the request is over. A tensor that lies in
     a body `adopt`ed is passed where it lies, not copied. `lend(model)` adds a file for the answer's large outputs
     (wire/lent_outputs.py), after the inputs' (the message's last `lent_fds`); `decode(answer)` reads them."""
-    __slots__ = ("_pool", "_files", "_passed", "_bodies", "_generation", "_shm_files", "_lent")
+    __slots__ = ("_pool", "_files", "_passed", "_bodies", "_generation", "_shm_files", "_lent", "_inline_up_to")
 
-    def __init__(self, pool: InputBuffers | None):
+    def __init__(self, pool: InputBuffers | None, inline_up_to: int | None = None):
+        """inline_up_to: no pool and no file, every tensor in the message, at most this many bytes of them (a tcp://
+        daemon: tensors.encode)."""
         self._pool, self._files, self._shm_files, self._lent = pool, [], [], []
+        self._inline_up_to = inline_up_to
         self._passed: list[_File] = []       # the message's descriptors, in order: files of its own and adopted ones
         self._bodies: list[Received] = []    # received bodies its tensors may lie in
         self._generation = pool._generation if pool is not None else 0
@@ -329,7 +332,8 @@ class Passing:
         from ..wire import tensors
         try:
             wire, self._shm_files = tensors.encode(feeds, group_of=group_of, model=model,
-                                                   passing=self if self._pool is not None else None)
+                                                   passing=self if self._pool is not None else None,
+                                                   inline_up_to=self._inline_up_to)
         except BaseException:   # (a memory file that could not be made or written, an input refused after it)
             self.settle(False)
             raise

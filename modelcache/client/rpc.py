@@ -37,13 +37,15 @@ _PEER_GONE = getattr(select, "POLLRDHUP", 0x2000) | select.POLLHUP | select.POLL
 
 
 
-def infer_call(send, feeds: dict, group_of: str | None, model: str, buffers=None) -> tuple[dict, dict]:
+def infer_call(send, feeds: dict, group_of: str | None, model: str, buffers=None,
+               inline_up_to: int | None = None) -> tuple[dict, dict]:
     """Serve mode's round trip, whichever client makes it (connection.Client, leases.LeaseClient): `feeds` encoded,
     `send(wire, fds, lent_fds)` the Infer and its reply; (name -> output array, timings). Large inputs go in
     `buffers`' memory files, whose descriptors `send` passes with the message (over the lane:
     client/input_buffers.py), else into shared-memory files readable by `group_of`'s group, removed once answered.
-    The last `lent_fds` of them are lent for the answer's large outputs (wire/lent_outputs.py)."""
-    passing = Passing(buffers if buffers is not None and not buffers.refused else None)
+    The last `lent_fds` of them are lent for the answer's large outputs (wire/lent_outputs.py). `inline_up_to`: a
+    tcp:// daemon, every tensor in the message (tensors.encode)."""
+    passing = Passing(buffers if buffers is not None and not buffers.refused else None, inline_up_to)
     wire = passing.encode(feeds, group_of, model)
     passing.lend(model)
     try:

@@ -1,12 +1,13 @@
 """Tensors on the wire for serve mode, and the feed check both sides share.
 
-Small tensors travel inline in the message (msgpack bytes); large ones never go through the socket:
+Small tensors travel inline in the message (msgpack bytes); large ones go through the socket only to a tcp://
+daemon, which may be on another machine (`inline_up_to`):
 - over the lane (drop-in sessions, connect()'s serve calls, the protocol fronts), in a memory file whose descriptor
   travels with the message (`passing`, client/input_buffers.py), sealed against shrinking, which the daemon maps
   (map_passed_inputs): nothing copied, no file to name or remove, and a client in another mount namespace sends
   them as well. The HTTP front passes a tensor where it lies in the request body it received into such a file
-  ({"fd_at": [index, offset]});
-- over ZeroMQ (which passes no descriptors: a tcp:// daemon), and a profile's, through a file in /dev/shm that the
+  ({"fd_at": [index, offset]}). Large outputs come back in a file the request lent (wire/lent_outputs.py);
+- over ZeroMQ to an ipc:// daemon (which passes no descriptors), and a profile's, through a file in /dev/shm that the
   sender writes and the daemon reads. The daemon copies it out rather than mapping it: the client owns the file,
   and a mapped file that its owner truncates is a SIGBUS in whoever reads it next.
 """
@@ -36,7 +37,8 @@ _dtypes: dict = {}        # and back: a name on the wire -> numpy dtype (only na
 
 
 def encode(arrays: dict, shm_dir: str = IO_DIR, group_of: str | None = None,
-           inline_only: bool = False, model: str = "", passing=None, lent=None) -> tuple[list, list[str]]:
+           inline_only: bool = False, model: str = "", passing=None, lent=None,
+           inline_up_to: int | None = None) -> tuple[list, list[str]]:
     """name -> value  =>  (wire list, shm files the caller must unlink once answered).
 
     passing: a request's memory files (client/input_buffers.Passing), for a message that goes over the lane: large
@@ -47,7 +49,13 @@ def encode(arrays: dict, shm_dir: str = IO_DIR, group_of: str | None = None,
     (`inline_only`): it cannot know when a client has read a file; `lent`, the files the request lent for its outputs
     (wire/lent_outputs.LentFiles), take those they have room for ({"lent_at": [index, offset]}). A file that cannot
     be written (a full /dev/shm) is a StorageError naming the input, `model` and the file; no file of the call stays.
+
+    inline_up_to: a request to a tcp:// daemon, which may be on another machine (or see another /dev/shm): every
+    tensor inline, and an InputError where they come to more than a message of that many bytes holds (the daemon's
+    max_message_size ends a longer one's connection, and the client would only time out).
     """
+    if inline_up_to is not None:
+        inline_only = True
     wire, files = [], []
     try:
         for name, value in arrays.items():
@@ -58,11 +66,25 @@ def encode(arrays: dict, shm_dir: str = IO_DIR, group_of: str | None = None,
                     or e from None
             entry["name"] = name
             wire.append(entry)
+        if inline_up_to is not None:
+            _check_message_size(wire, inline_up_to, model)
     except BaseException:
         for f in files:
             remove_tree(f)
         raise
     return wire, files
+
+
+MESSAGE_MARGIN = 64 << 10   # a request's bytes besides its tensors' (names, shapes, the message's fields), at most
+
+
+def _check_message_size(wire: list, limit: int, model: str) -> None:
+    total = sum(len(e["data"]) for e in wire if "data" in e)
+    if total > limit - MESSAGE_MARGIN:
+        raise InputError(f"{model + ': ' if model else ''}the request's tensors come to {total} bytes, more than a "
+                         f"message of max_message_size ({limit} bytes) holds: a tcp:// daemon takes them in the "
+                         "message, since no file of this machine reaches it. Send fewer rows a request, or raise "
+                         "max_message_size for the daemon and this client alike")
 
 
 def _encode_value(value, shm_dir: str, group_of: str | None, inline_only: bool, files: list, passing=None,
