@@ -243,6 +243,12 @@ def _host_weights(so, lease, fds: list[int], prepacked: bool) -> tuple:
             portable_session_options(so)
             maps, values = bind_weights(so, fds[1:], lease.tensors)
             return read_whole(fds[0]), maps, values
+        if not os.path.exists(lease.skeleton_path):   # (ORT would say only that the file does not exist)
+            raise ModelCacheError(
+                f"{lease.name}: this process cannot see the daemon's host tier ({os.path.dirname(lease.skeleton_path)}"
+                "): attach mode maps the daemon's memory, so it runs on the daemon's machine and sees its /dev/shm, or "
+                "opens over its ipc:// socket (the lane passes the files as descriptors). A tcp:// daemon elsewhere "
+                "runs the model for you: open it with mode='serve'")
         skip = set(lease.prepacked) if prepacked else set()   # ORT maps these, with their blobs
         maps, values = bind_weights(so, lease.segments, [t for t in lease.tensors if t[0] not in skip])
         return lease.skeleton_path, maps, values
