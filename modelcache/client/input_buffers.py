@@ -39,6 +39,11 @@ body collected in chunks was joined, decoded and copied into a file of its own a
 `--fronts`). Its new pages are allocated in one fallocate before the socket writes into its mapping (a fresh 48 MB
 file filled: 59 ms against 66 ms faulting each page in; the same file again, its mapping kept, 4.8 ms: the reuse is
 what pays, `benchmarks/inputs/fresh_pages.py`).
+
+The same files come back for outputs (`Passing.lend`, wire/lent_outputs.py): a request lends one, its pages allocated
+here for as many bytes as the model's last answer's large outputs took, and the daemon writes the answer's large
+outputs into it. The arrays returned are views of a read-only mapping of it, so the file is held (`_held`) until the
+last of them is gone, and only then reused (`_reap`, as a request takes a file).
 """
 
 from __future__ import annotations
