@@ -93,3 +93,16 @@ def test_an_answer_is_written_from_the_output_arrays_and_parses_as_the_whole_mes
     big, region, s = back.raw_output_contents
     assert np.array_equal(np.frombuffer(big, np.float32).reshape(3, -1), outputs["big"]) and region == b""
     assert s == b"\x01\x00\x00\x00x\x02\x00\x00\x00yz"
+
+
+def test_a_stream_answer_is_written_from_the_output_arrays_inside_its_stream_message():
+    """write_stream_answer: a ModelStreamInferResponse whose infer_response is the answer written as
+    write_infer_answer writes it; an error's response (a message built whole) as protobuf serializes it."""
+    req = codec.decode_request(request())
+    outputs = {"y": np.arange(200_000, dtype=np.float32), "z": np.ones(3, np.int64)}
+    answer = codec.encode_response(req, 1, outputs)
+    back = pb.ModelStreamInferResponse.FromString(codec.write_stream_answer(answer))
+    assert back.error_message == "" and back.infer_response == codec.encode_response(req, 1, outputs).message()
+    assert np.array_equal(np.frombuffer(back.infer_response.raw_output_contents[0], np.float32), outputs["y"])
+    error = pb.ModelStreamInferResponse(error_message="nope", infer_response=pb.ModelInferResponse(id="r1"))
+    assert codec.write_stream_answer(error) == error.SerializeToString()

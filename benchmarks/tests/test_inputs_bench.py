@@ -65,3 +65,12 @@ def test_output_ways_times_each_way_to_write_and_read_a_lent_file():
     assert set(timed) == {"daemon: pwrite", "daemon: mapping", "daemon: populated", "client: mapping + sum",
                           "client: pread + sum", "client: inline (one copy) + sum", "client: sum only"}, r.stdout
     assert all(t > 0 for t in timed.values()), r.stdout
+
+
+def test_stream_answer_writes_the_same_message_both_ways_and_times_them():
+    r = subprocess.run([sys.executable, str(HERE / "stream_answer.py"), "--mb", "0.5", "--runs", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    line = r.stdout.splitlines()[-1].split()
+    assert line[:2] == ["0.5", "MB:"] and line[2] == "whole" and line[5] == "written", r.stdout
+    assert float(line[3]) > 0 and float(line[6]) > 0, r.stdout

@@ -221,10 +221,13 @@ def _decode_input(tensor, raw: bytes | None) -> np.ndarray:
 RAW_OUTPUT_CONTENTS_KEY = b"\x32"   # ModelInferResponse's field 6, length-delimited (grpc_service.proto)
 
 
+STREAM_INFER_RESPONSE_KEY = b"\x12"   # ModelStreamInferResponse's field 2 (infer_response), length-delimited
+
+
 class InferAnswer:
     """A ModelInferResponse without its raw output contents (`msg`), and those as views of the output arrays
     (`raws`, in the outputs' order). `write_infer_answer` writes them out with one copy each; protobuf would copy
-    each into its message, then into the serialized bytes."""
+    each into its message, then into the serialized bytes. A stream's answer is one too (`write_stream_answer`)."""
 
     __slots__ = ("msg", "raws")
 
@@ -232,21 +235,34 @@ class InferAnswer:
         self.msg, self.raws = msg, raws
 
     def message(self) -> pb.ModelInferResponse:
-        """The whole message, raw contents in it (a stream's answer is one inside its ModelStreamInferResponse)."""
+        """The whole message, raw contents in it."""
         self.msg.raw_output_contents.extend(bytes(r) for r in self.raws)
         self.raws = []
         return self.msg
 
+    def parts(self) -> list:
+        """The serialized message in pieces: its fields, then each raw content as field 6 (protobuf reads fields in
+        any order, a repeated one's in the order they come)."""
+        parts = [self.msg.SerializeToString()]
+        for raw in self.raws:
+            parts += [RAW_OUTPUT_CONTENTS_KEY, _varint_bytes(len(raw)), raw]
+        return parts
+
 
 def write_infer_answer(answer: "InferAnswer | pb.ModelInferResponse") -> bytes:
-    """grpc's response serializer for ModelInfer: the message's fields, then each raw content as field 6 (protobuf
-    reads fields in any order, a repeated one's in the order they come)."""
+    """grpc's response serializer for ModelInfer."""
     if not isinstance(answer, InferAnswer):
         return answer.SerializeToString()
-    parts = [answer.msg.SerializeToString()]
-    for raw in answer.raws:
-        parts += [RAW_OUTPUT_CONTENTS_KEY, _varint_bytes(len(raw)), raw]
-    return b"".join(parts)
+    return b"".join(answer.parts())
+
+
+def write_stream_answer(answer: "InferAnswer | pb.ModelStreamInferResponse") -> bytes:
+    """grpc's response serializer for ModelStreamInfer: an answer is a ModelStreamInferResponse whose only field is
+    the ModelInferResponse (an error's is built whole: it has no tensors)."""
+    if not isinstance(answer, InferAnswer):
+        return answer.SerializeToString()
+    parts = answer.parts()
+    return b"".join([STREAM_INFER_RESPONSE_KEY, _varint_bytes(sum(len(p) for p in parts)), *parts])
 
 
 def _varint_bytes(value: int) -> bytes:

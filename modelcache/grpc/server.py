@@ -17,7 +17,7 @@ from ..oip.lifecycle import SHUTDOWN_TIMEOUT_S, until_stopped
 from ..oip.link import DaemonLink
 from ..oip.operations import Operations
 from ..triton_protos import grpc_service_pb2, health_pb2
-from .codec import read_infer_request, write_infer_answer
+from .codec import read_infer_request, write_infer_answer, write_stream_answer
 from .handlers import add_service
 from .service import HealthService, InferenceService
 
@@ -42,7 +42,7 @@ async def serve(settings, host: str, port: int, on_ready=None, reserved=None) ->
     # (an infer request's raw contents read as views of what came; its answer's written from the output arrays)
     infer_reader = {"ModelInfer": read_infer_request, "ModelStreamInfer": read_infer_request}
     add_service(server, grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"], InferenceService(ops),
-                infer_reader, {"ModelInfer": write_infer_answer})
+                infer_reader, {"ModelInfer": write_infer_answer, "ModelStreamInfer": write_stream_answer})
     add_service(server, health_pb2.DESCRIPTOR.services_by_name["Health"], HealthService(ops))
     try:
         bound = server.add_insecure_port(address(host, port))

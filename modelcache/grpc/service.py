@@ -134,7 +134,7 @@ class InferenceService:
 
         async def answer(request, order):
             try:
-                reply = pb.ModelStreamInferResponse(infer_response=(await self._infer(request, context, order)).message())
+                reply = await self._infer(request, context, order)   # (codec.write_stream_answer writes it)
             except ModelCacheError as e:
                 reply = self._stream_error(request, one_line(e))
             except Exception as e:
