@@ -72,6 +72,9 @@ def test_large_outputs_come_back_in_the_file_the_request_lent(negating):
         for how in ("bytes", "mmap"):
             y = c.infer("neg", {"x": x})[0]["y"]
             assert np.array_equal(y, -x) and held_by(y) == how
+        # The daemon counts them: each "mmap" above was lent, each large "bytes" inline (N // 2 is not large).
+        counters = c.stats().counters
+        assert (counters["outputs_lent"], counters["outputs_large_inline"]) == (15, 3), counters
     wait_until(lambda: not memory_files(negating.pid), 10, "the daemon holding no lent file")
 
 

@@ -133,6 +133,7 @@ def test_metrics_scrape(tmp_path, zoo_file):
             assert any(k.startswith("modelcache_worker_queue_length{worker=") for k in m)
             assert m['modelcache_inference_refused_total{reason="queue_full"}'] == 0   # (no max_queue: none)
             assert m['modelcache_inference_refused_total{reason="queue_timeout"}'] == 0
+            assert m["modelcache_outputs_lent_total"] == m["modelcache_outputs_large_inline_total"] == 0   # (small)
             s1.close()
             s2.close()
     finally:

@@ -113,7 +113,11 @@ def render(counters: dict, tiers: list[dict], models: list[dict], clients: int, 
                        ("wasted_prewarms", "Pre-warmed host copies freed before any call used them."),
                        ("gpu_wasted_prewarms", "Pre-warmed GPU copies freed before any call used them."),
                        ("pressure_evictions", "Idle models given back because memory under the limit ran short."),
-                       ("pressure_reliefs", "Times memory under the limit ran short and idle models were given back.")):
+                       ("pressure_reliefs", "Times memory under the limit ran short and idle models were given back."),
+                       ("outputs_lent", "Serve-mode outputs over 256 KiB written into a memory file the request lent."),
+                       ("outputs_large_inline", "Serve-mode outputs over 256 KiB sent in the reply: the request lent "
+                                                "no file (ZeroMQ, an older client, a model's first answer), or one "
+                                                "without room for it.")):
         metric(f"modelcache_{key}_total", "counter", help_, [f"modelcache_{key}_total {counters.get(key, 0)}"])
     metric("modelcache_open_latency_seconds", "histogram", "Time from an open request to its reply.",
            open_latency.lines("modelcache_open_latency_seconds"))

@@ -145,7 +145,7 @@ class Daemon:
         self.serving = Serving(registry=self.registry, host=self.residency, gpus=self.gpus, fetcher=self.fetcher,
                                engine=self.engine, loaders=self.loaders, admins=self.admins, clock=clock,
                                reply=self._reply, touch=self.sessions.touch, ensembles=self.ensembles,
-                               responses=ResponseCache(settings.response_cache_bytes()))
+                               responses=ResponseCache(settings.response_cache_bytes()), counters=self.counters)
         self.memory.caches.append(self.serving.drop_answers)   # (pressure: cached answers go before models,
         self.memory.caches.append(self.models.warm_packer.give_back)   # and an idle packing server)
         self.models.warm_up = self.serving.warm_up

@@ -36,8 +36,13 @@ log = logging.getLogger("modelcache.daemon")
 
 class Serving:
     def __init__(self, *, registry: Registry, host, gpus, fetcher, engine, loaders, admins, clock, reply, touch,
-                 ensembles, responses: ResponseCache):
+                 ensembles, responses: ResponseCache, counters: dict | None = None):
         self.registry = registry
+        # The daemon's counters: serve mode's large outputs, in a lent file ("outputs_lent") or in the reply
+        # ("outputs_large_inline": no file lent, or no room in it).
+        self.counters = counters if counters is not None else {}
+        self.counters.setdefault("outputs_lent", 0)
+        self.counters.setdefault("outputs_large_inline", 0)
         self.host = host                  # the host tier's Residency
         self.gpus = gpus                  # daemon/gpus.py: the GPU tiers' Residency, by UUID
         self.fetcher = fetcher            # daemon/fetch.py: a model only the remote store has
@@ -293,6 +298,7 @@ class Serving:
                     try:
                         encoding = self.clock()
                         wire, _ = tensors.encode(result, inline_only=True, lent=lent)
+                        self._count_large_outputs(wire)
                         # (Triton's compute_output; the engine's statistics read the timings once this returns)
                         timings["output_ms"] = (self.clock() - encoding) * 1e3
                     except Exception as e:  # an output serve mode cannot carry (a sequence): say so, never hang
@@ -314,6 +320,13 @@ class Serving:
         self.serve(model, feeds, msg.output_names, arrival, deadline, msg.sequence, answer, msg.priority,
                    input_s=input_s)
         return None
+
+    def _count_large_outputs(self, wire: list) -> None:
+        for entry in wire:
+            if "lent_at" in entry:
+                self.counters["outputs_lent"] += 1
+            elif len(entry.get("data", b"")) > tensors.INLINE_MAX_BYTES:
+                self.counters["outputs_large_inline"] += 1
 
     def serve(self, model: ModelRecord, feeds: dict, output_names: list | None, arrival: float,
               deadline: float | None, sequence: dict | None, answer, priority: int | None = None,
