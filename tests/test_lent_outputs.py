@@ -257,3 +257,22 @@ def test_a_forked_child_reads_the_answers_it_inherited_and_never_reuses_their_fi
         assert pool._take(4 * N) is f
     finally:
         pool.close()
+
+
+def test_the_file_lent_is_sized_for_the_largest_recent_answer_and_shrinks_after_smaller_ones():
+    """InputBuffers.note_output_bytes: alternating batch sizes keep the larger size (neither goes inline); eight
+    smaller answers in a row size it down; an answer without large outputs changes nothing; models apart."""
+    from modelcache.client.input_buffers import HINT_SHRINK_AFTER
+    pool = InputBuffers()
+    try:
+        assert pool.output_bytes("m") == 0
+        for nbytes in (8 << 20, 1 << 20, 8 << 20, 1 << 20, 0, 8 << 20):
+            pool.note_output_bytes("m", nbytes)
+            assert pool.output_bytes("m") == 8 << 20
+        for _ in range(HINT_SHRINK_AFTER - 1):
+            pool.note_output_bytes("m", 1 << 20)
+        assert pool.output_bytes("m") == 8 << 20
+        pool.note_output_bytes("m", 1 << 20)
+        assert pool.output_bytes("m") == 1 << 20 and pool.output_bytes("other") == 0
+    finally:
+        pool.close()

@@ -41,7 +41,7 @@ file filled: 59 ms against 66 ms faulting each page in; the same file again, its
 what pays, `benchmarks/inputs/fresh_pages.py`).
 
 The same files come back for outputs (`Passing.lend`, wire/lent_outputs.py): a request lends one, its pages allocated
-here for as many bytes as the model's last answer's large outputs took, and the daemon writes the answer's large
+here for as many bytes as the model's recent answers' large outputs took, and the daemon writes the answer's large
 outputs into it. The arrays returned are views of a read-only mapping of it, so the file is held (`_held`) until the
 last of them is gone, and only then reused (`_reap`, as a request takes a file).
 """
@@ -62,7 +62,8 @@ IDLE_S = 30.0                 # a file not reused for this long is closed at the
 MAX_PASSED = 64               # descriptors one request passes; its further large inputs go inline
 BODY_ALIGN = 64               # a received body's binary part starts at a multiple of this in its file (a cache line)
 HELD_MAX = 32                 # files whose answers' arrays live, kept for reuse; past it the oldest leaves the pool
-HINTS_MAX = 256               # models whose last answer's output size is kept (the size of the file lent next)
+HINTS_MAX = 256               # models whose answers' output size is kept (the size of the file lent next)
+HINT_SHRINK_AFTER = 8         # smaller answers in a row after which a model's lent file is sized down
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 
@@ -158,7 +159,7 @@ class InputBuffers:
         self._idle: dict[int, list[_File]] = {}   # size class -> files, the most recently used last
         self._out: set = set()                    # files taken by requests not yet settled
         self._held: list[_File] = []              # files with an answer's outputs that arrays may still be views of
-        self._output_bytes: dict[str, int] = {}   # model -> what its last answer's large outputs took (Passing.lend)
+        self._output_bytes: dict[str, tuple] = {}   # model -> (bytes to lend for, smaller answers since: Passing.lend)
         self._generation = 0                      # + 1 in a forked child: the files taken before are the parent's
         self.refused = False                      # the daemon cannot take descriptors (older): files, as before
         _pools.add(self)
@@ -243,18 +244,28 @@ class InputBuffers:
                         f.close()
 
     def output_bytes(self, model: str) -> int:
-        """What `model`'s last answer's large outputs took in a lent file (0: none, or not known yet)."""
-        return self._output_bytes.get(model, 0)
+        """How many bytes of large outputs to lend a file for, with `model`'s next request (0: none known yet)."""
+        hint = self._output_bytes.get(model)
+        return hint[0] if hint else 0
 
     def note_output_bytes(self, model: str, nbytes: int) -> None:
-        """`model`'s answer took `nbytes` in large outputs. An answer with none keeps what the last one took: a few
-        small batches do not cost the next large one its lent file."""
-        if nbytes:
-            hints = self._output_bytes
-            hints.pop(model, None)
-            hints[model] = nbytes
-            if len(hints) > HINTS_MAX:   # (the model least recently answered goes)
-                del hints[next(iter(hints))]
+        """`model`'s answer took `nbytes` in large outputs. The file lent next is sized for the largest answer since
+        the last HINT_SHRINK_AFTER smaller ones in a row: batches of changing sizes do not send every other large
+        answer inline, and a model whose answers shrank for good lends smaller files again. An answer with no large
+        output changes nothing."""
+        if not nbytes:
+            return
+        hints = self._output_bytes
+        hint, smaller = hints.pop(model, (0, 0))
+        if nbytes >= hint:
+            hint, smaller = nbytes, 0
+        else:
+            smaller += 1
+            if smaller >= HINT_SHRINK_AFTER:
+                hint, smaller = nbytes, 0
+        hints[model] = (hint, smaller)
+        if len(hints) > HINTS_MAX:   # (the model least recently answered goes)
+            del hints[next(iter(hints))]
 
     def _expire(self) -> None:
         """(Under the lock.) Close the files idle for IDLE_S."""
@@ -354,8 +365,9 @@ class Passing:
 
     def lend(self, model: str) -> None:
         """Lend the daemon a memory file for the answer's large outputs, its pages allocated here for as many bytes
-        as `model`'s last answer's took (none before the first: that one comes inline and says how many). Nothing
-        when the request passes MAX_PASSED files already, or the pages cannot be had (the answer comes inline)."""
+        as `model`'s recent answers took (InputBuffers.note_output_bytes; none before the first: that one comes inline
+        and says how many). Nothing when the request passes MAX_PASSED files already, or the pages cannot be had (the
+        answer comes inline)."""
         nbytes = self._pool.output_bytes(model) if self._pool is not None else 0
         if not nbytes or len(self._passed) >= MAX_PASSED:
             return
