@@ -37,7 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SUM_MB = (0.3, 0.6, 4.8, 48.0)
 RESNET_BATCHES = (1, 8)
-FRONTS = ("http", "grpc")
+FRONTS = ("http", "grpc")            # (--fronts with none named)
+FRONT_CHOICES = FRONTS + ("grpc-stream",)   # grpc-stream: ModelStreamInfer, one request at a time on one stream
 INLINE_MAX_BYTES = 256 * 1024   # (wire/tensors.py's: an input this small travels in the message, any way)
 
 # The client: one serve session per model; prints {"case": [median run us, daemon CPU us a call]} as JSON.
@@ -80,18 +81,28 @@ if protocol == "http":
     import tritonclient.http as tc
     binary = {"binary_data": True}
 else:
+    import queue
     import tritonclient.grpc as tc
     binary = {}
 client = tc.InferenceServerClient(url)
+if protocol == "grpc-stream":
+    answers = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
 cpu = lambda p: sum(p.cpu_times()[:2])
 out = {}
 for case, model, shape, calls in cases:
-    meta = client.get_model_metadata(model, as_json=True) if protocol == "grpc" else client.get_model_metadata(model)
+    meta = client.get_model_metadata(model) if protocol == "http" else client.get_model_metadata(model, as_json=True)
     name, oname = meta["inputs"][0]["name"], meta["outputs"][0]["name"]
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     def infer():
         i = tc.InferInput(name, list(x.shape), "FP32")
         i.set_data_from_numpy(x, **binary)
+        if protocol == "grpc-stream":
+            client.async_stream_infer(model, [i], outputs=[tc.InferRequestedOutput(oname)])
+            result, error = answers.get(timeout=300)
+            if error is not None:
+                raise SystemExit(f"stream error: {error}")
+            return result.as_numpy(oname)
         return client.infer(model, [i], outputs=[tc.InferRequestedOutput(oname, **binary)]).as_numpy(oname)
     for _ in range(max(3, calls // 10)):
         infer()
@@ -106,6 +117,8 @@ for case, model, shape, calls in cases:
         if model == "neg" and not np.array_equal(y, -x):
             raise SystemExit("wrong answer: not -x")
     out[case] = [statistics.median(times) * 1e6, (cpu(front) - f0) / calls * 1e6, (cpu(daemon) - d0) / calls * 1e6]
+if protocol == "grpc-stream":
+    client.stop_stream()
 print(json.dumps(out))
 """
 
@@ -170,7 +183,7 @@ def through_front(socket: str, env: dict, protocol: str, cases: list) -> dict:
     from modelcache.bench.http import start_front
     daemon = json.loads(subprocess.run([sys.executable, "-m", "modelcache.cli", "stats"], env=env, check=True,
                                        capture_output=True, text=True).stdout)["pid"]
-    proc, address = start_front(env, subprocess.DEVNULL, protocol)
+    proc, address = start_front(env, subprocess.DEVNULL, protocol.split("-")[0])
     try:
         out = subprocess.run([sys.executable, "-c", FRONT_CLIENT, protocol, address, str(proc.pid), str(daemon),
                               json.dumps(cases)], capture_output=True, text=True, timeout=900)
@@ -197,9 +210,9 @@ def main() -> None:
                     help="y = -x over inputs of these sizes: an output as large as the input (none by default)")
     ap.add_argument("--resnet-batches", type=int, nargs="*", default=list(RESNET_BATCHES),
                     help="ResNet-50's batch sizes (none: no ResNet-50)")
-    ap.add_argument("--fronts", nargs="*", choices=FRONTS,
-                    help="also through these fronts (none named: both) with tritonclient, inputs over 256 KiB; the "
-                         "daemons run with front_runs = never")
+    ap.add_argument("--fronts", nargs="*", choices=FRONT_CHOICES,
+                    help="also through these fronts (none named: http and grpc) with tritonclient, inputs over 256 "
+                         "KiB; grpc-stream: the gRPC front's ModelStreamInfer; the daemons run with front_runs = never")
     ap.add_argument("--compares", default="passed memory files; baseline: /dev/shm files",
                     help="what the two checkouts do, for the report's header")
     ap.add_argument("--out", help="folder for report.txt and results.json")
@@ -258,7 +271,9 @@ def report(rows: list, seen: dict, args) -> str:
              "median [min-max] over rounds of each round's median; ratios per round"]
     for path, title in (("session", "a serve session (drop-in InferenceSession, mode='serve')"),
                         ("http", "through `modelcache http`, tritonclient.http with binary tensors"),
-                        ("grpc", "through `modelcache grpc`, tritonclient.grpc")):
+                        ("grpc", "through `modelcache grpc`, tritonclient.grpc"),
+                        ("grpc-stream", "through `modelcache grpc`'s ModelStreamInfer, tritonclient.grpc's stream, "
+                                        "one request at a time")):
         mine = [r for r in rows if r["path"] == path]
         if not mine:
             continue
