@@ -29,19 +29,21 @@ def test_every_way_hands_over_the_same_tensor(tmp_path):
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare(1)")
 def test_the_serve_comparison_reports_each_case_and_the_contained_client(tmp_path):
     """On this checkout against itself (the lab has no older one at hand): every case (inputs over 256 KiB, and a
-    large output: `neg`) timed on both, through a session, `modelcache http` and `modelcache grpc`, each answer
+    large output: `neg`) timed on both, through a session, `modelcache http`, `modelcache grpc` and its stream, each answer
     checked; and a client with an empty /dev/shm of its own answered by both."""
     r = subprocess.run([sys.executable, str(HERE / "run.py"), "--baseline", str(ROOT), "--rounds", "1", "--sum-mb",
-                        "0.6", "4.8", "--neg-mb", "4.8", "--resnet-batches", "--fronts", "--out", str(tmp_path)],
+                        "0.6", "4.8", "--neg-mb", "4.8", "--resnet-batches", "--fronts", "http", "grpc", "grpc-stream",
+                        "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert {(r["checkout"], r["path"], r["case"]) for r in results["rows"]} == {
-        (c, p, s) for c in ("this", "baseline") for p in ("session", "http", "grpc")
+        (c, p, s) for c in ("this", "baseline") for p in ("session", "http", "grpc", "grpc-stream")
         for s in ("sum 0.6 MB", "sum 4.8 MB", "neg 4.8 MB")}
     assert all(r["front_cpu_us"] > 0 and r["cpu_us"] > 0 for r in results["rows"] if r["path"] != "session")
     report = (tmp_path / "report.txt").read_text()
     assert "through `modelcache http`" in report and "through `modelcache grpc`" in report
+    assert "through `modelcache grpc`'s ModelStreamInfer" in report
     assert all(v.startswith("answered 150000") for v in results["contained"].values()), results["contained"]
 
 
