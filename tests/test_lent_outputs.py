@@ -276,3 +276,14 @@ def test_the_file_lent_is_sized_for_the_largest_recent_answer_and_shrinks_after_
         assert pool.output_bytes("m") == 1 << 20 and pool.output_bytes("other") == 0
     finally:
         pool.close()
+
+
+def test_an_answer_far_smaller_than_its_lent_file_is_copied_out_of_it(negating):
+    """A file sized for a large recent answer, and an answer a tenth of it: the arrays are copies (read-only as the
+    others), so that keeping them does not keep the whole file's pages."""
+    rng = np.random.default_rng(3)
+    with modelcache.InferenceSession("neg", mode="serve", socket=negating.socket) as s:
+        for n, how in ((10 * N, "bytes"), (10 * N, "mmap"), (N, "NoneType"), (3 * N, "mmap")):
+            x = rng.standard_normal(n).astype(np.float32)
+            y = s.run(None, {"x": x})[0]
+            assert np.array_equal(y, -x) and held_by(y) == how and not y.flags.writeable, (n, held_by(y))

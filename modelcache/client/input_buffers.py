@@ -64,6 +64,7 @@ BODY_ALIGN = 64               # a received body's binary part starts at a multip
 HELD_MAX = 32                 # files whose answers' arrays live, kept for reuse; past it the oldest leaves the pool
 HINTS_MAX = 256               # models whose answers' output size is kept (the size of the file lent next)
 HINT_SHRINK_AFTER = 8         # smaller answers in a row after which a model's lent file is sized down
+WASTE_MAX = 4                 # an answer this many times smaller than its lent file's pages is copied out of it
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 
@@ -389,9 +390,15 @@ class Passing:
         the file lent with `model`'s next request."""
         from ..wire import tensors
         from ..wire.lent_outputs import BODY_ALIGN
-        lent = [(f.map_answer(), None, f.size) for f in self._lent] \
-            if self._lent and any("lent_at" in e for e in wire if isinstance(e, dict)) else ()
+        in_files = [e["name"] for e in wire if isinstance(e, dict) and "lent_at" in e] if self._lent else []
+        lent = [(f.map_answer(), None, f.size) for f in self._lent] if in_files else ()
         outputs, _ = tensors.decode(wire, lent=lent)
+        if in_files and sum(outputs[n].nbytes for n in in_files) * WASTE_MAX < sum(f.written for f in self._lent):
+            # The file is far larger than this answer (sized for a larger recent one): arrays that held it would hold
+            # all its pages. Copied out, the file is the pool's again at once.
+            for n in in_files:
+                outputs[n] = outputs[n].copy()
+                outputs[n].flags.writeable = False
         if self._pool is not None:
             large = 0
             for a in outputs.values():
