@@ -52,7 +52,7 @@ def encode(arrays: dict, shm_dir: str = IO_DIR, group_of: str | None = None,
 
     inline_up_to: a request to a tcp:// daemon, which may be on another machine (or see another /dev/shm): every
     tensor inline, and an InputError where they come to more than a message of that many bytes holds (the daemon's
-    max_message_size ends a longer one's connection, and the client would only time out).
+    max_message_size ends a longer one's connection, and the client is told the daemon stopped or crashed).
     """
     if inline_up_to is not None:
         inline_only = True
