@@ -220,29 +220,34 @@ class InputBuffers:
                 self._out.discard(f)
                 if f.fd < 0:   # (closed at a fork: taken before it, in another thread of the parent)
                     continue
-                if keep and f.answer_map is not None and not f.answer_dropped():
+                if not keep:
+                    f.close()
+                elif f.answer_map is not None and not f.answer_dropped():
                     self._held.append(f)   # the caller's arrays are views of it: the pool's again once they go
                     if len(self._held) > HELD_MAX:   # (the oldest one's arrays keep their mapping, not the pool)
                         self._held.pop(0).close()
-                elif keep and self.idle_bytes + f.written <= IDLE_MAX_BYTES:
-                    f.idle_since = now
-                    self._idle.setdefault(f.size, []).append(f)
                 else:
-                    f.close()
+                    self._to_idle(f, now)
+
+    def _to_idle(self, f: _File, now: float) -> None:
+        """(Under the lock.) `f` among the idle files, as far as IDLE_MAX_BYTES allows; else closed."""
+        if self.idle_bytes + f.written <= IDLE_MAX_BYTES:
+            f.idle_since = now
+            self._idle.setdefault(f.size, []).append(f)
+        else:
+            f.close()
 
     def _reap(self) -> None:
         """(Under the lock.) The held files whose answers' arrays are all gone, back among the idle ones."""
-        if self._held:
-            dropped = [f for f in self._held if f.answer_dropped()]
-            if dropped:
-                self._held = [f for f in self._held if f.answer_map is not None]
-                now = self._clock()
-                for f in dropped:
-                    if self.idle_bytes + f.written <= IDLE_MAX_BYTES:
-                        f.idle_since = now
-                        self._idle.setdefault(f.size, []).append(f)
-                    else:
-                        f.close()
+        if not self._held:
+            return
+        now, still_held = self._clock(), []
+        for f in self._held:
+            if f.answer_dropped():
+                self._to_idle(f, now)
+            else:
+                still_held.append(f)
+        self._held = still_held
 
     def output_bytes(self, model: str) -> int:
         """How many bytes of large outputs to lend a file for, with `model`'s next request (0: none known yet)."""

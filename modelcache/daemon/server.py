@@ -111,7 +111,8 @@ class Daemon:
                          "gpu_promotions": 0, "gpu_evictions": 0, "adopted": 0, "corrupt_detected": 0,
                          "refetched": 0, "fetched": 0, "unloads": 0, "prewarms": 0, "gpu_unloads": 0,
                          "gpu_prewarms": 0, "wasted_prewarms": 0, "gpu_wasted_prewarms": 0,
-                         "pressure_evictions": 0, "pressure_reliefs": 0, "opens_from_disk": 0}
+                         "pressure_evictions": 0, "pressure_reliefs": 0, "opens_from_disk": 0,
+                         "outputs_lent": 0, "outputs_large_inline": 0}
         self.memory = MemoryGuard(limit, settings.memory_reserve_bytes(limit.limit_bytes), counters=self.counters)
         self.pressure_watch: PressureWatch | None = None
         self.open_latency = Histogram()

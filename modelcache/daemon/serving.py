@@ -36,13 +36,11 @@ log = logging.getLogger("modelcache.daemon")
 
 class Serving:
     def __init__(self, *, registry: Registry, host, gpus, fetcher, engine, loaders, admins, clock, reply, touch,
-                 ensembles, responses: ResponseCache, counters: dict | None = None):
+                 ensembles, responses: ResponseCache, counters: dict):
         self.registry = registry
-        # The daemon's counters: serve mode's large outputs, in a lent file ("outputs_lent") or in the reply
+        # The daemon's counters; serving counts its large outputs, in a lent file ("outputs_lent") or in the reply
         # ("outputs_large_inline": no file lent, or no room in it).
-        self.counters = counters if counters is not None else {}
-        self.counters.setdefault("outputs_lent", 0)
-        self.counters.setdefault("outputs_large_inline", 0)
+        self.counters = counters
         self.host = host                  # the host tier's Residency
         self.gpus = gpus                  # daemon/gpus.py: the GPU tiers' Residency, by UUID
         self.fetcher = fetcher            # daemon/fetch.py: a model only the remote store has

@@ -219,8 +219,6 @@ def _decode_input(tensor, raw: bytes | None) -> np.ndarray:
 
 
 RAW_OUTPUT_CONTENTS_KEY = b"\x32"   # ModelInferResponse's field 6, length-delimited (grpc_service.proto)
-
-
 STREAM_INFER_RESPONSE_KEY = b"\x12"   # ModelStreamInferResponse's field 2 (infer_response), length-delimited
 
 

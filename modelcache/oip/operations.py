@@ -32,7 +32,7 @@ from .front_runs import FrontRunner
 from .inputs import RequiredInputs
 from .reshape import Reshape
 from .shared_memory import RegionInput, Regions
-from .types import raw_of
+from .types import raw_view
 
 EXTENSIONS = ["classification", "binary_tensor_data", "model_repository", "model_configuration", "statistics",
               "logging"]
@@ -295,7 +295,7 @@ class Operations:
         reply gives with their datatype and shape only (as Triton's: no parameters, no data)."""
         written = output_regions.keys() & outputs.keys()
         for name in written:
-            self.regions.write_output(name, output_regions[name], raw_of(np.asarray(outputs[name])))
+            self.regions.write_output(name, output_regions[name], raw_view(np.asarray(outputs[name])))
         return written
 
     @staticmethod

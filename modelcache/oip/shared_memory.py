@@ -190,7 +190,7 @@ class Regions:
                              f"{region.key!r} was truncated after it was registered")
         return array_of_raw(buf, item.dtype, item.shape, item.name, "shared memory")
 
-    def write_output(self, name: str, ref: RegionRef, raw: bytes) -> None:
+    def write_output(self, name: str, ref: RegionRef, raw) -> None:
         """Write an output's bytes where the request asked. InputError when they do not fit the bytes the request
         gave it (Triton's words), or the object was truncated."""
         what = f"output {name!r}"

@@ -133,14 +133,9 @@ def array_of_raw(raw, dtype: np.dtype, shape: list, name: str, where: str) -> np
     return arr.reshape(shape)
 
 
-def raw_of(a: np.ndarray) -> bytes:
-    """An output's raw data, as the binary extension, gRPC's raw contents and shared memory carry it."""
-    return encode_bytes_elements(a) if a.dtype.kind in "OUS" else np.ascontiguousarray(a).tobytes()
-
-
 def raw_view(a: np.ndarray):
-    """raw_of's bytes, as a view of the array where they are its own memory (not BYTES): what is written out
-    from it at once need not be copied first."""
+    """An output's raw data, as the binary extension, gRPC's raw contents and shared memory carry it: a view of the
+    array where they are its own memory (not BYTES), so that what is written out from it is not copied first."""
     return encode_bytes_elements(a) if a.dtype.kind in "OUS" else memoryview(np.ascontiguousarray(a)).cast("B")
 
 

@@ -111,11 +111,12 @@ def _encode_tensor(value, shm_dir: str, group_of: str | None, inline_only: bool,
         entry["data"] = a.tobytes()
         return entry
     if inline_only:   # (a large output in the daemon's reply)
-        placed = lent.place(memoryview(a).cast("B")) if lent else None
+        data = memoryview(a).cast("B")
+        placed = lent.place(data) if lent else None
         if placed is not None:   # written into a file the client lent for it
             entry["lent_at"] = list(placed)
         else:                    # msgpack packs it from the array, no copy before
-            entry["data"] = memoryview(a).cast("B")
+            entry["data"] = data
         return entry
     if passing is not None:
         placed = passing.put(memoryview(a).cast("B"))
